@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m benchmarks [AREA ...]` runs `benchmarks/bench_<area>.py` modules."""

@@ -1,0 +1,73 @@
+"""Shared benchmark plumbing: repeated timing, medians, percentiles, the printed table and JSON results."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+@dataclass
+class Row:
+    """One line of a benchmark table: a measured case, its value, unit and ratio to the named peer."""
+
+    case: str
+    value: float
+    unit: str
+    peer: str = ""
+    ratio: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def median_of(runs: int, measure: Callable[[], float]) -> tuple[float, list[float]]:
+    """Call ``measure`` ``runs`` times; return the median and every sample."""
+    samples = [measure() for _ in range(runs)]
+    return statistics.median(samples), samples
+
+
+def timed(fn: Callable[[], object], repeat: int = 1) -> float:
+    """Seconds per call of ``fn`` over ``repeat`` calls."""
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by nearest rank."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def print_table(title: str, rows: Iterable[Row]) -> None:
+    rows = list(rows)
+    print(f"\n## {title}\n")
+    print("| case | value | unit | peer | ratio |")
+    print("|---|---:|---|---|---:|")
+    for row in rows:
+        ratio = "" if row.ratio is None else f"{row.ratio:.2f}x"
+        print(f"| {row.case} | {row.value:,.4g} | {row.unit} | {row.peer} | {ratio} |")
+
+
+def write_results(area: str, rows: Iterable[Row], **context: Any) -> Path:
+    """Write ``benchmarks/results/<area>.json`` and return its path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{area}.json"
+    payload = {
+        "area": area,
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "rows": [asdict(row) for row in rows],
+        **context,
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
