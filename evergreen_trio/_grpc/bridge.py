@@ -1,0 +1,429 @@
+"""The one grpclib <-> Trio bridge: the only module of the package that touches asyncio.
+
+grpclib runs on a trio-asyncio loop. Crossing between Trio and asyncio once per message
+costs about 50 us, so nothing here crosses per message: each gRPC stream gets two
+long-lived asyncio pumps (reader and writer) that exchange messages with Trio tasks
+through a :class:`Handoff`, a same-thread queue whose put and get are plain calls that
+wait only for backpressure. Both sides run on the Trio thread, so waking the other side
+is a plain ``Event.set`` / ``Future.set_result``.
+
+Rules kept here: no single ``recv_message`` is ever cancelled (that corrupted framing in
+a test; a stream that must stop is reset, which ends the pending read with an error);
+shutdown steps are shielded; a final status always reaches the peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import trio
+import trio_asyncio
+from google.protobuf.message import Message
+from grpclib.client import Channel
+from grpclib.const import Cardinality, Handler, Status
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.server import Server, Stream
+
+from evergreen_trio.errors import EvergreenTrioError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Req = TypeVar("Req", bound=Message)
+Rep = TypeVar("Rep", bound=Message)
+
+
+class RpcAbort(EvergreenTrioError):
+    """Ends a gRPC stream with ``status``; raised by handlers, or received when the peer ended it so."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(f"{status.name}: {message}")
+        self.status = status
+        self.message = message
+
+
+class HandoffClosed(EvergreenTrioError):
+    """The other side closed the handoff; ``error`` says why when it failed."""
+
+
+class Handoff(Generic[T]):
+    """A bounded same-thread queue between an asyncio pump and Trio tasks.
+
+    ``put``/``get_batch`` are for Trio, ``aio_put``/``aio_get_batch`` for asyncio. A put waits
+    only while ``capacity`` items are queued (backpressure); a get waits only while empty,
+    then takes everything queued at once (batched receive).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._items: deque[T] = deque()
+        self._capacity = capacity
+        self._closed = False
+        self._error: BaseException | None = None
+        self._trio_wakeup: trio.Event | None = None
+        self._aio_wakeup: asyncio.Future[None] | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, error: BaseException | None = None) -> None:
+        """No more puts; gets drain what is queued, then raise ``error`` or return ``[]``."""
+        if not self._closed:
+            self._closed = True
+            self._error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._trio_wakeup is not None:
+            self._trio_wakeup.set()
+            self._trio_wakeup = None
+        if self._aio_wakeup is not None:
+            if not self._aio_wakeup.done():
+                self._aio_wakeup.set_result(None)
+            self._aio_wakeup = None
+
+    def _push(self, item: T) -> None:
+        if self._closed:
+            raise HandoffClosed("the stream is closed") from self._error
+        self._items.append(item)
+        self._wake()
+
+    def _take(self, limit: int) -> list[T]:
+        if not self._items:
+            if self._error is not None:
+                raise self._error
+            return []
+        count = min(limit, len(self._items))
+        batch = [self._items.popleft() for _ in range(count)]
+        self._wake()
+        return batch
+
+    def _full(self) -> bool:
+        return len(self._items) >= self._capacity and not self._closed
+
+    def _empty(self) -> bool:
+        return not self._items and not self._closed
+
+    async def put(self, item: T) -> None:
+        """Trio side: queue ``item``, waiting while the queue is full."""
+        while self._full():
+            if self._trio_wakeup is None:
+                self._trio_wakeup = trio.Event()
+            await self._trio_wakeup.wait()
+        self._push(item)
+
+    async def get_batch(self, limit: int = 1 << 30) -> list[T]:
+        """Trio side: wait for items, return up to ``limit``; ``[]`` once closed and drained."""
+        while self._empty():
+            if self._trio_wakeup is None:
+                self._trio_wakeup = trio.Event()
+            await self._trio_wakeup.wait()
+        return self._take(limit)
+
+    async def _aio_wait(self) -> None:
+        if self._aio_wakeup is None:
+            self._aio_wakeup = asyncio.get_running_loop().create_future()
+        await self._aio_wakeup
+
+    async def aio_put(self, item: T) -> None:
+        """asyncio side: queue ``item``, waiting while the queue is full."""
+        while self._full():
+            await self._aio_wait()
+        self._push(item)
+
+    async def aio_get_batch(self, limit: int = 1 << 30) -> list[T]:
+        """asyncio side: wait for items, return up to ``limit``; ``[]`` once closed and drained."""
+        while self._empty():
+            await self._aio_wait()
+        return self._take(limit)
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_grpclib(
+    servables: Sequence[Any],
+    host: str,
+    port: int,
+    *,
+    before_close: Callable[[], Any] | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve grpclib ``servables`` on ``host:port`` until cancelled; ``started`` gets the bound port.
+
+    On cancellation, ``before_close`` (a Trio async function) runs first, shielded, so open
+    streams can end with a status of their own before grpclib cancels what is left.
+    """
+    sock = _bind(host, port)
+    bound_port: int = sock.getsockname()[1]
+    async with trio_asyncio.open_loop():
+        server = Server(list(servables))
+        await trio_asyncio.aio_as_trio(server.start)(sock=sock)
+        log.info("grpc.listening host=%s port=%d", host, bound_port)
+        try:
+            task_status.started(bound_port)
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                if before_close is not None:
+                    await before_close()
+                server.close()
+                await trio_asyncio.aio_as_trio(server.wait_closed)()
+                log.info("grpc.closed port=%d", bound_port)
+
+
+class StreamProcessor(Protocol[Req, Rep]):
+    """Per-stream synchronous logic of a bidirectional method: messages in, replies out."""
+
+    def on_message(self, message: Req) -> Iterable[Rep]: ...
+
+    def on_end(self) -> Iterable[Rep]: ...
+
+
+@dataclass(frozen=True)
+class SyncBidiMethod(Generic[Req, Rep]):
+    """A bidirectional-streaming method served by a plain synchronous :class:`StreamProcessor`."""
+
+    path: str
+    request_type: type[Req]
+    reply_type: type[Rep]
+    new_processor: Callable[[], StreamProcessor[Req, Rep]]
+
+
+class _SyncBidiService:
+    def __init__(self, methods: Sequence[SyncBidiMethod[Any, Any]]) -> None:
+        self._methods = methods
+
+    def __mapping__(self) -> dict[str, Handler]:
+        return {
+            m.path: Handler(_sync_bidi_handler(m), Cardinality.STREAM_STREAM, m.request_type, m.reply_type)
+            for m in self._methods
+        }
+
+
+def _sync_bidi_handler(method: SyncBidiMethod[Any, Any]) -> Callable[[Stream[Any, Any]], Any]:
+    async def handle(stream: Stream[Any, Any]) -> None:
+        processor = method.new_processor()
+        try:
+            async for message in stream:
+                for reply in processor.on_message(message):
+                    await stream.send_message(reply)
+            for reply in processor.on_end():
+                await stream.send_message(reply)
+        except RpcAbort as abort:
+            raise GRPCError(abort.status, abort.message) from None
+
+    return handle
+
+
+def sync_bidi_service(*methods: SyncBidiMethod[Any, Any]) -> Any:
+    """A grpclib servable whose per-message work is a synchronous call on the asyncio side."""
+    return _SyncBidiService(methods)
+
+
+# ---------------------------------------------------------------------------------------------
+# Message streams handed to Trio
+
+
+@dataclass
+class FinalStatus:
+    status: Status
+    message: str | None = None
+
+
+class MessageStream(Generic[Req, T]):
+    """The Trio side's handle on one gRPC stream.
+
+    ``inbound`` yields received messages (``[]`` at the peer's end of stream; :class:`RpcAbort`
+    when the stream ended with an error status); ``outbound`` takes items that ``pack``
+    turns into messages. :meth:`finish` ends the stream: on a server with a status, on a
+    client by half-closing (or resetting, for a non-OK status).
+    """
+
+    def __init__(
+        self,
+        pack: Callable[[list[T]], Iterable[Req]],
+        *,
+        inbound_capacity: int = 64,
+        outbound_capacity: int = 1024,
+    ) -> None:
+        self.inbound: Handoff[Message] = Handoff(inbound_capacity)
+        self.outbound: Handoff[T] = Handoff(outbound_capacity)
+        self.pack = pack
+        self.final: FinalStatus | None = None
+        self.peer: str = ""
+        self._done = trio.Event()
+
+    def finish(self, status: Status = Status.OK, message: str | None = None) -> None:
+        """End the stream: queued items are sent first, then the status (server) or end of stream."""
+        if self.final is None:
+            self.final = FinalStatus(status, message)
+            self.outbound.close()
+
+    async def wait_closed(self) -> None:
+        """Wait until the asyncio side has sent everything and released the stream."""
+        await self._done.wait()
+
+    def _mark_closed(self) -> None:
+        self._done.set()
+
+
+async def _pump_in(stream: Any, inbound: Handoff[Message]) -> None:
+    """Read every message into ``inbound``; never cancelled, it ends when the stream does."""
+    try:
+        while True:
+            message = await stream.recv_message()
+            if message is None:
+                break
+            await inbound.aio_put(message)
+        if hasattr(stream, "recv_trailing_metadata"):
+            await stream.recv_trailing_metadata()
+        inbound.close()
+    except GRPCError as exc:
+        inbound.close(RpcAbort(exc.status, exc.message or exc.status.name))
+    except (StreamTerminatedError, ConnectionError) as exc:
+        inbound.close(RpcAbort(Status.UNAVAILABLE, f"stream terminated: {exc}"))
+    except HandoffClosed:
+        pass
+
+
+async def _pump_out(stream: Any, session: MessageStream[Any, Any]) -> None:
+    """Send packed batches of ``session.outbound`` until the Trio side finishes the stream."""
+    while True:
+        batch = await session.outbound.aio_get_batch()
+        if not batch:
+            return
+        for message in session.pack(batch):
+            await stream.send_message(message)
+
+
+class SessionAcceptor(Generic[Req, T]):
+    """Serves one bidirectional method by handing each new stream to a Trio acceptor task."""
+
+    def __init__(
+        self,
+        path: str,
+        request_type: type[Req],
+        reply_type: type[Message],
+        pack: Callable[[list[T]], Iterable[Message]],
+        *,
+        backlog: int = 1024,
+    ) -> None:
+        self.path = path
+        self.request_type = request_type
+        self.reply_type = reply_type
+        self._pack = pack
+        self.accepted: Handoff[MessageStream[Any, T]] = Handoff(backlog)
+
+    def __mapping__(self) -> dict[str, Handler]:
+        handler = Handler(self._handle, Cardinality.STREAM_STREAM, self.request_type, self.reply_type)
+        return {self.path: handler}
+
+    async def _handle(self, stream: Stream[Any, Any]) -> None:
+        session: MessageStream[Any, T] = MessageStream(self._pack)
+        session.peer = str(stream.peer.addr() if stream.peer else "")
+        reader = asyncio.ensure_future(_pump_in(stream, session.inbound))
+        try:
+            await self.accepted.aio_put(session)
+            await _pump_out(stream, session)
+            final = session.final or FinalStatus(Status.UNAVAILABLE, "server closed the session")
+            if final.status is not Status.OK:
+                raise GRPCError(final.status, final.message)
+        except (StreamTerminatedError, ConnectionError) as exc:
+            session.inbound.close(RpcAbort(Status.UNAVAILABLE, f"stream terminated: {exc}"))
+            session.outbound.close()
+        except HandoffClosed:
+            raise GRPCError(Status.UNAVAILABLE, "server is shutting down") from None
+        finally:
+            session.finish(Status.UNAVAILABLE, "stream ended")
+            session._mark_closed()
+            # The reader is left to end on its own: trailers (or a reset) end its read.
+            reader.add_done_callback(_log_task_error)
+
+
+def _log_task_error(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("grpc.pump_failed error=%r", task.exception())
+
+
+@asynccontextmanager
+async def open_client_stream(
+    host: str,
+    port: int,
+    path: str,
+    request_type: type[Message],
+    reply_type: type[Req],
+    pack: Callable[[list[T]], Iterable[Message]],
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> AsyncIterator[MessageStream[Req, T]]:
+    """Open a bidirectional stream to ``host:port`` and hand it to Trio until the block exits.
+
+    At exit the stream is half-closed (or reset, when :meth:`MessageStream.finish` was given a
+    non-OK status) and the block waits for the server's trailers.
+    """
+    session: MessageStream[Req, T] = MessageStream(pack)
+    session.peer = f"{host}:{port}"
+    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        nursery.start_soon(trio_asyncio.aio_as_trio(_client_main), host, port, path, request_type, reply_type,
+                           session, metadata)
+        try:
+            yield session
+        finally:
+            session.finish()
+            with trio.CancelScope(shield=True):
+                await session.wait_closed()
+
+
+async def _client_main(
+    host: str,
+    port: int,
+    path: str,
+    request_type: type[Message],
+    reply_type: type[Message],
+    session: MessageStream[Any, Any],
+    metadata: Mapping[str, str] | None,
+) -> None:
+    channel = Channel(host, port)
+    try:
+        async with channel.request(path, Cardinality.STREAM_STREAM, request_type, reply_type,
+                                   metadata=dict(metadata or {})) as stream:
+            await stream.send_request()
+            reader = asyncio.ensure_future(_pump_in(stream, session.inbound))
+            try:
+                await _pump_out(stream, session)
+                final = session.final
+                if final is not None and final.status is not Status.OK:
+                    await stream.cancel()
+                else:
+                    await stream.end()
+                await asyncio.shield(reader)
+            except (StreamTerminatedError, ConnectionError, GRPCError) as exc:
+                status = exc.status if isinstance(exc, GRPCError) else Status.UNAVAILABLE
+                session.inbound.close(RpcAbort(status, str(exc)))
+                await asyncio.shield(reader)
+    except (OSError, StreamTerminatedError, GRPCError) as exc:
+        status = exc.status if isinstance(exc, GRPCError) else Status.UNAVAILABLE
+        session.inbound.close(RpcAbort(status, f"cannot reach {host}:{port}: {exc}"))
+    finally:
+        session.outbound.close()
+        channel.close()
+        session._mark_closed()

@@ -1,0 +1,1 @@
+"""Generated protobuf code (never edited by hand): `make proto` regenerates it from `proto/`."""
