@@ -27,7 +27,8 @@ def generate(out_dir: Path) -> list[Path]:
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     sources = [str(p.relative_to(PROTO_DIR)) for p in proto_files()]
-    args = ["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={out_dir}", f"--pyi_out={out_dir}", *sources]
+    args = ["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={out_dir}", f"--pyi_out={out_dir}"]
+    args += sources
     if protoc.main(args) != 0:
         raise SystemExit(f"protoc failed for {sources}")
     top_packages = sorted({Path(s).parts[0] for s in sources})
