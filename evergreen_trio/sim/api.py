@@ -105,7 +105,9 @@ def parse_request(path: str, body: bytes, config: SimConfig) -> ParsedRequest:
     stream = document.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad(f"'stream' must be a boolean, got {stream!r:.40}")
-    options = document.get("stream_options") or {}
+    options = document.get("stream_options")
+    if options is None:
+        options = {}
     if not isinstance(options, dict):
         raise _bad(f"'stream_options' must be an object, got {type(options).__name__}")
     include_usage = options.get("include_usage", False)
