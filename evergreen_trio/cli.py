@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 COMMAND_MODULES = (
     "evergreen_trio.server_cli",
+    "evergreen_trio.sim.cli",
 )
 
 
