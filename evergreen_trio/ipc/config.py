@@ -1,0 +1,44 @@
+"""Limits and tunables of the Dissociated IPC layer: one frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from evergreen_trio.ipc.errors import LimitExceededError
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class IpcLimits:
+    """Every bound the IPC layer enforces, with its default.
+
+    ``max_unacked_bodies`` is the backpressure rule: a server keeps at most this many
+    bodies per stream unacknowledged (UCX: send request not complete; TCP: not yet
+    written to the socket; shared memory: not yet returned by ``free_data``).
+    """
+
+    max_metadata_bytes: int = 1 * MiB
+    max_body_bytes: int = 2048 * MiB
+    max_ticket_bytes: int = 4096
+    max_buffers_per_body: int = 65_536
+    max_free_data_offsets: int = 65_536
+    max_pending_messages: int = 4096
+    max_unacked_bodies: int = 16
+    shm_segment_bytes: int = 1024 * MiB
+    pool_bytes: int = 512 * MiB
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise LimitExceededError(f"IpcLimits.{f.name}: expected a positive number, got {value!r}")
+        if self.max_pending_messages >= 1 << 31:
+            raise LimitExceededError(
+                f"IpcLimits.max_pending_messages: expected < 2**31 (half the sequence space), "
+                f"got {self.max_pending_messages}"
+            )
+
+
+DEFAULT_LIMITS = IpcLimits()
