@@ -1,0 +1,141 @@
+"""deploy/kubernetes: every manifest parses, and the fields the picker relies on agree with each other."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from evergreen_trio.picker.config import load_config
+
+DEPLOY = Path(__file__).parents[2] / "deploy" / "kubernetes"
+Doc = Mapping[str, Any]
+
+
+def manifests() -> dict[tuple[str, str], Doc]:
+    found: dict[tuple[str, str], Doc] = {}
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            key = (doc["kind"], doc["metadata"]["name"])
+            assert key not in found, f"{key} defined twice"
+            found[key] = doc
+    return found
+
+
+DOCS = manifests()
+
+
+def one(kind: str) -> Doc:
+    (doc,) = [d for (k, _), d in DOCS.items() if k == kind]
+    return doc
+
+
+def option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+@pytest.mark.parametrize("key", sorted(DOCS))
+def test_every_manifest_has_the_basics(key: tuple[str, str]) -> None:
+    doc = DOCS[key]
+    assert isinstance(doc["apiVersion"], str) and doc["spec" if key[0] != "ConfigMap" else "data"]
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    listed = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in DEPLOY.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def test_inference_pool_points_at_the_picker_service() -> None:
+    pool = one("InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref.get("kind", "Service") == "Service" and ref.get("group", "") == ""
+    assert ref["failureMode"] in ("FailOpen", "FailClose")
+    service = DOCS[("Service", ref["name"])]
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert ref["port"]["number"] == ports["grpc-ext-proc"]["port"] == 9002
+    assert ports["grpc-ext-proc"]["appProtocol"] == "http2"  # Envoy must speak HTTP/2 (gRPC) to the picker
+
+
+def test_picker_deployment_ports_probes_and_args_agree_with_its_service() -> None:
+    deployment = DOCS[("Deployment", "evergreen-picker")]
+    pod = deployment["spec"]["template"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    args = container["args"]
+    assert args[0] == "picker"
+    container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert container_ports == {"grpc": int(option(args, "--grpc-port")),
+                               "grpc-health": int(option(args, "--grpc-health-port")),
+                               "metrics": int(option(args, "--metrics-port"))} == {
+        "grpc": 9002, "grpc-health": 9003, "metrics": 9090}
+    service = DOCS[("Service", "evergreen-picker")]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == set(container_ports.values())
+    for probe, service_name in (("readinessProbe", "readiness"), ("livenessProbe", "liveness")):
+        assert container[probe]["grpc"] == {"port": 9003, "service": service_name}
+
+
+def test_picker_config_is_mounted_and_valid_for_the_pool(tmp_path: Path) -> None:
+    pod = DOCS[("Deployment", "evergreen-picker")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    config_path = Path(option(container["args"], "--config"))
+    (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == config_path.parent]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    config_map = DOCS[("ConfigMap", volume["configMap"]["name"])]
+    text = config_map["data"][config_path.name]
+    (tmp_path / "picker.yaml").write_text(text)
+    config = load_config(tmp_path / "picker.yaml")
+    pool = one("InferencePool")
+    assert config.pool.name == pool["metadata"]["name"]
+    target_port = pool["spec"]["targetPorts"][0]["number"]
+    replica_services = {
+        (d["spec"]["clusterIP"], p["port"])
+        for (kind, _), d in DOCS.items()
+        if kind == "Service" and "statefulset.kubernetes.io/pod-name" in d["spec"].get("selector", {})
+        for p in d["spec"]["ports"]
+    }
+    assert {(e.host, e.port) for e in config.pool.endpoints} == replica_services
+    assert {e.port for e in config.pool.endpoints} == {target_port}
+
+
+def test_model_servers_match_the_pool_selector_and_port() -> None:
+    pool = one("InferencePool")
+    servers = one("StatefulSet")
+    pod = servers["spec"]["template"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    assert [p["containerPort"] for p in container["ports"]] == [pool["spec"]["targetPorts"][0]["number"]]
+    assert int(option(container["args"], "--port")) == pool["spec"]["targetPorts"][0]["number"]
+    names = {d["metadata"]["name"] for (k, _), d in DOCS.items() if k == "Service"}
+    for index in range(servers["spec"]["replicas"]):
+        assert f"{servers['metadata']['name']}-{index}" in names
+
+
+def test_http_route_sends_traffic_to_the_pool_through_the_gateway() -> None:
+    route = one("HTTPRoute")
+    (parent,) = route["spec"]["parentRefs"]
+    assert ("Gateway", parent["name"]) in DOCS
+    backends = [ref for rule in route["spec"]["rules"] for ref in rule["backendRefs"]]
+    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                         "name": one("InferencePool")["metadata"]["name"]}]
+
+
+def test_dockerfile_runs_the_picker_on_the_same_ports() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^EXPOSE 9002 9003 9090$", text, re.M)
+    assert 'ENTRYPOINT ["evergreen-trio"]' in text
+    for source in re.findall(r"^COPY (?!--)(.+) \S+$", text, re.M):
+        for name in shlex.split(source):
+            assert (DEPLOY.parents[1] / name).exists(), name
+    deployment_args = DOCS[("Deployment", "evergreen-picker")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    cmd = yaml.safe_load(re.search(r"^CMD (\[.*?\])$", text, re.M | re.S).group(1).replace("\\\n", ""))  # type: ignore[union-attr]
+    assert cmd == deployment_args
