@@ -1,0 +1,115 @@
+"""A minimal HTTP/1.1 server on Trio + h11, for the metrics exporter and the tests' model servers.
+
+Keep-alive, request bodies up to a limit, and streamed responses (each chunk a separate write, so
+an SSE body really arrives in pieces).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import h11
+import trio
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    method: str
+    target: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class HttpResponse:
+    """A response; ``chunks`` (if any) are sent one write each after ``body``, chunk-encoded."""
+
+    status: int = 200
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    body: bytes = b""
+    chunks: Sequence[bytes] | None = None
+
+
+Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+
+
+async def _read_request(
+    conn: h11.Connection, stream: trio.abc.Stream, max_body: int
+) -> HttpRequest | None:
+    request: h11.Request | None = None
+    body = bytearray()
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(bytes(await stream.receive_some(65536)))
+        elif isinstance(event, h11.Request):
+            request = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+            if len(body) > max_body:
+                raise h11.RemoteProtocolError(f"request body larger than {max_body} bytes", 413)
+        elif isinstance(event, h11.EndOfMessage) and request is not None:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+            return HttpRequest(request.method.decode(), request.target.decode("latin-1"), headers, bytes(body))
+        else:
+            return None
+
+
+async def _send(conn: h11.Connection, stream: trio.abc.Stream, event: h11.Event) -> None:
+    data = conn.send(event)
+    if data:
+        await stream.send_all(data)
+
+
+async def _connection(handler: Handler, max_body: int, stream: trio.SocketStream) -> None:
+    conn = h11.Connection(h11.SERVER)
+    try:
+        while True:
+            try:
+                request = await _read_request(conn, stream, max_body)
+            except h11.RemoteProtocolError as exc:
+                if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                    status = exc.error_status_hint
+                    await _send(conn, stream, h11.Response(status_code=status, headers=[("content-length", "0")]))
+                return
+            if request is None:
+                return
+            response = await handler(request)
+            headers = list(response.headers)
+            if response.chunks is None:
+                headers.append(("content-length", str(len(response.body))))
+            await _send(conn, stream, h11.Response(status_code=response.status, headers=headers))
+            if response.body:
+                await _send(conn, stream, h11.Data(data=response.body))
+            for chunk in response.chunks or ():
+                await _send(conn, stream, h11.Data(data=chunk))
+            await _send(conn, stream, h11.EndOfMessage())
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                return
+            conn.start_next_cycle()
+    except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
+        return
+    finally:
+        await stream.aclose()
+
+
+async def serve_http(
+    handler: Handler,
+    host: str,
+    port: int,
+    *,
+    max_body: int = 64 * 1024 * 1024,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``handler`` on ``host:port`` until cancelled; ``started`` gets the bound port."""
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    bound: int = listeners[0].socket.getsockname()[1]
+    log.debug("http.listening host=%s port=%d", host, bound)
+    async with trio.open_nursery() as nursery:
+        task_status.started(bound)
+        await trio.serve_listeners(partial(_connection, handler, max_body), listeners, handler_nursery=nursery)

@@ -1,0 +1,422 @@
+"""Picker configuration: YAML and Kubernetes-style manifests -> frozen dataclasses, validated once.
+
+A config file is a YAML stream. One plain document (no ``kind``) holds ``pool``, ``models``,
+``objectives``, ``scheduler`` and ``extProc``; any number of Kubernetes documents
+(``InferencePool``, ``InferenceModel``, ``InferenceObjective``) may sit beside it, so a pool
+described for a cluster runs here unchanged with a static endpoint list. Every problem raises one
+:class:`ConfigError` naming the field by its path.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from evergreen_trio.picker.errors import ConfigError
+
+ENGINES = ("vllm", "sglang", "trtllm")
+CRITICALITY_PRIORITY = {"Critical": 1, "Standard": 0, "Sheddable": -1}
+SCORER_KEYS = {
+    "queue": "queue", "kv-cache": "kv_cache", "prefix-cache": "prefix_cache", "lora-affinity": "lora_affinity",
+}
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+
+
+class DestinationMode(enum.Enum):
+    """How the picked endpoints are told to Envoy.
+
+    SINGLE: one endpoint in the header and ``envoy.lb`` metadata. FALLBACK: the same plus the
+    runner-up in ``x-gateway-destination-endpoint-fallback``. LIST: an ordered comma-separated
+    list in both the header and the metadata (walked by Envoy's override_host policy on retry).
+    """
+
+    SINGLE = "single"
+    FALLBACK = "fallback"
+    LIST = "list"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One model server: ``host:port`` and the engine whose metric names it exports."""
+
+    host: str
+    port: int
+    engine: str = "vllm"
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class TargetModel:
+    name: str
+    weight: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A client-facing model name, its priority (negative = sheddable) and weighted targets."""
+
+    name: str
+    priority: int = 0
+    target_models: tuple[TargetModel, ...] = ()
+
+    @property
+    def sheddable(self) -> bool:
+        return self.priority < 0
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    name: str
+    endpoints: tuple[Endpoint, ...]
+    refresh_interval_s: float = 0.05
+    staleness_threshold_s: float = 2.0
+    scrape_timeout_s: float = 1.0
+    metrics_path: str = "/metrics"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scorer weights (0 disables a scorer) and the prefix-cache and saturation parameters."""
+
+    queue: float = 2.0
+    kv_cache: float = 2.0
+    prefix_cache: float = 3.0
+    lora_affinity: float = 0.0
+    prefix_block_tokens: int = 16
+    chars_per_token: int = 4
+    prefix_cache_capacity: int = 31_250
+    max_prefix_blocks: int = 256
+    queue_threshold: float = 5.0
+    kv_cache_threshold: float = 0.8
+
+    @property
+    def prefix_block_bytes(self) -> int:
+        return self.prefix_block_tokens * self.chars_per_token
+
+
+@dataclass(frozen=True)
+class ExtProcConfig:
+    """Limits and modes of the ext_proc stream handling."""
+
+    destination_mode: DestinationMode = DestinationMode.SINGLE
+    max_endpoints_in_list: int = 3
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    max_response_body_bytes: int = 16 * 1024 * 1024
+    streamed_chunk_bytes: int = 62_000
+
+
+@dataclass(frozen=True)
+class PickerConfig:
+    """Everything the picker needs; ``models`` empty means every model name is accepted."""
+
+    pool: PoolConfig
+    models: tuple[ModelConfig, ...] = ()
+    objectives: Mapping[str, int] = field(default_factory=dict)
+    scheduler: SchedulerConfig = SchedulerConfig()
+    ext_proc: ExtProcConfig = ExtProcConfig()
+
+    def model(self, name: str) -> ModelConfig | None:
+        for model in self.models:
+            if model.name == name:
+                return model
+        return None
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
+
+
+def _duration(value: object, path: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(path, "a duration like '50ms' or '2s'", value)
+    if isinstance(value, int | float) and value > 0:
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match:
+            seconds = float(match.group(1)) * _UNITS[match.group(2)]
+            if seconds > 0:
+                return seconds
+    raise ConfigError(path, "a positive duration like '50ms' or '2s'", value)
+
+
+def _mapping(value: object, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(path, "a mapping", value)
+    return value
+
+
+def _sequence(value: object, path: str) -> Sequence[Any]:
+    if not isinstance(value, list):
+        raise ConfigError(path, "a list", value)
+    return value
+
+
+def _string(value: object, path: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(path, "a non-empty string", value)
+    return value
+
+
+def _int(value: object, path: str, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        raise ConfigError(path, "an integer" + ("" if minimum is None else f" >= {minimum}"), value)
+    return value
+
+
+def _number(value: object, path: str, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (positive and value == 0):
+        raise ConfigError(path, "a positive number" if positive else "a number >= 0", value)
+    return float(value)
+
+
+def _no_unknown(doc: Mapping[str, Any], allowed: set[str], path: str) -> None:
+    for key in doc:
+        if key not in allowed:
+            where = f"{path}.{key}" if path else key
+            raise ConfigError(where, f"one of {sorted(allowed)}", key)
+
+
+def parse_address(value: object, path: str, *, default_port: int | None = None) -> tuple[str, int]:
+    """``ip:port`` (``[v6]:port``) -> (host, port); a bare host takes ``default_port``."""
+    text = _string(value, path)
+    host, port_text = text, ""
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise ConfigError(path, "'[ipv6]:port'", value)
+        host, port_text = text[1:end], text[end + 1 :].removeprefix(":")
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    if not port_text:
+        if default_port is None:
+            raise ConfigError(path, "'host:port'", value)
+        port_text = str(default_port)
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError(path, "a port in 1..65535", value)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(path, "an IP address (Envoy's ORIGINAL_DST needs ip:port)", value) from None
+    return host, int(port_text)
+
+
+def _criticality(spec: Mapping[str, Any], path: str) -> int:
+    if "priority" in spec:
+        return _int(spec["priority"], f"{path}.priority")
+    if "criticality" in spec:
+        value = spec["criticality"]
+        if value not in CRITICALITY_PRIORITY:
+            raise ConfigError(f"{path}.criticality", "Critical, Standard or Sheddable", value)
+        return CRITICALITY_PRIORITY[value]
+    return 0
+
+
+def _target_models(value: object, path: str) -> tuple[TargetModel, ...]:
+    targets = []
+    for i, item in enumerate(_sequence(value, path)):
+        entry = _mapping(item, f"{path}[{i}]")
+        _no_unknown(entry, {"name", "weight"}, f"{path}[{i}]")
+        name = _string(entry.get("name"), f"{path}[{i}].name")
+        weight = _int(entry.get("weight", 1), f"{path}[{i}].weight", minimum=0)
+        targets.append(TargetModel(name, weight))
+    return tuple(targets)
+
+
+def _model(doc: Mapping[str, Any], path: str, name_key: str) -> ModelConfig:
+    name = _string(doc.get(name_key), f"{path}.{name_key}")
+    targets = _target_models(doc["targetModels"], f"{path}.targetModels") if "targetModels" in doc else ()
+    return ModelConfig(name, _criticality(doc, path), targets)
+
+
+def _pool(
+    doc: Mapping[str, Any], *, name: str | None, default_port: int | None
+) -> PoolConfig:
+    _no_unknown(
+        doc,
+        {"name", "endpoints", "refreshMetricsInterval", "metricsStalenessThreshold", "scrapeTimeout", "metricsPath"},
+        "pool",
+    )
+    pool_name = name if name is not None else _string(doc.get("name", "default"), "pool.name")
+    if name is not None and "name" in doc and doc["name"] != name:
+        raise ConfigError("pool.name", f"the InferencePool's name {name!r}", doc["name"])
+    endpoints: list[Endpoint] = []
+    raw = _sequence(doc.get("endpoints"), "pool.endpoints")
+    if not raw:
+        raise ConfigError("pool.endpoints", "at least one endpoint", raw)
+    for i, item in enumerate(raw):
+        path = f"pool.endpoints[{i}]"
+        entry = {"address": item} if isinstance(item, str) else _mapping(item, path)
+        _no_unknown(entry, {"address", "engine"}, path)
+        host, port = parse_address(entry.get("address"), f"{path}.address", default_port=default_port)
+        engine = entry.get("engine", "vllm")
+        if engine not in ENGINES:
+            raise ConfigError(f"{path}.engine", " | ".join(ENGINES), engine)
+        endpoint = Endpoint(host, port, engine)
+        if any(e.address == endpoint.address for e in endpoints):
+            raise ConfigError(f"{path}.address", "an address not listed before", endpoint.address)
+        endpoints.append(endpoint)
+    metrics_path = _string(doc.get("metricsPath", "/metrics"), "pool.metricsPath")
+    if not metrics_path.startswith("/"):
+        raise ConfigError("pool.metricsPath", "a path starting with '/'", metrics_path)
+    return PoolConfig(
+        pool_name,
+        tuple(endpoints),
+        _duration(doc.get("refreshMetricsInterval", "50ms"), "pool.refreshMetricsInterval"),
+        _duration(doc.get("metricsStalenessThreshold", "2s"), "pool.metricsStalenessThreshold"),
+        _duration(doc.get("scrapeTimeout", "1s"), "pool.scrapeTimeout"),
+        metrics_path,
+    )
+
+
+def _scheduler(doc: Mapping[str, Any]) -> SchedulerConfig:
+    _no_unknown(
+        doc,
+        {"weights", "prefixBlockTokens", "charsPerToken", "prefixCacheCapacity", "maxPrefixBlocks",
+         "queueThreshold", "kvCacheThreshold"},
+        "scheduler",
+    )
+    values: dict[str, Any] = {}
+    if "weights" in doc:
+        weights = _mapping(doc["weights"], "scheduler.weights")
+        _no_unknown(weights, set(SCORER_KEYS), "scheduler.weights")
+        values = {SCORER_KEYS[k]: _number(v, f"scheduler.weights.{k}") for k, v in weights.items()}
+        if not any(values.get(k, getattr(SchedulerConfig, k)) for k in SCORER_KEYS.values()):
+            raise ConfigError("scheduler.weights", "at least one weight > 0", dict(weights))
+    ints = {"prefixBlockTokens": "prefix_block_tokens", "charsPerToken": "chars_per_token",
+            "prefixCacheCapacity": "prefix_cache_capacity", "maxPrefixBlocks": "max_prefix_blocks"}
+    for key, attr in ints.items():
+        if key in doc:
+            values[attr] = _int(doc[key], f"scheduler.{key}", minimum=1)
+    for key, attr in {"queueThreshold": "queue_threshold", "kvCacheThreshold": "kv_cache_threshold"}.items():
+        if key in doc:
+            values[attr] = _number(doc[key], f"scheduler.{key}", positive=True)
+    return SchedulerConfig(**values)
+
+
+def _ext_proc(doc: Mapping[str, Any]) -> ExtProcConfig:
+    _no_unknown(
+        doc,
+        {"destinationMode", "maxEndpointsInList", "maxRequestBodyBytes", "maxResponseBodyBytes",
+         "streamedChunkBytes"},
+        "extProc",
+    )
+    values: dict[str, Any] = {}
+    if "destinationMode" in doc:
+        modes = [m.value for m in DestinationMode]
+        if doc["destinationMode"] not in modes:
+            raise ConfigError("extProc.destinationMode", " | ".join(modes), doc["destinationMode"])
+        values["destination_mode"] = DestinationMode(doc["destinationMode"])
+    ints = {"maxEndpointsInList": "max_endpoints_in_list", "maxRequestBodyBytes": "max_request_body_bytes",
+            "maxResponseBodyBytes": "max_response_body_bytes", "streamedChunkBytes": "streamed_chunk_bytes"}
+    for key, attr in ints.items():
+        if key in doc:
+            values[attr] = _int(doc[key], f"extProc.{key}", minimum=2 if key == "maxEndpointsInList" else 1)
+    if values.get("streamed_chunk_bytes", 0) > 62_000:
+        raise ConfigError("extProc.streamedChunkBytes", "at most 62000 (Envoy's limit)", doc["streamedChunkBytes"])
+    return ExtProcConfig(**values)
+
+
+def _manifest_pool_ref(spec: Mapping[str, Any], path: str) -> str | None:
+    if "poolRef" not in spec:
+        return None
+    return _string(_mapping(spec["poolRef"], f"{path}.poolRef").get("name"), f"{path}.poolRef.name")
+
+
+def config_from_documents(documents: Sequence[object]) -> PickerConfig:
+    """Build the config from parsed YAML documents (one plain document plus any manifests)."""
+    plain: Mapping[str, Any] | None = None
+    pool_name: str | None = None
+    default_port: int | None = None
+    models: list[ModelConfig] = []
+    objectives: dict[str, int] = {}
+    manifest_models: list[tuple[str | None, ModelConfig]] = []
+    manifest_objectives: list[tuple[str | None, str, int]] = []
+    for index, raw in enumerate(documents):
+        if raw is None:
+            continue
+        doc = _mapping(raw, f"document[{index}]")
+        if "kind" not in doc:
+            if plain is not None:
+                raise ConfigError(f"document[{index}]", "one plain config document", "a second one")
+            plain = doc
+            continue
+        kind, where = doc["kind"], f"{doc['kind']}"
+        spec = _mapping(doc.get("spec"), f"{where}.spec")
+        name = _string(_mapping(doc.get("metadata"), f"{where}.metadata").get("name"), f"{where}.metadata.name")
+        if kind == "InferencePool":
+            if pool_name is not None:
+                raise ConfigError(f"document[{index}]", "one InferencePool", "a second one")
+            pool_name = name
+            if "targetPorts" in spec:
+                ports = _sequence(spec["targetPorts"], "InferencePool.spec.targetPorts")
+                first = _mapping(ports[0] if ports else None, "InferencePool.spec.targetPorts[0]")
+                default_port = _int(first.get("number"), "InferencePool.spec.targetPorts[0].number", minimum=1)
+            elif "targetPortNumber" in spec:
+                default_port = _int(spec["targetPortNumber"], "InferencePool.spec.targetPortNumber", minimum=1)
+        elif kind == "InferenceModel":
+            path = f"InferenceModel {name}.spec"
+            manifest_models.append((_manifest_pool_ref(spec, path), _model(spec, path, "modelName")))
+        elif kind == "InferenceObjective":
+            path = f"InferenceObjective {name}.spec"
+            manifest_objectives.append((_manifest_pool_ref(spec, path), name, _criticality(spec, path)))
+        else:
+            raise ConfigError(f"document[{index}].kind", "InferencePool, InferenceModel or InferenceObjective", kind)
+    if plain is None or "pool" not in plain:
+        raise ConfigError("pool", "a 'pool' section with static endpoints", None)
+    _no_unknown(plain, {"pool", "models", "objectives", "scheduler", "extProc"}, "")
+    pool = _pool(_mapping(plain["pool"], "pool"), name=pool_name, default_port=default_port)
+    for i, item in enumerate(_sequence(plain.get("models", []), "models")):
+        entry = _mapping(item, f"models[{i}]")
+        _no_unknown(entry, {"name", "criticality", "priority", "targetModels"}, f"models[{i}]")
+        models.append(_model(entry, f"models[{i}]", "name"))
+    models.extend(model for ref, model in manifest_models if ref in (None, pool.name))
+    seen: set[str] = set()
+    for i, model in enumerate(models):
+        if model.name in seen:
+            raise ConfigError(f"models[{i}].name", "a model name not configured before", model.name)
+        seen.add(model.name)
+    for i, item in enumerate(_sequence(plain.get("objectives", []), "objectives")):
+        entry = _mapping(item, f"objectives[{i}]")
+        _no_unknown(entry, {"name", "priority", "criticality"}, f"objectives[{i}]")
+        objectives[_string(entry.get("name"), f"objectives[{i}].name")] = _criticality(entry, f"objectives[{i}]")
+    objectives.update({name: prio for ref, name, prio in manifest_objectives if ref in (None, pool.name)})
+    return PickerConfig(
+        pool=pool,
+        models=tuple(models),
+        objectives=objectives,
+        scheduler=_scheduler(_mapping(plain.get("scheduler", {}), "scheduler")),
+        ext_proc=_ext_proc(_mapping(plain.get("extProc", {}), "extProc")),
+    )
+
+
+def parse_config(text: str) -> PickerConfig:
+    """Parse a YAML config stream; every problem is a :class:`ConfigError`."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError("file", f"at most {MAX_CONFIG_BYTES} bytes", f"{len(text)} bytes")
+    try:
+        documents = list(yaml.safe_load_all(text))
+    except yaml.YAMLError as exc:
+        raise ConfigError("file", "valid YAML", str(exc).splitlines()[0]) from None
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ConfigError("file", "valid YAML", type(exc).__name__) from None
+    return config_from_documents(documents)
+
+
+def load_config(path: str | Path) -> PickerConfig:
+    """Read and parse a config file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("file", f"a readable UTF-8 file at {path}", str(exc)) from None
+    return parse_config(text)

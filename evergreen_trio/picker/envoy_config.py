@@ -1,0 +1,221 @@
+"""The Envoy bootstrap for the picker: the one the tests use and ``evergreen-trio gateway-config`` writes.
+
+Routes on the main listener:
+
+- ``/`` goes to an ORIGINAL_DST cluster that connects to the ``x-gateway-destination-endpoint``
+  header the picker set (any ip:port, no endpoint list needed);
+- ``/override/`` (only with ``pool_endpoints``) goes, prefix stripped, to a STATIC cluster of the
+  pool with the ``override_host`` load-balancing policy: it reads the destination (or the
+  comma-separated list, or the fallback key) from ``envoy.lb`` metadata, walks it on retry, and
+  reports the endpoint that served in ``envoy.lb/x-gateway-destination-endpoint-served``.
+
+An optional second listener on ``round_robin_port`` routes straight to a ROUND_ROBIN cluster of
+``round_robin_endpoints`` with no ext_proc, as the baseline to compare the picker against.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from evergreen_trio.picker.config import parse_address
+from evergreen_trio.picker.processor import DESTINATION, FALLBACK, LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE
+
+PICKER_CLUSTER = "endpoint_picker"
+ORIGINAL_DST_CLUSTER = "original_destination"
+OVERRIDE_HOST_CLUSTER = "override_host"
+ROUND_ROBIN_CLUSTER = "round_robin"
+_EXT = "type.googleapis.com/envoy.extensions."
+_HCM = _EXT + "filters.network.http_connection_manager.v3.HttpConnectionManager"
+_BODY_MODES = ("NONE", "BUFFERED", "FULL_DUPLEX_STREAMED")
+
+
+def _socket(address: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": address, "port_value": port}}
+
+
+def _endpoints(addresses: Sequence[str]) -> list[dict[str, Any]]:
+    result = []
+    for i, address in enumerate(addresses):
+        host, port = parse_address(address, f"endpoints[{i}]")
+        result.append({"endpoint": {"address": _socket(host, port)}})
+    return result
+
+
+def _static_cluster(name: str, addresses: Sequence[str], **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": _endpoints(addresses)}]},
+        **extra,
+    }
+
+
+def _metadata_key(key: str) -> dict[str, Any]:
+    return {"key": LB_NAMESPACE, "path": [{"key": key}]}
+
+
+def _hcm(name: str, routes: list[dict[str, Any]], filters: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": _HCM,
+            "stat_prefix": name,
+            "codec_type": "AUTO",
+            "route_config": {"name": name, "virtual_hosts": [{"name": name, "domains": ["*"], "routes": routes}]},
+            "http_filters": [*filters, {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": _EXT + "filters.http.router.v3.Router"},
+            }],
+        },
+    }
+
+
+def gateway_config(
+    picker_address: str,
+    listener_port: int,
+    *,
+    admin_port: int,
+    round_robin_endpoints: Sequence[str] = (),
+    round_robin_port: int | None = None,
+    pool_endpoints: Sequence[str] = (),
+    listen_host: str = "127.0.0.1",
+    request_body_mode: str = "FULL_DUPLEX_STREAMED",
+    response_body_mode: str = "FULL_DUPLEX_STREAMED",
+    subset_hint_header: str | None = None,
+    message_timeout_s: float = 5.0,
+    upstream_timeout_s: float = 300.0,
+    retries: int = 2,
+) -> dict[str, Any]:
+    """An Envoy bootstrap (as a dict) routing ``listen_host:listener_port`` through the picker.
+
+    ``subset_hint_header`` (tests) copies that request header into the ``envoy.lb.subset_hint``
+    metadata, the way a gateway would inject a subset.
+    """
+    for mode in (request_body_mode, response_body_mode):
+        if mode not in _BODY_MODES:
+            raise ValueError(f"expected a body mode in {_BODY_MODES}, got {mode!r}")
+    if request_body_mode == "NONE":
+        raise ValueError("expected request body mode BUFFERED or FULL_DUPLEX_STREAMED, got 'NONE'")
+    if round_robin_port is not None and not round_robin_endpoints:
+        raise ValueError("expected round_robin_endpoints with round_robin_port, got none")
+    picker_host, picker_port = parse_address(picker_address, "picker_address")
+    duplex = "FULL_DUPLEX_STREAMED" in (request_body_mode, response_body_mode)
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": _EXT + "filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
+            "failure_mode_allow": False,
+            "message_timeout": f"{message_timeout_s}s",
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SEND",
+                "request_body_mode": request_body_mode,
+                "response_body_mode": response_body_mode,
+                # Envoy requires trailers sent when a body mode is FULL_DUPLEX_STREAMED.
+                "request_trailer_mode": "SEND" if duplex else "SKIP",
+                "response_trailer_mode": "SEND" if duplex else "SKIP",
+            },
+            "metadata_options": {
+                "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE, LB_NAMESPACE]},
+                # Without receiving_namespaces Envoy silently drops the picker's dynamic metadata.
+                "receiving_namespaces": {"untyped": [LB_NAMESPACE]},
+            },
+        },
+    }
+    filters: list[dict[str, Any]] = []
+    if subset_hint_header:
+        filters.append({
+            "name": "envoy.filters.http.header_to_metadata",
+            "typed_config": {
+                "@type": _EXT + "filters.http.header_to_metadata.v3.Config",
+                "request_rules": [{
+                    "header": subset_hint_header,
+                    "on_header_present": {"metadata_namespace": SUBSET_NAMESPACE, "key": SUBSET, "type": "STRING"},
+                    "remove": True,
+                }],
+            },
+        })
+    filters.append(ext_proc)
+    timeout = f"{upstream_timeout_s}s"
+    routes: list[dict[str, Any]] = []
+    clusters: list[dict[str, Any]] = [
+        _static_cluster(PICKER_CLUSTER, [f"{picker_host}:{picker_port}" if ":" not in picker_host
+                                         else f"[{picker_host}]:{picker_port}"],
+                        typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                            "@type": _EXT + "upstreams.http.v3.HttpProtocolOptions",
+                            "explicit_http_config": {"http2_protocol_options": {}},
+                        }}),
+        {
+            "name": ORIGINAL_DST_CLUSTER,
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": "1s",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
+        },
+    ]
+    if pool_endpoints:
+        routes.append({
+            "match": {"prefix": "/override/"},
+            "route": {
+                "cluster": OVERRIDE_HOST_CLUSTER,
+                "prefix_rewrite": "/",
+                "timeout": timeout,
+                "retry_policy": {"retry_on": "connect-failure,refused-stream,reset,5xx", "num_retries": retries},
+            },
+        })
+        clusters.append(_static_cluster(OVERRIDE_HOST_CLUSTER, pool_endpoints, load_balancing_policy={"policies": [{
+            "typed_extension_config": {
+                "name": "envoy.load_balancing_policies.override_host",
+                "typed_config": {
+                    "@type": _EXT + "load_balancing_policies.override_host.v3.OverrideHost",
+                    "override_host_sources": [
+                        {"metadata": _metadata_key(DESTINATION)},
+                        {"metadata": _metadata_key(FALLBACK)},
+                        {"header": DESTINATION},
+                    ],
+                    "selected_host_key": _metadata_key(SERVED),
+                    "fallback_policy": {"policies": [{"typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.round_robin",
+                        "typed_config": {
+                            "@type": _EXT + "load_balancing_policies.round_robin.v3.RoundRobin",
+                        },
+                    }}]},
+                },
+            },
+        }]}))
+    routes.append({"match": {"prefix": "/"}, "route": {"cluster": ORIGINAL_DST_CLUSTER, "timeout": timeout}})
+    listeners = [{
+        "name": "gateway",
+        "address": _socket(listen_host, listener_port),
+        "filter_chains": [{"filters": [_hcm("gateway", routes, filters)]}],
+    }]
+    if round_robin_port is not None:
+        listeners.append({
+            "name": "round_robin",
+            "address": _socket(listen_host, round_robin_port),
+            "filter_chains": [{"filters": [_hcm("round_robin", [{
+                "match": {"prefix": "/"}, "route": {"cluster": ROUND_ROBIN_CLUSTER, "timeout": timeout},
+            }], [])]}],
+        })
+        clusters.append(_static_cluster(ROUND_ROBIN_CLUSTER, round_robin_endpoints, lb_policy="ROUND_ROBIN"))
+    return {
+        "admin": {"address": _socket("127.0.0.1", admin_port)},
+        "static_resources": {"listeners": listeners, "clusters": clusters},
+    }
+
+
+def write_gateway_config(path: str | Path, config: dict[str, Any]) -> Path:
+    """Write a bootstrap as JSON (Envoy picks the format by the ``.json``/``.yaml`` suffix)."""
+    target = Path(path)
+    if target.suffix in (".yaml", ".yml"):
+        target.write_text(yaml.safe_dump(config, sort_keys=False))
+    else:
+        target.write_text(json.dumps(config, indent=2) + "\n")
+    return target

@@ -1,0 +1,404 @@
+"""The ext_proc side of the picker, sans-IO: :class:`Picker` decides, :class:`ExtProcStream` speaks.
+
+One :class:`ExtProcStream` serves one Envoy ``Process`` stream (one HTTP request): Envoy's
+``ProcessingRequest`` messages go in through :meth:`ExtProcStream.on_message`, the
+``ProcessingResponse`` messages to send come out. Body modes follow the first message's
+``protocol_config``: BUFFERED answers each message as it comes; FULL_DUPLEX_STREAMED holds the
+request headers until the body ends, then sends the header response (destination, metadata,
+corrected Content-Length) and the body again in chunks of at most 62,000 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from evergreen_trio.picker.config import DestinationMode, PickerConfig
+from evergreen_trio.picker.errors import ExtProcError, RequestError
+from evergreen_trio.picker.request import parse_body, rewrite_model
+from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
+from evergreen_trio.picker.telemetry import PickerMetrics
+from evergreen_trio.picker.usage import ResponseBody
+
+DESTINATION = "x-gateway-destination-endpoint"
+FALLBACK = "x-gateway-destination-endpoint-fallback"
+SERVED = "x-gateway-destination-endpoint-served"
+SUBSET = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+OBJECTIVE = "x-gateway-inference-objective"
+FAIRNESS_ID = "x-gateway-inference-fairness-id"
+MODEL_REWRITE = "x-gateway-model-name-rewrite"
+# Client-supplied routing headers never go upstream; DESTINATION is always overwritten instead.
+STRIPPED_HEADERS = (OBJECTIVE, FAIRNESS_ID, MODEL_REWRITE, FALLBACK, SERVED, SUBSET)
+
+_Mode = processing_mode_pb2.ProcessingMode
+NONE, BUFFERED, BUFFERED_PARTIAL = _Mode.NONE, _Mode.BUFFERED, _Mode.BUFFERED_PARTIAL
+FULL_DUPLEX = _Mode.FULL_DUPLEX_STREAMED
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_JSON_HEADERS = ep.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
+    header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"), append_action=_OVERWRITE)])
+
+
+@dataclass
+class Route:
+    """A routing decision: endpoints best first, the model names, the prompt hashes, a new body."""
+
+    endpoints: list[str]
+    client_model: str | None = None
+    target_model: str | None = None
+    hashes: Sequence[int] = ()
+    body: bytes | None = None
+    served: list[str] = field(default_factory=list)
+
+
+class Picker:
+    """Shared by every stream of one picker: config, the metrics snapshot, scheduler and metrics."""
+
+    def __init__(
+        self,
+        config: PickerConfig,
+        snapshot: PoolSnapshot,
+        *,
+        metrics: PickerMetrics | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.snapshot = snapshot
+        self.rng = rng or random.Random()
+        self.scheduler = Scheduler(config, snapshot, self.rng)
+        self.metrics = metrics or PickerMetrics(config.pool.name)
+        mode = config.ext_proc.destination_mode
+        self.pick_count = {DestinationMode.SINGLE: 1, DestinationMode.FALLBACK: 2}.get(
+            mode, config.ext_proc.max_endpoints_in_list)
+
+    def new_stream(self) -> ExtProcStream:
+        return ExtProcStream(self)
+
+    def route(self, path: str, headers: Mapping[str, str], body: bytes | None,
+              subset: frozenset[str] | None) -> Route:
+        """Decide where a request goes; RequestError for 400/404/429/503."""
+        started = time.perf_counter()
+        client_model: str | None = None
+        try:
+            priority = 0
+            target: str | None = None
+            hashes: Sequence[int] = ()
+            new_body: bytes | None = None
+            if body is not None:
+                request = parse_body(path, body)
+                client_model = request.model
+                model = self.config.model(request.model)
+                if model is None and self.config.models:
+                    raise RequestError(404, f"model {request.model!r} matches no configured model")
+                if model is not None:
+                    priority = model.priority
+                target = headers.get(MODEL_REWRITE) or (
+                    choose_target(model, self.rng) if model is not None else request.model)
+                if target != request.model:
+                    new_body = rewrite_model(request.body, target)
+                if self.config.scheduler.prefix_cache:
+                    hashes = prefix_hashes(target, request.prompt, self.config.scheduler)
+            objective = headers.get(OBJECTIVE)
+            if objective is not None and objective in self.config.objectives:
+                priority = self.config.objectives[objective]
+            endpoints = self.scheduler.pick(PickRequest(target, priority, hashes, subset), self.pick_count)
+        except RequestError as exc:
+            self.metrics.errors.labels(client_model or "", str(exc.status)).inc()
+            raise
+        if hashes:
+            self.scheduler.prefix.add(endpoints[0], hashes)
+        self.metrics.requests.labels(client_model or "", target or "").inc()
+        self.metrics.scheduling.observe(time.perf_counter() - started)
+        return Route(endpoints, client_model, target, hashes, new_body)
+
+    def record_served(self, route: Route, served: str) -> None:
+        """Envoy reported the endpoint that served: count it and teach the prefix index."""
+        if served in route.served:
+            return
+        route.served.append(served)
+        self.metrics.served.labels(served).inc()
+        if route.hashes and served != route.endpoints[0] and served in self.snapshot.states:
+            self.scheduler.prefix.add(served, route.hashes)
+
+
+def _header_option(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+def immediate(status: int, message: str) -> ep.ProcessingResponse:
+    """An ImmediateResponse with an OpenAI-style JSON error body."""
+    error = {"error": {"message": message, "type": "endpoint_picker", "code": status}}
+    body = json.dumps(error, separators=(",", ":")).encode()
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status), headers=_JSON_HEADERS, body=body,
+        details=f"endpoint_picker_{status}"))
+
+
+def _struct_strings(value: struct_pb2.Value) -> list[str]:
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return [v.string_value for v in value.list_value.values if v.string_value]
+    if kind == "string_value":
+        return [part.strip() for part in value.string_value.split(",") if part.strip()]
+    return []
+
+
+def _metadata_value(metadata: base_pb2.Metadata, namespace: str, key: str) -> struct_pb2.Value | None:
+    if namespace not in metadata.filter_metadata:
+        return None
+    fields = metadata.filter_metadata[namespace].fields
+    value: struct_pb2.Value | None = fields.get(key)
+    return value
+
+
+def _headers(message: ep.HttpHeaders) -> dict[str, str]:
+    return {h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value for h in message.headers.headers}
+
+
+def _chunks(body: bytes, size: int, end_of_stream: bool) -> list[ep.ProcessingResponse]:
+    pieces = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
+    last = len(pieces) - 1
+    return [
+        ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
+            body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
+                body=piece, end_of_stream=end_of_stream and i == last)))))
+        for i, piece in enumerate(pieces)
+    ]
+
+
+class ExtProcStream:
+    """The per-stream ext_proc state machine (one HTTP request through Envoy)."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+        self.limits = picker.config.ext_proc
+        self.request_mode: int = BUFFERED
+        self.response_mode: int = NONE
+        self.headers: dict[str, str] = {}
+        self.subset: frozenset[str] | None = None
+        self.body = bytearray()
+        self.route: Route | None = None
+        self.routed = False
+        self.reader: ResponseBody | None = None
+        self.rewrite_sse = False
+        self.response_started = False
+        self.response_ended = False
+        self.response_held = False
+        self.usage_recorded = False
+        self._handlers: dict[str, Callable[[ep.ProcessingRequest], list[ep.ProcessingResponse]]] = {
+            "request_headers": self._request_headers,
+            "request_body": self._request_body,
+            "request_trailers": self._request_trailers,
+            "response_headers": self._response_headers,
+            "response_body": self._response_body,
+            "response_trailers": self._response_trailers,
+        }
+
+    def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
+        if message.HasField("protocol_config"):
+            self.request_mode = message.protocol_config.request_body_mode
+            self.response_mode = message.protocol_config.response_body_mode
+        kind = message.WhichOneof("request")
+        if kind is None:
+            raise ExtProcError("expected a ProcessingRequest with a request oneof, got an empty one")
+        return self._handlers[kind](message)
+
+    def on_end(self) -> Sequence[ep.ProcessingResponse]:
+        self._finish_usage()
+        return ()
+
+    # -- request --------------------------------------------------------------------------------
+
+    def _request_headers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        if self.headers:
+            raise ExtProcError("expected one request_headers message per stream, got a second")
+        self.headers = _headers(message.request_headers)
+        value = _metadata_value(message.metadata_context, SUBSET_NAMESPACE, SUBSET)
+        if value is not None:
+            self.subset = frozenset(_struct_strings(value))
+        if message.request_headers.end_of_stream or self.request_mode == NONE:
+            return [self._decide(None, "headers", end_of_stream=True)]
+        if self.request_mode == FULL_DUPLEX:
+            return []
+        if self.request_mode in (BUFFERED, BUFFERED_PARTIAL):
+            return [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
+        mode = _Mode.BodySendMode.Name(self.request_mode)
+        raise ExtProcError(f"expected request body mode BUFFERED or FULL_DUPLEX_STREAMED, got {mode}")
+
+    def _request_body(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        if not self.headers or self.routed:
+            raise ExtProcError("expected request_body between request_headers and the routing decision")
+        self.body += message.request_body.body
+        if len(self.body) > self.limits.max_request_body_bytes:
+            self.routed = True
+            return [immediate(413, f"request body larger than {self.limits.max_request_body_bytes} bytes")]
+        if self.request_mode == FULL_DUPLEX:
+            return self._duplex_route(trailers=False) if message.request_body.end_of_stream else []
+        return [self._decide(bytes(self.body), "body", end_of_stream=True)]
+
+    def _request_trailers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        trailers = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+        if self.request_mode == FULL_DUPLEX and not self.routed:
+            return [*self._duplex_route(trailers=True), trailers]
+        return [trailers]
+
+    def _duplex_route(self, *, trailers: bool) -> list[ep.ProcessingResponse]:
+        first = self._decide(bytes(self.body), "headers", end_of_stream=not trailers)
+        if first.HasField("immediate_response"):
+            return [first]
+        assert self.route is not None
+        body = self.route.body if self.route.body is not None else bytes(self.body)
+        return [first, *_chunks(body, self.limits.streamed_chunk_bytes, not trailers)]
+
+    def _decide(self, body: bytes | None, phase: str, *, end_of_stream: bool) -> ep.ProcessingResponse:
+        """Route the request; the response for ``phase`` carrying the decision, or an immediate one."""
+        self.routed = True
+        try:
+            route = self.picker.route(self.headers.get(":path", ""), self.headers, body, self.subset)
+        except RequestError as exc:
+            return immediate(exc.status, exc.message)
+        self.route = route
+        mode = self.picker.config.ext_proc.destination_mode
+        value = ",".join(route.endpoints) if mode is DestinationMode.LIST else route.endpoints[0]
+        set_headers = [_header_option(DESTINATION, value)]
+        lb = {DESTINATION: value}
+        if mode is DestinationMode.FALLBACK and len(route.endpoints) > 1:
+            lb[FALLBACK] = route.endpoints[1]
+        if route.body is not None and "content-length" in self.headers:
+            set_headers.append(_header_option("content-length", str(len(route.body))))
+        mutation = ep.HeaderMutation(
+            set_headers=set_headers, remove_headers=[h for h in STRIPPED_HEADERS if h in self.headers])
+        metadata = struct_pb2.Struct()
+        metadata.update({LB_NAMESPACE: lb})
+        if phase == "headers":
+            return ep.ProcessingResponse(
+                request_headers=ep.HeadersResponse(response=ep.CommonResponse(
+                    header_mutation=mutation, clear_route_cache=True)),
+                dynamic_metadata=metadata)
+        body_mutation = ep.BodyMutation(body=route.body) if route.body is not None else None
+        return ep.ProcessingResponse(
+            request_body=ep.BodyResponse(response=ep.CommonResponse(
+                header_mutation=mutation, body_mutation=body_mutation, clear_route_cache=True)),
+            dynamic_metadata=metadata)
+
+    # -- response -------------------------------------------------------------------------------
+
+    def _response_headers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        if self.response_started:
+            raise ExtProcError("expected one response_headers message per stream, got a second")
+        self.response_started = True
+        headers = _headers(message.response_headers)
+        served = _metadata_value(message.metadata_context, LB_NAMESPACE, SERVED)
+        route = self.route
+        if route is not None and served is not None:
+            for address in _struct_strings(served)[:1]:
+                self.picker.record_served(route, address)
+        rewrite = None
+        if route is not None and route.target_model and route.client_model and route.target_model != route.client_model:
+            rewrite = (route.target_model, route.client_model)
+        sse = headers.get("content-type", "").startswith("text/event-stream")
+        self.reader = ResponseBody(sse=sse, rewrite=rewrite, max_bytes=self.limits.max_response_body_bytes)
+        self.rewrite_sse = rewrite is not None and sse
+        if message.response_headers.end_of_stream or self.response_mode == NONE:
+            self.response_ended = True
+            return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
+        if self.response_mode == FULL_DUPLEX and rewrite is not None and not sse:
+            self.response_held = True
+            return []
+        mutation = None
+        if rewrite is not None and "content-length" in headers:
+            mutation = ep.HeaderMutation(remove_headers=["content-length"])
+        return [ep.ProcessingResponse(response_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(header_mutation=mutation)))]
+
+    def _response_body(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        if not self.response_started or self.response_ended:
+            raise ExtProcError("expected response_body after response_headers and before the body ended")
+        chunk = message.response_body.body
+        end = message.response_body.end_of_stream
+        if self.response_mode != FULL_DUPLEX:
+            self.response_ended = True
+            return [self._buffered_response(chunk)]
+        self.response_ended = end
+        reader = self.reader
+        if reader is not None and (self.response_held or self.rewrite_sse):
+            try:
+                out = reader.feed(chunk)
+            except RequestError as exc:
+                self.response_ended = True
+                return [immediate(exc.status, exc.message)]
+            if self.response_held:
+                return self._release_held(end_of_stream=True) if end else []
+            if end:
+                out += reader.finish()
+            return self._response_chunks(out, end) if out or end else []
+        self._track(chunk, end)
+        return self._response_chunks(chunk, end)
+
+    def _response_trailers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        trailers = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+        self.response_ended = True
+        if self.response_held:
+            return [*self._release_held(end_of_stream=False), trailers]
+        if self.rewrite_sse and self.reader is not None and not self.usage_recorded:
+            rest = self.reader.finish()
+            self._finish_usage()
+            return [*self._response_chunks(rest, False), trailers] if rest else [trailers]
+        self._finish_usage()
+        return [trailers]
+
+    def _track(self, chunk: bytes, end: bool) -> None:
+        """Pass-through chunk: read usage from a copy; a body past the limit just stops tracking."""
+        if self.reader is None:
+            return
+        try:
+            self.reader.feed(chunk)
+            if end:
+                self.reader.finish()
+        except RequestError:
+            self.reader = None
+
+    def _buffered_response(self, chunk: bytes) -> ep.ProcessingResponse:
+        reader = self.reader
+        try:
+            data = reader.feed(chunk) + reader.finish() if reader is not None else b""
+        except RequestError:
+            self.reader = reader = None
+        self._finish_usage()
+        if reader is None or not reader.rewritten:
+            return ep.ProcessingResponse(response_body=ep.BodyResponse())
+        return ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse(
+            header_mutation=ep.HeaderMutation(set_headers=[_header_option("content-length", str(len(data)))]),
+            body_mutation=ep.BodyMutation(body=data))))
+
+    def _release_held(self, *, end_of_stream: bool) -> list[ep.ProcessingResponse]:
+        assert self.reader is not None
+        data = self.reader.finish()
+        self.response_held = False
+        headers = ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
+            header_mutation=ep.HeaderMutation(set_headers=[_header_option("content-length", str(len(data)))]))))
+        return [headers, *self._response_chunks(data, end_of_stream)]
+
+    def _response_chunks(self, data: bytes, end_of_stream: bool) -> list[ep.ProcessingResponse]:
+        if end_of_stream:
+            self._finish_usage()
+        return [ep.ProcessingResponse(response_body=m.request_body)
+                for m in _chunks(data, self.limits.streamed_chunk_bytes, end_of_stream)]
+
+    def _finish_usage(self) -> None:
+        if self.usage_recorded:
+            return
+        self.usage_recorded = True
+        if self.reader is not None and self.route is not None:
+            self.picker.metrics.observe_usage(self.route.client_model or "", self.reader.usage)

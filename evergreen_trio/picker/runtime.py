@@ -1,0 +1,170 @@
+"""The picker's Trio runtime: scraper tasks, readiness, the metrics exporter and the gRPC servers.
+
+The scraper tasks (Trio) and the ext_proc handler (the grpclib side of the bridge) run on the
+same thread and share one :class:`PoolSnapshot`; a pick is a plain synchronous call with no
+crossing into Trio per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import trio
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from grpclib.const import Status
+from grpclib.health.check import ServiceStatus
+from grpclib.health.service import Health
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from evergreen_trio._grpc.bridge import RpcAbort, SyncBidiMethod, serve_grpclib, sync_bidi_service
+from evergreen_trio.picker._http import HttpRequest, HttpResponse, serve_http
+from evergreen_trio.picker.config import Endpoint, PickerConfig
+from evergreen_trio.picker.engine_metrics import parse_engine_metrics
+from evergreen_trio.picker.errors import ExtProcError, MetricsError
+from evergreen_trio.picker.processor import ExtProcStream, Picker
+from evergreen_trio.picker.scheduler import PoolSnapshot
+from evergreen_trio.picker.telemetry import PickerMetrics
+
+log = logging.getLogger(__name__)
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+PROCESS_PATH = f"/{EXT_PROC_SERVICE}/Process"
+
+
+@dataclass(frozen=True)
+class PickerPorts:
+    """The ports a running picker bound (what ``task_status.started`` reports)."""
+
+    grpc: int
+    health: int
+    metrics: int
+
+
+class _GrpcStream:
+    """Adapts :class:`ExtProcStream` to the bridge: protocol violations end the RPC with a status."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: ExtProcStream) -> None:
+        self._stream = stream
+
+    def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
+        try:
+            return self._stream.on_message(message)
+        except ExtProcError as exc:
+            log.warning("picker.stream_aborted error=%s", exc)
+            raise RpcAbort(Status.INVALID_ARGUMENT, str(exc)) from None
+
+    def on_end(self) -> Sequence[ep.ProcessingResponse]:
+        return self._stream.on_end()
+
+
+async def _scrape_forever(
+    client: httpx.AsyncClient,
+    endpoint: Endpoint,
+    config: PickerConfig,
+    snapshot: PoolSnapshot,
+    after_scrape: Callable[[], None],
+) -> None:
+    url = f"http://{endpoint.address}{config.pool.metrics_path}"
+    was_ready = False
+    while True:
+        try:
+            response = await client.get(url)
+            if response.status_code != 200:
+                raise MetricsError(f"expected HTTP 200 from {url}, got {response.status_code}")
+            snapshot.update(endpoint.address, parse_engine_metrics(endpoint.engine, response.text))
+            if not was_ready:
+                log.info("picker.endpoint_ready endpoint=%s", endpoint.address)
+            was_ready = True
+        except (httpx.HTTPError, MetricsError) as exc:
+            snapshot.mark_failed(endpoint.address)
+            if was_ready:
+                log.warning("picker.endpoint_not_ready endpoint=%s error=%s", endpoint.address, exc)
+            was_ready = False
+        after_scrape()
+        await trio.sleep(config.pool.refresh_interval_s)
+
+
+async def run_scrapers(
+    config: PickerConfig,
+    snapshot: PoolSnapshot,
+    after_scrape: Callable[[], None],
+) -> None:
+    """One Trio task per endpoint, in one nursery, scraping ``/metrics`` every refresh interval."""
+    timeout = httpx.Timeout(config.pool.scrape_timeout_s)
+    limits = httpx.Limits(max_keepalive_connections=len(config.pool.endpoints))
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client, trio.open_nursery() as nursery:
+        for endpoint in config.pool.endpoints:
+            nursery.start_soon(_scrape_forever, client, endpoint, config, snapshot, after_scrape)
+
+
+async def serve_metrics(
+    metrics: PickerMetrics,
+    host: str,
+    port: int,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The Prometheus exporter: ``GET /metrics`` (any path) renders the picker's registry."""
+
+    async def handle(request: HttpRequest) -> HttpResponse:
+        if request.method != "GET":
+            return HttpResponse(405, [("allow", "GET")])
+        return HttpResponse(200, [("content-type", CONTENT_TYPE_LATEST)], generate_latest(metrics.registry))
+
+    await serve_http(handle, host, port, task_status=task_status)
+
+
+async def run_picker(
+    config: PickerConfig,
+    *,
+    host: str = "127.0.0.1",
+    grpc_port: int = 9002,
+    health_port: int = 9003,
+    metrics_port: int = 9090,
+    task_status: trio.TaskStatus[PickerPorts] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the Endpoint Picker until cancelled; ``started`` gets the bound :class:`PickerPorts`.
+
+    Port 0 picks a free port. Readiness (gRPC health for ``""``, the ext_proc service and
+    ``readiness``) turns SERVING once every endpoint has been scraped once; ``liveness`` at once.
+    """
+    snapshot = PoolSnapshot(config.pool.endpoints, config.pool.staleness_threshold_s, time.monotonic)
+    metrics = PickerMetrics(config.pool.name)
+    picker = Picker(config, snapshot, metrics=metrics)
+    live, ready = ServiceStatus(), ServiceStatus()
+    live.set(True)
+    ready.set(False)
+    # grpclib accepts service names as keys; its annotation only names service objects.
+    checks: dict[Any, list[ServiceStatus]] = {
+        "": [ready], EXT_PROC_SERVICE: [ready], "liveness": [live], "readiness": [ready]}
+    health = Health(checks)
+    is_ready = False
+
+    def after_scrape() -> None:
+        nonlocal is_ready
+        metrics.observe_pool(snapshot)
+        if not is_ready and snapshot.first_scrape_done:
+            is_ready = True
+            log.info("picker.ready pool=%s", config.pool.name)
+            ready.set(True)
+
+    method = SyncBidiMethod(
+        path=PROCESS_PATH,
+        request_type=ep.ProcessingRequest,
+        reply_type=ep.ProcessingResponse,
+        new_processor=lambda: _GrpcStream(picker.new_stream()),
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_scrapers, config, snapshot, after_scrape)
+        grpc_bound = await nursery.start(serve_grpclib, [sync_bidi_service(method)], host, grpc_port)
+        health_bound = await nursery.start(serve_grpclib, [health], host, health_port)
+        metrics_bound = await nursery.start(serve_metrics, metrics, host, metrics_port)
+        ports = PickerPorts(grpc_bound, health_bound, metrics_bound)
+        log.info("picker.serving pool=%s grpc=%d health=%d metrics=%d", config.pool.name, *vars(ports).values())
+        task_status.started(ports)

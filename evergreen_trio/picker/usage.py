@@ -1,0 +1,133 @@
+"""Response bodies: token usage from JSON and SSE, and the target -> client model name rewrite.
+
+SSE bodies are handled line by line with a bounded carry-over, so an event split across chunks
+is read whole, and usage fields spread over several events are merged (later values win).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from evergreen_trio.picker.errors import RequestError
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+    def merged(self, other: Usage) -> Usage:
+        return Usage(
+            other.prompt_tokens if other.prompt_tokens is not None else self.prompt_tokens,
+            other.completion_tokens if other.completion_tokens is not None else self.completion_tokens,
+            other.cached_tokens if other.cached_tokens is not None else self.cached_tokens,
+        )
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def usage_of(doc: object) -> Usage | None:
+    """Usage of one decoded JSON document (chat/completions, or the Responses API's names)."""
+    if not isinstance(doc, Mapping):
+        return None
+    usage = doc.get("usage")
+    if not isinstance(usage, Mapping) and isinstance(doc.get("response"), Mapping):
+        usage = doc["response"].get("usage")
+    if not isinstance(usage, Mapping):
+        return None
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return Usage(
+        _count(usage.get("prompt_tokens", usage.get("input_tokens"))),
+        _count(usage.get("completion_tokens", usage.get("output_tokens"))),
+        _count(cached),
+    )
+
+
+def _swap_model(doc: Any, target: str, client: str) -> bool:
+    """Replace ``model == target`` by ``client`` in the document and a nested ``response``."""
+    changed = False
+    for obj in (doc, doc.get("response") if isinstance(doc, dict) else None):
+        if isinstance(obj, dict) and obj.get("model") == target:
+            obj["model"] = client
+            changed = True
+    return changed
+
+
+class ResponseBody:
+    """Incremental reader of one response body: usage, plus the optional model name rewrite.
+
+    ``feed`` returns the bytes to pass on (SSE: the complete lines so far; JSON: nothing until
+    ``finish``, which returns the whole body), so a rewrite never splits an event.
+    """
+
+    def __init__(self, *, sse: bool, rewrite: tuple[str, str] | None, max_bytes: int) -> None:
+        self.sse = sse
+        self.usage = Usage()
+        self.rewritten = False
+        self._rewrite = rewrite
+        self._max = max_bytes
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._buffer += chunk
+        if not self.sse:
+            if len(self._buffer) > self._max:
+                raise RequestError(502, f"response body larger than {self._max} bytes")
+            return b""
+        end = self._buffer.rfind(b"\n") + 1
+        if not end:
+            if len(self._buffer) > self._max:
+                raise RequestError(502, f"SSE line longer than {self._max} bytes")
+            return b""
+        lines = bytes(self._buffer[:end])
+        del self._buffer[:end]
+        return self._lines(lines)
+
+    def finish(self) -> bytes:
+        rest = bytes(self._buffer)
+        self._buffer.clear()
+        if self.sse:
+            return self._lines(rest)
+        try:
+            doc = json.loads(rest)
+        except (ValueError, RecursionError):
+            return rest
+        self.usage = self.usage.merged(usage_of(doc) or Usage())
+        if self._rewrite and _swap_model(doc, *self._rewrite):
+            self.rewritten = True
+            return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+        return rest
+
+    def _lines(self, data: bytes) -> bytes:
+        out = []
+        for line in data.splitlines(keepends=True):
+            stripped = line.rstrip(b"\r\n")
+            if not stripped.startswith(b"data:"):
+                out.append(line)
+                continue
+            payload = stripped[5:].strip()
+            if payload == b"[DONE]":
+                out.append(line)
+                continue
+            try:
+                doc = json.loads(payload)
+            except (ValueError, RecursionError):
+                out.append(line)
+                continue
+            found = usage_of(doc)
+            if found is not None:
+                self.usage = self.usage.merged(found)
+            if self._rewrite and _swap_model(doc, *self._rewrite):
+                self.rewritten = True
+                ending = line[len(stripped) :]
+                out.append(b"data: " + json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + ending)
+            else:
+                out.append(line)
+        return b"".join(out)
