@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Req = TypeVar("Req", bound=Message)
 Rep = TypeVar("Rep", bound=Message)
+ReqIn = TypeVar("ReqIn", bound=Message, contravariant=True)
+RepOut = TypeVar("RepOut", bound=Message, covariant=True)
 
 
 class RpcAbort(EvergreenTrioError):
@@ -190,12 +192,12 @@ async def serve_grpclib(
                 log.info("grpc.closed port=%d", bound_port)
 
 
-class StreamProcessor(Protocol[Req, Rep]):
+class StreamProcessor(Protocol[ReqIn, RepOut]):
     """Per-stream synchronous logic of a bidirectional method: messages in, replies out."""
 
-    def on_message(self, message: Req) -> Iterable[Rep]: ...
+    def on_message(self, message: ReqIn) -> Iterable[RepOut]: ...
 
-    def on_end(self) -> Iterable[Rep]: ...
+    def on_end(self) -> Iterable[RepOut]: ...
 
 
 @dataclass(frozen=True)
@@ -249,7 +251,7 @@ class FinalStatus:
     message: str | None = None
 
 
-class MessageStream(Generic[Req, T]):
+class MessageStream(Generic[T]):
     """The Trio side's handle on one gRPC stream.
 
     ``inbound`` yields received messages (``[]`` at the peer's end of stream; :class:`RpcAbort`
@@ -260,7 +262,7 @@ class MessageStream(Generic[Req, T]):
 
     def __init__(
         self,
-        pack: Callable[[list[T]], Iterable[Req]],
+        pack: Callable[[list[T]], Iterable[Message]],
         *,
         inbound_capacity: int = 64,
         outbound_capacity: int = 1024,
@@ -272,10 +274,10 @@ class MessageStream(Generic[Req, T]):
         self.peer: str = ""
         self._done = trio.Event()
 
-    def finish(self, status: Status = Status.OK, message: str | None = None) -> None:
+    def finish(self, status: Status | int = Status.OK, message: str | None = None) -> None:
         """End the stream: queued items are sent first, then the status (server) or end of stream."""
         if self.final is None:
-            self.final = FinalStatus(status, message)
+            self.final = FinalStatus(status if isinstance(status, Status) else Status(status), message)
             self.outbound.close()
 
     async def wait_closed(self) -> None:
@@ -305,7 +307,7 @@ async def _pump_in(stream: Any, inbound: Handoff[Message]) -> None:
         pass
 
 
-async def _pump_out(stream: Any, session: MessageStream[Any, Any]) -> None:
+async def _pump_out(stream: Any, session: MessageStream[Any]) -> None:
     """Send packed batches of ``session.outbound`` until the Trio side finishes the stream."""
     while True:
         batch = await session.outbound.aio_get_batch()
@@ -331,14 +333,14 @@ class SessionAcceptor(Generic[Req, T]):
         self.request_type = request_type
         self.reply_type = reply_type
         self._pack = pack
-        self.accepted: Handoff[MessageStream[Any, T]] = Handoff(backlog)
+        self.accepted: Handoff[MessageStream[T]] = Handoff(backlog)
 
     def __mapping__(self) -> dict[str, Handler]:
         handler = Handler(self._handle, Cardinality.STREAM_STREAM, self.request_type, self.reply_type)
         return {self.path: handler}
 
     async def _handle(self, stream: Stream[Any, Any]) -> None:
-        session: MessageStream[Any, T] = MessageStream(self._pack)
+        session: MessageStream[T] = MessageStream(self._pack)
         session.peer = str(stream.peer.addr() if stream.peer else "")
         reader = asyncio.ensure_future(_pump_in(stream, session.inbound))
         try:
@@ -374,13 +376,13 @@ async def open_client_stream(
     pack: Callable[[list[T]], Iterable[Message]],
     *,
     metadata: Mapping[str, str] | None = None,
-) -> AsyncIterator[MessageStream[Req, T]]:
+) -> AsyncIterator[MessageStream[T]]:
     """Open a bidirectional stream to ``host:port`` and hand it to Trio until the block exits.
 
     At exit the stream is half-closed (or reset, when :meth:`MessageStream.finish` was given a
     non-OK status) and the block waits for the server's trailers.
     """
-    session: MessageStream[Req, T] = MessageStream(pack)
+    session: MessageStream[T] = MessageStream(pack)
     session.peer = f"{host}:{port}"
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
         nursery.start_soon(trio_asyncio.aio_as_trio(_client_main), host, port, path, request_type, reply_type,
@@ -399,7 +401,7 @@ async def _client_main(
     path: str,
     request_type: type[Message],
     reply_type: type[Message],
-    session: MessageStream[Any, Any],
+    session: MessageStream[Any],
     metadata: Mapping[str, str] | None,
 ) -> None:
     channel = Channel(host, port)

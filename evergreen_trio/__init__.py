@@ -1,0 +1,47 @@
+"""evergreen-trio: Trio structured concurrency for GenAI wire protocols.
+
+The Evergreen session API lives here; the other protocols are subpackages:
+``evergreen_trio.picker`` (Endpoint Picker), ``evergreen_trio.avp`` (AVP codec),
+``evergreen_trio.ipc`` (Arrow Dissociated IPC).
+"""
+
+from evergreen_trio.client import Call, ClientSession, Output, connect
+from evergreen_trio.dag import (
+    LimitExceeded,
+    ProtocolViolation,
+    SessionAborted,
+    SessionError,
+    SessionLimits,
+    StatusCode,
+)
+from evergreen_trio.errors import EvergreenTrioError
+from evergreen_trio.nodes import NodeRef, blob, inner, ref, text
+from evergreen_trio.nursery_session import ActionContext, ChunkReader, InputStream, OutputNode
+from evergreen_trio.refs import FileResolver, RefResolver
+from evergreen_trio.server import Server
+
+__all__ = [
+    "ActionContext",
+    "Call",
+    "ChunkReader",
+    "ClientSession",
+    "EvergreenTrioError",
+    "FileResolver",
+    "InputStream",
+    "LimitExceeded",
+    "NodeRef",
+    "Output",
+    "OutputNode",
+    "ProtocolViolation",
+    "RefResolver",
+    "Server",
+    "SessionAborted",
+    "SessionError",
+    "SessionLimits",
+    "StatusCode",
+    "blob",
+    "connect",
+    "inner",
+    "ref",
+    "text",
+]

@@ -1,0 +1,52 @@
+"""Built-in actions: ECHO (makes flattening observable over the wire) and GENERATE (a toy generator).
+
+A later stage backs GENERATE with a real model server through the gateway; the toy stays the default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import trio
+
+from evergreen_trio.nursery_session import ActionContext
+from evergreen_trio.server import Server
+
+
+async def echo(ctx: ActionContext) -> None:
+    """Output ``output``: an inner node whose children are leaves carrying the flattened input's
+    chunks in order, each with the same metadata and bytes, streamed as they arrive."""
+    output = ctx.output("output")
+    async for chunk in ctx.input("input"):
+        leaf = await output.child()
+        wrote = False
+        async for piece in chunk:
+            await leaf.write(piece, metadata=chunk.metadata if not wrote else None)
+            wrote = True
+        if not wrote:
+            await leaf.write(b"", metadata=chunk.metadata, last=True)
+        await leaf.close()
+
+
+def toy_answer(prompt: str) -> list[str]:
+    """A deterministic answer that quotes the prompt's last words, split into word-sized pieces."""
+    topic = " ".join(prompt.split()[-8:]) or "nothing"
+    digest = hashlib.sha256(prompt.encode()).hexdigest()[:8]
+    answer = f"You asked: {topic!r}. This toy model answers in streamed fragments (prompt digest {digest})."
+    return re.findall(r"\S+\s*", answer)
+
+
+async def generate(ctx: ActionContext) -> None:
+    """Input ``prompt`` (or ``text``), output ``response`` (or ``text``): streamed in several fragments."""
+    prompt = await ctx.input("prompt", "text").read_text()
+    response = ctx.output("response", "text")
+    pieces = toy_answer(prompt)
+    for index, piece in enumerate(pieces):
+        await response.write(piece, last=index == len(pieces) - 1)
+        await trio.lowlevel.checkpoint()
+
+
+def register_builtin_actions(server: Server) -> None:
+    server.add_action("ECHO", echo, inputs=["input"], outputs=["output"])
+    server.add_action("GENERATE", generate, inputs=["prompt", "text"], outputs=["response", "text"])

@@ -1,0 +1,70 @@
+"""Why a session aborts: each error carries the gRPC status code the peer will see."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from evergreen_trio.errors import EvergreenTrioError
+
+
+class StatusCode(IntEnum):
+    """gRPC status codes (the subset sessions use), kept here so the core needs no gRPC import."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+
+
+class SessionError(EvergreenTrioError):
+    """Aborts the session; ``code`` is the status sent to the peer, the message names what is at fault."""
+
+    code: StatusCode = StatusCode.INTERNAL
+
+    def __init__(self, message: str, *, code: StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class ProtocolViolation(SessionError):
+    """The peer broke a rule of the Evergreen protocol."""
+
+    code = StatusCode.INVALID_ARGUMENT
+
+
+class LimitExceeded(SessionError):
+    """A configured limit (nodes, bytes, fragment size, depth, concurrent actions) was crossed."""
+
+    code = StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnknownAction(SessionError):
+    """The peer asked for an action this side does not offer."""
+
+    code = StatusCode.UNIMPLEMENTED
+
+
+class UnknownTarget(SessionError):
+    """The action's target_spec names no configured target."""
+
+    code = StatusCode.NOT_FOUND
+
+
+class RefRejected(SessionError):
+    """A chunk's external ref cannot be resolved here (no resolver for its scheme, or outside the roots)."""
+
+    code = StatusCode.INVALID_ARGUMENT
+
+
+class SessionAborted(SessionError):
+    """The session ended with a non-OK status; raised on the side that did not choose to abort."""

@@ -1,0 +1,111 @@
+"""Flattening: the depth-first concatenation of the leaves' chunks, as a resumable cursor (sans-IO).
+
+Spec: "The input and output of an action is the result of flattening the respective tree of
+nodes into a list of chunks". The cursor walks what has arrived and says what it waits for,
+so a consumer can stream the first leaf while later leaves and children are still on the way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import ChunkMetadata
+from evergreen_trio.dag.errors import LimitExceeded, ProtocolViolation
+from evergreen_trio.dag.graph import LeafPart, NodeKind, SessionGraph
+
+
+@dataclass(frozen=True, slots=True)
+class LeafStart:
+    """A leaf's chunk begins; one flattened chunk per leaf."""
+
+    node_id: str
+    metadata: ChunkMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class LeafBytes:
+    """The next part of the current leaf: inline bytes, or a ref to resolve."""
+
+    node_id: str
+    seq: int
+    part: LeafPart
+
+
+@dataclass(frozen=True, slots=True)
+class LeafEnd:
+    node_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Nothing more until ``seq`` of ``node_id`` arrives."""
+
+    node_id: str
+    seq: int
+
+
+FlattenEvent = LeafStart | LeafBytes | LeafEnd | Wait
+
+_EMPTY_METADATA = ChunkMetadata()
+
+
+class _Frame:
+    __slots__ = ("children", "index", "node_id", "seq", "started")
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.seq = 0
+        self.children: tuple[str, ...] = ()
+        self.index = 0
+        self.started = False
+
+
+class FlattenCursor:
+    """Walks the DAG below ``root`` in flattening order; ``next()`` returns None when done.
+
+    A shared node is repeated wherever it appears. Depth beyond ``limits.max_depth`` raises
+    LimitExceeded; waiting for a node the peer can no longer send raises ProtocolViolation.
+    """
+
+    def __init__(self, graph: SessionGraph, root: str) -> None:
+        self._graph = graph
+        self._stack = [_Frame(root)]
+
+    def next(self) -> FlattenEvent | None:
+        graph, stack = self._graph, self._stack
+        while stack:
+            frame = stack[-1]
+            if frame.index < len(frame.children):
+                child = frame.children[frame.index]
+                frame.index += 1
+                if len(stack) >= graph.limits.max_depth:
+                    raise LimitExceeded(f"node {child!r}: nesting deeper than {graph.limits.max_depth}")
+                stack.append(_Frame(child))
+                continue
+            node = graph.get(frame.node_id)
+            if node is None or frame.seq not in node.parts:
+                if node is not None and node.final_seq is not None and frame.seq > node.final_seq:
+                    stack.pop()
+                    if frame.started:
+                        return LeafEnd(frame.node_id)
+                    continue
+                return self._wait(frame.node_id, frame.seq)
+            part = node.parts[frame.seq]
+            if isinstance(part, LeafPart):
+                if not frame.started:
+                    frame.started = True
+                    return LeafStart(node.id, node.metadata or _EMPTY_METADATA)
+                frame.seq += 1
+                return LeafBytes(node.id, frame.seq - 1, part)
+            frame.seq += 1
+            if part is not None:
+                frame.children, frame.index = part, 0
+            elif node.kind is NodeKind.LEAF and not frame.started:
+                frame.started = True
+                return LeafStart(node.id, node.metadata or _EMPTY_METADATA)
+        return None
+
+    def _wait(self, node_id: str, seq: int) -> Wait:
+        if not self._graph.can_arrive(node_id):
+            raise ProtocolViolation(f"node {node_id!r} seq {seq} is needed, but the peer ended its stream without it")
+        return Wait(node_id, seq)

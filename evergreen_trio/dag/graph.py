@@ -1,0 +1,209 @@
+"""The session's node graph and the spec's fragment rules, as plain bookkeeping (sans-IO).
+
+Each rule cites the specification (evergreen-spec, "Data model description").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import ChunkMetadata, NodeFragment
+from evergreen_trio.dag.errors import LimitExceeded, ProtocolViolation, RefRejected
+from evergreen_trio.dag.limits import SessionLimits
+
+
+class NodeKind(Enum):
+    UNKNOWN = "unknown"
+    """Only fragments without payload so far."""
+    LEAF = "leaf"
+    INNER = "inner"
+
+
+@dataclass(frozen=True, slots=True)
+class LeafPart:
+    """One fragment's share of a leaf: inline bytes, or an external ref (URI)."""
+
+    data: bytes
+    ref: str | None = None
+
+
+Part = LeafPart | tuple[str, ...] | None
+"""A leaf part, an inner part (child ids), or None for a fragment that carries neither."""
+
+
+class Node:
+    """What has arrived of one node."""
+
+    __slots__ = ("_later_metadata", "final_seq", "id", "kind", "local", "metadata", "parts")
+
+    def __init__(self, node_id: str, *, local: bool) -> None:
+        self.id = node_id
+        self.kind = NodeKind.UNKNOWN
+        self.parts: dict[int, Part] = {}
+        self.final_seq: int | None = None
+        self.metadata: ChunkMetadata | None = None
+        self.local = local
+        # Metadata seen on a fragment after seq 0 that arrived before seq 0: checked when seq 0 comes.
+        self._later_metadata: list[tuple[int, ChunkMetadata]] | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.final_seq is not None and len(self.parts) == self.final_seq + 1
+
+    @property
+    def mimetype(self) -> str:
+        return self.metadata.mimetype if self.metadata is not None else ""
+
+
+class SessionGraph:
+    """All nodes of one session, received and produced, with the rules that guard them.
+
+    ``add_fragment`` returns True when the fragment changed the graph and False for a retried
+    (id, seq), and raises a :class:`~evergreen_trio.dag.errors.SessionError` for anything
+    that must abort the session.
+    """
+
+    def __init__(self, limits: SessionLimits | None = None, *, ref_schemes: frozenset[str] = frozenset()) -> None:
+        self.limits = limits or SessionLimits()
+        self.ref_schemes = ref_schemes
+        self.nodes: dict[str, Node] = {}
+        self.buffered_bytes = 0
+        self.peer_closed = False
+        # Output ids named by actions: id -> (produced on this side?, the action that owns it).
+        self._outputs: dict[str, tuple[bool, str]] = {}
+
+    def get(self, node_id: str) -> Node | None:
+        return self.nodes.get(node_id)
+
+    def reserve_output(self, node_id: str, owner: str, *, local: bool) -> None:
+        """Claim ``node_id`` for an action's output. Spec: "The provided node IDs in the output must be new"."""
+        if not node_id:
+            raise ProtocolViolation(f"{owner}: an output needs a node id, got an empty one")
+        if node_id in self.nodes or node_id in self._outputs:
+            raise ProtocolViolation(f"{owner}: output node id {node_id!r} is not new in this session")
+        self._outputs[node_id] = (local, owner)
+
+    def can_arrive(self, node_id: str) -> bool:
+        """Whether parts of ``node_id`` may still come: produced here, or the peer has not ended its stream."""
+        owner = self._outputs.get(node_id)
+        node = self.nodes.get(node_id)
+        local = owner[0] if owner is not None else (node is not None and node.local)
+        return local or not self.peer_closed
+
+    def add_fragment(self, fragment: NodeFragment, *, local: bool = False) -> bool:
+        node_id, seq = fragment.id, fragment.seq
+        where = f"node {node_id!r} seq {seq}"
+        if not node_id:
+            raise ProtocolViolation(f"a node fragment needs an id, got an empty one (seq {seq})")
+        if seq < 0:
+            raise ProtocolViolation(f"{where}: seq must be >= 0")
+        node = self.nodes.get(node_id)
+        if node is None:
+            owner = self._outputs.get(node_id)
+            if owner is not None and owner[0] != local:
+                side = "this side" if owner[0] else "the peer"
+                raise ProtocolViolation(f"{where}: the node is the output of {owner[1]}, produced by {side}")
+            if len(self.nodes) >= self.limits.max_nodes:
+                raise LimitExceeded(f"{where}: the session holds {len(self.nodes)} nodes, the limit")
+            node = Node(node_id, local=local)
+            self.nodes[node_id] = node
+        elif node.local != local:
+            raise ProtocolViolation(f"{where}: the node is produced by the other side")
+        # Spec, Ordering: "accept the first received NodeFragment ... with that seq number, and ignore the rest".
+        if seq in node.parts:
+            return False
+        self._check_boundary(node, fragment, where)
+        part = self._part(node, fragment, where)
+        if isinstance(part, LeafPart):
+            self.buffered_bytes += len(part.data)
+        elif part:
+            self._check_acyclic(node_id, part, where)
+        node.parts[seq] = part
+        if not fragment.continued:
+            node.final_seq = seq
+        return True
+
+    def _check_boundary(self, node: Node, fragment: NodeFragment, where: str) -> None:
+        # Spec, Boundaries: a seq greater than the final fragment's aborts the session.
+        if node.final_seq is not None and fragment.seq > node.final_seq:
+            raise ProtocolViolation(f"{where}: seq is past the final fragment (seq {node.final_seq})")
+        if not fragment.continued and node.parts and max(node.parts) > fragment.seq:
+            raise ProtocolViolation(f"{where}: final fragment, but seq {max(node.parts)} has already arrived")
+
+    def _part(self, node: Node, fragment: NodeFragment, where: str) -> Part:
+        has_chunk = fragment.HasField("chunk_fragment")
+        children = tuple(fragment.child_ids)
+        if has_chunk and children:
+            raise ProtocolViolation(f"{where}: a fragment carries a chunk and child_ids; a node is a leaf or inner")
+        if not has_chunk and not children:
+            return None
+        kind = NodeKind.LEAF if has_chunk else NodeKind.INNER
+        if node.kind not in (NodeKind.UNKNOWN, kind):
+            raise ProtocolViolation(f"{where}: {kind.value} fragment for a node that is {node.kind.value}")
+        if children:
+            if len(children) > self.limits.max_children_per_fragment:
+                raise LimitExceeded(
+                    f"{where}: {len(children)} child_ids, limit {self.limits.max_children_per_fragment}"
+                )
+            node.kind = kind
+            return children
+        chunk = fragment.chunk_fragment
+        data = chunk.data
+        if len(data) > self.limits.max_fragment_bytes:
+            raise LimitExceeded(f"{where}: {len(data)} bytes in one fragment, limit {self.limits.max_fragment_bytes}")
+        if self.buffered_bytes + len(data) > self.limits.max_buffered_bytes:
+            raise LimitExceeded(
+                f"{where}: the session would hold {self.buffered_bytes + len(data)} bytes, "
+                f"limit {self.limits.max_buffered_bytes}"
+            )
+        ref = chunk.ref if chunk.WhichOneof("payload") == "ref" else None
+        if ref is not None:
+            scheme = ref.partition(":")[0].lower()
+            if scheme not in self.ref_schemes:
+                allowed = ", ".join(sorted(self.ref_schemes)) or "none"
+                raise RefRejected(f"{where}: ref {ref!r} uses scheme {scheme!r}; this side resolves: {allowed}")
+        self._check_metadata(node, fragment, where)
+        node.kind = kind
+        return LeafPart(data, ref)
+
+    @staticmethod
+    def _check_metadata(node: Node, fragment: NodeFragment, where: str) -> None:
+        # Spec, Mime type: metadata belongs to seq 0. A later fragment may repeat it (the spec's own
+        # example does); different metadata on a later fragment aborts the session.
+        chunk = fragment.chunk_fragment
+        if fragment.seq == 0:
+            metadata = ChunkMetadata()
+            metadata.CopyFrom(chunk.metadata)
+            for later_seq, later in node._later_metadata or ():
+                if later != metadata:
+                    raise ProtocolViolation(f"node {node.id!r} seq {later_seq}: metadata differs from seq 0's")
+            node.metadata, node._later_metadata = metadata, None
+        elif chunk.HasField("metadata"):
+            if node.metadata is not None:
+                if chunk.metadata != node.metadata:
+                    raise ProtocolViolation(f"{where}: metadata differs from seq 0's")
+            else:
+                later = ChunkMetadata()
+                later.CopyFrom(chunk.metadata)
+                node._later_metadata = [*(node._later_metadata or ()), (fragment.seq, later)]
+
+    def _check_acyclic(self, parent: str, children: tuple[str, ...], where: str) -> None:
+        """Spec, Ordering: "nodes cannot transitively include themselves". Also bounds the depth below."""
+        max_depth = self.limits.max_depth
+        deepest: dict[str, int] = {}
+        stack = [(child, 1) for child in children]
+        while stack:
+            node_id, depth = stack.pop()
+            if node_id == parent:
+                raise ProtocolViolation(f"{where}: child {node_id!r} makes the node include itself")
+            if depth > max_depth:
+                raise LimitExceeded(f"{where}: nesting below the node is deeper than {max_depth}")
+            if deepest.get(node_id, 0) >= depth:
+                continue
+            deepest[node_id] = depth
+            node = self.nodes.get(node_id)
+            if node is not None and node.kind is NodeKind.INNER:
+                for part in node.parts.values():
+                    if isinstance(part, tuple):
+                        stack.extend((child, depth + 1) for child in part)

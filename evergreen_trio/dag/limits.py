@@ -1,0 +1,34 @@
+"""Per-session limits. Crossing any of them aborts the session with RESOURCE_EXHAUSTED."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from evergreen_trio.errors import EvergreenTrioError
+
+
+class LimitsError(EvergreenTrioError, ValueError):
+    """A limits object was built with a value that makes no sense."""
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """What one session may hold. Every field has a default a small server can live with."""
+
+    max_nodes: int = 1_000_000
+    """Nodes (received and produced) alive in one session."""
+    max_buffered_bytes: int = 1 << 30
+    """Inline chunk bytes held by one session, received and produced."""
+    max_fragment_bytes: int = 4 << 20
+    """Inline bytes in one chunk fragment (gRPC's default message limit is 4 MiB)."""
+    max_depth: int = 256
+    """Nesting levels below an action's input node."""
+    max_concurrent_actions: int = 256
+    """Actions running at once in one session."""
+    max_children_per_fragment: int = 100_000
+    """child_ids in one fragment."""
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LimitsError(f"SessionLimits.{name} must be a positive int, got {value!r}")

@@ -1,0 +1,475 @@
+"""A session is one Trio nursery: its receive loop and its action tasks live and die together.
+
+The DAG core (``evergreen_trio.dag``) decides; this module waits. Each node that someone
+waits for gets a Trio event (its data-dependency barrier), set when a new part of that node
+arrives, so a consumer streams a flattened input while later parts are still on the way,
+without polling. Any failure cancels the session's scope, which aborts the session.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from evergreen_trio._grpc.bridge import HandoffClosed, MessageStream, RpcAbort
+from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Action, ChunkMetadata, NodeFragment, SessionMessage
+from evergreen_trio.dag import (
+    FlattenCursor,
+    FragmentBuilder,
+    LeafBytes,
+    LeafEnd,
+    LeafStart,
+    LimitExceeded,
+    ProtocolViolation,
+    SessionAborted,
+    SessionError,
+    SessionGraph,
+    SessionLimits,
+    StatusCode,
+    UnknownAction,
+    UnknownTarget,
+    Wait,
+)
+from evergreen_trio.refs import RefResolver
+
+log = logging.getLogger(__name__)
+
+PACK_BYTES = 1 << 20
+"""Fragments queued together are packed into one SessionMessage up to about this many bytes."""
+
+Outbound = NodeFragment | Action
+
+
+def pack_messages(items: list[Outbound]) -> Iterable[SessionMessage]:
+    """Pack queued items into few messages, keeping their order: a message's actions precede
+    its fragments, so an action queued after fragments starts a new message."""
+    message = SessionMessage()
+    size = 0
+    for item in items:
+        if isinstance(item, Action):
+            if len(message.node_fragments):
+                yield message
+                message, size = SessionMessage(), 0
+            message.actions.append(item)
+            continue
+        if size >= PACK_BYTES:
+            yield message
+            message, size = SessionMessage(), 0
+        message.node_fragments.append(item)
+        size += len(item.chunk_fragment.data) + 32
+    if len(message.node_fragments) or len(message.actions):
+        yield message
+
+
+class Barrier:
+    """Per-node wakeups. Only nodes someone waits for hold an event."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, trio.Event] = {}
+
+    def notify(self, node_id: str) -> None:
+        event = self._events.pop(node_id, None)
+        if event is not None:
+            event.set()
+
+    def notify_all(self) -> None:
+        events, self._events = self._events, {}
+        for event in events.values():
+            event.set()
+
+    async def wait(self, node_id: str) -> None:
+        event = self._events.get(node_id)
+        if event is None:
+            event = self._events[node_id] = trio.Event()
+        await event.wait()
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """How a session behaves: its limits, the ref resolvers it offers, the fragment size it writes."""
+
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    resolvers: Mapping[str, RefResolver] = field(default_factory=dict)
+    fragment_bytes: int = 256 * 1024
+
+
+class Session:
+    """State shared by both ends of a session: the graph, the barriers, the outbound stream."""
+
+    def __init__(self, stream: MessageStream[Outbound], options: SessionOptions) -> None:
+        self.stream = stream
+        self.options = options
+        self.graph = SessionGraph(options.limits, ref_schemes=frozenset(options.resolvers))
+        self.barrier = Barrier()
+        self.error: SessionError | None = None
+
+    # -- receiving ------------------------------------------------------------------------
+
+    async def receive_loop(self, on_actions: Callable[[Sequence[Action]], None]) -> None:
+        """Feed every received message into the graph until the peer ends its stream."""
+        graph, barrier, resolvers = self.graph, self.barrier, self.options.resolvers
+        while True:
+            batch = await self.stream.inbound.get_batch()
+            if not batch:
+                break
+            for message in batch:
+                assert isinstance(message, SessionMessage)
+                if message.actions:
+                    on_actions(message.actions)
+                for fragment in message.node_fragments:
+                    if graph.add_fragment(fragment):
+                        barrier.notify(fragment.id)
+                        ref = fragment.chunk_fragment.ref
+                        if ref:
+                            resolvers[ref.partition(":")[0].lower()].check(ref)
+            await trio.lowlevel.checkpoint()
+        graph.peer_closed = True
+        barrier.notify_all()
+
+    def fail(self, error: SessionError) -> None:
+        """Record why the session ends and wake every waiter so it can see it."""
+        if self.error is None:
+            self.error = error
+        self.barrier.notify_all()
+
+    async def wait_for(self, node_id: str) -> None:
+        if self.error is not None:
+            raise self.error
+        await self.barrier.wait(node_id)
+        if self.error is not None:
+            raise self.error
+
+    # -- sending --------------------------------------------------------------------------
+
+    async def emit(self, fragments: Iterable[NodeFragment]) -> None:
+        """Record produced fragments in the graph (later actions may read them) and send them."""
+        for fragment in fragments:
+            if self.graph.add_fragment(fragment, local=True):
+                self.barrier.notify(fragment.id)
+            await self._put(fragment)
+
+    async def send_action(self, action: Action) -> None:
+        await self._put(action)
+
+    async def _put(self, item: Outbound) -> None:
+        try:
+            await self.stream.outbound.put(item)
+        except HandoffClosed:
+            raise self.error or SessionAborted("the session has ended", code=StatusCode.CANCELLED) from None
+
+    def input(self, node_id: str) -> InputStream:
+        return InputStream(self, node_id)
+
+    def output(self, node_id: str, *, requested: bool = True) -> OutputNode:
+        return OutputNode(self, node_id, requested=requested)
+
+
+# ----------------------------------------------------------------------------------------
+# Reading
+
+
+class ChunkReader:
+    """One flattened chunk (one leaf): its metadata, and its bytes as they arrive."""
+
+    def __init__(self, stream: InputStream, node_id: str, metadata: ChunkMetadata) -> None:
+        self._stream = stream
+        self.node_id = node_id
+        self.metadata = metadata
+        self.done = False
+
+    @property
+    def mimetype(self) -> str:
+        return self.metadata.mimetype
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._stream._leaf_bytes(self)
+
+    async def read(self) -> bytes:
+        return b"".join([piece async for piece in self])
+
+
+class InputStream:
+    """A node's flattened content: chunks in depth-first order, each streamed as it arrives."""
+
+    def __init__(self, session: Session, node_id: str) -> None:
+        self._session = session
+        self.node_id = node_id
+        self._cursor = FlattenCursor(session.graph, node_id)
+        self._current: ChunkReader | None = None
+
+    async def _next(self) -> LeafStart | LeafBytes | LeafEnd | None:
+        while True:
+            event = self._cursor.next()
+            if not isinstance(event, Wait):
+                return event
+            await self._session.wait_for(event.node_id)
+
+    async def _leaf_bytes(self, reader: ChunkReader) -> AsyncIterator[bytes]:
+        while not reader.done and reader is self._current:
+            event = await self._next()
+            if not isinstance(event, LeafBytes):
+                reader.done, self._current = True, None
+                return
+            part = event.part
+            if part.ref is None:
+                if part.data:
+                    yield part.data
+            else:
+                resolver = self._session.options.resolvers[part.ref.partition(":")[0].lower()]
+                async for block in resolver.open(part.ref):
+                    yield block
+
+    def __aiter__(self) -> AsyncIterator[ChunkReader]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[ChunkReader]:
+        while True:
+            if self._current is not None:
+                async for _ in self._current:
+                    pass
+            event = await self._next()
+            if event is None:
+                return
+            if isinstance(event, LeafStart):
+                self._current = ChunkReader(self, event.node_id, event.metadata)
+                yield self._current
+
+    async def read_chunks(self) -> list[tuple[ChunkMetadata, bytes]]:
+        """Every chunk with its bytes, in flattening order."""
+        return [(chunk.metadata, await chunk.read()) async for chunk in self]
+
+    async def read_bytes(self) -> bytes:
+        return b"".join([data for _, data in await self.read_chunks()])
+
+    async def read_text(self, *, mimetype_prefix: str = "text/") -> str:
+        """The UTF-8 text of the chunks whose mimetype starts with ``mimetype_prefix``."""
+        parts = []
+        async for chunk in self:
+            data = await chunk.read()
+            if chunk.mimetype.startswith(mimetype_prefix):
+                parts.append(data.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+
+# ----------------------------------------------------------------------------------------
+# Writing
+
+
+class OutputNode:
+    """A node this side produces: a leaf written in pieces, or an inner node whose children are added.
+
+    An output the peer did not name is not produced: writes to it are dropped.
+    """
+
+    def __init__(self, session: Session, node_id: str, *, requested: bool = True) -> None:
+        self._session = session
+        self.id = node_id
+        self.requested = requested
+        self._builder = FragmentBuilder(node_id, fragment_bytes=session.options.fragment_bytes)
+        self._children = 0
+
+    def _metadata(self, mimetype: str | None, metadata: ChunkMetadata | None) -> ChunkMetadata | None:
+        if metadata is None and mimetype is not None:
+            metadata = ChunkMetadata(mimetype=mimetype)
+        return metadata
+
+    async def write(
+        self,
+        data: bytes | str,
+        *,
+        mimetype: str | None = None,
+        metadata: ChunkMetadata | None = None,
+        last: bool = False,
+    ) -> None:
+        """Append bytes (str is UTF-8 encoded, default mimetype text/plain) to this leaf."""
+        if isinstance(data, str):
+            data, mimetype = data.encode(), mimetype or "text/plain"
+        if self.requested:
+            await self._session.emit(self._builder.data(data, self._metadata(mimetype, metadata), last=last))
+
+    async def write_ref(self, uri: str, *, mimetype: str | None = None, last: bool = False) -> None:
+        if self.requested:
+            await self._session.emit([self._builder.ref(uri, self._metadata(mimetype, None), last=last)])
+
+    async def add_children(self, child_ids: Sequence[str], *, last: bool = False) -> None:
+        """Name existing (or future) nodes as the next children of this inner node."""
+        if self.requested:
+            await self._session.emit([self._builder.children(child_ids, last=last)])
+
+    async def child(self) -> OutputNode:
+        """A new leaf or inner node appended as this node's next child."""
+        while True:
+            self._children += 1
+            child_id = f"{self.id}/{self._children}"
+            if self._session.graph.get(child_id) is None:
+                break
+        await self.add_children([child_id])
+        return OutputNode(self._session, child_id, requested=self.requested)
+
+    async def close(self) -> None:
+        """Send the final fragment unless one was already sent."""
+        if self.requested:
+            fragment = self._builder.close()
+            if fragment is not None:
+                await self._session.emit([fragment])
+
+    async def __aenter__(self) -> OutputNode:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if exc_info[0] is None:
+            await self.close()
+
+
+# ----------------------------------------------------------------------------------------
+# Actions
+
+
+@dataclass
+class ActionContext:
+    """What an action handler gets: its inputs as streams, its outputs as writers."""
+
+    name: str
+    action: Action
+    session: Session
+    inputs: dict[str, InputStream]
+    outputs: dict[str, OutputNode]
+
+    def input(self, *names: str) -> InputStream:
+        """The first of ``names`` the caller gave (aliases, e.g. "prompt", "text")."""
+        for name in names:
+            if name in self.inputs:
+                return self.inputs[name]
+        raise ProtocolViolation(f"action {self.name}: needs input {' or '.join(map(repr, names))}")
+
+    def output(self, *names: str) -> OutputNode:
+        """The first of ``names`` the caller asked for, or a writer that drops what it gets."""
+        for name in names:
+            if name in self.outputs:
+                return self.outputs[name]
+        return self.session.output(f"<unrequested {names[0]}>", requested=False)
+
+
+Handler = Callable[[ActionContext], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    """A registered action: its handler and the input and output names it accepts."""
+
+    name: str
+    handler: Handler
+    inputs: frozenset[str]
+    outputs: frozenset[str]
+
+
+def describe(action: Action) -> str:
+    outputs = ", ".join(f"{p.name}={p.id}" for p in action.outputs)
+    return f"action {action.name}" + (f" (outputs {outputs})" if outputs else "")
+
+
+class ServerSession(Session):
+    """The serving end: starts registered actions as they arrive, in the session's nursery."""
+
+    def __init__(
+        self,
+        stream: MessageStream[Outbound],
+        options: SessionOptions,
+        actions: Mapping[str, ActionSpec],
+        targets: frozenset[str],
+    ) -> None:
+        super().__init__(stream, options)
+        self._actions = actions
+        self._targets = targets
+        self._running = 0
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self) -> None:
+        """Serve the session to its end and send the final status (OK, or why it aborted)."""
+        status, message = StatusCode.OK, None
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await self.receive_loop(self._start_actions)
+        except BaseException as exc:  # the nursery's group, or cancellation from a shutting-down server
+            error = _session_error(exc)
+            if error is None:
+                self.stream.finish(StatusCode.UNAVAILABLE, "the server is shutting down")
+                raise
+            status, message = error.code, error.message
+            log.info("session.abort peer=%s code=%s reason=%s", self.stream.peer, status.name, message)
+        finally:
+            self._nursery = None
+            self.barrier.notify_all()
+        self.stream.finish(status, message)
+
+    def _start_actions(self, actions: Sequence[Action]) -> None:
+        assert self._nursery is not None
+        for action in actions:
+            context, spec = self._accept(action)
+            if self._running >= self.options.limits.max_concurrent_actions:
+                raise LimitExceeded(f"{describe(action)}: {self._running} actions already running, the limit")
+            self._running += 1
+            self._nursery.start_soon(self._run_action, spec, context, name=f"evergreen.action.{action.name}")
+
+    def _accept(self, action: Action) -> tuple[ActionContext, ActionSpec]:
+        where = describe(action)
+        spec = self._actions.get(action.name)
+        if spec is None:
+            offered = ", ".join(sorted(self._actions)) or "none"
+            raise UnknownAction(f"{where}: unknown action (this server offers: {offered})")
+        if action.target_spec.id not in self._targets:
+            raise UnknownTarget(f"{where}: unknown target {action.target_spec.id!r}")
+        inputs: dict[str, InputStream] = {}
+        for param in action.inputs:
+            if param.name not in spec.inputs:
+                raise ProtocolViolation(f"{where}: unknown input {param.name!r} (accepts {sorted(spec.inputs)})")
+            if not param.id:
+                raise ProtocolViolation(f"{where}: input {param.name!r} names no node")
+            inputs[param.name] = self.input(param.id)
+        outputs: dict[str, OutputNode] = {}
+        for param in action.outputs:
+            if param.name not in spec.outputs:
+                raise ProtocolViolation(f"{where}: unknown output {param.name!r} (offers {sorted(spec.outputs)})")
+            self.graph.reserve_output(param.id, where, local=True)
+            outputs[param.name] = self.output(param.id)
+        return ActionContext(action.name, action, self, inputs, outputs), spec
+
+    async def _run_action(self, spec: ActionSpec, context: ActionContext) -> None:
+        try:
+            await spec.handler(context)
+            for output in context.outputs.values():
+                await output.close()
+        except SessionError:
+            raise
+        except Exception as exc:
+            log.exception("action.failed name=%s", spec.name)
+            raise SessionError(
+                f"{describe(context.action)} failed: {type(exc).__name__}: {exc}", code=StatusCode.INTERNAL
+            ) from exc
+        finally:
+            self._running -= 1
+
+
+def _flatten_group(exc: BaseException) -> Iterable[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _flatten_group(inner)
+    else:
+        yield exc
+
+
+def _session_error(exc: BaseException) -> SessionError | None:
+    """The error that explains a session's end, out of a (nested) exception group."""
+    for leaf in _flatten_group(exc):
+        if isinstance(leaf, SessionError):
+            return leaf
+        if isinstance(leaf, RpcAbort):
+            return SessionAborted(leaf.message, code=StatusCode(leaf.status.value))
+    for leaf in _flatten_group(exc):
+        if isinstance(leaf, Exception):
+            return SessionError(f"internal error: {type(leaf).__name__}: {leaf}", code=StatusCode.INTERNAL)
+    return None

@@ -1,0 +1,112 @@
+"""An Evergreen server: actions registered by name, one nursery per session, all in one server nursery."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from functools import partial
+
+import trio
+
+from evergreen_trio._grpc.bridge import MessageStream, SessionAcceptor, serve_grpclib
+from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
+from evergreen_trio.dag import SessionLimits
+from evergreen_trio.nursery_session import (
+    ActionSpec,
+    Handler,
+    Outbound,
+    ServerSession,
+    SessionOptions,
+    pack_messages,
+)
+from evergreen_trio.refs import RefResolver, resolver_map
+
+log = logging.getLogger(__name__)
+
+START_SESSION = "/evergreen.v2.EvergreenService/StartSession"
+
+SHUTDOWN_GRACE_SECONDS = 5.0
+"""How long a stopping server waits for open sessions to receive their UNAVAILABLE status."""
+
+
+class Server:
+    """Serves ``EvergreenService.StartSession``.
+
+    >>> server = Server()
+    >>> @server.action("GENERATE", inputs=["prompt"], outputs=["response"])
+    ... async def generate(ctx): ...
+    """
+
+    def __init__(
+        self,
+        *,
+        limits: SessionLimits | None = None,
+        resolvers: Iterable[RefResolver] = (),
+        targets: Iterable[str] = ("",),
+        fragment_bytes: int = 256 * 1024,
+    ) -> None:
+        self.options = SessionOptions(
+            limits=limits or SessionLimits(), resolvers=resolver_map(resolvers), fragment_bytes=fragment_bytes
+        )
+        self.targets = frozenset(targets)
+        self.actions: dict[str, ActionSpec] = {}
+        self._open: set[MessageStream[Outbound]] = set()
+
+    def add_action(self, name: str, handler: Handler, *, inputs: Iterable[str], outputs: Iterable[str]) -> None:
+        if name in self.actions:
+            raise ValueError(f"action {name!r} is already registered")
+        self.actions[name] = ActionSpec(name, handler, frozenset(inputs), frozenset(outputs))
+
+    def action(
+        self, name: str, *, inputs: Iterable[str] = (), outputs: Iterable[str] = ()
+    ) -> Callable[[Handler], Handler]:
+        """Register the decorated coroutine function as action ``name``."""
+
+        def register(handler: Handler) -> Handler:
+            self.add_action(name, handler, inputs=inputs, outputs=outputs)
+            return handler
+
+        return register
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._open)
+
+    async def serve(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 50051,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve until cancelled; ``task_status.started`` gets the bound port (0 picks a free one)."""
+        acceptor: SessionAcceptor[SessionMessage, Outbound] = SessionAcceptor(
+            START_SESSION, SessionMessage, SessionMessage, pack_messages
+        )
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(partial(serve_grpclib, before_close=self._drain), [acceptor], host, port)
+            nursery.start_soon(self._accept, acceptor)
+            task_status.started(bound)
+
+    async def _accept(self, acceptor: SessionAcceptor[SessionMessage, Outbound]) -> None:
+        async with trio.open_nursery() as sessions:
+            try:
+                while True:
+                    for stream in await acceptor.accepted.get_batch():
+                        sessions.start_soon(self._run_session, stream)
+            finally:
+                acceptor.accepted.close()
+
+    async def _run_session(self, stream: MessageStream[Outbound]) -> None:
+        self._open.add(stream)
+        try:
+            await ServerSession(stream, self.options, self.actions, self.targets).run()
+        finally:
+            self._open.discard(stream)
+
+    async def _drain(self) -> None:
+        """Before grpclib cancels what is left, let each open stream send its final status."""
+        with trio.move_on_after(SHUTDOWN_GRACE_SECONDS):
+            for stream in list(self._open):
+                stream.finish(14, "the server is shutting down")
+                await stream.wait_closed()
