@@ -1,0 +1,498 @@
+"""The AVP binary codec (sans-IO): encode to bytes, into a buffer or as scatter-gather parts; decode with a view.
+
+Wire layout: 12-byte header ``<2sBBII`` (magic "AV", version 1, flags, payload_length, metadata_length),
+protobuf ``avp.Metadata``, then the tensor bytes (zstd-compressed when flag bit 0 is set).
+
+Decoding checks every length against the message, the limits and the metadata before it allocates;
+an uncompressed payload is returned as a view into the input, so the only work left is the CRC
+(python-isal, several times faster than zlib's for the same values).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any, Literal, cast
+
+import numpy as np
+import zstandard
+from google.protobuf.message import DecodeError as ProtobufDecodeError
+from isal.isal_zlib import crc32
+
+from evergreen_trio._proto.avp import avp_pb2 as pb2
+from evergreen_trio._proto.avp.avp_pb2 import Metadata
+from evergreen_trio.avp.errors import (
+    AVPChecksumError,
+    AVPCompressionError,
+    AVPEncodeError,
+    AVPEnumError,
+    AVPInconsistentError,
+    AVPLengthError,
+    AVPLimitError,
+    AVPMagicError,
+    AVPMetadataError,
+    AVPTruncatedError,
+    AVPVersionError,
+)
+from evergreen_trio.avp.message import (
+    DEFAULT_LIMITS,
+    DTYPE_BY_NAME,
+    FLAG_COMPRESSED,
+    FLAG_HAS_MAP,
+    FLAG_KV_CACHE,
+    HEADER_SIZE,
+    MAGIC,
+    PROTOCOL_VERSION,
+    RESERVED_FLAGS,
+    AVPHeader,
+    AVPLimits,
+    AVPMessage,
+    AVPMetadata,
+    CommunicationMode,
+    DataType,
+    PayloadType,
+    expected_payload_size,
+    implied_payload_size,
+    require_cupy,
+)
+
+HEADER = struct.Struct("<2sBBII")
+Compression = Literal["fast", "balanced", "max"]
+# The reference's CompressionLevel values, so equal inputs give equal bytes.
+ZSTD_LEVELS: dict[str, int] = {"fast": 1, "balanced": 3, "max": 19}
+ZSTD = "zstd"
+_UINT32_MAX = 0xFFFFFFFF
+
+# A ZstdCompressor must not be shared between threads; one set per thread.
+_compressors = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_compressors, "by_level", None)
+    if cache is None:
+        cache = _compressors.by_level = {}
+    compressor = cache.get(level)
+    if compressor is None:
+        compressor = cache[level] = zstandard.ZstdCompressor(level=level)
+    return compressor
+
+
+def zstd_bound(size: int) -> int:
+    """ZSTD_COMPRESSBOUND: the largest a zstd frame of ``size`` input bytes can be."""
+    small = (128 * 1024 - size) >> 11 if size < 128 * 1024 else 0
+    return size + (size >> 8) + small
+
+
+# ---------------------------------------------------------------- encode
+
+
+def _array_view(array: np.ndarray[Any, Any], dtype: DataType) -> memoryview:
+    got = DTYPE_BY_NAME.get(array.dtype.name)
+    if got != dtype:
+        raise AVPEncodeError(f"payload array: expected dtype {dtype.name.lower()} (metadata.dtype), got {array.dtype}")
+    if array.dtype.byteorder == ">":
+        raise AVPEncodeError(f"payload array: expected little-endian data, got {array.dtype.str}")
+    if not array.flags.c_contiguous:
+        raise AVPEncodeError("payload array: expected a C-contiguous array (np.ascontiguousarray), got strided")
+    return array.reshape(-1).view(np.uint8).data
+
+
+def _byte_view(part: Any, dtype: DataType) -> memoryview:
+    if isinstance(part, bytes | bytearray):
+        return memoryview(part)
+    if isinstance(part, np.ndarray):
+        return _array_view(part, dtype)
+    if hasattr(part, "__cuda_array_interface__"):
+        return _array_view(require_cupy().asnumpy(part), dtype)
+    try:
+        view = memoryview(part)
+    except TypeError:
+        raise AVPEncodeError(
+            f"payload: expected bytes, a buffer, a NumPy/CuPy array or a list of them, got {type(part).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise AVPEncodeError("payload buffer: expected a C-contiguous buffer, got strided")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def _payload_views(payload: Any, dtype: DataType) -> list[memoryview]:
+    if isinstance(payload, list | tuple):
+        return [_byte_view(part, dtype) for part in payload]
+    return [_byte_view(payload, dtype)]
+
+
+_PAYLOAD_TYPE_VALUES = frozenset(PayloadType)
+_DTYPE_VALUES = frozenset(DataType)
+_MODE_VALUES = frozenset(CommunicationMode)
+
+
+def _check_enum(values: frozenset[int], value: Any, name: str, enum_type: Any) -> None:
+    if value not in values:
+        raise AVPEncodeError(
+            f"metadata.{name}: expected one of {[member.name for member in enum_type]}, got {value!r}"
+        )
+
+
+def _metadata_bytes(metadata: AVPMetadata, compressed: bool, checksum: int | None) -> bytes:
+    # Only non-default fields are set (proto3 omits defaults anyway); the map is filled in the
+    # caller's order, as the reference does, so the serialised bytes match its output exactly.
+    m = metadata
+    _check_enum(_PAYLOAD_TYPE_VALUES, m.payload_type, "payload_type", PayloadType)
+    _check_enum(_DTYPE_VALUES, m.dtype, "dtype", DataType)
+    _check_enum(_MODE_VALUES, m.mode, "mode", CommunicationMode)
+    try:
+        pb = Metadata()
+        if m.session_id:
+            pb.session_id = m.session_id
+        if m.source_agent_id:
+            pb.source_agent_id = m.source_agent_id
+        if m.target_agent_id:
+            pb.target_agent_id = m.target_agent_id
+        if m.model_id:
+            pb.model_id = m.model_id
+        if m.hidden_dim:
+            pb.hidden_dim = m.hidden_dim
+        if m.num_layers:
+            pb.num_layers = m.num_layers
+        if m.payload_type:
+            pb.payload_type = cast(pb2.PayloadType, m.payload_type)
+        if m.dtype:
+            pb.dtype = cast(pb2.DataType, m.dtype)
+        if m.tensor_shape:
+            pb.tensor_shape.extend(m.tensor_shape)
+        if m.mode:
+            pb.mode = cast(pb2.CommunicationMode, m.mode)
+        if compressed:
+            pb.compression = ZSTD
+        if m.avp_map_id:
+            pb.avp_map_id = m.avp_map_id
+        if m.extra:
+            for key, value in m.extra.items():
+                pb.extra[key] = value
+        if checksum is not None:
+            pb.payload_checksum = checksum
+        return pb.SerializeToString()
+    except (ValueError, TypeError) as exc:
+        raise AVPEncodeError(f"metadata: expected values the proto's types accept, got {exc}") from None
+
+
+def encode_buffers(
+    payload: Any,
+    metadata: AVPMetadata,
+    *,
+    compression: Compression | None = None,
+    checksum: bool = True,
+) -> list[bytes | memoryview]:
+    """Encode as scatter-gather parts ``[header + metadata, *tensor parts]`` without copying the tensor.
+
+    ``payload`` is bytes, a buffer, a NumPy/CuPy array of ``metadata.dtype``, or a list of those (as
+    `pack_kv` returns). ``metadata.compression`` and ``metadata.payload_checksum`` are ignored: the
+    keyword arguments decide them. Flags follow the metadata: KV iff ``payload_type`` is KV_CACHE,
+    has-map iff ``avp_map_id``.
+    """
+    views = _payload_views(payload, metadata.dtype)
+    size = sum(len(view) for view in views)
+    implied = implied_payload_size(metadata)
+    if implied is not None and implied != size:
+        raise AVPEncodeError(
+            f"payload: tensor_shape {list(metadata.tensor_shape)} of {DataType(metadata.dtype).name} implies "
+            f"{implied} bytes, got {size}"
+        )
+    crc: int | None = None
+    if checksum:
+        crc = 0
+        for view in views:
+            crc = crc32(view, crc)
+    body: list[bytes | memoryview] = list(views)
+    if compression is not None:
+        if compression not in ZSTD_LEVELS:
+            raise AVPEncodeError(f"compression: expected one of {sorted(ZSTD_LEVELS)} or None, got {compression!r}")
+        compressor = _compressor(ZSTD_LEVELS[compression])
+        if len(views) == 1:
+            body = [compressor.compress(views[0])]
+        else:
+            stream = compressor.compressobj(size=size)
+            body = [b"".join([*(stream.compress(view) for view in views), stream.flush()])]
+    meta = _metadata_bytes(metadata, compression is not None, crc)
+    payload_length = len(meta) + sum(len(part) for part in body)
+    if payload_length > _UINT32_MAX:
+        raise AVPEncodeError(f"payload_length: expected at most {_UINT32_MAX} bytes (uint32), got {payload_length}")
+    flags = FLAG_COMPRESSED if compression is not None else 0
+    if metadata.avp_map_id:
+        flags |= FLAG_HAS_MAP
+    if metadata.payload_type == PayloadType.KV_CACHE:
+        flags |= FLAG_KV_CACHE
+    head = HEADER.pack(MAGIC, PROTOCOL_VERSION, flags, payload_length, len(meta)) + meta
+    return [head, *body]
+
+
+def encode(
+    payload: Any,
+    metadata: AVPMetadata,
+    *,
+    compression: Compression | None = None,
+    checksum: bool = True,
+) -> bytes:
+    """Encode one message into bytes (one copy of the tensor); see `encode_buffers` for the arguments."""
+    return b"".join(encode_buffers(payload, metadata, compression=compression, checksum=checksum))
+
+
+def encode_into(
+    buffer: Any,
+    payload: Any,
+    metadata: AVPMetadata,
+    *,
+    compression: Compression | None = None,
+    checksum: bool = True,
+) -> int:
+    """Encode into the writable ``buffer`` from its start; return the number of bytes written."""
+    parts = encode_buffers(payload, metadata, compression=compression, checksum=checksum)
+    try:
+        target = memoryview(buffer).cast("B")
+    except TypeError:
+        raise AVPEncodeError(f"buffer: expected a writable contiguous buffer, got {type(buffer).__name__}") from None
+    total = sum(len(part) for part in parts)
+    if target.readonly or len(target) < total:
+        raise AVPEncodeError(
+            f"buffer: expected a writable buffer of at least {total} bytes, "
+            f"got {'a read-only' if target.readonly else 'a'} buffer of {len(target)}"
+        )
+    offset = 0
+    for part in parts:
+        target[offset : offset + len(part)] = part
+        offset += len(part)
+    return total
+
+
+# ---------------------------------------------------------------- decode
+
+
+def parse_header(data: memoryview, limits: AVPLimits, strict: bool) -> AVPHeader:
+    """Parse and check the 12-byte header: magic, version, flags, and both lengths against ``limits``."""
+    if len(data) < HEADER_SIZE:
+        raise AVPTruncatedError(f"header: expected {HEADER_SIZE} bytes, got {len(data)}")
+    magic, version, flags, payload_length, metadata_length = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise AVPMagicError(f"magic: expected 4156 ('AV'), got {magic.hex()}")
+    if version != PROTOCOL_VERSION:
+        raise AVPVersionError(f"version: expected {PROTOCOL_VERSION}, got {version}")
+    if strict and flags & RESERVED_FLAGS:
+        raise AVPInconsistentError(f"flags: expected reserved bits 3-7 clear, got {flags:#04x}")
+    if metadata_length > payload_length:
+        raise AVPLengthError(
+            f"metadata_length: expected at most payload_length={payload_length}, got {metadata_length}"
+        )
+    if metadata_length > limits.max_metadata_bytes:
+        raise AVPLimitError(
+            f"metadata_length: expected at most max_metadata_bytes={limits.max_metadata_bytes}, "
+            f"got {metadata_length}"
+        )
+    section = payload_length - metadata_length
+    cap = limits.max_payload_bytes
+    if flags & FLAG_COMPRESSED:
+        cap = zstd_bound(cap)
+    if section > cap:
+        raise AVPLimitError(
+            f"tensor section: expected at most {cap} bytes (max_payload_bytes={limits.max_payload_bytes}), "
+            f"got {section}"
+        )
+    return AVPHeader(version, flags, payload_length, metadata_length)
+
+
+# upb parses any buffer; the stubs only name bytes.
+_parse_metadata_bytes = cast(Callable[[memoryview], Metadata], Metadata.FromString)
+_PAYLOAD_TYPE_BY_VALUE = {int(member): member for member in PayloadType}
+_DTYPE_BY_VALUE = {int(member): member for member in DataType}
+_MODE_BY_VALUE = {int(member): member for member in CommunicationMode}
+
+
+def _enum_error(pb: Metadata) -> AVPEnumError:
+    for name, enum_type in (("payload_type", PayloadType), ("dtype", DataType), ("mode", CommunicationMode)):
+        value = getattr(pb, name)
+        if value not in enum_type._value2member_map_:
+            return AVPEnumError(
+                f"metadata.{name}: expected one of {[member.name for member in enum_type]}, got {value}"
+            )
+    raise AssertionError("unreachable: _enum_error called with known enum values")
+
+
+def _flags_error(flags: int, implied: int) -> AVPInconsistentError:
+    for bit, name, field in (
+        (FLAG_COMPRESSED, "compressed", "metadata.compression set"),
+        (FLAG_HAS_MAP, "has-map", "metadata.avp_map_id non-empty"),
+        (FLAG_KV_CACHE, "KV-cache", "metadata.payload_type KV_CACHE"),
+    ):
+        if flags & bit != implied & bit:
+            return AVPInconsistentError(
+                f"flags: expected the {name} bit {'set' if implied & bit else 'clear'} as {field} "
+                f"{'says' if implied & bit else 'is not'}, got it {'set' if flags & bit else 'clear'} "
+                "(decode with strict=False to follow the metadata)"
+            )
+    raise AssertionError("unreachable: _flags_error called with agreeing flags")
+
+
+def parse_metadata(header: AVPHeader, raw: memoryview, limits: AVPLimits, strict: bool) -> AVPMetadata:
+    """Parse the metadata section and check it against the header's flags (strictly unless ``strict=False``).
+
+    Lenient mode is the reference's way: the compressed bit decides decompression (and the decoded
+    ``compression``), the metadata decides the payload type, the other bits are ignored.
+    """
+    try:
+        pb = _parse_metadata_bytes(raw)
+    except ProtobufDecodeError as exc:
+        raise AVPMetadataError(f"metadata: expected a protobuf avp.Metadata of {len(raw)} bytes, got {exc}") from None
+    shape = tuple(pb.tensor_shape[:])
+    if len(shape) > limits.max_rank:
+        raise AVPLimitError(f"tensor_shape: expected rank <= {limits.max_rank}, got rank {len(shape)}")
+    extra = pb.extra
+    if len(extra) > limits.max_extra_entries:
+        raise AVPLimitError(f"extra: expected at most max_extra_entries={limits.max_extra_entries}, got {len(extra)}")
+    payload_type = _PAYLOAD_TYPE_BY_VALUE.get(pb.payload_type)
+    dtype = _DTYPE_BY_VALUE.get(pb.dtype)
+    mode = _MODE_BY_VALUE.get(pb.mode)
+    if payload_type is None or dtype is None or mode is None:
+        raise _enum_error(pb)
+    flags = header.flags
+    compressed = flags & FLAG_COMPRESSED
+    has_compression = pb.HasField("compression")
+    if has_compression and (compressed or strict) and pb.compression != ZSTD:
+        raise AVPCompressionError(f"metadata.compression: expected 'zstd', got {pb.compression!r}")
+    avp_map_id = pb.avp_map_id
+    if strict:
+        implied = (
+            (FLAG_COMPRESSED if has_compression else 0)
+            | (FLAG_HAS_MAP if avp_map_id else 0)
+            | (FLAG_KV_CACHE if payload_type is PayloadType.KV_CACHE else 0)
+        )
+        if implied != flags:
+            raise _flags_error(flags, implied)
+    return AVPMetadata(
+        pb.session_id,
+        pb.source_agent_id,
+        pb.target_agent_id,
+        pb.model_id,
+        pb.hidden_dim,
+        pb.num_layers,
+        payload_type,
+        dtype,
+        shape,
+        mode,
+        ZSTD if compressed else None,
+        avp_map_id,
+        dict(extra) if extra else {},
+        pb.payload_checksum if pb.HasField("payload_checksum") else None,
+    )
+
+
+def tensor_size(header: AVPHeader, metadata: AVPMetadata, limits: AVPLimits) -> int | None:
+    """The tensor bytes expected after decompression, when known; checks an uncompressed section's length."""
+    expected = expected_payload_size(metadata, limits)
+    if expected is not None and not header.flags & FLAG_COMPRESSED and expected != header.tensor_section_length:
+        raise AVPInconsistentError(
+            f"tensor_shape {list(metadata.tensor_shape)} of {metadata.dtype.name} implies {expected} payload "
+            f"bytes, got {header.tensor_section_length}"
+        )
+    return expected
+
+
+def _decompress(section: memoryview, expected: int | None, limits: AVPLimits) -> memoryview:
+    cap = limits.max_payload_bytes
+    try:
+        declared = zstandard.frame_content_size(section)
+    except zstandard.ZstdError as exc:
+        raise AVPCompressionError(f"zstd: expected a zstd frame, got {exc}") from None
+    if declared >= 0:
+        if declared > cap:
+            raise AVPLimitError(f"zstd frame declares {declared} bytes, above max_payload_bytes={cap}")
+        if expected is not None and declared != expected:
+            raise AVPInconsistentError(
+                f"zstd frame declares {declared} bytes, tensor_shape implies {expected}; expected them equal"
+            )
+        expected = declared
+    # Without a declared or implied size, decompress into cap + 1 bytes of untouched (lazily mapped)
+    # memory: filling it all means the payload is over the cap.
+    target = np.empty(cap + 1 if expected is None else expected, dtype=np.uint8)
+    out = target.data
+    filled = 0
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(section, read_across_frames=True)
+        while filled < len(out):
+            count = reader.readinto(out[filled:])
+            if not count:
+                break
+            filled += count
+        overflow = filled == len(out) and bool(reader.read(1))
+    except zstandard.ZstdError as exc:
+        raise AVPCompressionError(f"zstd: expected a valid compressed payload, got {exc}") from None
+    if expected is None:
+        if filled > cap:
+            raise AVPLimitError(f"zstd payload decompresses to more than max_payload_bytes={cap}")
+        return out[:filled]
+    if overflow or filled != expected:
+        raise AVPCompressionError(
+            f"zstd payload: expected {expected} decompressed bytes, got {'more' if overflow else filled}"
+        )
+    return out
+
+
+def finish_payload(
+    header: AVPHeader,
+    metadata: AVPMetadata,
+    section: memoryview,
+    expected: int | None,
+    limits: AVPLimits,
+    strict: bool,
+) -> memoryview:
+    """Decompress (bounded) if needed, verify the checksum and the KV layout; return the tensor bytes."""
+    payload = _decompress(section, expected, limits) if header.flags & FLAG_COMPRESSED else section
+    if metadata.payload_checksum is not None:
+        actual = crc32(payload)
+        if actual != metadata.payload_checksum:
+            raise AVPChecksumError(
+                f"payload_checksum: expected {metadata.payload_checksum:#010x}, got {actual:#010x} "
+                f"over {len(payload)} payload bytes"
+            )
+    if metadata.payload_type is PayloadType.KV_CACHE:
+        from evergreen_trio.avp.kv import read_kv_header
+
+        kv = read_kv_header(payload)
+        if strict and kv.dtype is not metadata.dtype:
+            raise AVPInconsistentError(
+                f"KV-cache header dtype is {kv.dtype.name}, metadata.dtype is {metadata.dtype.name}; "
+                "expected them equal"
+            )
+    return payload
+
+
+def _byte_input(data: Any) -> memoryview:
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise AVPLengthError(f"input: expected bytes or a buffer, got {type(data).__name__}") from None
+    if view.ndim == 1 and view.format == "B":
+        return view
+    if not view.c_contiguous:
+        raise AVPLengthError("input: expected a C-contiguous buffer, got strided")
+    return view.cast("B")
+
+
+def decode(data: Any, *, limits: AVPLimits = DEFAULT_LIMITS, strict: bool = True) -> AVPMessage:
+    """Decode one whole message from a bytes-like object.
+
+    ``strict=False`` accepts flags that disagree with the metadata, the reference's way: the
+    compressed bit decides decompression, the metadata decides the payload type.
+    """
+    view = _byte_input(data)
+    header = parse_header(view, limits, strict)
+    end = HEADER_SIZE + header.payload_length
+    if len(view) < end:
+        raise AVPTruncatedError(f"message: expected {end} bytes (header + payload_length), got {len(view)}")
+    if strict and len(view) > end:
+        raise AVPLengthError(f"message: expected {end} bytes (header + payload_length), got {len(view)}")
+    meta_end = HEADER_SIZE + header.metadata_length
+    metadata = parse_metadata(header, view[HEADER_SIZE:meta_end], limits, strict)
+    expected = tensor_size(header, metadata, limits)
+    payload = finish_payload(header, metadata, view[meta_end:end], expected, limits, strict)
+    return AVPMessage(header, metadata, payload)
+

@@ -1,0 +1,208 @@
+"""AVP data model: enums with the proto's values, metadata, header, limits and the decoded message."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+from evergreen_trio.avp.errors import AVPDeviceError, AVPInconsistentError, AVPLimitError
+
+MAGIC = b"AV"
+PROTOCOL_VERSION = 0x01
+HEADER_SIZE = 12
+FLAG_COMPRESSED = 0x01
+FLAG_HAS_MAP = 0x02
+FLAG_KV_CACHE = 0x04
+RESERVED_FLAGS = 0xF8
+KV_HEADER_SIZE = 17
+MiB = 1 << 20
+
+
+class PayloadType(enum.IntEnum):
+    HIDDEN_STATE = 0
+    KV_CACHE = 1
+    EMBEDDING = 2
+
+
+class DataType(enum.IntEnum):
+    FLOAT32 = 0
+    FLOAT16 = 1
+    BFLOAT16 = 2
+    INT8 = 3
+
+
+class CommunicationMode(enum.IntEnum):
+    LATENT = 0
+    JSON_MODE = 1
+
+
+
+NUMPY_DTYPES: dict[DataType, np.dtype[Any]] = {
+    DataType.FLOAT32: np.dtype("<f4"),
+    DataType.FLOAT16: np.dtype("<f2"),
+    DataType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
+    DataType.INT8: np.dtype("i1"),
+}
+ITEMSIZE = {dtype: np_dtype.itemsize for dtype, np_dtype in NUMPY_DTYPES.items()}
+DTYPE_BY_NAME = {np_dtype.name: dtype for dtype, np_dtype in NUMPY_DTYPES.items()}
+
+
+@dataclass(slots=True)
+class AVPMetadata:
+    """The protobuf metadata of a message, field for field (names and numbers as in ``proto/avp/avp.proto``).
+
+    On encode, ``compression`` and ``payload_checksum`` are set by `encode` from its arguments.
+    """
+
+    session_id: str = ""
+    source_agent_id: str = ""
+    target_agent_id: str = ""
+    model_id: str = ""
+    hidden_dim: int = 0
+    num_layers: int = 0
+    payload_type: PayloadType = PayloadType.HIDDEN_STATE
+    dtype: DataType = DataType.FLOAT32
+    tensor_shape: tuple[int, ...] = ()
+    mode: CommunicationMode = CommunicationMode.LATENT
+    compression: str | None = None
+    avp_map_id: str = ""
+    extra: dict[str, str] = field(default_factory=dict)
+    payload_checksum: int | None = None
+
+
+class AVPHeader(NamedTuple):
+    """The fixed 12-byte header (magic checked, so not kept)."""
+
+    version: int
+    flags: int
+    payload_length: int
+    metadata_length: int
+
+    @property
+    def compressed(self) -> bool:
+        return bool(self.flags & FLAG_COMPRESSED)
+
+    @property
+    def has_map(self) -> bool:
+        return bool(self.flags & FLAG_HAS_MAP)
+
+    @property
+    def is_kv_cache(self) -> bool:
+        return bool(self.flags & FLAG_KV_CACHE)
+
+    @property
+    def tensor_section_length(self) -> int:
+        """Bytes after the metadata, as sent (compressed or not)."""
+        return self.payload_length - self.metadata_length
+
+
+@dataclass(frozen=True, slots=True)
+class AVPLimits:
+    """Bounds the decoder enforces before allocating anything.
+
+    ``max_payload_bytes`` caps the tensor bytes after decompression (the zstd-bomb guard) and the
+    uncompressed tensor section; raise it for large KV caches (the default is 64 MiB).
+    """
+
+    max_payload_bytes: int = 64 * MiB
+    max_metadata_bytes: int = 64 * 1024
+    max_rank: int = 8
+    max_extra_entries: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_payload_bytes", "max_metadata_bytes", "max_rank", "max_extra_entries"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise AVPLimitError(f"AVPLimits.{name}: expected a non-negative int, got {value!r}")
+        if self.max_payload_bytes > 0xFFFFFFFF:
+            raise AVPLimitError(
+                f"AVPLimits.max_payload_bytes: expected at most 4 GiB - 1 (uint32 lengths), "
+                f"got {self.max_payload_bytes}"
+            )
+
+
+DEFAULT_LIMITS = AVPLimits()
+
+
+def implied_payload_size(metadata: AVPMetadata) -> int | None:
+    """Tensor bytes that ``tensor_shape`` and ``dtype`` imply (plus the 17-byte KV header), or None without a shape."""
+    shape = metadata.tensor_shape
+    if not shape:
+        return None
+    size = math.prod(shape) * ITEMSIZE[metadata.dtype]
+    if metadata.payload_type == PayloadType.KV_CACHE:
+        size += KV_HEADER_SIZE
+    return size
+
+
+def expected_payload_size(metadata: AVPMetadata, limits: AVPLimits) -> int | None:
+    """`implied_payload_size`, after checking the rank and the size against ``limits`` (`AVPLimitError`)."""
+    rank = len(metadata.tensor_shape)
+    if rank > limits.max_rank:
+        raise AVPLimitError(f"tensor_shape: expected rank <= {limits.max_rank}, got rank {rank}")
+    size = implied_payload_size(metadata)
+    if size is not None and size > limits.max_payload_bytes:
+        raise AVPLimitError(
+            f"tensor_shape {list(metadata.tensor_shape)} of {metadata.dtype.name} implies {size} payload "
+            f"bytes, above max_payload_bytes={limits.max_payload_bytes}"
+        )
+    return size
+
+
+def require_cupy() -> Any:
+    """The CuPy module, if it imports and sees a CUDA device."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise AVPDeviceError(f"a GPU array was asked for, but CuPy is not importable: {exc}") from None
+    try:
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        raise AVPDeviceError(f"a GPU array was asked for, but no CUDA device is usable: {exc}") from None
+    return cupy
+
+
+def to_device(array: np.ndarray[Any, Any]) -> Any:
+    """Copy a host array onto the current CUDA device as a CuPy array."""
+    if array.dtype == NUMPY_DTYPES[DataType.BFLOAT16]:
+        raise AVPDeviceError(
+            "a GPU array was asked for with dtype bfloat16, which CuPy lacks; "
+            "use as_array() and view it as uint16 on the device"
+        )
+    return require_cupy().asarray(array)
+
+
+@dataclass(slots=True)
+class AVPMessage:
+    """A decoded message. ``payload`` is the tensor bytes: a view into the input when it was not compressed."""
+
+    header: AVPHeader
+    metadata: AVPMetadata
+    payload: memoryview
+
+    def as_array(self, *, gpu: bool = False) -> Any:
+        """The payload as a NumPy view of ``dtype`` shaped ``tensor_shape`` (1-D without a shape).
+
+        KV-cache payloads come shaped ``[num_layers, 2, num_kv_heads, seq_len, head_dim]`` (K then V per
+        layer), read from the 17-byte KV header. ``gpu=True`` copies it to a CuPy array instead.
+        """
+        meta = self.metadata
+        if meta.payload_type == PayloadType.KV_CACHE:
+            from evergreen_trio.avp.kv import kv_block
+
+            array = kv_block(self.payload)
+        else:
+            np_dtype = NUMPY_DTYPES[meta.dtype]
+            if len(self.payload) % np_dtype.itemsize:
+                raise AVPInconsistentError(
+                    f"payload of {len(self.payload)} bytes is not a whole number of {meta.dtype.name} items"
+                )
+            array = np.frombuffer(self.payload, dtype=np_dtype)
+            if meta.tensor_shape:
+                array = array.reshape(meta.tensor_shape)
+        return to_device(array) if gpu else array
