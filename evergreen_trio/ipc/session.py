@@ -1,0 +1,249 @@
+"""Transport-independent Trio runtime: serve one connection, fetch one stream.
+
+The server answers ``want_data`` by sending the metadata stream and the body stream
+from two concurrent tasks (bodies may overtake metadata; the client reassembles), and
+keeps at most ``max_unacked_bodies`` bodies unacknowledged per stream. The client
+drives the sans-IO :class:`Reassembler` and pyarrow's reader.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import pyarrow as pa
+import trio
+
+from evergreen_trio.ipc.arrow import BatchDecoder, OutgoingMessage
+from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
+from evergreen_trio.ipc.errors import (
+    ConnectionLostError,
+    FramingError,
+    IpcError,
+    LimitExceededError,
+)
+from evergreen_trio.ipc.framing import (
+    FREE_DATA_TAG,
+    UINT32_MAX,
+    WANT_DATA_TAG,
+    BodyDescriptor,
+    BodyType,
+    decode_free_data,
+    encode_end_of_stream,
+    encode_free_data,
+    encode_metadata,
+    make_tag,
+)
+from evergreen_trio.ipc.reassembly import ReadyMessage, Reassembler
+from evergreen_trio.ipc.transports.base import (
+    BodyIn,
+    BodyResolver,
+    ClientChannel,
+    Completion,
+    MetadataIn,
+    ServerChannel,
+)
+
+log = logging.getLogger("evergreen_trio.ipc")
+
+Lookup = Callable[[bytes], Sequence[OutgoingMessage]]
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The tags a server advertises and the limits it enforces."""
+
+    want_data: int = WANT_DATA_TAG
+    free_data: int = FREE_DATA_TAG
+    limits: IpcLimits = DEFAULT_LIMITS
+
+
+class BodySender(Protocol):
+    """How a server places bodies: inline (type 0) or in shared memory (type 1)."""
+
+    async def post(self, channel: ServerChannel, seq: int, message: OutgoingMessage) -> Completion: ...
+
+    def on_free(self, offsets: Sequence[int]) -> None: ...
+
+    def release_all(self) -> None: ...
+
+
+class RawBodies:
+    """Body type 0: the packed IPC body itself."""
+
+    async def post(self, channel: ServerChannel, seq: int, message: OutgoingMessage) -> Completion:
+        body = message.body if message.body is not None else pa.py_buffer(b"")
+        return await channel.post_body(make_tag(seq, BodyType.RAW), body)
+
+    def on_free(self, offsets: Sequence[int]) -> None:
+        raise FramingError(f"free_data: expected none for inline bodies, got {len(offsets)} offsets")
+
+    def release_all(self) -> None:
+        return None
+
+
+async def _send_metadata(channel: ServerChannel, messages: Sequence[OutgoingMessage]) -> None:
+    for i, message in enumerate(messages):
+        await channel.send_metadata(encode_metadata(i & UINT32_MAX, message.flatbuffer))
+    await channel.send_metadata(encode_end_of_stream(len(messages) & UINT32_MAX))
+
+
+async def _send_bodies(
+    channel: ServerChannel, messages: Sequence[OutgoingMessage], bodies: BodySender, limits: IpcLimits
+) -> None:
+    window: collections.deque[Completion] = collections.deque()
+    for i, message in enumerate(messages):
+        if not message.header.has_body:
+            continue
+        if len(window) >= limits.max_unacked_bodies:
+            await window.popleft().wait()
+        window.append(await bodies.post(channel, i & UINT32_MAX, message))
+    while window:
+        await window.popleft().wait()
+
+
+async def _send_stream(
+    channel: ServerChannel, messages: Sequence[OutgoingMessage], bodies: BodySender, limits: IpcLimits
+) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_send_metadata, channel, messages)
+        nursery.start_soon(_send_bodies, channel, messages, bodies, limits)
+    log.debug("ipc.stream_sent messages=%d", len(messages))
+
+
+async def serve_connection(
+    channel: ServerChannel, lookup: Lookup, bodies: BodySender, options: ServeOptions, peer: str
+) -> None:
+    """Serve requests on one connection until the client leaves; never raises IpcError."""
+    limits = options.limits
+    try:
+        async with trio.open_nursery() as nursery:
+            while True:
+                tag, payload = await channel.receive_request()
+                if tag == options.want_data:
+                    if len(payload) > limits.max_ticket_bytes:
+                        raise LimitExceededError(
+                            f"want_data: expected a ticket <= {limits.max_ticket_bytes} bytes, got {len(payload)}"
+                        )
+                    messages = lookup(payload)
+                    log.info("ipc.want_data peer=%s ticket_bytes=%d messages=%d", peer, len(payload), len(messages))
+                    nursery.start_soon(_send_stream, channel, messages, bodies, limits)
+                elif tag == options.free_data:
+                    bodies.on_free(decode_free_data(payload, limits))
+                else:
+                    raise FramingError(
+                        f"request tag: expected want_data {options.want_data} or free_data "
+                        f"{options.free_data}, got {tag}"
+                    )
+    except* ConnectionLostError:
+        log.info("ipc.client_gone peer=%s", peer)
+    except* IpcError as group:
+        log.warning("ipc.connection_error peer=%s error=%s", peer, group.exceptions[0])
+    finally:
+        bodies.release_all()
+
+
+class IpcStream:
+    """The client side of one stream: an async iterator of ``pyarrow.RecordBatch``.
+
+    Batches over shared memory are built on the mapped segment; their memory goes back
+    to the server (``free_data``) once pyarrow releases them. Pass ``copy=True`` to
+    hold many batches at once (the server keeps at most ``max_unacked_bodies`` of them
+    alive per stream and waits for the rest).
+    """
+
+    def __init__(
+        self,
+        channel: ClientChannel,
+        *,
+        free_data: int | None,
+        resolver: BodyResolver | None = None,
+        limits: IpcLimits = DEFAULT_LIMITS,
+        copy: bool = False,
+        to_host: Callable[[object], pa.Buffer] | None = None,
+    ) -> None:
+        self._channel = channel
+        self._free_data = free_data
+        self._resolver = resolver
+        self._limits = limits
+        self._copy = copy
+        self._to_host = to_host
+        self._reassembler = Reassembler(limits)
+        self._decoder = BatchDecoder()
+        self._batches: collections.deque[pa.RecordBatch] = collections.deque()
+        self._done = False
+
+    @property
+    def schema(self) -> pa.Schema | None:
+        return self._decoder.schema
+
+    def __aiter__(self) -> IpcStream:
+        return self
+
+    async def __anext__(self) -> pa.RecordBatch:
+        while True:
+            if self._batches:
+                return self._batches.popleft()
+            if self._done:
+                await self.flush_frees()
+                raise StopAsyncIteration
+            await self._step()
+
+    async def read_all(self) -> pa.Table:
+        """Every remaining batch as one table (shared-memory bodies are copied out)."""
+        self._copy = True
+        batches = [batch async for batch in self]
+        if self._decoder.schema is None:
+            raise IpcError("stream: expected a schema, got none")
+        return pa.Table.from_batches(batches, schema=self._decoder.schema)
+
+    async def _step(self) -> None:
+        for ready in self._reassembler.pop_ready():
+            batch = self._decoder.feed(ready.flatbuffer, ready.header, self._host_body(ready))
+            if batch is not None:
+                self._batches.append(batch)
+        if self._reassembler.finished:
+            self._done = True
+            return
+        if self._batches:
+            return
+        await self.flush_frees()
+        try:
+            incoming = await self._channel.receive()
+        except ConnectionLostError as exc:
+            raise ConnectionLostError(
+                f"server went away mid-stream after {self._reassembler.delivered} messages "
+                f"(missing {self._reassembler.missing()[:8]}): {exc}"
+            ) from None
+        if isinstance(incoming, MetadataIn):
+            self._reassembler.on_metadata(incoming.data)
+        else:
+            self._on_body(incoming)
+
+    def _on_body(self, incoming: BodyIn) -> None:
+        self._reassembler.on_body(incoming.tag, incoming.body, incoming.nbytes)
+
+    def _host_body(self, ready: ReadyMessage) -> pa.Buffer | None:
+        if ready.body is None:
+            return None
+        if isinstance(ready.body, BodyDescriptor):
+            if self._resolver is None:
+                raise FramingError(f"body {ready.seq}: expected an inline body, got a shared-memory descriptor")
+            return self._resolver.resolve(ready.body, ready.header, copy=self._copy)
+        if isinstance(ready.body, pa.Buffer):
+            return ready.body
+        if self._to_host is None:
+            raise FramingError(f"body {ready.seq}: expected host memory, got {type(ready.body).__name__}")
+        return self._to_host(ready.body)
+
+    async def flush_frees(self) -> None:
+        """Send one coalesced free_data message for every released shared-memory body."""
+        if self._resolver is None or self._free_data is None:
+            return
+        offsets = self._resolver.take_freed()
+        for start in range(0, len(offsets), self._limits.max_free_data_offsets):
+            chunk = offsets[start : start + self._limits.max_free_data_offsets]
+            await self._channel.send_request(self._free_data, encode_free_data(chunk))

@@ -1,0 +1,1 @@
+"""Trio transports of the Dissociated IPC Protocol: UCX, TCP and shared memory."""

@@ -1,0 +1,216 @@
+"""Shared-memory bodies (body type 1) over a memfd segment passed on a Unix socket.
+
+Each connection gets its own anonymous ``memfd`` segment: the server sends the file
+descriptor once (``SCM_RIGHTS``) right after accepting, then speaks the stream framing
+of :mod:`~evergreen_trio.ipc.transports.tcp` on the same socket. Bodies are copied into
+the segment (the producer's copy) and announced as (offset, length) pairs; the client
+maps the segment read-only and builds batches on it without copying. A region is
+reused once ``free_data`` has returned every offset the server sent for it, or when
+the client disconnects (the segment dies with the last mapping: nothing to unlink).
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import mmap
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import trio
+
+from evergreen_trio.ipc.arena import Arena
+from evergreen_trio.ipc.arrow import OutgoingMessage
+from evergreen_trio.ipc.errors import ConnectionLostError, SharedMemoryError
+from evergreen_trio.ipc.flatbuf import MessageHeader
+from evergreen_trio.ipc.framing import BodyDescriptor, BodyType, encode_descriptor, make_tag
+from evergreen_trio.ipc.transports.base import Completion, Done, ServerChannel
+
+HANDLE = b"memfd:scm_rights"
+"""``remote_handle`` of shm URIs: the segment arrives as a file descriptor on the socket."""
+
+
+class SharedSegment:
+    """The server's memfd segment, mapped read-write."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+            self.map = mmap.mmap(self.fd, size)
+        except OSError as exc:
+            os.close(self.fd)
+            raise SharedMemoryError(f"shared memory: could not create a {size}-byte segment: {exc}") from None
+        self.size = size
+
+    def write(self, offset: int, body: pa.Buffer) -> None:
+        """The producer's copy into the segment."""
+        target = np.frombuffer(self.map, np.uint8, count=body.size, offset=offset)
+        target[:] = np.frombuffer(body, np.uint8)
+        del target
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.map.close()
+
+
+@dataclass
+class _Region:
+    start: int
+    offsets: collections.Counter[int]
+    freed: trio.Event = field(default_factory=trio.Event)
+
+    async def wait(self) -> None:
+        await self.freed.wait()
+
+
+class SharedMemoryBodies:
+    """:class:`~evergreen_trio.ipc.session.BodySender` placing bodies in a segment."""
+
+    def __init__(self, segment: SharedSegment) -> None:
+        self.segment = segment
+        self.arena = Arena(segment.size)
+        self._owner: dict[int, _Region] = {}
+        self._space = trio.Event()
+
+    async def post(self, channel: ServerChannel, seq: int, message: OutgoingMessage) -> Completion:
+        size = message.header.body_length
+        start = self.arena.allocate(size)
+        while start is None:
+            await self._space.wait()
+            start = self.arena.allocate(size)
+        if message.body is not None and message.body.size:
+            self.segment.write(start, message.body)
+        buffers = tuple((start + offset, length) for offset, length in message.header.buffers)
+        completion: Completion = Done()
+        if buffers:
+            region = _Region(start, collections.Counter(offset for offset, _ in buffers))
+            for offset in region.offsets:
+                self._owner[offset] = region
+            completion = region
+        else:
+            self._release(start)
+        await channel.post_body(
+            make_tag(seq, BodyType.DESCRIPTOR), encode_descriptor(BodyDescriptor(size, buffers))
+        )
+        return completion
+
+    def _release(self, start: int) -> None:
+        self.arena.free(start)
+        self._space.set()
+        self._space = trio.Event()
+
+    def on_free(self, offsets: Sequence[int]) -> None:
+        for offset in offsets:
+            region = self._owner.get(offset)
+            if region is None:
+                raise SharedMemoryError(f"free_data: expected an offset we sent and not yet freed, got {offset}")
+            region.offsets[offset] -= 1
+            if region.offsets[offset] == 0:
+                del region.offsets[offset]
+                del self._owner[offset]
+            if not region.offsets:
+                self._release(region.start)
+                region.freed.set()
+
+    @property
+    def outstanding(self) -> int:
+        """Regions the client still holds."""
+        return len(self.arena.regions())
+
+    def release_all(self) -> None:
+        for region in {id(r): r for r in self._owner.values()}.values():
+            region.freed.set()
+        self._owner.clear()
+        self.segment.close()
+
+
+async def send_segment(stream: trio.SocketStream, segment: SharedSegment) -> None:
+    """Pass the segment's descriptor to the client (one byte plus SCM_RIGHTS)."""
+    fds = array.array("i", [segment.fd])
+    try:
+        await stream.socket.sendmsg([b"M"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+    except OSError as exc:
+        raise ConnectionLostError(f"client left before receiving the segment: {exc}") from None
+
+
+async def receive_segment(sock: trio.socket.SocketType) -> int:
+    """The descriptor the server passed; raise SharedMemoryError if none came."""
+    size = socket.CMSG_SPACE(array.array("i").itemsize)
+    try:
+        data, ancillary, _flags, _addr = await sock.recvmsg(1, size)
+    except OSError as exc:
+        raise ConnectionLostError(f"server closed before passing its segment: {exc}") from None
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(payload) >= 4:
+            fds = array.array("i")
+            fds.frombytes(payload[: len(payload) - len(payload) % 4])
+            for extra in fds[1:]:
+                os.close(extra)
+            return fds[0]
+    raise SharedMemoryError(f"shm handshake: expected a segment descriptor, got {data!r} without one")
+
+
+class _Lease:
+    __slots__ = ("mapping", "offsets")
+
+    def __init__(self, mapping: SharedMemoryMapping, offsets: list[int]) -> None:
+        self.mapping = mapping
+        self.offsets = offsets
+
+    def __del__(self) -> None:
+        self.mapping._freed.extend(self.offsets)
+
+
+class SharedMemoryMapping:
+    """The client's read-only mapping; resolves descriptors into zero-copy pyarrow buffers."""
+
+    def __init__(self, fd: int) -> None:
+        try:
+            size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as exc:
+            raise SharedMemoryError(f"shared memory: could not map the server's segment: {exc}") from None
+        finally:
+            os.close(fd)
+        self.size = size
+        self._array: npt.NDArray[np.uint8] = np.frombuffer(self._map, np.uint8)
+        self._address = self._array.ctypes.data
+        self._freed: list[int] = []
+
+    def resolve(self, descriptor: object, header: MessageHeader, *, copy: bool) -> pa.Buffer:
+        assert isinstance(descriptor, BodyDescriptor)
+        for offset, length in descriptor.buffers:
+            if offset + length > self.size:
+                raise SharedMemoryError(
+                    f"body descriptor: expected buffers inside the {self.size}-byte segment, "
+                    f"got offset {offset} length {length}"
+                )
+        offsets = [offset for offset, _ in descriptor.buffers]
+        base = descriptor.buffers[0][0] - header.buffers[0][0] if descriptor.buffers else 0
+        in_place = (
+            bool(descriptor.buffers)
+            and base >= 0
+            and base + header.body_length <= self.size
+            and all(o - base == h for (o, _), (h, _) in zip(descriptor.buffers, header.buffers, strict=True))
+        )
+        if in_place and not copy:
+            return pa.foreign_buffer(self._address + base, header.body_length, base=_Lease(self, offsets))
+        # Buffers scattered differently from the packed layout (or a copy was asked for):
+        # pack them at their metadata offsets, then the segment can be freed at once.
+        body = np.zeros(header.body_length, np.uint8)
+        for (offset, length), (target, _) in zip(descriptor.buffers, header.buffers, strict=True):
+            body[target : target + length] = self._array[offset : offset + length]
+        self._freed.extend(offsets)
+        return pa.py_buffer(body)
+
+    def take_freed(self) -> list[int]:
+        freed, self._freed = self._freed, []
+        return freed

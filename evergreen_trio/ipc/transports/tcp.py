@@ -1,0 +1,137 @@
+"""Stream transports on Trio sockets (TCP, and the Unix socket of shared memory).
+
+One connection carries everything as (tag uint64 LE, length uint64 LE, bytes) frames:
+metadata messages under :data:`METADATA_TAG`, bodies under their body tags, and the
+client's want_data / free_data requests under the tags from the URI. Bodies are read
+with ``recv_into`` straight into pooled buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import pyarrow as pa
+import trio
+
+from evergreen_trio.ipc.config import IpcLimits
+from evergreen_trio.ipc.errors import ConnectionLostError, FramingError, LimitExceededError
+from evergreen_trio.ipc.framing import (
+    FRAME_HEADER,
+    METADATA_TAG,
+    RESERVED_MASK,
+    BodyType,
+    decode_frame_header,
+    encode_frame_header,
+    parse_body_tag,
+)
+from evergreen_trio.ipc.pool import BufferPool
+from evergreen_trio.ipc.transports.base import BodyIn, Completion, Done, MetadataIn
+
+log = logging.getLogger("evergreen_trio.ipc.tcp")
+
+_CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+class FramedSocket:
+    """Frame sends (serialised by a lock) and exact receives on one Trio socket stream."""
+
+    def __init__(self, stream: trio.SocketStream, limits: IpcLimits, pool: BufferPool | None = None) -> None:
+        self.stream = stream
+        self.limits = limits
+        self.pool = pool
+        self._sock = stream.socket
+        self._lock = trio.Lock()
+        self._header = bytearray(FRAME_HEADER.size)
+
+    async def send_frame(self, tag: int, payload: object) -> None:
+        view = memoryview(payload)  # type: ignore[arg-type]
+        try:
+            async with self._lock:
+                await self.stream.send_all(encode_frame_header(tag, view.nbytes))
+                if view.nbytes:
+                    await self.stream.send_all(view.cast("B"))
+        except _CLOSED as exc:
+            raise ConnectionLostError(f"peer closed the connection while we sent tag {tag:#x}: {exc}") from None
+
+    async def _receive_into(self, view: memoryview) -> None:
+        while view:
+            try:
+                got = await self._sock.recv_into(view)
+            except _CLOSED as exc:
+                raise ConnectionLostError(f"connection reset: {exc}") from None
+            if got == 0:
+                raise ConnectionLostError(f"peer closed the connection with {len(view)} bytes of a frame unread")
+            view = view[got:]
+
+    async def receive_header(self) -> tuple[int, int]:
+        await self._receive_into(memoryview(self._header))
+        return decode_frame_header(memoryview(self._header), self.limits)
+
+    async def receive_bytes(self, nbytes: int) -> bytes:
+        data = bytearray(nbytes)
+        await self._receive_into(memoryview(data))
+        return bytes(data)
+
+    async def receive_pooled(self, nbytes: int) -> pa.Buffer:
+        assert self.pool is not None
+        buffer, view = self.pool.acquire(nbytes)
+        await self._receive_into(view)
+        return buffer
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class StreamServerChannel:
+    """:class:`ServerChannel` over a framed socket."""
+
+    def __init__(self, framed: FramedSocket) -> None:
+        self.framed = framed
+        limits = framed.limits
+        self._max_request = max(limits.max_ticket_bytes, 8 * limits.max_free_data_offsets)
+
+    async def receive_request(self) -> tuple[int, bytes]:
+        tag, nbytes = await self.framed.receive_header()
+        if nbytes > self._max_request:
+            raise LimitExceededError(f"request tag {tag:#x}: expected <= {self._max_request} bytes, got {nbytes}")
+        return tag, await self.framed.receive_bytes(nbytes)
+
+    async def send_metadata(self, frame: bytes) -> None:
+        await self.framed.send_frame(METADATA_TAG, frame)
+
+    async def post_body(self, tag: int, body: object) -> Completion:
+        await self.framed.send_frame(tag, body)
+        return Done()
+
+
+class StreamClientChannel:
+    """:class:`ClientChannel` over a framed socket; raw bodies land in pooled buffers."""
+
+    def __init__(self, framed: FramedSocket) -> None:
+        self.framed = framed
+        self._max_descriptor = 16 + 16 * framed.limits.max_buffers_per_body
+
+    async def send_request(self, tag: int, payload: bytes) -> None:
+        await self.framed.send_frame(tag, payload)
+
+    async def receive(self) -> MetadataIn | BodyIn:
+        tag, nbytes = await self.framed.receive_header()
+        if tag == METADATA_TAG:
+            return MetadataIn(await self.framed.receive_bytes(nbytes))
+        if tag & RESERVED_MASK:
+            raise FramingError(f"frame tag {tag:#018x}: expected metadata or a body tag (bits 32-55 zero)")
+        if parse_body_tag(tag).body_type is BodyType.DESCRIPTOR:
+            if nbytes > self._max_descriptor:
+                raise LimitExceededError(f"body descriptor: expected <= {self._max_descriptor} bytes, got {nbytes}")
+            return BodyIn(tag, await self.framed.receive_bytes(nbytes), nbytes)
+        return BodyIn(tag, await self.framed.receive_pooled(nbytes), nbytes)
+
+
+Handler = Callable[[trio.SocketStream], Awaitable[None]]
+
+
+async def open_tcp_listener(host: str, port: int) -> trio.SocketListener:
+    """One TCP listener on ``host:port`` (port 0 picks a free one)."""
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    return listeners[0]
