@@ -172,9 +172,9 @@ async def fetch(
     if parsed.scheme == "ucx":
         from evergreen_trio.ipc.transports.ucx import connect_ucx
 
-        async with connect_ucx(parsed, limits, pool) as channel:
-            stream = IpcStream(channel, free_data=parsed.free_data, limits=limits, copy=copy)
-            await channel.send_request(parsed.want_data, _ticket(ticket))
+        async with connect_ucx(parsed, limits, pool) as ucx_channel:
+            stream = IpcStream(ucx_channel, free_data=parsed.free_data, limits=limits, copy=copy)
+            await ucx_channel.send_request(parsed.want_data, _ticket(ticket))
             yield stream
         return
     resolver = None

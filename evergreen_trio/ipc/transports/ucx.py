@@ -1,0 +1,171 @@
+"""UCX transport: per-connection workers, tagged metadata, tagged bodies.
+
+Connection set-up (our own, before the protocol starts): the client connects to the
+listener's ``host:port`` and sends its worker address under :data:`HELLO_TAG`; the
+server creates a fresh worker for that client, connects to the client's worker and
+answers with its own address under :data:`ADDRESS_TAG`; the client connects to that
+worker. From then on each side has one worker per connection, so tag matching only
+ever sees that connection's messages.
+
+The metadata stream travels as tagged messages under :data:`METADATA_TAG` (bits 32-55
+set, so it can never match a body tag); bodies use the protocol's body tags.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from evergreen_trio.ipc.config import IpcLimits
+from evergreen_trio.ipc.errors import FramingError, LimitExceededError, TransportError
+from evergreen_trio.ipc.framing import (
+    ADDRESS_TAG,
+    HELLO_TAG,
+    METADATA_PREFIX,
+    METADATA_TAG,
+    RESERVED_MASK,
+    BodyType,
+    parse_body_tag,
+)
+from evergreen_trio.ipc.pool import BufferPool
+from evergreen_trio.ipc.session import Lookup, RawBodies, ServeOptions, serve_connection
+from evergreen_trio.ipc.transports.base import BodyIn, Completion, MetadataIn
+from evergreen_trio.ipc.transports.ucx_bridge import (
+    FULL_MASK,
+    Endpoint,
+    WorkerBridge,
+    accept,
+    connect,
+    connect_address,
+    create_context,
+    create_listener,
+    open_bridge,
+)
+from evergreen_trio.ipc.uri import IpcUri
+
+log = logging.getLogger("evergreen_trio.ipc.ucx")
+
+MAX_ADDRESS_BYTES = 1 << 16
+
+
+async def _receive_small(bridge: WorkerBridge, tag: int, mask: int, limit: int, what: str) -> tuple[int, bytes]:
+    probe = await bridge.probe(tag, mask)
+    data = bytearray(probe.length)
+    await bridge.receive(probe, data)
+    if probe.length > limit:
+        raise LimitExceededError(f"{what}: expected <= {limit} bytes, got {probe.length}")
+    return int(probe.sender_tag.value), bytes(data)
+
+
+class UcxServerChannel:
+    """:class:`ServerChannel` on a per-connection worker."""
+
+    def __init__(self, bridge: WorkerBridge, endpoint: Endpoint, limits: IpcLimits) -> None:
+        self.bridge = bridge
+        self.endpoint = endpoint
+        self._max_request = max(limits.max_ticket_bytes, 8 * limits.max_free_data_offsets)
+
+    async def receive_request(self) -> tuple[int, bytes]:
+        return await _receive_small(self.bridge, 0, 0, self._max_request, "request")
+
+    async def send_metadata(self, frame: bytes) -> None:
+        await self.bridge.send(self.endpoint, METADATA_TAG, frame).wait()
+
+    async def post_body(self, tag: int, body: object) -> Completion:
+        return self.bridge.send(self.endpoint, tag, body)
+
+
+class UcxClientChannel:
+    """:class:`ClientChannel`: probe any tag, then receive metadata or a body into a pooled buffer."""
+
+    def __init__(self, bridge: WorkerBridge, endpoint: Endpoint, limits: IpcLimits, pool: BufferPool) -> None:
+        self.bridge = bridge
+        self.endpoint = endpoint
+        self.limits = limits
+        self.pool = pool
+        self._max_descriptor = 16 + 16 * limits.max_buffers_per_body
+
+    async def send_request(self, tag: int, payload: bytes) -> None:
+        await self.bridge.send(self.endpoint, tag, payload).wait()
+
+    async def receive(self) -> MetadataIn | BodyIn:
+        probe = await self.bridge.probe(0, 0)
+        tag, nbytes = int(probe.sender_tag.value), int(probe.length)
+        if tag == METADATA_TAG or tag & RESERVED_MASK:
+            # Take the message off the wire before judging it: nothing stays queued.
+            data = bytearray(nbytes) if nbytes <= self.limits.max_metadata_bytes + METADATA_PREFIX else None
+            if data is None:
+                raise LimitExceededError(f"metadata: expected <= {self.limits.max_metadata_bytes} bytes, got {nbytes}")
+            await self.bridge.receive(probe, data)
+            if tag != METADATA_TAG:
+                raise FramingError(f"tag {tag:#018x}: expected metadata or a body tag (bits 32-55 zero)")
+            return MetadataIn(bytes(data))
+        body_type = parse_body_tag(tag).body_type
+        if body_type is BodyType.DESCRIPTOR:
+            if nbytes > self._max_descriptor:
+                raise LimitExceededError(f"body descriptor: expected <= {self._max_descriptor} bytes, got {nbytes}")
+            data = bytearray(nbytes)
+            await self.bridge.receive(probe, data)
+            return BodyIn(tag, bytes(data), nbytes)
+        if nbytes > self.limits.max_body_bytes:
+            raise LimitExceededError(f"body: expected <= {self.limits.max_body_bytes} bytes, got {nbytes}")
+        buffer, view = self.pool.acquire(nbytes)
+        await self.bridge.receive(probe, view)
+        return BodyIn(tag, buffer, nbytes)
+
+
+async def _serve_one(context: object, client_address: bytes, lookup: Lookup, options: ServeOptions, peer: str) -> None:
+    async with open_bridge(context) as bridge:
+        try:
+            endpoint = connect_address(bridge, client_address)
+            await bridge.send(endpoint, ADDRESS_TAG, bridge.address()).wait()
+        except TransportError as exc:
+            log.info("ucx.handshake_failed peer=%s error=%s", peer, exc)
+            return
+        await serve_connection(UcxServerChannel(bridge, endpoint, options.limits), lookup, RawBodies(), options, peer)
+
+
+async def serve_ucx(
+    host: str, port: int, lookup: Lookup, options: ServeOptions, task_status: trio.TaskStatus[IpcUri]
+) -> None:
+    """Listen on ``port``; hand every client its own worker."""
+    context = create_context()
+    async with open_bridge(context) as listen_bridge:
+        bootstrap: list[Endpoint] = []
+
+        def on_connect(conn_request: int) -> None:
+            endpoint = accept(listener, conn_request)
+            bootstrap.append(endpoint)
+            listen_bridge.watch(endpoint, on_close=lambda: _drop(endpoint))
+
+        def _drop(endpoint: Endpoint) -> None:
+            if endpoint in bootstrap:
+                bootstrap.remove(endpoint)
+            listen_bridge.forget(endpoint)
+
+        listener = create_listener(listen_bridge, port, on_connect)
+        task_status.started(IpcUri("ucx", options.want_data, host=host, port=int(listener.port)))
+        async with trio.open_nursery() as nursery:
+            count = 0
+            while True:
+                _, address = await _receive_small(listen_bridge, HELLO_TAG, FULL_MASK, MAX_ADDRESS_BYTES, "hello")
+                count += 1
+                nursery.start_soon(_serve_one, context, address, lookup, options, f"ucx#{count}")
+
+
+@asynccontextmanager
+async def connect_ucx(uri: IpcUri, limits: IpcLimits, pool: BufferPool) -> AsyncIterator[UcxClientChannel]:
+    """Run the handshake and yield a channel to the server's per-connection worker."""
+    context = create_context()
+    async with open_bridge(context) as bridge:
+        with trio.move_on_after(limits.connect_timeout_s) as timeout:
+            hello = connect(bridge, uri.host, uri.port)
+            await bridge.send(hello, HELLO_TAG, bridge.address()).wait()
+            _, server_address = await _receive_small(bridge, ADDRESS_TAG, FULL_MASK, MAX_ADDRESS_BYTES, "address")
+            endpoint = connect_address(bridge, server_address)
+        if timeout.cancelled_caught:
+            raise TransportError(f"UCX connect {uri.host}:{uri.port}: no answer within {limits.connect_timeout_s}s")
+        yield UcxClientChannel(bridge, endpoint, limits, pool)

@@ -1,0 +1,233 @@
+"""The UCX <-> Trio bridge: the only module that touches ``ucxx``.
+
+One UCX worker per connection, in blocking progress mode, driven by one Trio task:
+it progresses the worker, wakes every waiter through a ``trio.lowlevel.ParkingLot``,
+arms the worker and sleeps in ``trio.lowlevel.wait_readable`` on the worker's epoll
+file descriptor. A task that posts a request kicks the progress task (cancelling its
+sleep) so the request is progressed at once. No asyncio, no busy loop, no thread.
+
+Receives are probe-then-receive-with-handle: nothing is posted before the message is
+there, so a cancelled receive never leaves a posted request behind. Every send keeps
+its buffer referenced until its request completes (UCX does not), and teardown cancels
+and reaps whatever is still in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeAlias
+
+import trio
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+from ucxx._lib import libucxx as ucx
+from ucxx._lib.arr import Array
+
+from evergreen_trio.ipc.errors import ConnectionLostError, TransportError
+
+log = logging.getLogger("evergreen_trio.ipc.ucx")
+
+DEFAULT_TLS = "tcp,self,sm"
+"""Transports used when ``UCX_TLS`` is unset: what works on a CPU-only host."""
+FULL_MASK = 0xFFFF_FFFF_FFFF_FFFF
+_REAP_ROUNDS = 1000
+
+Endpoint: TypeAlias = Any
+ProbeResult: TypeAlias = Any
+Context: TypeAlias = Any
+Listener: TypeAlias = Any
+
+
+def create_context() -> Context:
+    """A UCX context with tag matching and wakeup; ``UCX_TLS`` (default tcp,self,sm) picks transports."""
+    tls = os.environ.get("UCX_TLS", DEFAULT_TLS)
+    try:
+        return ucx.UCXContext(config_dict={"TLS": tls}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+    except ucx.UCXError as exc:
+        raise TransportError(f"UCX: could not create a context with TLS={tls}: {exc}") from None
+
+
+def worker_address(address: bytes) -> Any:
+    return ucx.UCXAddress.create_from_buffer(address)
+
+
+class Request:
+    """A posted UCX request and the buffer it must keep alive; also a body completion."""
+
+    __slots__ = ("bridge", "buffer", "request")
+
+    def __init__(self, bridge: WorkerBridge, request: Any, buffer: object) -> None:
+        self.bridge = bridge
+        self.request = request
+        self.buffer = buffer
+
+    async def wait(self) -> None:
+        await self.bridge.wait(self)
+
+
+class WorkerBridge:
+    """One worker, its progress task, its in-flight requests and its endpoints."""
+
+    def __init__(self, context: Context) -> None:
+        self.worker = ucx.UCXWorker(context)
+        self.worker.init_blocking_progress_mode()
+        self._fd = self.worker.epoll_file_descriptor
+        self._lot = trio.lowlevel.ParkingLot()
+        self._kicked = False
+        self._sleep: trio.CancelScope | None = None
+        self._inflight: set[Request] = set()
+        self._endpoints: list[Endpoint] = []
+        self.failure: str | None = None
+        self.wakeups = 0
+
+    @property
+    def inflight(self) -> int:
+        """Requests posted and not yet completed (0 after teardown)."""
+        return len(self._inflight)
+
+    def address(self) -> bytes:
+        return bytes(self.worker.address.tobytes())
+
+    def kick(self) -> None:
+        """Make the progress task progress now (called after posting a request)."""
+        self._kicked = True
+        if self._sleep is not None:
+            self._sleep.cancel()
+
+    async def progress_forever(self) -> None:
+        while True:
+            self._kicked = False
+            self.worker.progress()
+            self._lot.unpark_all()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            if self._kicked or not self.worker.arm():
+                continue
+            with trio.CancelScope() as sleep:
+                self._sleep = sleep
+                await trio.lowlevel.wait_readable(self._fd)
+            self._sleep = None
+            self.wakeups += 1
+
+    async def _park(self) -> None:
+        if self.failure is not None:
+            raise ConnectionLostError(f"UCX peer went away: {self.failure}")
+        await self._lot.park()
+
+    def watch(self, endpoint: Endpoint, on_close: Callable[[], None] | None = None) -> Endpoint:
+        """Track an endpoint; its failure fails every waiter (or calls ``on_close``)."""
+        self._endpoints.append(endpoint)
+        endpoint.set_close_callback(self._closed, (endpoint, on_close))
+        return endpoint
+
+    def _closed(self, endpoint: Endpoint, on_close: Callable[[], None] | None) -> None:
+        if on_close is not None:
+            on_close()
+            return
+        if self.failure is None:
+            self.failure = f"endpoint {endpoint.handle:#x} closed or failed"
+            log.info("ucx.endpoint_closed handle=%#x", endpoint.handle)
+        self._lot.unpark_all()
+
+    def forget(self, endpoint: Endpoint) -> None:
+        if endpoint in self._endpoints:
+            self._endpoints.remove(endpoint)
+
+    def send(self, endpoint: Endpoint, tag: int, payload: object) -> Request:
+        """Post a tagged send; the returned request holds ``payload`` until it completes."""
+        if self.failure is not None:
+            raise ConnectionLostError(f"UCX peer went away: {self.failure}")
+        try:
+            request = Request(self, endpoint.tag_send(Array(payload), ucx.UCXXTag(tag)), payload)
+        except ucx.UCXError as exc:
+            raise ConnectionLostError(f"UCX send of tag {tag:#x} failed: {exc}") from None
+        self._inflight.add(request)
+        self.kick()
+        return request
+
+    async def wait(self, request: Request) -> None:
+        """Wait for a request; raise ConnectionLostError if it failed."""
+        self.kick()
+        while not request.request.completed:
+            await self._park()
+        self._inflight.discard(request)
+        try:
+            request.request.check_error()
+        except ucx.UCXError as exc:
+            raise ConnectionLostError(f"UCX request failed: {exc}") from None
+
+    async def probe(self, tag: int = 0, mask: int = 0) -> ProbeResult:
+        """Wait until a message matching (tag, mask) has arrived and take it off the queue."""
+        while True:
+            result = self.worker.tag_probe(ucx.UCXXTag(tag), ucx.UCXXTagMask(mask), remove=True)
+            if result.matched:
+                return result
+            await self._park()
+
+    async def receive(self, probe: ProbeResult, target: object) -> None:
+        """Receive a probed message into ``target`` (a writable buffer of ``probe.length`` bytes)."""
+        request = Request(self, self.worker.tag_recv_with_handle(Array(target), probe), target)
+        self._inflight.add(request)
+        await self.wait(request)
+
+    def shutdown(self) -> None:
+        """Cancel and reap in-flight requests, then close endpoints (bounded, synchronous)."""
+        if self._inflight:
+            self.worker.cancel_inflight_requests(0, 1)
+            for _ in range(_REAP_ROUNDS):
+                self.worker.progress()
+                self._inflight = {r for r in self._inflight if not r.request.completed}
+                if not self._inflight:
+                    break
+            if self._inflight:
+                log.warning("ucx.unreaped_requests count=%d", len(self._inflight))
+            self._inflight.clear()
+        for endpoint in self._endpoints:
+            endpoint.remove_close_callback()
+            if endpoint.alive:
+                endpoint.close_blocking(10_000_000, 10)
+        self._endpoints.clear()
+
+
+@asynccontextmanager
+async def open_bridge(context: Context) -> AsyncIterator[WorkerBridge]:
+    """A worker with its progress task running for the duration of the block."""
+    bridge = WorkerBridge(context)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(bridge.progress_forever)
+            try:
+                yield bridge
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        bridge.shutdown()
+
+
+def create_listener(bridge: WorkerBridge, port: int, on_connect: Callable[[int], None]) -> Listener:
+    """A listener on ``bridge``'s worker; ``on_connect`` gets each connection request."""
+    try:
+        return ucx.UCXListener.create(bridge.worker, port, on_connect)
+    except ucx.UCXError as exc:
+        raise TransportError(f"UCX: could not listen on port {port}: {exc}") from None
+
+
+def connect(bridge: WorkerBridge, host: str, port: int) -> Endpoint:
+    try:
+        return bridge.watch(bridge.worker.create_endpoint_from_hostname(host, port, True))
+    except ucx.UCXError as exc:
+        raise TransportError(f"UCX: could not connect to {host}:{port}: {exc}") from None
+
+
+def connect_address(bridge: WorkerBridge, address: bytes) -> Endpoint:
+    try:
+        return bridge.watch(bridge.worker.create_endpoint_from_worker_address(worker_address(address), True))
+    except ucx.UCXError as exc:
+        raise TransportError(f"UCX: could not connect to a worker address: {exc}") from None
+
+
+def accept(listener: Listener, conn_request: int) -> Endpoint:
+    return listener.create_endpoint_from_conn_request(conn_request, True)
