@@ -165,3 +165,15 @@ class BatchDecoder:
         except (pa.ArrowException, StopIteration) as exc:
             raise IpcError(f"IPC message {header.kind.name}: pyarrow rejected it: {exc}") from None
         return None
+
+
+def read_messages(messages: Iterable[OutgoingMessage]) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    """Decode outgoing messages locally (Flight's DoGet, checks) with pyarrow's reader."""
+    decoder = BatchDecoder()
+    batches = []
+    for message in messages:
+        batch = decoder.feed(message.flatbuffer, message.header, message.body)
+        if batch is not None:
+            batches.append(batch)
+    assert decoder.schema is not None
+    return decoder.schema, batches

@@ -1,0 +1,47 @@
+"""Apache Arrow Dissociated IPC on Trio: metadata and bodies on separate streams.
+
+Serve pyarrow tables or Arrow IPC files over UCX, TCP or shared memory and read them
+back as ``pyarrow.RecordBatch``es. See ``docs/ipc.md``.
+"""
+
+from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
+from evergreen_trio.ipc.errors import (
+    BodyMismatchError,
+    ConnectionLostError,
+    FlatbufferError,
+    FramingError,
+    IpcError,
+    LimitExceededError,
+    SequenceError,
+    SharedMemoryError,
+    TransportError,
+    UnknownTicketError,
+    UriError,
+)
+from evergreen_trio.ipc.service import Catalog, fetch, fetch_table, serve
+from evergreen_trio.ipc.session import IpcStream, ServeOptions
+from evergreen_trio.ipc.uri import IpcUri, parse_uri
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "BodyMismatchError",
+    "Catalog",
+    "ConnectionLostError",
+    "FlatbufferError",
+    "FramingError",
+    "IpcError",
+    "IpcLimits",
+    "IpcStream",
+    "IpcUri",
+    "LimitExceededError",
+    "SequenceError",
+    "ServeOptions",
+    "SharedMemoryError",
+    "TransportError",
+    "UnknownTicketError",
+    "UriError",
+    "fetch",
+    "fetch_table",
+    "parse_uri",
+    "serve",
+]

@@ -1,0 +1,130 @@
+"""``evergreen-trio ipc serve FILE`` and ``evergreen-trio ipc get URI TICKET --out OUT``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import trio
+
+from evergreen_trio.ipc.errors import IpcError
+from evergreen_trio.ipc.service import Catalog, fetch, serve
+from evergreen_trio.ipc.uri import IpcUri
+
+PROGRESS_AFTER_S = 0.5
+PROGRESS_EVERY_S = 0.1
+_BAR = 30
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    ipc = subparsers.add_parser("ipc", help="Arrow Dissociated IPC: serve and fetch Arrow data")
+    commands = ipc.add_subparsers(dest="ipc_command", required=True)
+    serve_parser = commands.add_parser("serve", help="serve an Arrow IPC file or stream until interrupted")
+    serve_parser.add_argument("file", type=Path, help="Arrow IPC file or stream; the ticket is its base name")
+    serve_parser.add_argument(
+        "--uri", default="tcp://127.0.0.1:0", help="ucx://HOST:PORT, tcp://HOST:PORT or shm:// (port 0: any)"
+    )
+    serve_parser.add_argument("--flight", help="also run a Flight control plane at this grpc:// location")
+    serve_parser.set_defaults(run=run_serve)
+    get_parser = commands.add_parser("get", help="fetch a stream and write it as an Arrow IPC file")
+    get_parser.add_argument("uri", help="the URI printed by `ipc serve`")
+    get_parser.add_argument("ticket", help="the ticket (the served file's base name)")
+    get_parser.add_argument("--out", type=Path, required=True, help="output Arrow IPC file")
+    get_parser.set_defaults(run=run_get)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    catalog = Catalog()
+    try:
+        catalog.add_file(args.file)
+    except (OSError, IpcError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            uri: IpcUri = await nursery.start(serve, args.uri, catalog)
+            print(uri, flush=True)
+            if args.flight:
+                from evergreen_trio.ipc.flight import ControlPlane
+
+                plane = ControlPlane(args.flight, catalog, uri)
+                print(f"flight grpc://127.0.0.1:{plane.port}", file=sys.stderr, flush=True)
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    except (OSError, IpcError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class Progress:
+    """A one-line progress bar on stderr, shown only for transfers longer than half a second."""
+
+    def __init__(self, total: int | None = None) -> None:
+        self.total = total
+        self.start = time.monotonic()
+        self.last = 0.0
+        self.bytes = 0
+        self.batches = 0
+        self.shown = False
+
+    def update(self, nbytes: int) -> None:
+        self.bytes += nbytes
+        self.batches += 1
+        now = time.monotonic()
+        if now - self.start < PROGRESS_AFTER_S or now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = now
+        self.shown = True
+        rate = self.bytes / (now - self.start) / 1e6
+        if self.total:
+            filled = min(_BAR, _BAR * self.bytes // self.total)
+            bar = f"[{'#' * filled}{'.' * (_BAR - filled)}] "
+        else:
+            bar = f"[{'.' * (self.batches % _BAR)}#{'.' * (_BAR - 1 - self.batches % _BAR)}] "
+        sys.stderr.write(f"\r{bar}{self.bytes / 2**20:,.1f} MiB  {self.batches} batches  {rate:,.0f} MB/s")
+        sys.stderr.flush()
+
+    def finish(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+
+
+async def get(uri: str, ticket: str, out: Path) -> int:
+    """Fetch ``ticket`` and write an Arrow IPC file; return the number of rows."""
+    rows = 0
+    progress = Progress()
+    async with fetch(uri, ticket) as stream:
+        writer = None
+        try:
+            async for batch in stream:
+                if writer is None:
+                    writer = pa.ipc.new_file(str(out), batch.schema)
+                writer.write_batch(batch)
+                rows += batch.num_rows
+                progress.update(batch.nbytes)
+                del batch
+            if writer is None and stream.schema is not None:
+                writer = pa.ipc.new_file(str(out), stream.schema)
+        finally:
+            if writer is not None:
+                writer.close()
+            progress.finish()
+    return rows
+
+
+def run_get(args: argparse.Namespace) -> int:
+    try:
+        rows = trio.run(get, args.uri, args.ticket, args.out)
+    except IpcError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{rows} rows -> {args.out}", file=sys.stderr)
+    return 0
