@@ -36,25 +36,25 @@ _HELP = {
 }
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One option per SimConfig knob (``--max-batch`` ...) and ``--lora`` (repeatable)."""
+def add_config_arguments(parser: argparse._ActionsContainer, *, prefix: str = "") -> None:
+    """One option per SimConfig knob (``--max-batch`` ...) and ``--lora`` (repeatable), names after ``prefix``."""
     for field in fields(SimConfig):
         if field.name == "lora_adapters":
             continue
         default = field.default
         assert default is not MISSING
         parser.add_argument(
-            "--" + field.name.replace("_", "-"), type=type(default), default=default,
+            f"--{prefix}{field.name.replace('_', '-')}", type=type(default), default=default,
             help=f"{_HELP[field.name]} (default: %(default)s)",
         )
-    parser.add_argument("--lora", action="append", default=[], metavar="NAME",
+    parser.add_argument(f"--{prefix}lora", action="append", default=[], metavar="NAME",
                         help="serve a LoRA adapter of this name (repeatable)")
 
 
-def config_from_args(args: argparse.Namespace) -> SimConfig:
-    """Build the SimConfig the options describe; raises SimConfigError naming a bad knob."""
-    values = {f.name: getattr(args, f.name) for f in fields(SimConfig) if f.name != "lora_adapters"}
-    return SimConfig(lora_adapters=tuple(args.lora), **values)
+def config_from_args(args: argparse.Namespace, *, prefix: str = "") -> SimConfig:
+    """Build the SimConfig the options describe (``prefix`` as in ``add_config_arguments``, with ``_``)."""
+    values = {f.name: getattr(args, prefix + f.name) for f in fields(SimConfig) if f.name != "lora_adapters"}
+    return SimConfig(lora_adapters=tuple(getattr(args, prefix + "lora")), **values)
 
 
 def _run(args: argparse.Namespace) -> int:

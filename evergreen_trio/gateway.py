@@ -1,0 +1,426 @@
+"""`evergreen-trio gateway`: the picker, a real Envoy and optionally N simulated model servers, under one nursery.
+
+``run_gateway`` starts, in order, the simulated servers (``simulate`` > 0: their addresses
+define the pool's endpoints), the picker on the pool, and Envoy on the config ``gateway_config``
+writes; it reports a :class:`GatewayInfo` once a request through Envoy reaches a model server.
+Everything lives in one nursery: Ctrl-C, or any part failing or stopping, cancels the rest, and
+Envoy (a child process) is terminated with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextvars
+import ctypes
+import ipaddress
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+import yaml
+
+from evergreen_trio.errors import EvergreenTrioError
+from evergreen_trio.picker.config import PickerConfig, config_from_documents
+from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
+from evergreen_trio.picker.envoy_process import ENVOY_ARGS, find_envoy
+from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.runtime import PickerPorts, run_picker
+from evergreen_trio.sim.cli import add_config_arguments, config_from_args
+from evergreen_trio.sim.config import SimConfig
+from evergreen_trio.sim.errors import SimConfigError
+from evergreen_trio.sim.server import run_sim
+
+logger = logging.getLogger("evergreen_trio.gateway")
+
+MAX_SIMULATE = 64
+"""Most simulated servers one gateway runs."""
+
+ENVOY_LOG_FORMAT = "[envoy] %Y-%m-%d %T.%e %l %n: %v"
+"""Envoy writes its own log lines with this prefix (it is a child process with our stderr)."""
+
+_component: contextvars.ContextVar[str] = contextvars.ContextVar("evergreen_trio_gateway_component", default="")
+
+
+class GatewayError(EvergreenTrioError):
+    """The gateway could not start, or one of its parts stopped."""
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """What ``run_gateway`` runs.
+
+    ``config_path`` is a picker config (YAML, see docs/picker.md); it may be None when
+    ``simulate`` > 0, which then makes a pool of the simulated servers that accepts any model.
+    """
+
+    config_path: Path | None = None
+    listen: str = "127.0.0.1:8080"
+    """Envoy's listener, ``ip:port`` (port 0: any free port, reported in GatewayInfo)."""
+    simulate: int = 0
+    """Simulated model servers to run; their addresses replace the config's endpoints."""
+    sim: SimConfig = field(default_factory=SimConfig)
+    """Knobs of every simulated server; model names come from the config's models when it lists any."""
+    round_robin_port: int | None = None
+    """Also open Envoy's round-robin listener (no picker) on this port, the routing baseline."""
+    picker_host: str = "127.0.0.1"
+    grpc_port: int = 0
+    health_port: int = 0
+    metrics_port: int = 0
+    ready_timeout_s: float = 30.0
+    """How long the stack may take to answer its first request through Envoy."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.simulate <= MAX_SIMULATE:
+            raise GatewayError(f"simulate must be in 0..{MAX_SIMULATE}, got {self.simulate}")
+        if self.config_path is None and not self.simulate:
+            raise GatewayError("expected a config file, or simulate >= 1 to make a pool of simulated servers")
+        split_listen(self.listen)
+        for name in ("grpc_port", "health_port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise GatewayError(f"{name} must be in 0..65535, got {getattr(self, name)}")
+        if self.round_robin_port is not None and not 0 < self.round_robin_port < 65536:
+            raise GatewayError(f"round_robin_port must be in 1..65535, got {self.round_robin_port}")
+        if self.ready_timeout_s <= 0:
+            raise GatewayError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+
+
+@dataclass(frozen=True)
+class GatewayInfo:
+    """Where a running gateway's parts are (what ``task_status.started`` reports)."""
+
+    url: str
+    """The gateway: send OpenAI requests here."""
+    round_robin_url: str | None
+    admin_url: str
+    picker: PickerPorts
+    endpoints: tuple[str, ...]
+    """The pool's model servers, ``ip:port``."""
+    envoy_config: Path
+
+    def lines(self) -> list[str]:
+        """A human summary, one part per line."""
+        lines = [f"gateway      {self.url}"]
+        if self.round_robin_url:
+            lines.append(f"round robin  {self.round_robin_url}  (baseline, no picker)")
+        lines += [
+            f"picker       grpc 127.0.0.1:{self.picker.grpc}  health :{self.picker.health}  "
+            f"metrics http://127.0.0.1:{self.picker.metrics}/metrics",
+            f"envoy admin  {self.admin_url}  config {self.envoy_config}",
+        ]
+        lines += [f"endpoint     http://{address}" for address in self.endpoints]
+        return lines
+
+
+class _ComponentPrefix(logging.Filter):
+    """Prefixes each record with the gateway part it came from, e.g. ``[sim-2]``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        component = _component.get()
+        if component and not getattr(record, "_gateway_prefixed", False):
+            record.msg = f"[{component}] {record.msg}"
+            record._gateway_prefixed = True
+        return True
+
+
+@contextmanager
+def _prefixed_logs() -> Iterator[None]:
+    handlers = logging.getLogger().handlers
+    prefix = _ComponentPrefix()
+    for handler in handlers:
+        handler.addFilter(prefix)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(prefix)
+
+
+async def _part(
+    name: str, run: Callable[..., Awaitable[None]], *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run one part under its log prefix; a part that returns is an error (it must run until cancelled)."""
+    _component.set(name)
+    await run(task_status=task_status)
+    raise GatewayError(f"{name} stopped on its own; stopping the gateway")
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the thread that spawned it exits (Linux PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+async def _wait_envoy_ready(admin_url: str, exited: trio.Event, timeout_s: float) -> None:
+    async with httpx.AsyncClient(timeout=1.0) as client:
+        with trio.move_on_after(timeout_s):
+            while not exited.is_set():
+                try:
+                    if (await client.get(f"{admin_url}/ready")).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await trio.sleep(0.05)
+    raise GatewayError(f"expected Envoy's admin {admin_url}/ready to answer 200 within {timeout_s}s"
+                       + ("; it exited" if exited.is_set() else ""))
+
+
+async def run_envoy_pinned(
+    config_path: Path,
+    *,
+    admin_port: int,
+    extra_args: Sequence[str] = (),
+    ready_timeout_s: float = 30.0,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run Envoy until cancelled; started once admin ``/ready`` answers 200.
+
+    PR_SET_PDEATHSIG fires when the spawning *thread* exits. ``trio.run_process`` spawns in a
+    cached worker thread that exits after 10 s idle, which SIGTERMs Envoy (seen with the
+    picker's ``run_envoy``). Here one thread spawns Envoy and waits on it for its whole life, so
+    Envoy dies with this process and at no other time.
+    """
+    command = [find_envoy(), "-c", str(config_path), *ENVOY_ARGS, *extra_args]
+    spawned: list[subprocess.Popen[bytes]] = []
+    exited = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def spawn_and_wait() -> int:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        spawned.append(process)
+        try:
+            return process.wait()
+        finally:
+            trio.from_thread.run_sync(exited.set, trio_token=token)
+
+    async def watch() -> None:
+        status = await trio.to_thread.run_sync(spawn_and_wait, abandon_on_cancel=True)
+        raise GatewayError(f"expected Envoy to run until cancelled, it exited with status {status}")
+
+    logger.info("envoy.start config=%s admin_port=%d", config_path, admin_port)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        try:
+            await _wait_envoy_ready(f"http://127.0.0.1:{admin_port}", exited, ready_timeout_s)
+            task_status.started()
+            await exited.wait()
+        finally:
+            for process in spawned:
+                process.terminate()
+            with trio.move_on_after(5) as waited:
+                waited.shield = True
+                await exited.wait()
+            if waited.cancelled_caught:
+                for process in spawned:
+                    process.kill()
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """``ip:port`` or ``[v6]:port`` -> (ip, port); port 0 means any free port."""
+    host, _, port = listen.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise GatewayError(f"listen must be ip:port, got {listen!r}") from None
+    if not port.isdigit() or int(port) > 65535:
+        raise GatewayError(f"listen port must be in 0..65535, got {listen!r}") from None
+    return host, int(port)
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _read_documents(path: Path | None) -> list[object]:
+    if path is None:
+        return [{"pool": {"name": "simulated", "endpoints": []}}]
+    try:
+        return list(yaml.safe_load_all(path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError("file", f"a readable UTF-8 file at {path}", str(error)) from None
+    except yaml.YAMLError as error:
+        raise ConfigError("file", "valid YAML", str(error).splitlines()[0]) from None
+
+
+def pool_config(documents: Sequence[object], endpoints: Sequence[str] | None) -> PickerConfig:
+    """The picker config of ``documents``, with the plain document's endpoints replaced when given."""
+    if endpoints is None:
+        return config_from_documents(documents)
+    patched: list[object] = []
+    for document in documents:
+        if isinstance(document, Mapping) and "kind" not in document and isinstance(document.get("pool"), Mapping):
+            pool = {**document["pool"], "endpoints": [{"address": a, "engine": "vllm"} for a in endpoints]}
+            document = {**document, "pool": pool}
+        patched.append(document)
+    return config_from_documents(patched)
+
+
+def served_names(config: PickerConfig) -> tuple[str, ...]:
+    """The model names the pool's servers must serve: each model's targets, or the model itself."""
+    names: list[str] = []
+    for model in config.models:
+        for name in [t.name for t in model.target_models] or [model.name]:
+            if name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+async def _wait_until_routed(url: str, timeout_s: float) -> None:
+    """Until ``GET /v1/models`` through Envoy and the picker answers 200 (the picker has scraped the pool)."""
+    last = "no answer"
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        with trio.move_on_after(timeout_s):
+            while True:
+                try:
+                    response = await client.get(f"{url}/v1/models")
+                    if response.status_code == 200:
+                        return
+                    last = f"HTTP {response.status_code}"
+                except httpx.HTTPError as error:
+                    last = type(error).__name__
+                await trio.sleep(0.05)
+    raise GatewayError(f"expected a request through {url} to reach a model server within {timeout_s}s; last: {last}")
+
+
+async def _bound_listeners(admin_url: str) -> dict[str, int]:
+    """Envoy's listener name -> bound port, from its admin API (needed when a port was 0)."""
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        statuses = (await client.get(f"{admin_url}/listeners", params={"format": "json"})).json()
+    return {
+        status["name"]: int(status["local_address"]["socket_address"]["port_value"])
+        for status in statuses["listener_statuses"]
+    }
+
+
+async def run_gateway(
+    settings: GatewaySettings, *, task_status: trio.TaskStatus[GatewayInfo] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run the whole gateway until cancelled; ``started`` gets where everything is."""
+    documents = _read_documents(settings.config_path)
+    simulated = settings.simulate > 0
+    # Validate the config before anything starts (placeholder endpoints stand in for the simulators).
+    config = pool_config(documents, [f"127.0.0.1:{i + 1}" for i in range(settings.simulate)] if simulated else None)
+    listen_host, listen_port = split_listen(settings.listen)
+    sim_config = settings.sim
+    names = served_names(config)
+    if simulated and names:
+        sim_config = replace(sim_config, model=names[0], lora_adapters=names[1:],
+                             max_loras=max(sim_config.max_loras, 1))
+    with _prefixed_logs(), tempfile.TemporaryDirectory(prefix="evergreen-gateway-") as workdir:
+        async with trio.open_nursery() as nursery:
+            if simulated:
+                ports = []
+                for index in range(settings.simulate):
+                    run = partial(run_sim, sim_config, host="127.0.0.1", port=0)
+                    ports.append(await nursery.start(_part, f"sim-{index + 1}", run))
+                config = pool_config(documents, [f"127.0.0.1:{port}" for port in ports])
+            endpoints = tuple(endpoint.address for endpoint in config.pool.endpoints)
+            picker_ports: PickerPorts = await nursery.start(_part, "picker", partial(
+                run_picker, config, host=settings.picker_host, grpc_port=settings.grpc_port,
+                health_port=settings.health_port, metrics_port=settings.metrics_port,
+            ))
+            admin_port = _free_port()
+            envoy_config = write_gateway_config(Path(workdir) / "envoy.json", gateway_config(
+                f"{settings.picker_host}:{picker_ports.grpc}", listen_port, admin_port=admin_port,
+                listen_host=listen_host,
+                round_robin_endpoints=endpoints if settings.round_robin_port is not None else (),
+                round_robin_port=settings.round_robin_port,
+            ))
+            await nursery.start(_part, "envoy", partial(
+                run_envoy_pinned, envoy_config, admin_port=admin_port, extra_args=("--log-format", ENVOY_LOG_FORMAT),
+            ))
+            admin_url = f"http://127.0.0.1:{admin_port}"
+            bound = await _bound_listeners(admin_url)
+            host = f"[{listen_host}]" if ":" in listen_host else listen_host
+            info = GatewayInfo(
+                url=f"http://{host}:{bound['gateway']}",
+                round_robin_url=f"http://{host}:{bound['round_robin']}" if "round_robin" in bound else None,
+                admin_url=admin_url,
+                picker=picker_ports,
+                endpoints=endpoints,
+                envoy_config=Path(workdir) / "envoy.json",
+            )
+            await _wait_until_routed(info.url, settings.ready_timeout_s)
+            for line in info.lines():
+                logger.info("gateway.ready %s", line)
+            task_status.started(info)
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    """The GatewaySettings the command line describes; raises GatewayError or SimConfigError."""
+    return GatewaySettings(
+        config_path=args.config,
+        listen=args.listen,
+        simulate=args.simulate,
+        sim=config_from_args(args, prefix="sim_"),
+        round_robin_port=args.round_robin_port,
+        grpc_port=args.grpc_port,
+        health_port=args.grpc_health_port,
+        metrics_port=args.metrics_port,
+        ready_timeout_s=args.ready_timeout,
+    )
+
+
+async def _serve(settings: GatewaySettings) -> None:
+    async with trio.open_nursery() as nursery:
+        info: GatewayInfo = await nursery.start(run_gateway, settings)
+        print("\n".join(info.lines()), flush=True)
+        print("Ctrl-C stops everything.", flush=True)
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
+
+
+def _run(args: argparse.Namespace) -> int:
+    # The picker's scrapers log every scrape through httpx at INFO: too chatty for a console.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    status = 0
+    try:
+        trio.run(_serve, settings_from_args(args))
+    except* KeyboardInterrupt:
+        logger.info("gateway.stopped reason=interrupt")
+    except* (EvergreenTrioError, SimConfigError) as group:
+        for error in _leaves(group):
+            logger.error("gateway.failed error=%s", error)
+        status = 1
+    return status
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``gateway`` subcommand."""
+    parser = subparsers.add_parser(
+        "gateway", help="run the picker, a real Envoy and optionally simulated model servers",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
+    parser.add_argument("--config", type=Path, default=None, help="picker config (YAML); optional with --simulate")
+    parser.add_argument("--listen", default="127.0.0.1:8080", help="Envoy listener ip:port (default: %(default)s)")
+    parser.add_argument("--simulate", type=int, default=0, metavar="N",
+                        help="run N simulated model servers as the pool (default: %(default)s)")
+    parser.add_argument("--round-robin-port", type=int, default=None,
+                        help="also open a round-robin listener (no picker) on this port, as a baseline")
+    parser.add_argument("--grpc-port", type=int, default=0, help="picker ext_proc port (default: any free)")
+    parser.add_argument("--grpc-health-port", type=int, default=0, help="picker health port (default: any free)")
+    parser.add_argument("--metrics-port", type=int, default=0, help="picker metrics port (default: any free)")
+    parser.add_argument("--ready-timeout", type=float, default=30.0,
+                        help="seconds to wait for the first request through Envoy (default: %(default)s)")
+    add_config_arguments(parser.add_argument_group("simulated servers (with --simulate)"), prefix="sim-")
+    parser.set_defaults(run=_run)
