@@ -150,7 +150,9 @@ def gateway_config(
                                          else f"[{picker_host}]:{picker_port}"],
                         typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                             "@type": _EXT + "upstreams.http.v3.HttpProtocolOptions",
-                            "explicit_http_config": {"http2_protocol_options": {}},
+                            # PINGs find a picker that stopped answering without closing its socket.
+                            "explicit_http_config": {"http2_protocol_options": {
+                                "connection_keepalive": {"interval": "1s", "timeout": "1s"}}},
                         }}),
         {
             "name": ORIGINAL_DST_CLUSTER,

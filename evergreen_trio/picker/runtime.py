@@ -11,14 +11,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpclib.const import Status
 from grpclib.health.check import ServiceStatus
-from grpclib.health.service import Health
+from grpclib.health.service import OVERALL, Health
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from evergreen_trio._grpc.bridge import RpcAbort, SyncBidiMethod, serve_grpclib, sync_bidi_service
@@ -42,6 +41,16 @@ class PickerPorts:
     grpc: int
     health: int
     metrics: int
+
+
+class _HealthName:
+    """A service name for grpclib's Health, which keys its checks by servable (``/name/method``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __mapping__(self) -> dict[str, None]:
+        return {f"/{self.name}/Check": None}
 
 
 class _GrpcStream:
@@ -140,10 +149,12 @@ async def run_picker(
     live, ready = ServiceStatus(), ServiceStatus()
     live.set(True)
     ready.set(False)
-    # grpclib accepts service names as keys; its annotation only names service objects.
-    checks: dict[Any, list[ServiceStatus]] = {
-        "": [ready], EXT_PROC_SERVICE: [ready], "liveness": [live], "readiness": [ready]}
-    health = Health(checks)
+    health = Health({
+        OVERALL: [ready],
+        _HealthName(EXT_PROC_SERVICE): [ready],
+        _HealthName("liveness"): [live],
+        _HealthName("readiness"): [ready],
+    })
     is_ready = False
 
     def after_scrape() -> None:

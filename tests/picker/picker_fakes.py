@@ -1,0 +1,140 @@
+"""Test peers for the picker: fake model servers on loopback and a real Envoy launched per module."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+import trio
+from grpclib.health.v1 import health_pb2
+
+from evergreen_trio.picker._http import HttpRequest, HttpResponse, serve_http
+from evergreen_trio.picker.engine_metrics import EndpointMetrics, render_metrics
+from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
+from evergreen_trio.picker.envoy_process import ENVOY_ARGS, find_envoy
+
+USAGE = {"prompt_tokens": 11, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class FakeModelServer:
+    """A model server whose ``/metrics`` the test sets; it echoes what it received."""
+
+    port: int
+    engine: str = "vllm"
+    metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
+    requests: list[HttpRequest] = field(default_factory=list)
+    metrics_delay_s: float = 0.0
+    cancel: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def handle(self, request: HttpRequest) -> HttpResponse:
+        if request.target == "/metrics":
+            await trio.sleep(self.metrics_delay_s)
+            text = render_metrics(self.engine, self.metrics)
+            return HttpResponse(200, [("content-type", "text/plain")], text.encode())
+        self.requests.append(request)
+        try:
+            doc = json.loads(request.body) if request.body else {}
+        except ValueError:
+            doc = {}
+        model = doc.get("model") if isinstance(doc, dict) else None
+        headers = [("x-served-by", self.address)]
+        if isinstance(doc, dict) and doc.get("stream"):
+            first = json.dumps({"model": model, "choices": [{"text": "hi"}]})
+            last = json.dumps({"model": model, "choices": [], "usage": USAGE})
+            # The usage event is split across two writes, the way a network would split it.
+            chunks = [f"data: {first}\n\n".encode(), f"data: {last[:20]}".encode(),
+                      f"{last[20:]}\n\n".encode(), b"data: [DONE]\n\n"]
+            return HttpResponse(200, [*headers, ("content-type", "text/event-stream")], chunks=chunks)
+        body = json.dumps({
+            "model": model, "served_by": self.address, "received_bytes": len(request.body),
+            "received_headers": request.headers, "usage": USAGE,
+        }).encode()
+        return HttpResponse(200, [*headers, ("content-type", "application/json")], body)
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with self.cancel:
+            await serve_http(self.handle, "127.0.0.1", self.port, task_status=task_status)
+
+
+@dataclass
+class Gateway:
+    """A running Envoy (one per test module) routing through the picker port."""
+
+    port: int
+    admin_port: int
+    picker_port: int
+    process: subprocess.Popen[bytes]
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+
+def start_envoy(directory: Path, picker_port: int, pool: list[str], **options: object) -> Gateway:
+    """Launch Envoy from the test process (it dies with it) and wait for admin /ready."""
+    port, admin_port = free_port(), free_port()
+    config = gateway_config(f"127.0.0.1:{picker_port}", port, admin_port=admin_port, pool_endpoints=pool,
+                            subset_hint_header="x-test-subset-hint", message_timeout_s=10.0, **options)  # type: ignore[arg-type]
+    path = write_gateway_config(directory / f"envoy-{port}.json", config)
+    process = subprocess.Popen([find_envoy(), "-c", str(path), *ENVOY_ARGS], stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"envoy exited with {process.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{admin_port}/ready", timeout=1).status_code == 200:
+                return Gateway(port, admin_port, picker_port, process)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    process.kill()
+    raise RuntimeError("envoy did not become ready")
+
+
+def stop_envoy(gateway: Gateway) -> None:
+    gateway.process.terminate()
+    try:
+        gateway.process.wait(10)
+    except subprocess.TimeoutExpired:
+        gateway.process.kill()
+        gateway.process.wait()
+
+
+def health_status(port: int, service: str) -> str:
+    """Ask the picker's gRPC health service with grpcio (a real peer), synchronously."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        try:
+            reply = check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        except grpc.RpcError as exc:
+            return str(exc.code().name)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+async def wait_serving(health_port: int, timeout_s: float = 10.0) -> None:
+    with trio.fail_after(timeout_s):
+        while True:
+            if await trio.to_thread.run_sync(health_status, health_port, "readiness") == "SERVING":
+                return
+            await trio.sleep(0.05)
