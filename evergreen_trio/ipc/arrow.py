@@ -48,7 +48,7 @@ def split_stream(data: pa.Buffer) -> list[OutgoingMessage]:
             header = parse_message_header(flatbuffer.to_pybytes())
             body = message.body if header.has_body else None
             messages.append(OutgoingMessage(flatbuffer, header, body))
-    except pa.ArrowInvalid as exc:
+    except (pa.ArrowException, OSError) as exc:
         raise FramingError(f"IPC stream: expected Arrow IPC messages, got an error from pyarrow: {exc}") from None
     if not messages or messages[0].header.kind is not MessageKind.SCHEMA:
         raise FramingError("IPC stream: expected a Schema message first")
@@ -162,7 +162,7 @@ class BatchDecoder:
             if header.kind is MessageKind.RECORD_BATCH:
                 batch: pa.RecordBatch = self._reader.read_next_batch()
                 return batch
-        except (pa.ArrowException, StopIteration) as exc:
+        except (pa.ArrowException, OSError, StopIteration) as exc:
             raise IpcError(f"IPC message {header.kind.name}: pyarrow rejected it: {exc}") from None
         return None
 

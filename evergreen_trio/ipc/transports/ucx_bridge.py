@@ -192,10 +192,19 @@ class WorkerBridge:
         self._endpoints.clear()
 
 
+_OPEN: set[WorkerBridge] = set()
+
+
+def open_bridges() -> list[WorkerBridge]:
+    """Bridges currently open in this process (for leak checks)."""
+    return list(_OPEN)
+
+
 @asynccontextmanager
 async def open_bridge(context: Context) -> AsyncIterator[WorkerBridge]:
     """A worker with its progress task running for the duration of the block."""
     bridge = WorkerBridge(context)
+    _OPEN.add(bridge)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(bridge.progress_forever)
@@ -205,6 +214,7 @@ async def open_bridge(context: Context) -> AsyncIterator[WorkerBridge]:
                 nursery.cancel_scope.cancel()
     finally:
         bridge.shutdown()
+        _OPEN.discard(bridge)
 
 
 def create_listener(bridge: WorkerBridge, port: int, on_connect: Callable[[int], None]) -> Listener:
