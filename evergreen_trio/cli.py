@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "evergreen_trio.sim.cli",
     "evergreen_trio.gateway",
     "evergreen_trio.ipc.cli",
+    "evergreen_trio.picker.cli",
 )
 
 
