@@ -64,7 +64,7 @@ ZSTD_LEVELS: dict[str, int] = {"fast": 1, "balanced": 3, "max": 19}
 ZSTD = "zstd"
 _UINT32_MAX = 0xFFFFFFFF
 
-# A ZstdCompressor must not be shared between threads; one set per thread.
+# zstd contexts must not be shared between threads; one set per thread.
 _compressors = threading.local()
 
 
@@ -76,6 +76,13 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     if compressor is None:
         compressor = cache[level] = zstandard.ZstdCompressor(level=level)
     return compressor
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    decompressor: zstandard.ZstdDecompressor | None = getattr(_compressors, "decompressor", None)
+    if decompressor is None:
+        decompressor = _compressors.decompressor = zstandard.ZstdDecompressor()
+    return decompressor
 
 
 def zstd_bound(size: int) -> int:
@@ -98,8 +105,12 @@ def _array_view(array: np.ndarray[Any, Any], dtype: DataType) -> memoryview:
     return array.reshape(-1).view(np.uint8).data
 
 
+_BYTES = (bytes, bytearray)
+_SEQUENCES = (list, tuple)
+
+
 def _byte_view(part: Any, dtype: DataType) -> memoryview:
-    if isinstance(part, bytes | bytearray):
+    if isinstance(part, _BYTES):
         return memoryview(part)
     if isinstance(part, np.ndarray):
         return _array_view(part, dtype)
@@ -114,12 +125,6 @@ def _byte_view(part: Any, dtype: DataType) -> memoryview:
     if not view.c_contiguous:
         raise AVPEncodeError("payload buffer: expected a C-contiguous buffer, got strided")
     return view if view.ndim == 1 and view.format == "B" else view.cast("B")
-
-
-def _payload_views(payload: Any, dtype: DataType) -> list[memoryview]:
-    if isinstance(payload, list | tuple):
-        return [_byte_view(part, dtype) for part in payload]
-    return [_byte_view(payload, dtype)]
 
 
 _PAYLOAD_TYPE_VALUES = frozenset(PayloadType)
@@ -191,31 +196,37 @@ def encode_buffers(
     keyword arguments decide them. Flags follow the metadata: KV iff ``payload_type`` is KV_CACHE,
     has-map iff ``avp_map_id``.
     """
-    views = _payload_views(payload, metadata.dtype)
-    size = sum(len(view) for view in views)
-    implied = implied_payload_size(metadata)
-    if implied is not None and implied != size:
-        raise AVPEncodeError(
-            f"payload: tensor_shape {list(metadata.tensor_shape)} of {DataType(metadata.dtype).name} implies "
-            f"{implied} bytes, got {size}"
-        )
+    if isinstance(payload, _SEQUENCES):
+        views = [_byte_view(part, metadata.dtype) for part in payload]
+        size = sum(map(len, views))
+    else:
+        views = [_byte_view(payload, metadata.dtype)]
+        size = len(views[0])
+    if metadata.tensor_shape:
+        implied = implied_payload_size(metadata)
+        if implied != size:
+            raise AVPEncodeError(
+                f"payload: tensor_shape {list(metadata.tensor_shape)} of {DataType(metadata.dtype).name} implies "
+                f"{implied} bytes, got {size}"
+            )
     crc: int | None = None
     if checksum:
         crc = 0
         for view in views:
             crc = crc32(view, crc)
-    body: list[bytes | memoryview] = list(views)
+    body: list[bytes | memoryview] = list(views) if compression is None else []
     if compression is not None:
         if compression not in ZSTD_LEVELS:
             raise AVPEncodeError(f"compression: expected one of {sorted(ZSTD_LEVELS)} or None, got {compression!r}")
         compressor = _compressor(ZSTD_LEVELS[compression])
         if len(views) == 1:
-            body = [compressor.compress(views[0])]
+            body.append(compressor.compress(views[0]))
         else:
             stream = compressor.compressobj(size=size)
-            body = [b"".join([*(stream.compress(view) for view in views), stream.flush()])]
+            body.append(b"".join([*(stream.compress(view) for view in views), stream.flush()]))
+        size = len(body[0])
     meta = _metadata_bytes(metadata, compression is not None, crc)
-    payload_length = len(meta) + sum(len(part) for part in body)
+    payload_length = len(meta) + size
     if payload_length > _UINT32_MAX:
         raise AVPEncodeError(f"payload_length: expected at most {_UINT32_MAX} bytes (uint32), got {payload_length}")
     flags = FLAG_COMPRESSED if compression is not None else 0
@@ -223,8 +234,8 @@ def encode_buffers(
         flags |= FLAG_HAS_MAP
     if metadata.payload_type == PayloadType.KV_CACHE:
         flags |= FLAG_KV_CACHE
-    head = HEADER.pack(MAGIC, PROTOCOL_VERSION, flags, payload_length, len(meta)) + meta
-    return [head, *body]
+    body.insert(0, HEADER.pack(MAGIC, PROTOCOL_VERSION, flags, payload_length, len(meta)) + meta)
+    return body
 
 
 def encode(
@@ -398,6 +409,7 @@ def tensor_size(header: AVPHeader, metadata: AVPMetadata, limits: AVPLimits) -> 
 
 def _decompress(section: memoryview, expected: int | None, limits: AVPLimits) -> memoryview:
     cap = limits.max_payload_bytes
+    decompressor = _decompressor()
     try:
         declared = zstandard.frame_content_size(section)
     except zstandard.ZstdError as exc:
@@ -409,14 +421,17 @@ def _decompress(section: memoryview, expected: int | None, limits: AVPLimits) ->
             raise AVPInconsistentError(
                 f"zstd frame declares {declared} bytes, tensor_shape implies {expected}; expected them equal"
             )
-        expected = declared
-    # Without a declared or implied size, decompress into cap + 1 bytes of untouched (lazily mapped)
-    # memory: filling it all means the payload is over the cap.
-    target = np.empty(cap + 1 if expected is None else expected, dtype=np.uint8)
-    out = target.data
+        # The declared size is checked, so the one-shot call allocates exactly that, once.
+        try:
+            return memoryview(decompressor.decompress(section, allow_extra_data=False))
+        except zstandard.ZstdError as exc:
+            raise AVPCompressionError(f"zstd: expected a single valid frame of {declared} bytes, got {exc}") from None
+    # Without a declared size, decompress into the implied size, or into cap + 1 bytes of untouched
+    # (lazily mapped) memory: filling it all means the payload is over the cap.
+    out = np.empty(cap + 1 if expected is None else expected, dtype=np.uint8).data
     filled = 0
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(section, read_across_frames=True)
+        reader = decompressor.stream_reader(section, read_across_frames=True)
         while filled < len(out):
             count = reader.readinto(out[filled:])
             if not count:

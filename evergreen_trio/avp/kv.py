@@ -106,7 +106,7 @@ def kv_header_of(layers: Sequence[tuple[Any, Any]]) -> KVCacheHeader:
         raise AVPEncodeError(f"KV cache: expected float32, float16 or bfloat16 tensors, got {first.dtype}")
     for index, pair in enumerate(layers):
         for name, tensor in zip("KV", pair, strict=True):
-            if tuple(tensor.shape) != shape or str(tensor.dtype) != str(first.dtype):
+            if tuple(tensor.shape) != shape or tensor.dtype != first.dtype:
                 raise AVPEncodeError(
                     f"KV cache layer {index} {name}: expected {list(shape)} {first.dtype}, "
                     f"got {list(tensor.shape)} {tensor.dtype}"
