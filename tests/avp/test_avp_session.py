@@ -26,7 +26,8 @@ async def _kv_double(ctx: ActionContext) -> None:
     message = await read_avp_input(ctx.input("input"))
     _, layers = unpack_kv(message.payload)
     doubled = [(key * 2, value * 2) for key, value in layers]
-    await write_avp_output(ctx.output("output"), encode_buffers(pack_kv(doubled), message.metadata), fragment_bytes=1000)
+    parts = encode_buffers(pack_kv(doubled), message.metadata)
+    await write_avp_output(ctx.output("output"), parts, fragment_bytes=1000)
 
 
 async def _start(nursery: trio.Nursery) -> str:
