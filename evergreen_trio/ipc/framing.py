@@ -45,6 +45,8 @@ HELLO_TAG = _space(b"HEL")
 """UCX handshake: client -> listener, body = the client's worker address."""
 ADDRESS_TAG = _space(b"ADR")
 """UCX handshake: server -> client, body = the per-connection server worker address."""
+BYE_TAG = _space(b"BYE")
+"""UCX: either side is closing the connection (UCX endpoints do not report a graceful close)."""
 
 
 class BodyType(enum.IntEnum):

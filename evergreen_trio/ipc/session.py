@@ -25,6 +25,7 @@ from evergreen_trio.ipc.errors import (
     IpcError,
     LimitExceededError,
 )
+from evergreen_trio.ipc.flatbuf import MessageKind
 from evergreen_trio.ipc.framing import (
     FREE_DATA_TAG,
     UINT32_MAX,
@@ -232,7 +233,10 @@ class IpcStream:
         if isinstance(ready.body, BodyDescriptor):
             if self._resolver is None:
                 raise FramingError(f"body {ready.seq}: expected an inline body, got a shared-memory descriptor")
-            return self._resolver.resolve(ready.body, ready.header, copy=self._copy)
+            # pyarrow's reader keeps dictionaries for the whole stream: copy them out so
+            # their shared memory goes back at once instead of pinning the window.
+            copy = self._copy or ready.header.kind is MessageKind.DICTIONARY_BATCH
+            return self._resolver.resolve(ready.body, ready.header, copy=copy)
         if isinstance(ready.body, pa.Buffer):
             return ready.body
         if self._to_host is None:

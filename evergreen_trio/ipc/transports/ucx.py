@@ -13,6 +13,7 @@ set, so it can never match a body tag); bodies use the protocol's body tags.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,9 +21,10 @@ from contextlib import asynccontextmanager
 import trio
 
 from evergreen_trio.ipc.config import IpcLimits
-from evergreen_trio.ipc.errors import FramingError, LimitExceededError, TransportError
+from evergreen_trio.ipc.errors import ConnectionLostError, FramingError, LimitExceededError, TransportError
 from evergreen_trio.ipc.framing import (
     ADDRESS_TAG,
+    BYE_TAG,
     HELLO_TAG,
     METADATA_PREFIX,
     METADATA_TAG,
@@ -49,6 +51,13 @@ from evergreen_trio.ipc.uri import IpcUri
 log = logging.getLogger("evergreen_trio.ipc.ucx")
 
 MAX_ADDRESS_BYTES = 1 << 16
+BYE_TIMEOUT_S = 1.0
+
+
+async def _say_bye(bridge: WorkerBridge, endpoint: Endpoint) -> None:
+    """Tell the peer we are closing; best effort, bounded, even while being cancelled."""
+    with trio.move_on_after(BYE_TIMEOUT_S, shield=True), contextlib.suppress(ConnectionLostError):
+        await bridge.send(endpoint, BYE_TAG, b"\0").wait()
 
 
 async def _receive_small(bridge: WorkerBridge, tag: int, mask: int, limit: int, what: str) -> tuple[int, bytes]:
@@ -69,7 +78,10 @@ class UcxServerChannel:
         self._max_request = max(limits.max_ticket_bytes, 8 * limits.max_free_data_offsets)
 
     async def receive_request(self) -> tuple[int, bytes]:
-        return await _receive_small(self.bridge, 0, 0, self._max_request, "request")
+        tag, payload = await _receive_small(self.bridge, 0, 0, self._max_request, "request")
+        if tag == BYE_TAG:
+            raise ConnectionLostError("client closed the connection")
+        return tag, payload
 
     async def send_metadata(self, frame: bytes) -> None:
         await self.bridge.send(self.endpoint, METADATA_TAG, frame).wait()
@@ -100,6 +112,8 @@ class UcxClientChannel:
             if data is None:
                 raise LimitExceededError(f"metadata: expected <= {self.limits.max_metadata_bytes} bytes, got {nbytes}")
             await self.bridge.receive(probe, data)
+            if tag == BYE_TAG:
+                raise ConnectionLostError("server closed the connection")
             if tag != METADATA_TAG:
                 raise FramingError(f"tag {tag:#018x}: expected metadata or a body tag (bits 32-55 zero)")
             return MetadataIn(bytes(data))
@@ -125,7 +139,12 @@ async def _serve_one(context: object, client_address: bytes, lookup: Lookup, opt
         except TransportError as exc:
             log.info("ucx.handshake_failed peer=%s error=%s", peer, exc)
             return
-        await serve_connection(UcxServerChannel(bridge, endpoint, options.limits), lookup, RawBodies(), options, peer)
+        try:
+            await serve_connection(
+                UcxServerChannel(bridge, endpoint, options.limits), lookup, RawBodies(), options, peer
+            )
+        finally:
+            await _say_bye(bridge, endpoint)
 
 
 async def serve_ucx(
@@ -168,4 +187,7 @@ async def connect_ucx(uri: IpcUri, limits: IpcLimits, pool: BufferPool) -> Async
             endpoint = connect_address(bridge, server_address)
         if timeout.cancelled_caught:
             raise TransportError(f"UCX connect {uri.host}:{uri.port}: no answer within {limits.connect_timeout_s}s")
-        yield UcxClientChannel(bridge, endpoint, limits, pool)
+        try:
+            yield UcxClientChannel(bridge, endpoint, limits, pool)
+        finally:
+            await _say_bye(bridge, endpoint)

@@ -212,6 +212,12 @@ async def open_bridge(context: Context) -> AsyncIterator[WorkerBridge]:
                 yield bridge
             finally:
                 nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The progress task never fails, so a group holds the block's own error: unwrap
+        # it so callers see the typed error they would without this nursery.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
     finally:
         bridge.shutdown()
         _OPEN.discard(bridge)
