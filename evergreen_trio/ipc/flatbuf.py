@@ -50,9 +50,7 @@ class _Reader:
 
     def _unpack(self, fmt: struct.Struct, pos: int, what: str) -> int:
         if pos < 0 or pos + fmt.size > len(self.buf):
-            raise FlatbufferError(
-                f"{what}: expected {fmt.size} bytes at offset {pos}, buffer has {len(self.buf)}"
-            )
+            raise FlatbufferError(f"{what}: expected {fmt.size} bytes at offset {pos}, buffer has {len(self.buf)}")
         value: int = fmt.unpack_from(self.buf, pos)[0]
         return value
 

@@ -104,9 +104,7 @@ def encode_end_of_stream(seq: int) -> bytes:
     return struct.pack("<BI", META_EOS, seq)
 
 
-def decode_metadata(
-    data: bytes | memoryview, limits: IpcLimits = DEFAULT_LIMITS
-) -> MetadataMessage | EndOfStream:
+def decode_metadata(data: bytes | memoryview, limits: IpcLimits = DEFAULT_LIMITS) -> MetadataMessage | EndOfStream:
     """Parse one metadata-stream message."""
     view = memoryview(data)
     if len(view) < METADATA_PREFIX:
@@ -122,9 +120,7 @@ def decode_metadata(
     if size == 0:
         raise FramingError(f"metadata message {seq}: expected Flatbuffers bytes after the prefix, got none")
     if size > limits.max_metadata_bytes:
-        raise LimitExceededError(
-            f"metadata message {seq}: expected <= {limits.max_metadata_bytes} bytes, got {size}"
-        )
+        raise LimitExceededError(f"metadata message {seq}: expected <= {limits.max_metadata_bytes} bytes, got {size}")
     return MetadataMessage(seq, bytes(view[METADATA_PREFIX:]))
 
 
@@ -163,9 +159,7 @@ def decode_descriptor(data: bytes | memoryview, limits: IpcLimits = DEFAULT_LIMI
         raise FramingError(f"body descriptor: expected 16 + 16*n bytes, got {len(view)}")
     total, count = struct.unpack_from("<QQ", view)
     if count > limits.max_buffers_per_body:
-        raise LimitExceededError(
-            f"body descriptor: expected <= {limits.max_buffers_per_body} buffers, got {count}"
-        )
+        raise LimitExceededError(f"body descriptor: expected <= {limits.max_buffers_per_body} buffers, got {count}")
     if len(view) != 16 + 16 * count:
         raise FramingError(f"body descriptor: {count} buffers need {16 + 16 * count} bytes, got {len(view)}")
     flat = struct.unpack_from(f"<{2 * count}Q", view, 16)

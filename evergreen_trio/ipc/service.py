@@ -118,9 +118,7 @@ def _peer(stream: trio.SocketStream) -> str:
         return "?"
 
 
-async def _serve_shm(
-    path: str, catalog: Catalog, options: ServeOptions, task_status: trio.TaskStatus[IpcUri]
-) -> None:
+async def _serve_shm(path: str, catalog: Catalog, options: ServeOptions, task_status: trio.TaskStatus[IpcUri]) -> None:
     workdir = None
     if not path:
         workdir = tempfile.mkdtemp(prefix="evergreen-ipc-")

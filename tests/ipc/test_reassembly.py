@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pyarrow as pa
 import pytest
 from hypothesis import given
@@ -161,7 +163,7 @@ def test_arena_regions_never_overlap(ops: list[tuple[bool, int]]) -> None:
         else:
             arena.free(live.pop(size % len(live)))
         spans = sorted((s, s + n) for s, n in arena.regions().items())
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
         assert all(end <= arena.capacity for _, end in spans)
     for start in live:
         arena.free(start)

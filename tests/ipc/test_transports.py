@@ -29,9 +29,7 @@ HAVE_UCX = importlib.util.find_spec("ucxx") is not None
 SCHEMES = [
     "tcp://127.0.0.1:0",
     "shm://",
-    pytest.param(
-        "ucx://127.0.0.1:0", marks=[pytest.mark.ucx, pytest.mark.skipif(not HAVE_UCX, reason="ucxx missing")]
-    ),
+    pytest.param("ucx://127.0.0.1:0", marks=[pytest.mark.ucx, pytest.mark.skipif(not HAVE_UCX, reason="ucxx missing")]),
 ]
 GUARD_S = 30  # a hang guard, not a timing assertion
 
@@ -89,7 +87,7 @@ async def test_client_leaving_mid_stream_leaks_nothing(scheme: str) -> None:
             del first, stream
             gc.collect()
             # Give the server time to notice the disconnect (bounded by the guard above).
-            while memfd_mappings() or any(ucx_inflight()) or len(ucx_inflight()) > 1:
+            while memfd_mappings() or any(ucx_inflight()) or len(ucx_inflight()) > 1:  # noqa: ASYNC110
                 await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
     assert memfd_mappings() == []
@@ -172,8 +170,10 @@ async def test_shm_batches_live_on_the_segment_and_are_freed(nursery: trio.Nurse
             rows = 0
             async for batch in stream:
                 address = batch.column(0).buffers()[1].address
-                assert any(int(line.split("-")[0], 16) <= address < int(line.split()[0].split("-")[1], 16)
-                           for line in memfd_mappings())
+                assert any(
+                    int(line.split("-")[0], 16) <= address < int(line.split()[0].split("-")[1], 16)
+                    for line in memfd_mappings()
+                )
                 rows += batch.num_rows
                 del batch  # frees flow back, so a window of 2 does not stall the stream
     assert rows == sample_table().num_rows

@@ -97,9 +97,7 @@ class SharedMemoryBodies:
             completion = region
         else:
             self._release(start)
-        await channel.post_body(
-            make_tag(seq, BodyType.DESCRIPTOR), encode_descriptor(BodyDescriptor(size, buffers))
-        )
+        await channel.post_body(make_tag(seq, BodyType.DESCRIPTOR), encode_descriptor(BodyDescriptor(size, buffers)))
         return completion
 
     def _release(self, start: int) -> None:

@@ -14,6 +14,7 @@ and reaps whatever is still in flight.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -42,8 +43,12 @@ Context: TypeAlias = Any
 Listener: TypeAlias = Any
 
 
+@functools.cache
 def create_context() -> Context:
-    """A UCX context with tag matching and wakeup; ``UCX_TLS`` (default tcp,self,sm) picks transports."""
+    """The process's UCX context (tag matching, wakeup); ``UCX_TLS`` (default tcp,self,sm) picks transports.
+
+    Creating a context costs tens of milliseconds, so it is shared; workers are not.
+    """
     tls = os.environ.get("UCX_TLS", DEFAULT_TLS)
     try:
         return ucx.UCXContext(config_dict={"TLS": tls}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))

@@ -1,0 +1,157 @@
+"""Arrow Dissociated IPC throughput: a 256 MiB table (4 float64 columns, ~8 MiB batches).
+
+Each transport's server runs in its own process (``evergreen-trio ipc serve`` on a
+memory-mapped Arrow file, or the pyarrow peer) and the client in this one; GB/s is the
+median of three timed fetches after one warm-up. Receive buffers are pooled across
+fetches. Peers measured in the same run: plain Arrow IPC stream over a loopback TCP
+socket, ``pyarrow.flight`` DoGet on localhost, and one memcpy into touched memory.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+import trio
+
+from benchmarks._harness import Row, median_of, print_table, write_results
+from evergreen_trio.ipc import fetch
+from evergreen_trio.ipc.pool import BufferPool
+
+RUNS = 3
+MiB = 1 << 20
+
+_PLAIN_SERVER = """
+import socket, sys, pyarrow as pa
+table = pa.ipc.open_file(pa.memory_map(sys.argv[1])).read_all()
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+while True:
+    conn, _ = srv.accept()
+    with conn, conn.makefile("wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+"""
+
+_FLIGHT_SERVER = """
+import sys, pyarrow as pa, pyarrow.flight as fl
+table = pa.ipc.open_file(pa.memory_map(sys.argv[1])).read_all()
+class S(fl.FlightServerBase):
+    def do_get(self, context, ticket):
+        return fl.RecordBatchStream(table)
+s = S("grpc://127.0.0.1:0")
+print(s.port, flush=True)
+s.serve()
+"""
+
+
+def make_file(path: Path, total: int) -> int:
+    rows = total // 32
+    rng = np.random.default_rng(0)
+    table = pa.table({f"c{i}": rng.random(rows) for i in range(4)})
+    with pa.ipc.new_file(str(path), table.schema) as writer:
+        writer.write_table(table, max_chunksize=8 * MiB // 32)
+    return int(table.nbytes)
+
+
+def start(cmd: list[str]) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip()
+
+
+def gbps(nbytes: int, fn: Callable[[], int]) -> Callable[[], float]:
+    def measure() -> float:
+        started = time.perf_counter()
+        got = fn()
+        elapsed = time.perf_counter() - started
+        assert got == nbytes, (got, nbytes)
+        return nbytes / elapsed / 1e9
+
+    return measure
+
+
+def ours(uri: str, pool: BufferPool) -> int:
+    async def main() -> int:
+        total = 0
+        async with fetch(uri, "table.arrow", pool=pool) as stream:
+            async for batch in stream:
+                total += batch.nbytes
+                del batch
+        return total
+
+    return trio.run(main)
+
+
+def plain(port: int) -> int:
+    with socket.create_connection(("127.0.0.1", port)) as sock, sock.makefile("rb") as f:
+        return int(sum(batch.nbytes for batch in pa.ipc.open_stream(f)))
+
+
+def flight_get(port: int) -> int:
+    with flight.connect(f"grpc://127.0.0.1:{port}") as client:
+        return int(sum(chunk.data.nbytes for chunk in client.do_get(flight.Ticket(b"t"))))
+
+
+def run(quick: bool = False) -> None:
+    total = (32 if quick else 256) * MiB
+    runs = 1 if quick else RUNS
+    os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "table.arrow"
+        nbytes = make_file(path, total)
+        results: dict[str, tuple[float, list[float]]] = {}
+        pool = BufferPool(2 * total)
+        cli = [sys.executable, "-m", "evergreen_trio.cli", "--log-level", "WARNING", "ipc", "serve", str(path)]
+        for name, uri in (("ucx", "ucx://127.0.0.1:0"), ("tcp", "tcp://127.0.0.1:0"), ("shm", "shm://")):
+            proc, served = start([*cli, "--uri", uri])
+            try:
+                measure = gbps(nbytes, lambda served=served: ours(served, pool))  # type: ignore[misc]
+                measure()
+                results[name] = median_of(runs, measure)
+            finally:
+                proc.terminate()
+                proc.wait()
+        for name, script, client in (("plain", _PLAIN_SERVER, plain), ("flight", _FLIGHT_SERVER, flight_get)):
+            proc, port = start([sys.executable, "-c", script, str(path)])
+            try:
+                measure = gbps(nbytes, lambda client=client, port=port: client(int(port)))  # type: ignore[misc]
+                measure()
+                results[name] = median_of(runs, measure)
+            finally:
+                proc.terminate()
+                proc.wait()
+        src = np.ones(nbytes // 8)
+        dst = np.zeros_like(src)
+
+        def memcpy() -> int:
+            np.copyto(dst, src)
+            return nbytes
+
+        measure = gbps(nbytes, memcpy)
+        measure()
+        results["memcpy"] = median_of(runs, measure)
+
+    flight_v, plain_v, memcpy_v = results["flight"][0], results["plain"][0], results["memcpy"][0]
+    rows = [
+        Row("(a) ucx (ours)", results["ucx"][0], "GB/s", "flight", results["ucx"][0] / flight_v),
+        Row("(a) ucx vs plain IPC/TCP", results["ucx"][0], "GB/s", "plain ipc", results["ucx"][0] / plain_v),
+        Row("(b) tcp (ours)", results["tcp"][0], "GB/s", "plain ipc", results["tcp"][0] / plain_v),
+        Row("(c) plain Arrow IPC stream, loopback TCP", plain_v, "GB/s"),
+        Row("(d) pyarrow.flight do_get", flight_v, "GB/s"),
+        Row("(e) shm (ours, incl. producer copy)", results["shm"][0], "GB/s", "memcpy", results["shm"][0] / memcpy_v),
+        Row("(f) memcpy into touched memory", memcpy_v, "GB/s"),
+    ]
+    for row in rows:
+        key = {"(a)": "ucx", "(b)": "tcp", "(c)": "plain", "(d)": "flight", "(e)": "shm", "(f)": "memcpy"}
+        row.extra["samples"] = results[key[row.case[:3]]][1]
+    print_table(f"ipc: {nbytes / MiB:.0f} MiB, 4 float64 columns, ~8 MiB batches, median of {runs}", rows)
+    write_results("ipc", rows, table_bytes=nbytes, batch_bytes=8 * MiB, runs=runs, ucx_tls=os.environ["UCX_TLS"])

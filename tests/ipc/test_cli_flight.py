@@ -1,0 +1,89 @@
+"""The CLI (`ipc serve` / `ipc get`), the Flight control plane and the GPU path (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+import trio
+from ipc_helpers import sample_table
+
+from evergreen_trio.ipc import Catalog, serve
+from evergreen_trio.ipc.cli import get
+from evergreen_trio.ipc.flight import ControlPlane, fetch_through_flight
+
+
+def write_file(path: Path) -> pa.Table:
+    table = sample_table()
+    with pa.ipc.new_file(str(path), table.schema) as writer:
+        writer.write_table(table, max_chunksize=4_000)
+    return table
+
+
+@pytest.mark.parametrize("uri", ["tcp://127.0.0.1:0", "shm://"])
+async def test_serve_prints_the_uri_and_get_writes_a_file(tmp_path: Path, uri: str) -> None:
+    table = write_file(tmp_path / "data.arrow")
+    cmd = [sys.executable, "-m", "evergreen_trio.cli", "ipc", "serve", str(tmp_path / "data.arrow"), "--uri", uri]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # noqa: ASYNC220
+    try:
+        assert proc.stdout is not None
+        served = await trio.to_thread.run_sync(proc.stdout.readline)
+        assert served.startswith(uri.split(":")[0] + "://") and "want_data=" in served
+        with trio.fail_after(60):
+            rows = await get(served.strip(), "data.arrow", tmp_path / "out.arrow")
+    finally:
+        proc.terminate()
+        proc.wait()
+    assert rows == table.num_rows
+    assert pa.ipc.open_file(str(tmp_path / "out.arrow")).read_all().equals(table)
+
+
+async def test_flight_points_at_the_dissociated_uri(nursery: trio.Nursery) -> None:
+    catalog = Catalog()
+    catalog.add_table("t", sample_table(), max_chunksize=5_000)
+    uri = await nursery.start(serve, "tcp://127.0.0.1:0", catalog)
+    plane = ControlPlane("grpc://127.0.0.1:0", catalog, uri)
+    try:
+        location = f"grpc://127.0.0.1:{plane.port}"
+        info = await trio.to_thread.run_sync(
+            lambda: flight.connect(location).get_flight_info(flight.FlightDescriptor.for_path(b"t"))
+        )
+        assert info.endpoints[0].locations[0].uri.decode() == str(uri)
+        assert info.total_records == sample_table().num_rows
+        assert (await fetch_through_flight(location, "t")).equals(sample_table())
+        plain = await trio.to_thread.run_sync(lambda: flight.connect(location).do_get(flight.Ticket(b"t")).read_all())
+        assert plain.equals(sample_table())
+    finally:
+        await trio.to_thread.run_sync(plane.shutdown)
+    nursery.cancel_scope.cancel()
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    import cupy
+
+    try:
+        return bool(cupy.cuda.runtime.getDeviceCount())
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.ucx
+@pytest.mark.skipif(not _cuda_available(), reason="needs CuPy and a CUDA device")
+async def test_gpu_bodies_over_ucx(nursery: trio.Nursery) -> None:
+    from evergreen_trio.ipc.gpu import device_catalog_entry, fetch_device
+
+    catalog = Catalog()
+    catalog.add_messages("t", device_catalog_entry(sample_table()))
+    uri = await nursery.start(serve, "ucx://127.0.0.1:0", catalog)
+    messages, table = await fetch_device(str(uri), "t")
+    assert table.equals(sample_table())
+    assert all(hasattr(body, "__cuda_array_interface__") for _, body in messages if body is not None)
+    nursery.cancel_scope.cancel()
