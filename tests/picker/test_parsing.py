@@ -1,0 +1,152 @@
+"""Request bodies, response usage (JSON and SSE), engine metrics: examples and fuzzing."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from evergreen_trio.picker.engine_metrics import ENGINE_METRICS, EndpointMetrics, parse_engine_metrics, render_metrics
+from evergreen_trio.picker.errors import MetricsError, RequestError
+from evergreen_trio.picker.request import Api, api_for_path, parse_body, rewrite_model
+from evergreen_trio.picker.usage import ResponseBody, Usage
+
+
+@pytest.mark.parametrize(("path", "api"), [
+    ("/v1/completions", Api.COMPLETIONS),
+    ("/v1/chat/completions?x=1", Api.CHAT),
+    ("/override/v1/embeddings", Api.EMBEDDINGS),
+    ("/v1/responses/", Api.RESPONSES),
+    ("/v1/models", Api.OTHER),
+])
+def test_api_by_path_suffix(path: str, api: Api) -> None:
+    assert api_for_path(path) is api
+
+
+def test_prompt_per_api() -> None:
+    chat = parse_body("/v1/chat/completions", json.dumps({
+        "model": "m", "stream": True,
+        "messages": [{"role": "system", "content": "be brief"},
+                     {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}).encode())
+    assert (chat.model, chat.stream, chat.prompt) == ("m", True, "systembe briefuserhi")
+    assert parse_body("/v1/completions", b'{"model":"m","prompt":["a","b"]}').prompt == "ab"
+    assert parse_body("/v1/embeddings", b'{"model":"m","input":"e"}').prompt == "e"
+    assert parse_body("/v1/responses", b'{"model":"m","instructions":"i","input":"x"}').prompt == "ix"
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1]", b'{"prompt":"x"}', b'{"model":3}', b"", b"\xff"])
+def test_bad_bodies_are_400(body: bytes) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_body("/v1/completions", body)
+    assert info.value.status == 400
+
+
+def test_rewrite_model_keeps_other_fields() -> None:
+    assert json.loads(rewrite_model({"model": "a", "prompt": "p"}, "b")) == {"model": "b", "prompt": "p"}
+
+
+def test_usage_from_json_and_rewrite_back() -> None:
+    reader = ResponseBody(sse=False, rewrite=("t", "c"), max_bytes=1000)
+    body = json.dumps({"model": "t", "usage": {"prompt_tokens": 5, "completion_tokens": 2,
+                                                "prompt_tokens_details": {"cached_tokens": 1}}}).encode()
+    assert reader.feed(body[:10]) == b""
+    assert reader.feed(body[10:]) == b""
+    out = reader.finish()
+    assert json.loads(out)["model"] == "c"
+    assert reader.usage == Usage(5, 2, 1)
+
+
+def test_usage_from_sse_split_across_chunks_and_events() -> None:
+    stream = (b'data: {"model":"t","usage":{"prompt_tokens":4}}\n\n'
+              b'data: {"model":"t","choices":[],"usage":{"completion_tokens":9}}\n\ndata: [DONE]\n\n')
+    reader = ResponseBody(sse=True, rewrite=("t", "c"), max_bytes=1000)
+    out = b"".join(reader.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)) + reader.finish()
+    assert reader.usage == Usage(4, 9, None)
+    lines = [line for line in out.split(b"\n") if line.startswith(b"data: {")]
+    assert [json.loads(line[6:])["model"] for line in lines] == ["c", "c"]
+    assert out.endswith(b"data: [DONE]\n\n")
+
+
+def test_responses_api_usage_names() -> None:
+    reader = ResponseBody(sse=True, rewrite=None, max_bytes=1000)
+    reader.feed(b'data: {"type":"response.completed","response":{"usage":{"input_tokens":3,"output_tokens":4,'
+                b'"input_tokens_details":{"cached_tokens":2}}}}\n')
+    assert reader.usage == Usage(3, 4, 2)
+
+
+def test_response_body_limits() -> None:
+    with pytest.raises(RequestError):
+        ResponseBody(sse=False, rewrite=None, max_bytes=4).feed(b"12345")
+    with pytest.raises(RequestError):
+        ResponseBody(sse=True, rewrite=None, max_bytes=4).feed(b"data: long line without end")
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINE_METRICS))
+def test_engine_metrics_round_trip(engine: str) -> None:
+    metrics = EndpointMetrics(waiting=3, running=2, kv_usage=0.25)
+    assert parse_engine_metrics(engine, render_metrics(engine, metrics)) == metrics
+
+
+def test_vllm_metrics_as_served() -> None:
+    text = """# HELP vllm:num_requests_waiting Number of requests waiting.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="a"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="b"} 1.0
+vllm:num_requests_running{engine="0",model_name="a"} 4.0
+vllm:gpu_cache_usage_perc{engine="0",model_name="a"} 0.5
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="x",waiting_lora_adapters=""} 1.7e9
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="x,y",waiting_lora_adapters="z"} 1.8e9
+vllm:cache_config_info{block_size="16",num_gpu_blocks="2048"} 1.0
+"""
+    m = parse_engine_metrics("vllm", text)
+    assert (m.waiting, m.running, m.kv_usage) == (3.0, 4.0, 0.5)
+    assert m.running_adapters == {"x", "y"} and m.waiting_adapters == {"z"} and m.max_lora == 2
+    assert (m.block_size, m.num_blocks) == (16, 2048)
+
+
+def test_missing_core_metric_is_an_error() -> None:
+    with pytest.raises(MetricsError, match="vllm:kv_cache_usage_perc"):
+        parse_engine_metrics("vllm", "vllm:num_requests_waiting 1\nvllm:num_requests_running 1\n")
+
+
+@pytest.mark.fuzz
+@given(st.binary(max_size=300), st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses"]))
+def test_fuzz_request_body(body: bytes, path: str) -> None:
+    try:
+        request = parse_body(path, body)
+    except RequestError as exc:
+        assert exc.status == 400
+    else:
+        assert isinstance(request.model, str) and isinstance(request.prompt, str)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["model", "usage", "prompt_tokens", "completion_tokens", "response", "x"]), inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@pytest.mark.fuzz
+@given(st.lists(st.binary(max_size=60) | _json.map(lambda d: b"data: " + json.dumps(d).encode() + b"\n"),
+                max_size=6), st.booleans())
+def test_fuzz_response_body(chunks: list[bytes], sse: bool) -> None:
+    reader = ResponseBody(sse=sse, rewrite=("t", "c"), max_bytes=200)
+    try:
+        for chunk in chunks:
+            reader.feed(chunk)
+        reader.finish()
+    except RequestError as exc:
+        assert exc.status == 502
+    assert isinstance(reader.usage, Usage)
+
+
+@pytest.mark.fuzz
+@given(st.text(max_size=300), st.sampled_from(sorted(ENGINE_METRICS)))
+def test_fuzz_engine_metrics(text: str, engine: str) -> None:
+    with contextlib.suppress(MetricsError):
+        parse_engine_metrics(engine, text)
