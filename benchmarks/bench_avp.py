@@ -9,6 +9,7 @@ tensor bytes and metadata, and both verify the CRC32 on decode. Ratios are refer
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Any
 import avp as reference
 import numpy as np
 
-from benchmarks._harness import Row, median_of, print_table, write_results
+from benchmarks._harness import Row, print_table, write_results
 from evergreen_trio.avp import AVPLimits, AVPMetadata, DataType, PayloadType, decode, encode, encode_buffers, pack_kv
 from evergreen_trio.avp.incremental import AVPDecoder
 from evergreen_trio.avp.stream import avp_fragments
@@ -35,20 +36,23 @@ COMMON = {
 }
 
 
-def _seconds_per_call(fn: Callable[[], object], calls: int, runs: int) -> float:
+def _seconds_per_call(fn: Callable[[], object], calls: int) -> Callable[[], float]:
     def measure() -> float:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         return (time.perf_counter() - start) / calls
 
-    fn()
-    return median_of(runs, measure)[0]
+    return measure
 
 
 def _pair(case: str, ours: Callable[[], object], theirs: Callable[[], object], calls: int, runs: int) -> Row:
-    mine = _seconds_per_call(ours, calls, runs)
-    peer = _seconds_per_call(theirs, calls, runs)
+    """Median seconds per call of each side; the runs alternate so load on the machine hits both alike."""
+    ours(), theirs()
+    measure_ours, measure_theirs = _seconds_per_call(ours, calls), _seconds_per_call(theirs, calls)
+    samples = [(measure_ours(), measure_theirs()) for _ in range(runs)]
+    mine = statistics.median(sample[0] for sample in samples)
+    peer = statistics.median(sample[1] for sample in samples)
     unit, scale = ("us", 1e6) if mine < 1e-3 else ("ms", 1e3)
     return Row(
         case, mine * scale, unit, peer=f"{REFERENCE} {peer * scale:,.4g} {unit}", ratio=peer / mine,

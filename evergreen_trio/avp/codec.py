@@ -64,14 +64,20 @@ ZSTD_LEVELS: dict[str, int] = {"fast": 1, "balanced": 3, "max": 19}
 ZSTD = "zstd"
 _UINT32_MAX = 0xFFFFFFFF
 
-# zstd contexts must not be shared between threads; one set per thread.
-_compressors = threading.local()
+# zstd contexts (and cached metadata messages) must not be shared between threads; one set per thread.
+_per_thread = threading.local()
+
+
+def _thread_local(name: str, factory: Callable[[], Any]) -> Any:
+    value = getattr(_per_thread, name, None)
+    if value is None:
+        value = factory()
+        setattr(_per_thread, name, value)
+    return value
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
-    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_compressors, "by_level", None)
-    if cache is None:
-        cache = _compressors.by_level = {}
+    cache: dict[int, zstandard.ZstdCompressor] = _thread_local("compressors", dict)
     compressor = cache.get(level)
     if compressor is None:
         compressor = cache[level] = zstandard.ZstdCompressor(level=level)
@@ -79,9 +85,7 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
-    decompressor: zstandard.ZstdDecompressor | None = getattr(_compressors, "decompressor", None)
-    if decompressor is None:
-        decompressor = _compressors.decompressor = zstandard.ZstdDecompressor()
+    decompressor: zstandard.ZstdDecompressor = _thread_local("decompressor", zstandard.ZstdDecompressor)
     return decompressor
 
 
@@ -139,7 +143,7 @@ def _check_enum(values: frozenset[int], value: Any, name: str, enum_type: Any) -
         )
 
 
-def _metadata_bytes(metadata: AVPMetadata, compressed: bool, checksum: int | None) -> bytes:
+def _metadata_message(metadata: AVPMetadata, compressed: bool) -> Metadata:
     # Only non-default fields are set (proto3 omits defaults anyway); the map is filled in the
     # caller's order, as the reference does, so the serialised bytes match its output exactly.
     m = metadata
@@ -172,14 +176,42 @@ def _metadata_bytes(metadata: AVPMetadata, compressed: bool, checksum: int | Non
             pb.compression = ZSTD
         if m.avp_map_id:
             pb.avp_map_id = m.avp_map_id
-        if m.extra:
-            for key, value in m.extra.items():
-                pb.extra[key] = value
-        if checksum is not None:
-            pb.payload_checksum = checksum
-        return pb.SerializeToString()
+        for key, value in m.extra.items():
+            pb.extra[key] = value
     except (ValueError, TypeError) as exc:
         raise AVPEncodeError(f"metadata: expected values the proto's types accept, got {exc}") from None
+    return pb
+
+
+_CACHE_SIZE = 64
+
+
+def _metadata_bytes(metadata: AVPMetadata, compressed: bool, checksum: int | None) -> bytes:
+    """Serialise the metadata. A stream of messages repeats everything but the checksum, so the built
+    protobuf is kept per thread, keyed by every other field, and only the checksum is set anew."""
+    m = metadata
+    pb: Metadata | None = None
+    key: tuple[Any, ...] | None = None
+    cache: dict[tuple[Any, ...], Metadata] = _thread_local("metadata", dict)
+    if not m.extra:
+        key = (m.session_id, m.source_agent_id, m.target_agent_id, m.model_id, m.hidden_dim, m.num_layers,
+               m.payload_type, m.dtype, m.tensor_shape, m.mode, m.avp_map_id, compressed, checksum is None)
+        try:
+            pb = cache.get(key)
+        except TypeError:  # an unhashable field (a list shape): build it uncached
+            key = None
+    if pb is None:
+        pb = _metadata_message(m, compressed)
+        if key is not None:
+            if len(cache) >= _CACHE_SIZE:
+                cache.clear()
+            cache[key] = pb
+    if checksum is not None:
+        try:
+            pb.payload_checksum = checksum
+        except (ValueError, TypeError) as exc:
+            raise AVPEncodeError(f"payload_checksum: expected a uint32, got {exc}") from None
+    return pb.SerializeToString()
 
 
 def encode_buffers(
@@ -398,6 +430,8 @@ def parse_metadata(header: AVPHeader, raw: memoryview, limits: AVPLimits, strict
 
 def tensor_size(header: AVPHeader, metadata: AVPMetadata, limits: AVPLimits) -> int | None:
     """The tensor bytes expected after decompression, when known; checks an uncompressed section's length."""
+    if not metadata.tensor_shape:
+        return None
     expected = expected_payload_size(metadata, limits)
     if expected is not None and not header.flags & FLAG_COMPRESSED and expected != header.tensor_section_length:
         raise AVPInconsistentError(
@@ -451,6 +485,12 @@ def _decompress(section: memoryview, expected: int | None, limits: AVPLimits) ->
     return out
 
 
+def _checksum_error(expected: int, payload: memoryview) -> None:
+    raise AVPChecksumError(
+        f"payload_checksum: expected {expected:#010x}, got {crc32(payload):#010x} over {len(payload)} payload bytes"
+    )
+
+
 def finish_payload(
     header: AVPHeader,
     metadata: AVPMetadata,
@@ -461,13 +501,8 @@ def finish_payload(
 ) -> memoryview:
     """Decompress (bounded) if needed, verify the checksum and the KV layout; return the tensor bytes."""
     payload = _decompress(section, expected, limits) if header.flags & FLAG_COMPRESSED else section
-    if metadata.payload_checksum is not None:
-        actual = crc32(payload)
-        if actual != metadata.payload_checksum:
-            raise AVPChecksumError(
-                f"payload_checksum: expected {metadata.payload_checksum:#010x}, got {actual:#010x} "
-                f"over {len(payload)} payload bytes"
-            )
+    if metadata.payload_checksum is not None and crc32(payload) != metadata.payload_checksum:
+        _checksum_error(metadata.payload_checksum, payload)
     if metadata.payload_type is PayloadType.KV_CACHE:
         from evergreen_trio.avp.kv import read_kv_header
 
@@ -501,13 +536,16 @@ def decode(data: Any, *, limits: AVPLimits = DEFAULT_LIMITS, strict: bool = True
     view = _byte_input(data)
     header = parse_header(view, limits, strict)
     end = HEADER_SIZE + header.payload_length
-    if len(view) < end:
-        raise AVPTruncatedError(f"message: expected {end} bytes (header + payload_length), got {len(view)}")
-    if strict and len(view) > end:
-        raise AVPLengthError(f"message: expected {end} bytes (header + payload_length), got {len(view)}")
+    if len(view) != end and (len(view) < end or strict):
+        error = AVPTruncatedError if len(view) < end else AVPLengthError
+        raise error(f"message: expected {end} bytes (header + payload_length), got {len(view)}")
     meta_end = HEADER_SIZE + header.metadata_length
     metadata = parse_metadata(header, view[HEADER_SIZE:meta_end], limits, strict)
     expected = tensor_size(header, metadata, limits)
-    payload = finish_payload(header, metadata, view[meta_end:end], expected, limits, strict)
-    return AVPMessage(header, metadata, payload)
-
+    section = view[meta_end:end]
+    if header.flags & FLAG_COMPRESSED or metadata.payload_type is PayloadType.KV_CACHE:
+        return AVPMessage(header, metadata, finish_payload(header, metadata, section, expected, limits, strict))
+    checksum = metadata.payload_checksum
+    if checksum is not None and crc32(section) != checksum:
+        _checksum_error(checksum, section)
+    return AVPMessage(header, metadata, section)

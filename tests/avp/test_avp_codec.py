@@ -292,3 +292,16 @@ def test_decode_accepts_any_contiguous_buffer() -> None:
     with pytest.raises(AVPTruncatedError):
         decode(as_words)
     assert decode(memoryview(data)).metadata == replace(decode(data).metadata)
+
+
+def test_repeated_metadata_encodes_each_checksum_anew() -> None:
+    metadata = AVPMetadata(model_id="m", tensor_shape=(4,))
+    first, second = np.arange(4, dtype="<f4"), np.arange(4, 8, dtype="<f4")
+    a = encode(first, metadata)
+    b = encode(second, metadata)
+    c = encode(first, metadata, checksum=False)
+    assert decode(a).metadata.payload_checksum == zlib.crc32(first.tobytes())
+    assert decode(b).metadata.payload_checksum == zlib.crc32(second.tobytes())
+    assert decode(c).metadata.payload_checksum is None
+    assert encode(first, metadata) == a
+    assert encode(first, replace(metadata, tensor_shape=[4])) == a  # type: ignore[arg-type]
