@@ -10,6 +10,7 @@ an uncompressed payload is returned as a view into the input, so the only work l
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 from collections.abc import Callable
@@ -42,6 +43,8 @@ from evergreen_trio.avp.message import (
     FLAG_HAS_MAP,
     FLAG_KV_CACHE,
     HEADER_SIZE,
+    ITEMSIZE,
+    KV_HEADER_SIZE,
     MAGIC,
     PROTOCOL_VERSION,
     RESERVED_FLAGS,
@@ -52,7 +55,6 @@ from evergreen_trio.avp.message import (
     CommunicationMode,
     DataType,
     PayloadType,
-    expected_payload_size,
     implied_payload_size,
     require_cupy,
 )
@@ -311,6 +313,9 @@ def encode_into(
 # ---------------------------------------------------------------- decode
 
 
+_new_header = tuple.__new__
+
+
 def parse_header(data: memoryview, limits: AVPLimits, strict: bool) -> AVPHeader:
     """Parse and check the 12-byte header: magic, version, flags, and both lengths against ``limits``."""
     if len(data) < HEADER_SIZE:
@@ -340,7 +345,7 @@ def parse_header(data: memoryview, limits: AVPLimits, strict: bool) -> AVPHeader
             f"tensor section: expected at most {cap} bytes (max_payload_bytes={limits.max_payload_bytes}), "
             f"got {section}"
         )
-    return AVPHeader(version, flags, payload_length, metadata_length)
+    return _new_header(AVPHeader, (version, flags, payload_length, metadata_length))
 
 
 # upb parses any buffer; the stubs only name bytes.
@@ -430,12 +435,21 @@ def parse_metadata(header: AVPHeader, raw: memoryview, limits: AVPLimits, strict
 
 def tensor_size(header: AVPHeader, metadata: AVPMetadata, limits: AVPLimits) -> int | None:
     """The tensor bytes expected after decompression, when known; checks an uncompressed section's length."""
-    if not metadata.tensor_shape:
+    shape = metadata.tensor_shape
+    if not shape:
         return None
-    expected = expected_payload_size(metadata, limits)
-    if expected is not None and not header.flags & FLAG_COMPRESSED and expected != header.tensor_section_length:
+    # parse_metadata checked the rank; the KV header's 17 bytes are part of a KV payload.
+    expected = math.prod(shape) * ITEMSIZE[metadata.dtype]
+    if metadata.payload_type is PayloadType.KV_CACHE:
+        expected += KV_HEADER_SIZE
+    if expected > limits.max_payload_bytes:
+        raise AVPLimitError(
+            f"tensor_shape {list(shape)} of {metadata.dtype.name} implies {expected} payload "
+            f"bytes, above max_payload_bytes={limits.max_payload_bytes}"
+        )
+    if not header.flags & FLAG_COMPRESSED and expected != header.payload_length - header.metadata_length:
         raise AVPInconsistentError(
-            f"tensor_shape {list(metadata.tensor_shape)} of {metadata.dtype.name} implies {expected} payload "
+            f"tensor_shape {list(shape)} of {metadata.dtype.name} implies {expected} payload "
             f"bytes, got {header.tensor_section_length}"
         )
     return expected
@@ -516,6 +530,8 @@ def finish_payload(
 
 
 def _byte_input(data: Any) -> memoryview:
+    if isinstance(data, _BYTES):
+        return memoryview(data)
     try:
         view = memoryview(data)
     except TypeError:

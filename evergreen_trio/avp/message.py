@@ -140,20 +140,6 @@ def implied_payload_size(metadata: AVPMetadata) -> int | None:
     return size
 
 
-def expected_payload_size(metadata: AVPMetadata, limits: AVPLimits) -> int | None:
-    """`implied_payload_size`, after checking the rank and the size against ``limits`` (`AVPLimitError`)."""
-    rank = len(metadata.tensor_shape)
-    if rank > limits.max_rank:
-        raise AVPLimitError(f"tensor_shape: expected rank <= {limits.max_rank}, got rank {rank}")
-    size = implied_payload_size(metadata)
-    if size is not None and size > limits.max_payload_bytes:
-        raise AVPLimitError(
-            f"tensor_shape {list(metadata.tensor_shape)} of {metadata.dtype.name} implies {size} payload "
-            f"bytes, above max_payload_bytes={limits.max_payload_bytes}"
-        )
-    return size
-
-
 def require_cupy() -> Any:
     """The CuPy module, if it imports and sees a CUDA device."""
     try:
