@@ -72,7 +72,7 @@ class GatewaySettings:
     sim: SimConfig = field(default_factory=SimConfig)
     """Knobs of every simulated server; model names come from the config's models when it lists any."""
     round_robin_port: int | None = None
-    """Also open Envoy's round-robin listener (no picker) on this port, the routing baseline."""
+    """Also open Envoy's round-robin listener (no picker) on this port (0: any free), the routing baseline."""
     picker_host: str = "127.0.0.1"
     grpc_port: int = 0
     health_port: int = 0
@@ -89,8 +89,8 @@ class GatewaySettings:
         for name in ("grpc_port", "health_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise GatewayError(f"{name} must be in 0..65535, got {getattr(self, name)}")
-        if self.round_robin_port is not None and not 0 < self.round_robin_port < 65536:
-            raise GatewayError(f"round_robin_port must be in 1..65535, got {self.round_robin_port}")
+        if self.round_robin_port is not None and not 0 <= self.round_robin_port < 65536:
+            raise GatewayError(f"round_robin_port must be in 0..65535, got {self.round_robin_port}")
         if self.ready_timeout_s <= 0:
             raise GatewayError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
 

@@ -19,17 +19,17 @@ class SimConfig:
     """The served model name (``/v1/models``, the ``model`` a request must name)."""
     lora_adapters: tuple[str, ...] = ()
     """LoRA adapters a request may name instead of the base model."""
-    max_batch: int = 32
+    max_batch: int = 16
     """Most sequences running at once (vLLM ``max_num_seqs``)."""
-    kv_blocks: int = 2048
+    kv_blocks: int = 512
     """KV cache size in blocks (vLLM ``num_gpu_blocks``)."""
     block_size: int = 16
     """Tokens per KV block."""
     chars_per_token: int = 4
     """The simulated tokenizer: this many characters make a token."""
-    prefill_us_per_token: float = 100.0
+    prefill_us_per_token: float = 50.0
     """Prefill time per prompt token that is not in the prefix cache, microseconds."""
-    decode_ms_per_token: float = 10.0
+    decode_ms_per_token: float = 5.0
     """Time of one decode step with a batch of one, milliseconds."""
     decode_batch_factor: float = 0.03
     """Each extra running sequence makes a decode step this fraction slower."""
@@ -37,7 +37,7 @@ class SimConfig:
     """Most uncached prompt tokens prefilled in one step (a first request is always admitted)."""
     max_loras: int = 2
     """Most LoRA adapters loaded at once; a batch never mixes more."""
-    lora_load_ms: float = 50.0
+    lora_load_ms: float = 25.0
     """Time added to a step that loads an adapter which is not loaded, milliseconds."""
     max_model_len: int = 8192
     """Most prompt plus output tokens per request."""

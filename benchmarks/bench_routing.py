@@ -1,0 +1,337 @@
+"""Routing: the picker against Envoy's round robin over the same 4 simulated vLLM servers.
+
+One gateway process (``evergreen-trio gateway --simulate 4 --round-robin-port 0``) per run, so
+every run starts from cold caches: the same Envoy serves the picker route and the round-robin
+listener. The load generator (this process, httpx on Trio) sends open-loop Poisson arrivals of
+streaming chat completions: 16 long system prompts (apps), each with its model (half the base
+model, half one of 4 LoRA adapters), and a fresh user message per request. The rates are 0.5x,
+0.8x, 1.0x and 1.2x of the pool's saturation rate, measured first with a closed loop through
+round robin (the capacity of the pool without smart routing).
+
+The simulated servers model a GPU (50 us per uncached prompt token, 5 ms per decode step, a
+KV cache of 512 blocks) slowed down 8x (``time_scale``), so Python's own per-request cost on a
+small machine stays small beside the simulated work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+import trio
+
+from benchmarks._harness import RESULTS_DIR, Row, percentile, print_table, write_results
+
+T = TypeVar("T")
+AREA = "routing"
+SERVERS = 4
+LOADS = (0.5, 0.8, 1.0, 1.2)
+APPS = 16
+SYSTEM_PROMPT_CHARS = 4800  # about 1200 tokens
+BASE_MODEL = "llama"
+ADAPTERS = ("lora-a", "lora-b", "lora-c", "lora-d")
+SIM_ARGS = (
+    "--sim-max-batch", "16", "--sim-kv-blocks", "512", "--sim-prefill-us-per-token", "50",
+    "--sim-decode-ms-per-token", "5", "--sim-decode-batch-factor", "0.03", "--sim-max-loras", "2",
+    "--sim-lora-load-ms", "25", "--sim-time-scale", "8",
+)
+POOL_YAML = "\n".join([
+    "pool: {name: bench, endpoints: [127.0.0.1:1]}",
+    "models:",
+    *(f"  - {{name: {name}, criticality: Standard}}" for name in (BASE_MODEL, *ADAPTERS)),
+    "scheduler: {weights: {queue: 2, kv-cache: 2, prefix-cache: 3, lora-affinity: 1}}",
+    "",
+])
+_WORDS = ("alpha", "river", "stone", "green", "cloud", "tree", "light", "quiet", "model", "route", "token")
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it (seconds from the run's start)."""
+
+    sent: float
+    status: int = 0
+    first_token: float | None = None
+    done: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Result:
+    policy: str
+    load: float
+    rate: float
+    completed_per_s: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    e2e_p90_ms: float
+    status_429: int
+    errors: int
+    unfinished: int
+    prefix_hit_rate: float
+    requests: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    words: list[str] = []
+    size = 0
+    while size < chars:
+        word = rng.choice(_WORDS)
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)
+
+
+class Workload:
+    """Deterministic requests: app k has system prompt k and model k's; each user message is new."""
+
+    def __init__(self, seed: int) -> None:
+        rng = random.Random(seed)
+        self.prompts = [f"You are assistant #{k}. " + _text(rng, SYSTEM_PROMPT_CHARS) for k in range(APPS)]
+        self.models = [BASE_MODEL if k % 2 == 0 else ADAPTERS[(k // 2) % len(ADAPTERS)] for k in range(APPS)]
+        self.rng = random.Random(seed + 1)
+
+    def body(self, index: int) -> dict[str, object]:
+        app = self.rng.randrange(APPS)
+        user = f"user {index}: " + _text(self.rng, self.rng.randint(200, 500))
+        return {
+            "model": self.models[app],
+            "messages": [{"role": "system", "content": self.prompts[app]}, {"role": "user", "content": user}],
+            "max_tokens": self.rng.randint(8, 16),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object], outcome: Outcome, start: float) -> None:
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            outcome.status = response.status_code
+            if response.status_code != 200:
+                await response.aread()
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if outcome.first_token is None and '"choices":[{' in line:
+                    outcome.first_token = trio.current_time() - start
+                elif line == "data: [DONE]":
+                    outcome.done = trio.current_time() - start
+                elif '"usage":{' in line:
+                    usage = json.loads(line[6:])["usage"]
+                    outcome.prompt_tokens = usage["prompt_tokens"]
+                    outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+    except httpx.HTTPError:
+        outcome.status = -1
+
+
+def _client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=httpx.Limits(max_connections=2000))
+
+
+async def open_loop(url: str, rate: float, duration: float, drain: float, seed: int) -> list[Outcome]:
+    """Poisson arrivals at ``rate`` for ``duration`` s, then up to ``drain`` s for the last ones to finish."""
+    workload = Workload(seed)
+    arrivals_rng = random.Random(seed + 2)
+    outcomes: list[Outcome] = []
+    endpoint = f"{url}/v1/chat/completions"
+    async with _client() as client, trio.open_nursery() as nursery:
+        start = trio.current_time()
+        at = 0.0
+        index = 0
+        while True:
+            at += arrivals_rng.expovariate(rate)
+            if at >= duration:
+                break
+            await trio.sleep_until(start + at)
+            outcome = Outcome(sent=at)
+            outcomes.append(outcome)
+            nursery.start_soon(_one, client, endpoint, workload.body(index), outcome, start)
+            index += 1
+        nursery.cancel_scope.deadline = start + duration + drain
+    return outcomes
+
+
+async def closed_loop(url: str, concurrency: int, duration: float, warmup: float, seed: int) -> float:
+    """Completed requests/s with ``concurrency`` requests always in flight (after ``warmup``)."""
+    workload = Workload(seed)
+    finished: list[float] = []
+    endpoint = f"{url}/v1/chat/completions"
+
+    async def worker(start: float) -> None:
+        while True:
+            outcome = Outcome(sent=trio.current_time() - start)
+            await _one(client, endpoint, workload.body(len(finished)), outcome, start)
+            if outcome.done is not None:
+                finished.append(outcome.done)
+
+    async with _client() as client, trio.open_nursery() as nursery:
+        start = trio.current_time()
+        for _ in range(concurrency):
+            nursery.start_soon(worker, start)
+        nursery.cancel_scope.deadline = start + duration
+    return sum(1 for t in finished if t >= warmup) / (duration - warmup)
+
+
+class Gateway:
+    """``evergreen-trio gateway`` in a child process; its URLs come from the lines it prints."""
+
+    def __init__(self, config: Path) -> None:
+        command = [sys.executable, "-m", "evergreen_trio.cli", "--log-level", "WARNING", "gateway",
+                   "--config", str(config), "--simulate", str(SERVERS), "--listen", "127.0.0.1:0",
+                   "--round-robin-port", "0", *SIM_ARGS]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert self.process.stdout is not None
+        lines = []
+        for line in self.process.stdout:
+            lines.append(line)
+            if line.startswith("Ctrl-C"):
+                break
+        else:
+            raise RuntimeError(f"gateway exited with {self.process.wait()}: {''.join(lines)}")
+        urls = {line[:12].strip(): line[12:].split()[0] for line in lines if line[:12].strip()}
+        self.picker_url = urls["gateway"]
+        self.round_robin_url = urls["round robin"]
+        self.endpoints = [line.split()[1] for line in lines if line.startswith("endpoint ")]
+
+    def close(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def summarize(policy: str, load: float, rate: float, everything: list[Outcome], warmup: float, end: float) -> Result:
+    """Latencies of the requests sent after ``warmup``; throughput = completions inside [warmup, end]."""
+    window = end - warmup
+    completed = sum(1 for o in everything if o.done is not None and warmup <= o.done <= end)
+    outcomes = [o for o in everything if o.sent >= warmup]
+    ok = [o for o in outcomes if o.status == 200 and o.done is not None]
+    ttft = [(o.first_token or 0.0) - o.sent for o in ok]
+    e2e = [(o.done or 0.0) - o.sent for o in ok]
+    prompt = sum(o.prompt_tokens for o in ok)
+    return Result(
+        policy=policy, load=load, rate=rate,
+        completed_per_s=completed / window,
+        ttft_p50_ms=1000 * percentile(ttft, 50), ttft_p90_ms=1000 * percentile(ttft, 90),
+        ttft_p99_ms=1000 * percentile(ttft, 99), e2e_p90_ms=1000 * percentile(e2e, 90),
+        status_429=sum(1 for o in outcomes if o.status == 429),
+        errors=sum(1 for o in outcomes if o.status not in (200, 429)),
+        unfinished=sum(1 for o in outcomes if o.status == 200 and o.done is None),
+        prefix_hit_rate=sum(o.cached_tokens for o in ok) / prompt if prompt else float("nan"),
+        requests=len(outcomes),
+    )
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for policy, style in (("picker", "o-"), ("round robin", "s--")):
+        points = sorted((r.load, r.ttft_p90_ms) for r in results if r.policy == policy)
+        axes.plot([p[0] for p in points], [p[1] for p in points], style, label=policy)
+    axes.set_yscale("log")
+    axes.set_xlabel("offered load (x saturation rate of the round-robin pool)")
+    axes.set_ylabel("TTFT p90 (ms)")
+    axes.set_title(f"{SERVERS} simulated vLLM servers behind one Envoy")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def run(quick: bool = False) -> None:
+    duration, warmup, drain = (15.0, 5.0, 20.0) if quick else (40.0, 10.0, 60.0)
+    saturation_s, saturation_warmup = (8.0, 3.0) if quick else (20.0, 5.0)
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as workdir:
+        config = Path(workdir) / "pool.yaml"
+        config.write_text(POOL_YAML)
+
+        def with_gateway(measure: Callable[[Gateway], Awaitable[T]]) -> T:
+            gateway = Gateway(config)
+            try:
+                return trio.run(measure, gateway)
+            finally:
+                gateway.close()
+
+        concurrency = SERVERS * 16 * 2
+        saturation = with_gateway(lambda g: closed_loop(g.round_robin_url, concurrency, saturation_s,
+                                                        saturation_warmup, seed=99))
+        print(f"saturation rate (round robin, closed loop, {concurrency} in flight): {saturation:.2f} req/s")
+        results: list[Result] = []
+        for load in LOADS:
+            rate = saturation * load
+            for policy in ("round robin", "picker"):
+                def measure(g: Gateway, policy: str = policy, rate: float = rate) -> Awaitable[list[Outcome]]:
+                    url = g.picker_url if policy == "picker" else g.round_robin_url
+                    return open_loop(url, rate, duration, drain, seed=7)
+
+                outcomes = with_gateway(measure)
+                result = summarize(policy, load, rate, outcomes, warmup, duration)
+                results.append(result)
+                print(f"  {policy:11} {load:.1f}x {rate:5.2f} req/s: done {result.completed_per_s:.2f}/s "
+                      f"TTFT p90 {result.ttft_p90_ms:.0f} ms hit {result.prefix_hit_rate:.0%}", flush=True)
+    _report(results, saturation, quick)
+
+
+def _report(results: list[Result], saturation: float, quick: bool) -> None:
+    print(f"\n## Routing: picker vs round robin, {SERVERS} simulated servers (saturation {saturation:.2f} req/s)\n")
+    print("| policy | load | offered req/s | completed req/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms "
+          "| e2e p90 ms | 429s | errors | prefix hit |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r.policy} | {r.load:.1f}x | {r.rate:.2f} | {r.completed_per_s:.2f} | {r.ttft_p50_ms:.0f} "
+              f"| {r.ttft_p90_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.e2e_p90_ms:.0f} | {r.status_429} | {r.errors} "
+              f"| {r.prefix_hit_rate:.0%} |")
+    rows: list[Row] = []
+    by = {(r.policy, r.load): r for r in results}
+    for load in LOADS:
+        picker, baseline = by[("picker", load)], by[("round robin", load)]
+        improvement = baseline.ttft_p90_ms / picker.ttft_p90_ms if picker.ttft_p90_ms > 0 else math.inf
+        rows.append(Row(f"TTFT p90 picker @{load:.1f}x", picker.ttft_p90_ms, "ms", "round robin", improvement,
+                        extra={"round_robin_ms": baseline.ttft_p90_ms}))
+        rows.append(Row(f"completed picker @{load:.1f}x", picker.completed_per_s, "req/s", "round robin",
+                        picker.completed_per_s / baseline.completed_per_s if baseline.completed_per_s else None,
+                        extra={"round_robin": baseline.completed_per_s}))
+    print_table("routing (ratio: round robin TTFT p90 / picker's; picker throughput / round robin's)", rows)
+    targets = {
+        f"ttft_p90_{load}x_at_least_3x_lower": by[("round robin", load)].ttft_p90_ms
+        >= 3 * by[("picker", load)].ttft_p90_ms
+        for load in (1.0, 1.2)
+    } | {
+        f"throughput_{load}x_not_less": by[("picker", load)].completed_per_s
+        >= 0.97 * by[("round robin", load)].completed_per_s
+        for load in (1.0, 1.2)
+    }
+    print("\ntargets:", ", ".join(f"{name}={'met' if met else 'MISSED'}" for name, met in targets.items()))
+    png = RESULTS_DIR / f"{AREA}.png"
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    plot(results, png)
+    path = write_results(
+        AREA, rows, quick=quick, saturation_req_per_s=saturation, servers=SERVERS, sim_args=list(SIM_ARGS),
+        results=[asdict(r) for r in results], targets=targets, plot=png.name,
+        load_average=os.getloadavg(), cpus=os.cpu_count(), generated=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
+    print(f"wrote {path} and {png}")
