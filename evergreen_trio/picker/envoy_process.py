@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 
 import httpx
@@ -34,17 +34,37 @@ def find_envoy() -> str:
 
 
 def _die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM Envoy when its launcher dies, so no Envoy is orphaned."""
+    """In the child: SIGTERM Envoy when the thread that forked it dies, so no Envoy is orphaned.
+
+    Linux ties this to the forking *thread*; that is why Envoy is forked from the Trio thread
+    itself and not from trio.run_process's worker threads, which come and go.
+    """
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-async def _wait_ready(process: trio.Process, admin_port: int, timeout_s: float) -> None:
+async def _wait_exit(process: subprocess.Popen[bytes]) -> int:
+    """Wait for the process to exit without a thread: a pidfd where Linux has one, else polling."""
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is not None:
+        fd = pidfd_open(process.pid)
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        finally:
+            os.close(fd)
+    while True:
+        status = process.poll()
+        if status is not None:
+            return status
+        await trio.sleep(0.05)
+
+
+async def _wait_ready(process: subprocess.Popen[bytes], admin_port: int, timeout_s: float) -> None:
     url = f"http://127.0.0.1:{admin_port}/ready"
     async with httpx.AsyncClient(timeout=1.0) as client:
         with trio.move_on_after(timeout_s):
-            while process.returncode is None:
+            while process.poll() is None:
                 try:
                     if (await client.get(url)).status_code == 200:
                         return
@@ -62,7 +82,7 @@ async def run_envoy(
     admin_port: int,
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = 30.0,
-    task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[subprocess.Popen[bytes]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run Envoy on ``config_path`` until cancelled (then it is terminated, killed if it lingers).
 
@@ -71,13 +91,20 @@ async def run_envoy(
     """
     command = [find_envoy(), "-c", str(config_path), *ENVOY_ARGS, *extra_args]
     log.info("envoy.start config=%s admin_port=%d", config_path, admin_port)
-    async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(partial(
-            trio.run_process, command, check=False, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
-        try:
-            await _wait_ready(process, admin_port, ready_timeout_s)
-        except EnvoyError:
-            process.kill()
-            raise
+    # Forked here, on the Trio thread (a fork/exec of a few ms), for the parent-death signal.
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)  # noqa: ASYNC220
+    try:
+        await _wait_ready(process, admin_port, ready_timeout_s)
         task_status.started(process)
-    raise EnvoyError(f"expected envoy to run until cancelled, it exited with status {process.returncode}")
+        status = await _wait_exit(process)
+        raise EnvoyError(f"expected envoy to run until cancelled, it exited with status {status}")
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.poll() is None:
+                process.terminate()
+                with trio.move_on_after(5):
+                    await _wait_exit(process)
+            if process.poll() is None:
+                process.kill()
+                await _wait_exit(process)
+            log.info("envoy.stopped status=%s", process.returncode)
