@@ -1,0 +1,365 @@
+"""A plain-Python model of Evergreen sessions, independent of any server: what a client sends,
+what ECHO must answer, and a strict reading of what a server sent back.
+
+Everything here is pure (no I/O, no event loop), so a test can state the expected result of a
+session before running it, and a conformance run can judge a server with code that shares
+nothing with the server under test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from itertools import pairwise
+
+from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
+    Action,
+    ChunkMetadata,
+    NamedParameter,
+    NodeFragment,
+    SessionMessage,
+)
+from evergreen_trio.dag.errors import StatusCode
+from evergreen_trio.errors import EvergreenTrioError
+
+
+class ModelError(EvergreenTrioError):
+    """What a server sent cannot be read as Evergreen nodes, or a model was built wrong."""
+
+
+# --------------------------------------------------------------------------------------------
+# Nodes
+
+
+@dataclass(frozen=True)
+class Meta:
+    """Chunk metadata as a hashable value (the fields the kit generates)."""
+
+    mimetype: str
+    role: str = ""
+    original_file_name: str = ""
+
+    def proto(self) -> ChunkMetadata:
+        return ChunkMetadata(mimetype=self.mimetype, role=self.role, original_file_name=self.original_file_name)
+
+    @classmethod
+    def of(cls, metadata: ChunkMetadata) -> Meta:
+        return cls(metadata.mimetype, metadata.role, metadata.original_file_name)
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """A leaf: one chunk, its bytes the concatenation of its fragments' data."""
+
+    meta: Meta
+    data: bytes
+
+
+@dataclass(frozen=True)
+class InnerSpec:
+    """An inner node: its children flatten in order; a child may appear several times."""
+
+    children: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EchoOf:
+    """A node the server produces: ECHO's output for input ``input_id`` (it flattens the same)."""
+
+    input_id: str
+
+
+NodeSpec = LeafSpec | InnerSpec | EchoOf
+
+
+@dataclass(frozen=True)
+class FlatChunk:
+    """One chunk of a flattened node."""
+
+    meta: Meta
+    data: bytes
+
+    def __repr__(self) -> str:
+        return f"({self.meta.mimetype!r}, {self.data!r})"
+
+
+def flatten(nodes: Mapping[str, NodeSpec], root: str, *, limit: int = 1 << 20) -> list[FlatChunk]:
+    """The expected flattening of ``root``: the depth-first concatenation of the leaves' chunks,
+    a shared node repeated wherever it appears. Raises ModelError on a missing node, a cycle,
+    or more than ``limit`` chunks."""
+    out: list[FlatChunk] = []
+    path: list[str] = []
+
+    def walk(node_id: str) -> None:
+        if node_id in path:
+            raise ModelError(f"node {node_id!r} includes itself (path {' -> '.join([*path, node_id])})")
+        node = nodes.get(node_id)
+        if node is None:
+            raise ModelError(f"node {node_id!r} is named but not in the model")
+        if isinstance(node, LeafSpec):
+            if len(out) >= limit:
+                raise ModelError(f"flattening has more than {limit} chunks")
+            out.append(FlatChunk(node.meta, node.data))
+            return
+        path.append(node_id)
+        children = node.children if isinstance(node, InnerSpec) else (node.input_id,)
+        for child in children:
+            walk(child)
+        path.pop()
+
+    walk(root)
+    return out
+
+
+def depth(nodes: Mapping[str, NodeSpec], root: str) -> int:
+    """Levels of inner nodes from ``root`` down to its deepest leaf (a leaf has depth 0)."""
+    memo: dict[str, int] = {}
+
+    def walk(node_id: str) -> int:
+        if node_id not in memo:
+            node = nodes[node_id]
+            if isinstance(node, LeafSpec):
+                memo[node_id] = 0
+            else:
+                children = node.children if isinstance(node, InnerSpec) else (node.input_id,)
+                memo[node_id] = 1 + max((walk(c) for c in children), default=0)
+        return memo[node_id]
+
+    return walk(root)
+
+
+# --------------------------------------------------------------------------------------------
+# What goes on the wire
+
+
+@dataclass(frozen=True)
+class Frag:
+    """One NodeFragment. ``chunk`` is (metadata or None, data) for a leaf fragment."""
+
+    id: str
+    seq: int
+    continued: bool
+    children: tuple[str, ...] = ()
+    chunk: tuple[Meta | None, bytes] | None = None
+
+    def proto(self) -> NodeFragment:
+        fragment = NodeFragment(id=self.id, seq=self.seq, continued=self.continued, child_ids=self.children)
+        if self.chunk is not None:
+            meta, data = self.chunk
+            fragment.chunk_fragment.data = data
+            if meta is not None:
+                fragment.chunk_fragment.metadata.CopyFrom(meta.proto())
+        return fragment
+
+    def __repr__(self) -> str:
+        parts = [f"{self.id!r}#{self.seq}" + ("+" if self.continued else "")]
+        if self.children:
+            parts.append(f"children={list(self.children)!r}")
+        if self.chunk is not None:
+            meta, data = self.chunk
+            if meta is not None:
+                parts.append(f"meta={meta.mimetype!r}" + (f"/{meta.role!r}" if meta.role else ""))
+            parts.append(f"data={data[:16]!r}" + (f"..({len(data)}B)" if len(data) > 16 else ""))
+        return "Frag(" + " ".join(parts) + ")"
+
+
+@dataclass(frozen=True)
+class Act:
+    """One Action: ``inputs`` and ``outputs`` are (parameter name, node id) pairs."""
+
+    name: str
+    inputs: tuple[tuple[str, str], ...]
+    outputs: tuple[tuple[str, str], ...]
+
+    def proto(self) -> Action:
+        return Action(
+            name=self.name,
+            inputs=[NamedParameter(name=n, id=i) for n, i in self.inputs],
+            outputs=[NamedParameter(name=n, id=i) for n, i in self.outputs],
+        )
+
+    def __repr__(self) -> str:
+        ins = ", ".join(f"{n}={i!r}" for n, i in self.inputs)
+        outs = ", ".join(f"{n}={i!r}" for n, i in self.outputs)
+        return f"Act({self.name} in[{ins}] out[{outs}])"
+
+
+Item = Frag | Act
+
+
+def echo(input_id: str, output_id: str) -> Act:
+    return Act("ECHO", (("input", input_id),), (("output", output_id),))
+
+
+def split_leaf(node_id: str, leaf: LeafSpec, cuts: Sequence[int] = (), *, repeat_meta: bool = False) -> list[Frag]:
+    """A leaf's fragments, its data cut at ``cuts`` (sorted offsets); metadata on seq 0
+    (and repeated, identical, on later seqs when ``repeat_meta``: the spec's own example does)."""
+    bounds = [0, *cuts, len(leaf.data)]
+    last = len(bounds) - 2
+    return [
+        Frag(node_id, seq, seq < last, chunk=(leaf.meta if seq == 0 or repeat_meta else None, leaf.data[a:b]))
+        for seq, (a, b) in enumerate(pairwise(bounds))
+    ]
+
+
+def split_inner(node_id: str, inner: InnerSpec, cuts: Sequence[int] = ()) -> list[Frag]:
+    """An inner node's fragments, its child list cut at ``cuts`` (sorted, each piece non-empty)."""
+    bounds = [0, *cuts, len(inner.children)]
+    last = len(bounds) - 2
+    return [
+        Frag(node_id, seq, seq < last, children=inner.children[a:b])
+        for seq, (a, b) in enumerate(pairwise(bounds))
+    ]
+
+
+def fragments_of(nodes: Mapping[str, NodeSpec]) -> list[Frag]:
+    """Every client node as one fragment each, in insertion order (the simplest delivery)."""
+    out: list[Frag] = []
+    for node_id, node in nodes.items():
+        if isinstance(node, LeafSpec):
+            out.extend(split_leaf(node_id, node))
+        elif isinstance(node, InnerSpec):
+            out.extend(split_inner(node_id, node))
+    return out
+
+
+def to_messages(items: Sequence[Item], groups: Sequence[int] = ()) -> list[SessionMessage]:
+    """Pack ``items`` into SessionMessages, a new message starting at each index in ``groups``.
+
+    Within one message actions precede fragments, so a message starts wherever an action
+    follows a fragment: the receiver then sees every item in the order given.
+    """
+    starts = set(groups)
+    messages: list[SessionMessage] = []
+    current = SessionMessage()
+    for index, item in enumerate(items):
+        split = index in starts or (isinstance(item, Act) and len(current.node_fragments) > 0)
+        if split and (current.node_fragments or current.actions):
+            messages.append(current)
+            current = SessionMessage()
+        if isinstance(item, Act):
+            current.actions.append(item.proto())
+        else:
+            current.node_fragments.append(item.proto())
+    if current.node_fragments or current.actions:
+        messages.append(current)
+    return messages
+
+
+# --------------------------------------------------------------------------------------------
+# Plans: a session to play and what it must end with
+
+
+class Violation(Enum):
+    """A rule an invalid session breaks, with the status our server answers (any non-OK status
+    is an abort for the specification, which names no codes)."""
+
+    CYCLE = ("cycle", StatusCode.INVALID_ARGUMENT)
+    SEQ_PAST_FINAL = ("seq past final", StatusCode.INVALID_ARGUMENT)
+    CHANGED_METADATA = ("changed metadata", StatusCode.INVALID_ARGUMENT)
+    LEAF_AND_INNER = ("leaf and inner mixed", StatusCode.INVALID_ARGUMENT)
+    REUSED_OUTPUT_ID = ("reused output id", StatusCode.INVALID_ARGUMENT)
+    OVER_LIMIT = ("over-limit size", StatusCode.RESOURCE_EXHAUSTED)
+
+    def __init__(self, label: str, code: StatusCode) -> None:
+        self.label = label
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One session: the client's nodes, the ECHO calls (input id -> output id), the items in
+    delivery order, and where messages split. ``violation`` is None for a valid session."""
+
+    nodes: Mapping[str, NodeSpec]
+    calls: tuple[tuple[str, str], ...]
+    items: tuple[Item, ...]
+    groups: tuple[int, ...] = ()
+    violation: Violation | None = None
+    note: str = ""
+
+    def messages(self) -> list[SessionMessage]:
+        return to_messages(self.items, self.groups)
+
+    def model(self) -> dict[str, NodeSpec]:
+        """Client nodes plus the ECHO outputs, for :func:`flatten`."""
+        return {**self.nodes, **{out: EchoOf(inp) for inp, out in self.calls}}
+
+    def expected(self) -> dict[str, list[FlatChunk]]:
+        """Each output id's expected flattening."""
+        model = self.model()
+        return {out: flatten(model, inp) for inp, out in self.calls}
+
+    def __repr__(self) -> str:
+        head = f"Plan({self.violation.label!r}, {self.note!r})" if self.violation else "Plan(valid)"
+        lines = [head, *(f"  {item!r}" for item in self.items)]
+        if self.groups:
+            lines.append(f"  message splits at {list(self.groups)}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading what a server sent
+
+
+@dataclass
+class _Assembly:
+    parts: dict[int, Frag] = field(default_factory=dict)
+    final: int | None = None
+
+
+def reassemble(fragments: Iterable[Frag]) -> dict[str, NodeSpec]:
+    """Nodes from a server's fragments, checked against the fragment rules a producer must keep:
+    seqs 0..final all present and none past the final, metadata on seq 0 (a later fragment may
+    only repeat it), a node a leaf or inner but not both. A repeated (id, seq) keeps the first.
+    Raises ModelError naming the node at fault."""
+    by_id: dict[str, _Assembly] = {}
+    for fragment in fragments:
+        node = by_id.setdefault(fragment.id, _Assembly())
+        if fragment.seq in node.parts:
+            continue
+        node.parts[fragment.seq] = fragment
+        if not fragment.continued:
+            if node.final is not None:
+                raise ModelError(f"node {fragment.id!r}: final fragments at seq {node.final} and {fragment.seq}")
+            node.final = fragment.seq
+    return {node_id: _assemble(node_id, node) for node_id, node in by_id.items()}
+
+
+def _assemble(node_id: str, node: _Assembly) -> NodeSpec:
+    if node.final is None:
+        raise ModelError(f"node {node_id!r}: no final fragment (seqs {sorted(node.parts)})")
+    if sorted(node.parts) != list(range(node.final + 1)):
+        raise ModelError(f"node {node_id!r}: seqs {sorted(node.parts)}, expected 0..{node.final}")
+    ordered = [node.parts[seq] for seq in range(node.final + 1)]
+    leaf = [f for f in ordered if f.chunk is not None]
+    inner = [f for f in ordered if f.children]
+    if leaf and inner:
+        raise ModelError(f"node {node_id!r}: both chunk and child_ids fragments")
+    if not leaf:
+        return InnerSpec(tuple(c for f in inner for c in f.children))
+    first = ordered[0].chunk
+    if first is None or first[0] is None:
+        raise ModelError(f"node {node_id!r}: seq 0 carries no metadata")
+    meta = first[0]
+    for fragment in ordered[1:]:
+        if fragment.chunk is not None and fragment.chunk[0] not in (None, meta):
+            raise ModelError(f"node {node_id!r} seq {fragment.seq}: metadata differs from seq 0's")
+    return LeafSpec(meta, b"".join(f.chunk[1] for f in leaf if f.chunk is not None))
+
+
+def frag_of(fragment: NodeFragment) -> Frag:
+    """The model of a received NodeFragment (a ref payload reads as its URI's bytes)."""
+    chunk: tuple[Meta | None, bytes] | None = None
+    if fragment.HasField("chunk_fragment"):
+        c = fragment.chunk_fragment
+        payload = c.ref.encode() if c.WhichOneof("payload") == "ref" else c.data
+        chunk = (Meta.of(c.metadata) if c.HasField("metadata") else None, payload)
+    return Frag(fragment.id, fragment.seq, fragment.continued, tuple(fragment.child_ids), chunk)
+
+
+def iter_frags(messages: Iterable[SessionMessage]) -> Iterator[Frag]:
+    for message in messages:
+        for fragment in message.node_fragments:
+            yield frag_of(fragment)

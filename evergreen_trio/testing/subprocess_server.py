@@ -1,0 +1,90 @@
+"""Our server in a child process, for tests that need real process separation: a client and
+server that share no event loop, thread or garbage collector, and a server that can be killed.
+
+``python -m evergreen_trio.testing.subprocess_server [LIMITS_JSON]`` serves the built-in
+actions on a free loopback port with the given :class:`SessionLimits` fields and prints
+``port=<n>``; :func:`spawn_server` starts it and yields the address.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+
+import trio
+
+from evergreen_trio.actions import register_builtin_actions
+from evergreen_trio.dag.limits import SessionLimits
+from evergreen_trio.errors import EvergreenTrioError
+from evergreen_trio.server import Server
+
+
+class ServerProcessError(EvergreenTrioError):
+    """The child server did not start."""
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen[str]
+    address: str
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def rss_bytes(self, field: str = "VmRSS") -> int:
+        """The child's resident memory (``VmHWM`` for its peak), from /proc."""
+        with open(f"/proc/{self.pid}/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+        raise ServerProcessError(f"no {field} in /proc/{self.pid}/status")
+
+
+@contextmanager
+def spawn_server(limits: SessionLimits | None = None, *, start_timeout: float = 60.0) -> Iterator[ServerProcess]:
+    """Start the server in a child process; at exit interrupt it (SIGINT) and wait."""
+    args = [sys.executable, "-m", "evergreen_trio.testing.subprocess_server"]
+    if limits is not None:
+        args.append(json.dumps(asdict(limits)))
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline().strip()
+        if not line.startswith("port="):
+            raise ServerProcessError(f"the server process printed {line!r} instead of its port")
+        yield ServerProcess(process, f"127.0.0.1:{int(line.removeprefix('port='))}")
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=start_timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def main(argv: list[str]) -> None:
+    limits = SessionLimits(**json.loads(argv[0])) if argv else SessionLimits()
+    server = Server(limits=limits)
+    register_builtin_actions(server)
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            print(f"port={port}", flush=True)
+
+    with suppress(KeyboardInterrupt):
+        trio.run(serve)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

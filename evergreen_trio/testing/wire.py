@@ -1,0 +1,91 @@
+"""A plain synchronous Evergreen client on grpcio: send a whole session, collect what comes back.
+
+It shares no code with the package's own gRPC bridge, so judging a server (ours included)
+with it does not rely on the stack under test. One channel (one HTTP/2 connection) carries
+the sessions one after another.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import grpc  # type: ignore[import-untyped]
+
+from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
+from evergreen_trio.dag.errors import StatusCode
+from evergreen_trio.server import START_SESSION
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one session ended: the status, its message, what the server sent, and whether the
+    client gave up waiting (``hung``: no final status within the timeout)."""
+
+    code: int
+    details: str
+    received: tuple[SessionMessage, ...]
+    hung: bool = False
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.code == StatusCode.OK and not self.hung
+
+    def describe(self) -> str:
+        if self.hung:
+            return f"no final status after {self.seconds:.1f} s (the server hung)"
+        try:
+            name = StatusCode(self.code).name
+        except ValueError:
+            name = str(self.code)
+        return f"{name}: {self.details}" if self.details else name
+
+
+class SyncClient:
+    """Sessions against ``host:port``, one at a time, each bounded by ``timeout`` seconds."""
+
+    def __init__(self, target: str, *, timeout: float = 10.0) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._start = self._channel.stream_stream(
+            START_SESSION,
+            request_serializer=SessionMessage.SerializeToString,
+            response_deserializer=SessionMessage.FromString,
+        )
+
+    def run(self, messages: Sequence[SessionMessage]) -> Outcome:
+        """Send ``messages``, half-close, and read replies until the server's final status."""
+        received: list[SessionMessage] = []
+        started = time.monotonic()
+        try:
+            for reply in self._start(iter(messages), timeout=self.timeout, wait_for_ready=False):
+                received.append(reply)
+        except grpc.RpcError as error:
+            code = error.code()
+            elapsed = time.monotonic() - started
+            hung = code == grpc.StatusCode.DEADLINE_EXCEEDED and elapsed >= self.timeout * 0.99
+            return Outcome(code.value[0], error.details() or "", tuple(received), hung, elapsed)
+        return Outcome(StatusCode.OK, "", tuple(received), False, time.monotonic() - started)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
