@@ -20,12 +20,15 @@ import math
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -67,6 +70,8 @@ class Outcome:
     done: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    served_by: str = ""
+    error: str = ""
 
 
 @dataclass
@@ -84,7 +89,10 @@ class Result:
     unfinished: int
     prefix_hit_rate: float
     requests: int
-    extra: dict[str, float] = field(default_factory=dict)
+    busiest_server_share: float
+    """The share of requests the busiest server got (0.25 is perfectly even over 4)."""
+    error_kinds: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, list[float]] = field(default_factory=dict)
 
 
 def _text(rng: random.Random, chars: int) -> str:
@@ -122,8 +130,9 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object], out
     try:
         async with client.stream("POST", url, json=body) as response:
             outcome.status = response.status_code
+            outcome.served_by = response.headers.get("x-served-by", "")
             if response.status_code != 200:
-                await response.aread()
+                outcome.error = (await response.aread()).decode(errors="replace")[:200]
                 return
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
@@ -136,8 +145,9 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object], out
                     usage = json.loads(line[6:])["usage"]
                     outcome.prompt_tokens = usage["prompt_tokens"]
                     outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-    except httpx.HTTPError:
+    except httpx.HTTPError as error:
         outcome.status = -1
+        outcome.error = f"{type(error).__name__}: {error}"
 
 
 def _client() -> httpx.AsyncClient:
@@ -238,6 +248,8 @@ def summarize(policy: str, load: float, rate: float, everything: list[Outcome], 
         unfinished=sum(1 for o in outcomes if o.status == 200 and o.done is None),
         prefix_hit_rate=sum(o.cached_tokens for o in ok) / prompt if prompt else float("nan"),
         requests=len(outcomes),
+        busiest_server_share=max(Counter(o.served_by for o in ok).values(), default=0) / max(len(ok), 1),
+        error_kinds=dict(Counter(f"{o.status} {o.error[:100]}" for o in outcomes if o.status not in (200, 429))),
     )
 
 
@@ -262,8 +274,31 @@ def plot(results: list[Result], path: Path) -> None:
     plt.close(figure)
 
 
+async def _drive(
+    gateway: Gateway, *, policy: str, rate: float, duration: float, drain: float, seed: int
+) -> list[Outcome]:
+    url = gateway.picker_url if policy == "picker" else gateway.round_robin_url
+    return await open_loop(url, rate, duration, drain, seed=seed)
+
+
+def median_result(runs: list[Result]) -> Result:
+    """Each metric's median over repeated runs of one (policy, load); every run's value kept in ``extra``."""
+    numbers = ("completed_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p90_ms", "prefix_hit_rate",
+               "busiest_server_share")
+    first = runs[0]
+    merged = Result(
+        policy=first.policy, load=first.load, rate=first.rate,
+        status_429=sum(r.status_429 for r in runs), errors=sum(r.errors for r in runs),
+        unfinished=sum(r.unfinished for r in runs), requests=sum(r.requests for r in runs),
+        error_kinds={k: v for r in runs for k, v in r.error_kinds.items()},
+        **{name: statistics.median(getattr(r, name) for r in runs) for name in numbers},
+    )
+    merged.extra = {f"{name}_runs": [getattr(r, name) for r in runs] for name in numbers}
+    return merged
+
+
 def run(quick: bool = False) -> None:
-    duration, warmup, drain = (15.0, 5.0, 20.0) if quick else (40.0, 10.0, 60.0)
+    repeats, duration, warmup, drain = (1, 15.0, 5.0, 20.0) if quick else (3, 24.0, 8.0, 60.0)
     saturation_s, saturation_warmup = (8.0, 3.0) if quick else (20.0, 5.0)
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as workdir:
         config = Path(workdir) / "pool.yaml"
@@ -283,28 +318,29 @@ def run(quick: bool = False) -> None:
         results: list[Result] = []
         for load in LOADS:
             rate = saturation * load
-            for policy in ("round robin", "picker"):
-                def measure(g: Gateway, policy: str = policy, rate: float = rate) -> Awaitable[list[Outcome]]:
-                    url = g.picker_url if policy == "picker" else g.round_robin_url
-                    return open_loop(url, rate, duration, drain, seed=7)
+            runs: dict[str, list[Result]] = {"round robin": [], "picker": []}
+            for repeat in range(repeats):
+                for policy, policy_runs in runs.items():
+                    measure = partial(_drive, policy=policy, rate=rate, duration=duration, drain=drain, seed=7 + repeat)
+                    result = summarize(policy, load, rate, with_gateway(measure), warmup, duration)
+                    policy_runs.append(result)
+                    print(f"  {policy:11} {load:.1f}x {rate:5.2f} req/s: done {result.completed_per_s:.2f}/s "
+                          f"TTFT p90 {result.ttft_p90_ms:.0f} ms hit {result.prefix_hit_rate:.0%} "
+                          f"errors {result.errors}", flush=True)
+            results += [median_result(policy_runs) for policy_runs in runs.values()]
+    _report(results, saturation, quick, repeats)
 
-                outcomes = with_gateway(measure)
-                result = summarize(policy, load, rate, outcomes, warmup, duration)
-                results.append(result)
-                print(f"  {policy:11} {load:.1f}x {rate:5.2f} req/s: done {result.completed_per_s:.2f}/s "
-                      f"TTFT p90 {result.ttft_p90_ms:.0f} ms hit {result.prefix_hit_rate:.0%}", flush=True)
-    _report(results, saturation, quick)
 
-
-def _report(results: list[Result], saturation: float, quick: bool) -> None:
-    print(f"\n## Routing: picker vs round robin, {SERVERS} simulated servers (saturation {saturation:.2f} req/s)\n")
+def _report(results: list[Result], saturation: float, quick: bool, repeats: int) -> None:
+    print(f"\n## Routing: picker vs round robin, {SERVERS} simulated servers (saturation {saturation:.2f} req/s, "
+          f"median of {repeats} runs)\n")
     print("| policy | load | offered req/s | completed req/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms "
-          "| e2e p90 ms | 429s | errors | prefix hit |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| e2e p90 ms | 429s | errors | prefix hit | busiest server |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(f"| {r.policy} | {r.load:.1f}x | {r.rate:.2f} | {r.completed_per_s:.2f} | {r.ttft_p50_ms:.0f} "
               f"| {r.ttft_p90_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.e2e_p90_ms:.0f} | {r.status_429} | {r.errors} "
-              f"| {r.prefix_hit_rate:.0%} |")
+              f"| {r.prefix_hit_rate:.0%} | {r.busiest_server_share:.0%} |")
     rows: list[Row] = []
     by = {(r.policy, r.load): r for r in results}
     for load in LOADS:
@@ -330,7 +366,8 @@ def _report(results: list[Result], saturation: float, quick: bool) -> None:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     plot(results, png)
     path = write_results(
-        AREA, rows, quick=quick, saturation_req_per_s=saturation, servers=SERVERS, sim_args=list(SIM_ARGS),
+        AREA, rows, quick=quick, repeats=repeats, saturation_req_per_s=saturation, servers=SERVERS,
+        sim_args=list(SIM_ARGS),
         results=[asdict(r) for r in results], targets=targets, plot=png.name,
         load_average=os.getloadavg(), cpus=os.cpu_count(), generated=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )

@@ -375,8 +375,18 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     )
 
 
+async def _cancel_on_signal(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            logger.info("gateway.stopping signal=%s", signal.Signals(signum).name)
+            scope.cancel()
+            return
+
+
 async def _serve(settings: GatewaySettings) -> None:
+    """Run the gateway until SIGINT or SIGTERM, which cancel it (rather than a KeyboardInterrupt mid-send)."""
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(_cancel_on_signal, nursery.cancel_scope)
         info: GatewayInfo = await nursery.start(run_gateway, settings)
         print("\n".join(info.lines()), flush=True)
         print("Ctrl-C stops everything.", flush=True)
