@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from evergreen_trio.sim.errors import SimConfigError
 
@@ -85,7 +85,3 @@ class SimConfig:
     def block_chars(self) -> int:
         """Characters in one full KV block of prompt text."""
         return self.block_size * self.chars_per_token
-
-    def describe(self) -> dict[str, object]:
-        """The knobs as a plain dict, for logs."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -53,6 +53,13 @@ class SimServer:
         self._streams: dict[str, trio.MemorySendChannel[Emission]] = {}
         self._wake = trio.Event()
         self._ids = itertools.count()
+        self._routes: dict[str, tuple[str, _Handler]] = {
+            "/health": ("GET", self._health),
+            "/v1/models": ("GET", self._models),
+            "/metrics": ("GET", self._metrics),
+            api.COMPLETIONS: ("POST", self._completion),
+            api.CHAT_COMPLETIONS: ("POST", self._completion),
+        }
 
     async def run_scheduler(self) -> None:
         """The step loop; runs until cancelled."""
@@ -94,16 +101,6 @@ class SimServer:
             await self._respond(send, error.status, api.error_body(error.status, error.message, error.error_type))
         except _ClientGone:
             logger.info("sim.abort path=%s reason=client-gone-before-body", path)
-
-    @property
-    def _routes(self) -> dict[str, tuple[str, _Handler]]:
-        return {
-            "/health": ("GET", self._health),
-            "/v1/models": ("GET", self._models),
-            "/metrics": ("GET", self._metrics),
-            api.COMPLETIONS: ("POST", self._completion),
-            api.CHAT_COMPLETIONS: ("POST", self._completion),
-        }
 
     async def _respond(
         self, send: Send, status: int, body: bytes, content_type: str = "application/json"
