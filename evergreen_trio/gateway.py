@@ -39,7 +39,7 @@ from evergreen_trio.picker.runtime import PickerPorts, run_picker
 from evergreen_trio.sim.cli import add_config_arguments, config_from_args
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.errors import SimConfigError
-from evergreen_trio.sim.server import run_sim
+from evergreen_trio.sim.server import cancel_on_signals, run_sim
 
 logger = logging.getLogger("evergreen_trio.gateway")
 
@@ -375,18 +375,10 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     )
 
 
-async def _cancel_on_signal(scope: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            logger.info("gateway.stopping signal=%s", signal.Signals(signum).name)
-            scope.cancel()
-            return
-
-
 async def _serve(settings: GatewaySettings) -> None:
     """Run the gateway until SIGINT or SIGTERM, which cancel it (rather than a KeyboardInterrupt mid-send)."""
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_cancel_on_signal, nursery.cancel_scope)
+        nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
         info: GatewayInfo = await nursery.start(run_gateway, settings)
         print("\n".join(info.lines()), flush=True)
         print("Ctrl-C stops everything.", flush=True)

@@ -11,7 +11,7 @@ import trio
 
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.errors import SimConfigError
-from evergreen_trio.sim.server import run_sim
+from evergreen_trio.sim.server import cancel_on_signals, run_sim
 
 logger = logging.getLogger("evergreen_trio.sim")
 
@@ -63,11 +63,14 @@ def _run(args: argparse.Namespace) -> int:
     except SimConfigError as error:
         logger.error("sim.config-error %s", error)
         return 2
-    try:
-        trio.run(partial(run_sim, config, host=args.host, port=args.port))
-    except KeyboardInterrupt:
-        logger.info("sim.stopped reason=interrupt")
+    trio.run(_serve, config, args.host, args.port)
     return 0
+
+
+async def _serve(config: SimConfig, host: str, port: int) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
+        await nursery.start(partial(run_sim, config, host=host, port=port))
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

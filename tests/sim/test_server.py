@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from functools import partial
 
@@ -179,3 +182,17 @@ def test_cli_options_build_the_config() -> None:
     assert (config.max_batch, config.kv_blocks, config.lora_adapters) == (4, 100, ("a", "b"))
     assert (config.decode_ms_per_token, config.seed, config.time_scale) == (2.5, 7, 3.0)
     assert args.run(parser.parse_args(["sim", "--max-batch", "0"])) == 2
+
+
+def test_the_sim_command_serves_until_ctrl_c() -> None:
+    command = [sys.executable, "-m", "evergreen_trio.cli", "sim", "--port", "0", "--max-batch", "2"]
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as process:
+        assert process.stderr is not None
+        address = ""
+        for line in process.stderr:
+            if "sim.ready address=" in line:
+                address = line.split("sim.ready address=")[1].split()[0]
+                break
+        assert httpx.get(f"http://{address}/health").status_code == 200
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
