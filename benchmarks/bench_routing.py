@@ -6,7 +6,9 @@ listener. The load generator (this process, httpx on Trio) sends open-loop Poiss
 streaming chat completions: 16 long system prompts (apps), each with its model (half the base
 model, half one of 4 LoRA adapters), and a fresh user message per request. The rates are 0.5x,
 0.8x, 1.0x and 1.2x of the pool's saturation rate, measured first with a closed loop through
-round robin (the capacity of the pool without smart routing).
+round robin (the capacity of the pool without smart routing). Each run sends 48 requests that
+warm the caches (3 per app) and 112 measured ones; each (policy, load) runs 3 times with the same
+arrivals for both policies, and the table shows each metric's median.
 
 The simulated servers model a GPU (50 us per uncached prompt token, 5 ms per decode step, a
 KV cache of 512 blocks) slowed down 8x (``time_scale``), so Python's own per-request cost on a
@@ -154,8 +156,8 @@ def _client() -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=httpx.Limits(max_connections=2000))
 
 
-async def open_loop(url: str, rate: float, duration: float, drain: float, seed: int) -> list[Outcome]:
-    """Poisson arrivals at ``rate`` for ``duration`` s, then up to ``drain`` s for the last ones to finish."""
+async def open_loop(url: str, rate: float, count: int, drain: float, seed: int) -> list[Outcome]:
+    """``count`` Poisson arrivals at ``rate``, then up to ``drain`` s for the last ones to finish."""
     workload = Workload(seed)
     arrivals_rng = random.Random(seed + 2)
     outcomes: list[Outcome] = []
@@ -163,17 +165,13 @@ async def open_loop(url: str, rate: float, duration: float, drain: float, seed: 
     async with _client() as client, trio.open_nursery() as nursery:
         start = trio.current_time()
         at = 0.0
-        index = 0
-        while True:
+        for index in range(count):
             at += arrivals_rng.expovariate(rate)
-            if at >= duration:
-                break
             await trio.sleep_until(start + at)
             outcome = Outcome(sent=at)
             outcomes.append(outcome)
             nursery.start_soon(_one, client, endpoint, workload.body(index), outcome, start)
-            index += 1
-        nursery.cancel_scope.deadline = start + duration + drain
+        nursery.cancel_scope.deadline = start + at + drain
     return outcomes
 
 
@@ -229,11 +227,12 @@ class Gateway:
             self.process.wait()
 
 
-def summarize(policy: str, load: float, rate: float, everything: list[Outcome], warmup: float, end: float) -> Result:
-    """Latencies of the requests sent after ``warmup``; throughput = completions inside [warmup, end]."""
-    window = end - warmup
-    completed = sum(1 for o in everything if o.done is not None and warmup <= o.done <= end)
-    outcomes = [o for o in everything if o.sent >= warmup]
+def summarize(policy: str, load: float, rate: float, everything: list[Outcome], warmup: int) -> Result:
+    """Latencies of the requests after the first ``warmup``; throughput = completions while those were sent."""
+    outcomes = everything[warmup:]
+    start, end = outcomes[0].sent, outcomes[-1].sent
+    window = end - start
+    completed = sum(1 for o in everything if o.done is not None and start <= o.done <= end)
     ok = [o for o in outcomes if o.status == 200 and o.done is not None]
     ttft = [(o.first_token or 0.0) - o.sent for o in ok]
     e2e = [(o.done or 0.0) - o.sent for o in ok]
@@ -274,11 +273,9 @@ def plot(results: list[Result], path: Path) -> None:
     plt.close(figure)
 
 
-async def _drive(
-    gateway: Gateway, *, policy: str, rate: float, duration: float, drain: float, seed: int
-) -> list[Outcome]:
+async def _drive(gateway: Gateway, *, policy: str, rate: float, count: int, drain: float, seed: int) -> list[Outcome]:
     url = gateway.picker_url if policy == "picker" else gateway.round_robin_url
-    return await open_loop(url, rate, duration, drain, seed=seed)
+    return await open_loop(url, rate, count, drain, seed=seed)
 
 
 def median_result(runs: list[Result]) -> Result:
@@ -298,7 +295,8 @@ def median_result(runs: list[Result]) -> Result:
 
 
 def run(quick: bool = False) -> None:
-    repeats, duration, warmup, drain = (1, 15.0, 5.0, 20.0) if quick else (3, 24.0, 8.0, 60.0)
+    # The first `warmup` requests (3 per app) fill the caches and are not measured.
+    repeats, warmup, measured, drain = (1, 32, 64, 20.0) if quick else (3, 48, 112, 60.0)
     saturation_s, saturation_warmup = (8.0, 3.0) if quick else (20.0, 5.0)
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as workdir:
         config = Path(workdir) / "pool.yaml"
@@ -321,8 +319,9 @@ def run(quick: bool = False) -> None:
             runs: dict[str, list[Result]] = {"round robin": [], "picker": []}
             for repeat in range(repeats):
                 for policy, policy_runs in runs.items():
-                    measure = partial(_drive, policy=policy, rate=rate, duration=duration, drain=drain, seed=7 + repeat)
-                    result = summarize(policy, load, rate, with_gateway(measure), warmup, duration)
+                    measure = partial(_drive, policy=policy, rate=rate, count=warmup + measured, drain=drain,
+                                      seed=7 + repeat)
+                    result = summarize(policy, load, rate, with_gateway(measure), warmup)
                     policy_runs.append(result)
                     print(f"  {policy:11} {load:.1f}x {rate:5.2f} req/s: done {result.completed_per_s:.2f}/s "
                           f"TTFT p90 {result.ttft_p90_ms:.0f} ms hit {result.prefix_hit_rate:.0%} "
