@@ -167,12 +167,15 @@ async def _receive(session: ClientSession, scope: trio.CancelScope) -> None:
     try:
         await session.receive_loop(_no_actions)
     except RpcAbort as abort:
-        session.fail(SessionAborted(abort.message, code=StatusCode(abort.status.value)))
-        scope.cancel()
+        _abort(session, scope, SessionAborted(abort.message, code=StatusCode(abort.status.value)))
     except SessionError as error:
-        session.fail(error)
-        session.stream.finish(error.code, error.message)
-        scope.cancel()
+        _abort(session, scope, error)
+
+
+def _abort(session: ClientSession, scope: trio.CancelScope, error: SessionError) -> None:
+    session.fail(error)
+    session.stream.finish(error.code, error.message)
+    scope.cancel()
 
 
 def _no_actions(actions: Sequence[Action]) -> None:

@@ -28,7 +28,7 @@ import trio_asyncio
 from google.protobuf.message import Message
 from grpclib.client import Channel
 from grpclib.const import Cardinality, Handler, Status
-from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from grpclib.server import Server, Stream
 
 from evergreen_trio.errors import EvergreenTrioError
@@ -153,8 +153,11 @@ class Handoff(Generic[T]):
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must be IPPROTO_TCP: asyncio disables Nagle only on sockets that say so, and accepted
+    # sockets inherit it (with Nagle on, each ext_proc exchange stalled about 40 ms on a delayed ACK).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(128)
     sock.setblocking(False)
@@ -289,22 +292,48 @@ class MessageStream(Generic[T]):
 
 
 async def _pump_in(stream: Any, inbound: Handoff[Message]) -> None:
-    """Read every message into ``inbound``; never cancelled, it ends when the stream does."""
+    """Server side: read every message into ``inbound``; never cancelled, it ends when the stream does."""
     try:
-        while True:
-            message = await stream.recv_message()
-            if message is None:
-                break
+        while (message := await stream.recv_message()) is not None:
             await inbound.aio_put(message)
-        if hasattr(stream, "recv_trailing_metadata"):
-            await stream.recv_trailing_metadata()
         inbound.close()
-    except GRPCError as exc:
-        inbound.close(RpcAbort(exc.status, exc.message or exc.status.name))
     except (StreamTerminatedError, ConnectionError) as exc:
         inbound.close(RpcAbort(Status.UNAVAILABLE, f"stream terminated: {exc}"))
     except HandoffClosed:
         pass
+
+
+async def _client_pump_in(stream: Any, inbound: Handoff[Message]) -> None:
+    """Client side: like :func:`_pump_in`, then the server's status from its trailers.
+
+    A server that aborts sends trailers and then resets the stream, so the read may end with a
+    reset although the status already arrived: the trailers (or a trailers-only response's
+    headers) are read from grpclib's protocol stream, where they are kept whatever came after.
+    """
+    try:
+        while (message := await stream.recv_message()) is not None:
+            await inbound.aio_put(message)
+    except GRPCError as exc:  # a trailers-only response
+        inbound.close(RpcAbort(exc.status, exc.message or exc.status.name))
+        return
+    except (StreamTerminatedError, ConnectionError):
+        pass
+    except HandoffClosed:
+        return
+    trailers = stream._stream.trailers
+    if trailers is None and stream._stream.headers is not None and "grpc-status" in dict(stream._stream.headers):
+        trailers = stream._stream.headers  # a trailers-only response, then the reset
+    if trailers is None:
+        inbound.close(RpcAbort(Status.UNAVAILABLE, "the stream ended without a status"))
+        return
+    try:
+        status, message_text, _ = stream._process_grpc_status(dict(trailers))
+    except GRPCError as exc:
+        status, message_text = exc.status, exc.message
+    if status is Status.OK:
+        inbound.close()
+    else:
+        inbound.close(RpcAbort(status, message_text or status.name))
 
 
 async def _pump_out(stream: Any, session: MessageStream[Any]) -> None:
@@ -409,20 +438,23 @@ async def _client_main(
         async with channel.request(path, Cardinality.STREAM_STREAM, request_type, reply_type,
                                    metadata=dict(metadata or {})) as stream:
             await stream.send_request()
-            reader = asyncio.ensure_future(_pump_in(stream, session.inbound))
+            reader = asyncio.ensure_future(_client_pump_in(stream, session.inbound))
             try:
                 await _pump_out(stream, session)
                 final = session.final
                 if final is not None and final.status is not Status.OK:
+                    # The stream is reset, so its framing no longer matters: the pending read may go.
                     await stream.cancel()
+                    reader.cancel()
+                    session.inbound.close(RpcAbort(final.status, final.message or final.status.name))
                 else:
                     await stream.end()
-                await asyncio.shield(reader)
+                    await asyncio.shield(reader)
             except (StreamTerminatedError, ConnectionError, GRPCError) as exc:
                 status = exc.status if isinstance(exc, GRPCError) else Status.UNAVAILABLE
                 session.inbound.close(RpcAbort(status, str(exc)))
                 await asyncio.shield(reader)
-    except (OSError, StreamTerminatedError, GRPCError) as exc:
+    except (OSError, StreamTerminatedError, GRPCError, ProtocolError) as exc:
         status = exc.status if isinstance(exc, GRPCError) else Status.UNAVAILABLE
         session.inbound.close(RpcAbort(status, f"cannot reach {host}:{port}: {exc}"))
     finally:

@@ -158,7 +158,7 @@ class SessionGraph:
                 f"limit {self.limits.max_buffered_bytes}"
             )
         ref = chunk.ref if chunk.WhichOneof("payload") == "ref" else None
-        if ref is not None:
+        if ref is not None and not node.local:
             scheme = ref.partition(":")[0].lower()
             if scheme not in self.ref_schemes:
                 allowed = ", ".join(sorted(self.ref_schemes)) or "none"

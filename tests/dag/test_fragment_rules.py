@@ -1,0 +1,239 @@
+"""The spec's fragment rules on the sans-IO graph, each test citing the rule it pins."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Chunk, ChunkMetadata, NodeFragment
+from evergreen_trio.dag import (
+    FlattenCursor,
+    LeafBytes,
+    LeafEnd,
+    LeafStart,
+    LimitExceeded,
+    ProtocolViolation,
+    RefRejected,
+    SessionGraph,
+    SessionLimits,
+    StatusCode,
+    Wait,
+)
+
+
+def leaf(node_id: str, data: bytes, seq: int = 0, *, continued: bool = False, mimetype: str | None = "text/plain",
+         ref: str | None = None) -> NodeFragment:
+    chunk = Chunk(ref=ref) if ref is not None else Chunk(data=data)
+    if mimetype is not None:
+        chunk.metadata.CopyFrom(ChunkMetadata(mimetype=mimetype))
+    return NodeFragment(id=node_id, seq=seq, continued=continued, chunk_fragment=chunk)
+
+
+def parent(node_id: str, *children: str, seq: int = 0, continued: bool = False) -> NodeFragment:
+    return NodeFragment(id=node_id, seq=seq, continued=continued, child_ids=children)
+
+
+def flatten(graph: SessionGraph, root: str) -> list[tuple[str, bytes]] | Wait:
+    """Complete flattening, or the first Wait."""
+    cursor, out, current = FlattenCursor(graph, root), [], b""
+    mimetype = ""
+    while (event := cursor.next()) is not None:
+        if isinstance(event, Wait):
+            return event
+        if isinstance(event, LeafStart):
+            mimetype, current = event.metadata.mimetype, b""
+        elif isinstance(event, LeafBytes):
+            current += event.part.data
+        elif isinstance(event, LeafEnd):
+            out.append((mimetype, current))
+    return out
+
+
+def test_defaults_seq_zero_and_final() -> None:
+    """Spec, Default values: seq is 0 and continued is false when not provided."""
+    graph = SessionGraph()
+    assert graph.add_fragment(NodeFragment(id="a", chunk_fragment=Chunk(data=b"x")))
+    node = graph.get("a")
+    assert node is not None and node.final_seq == 0 and node.complete
+
+
+def test_fragments_in_any_order_assemble_by_seq() -> None:
+    """Spec, Ordering: fragments may arrive in any order; content is assembled in seq order."""
+    graph = SessionGraph()
+    graph.add_fragment(leaf("a", b"c", 2))
+    graph.add_fragment(leaf("a", b"a", 0, continued=True))
+    assert isinstance(flatten(graph, "a"), Wait)
+    graph.add_fragment(leaf("a", b"b", 1, continued=True))
+    assert flatten(graph, "a") == [("text/plain", b"abc")]
+
+
+def test_duplicate_seq_is_ignored_silently() -> None:
+    """Spec, Ordering: accept the first fragment with a seq number and ignore the rest, no error."""
+    graph = SessionGraph()
+    assert graph.add_fragment(leaf("a", b"first", 0, continued=True))
+    assert not graph.add_fragment(leaf("a", b"second", 0, continued=True, mimetype="other/type"))
+    graph.add_fragment(leaf("a", b"!", 1))
+    assert flatten(graph, "a") == [("text/plain", b"first!")]
+
+
+def test_seq_past_final_aborts() -> None:
+    """Spec, Boundaries: a seq greater than the final fragment's aborts the session."""
+    graph = SessionGraph()
+    graph.add_fragment(leaf("a", b"x", 0))
+    with pytest.raises(ProtocolViolation, match="past the final") as info:
+        graph.add_fragment(leaf("a", b"y", 1))
+    assert info.value.code is StatusCode.INVALID_ARGUMENT
+
+
+def test_final_after_a_later_seq_aborts() -> None:
+    graph = SessionGraph()
+    graph.add_fragment(leaf("a", b"y", 3, continued=True))
+    with pytest.raises(ProtocolViolation, match="final fragment"):
+        graph.add_fragment(leaf("a", b"x", 1))
+
+
+def test_repeated_identical_metadata_is_accepted() -> None:
+    """Spec, example 1: the second video fragment repeats seq 0's metadata."""
+    graph = SessionGraph()
+    graph.add_fragment(leaf("v", b"1", 0, continued=True, mimetype="video/mp4"))
+    graph.add_fragment(leaf("v", b"2", 1, mimetype="video/mp4"))
+    assert flatten(graph, "v") == [("video/mp4", b"12")]
+
+
+@pytest.mark.parametrize("seq0_first", [True, False])
+def test_different_metadata_on_later_fragment_aborts(seq0_first: bool) -> None:
+    """Spec, Mime type: other fragments must not carry metadata different from seq 0's."""
+    graph = SessionGraph()
+    first, second = leaf("v", b"1", 0, continued=True), leaf("v", b"2", 1, mimetype="image/png")
+    if not seq0_first:
+        first, second = second, first
+    graph.add_fragment(first)
+    with pytest.raises(ProtocolViolation, match="metadata differs"):
+        graph.add_fragment(second)
+
+
+def test_leaf_and_inner_mixed_aborts() -> None:
+    """A node is a leaf (chunks) or an inner node (child_ids)."""
+    graph = SessionGraph()
+    graph.add_fragment(parent("p", "a", continued=True))
+    with pytest.raises(ProtocolViolation, match="leaf fragment for a node that is inner"):
+        graph.add_fragment(leaf("p", b"x", 1))
+    with pytest.raises(ProtocolViolation, match="chunk and child_ids"):
+        graph.add_fragment(NodeFragment(id="q", child_ids=["a"], chunk_fragment=Chunk(data=b"x")))
+
+
+def test_children_may_arrive_later_and_shared_nodes_repeat() -> None:
+    """Spec, Ordering: a node may name children not received yet; a node may have several parents."""
+    graph = SessionGraph()
+    graph.add_fragment(parent("root", "x", "shared", "y"))
+    graph.add_fragment(parent("x", "shared"))
+    assert flatten(graph, "root") == Wait("shared", 0)
+    graph.add_fragment(leaf("shared", b"S"))
+    graph.add_fragment(parent("y", "shared"))
+    assert flatten(graph, "root") == [("text/plain", b"S")] * 3
+
+
+def test_streamed_child_ids_concatenate_in_seq_order() -> None:
+    """Spec, Streamed chains: an inner node's child_ids may come over several seqs."""
+    graph = SessionGraph()
+    graph.add_fragment(parent("p", "eot", seq=1))
+    graph.add_fragment(parent("p", "text", continued=True))
+    graph.add_fragment(leaf("text", b"Write a novel."))
+    graph.add_fragment(leaf("eot", b"", mimetype="application/x-protobuf; type=EndOfTurn"))
+    assert flatten(graph, "p") == [("text/plain", b"Write a novel."), ("application/x-protobuf; type=EndOfTurn", b"")]
+
+
+@pytest.mark.parametrize("order", [["a", "b"], ["b", "a"]])
+def test_cycle_aborts(order: list[str]) -> None:
+    """Spec, Ordering: nodes cannot transitively include themselves."""
+    graph = SessionGraph()
+    fragments = {"a": parent("a", "b"), "b": parent("b", "a")}
+    graph.add_fragment(fragments[order[0]])
+    with pytest.raises(ProtocolViolation, match="include itself"):
+        graph.add_fragment(fragments[order[1]])
+    with pytest.raises(ProtocolViolation, match="include itself"):
+        graph.add_fragment(parent("self", "self"))
+
+
+def test_nesting_deeper_than_limit_aborts() -> None:
+    graph = SessionGraph(SessionLimits(max_depth=4))
+    for depth in range(4):
+        graph.add_fragment(parent(f"n{depth}", f"n{depth + 1}"))
+    with pytest.raises(LimitExceeded, match="deeper than 4") as info:
+        flatten(graph, "n0")
+    assert info.value.code is StatusCode.RESOURCE_EXHAUSTED
+    bottom_up = SessionGraph(SessionLimits(max_depth=3))
+    for depth in range(3, 0, -1):
+        bottom_up.add_fragment(parent(f"n{depth}", f"n{depth + 1}"))
+    with pytest.raises(LimitExceeded):
+        bottom_up.add_fragment(parent("n0", "n1"))
+
+
+@pytest.mark.parametrize(
+    ("limits", "fragments", "match"),
+    [
+        (SessionLimits(max_nodes=2), [leaf("a", b""), leaf("b", b""), leaf("c", b"")], "nodes"),
+        (SessionLimits(max_fragment_bytes=3), [leaf("a", b"1234")], "in one fragment"),
+        (SessionLimits(max_buffered_bytes=5), [leaf("a", b"123"), leaf("b", b"456")], "would hold"),
+        (SessionLimits(max_children_per_fragment=2), [parent("p", "a", "b", "c")], "child_ids"),
+    ],
+)
+def test_limits_abort_with_resource_exhausted(
+    limits: SessionLimits, fragments: list[NodeFragment], match: str
+) -> None:
+    graph = SessionGraph(limits)
+    with pytest.raises(LimitExceeded, match=match) as info:
+        for fragment in fragments:
+            graph.add_fragment(fragment)
+    assert info.value.code is StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_refs_refused_by_default_and_allowed_by_scheme() -> None:
+    with pytest.raises(RefRejected, match="resolves: none"):
+        SessionGraph().add_fragment(leaf("v", b"", ref="file:///tmp/part1"))
+    graph = SessionGraph(ref_schemes=frozenset({"file"}))
+    graph.add_fragment(leaf("v", b"", ref="file:///tmp/part1", continued=True))
+    graph.add_fragment(leaf("v", b"", 1, ref="file:///tmp/part2"))
+    cursor = FlattenCursor(graph, "v")
+    cursor.next()
+    first = cursor.next()
+    assert isinstance(first, LeafBytes) and first.part.ref == "file:///tmp/part1"
+
+
+def test_outputs_must_be_new_and_belong_to_their_producer() -> None:
+    """Spec, Generating actions: output node IDs must be new and must not be reused."""
+    graph = SessionGraph()
+    graph.add_fragment(leaf("prompt", b"q"))
+    with pytest.raises(ProtocolViolation, match="not new"):
+        graph.reserve_output("prompt", "action GENERATE", local=True)
+    graph.reserve_output("response", "action GENERATE", local=True)
+    with pytest.raises(ProtocolViolation, match="not new"):
+        graph.reserve_output("response", "action ECHO", local=True)
+    with pytest.raises(ProtocolViolation, match="output of action GENERATE"):
+        graph.add_fragment(leaf("response", b"from the peer"))
+    assert graph.add_fragment(leaf("response", b"from us"), local=True)
+
+
+def test_waiting_for_a_node_the_peer_can_no_longer_send_aborts() -> None:
+    graph = SessionGraph()
+    graph.add_fragment(parent("p", "missing"))
+    graph.peer_closed = True
+    with pytest.raises(ProtocolViolation, match="ended its stream"):
+        flatten(graph, "p")
+
+
+@given(
+    st.lists(st.binary(max_size=8), min_size=1, max_size=6),
+    st.randoms(use_true_random=False),
+    st.lists(st.integers(min_value=0, max_value=5), max_size=4),
+)
+def test_any_arrival_order_with_retries_flattens_the_same(parts: list[bytes], rnd: object, retries: list[int]) -> None:
+    """Invariant: order of arrival and duplicated (id, seq) retries never change the content."""
+    fragments = [leaf("a", p, i, continued=i < len(parts) - 1) for i, p in enumerate(parts)]
+    fragments += [fragments[i % len(fragments)] for i in retries]
+    rnd.shuffle(fragments)  # type: ignore[attr-defined]
+    graph = SessionGraph()
+    for fragment in fragments:
+        graph.add_fragment(fragment)
+    assert flatten(graph, "a") == [("text/plain", b"".join(parts))]
