@@ -167,9 +167,11 @@ async def test_unrequested_outputs_are_not_produced(nursery: trio.Nursery) -> No
 
 async def test_server_shutdown_ends_open_sessions_with_unavailable(nursery: trio.Nursery) -> None:
     server = Server()
+    started = trio.Event()
 
     @server.action("WAIT", inputs=[], outputs=["output"])
     async def wait(ctx: ActionContext) -> None:
+        started.set()
         await trio.sleep_forever()
 
     server_scope = trio.CancelScope()
@@ -182,9 +184,7 @@ async def test_server_shutdown_ends_open_sessions_with_unavailable(nursery: trio
     with pytest.raises(SessionAborted) as info:
         async with connect(f"127.0.0.1:{port}") as session:
             call = await session.run("WAIT", {}, ["output"])
-            with trio.fail_after(10):
-                while server.open_sessions == 0:
-                    await trio.sleep(0.01)
+            await started.wait()
             server_scope.cancel()
             await call["output"].read_bytes()
     assert info.value.code is StatusCode.UNAVAILABLE
