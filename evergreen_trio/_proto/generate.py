@@ -16,8 +16,13 @@ OUT_DIR = Path(__file__).resolve().parent
 PACKAGE = "evergreen_trio._proto"
 
 
-def proto_files() -> list[Path]:
-    return sorted(PROTO_DIR.rglob("*.proto"))
+# (include root, sources below it, output subfolder). The path protoc records for a file is
+# relative to its include root and must equal the reference's where one exists: AVP's is
+# "avp.proto", so the reference `avp` package and ours can share one descriptor pool.
+UNITS = (
+    (PROTO_DIR, PROTO_DIR / "evergreen", ""),
+    (PROTO_DIR / "avp", PROTO_DIR / "avp", "avp"),
+)
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -26,24 +31,24 @@ def generate(out_dir: Path) -> list[Path]:
     from grpc_tools import protoc
 
     include = Path(grpc_tools.__file__).parent / "_proto"
-    sources = [str(p.relative_to(PROTO_DIR)) for p in proto_files()]
-    args = ["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={out_dir}", f"--pyi_out={out_dir}"]
-    args += sources
-    if protoc.main(args) != 0:
-        raise SystemExit(f"protoc failed for {sources}")
-    top_packages = sorted({Path(s).parts[0] for s in sources})
+    written: list[Path] = []
+    for root, folder, subfolder in UNITS:
+        target = out_dir / subfolder
+        target.mkdir(parents=True, exist_ok=True)
+        sources = [str(p.relative_to(root)) for p in sorted(folder.rglob("*.proto"))]
+        args = ["protoc", f"-I{root}", f"-I{include}", f"--python_out={target}", f"--pyi_out={target}", *sources]
+        if protoc.main(args) != 0:
+            raise SystemExit(f"protoc failed for {sources}")
+        written += sorted(target.glob("**/*_pb2.py*"))
+    top_packages = sorted({p.relative_to(out_dir).parts[0] for p in written})
     pattern = re.compile(rf"^(from|import) ({'|'.join(map(re.escape, top_packages))})(\.|\s)", re.MULTILINE)
-    written = []
-    for path in sorted(out_dir.rglob("*_pb2.py*")):
-        text = path.read_text()
-        path.write_text(pattern.sub(rf"\1 {PACKAGE}.\2\3", text))
-        written.append(path)
     for path in written:
+        path.write_text(pattern.sub(rf"\1 {PACKAGE}.\2\3", path.read_text()))
         for package_dir in path.relative_to(out_dir).parents:
             init = out_dir / package_dir / "__init__.py"
             if not init.exists():
                 init.write_text("")
-    return written
+    return sorted(set(written))
 
 
 def main() -> None:
