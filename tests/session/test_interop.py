@@ -62,7 +62,7 @@ async def test_grpcio_client_against_our_server(nursery: trio.Nursery) -> None:
     children = [c for f in sorted((f for f in fragments if f.id == "echo_1"), key=lambda f: f.seq) for c in f.child_ids]
     assert len(children) == 2
     assert leaves[children[0]].chunk_fragment.data == b"Write a heroic novel."
-    eot = [f for f in fragments if f.id == children[1] and f.seq == 0][0]
+    eot = next(f for f in fragments if f.id == children[1] and f.seq == 0)
     assert eot.chunk_fragment.metadata.mimetype == "application/x-protobuf; type=EndOfTurn"
     assert [f for f in fragments if f.id == "echo_1"][-1].continued is False
 
