@@ -75,9 +75,9 @@ async def ours(leaves: int, round_trips: int) -> tuple[float, list[float]]:
 
 
 def memory_per_node(nodes: int) -> float:
+    metadata = ChunkMetadata(mimetype="text/plain")
     fragments = [
-        NodeFragment(id=f"node-{i}", chunk_fragment=Chunk(metadata=ChunkMetadata(mimetype="text/plain"), data=b"x" * 16))
-        for i in range(nodes)
+        NodeFragment(id=f"node-{i}", chunk_fragment=Chunk(metadata=metadata, data=b"x" * 16)) for i in range(nodes)
     ]
     tracemalloc.start()
     graph = SessionGraph()
