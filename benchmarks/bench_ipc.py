@@ -26,6 +26,7 @@ import trio
 from benchmarks._harness import Row, median_of, print_table, write_results
 from evergreen_trio.ipc import fetch
 from evergreen_trio.ipc.pool import BufferPool
+from evergreen_trio.ipc.transports.ucx_bridge import DEFAULT_TLS
 
 RUNS = 3
 MiB = 1 << 20
@@ -104,7 +105,7 @@ def flight_get(port: int) -> int:
 def run(quick: bool = False) -> None:
     total = (32 if quick else 256) * MiB
     runs = 1 if quick else RUNS
-    os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+    os.environ.setdefault("UCX_TLS", DEFAULT_TLS)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "table.arrow"
         nbytes = make_file(path, total)

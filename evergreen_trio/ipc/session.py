@@ -9,6 +9,7 @@ drives the sans-IO :class:`Reassembler` and pyarrow's reader.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -189,7 +190,9 @@ class IpcStream:
             if self._batches:
                 return self._batches.popleft()
             if self._done:
-                await self.flush_frees()
+                # Everything arrived; a server already gone has freed its memory itself.
+                with contextlib.suppress(ConnectionLostError):
+                    await self.flush_frees()
                 raise StopAsyncIteration
             await self._step()
 
@@ -211,8 +214,8 @@ class IpcStream:
             return
         if self._batches:
             return
-        await self.flush_frees()
         try:
+            await self.flush_frees()
             incoming = await self._channel.receive()
         except ConnectionLostError as exc:
             raise ConnectionLostError(

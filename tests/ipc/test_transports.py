@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import subprocess
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +16,7 @@ import trio
 from ipc_helpers import sample_messages, sample_table
 
 from evergreen_trio.ipc import Catalog, ServeOptions, fetch, fetch_table, serve
+from evergreen_trio.ipc.arrow import OutgoingMessage
 from evergreen_trio.ipc.config import IpcLimits
 from evergreen_trio.ipc.errors import BodyMismatchError, ConnectionLostError, IpcError, TransportError
 from evergreen_trio.ipc.framing import (
@@ -178,3 +182,69 @@ async def test_shm_batches_live_on_the_segment_and_are_freed(nursery: trio.Nurse
                 del batch  # frees flow back, so a window of 2 does not stall the stream
     assert rows == sample_table().num_rows
     nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+async def test_server_process_killed_mid_stream_is_a_clear_error(scheme: str, tmp_path: Path) -> None:
+    """A server that crashes (SIGKILL, no goodbye) fails the client; UCX data endpoints
+    have no peer-failure detection of their own, so this exercises the watch endpoint."""
+    path = tmp_path / "big.arrow"
+    table = big_table(64)
+    with pa.ipc.new_file(str(path), table.schema) as writer:
+        writer.write_table(table, max_chunksize=2**16)
+    cmd = [sys.executable, "-m", "evergreen_trio.cli", "ipc", "serve", str(path), "--uri", scheme]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # noqa: ASYNC220
+    try:
+        assert proc.stdout is not None
+        served = (await trio.to_thread.run_sync(proc.stdout.readline)).strip()
+        with trio.fail_after(GUARD_S):
+            async with fetch(served, path.name, copy=True) as stream:
+                held = [await stream.__anext__()]
+                proc.kill()
+                await trio.to_thread.run_sync(proc.wait)
+                with pytest.raises(ConnectionLostError, match="server went away"):
+                    async for batch in stream:
+                        held.append(batch)
+    finally:
+        proc.kill()
+        proc.wait()
+    del held, stream
+    gc.collect()
+    assert memfd_mappings() == []
+    assert ucx_inflight() == []
+
+
+class _WatchedCatalog(Catalog):
+    """A catalog that says when a client asked for a stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = trio.Event()
+
+    def lookup(self, ticket: bytes) -> Sequence[OutgoingMessage]:
+        self.asked.set()
+        return super().lookup(ticket)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+async def test_client_process_killed_mid_stream_leaves_the_server_serving(scheme: str, tmp_path: Path) -> None:
+    catalog = _WatchedCatalog()
+    catalog.add_table("big", big_table(64), max_chunksize=2**16)
+    catalog.add_table("t", sample_table(), max_chunksize=3_000)
+    options = ServeOptions(limits=IpcLimits(max_unacked_bodies=1))
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            uri = await nursery.start(serve, scheme, catalog, options)
+            out = str(tmp_path / "out.arrow")
+            cmd = [sys.executable, "-m", "evergreen_trio.cli", "ipc", "get", str(uri), "big", "--out", out]
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: ASYNC220
+            try:
+                await catalog.asked.wait()
+            finally:
+                proc.kill()
+                await trio.to_thread.run_sync(proc.wait)
+            assert (await fetch_table(str(uri), "t")).equals(sample_table())
+            while any(ucx_inflight()) or len(ucx_inflight()) > 1:  # noqa: ASYNC110
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    assert ucx_inflight() == []

@@ -134,8 +134,11 @@ class UcxClientChannel:
 async def _serve_one(context: object, client_address: bytes, lookup: Lookup, options: ServeOptions, peer: str) -> None:
     async with open_bridge(context) as bridge:
         try:
-            endpoint = connect_address(bridge, client_address)
-            await bridge.send(endpoint, ADDRESS_TAG, bridge.address()).wait()
+            endpoint = connect_address(bridge, client_address, error_handling=False)
+            # The watch endpoint carries the answer, so its tcp connection exists and a
+            # client that dies fails it (the data endpoint cannot notice).
+            watch = connect_address(bridge, client_address, error_handling=True)
+            await bridge.send(watch, ADDRESS_TAG, bridge.address()).wait()
         except TransportError as exc:
             log.info("ucx.handshake_failed peer=%s error=%s", peer, exc)
             return
@@ -184,7 +187,7 @@ async def connect_ucx(uri: IpcUri, limits: IpcLimits, pool: BufferPool) -> Async
             hello = connect(bridge, uri.host, uri.port)
             await bridge.send(hello, HELLO_TAG, bridge.address()).wait()
             _, server_address = await _receive_small(bridge, ADDRESS_TAG, FULL_MASK, MAX_ADDRESS_BYTES, "address")
-            endpoint = connect_address(bridge, server_address)
+            endpoint = connect_address(bridge, server_address, error_handling=False)
         if timeout.cancelled_caught:
             raise TransportError(f"UCX connect {uri.host}:{uri.port}: no answer within {limits.connect_timeout_s}s")
         try:

@@ -32,7 +32,7 @@ from evergreen_trio.ipc.errors import ConnectionLostError, TransportError
 
 log = logging.getLogger("evergreen_trio.ipc.ucx")
 
-DEFAULT_TLS = "tcp,self,sm"
+DEFAULT_TLS = "tcp,self,sysv,posix"
 """Transports used when ``UCX_TLS`` is unset: what works on a CPU-only host."""
 FULL_MASK = 0xFFFF_FFFF_FFFF_FFFF
 _REAP_ROUNDS = 1000
@@ -45,7 +45,7 @@ Listener: TypeAlias = Any
 
 @functools.cache
 def create_context() -> Context:
-    """The process's UCX context (tag matching, wakeup); ``UCX_TLS`` (default tcp,self,sm) picks transports.
+    """The process's UCX context (tag matching, wakeup); ``UCX_TLS`` (default :data:`DEFAULT_TLS`) picks transports.
 
     Creating a context costs tens of milliseconds, so it is shared; workers are not.
     """
@@ -193,8 +193,13 @@ class WorkerBridge:
         for endpoint in self._endpoints:
             endpoint.remove_close_callback()
             if endpoint.alive:
-                endpoint.close_blocking(10_000_000, 10)
+                endpoint.close()
         self._endpoints.clear()
+        # A close flushes towards the peer; one that already left (shared memory cannot
+        # tell) never answers, so the close is progressed a bounded number of rounds.
+        for _ in range(_REAP_ROUNDS):
+            if not self.worker.progress_once():
+                break
 
 
 _OPEN: set[WorkerBridge] = set()
@@ -243,9 +248,16 @@ def connect(bridge: WorkerBridge, host: str, port: int) -> Endpoint:
         raise TransportError(f"UCX: could not connect to {host}:{port}: {exc}") from None
 
 
-def connect_address(bridge: WorkerBridge, address: bytes) -> Endpoint:
+def connect_address(bridge: WorkerBridge, address: bytes, *, error_handling: bool) -> Endpoint:
+    """An endpoint to a worker address.
+
+    ``error_handling=True`` (UCX peer-failure mode) restricts the endpoint to transports
+    that detect a dead peer (tcp here): use it for a watch endpoint. Data endpoints pass
+    ``False`` so that UCX may pick shared memory (sysv/posix eager, CMA zero-copy
+    rendezvous), which lacks peer-failure detection.
+    """
     try:
-        return bridge.watch(bridge.worker.create_endpoint_from_worker_address(worker_address(address), True))
+        return bridge.watch(bridge.worker.create_endpoint_from_worker_address(worker_address(address), error_handling))
     except ucx.UCXError as exc:
         raise TransportError(f"UCX: could not connect to a worker address: {exc}") from None
 
