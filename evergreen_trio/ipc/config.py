@@ -26,6 +26,7 @@ class IpcLimits:
     max_pending_messages: int = 4096
     max_unacked_bodies: int = 16
     shm_segment_bytes: int = 1024 * MiB
+    shm_idle_segments: int = 2
     pool_bytes: int = 512 * MiB
     connect_timeout_s: float = 10.0
 

@@ -26,9 +26,9 @@ from evergreen_trio.ipc.pool import BufferPool
 from evergreen_trio.ipc.session import IpcStream, RawBodies, ServeOptions, serve_connection
 from evergreen_trio.ipc.transports.shm import (
     HANDLE,
+    SegmentPool,
     SharedMemoryBodies,
     SharedMemoryMapping,
-    SharedSegment,
     receive_segment,
     send_segment,
 )
@@ -124,6 +124,7 @@ async def _serve_shm(path: str, catalog: Catalog, options: ServeOptions, task_st
         workdir = tempfile.mkdtemp(prefix="evergreen-ipc-")
         path = os.path.join(workdir, "control.sock")
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    segments = SegmentPool(options.limits.shm_segment_bytes, options.limits.shm_idle_segments)
     counter = 0
     try:
         await sock.bind(path)
@@ -132,8 +133,8 @@ async def _serve_shm(path: str, catalog: Catalog, options: ServeOptions, task_st
         async def handle(stream: trio.SocketStream) -> None:
             nonlocal counter
             counter += 1
-            segment = SharedSegment(f"evergreen-ipc-{os.getpid()}-{counter}", options.limits.shm_segment_bytes)
-            bodies = SharedMemoryBodies(segment)
+            segment = segments.take()
+            bodies = SharedMemoryBodies(segment, segments)
             async with stream:
                 try:
                     await send_segment(stream, segment)
@@ -149,6 +150,7 @@ async def _serve_shm(path: str, catalog: Catalog, options: ServeOptions, task_st
         await trio.serve_listeners(handle, [trio.SocketListener(sock)])
     finally:
         sock.close()
+        segments.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         if workdir is not None:

@@ -248,3 +248,29 @@ async def test_client_process_killed_mid_stream_leaves_the_server_serving(scheme
                 await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
     assert ucx_inflight() == []
+
+
+async def test_shm_segment_is_reused_only_after_a_clean_finish(nursery: trio.Nursery) -> None:
+    """Warm segments skip first-touch faults; one with regions still held is never reused."""
+    catalog = Catalog()
+    catalog.add_table("t", sample_table(), max_chunksize=3_000)
+    uri = await nursery.start(serve, "shm://", catalog)
+
+    async def segment_names(keep: bool) -> tuple[set[str], list[pa.RecordBatch]]:
+        held = []
+        async with fetch(str(uri), "t") as stream:
+            async for batch in stream:
+                if keep:
+                    held.append(batch)
+                del batch
+            names = {line.split("/memfd:")[1].split()[0] for line in memfd_mappings()}
+        return names, held
+
+    with trio.fail_after(GUARD_S):
+        first, _ = await segment_names(keep=False)
+        second, held = await segment_names(keep=True)
+        assert second == first  # clean finish: the warm segment came back
+        third, _ = await segment_names(keep=False)
+        assert third - second  # batches still held on the second one: a new segment
+        assert pa.Table.from_batches(held).equals(sample_table())
+    nursery.cancel_scope.cancel()

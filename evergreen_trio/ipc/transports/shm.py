@@ -47,18 +47,54 @@ class SharedSegment:
             os.close(self.fd)
             raise SharedMemoryError(f"shared memory: could not create a {size}-byte segment: {exc}") from None
         self.size = size
+        self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self.map, np.uint8)
 
     def write(self, offset: int, body: pa.Buffer) -> None:
         """The producer's copy into the segment."""
-        target = np.frombuffer(self.map, np.uint8, count=body.size, offset=offset)
-        target[:] = np.frombuffer(body, np.uint8)
-        del target
+        assert self._array is not None
+        np.copyto(self._array[offset : offset + body.size], np.frombuffer(body, np.uint8))
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        self._array = None
         self.map.close()
+
+
+class SegmentPool:
+    """Server-wide warm segments, reused across connections.
+
+    The producer's copy into a fresh segment first-touches its pages (the kernel faults
+    and zeroes each one), which costs more than the copy itself. A connection that ends
+    with every region returned by ``free_data`` gives its segment back for the next
+    one; a connection that ends with regions outstanding (its client may still hold
+    batches on them) retires the segment, which then lives on only in that client's
+    mapping. At most ``keep`` idle segments are kept.
+    """
+
+    def __init__(self, size: int, keep: int) -> None:
+        self.size = size
+        self.keep = keep
+        self._idle: list[SharedSegment] = []
+        self._count = 0
+
+    def take(self) -> SharedSegment:
+        if self._idle:
+            return self._idle.pop()
+        self._count += 1
+        return SharedSegment(f"evergreen-ipc-{os.getpid()}-{self._count}", self.size)
+
+    def give_back(self, segment: SharedSegment, *, clean: bool) -> None:
+        if clean and len(self._idle) < self.keep:
+            self._idle.append(segment)
+        else:
+            segment.close()
+
+    def close(self) -> None:
+        for segment in self._idle:
+            segment.close()
+        self._idle.clear()
 
 
 @dataclass
@@ -74,8 +110,9 @@ class _Region:
 class SharedMemoryBodies:
     """:class:`~evergreen_trio.ipc.session.BodySender` placing bodies in a segment."""
 
-    def __init__(self, segment: SharedSegment) -> None:
+    def __init__(self, segment: SharedSegment, pool: SegmentPool | None = None) -> None:
         self.segment = segment
+        self.pool = pool
         self.arena = Arena(segment.size)
         self._owner: dict[int, _Region] = {}
         self._space = trio.Event()
@@ -124,10 +161,14 @@ class SharedMemoryBodies:
         return len(self.arena.regions())
 
     def release_all(self) -> None:
+        clean = not self.arena.regions()
         for region in {id(r): r for r in self._owner.values()}.values():
             region.freed.set()
         self._owner.clear()
-        self.segment.close()
+        if self.pool is None:
+            self.segment.close()
+        else:
+            self.pool.give_back(self.segment, clean=clean)
 
 
 async def send_segment(stream: trio.SocketStream, segment: SharedSegment) -> None:
