@@ -15,6 +15,7 @@ from collections.abc import Sequence
 COMMAND_MODULES = (
     "evergreen_trio.server_cli",
     "evergreen_trio.sim.cli",
+    "evergreen_trio.testing.conformance",
     "evergreen_trio.gateway",
     "evergreen_trio.ipc.cli",
     "evergreen_trio.picker.cli",

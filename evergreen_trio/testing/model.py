@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import pairwise
+from typing import Any
 
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
     Action,
@@ -290,6 +291,10 @@ class Plan:
         """Each output id's expected flattening."""
         model = self.model()
         return {out: flatten(model, inp) for inp, out in self.calls}
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """Hypothesis (and IPython) print counterexamples through this: one item per line."""
+        printer.text(repr(self))
 
     def __repr__(self) -> str:
         head = f"Plan({self.violation.label!r}, {self.note!r})" if self.violation else "Plan(valid)"

@@ -84,6 +84,9 @@ class DagShape:
     full_metadata: bool = False
 
 
+DEFAULT_SHAPE = DagShape()
+
+
 @dataclass(frozen=True)
 class Dag:
     nodes: dict[str, NodeSpec]
@@ -91,7 +94,7 @@ class Dag:
 
 
 @st.composite
-def dags(draw: st.DrawFn, shape: DagShape = DagShape()) -> Dag:
+def dags(draw: st.DrawFn, shape: DagShape = DEFAULT_SHAPE) -> Dag:
     """A DAG of client nodes: leaves (several mimetypes, possibly empty), inner nodes picking
     earlier nodes as children (so children are shared, even twice in one parent), or a deep
     chain. The root is the last node built; a few nodes may be unreachable from it."""
@@ -135,6 +138,9 @@ class Delivery:
     """Later leaf fragments repeat seq 0's metadata (the spec's example does; the rule text does not)."""
     max_calls: int = 3
     reuse_outputs: bool = True
+
+
+DEFAULT_DELIVERY = Delivery()
 
 
 def _cuts(draw: st.DrawFn, length: int, *, allow_empty: bool, enabled: bool) -> list[int]:
@@ -267,7 +273,7 @@ def _order(draw: st.DrawFn, draft: _Draft, delivery: Delivery) -> _Order:
 
 
 @st.composite
-def sessions(draw: st.DrawFn, shape: DagShape = DagShape(), delivery: Delivery = Delivery()) -> Plan:
+def sessions(draw: st.DrawFn, shape: DagShape = DEFAULT_SHAPE, delivery: Delivery = DEFAULT_DELIVERY) -> Plan:
     """A valid session: ECHO calls over a generated DAG, delivered with drawn disorder."""
     draft = draw(_drafts(shape, delivery))
     items, groups = _deliver(draw, _order(draw, draft, delivery), delivery)
@@ -438,8 +444,8 @@ def invalid_sessions(
     violations: Sequence[Violation] = SPEC_VIOLATIONS,
     *,
     limits: SessionLimits | None = None,
-    shape: DagShape = DagShape(),
-    delivery: Delivery = Delivery(),
+    shape: DagShape = DEFAULT_SHAPE,
+    delivery: Delivery = DEFAULT_DELIVERY,
 ) -> Plan:
     """A session that breaks exactly one rule, drawn from ``violations``. OVER_LIMIT needs the
     server's ``limits`` (keep them small: a plan may carry ``max_buffered_bytes`` of data)."""
@@ -505,6 +511,8 @@ def expected_outputs(plan: Plan) -> dict[str, list[tuple[str, bytes]]]:
 
 
 __all__ = [
+    "DEFAULT_DELIVERY",
+    "DEFAULT_SHAPE",
     "MIMETYPES",
     "SPEC_VIOLATIONS",
     "Dag",
