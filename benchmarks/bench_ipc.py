@@ -2,20 +2,23 @@
 
 Each transport's server runs in its own process (``evergreen-trio ipc serve`` on a
 memory-mapped Arrow file, or the pyarrow peer) and the client in this one; GB/s is the
-median of three timed fetches after one warm-up. Receive buffers are pooled across
-fetches. Peers measured in the same run: plain Arrow IPC stream over a loopback TCP
-socket, ``pyarrow.flight`` DoGet on localhost, and one memcpy into touched memory.
+median of three timed fetches after one warm-up round; the rounds alternate the cases.
+Receive buffers are pooled across fetches. Peers measured in the same run: plain Arrow
+IPC stream over a loopback TCP socket, ``pyarrow.flight`` DoGet on localhost, and one
+memcpy into touched memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +26,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import trio
 
-from benchmarks._harness import Row, median_of, print_table, write_results
+from benchmarks._harness import Row, print_table, write_results
 from evergreen_trio.ipc import fetch
 from evergreen_trio.ipc.pool import BufferPool
 from evergreen_trio.ipc.transports.ucx_bridge import DEFAULT_TLS
@@ -63,10 +66,16 @@ def make_file(path: Path, total: int) -> int:
     return int(table.nbytes)
 
 
-def start(cmd: list[str]) -> tuple[subprocess.Popen[str], str]:
+@contextlib.contextmanager
+def server(cmd: list[str]) -> Iterator[str]:
+    """Run a server process for the block; yield the first line it prints (URI or port)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    return proc, proc.stdout.readline().strip()
+    try:
+        assert proc.stdout is not None
+        yield proc.stdout.readline().strip()
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
 def gbps(nbytes: int, fn: Callable[[], int]) -> Callable[[], float]:
@@ -106,30 +115,18 @@ def run(quick: bool = False) -> None:
     total = (32 if quick else 256) * MiB
     runs = 1 if quick else RUNS
     os.environ.setdefault("UCX_TLS", DEFAULT_TLS)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         path = Path(tmp) / "table.arrow"
         nbytes = make_file(path, total)
-        results: dict[str, tuple[float, list[float]]] = {}
         pool = BufferPool(2 * total)
         cli = [sys.executable, "-m", "evergreen_trio.cli", "--log-level", "WARNING", "ipc", "serve", str(path)]
+        cases: dict[str, Callable[[], float]] = {}
         for name, uri in (("ucx", "ucx://127.0.0.1:0"), ("tcp", "tcp://127.0.0.1:0"), ("shm", "shm://")):
-            proc, served = start([*cli, "--uri", uri])
-            try:
-                measure = gbps(nbytes, lambda served=served: ours(served, pool))  # type: ignore[misc]
-                measure()
-                results[name] = median_of(runs, measure)
-            finally:
-                proc.terminate()
-                proc.wait()
+            served = stack.enter_context(server([*cli, "--uri", uri]))
+            cases[name] = gbps(nbytes, lambda served=served: ours(served, pool))  # type: ignore[misc]
         for name, script, client in (("plain", _PLAIN_SERVER, plain), ("flight", _FLIGHT_SERVER, flight_get)):
-            proc, port = start([sys.executable, "-c", script, str(path)])
-            try:
-                measure = gbps(nbytes, lambda client=client, port=port: client(int(port)))  # type: ignore[misc]
-                measure()
-                results[name] = median_of(runs, measure)
-            finally:
-                proc.terminate()
-                proc.wait()
+            port = int(stack.enter_context(server([sys.executable, "-c", script, str(path)])))
+            cases[name] = gbps(nbytes, lambda client=client, port=port: client(port))  # type: ignore[misc]
         src = np.ones(nbytes // 8)
         dst = np.zeros_like(src)
 
@@ -137,9 +134,16 @@ def run(quick: bool = False) -> None:
             np.copyto(dst, src)
             return nbytes
 
-        measure = gbps(nbytes, memcpy)
-        measure()
-        results["memcpy"] = median_of(runs, measure)
+        cases["memcpy"] = gbps(nbytes, memcpy)
+        # Rounds alternate the cases, so load from other jobs on this shared machine
+        # falls on all of them alike; the first round only warms up (pools, page cache).
+        samples: dict[str, list[float]] = {name: [] for name in cases}
+        for round_ in range(runs + 1):
+            for name, measure in cases.items():
+                value = measure()
+                if round_:
+                    samples[name].append(value)
+    results = {name: (statistics.median(values), values) for name, values in samples.items()}
 
     flight_v, plain_v, memcpy_v = results["flight"][0], results["plain"][0], results["memcpy"][0]
     rows = [

@@ -186,8 +186,9 @@ async def test_shm_batches_live_on_the_segment_and_are_freed(nursery: trio.Nurse
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 async def test_server_process_killed_mid_stream_is_a_clear_error(scheme: str, tmp_path: Path) -> None:
-    """A server that crashes (SIGKILL, no goodbye) fails the client; UCX data endpoints
-    have no peer-failure detection of their own, so this exercises the watch endpoint."""
+    """A server that crashes (SIGKILL, no goodbye) fails the client with a typed error;
+    over UCX the client may be inside a CMA read of the dead server's memory, which
+    peer-failure mode turns into a failed request instead of an abort."""
     path = tmp_path / "big.arrow"
     table = big_table(64)
     with pa.ipc.new_file(str(path), table.schema) as writer:

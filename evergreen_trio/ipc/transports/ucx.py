@@ -13,11 +13,13 @@ set, so it can never match a body tag); bodies use the protocol's body tags.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pyarrow as pa
 import trio
 
 from evergreen_trio.ipc.config import IpcLimits
@@ -38,6 +40,8 @@ from evergreen_trio.ipc.transports.base import BodyIn, Completion, MetadataIn
 from evergreen_trio.ipc.transports.ucx_bridge import (
     FULL_MASK,
     Endpoint,
+    ProbeResult,
+    Request,
     WorkerBridge,
     accept,
     connect,
@@ -51,6 +55,8 @@ from evergreen_trio.ipc.uri import IpcUri
 log = logging.getLogger("evergreen_trio.ipc.ucx")
 
 MAX_ADDRESS_BYTES = 1 << 16
+RECEIVE_DEPTH = 4
+"""Bodies a client receives at once (each in its own pooled buffer)."""
 BYE_TIMEOUT_S = 1.0
 
 
@@ -90,8 +96,27 @@ class UcxServerChannel:
         return self.bridge.send(self.endpoint, tag, body)
 
 
+class _Posted:
+    """A message taken off UCX's queue whose receive is posted; ``body`` for raw bodies."""
+
+    __slots__ = ("body", "nbytes", "request", "tag")
+
+    def __init__(self, tag: int, nbytes: int, request: Request, body: pa.Buffer | None = None) -> None:
+        self.tag = tag
+        self.nbytes = nbytes
+        self.request = request
+        self.body = body
+
+
 class UcxClientChannel:
-    """:class:`ClientChannel`: probe any tag, then receive metadata or a body into a pooled buffer."""
+    """:class:`ClientChannel`: probe, then receive metadata or bodies into pooled buffers.
+
+    Bodies use the rendezvous protocol, which moves data only once the receive is
+    posted; so every message already announced is probed and posted at once (at most
+    :data:`RECEIVE_DEPTH` bodies), and the transfer of the next bodies overlaps the
+    Python work on the current one. Each posted receive has its message already there
+    (probe with removal first), so none is ever left waiting for a message.
+    """
 
     def __init__(self, bridge: WorkerBridge, endpoint: Endpoint, limits: IpcLimits, pool: BufferPool) -> None:
         self.bridge = bridge
@@ -99,46 +124,56 @@ class UcxClientChannel:
         self.limits = limits
         self.pool = pool
         self._max_descriptor = 16 + 16 * limits.max_buffers_per_body
+        self._posted: collections.deque[_Posted] = collections.deque()
+        self._bodies_posted = 0
 
     async def send_request(self, tag: int, payload: bytes) -> None:
         await self.bridge.send(self.endpoint, tag, payload).wait()
 
     async def receive(self) -> MetadataIn | BodyIn:
-        probe = await self.bridge.probe(0, 0)
+        if not self._posted:
+            self._post(await self.bridge.probe(0, 0))
+        while self._bodies_posted < RECEIVE_DEPTH and (probe := self.bridge.try_probe(0, 0)) is not None:
+            self._post(probe)
+        posted = self._posted.popleft()
+        await self.bridge.wait(posted.request)
+        if posted.body is not None:
+            self._bodies_posted -= 1
+            return BodyIn(posted.tag, posted.body, posted.nbytes)
+        data = bytes(memoryview(posted.request.buffer))  # type: ignore[arg-type]
+        if posted.tag == METADATA_TAG:
+            return MetadataIn(data)
+        if posted.tag == BYE_TAG:
+            raise ConnectionLostError("server closed the connection")
+        if posted.tag & RESERVED_MASK:
+            raise FramingError(f"tag {posted.tag:#018x}: expected metadata or a body tag (bits 32-55 zero)")
+        return BodyIn(posted.tag, data, posted.nbytes)
+
+    def _post(self, probe: ProbeResult) -> None:
+        """Post the receive of one probed message (limits checked on its announced length)."""
         tag, nbytes = int(probe.sender_tag.value), int(probe.length)
         if tag == METADATA_TAG or tag & RESERVED_MASK:
             # Take the message off the wire before judging it: nothing stays queued.
-            data = bytearray(nbytes) if nbytes <= self.limits.max_metadata_bytes + METADATA_PREFIX else None
-            if data is None:
+            if nbytes > self.limits.max_metadata_bytes + METADATA_PREFIX:
                 raise LimitExceededError(f"metadata: expected <= {self.limits.max_metadata_bytes} bytes, got {nbytes}")
-            await self.bridge.receive(probe, data)
-            if tag == BYE_TAG:
-                raise ConnectionLostError("server closed the connection")
-            if tag != METADATA_TAG:
-                raise FramingError(f"tag {tag:#018x}: expected metadata or a body tag (bits 32-55 zero)")
-            return MetadataIn(bytes(data))
-        body_type = parse_body_tag(tag).body_type
-        if body_type is BodyType.DESCRIPTOR:
+        elif parse_body_tag(tag).body_type is BodyType.DESCRIPTOR:
             if nbytes > self._max_descriptor:
                 raise LimitExceededError(f"body descriptor: expected <= {self._max_descriptor} bytes, got {nbytes}")
-            data = bytearray(nbytes)
-            await self.bridge.receive(probe, data)
-            return BodyIn(tag, bytes(data), nbytes)
-        if nbytes > self.limits.max_body_bytes:
-            raise LimitExceededError(f"body: expected <= {self.limits.max_body_bytes} bytes, got {nbytes}")
-        buffer, view = self.pool.acquire(nbytes)
-        await self.bridge.receive(probe, view)
-        return BodyIn(tag, buffer, nbytes)
+        else:
+            if nbytes > self.limits.max_body_bytes:
+                raise LimitExceededError(f"body: expected <= {self.limits.max_body_bytes} bytes, got {nbytes}")
+            buffer, view = self.pool.acquire(nbytes)
+            self._posted.append(_Posted(tag, nbytes, self.bridge.post_receive(probe, view), buffer))
+            self._bodies_posted += 1
+            return
+        self._posted.append(_Posted(tag, nbytes, self.bridge.post_receive(probe, bytearray(nbytes))))
 
 
 async def _serve_one(context: object, client_address: bytes, lookup: Lookup, options: ServeOptions, peer: str) -> None:
     async with open_bridge(context) as bridge:
         try:
-            endpoint = connect_address(bridge, client_address, error_handling=False)
-            # The watch endpoint carries the answer, so its tcp connection exists and a
-            # client that dies fails it (the data endpoint cannot notice).
-            watch = connect_address(bridge, client_address, error_handling=True)
-            await bridge.send(watch, ADDRESS_TAG, bridge.address()).wait()
+            endpoint = connect_address(bridge, client_address)
+            await bridge.send(endpoint, ADDRESS_TAG, bridge.address()).wait()
         except TransportError as exc:
             log.info("ucx.handshake_failed peer=%s error=%s", peer, exc)
             return
@@ -187,7 +222,7 @@ async def connect_ucx(uri: IpcUri, limits: IpcLimits, pool: BufferPool) -> Async
             hello = connect(bridge, uri.host, uri.port)
             await bridge.send(hello, HELLO_TAG, bridge.address()).wait()
             _, server_address = await _receive_small(bridge, ADDRESS_TAG, FULL_MASK, MAX_ADDRESS_BYTES, "address")
-            endpoint = connect_address(bridge, server_address, error_handling=False)
+            endpoint = connect_address(bridge, server_address)
         if timeout.cancelled_caught:
             raise TransportError(f"UCX connect {uri.host}:{uri.port}: no answer within {limits.connect_timeout_s}s")
         try:

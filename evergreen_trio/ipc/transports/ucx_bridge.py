@@ -24,6 +24,11 @@ from typing import Any, TypeAlias
 import trio
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+# Endpoints run in peer-failure mode (a dead peer is an error, not an abort). UCX then
+# only picks CMA (single-copy rendezvous: the receiver reads the sender's memory with
+# process_vm_readv) when CMA advertises memory invalidation; without it bodies fall
+# back to tcp. CMA needs no registration, so there is nothing to invalidate.
+os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", "y")
 
 from ucxx._lib import libucxx as ucx
 from ucxx._lib.arr import Array
@@ -32,7 +37,7 @@ from evergreen_trio.ipc.errors import ConnectionLostError, TransportError
 
 log = logging.getLogger("evergreen_trio.ipc.ucx")
 
-DEFAULT_TLS = "tcp,self,sysv,posix"
+DEFAULT_TLS = "tcp,self,cma"
 """Transports used when ``UCX_TLS`` is unset: what works on a CPU-only host."""
 FULL_MASK = 0xFFFF_FFFF_FFFF_FFFF
 _REAP_ROUNDS = 1000
@@ -164,19 +169,27 @@ class WorkerBridge:
         except ucx.UCXError as exc:
             raise ConnectionLostError(f"UCX request failed: {exc}") from None
 
+    def try_probe(self, tag: int = 0, mask: int = 0) -> ProbeResult | None:
+        """Take a message matching (tag, mask) off the queue if one has arrived."""
+        result = self.worker.tag_probe(ucx.UCXXTag(tag), ucx.UCXXTagMask(mask), remove=True)
+        return result if result.matched else None
+
     async def probe(self, tag: int = 0, mask: int = 0) -> ProbeResult:
         """Wait until a message matching (tag, mask) has arrived and take it off the queue."""
-        while True:
-            result = self.worker.tag_probe(ucx.UCXXTag(tag), ucx.UCXXTagMask(mask), remove=True)
-            if result.matched:
-                return result
+        while (result := self.try_probe(tag, mask)) is None:
             await self._park()
+        return result
 
-    async def receive(self, probe: ProbeResult, target: object) -> None:
-        """Receive a probed message into ``target`` (a writable buffer of ``probe.length`` bytes)."""
+    def post_receive(self, probe: ProbeResult, target: object) -> Request:
+        """Start receiving a probed message into ``target`` (a writable buffer of ``probe.length`` bytes)."""
         request = Request(self, self.worker.tag_recv_with_handle(Array(target), probe), target)
         self._inflight.add(request)
-        await self.wait(request)
+        self.kick()
+        return request
+
+    async def receive(self, probe: ProbeResult, target: object) -> None:
+        """Receive a probed message into ``target`` and wait for it."""
+        await self.wait(self.post_receive(probe, target))
 
     def shutdown(self) -> None:
         """Cancel and reap in-flight requests, then close endpoints (bounded, synchronous)."""
@@ -248,16 +261,9 @@ def connect(bridge: WorkerBridge, host: str, port: int) -> Endpoint:
         raise TransportError(f"UCX: could not connect to {host}:{port}: {exc}") from None
 
 
-def connect_address(bridge: WorkerBridge, address: bytes, *, error_handling: bool) -> Endpoint:
-    """An endpoint to a worker address.
-
-    ``error_handling=True`` (UCX peer-failure mode) restricts the endpoint to transports
-    that detect a dead peer (tcp here): use it for a watch endpoint. Data endpoints pass
-    ``False`` so that UCX may pick shared memory (sysv/posix eager, CMA zero-copy
-    rendezvous), which lacks peer-failure detection.
-    """
+def connect_address(bridge: WorkerBridge, address: bytes) -> Endpoint:
     try:
-        return bridge.watch(bridge.worker.create_endpoint_from_worker_address(worker_address(address), error_handling))
+        return bridge.watch(bridge.worker.create_endpoint_from_worker_address(worker_address(address), True))
     except ucx.UCXError as exc:
         raise TransportError(f"UCX: could not connect to a worker address: {exc}") from None
 
