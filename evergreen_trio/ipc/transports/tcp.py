@@ -31,6 +31,7 @@ from evergreen_trio.ipc.transports.base import BodyIn, Completion, Done, Metadat
 log = logging.getLogger("evergreen_trio.ipc.tcp")
 
 _CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+_COALESCE_BYTES = 64 * 1024
 
 
 class FramedSocket:
@@ -48,8 +49,12 @@ class FramedSocket:
         view = memoryview(payload)  # type: ignore[arg-type]
         try:
             async with self._lock:
-                await self.stream.send_all(encode_frame_header(tag, view.nbytes))
-                if view.nbytes:
+                header = encode_frame_header(tag, view.nbytes)
+                if view.nbytes <= _COALESCE_BYTES:
+                    # Small frames (metadata, descriptors, requests): one send, not two.
+                    await self.stream.send_all(header + view.cast("B"))
+                else:
+                    await self.stream.send_all(header)
                     await self.stream.send_all(view.cast("B"))
         except _CLOSED as exc:
             raise ConnectionLostError(f"peer closed the connection while we sent tag {tag:#x}: {exc}") from None
