@@ -19,7 +19,7 @@ from evergreen_trio.ipc.errors import (
     UriError,
 )
 from evergreen_trio.ipc.service import Catalog, fetch, fetch_table, serve
-from evergreen_trio.ipc.session import IpcStream, ServeOptions
+from evergreen_trio.ipc.session import IpcStream, Role, ServeOptions
 from evergreen_trio.ipc.uri import IpcUri, parse_uri
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "IpcStream",
     "IpcUri",
     "LimitExceededError",
+    "Role",
     "SequenceError",
     "ServeOptions",
     "SharedMemoryError",

@@ -12,6 +12,7 @@ import trio
 
 from evergreen_trio.ipc.errors import IpcError
 from evergreen_trio.ipc.service import Catalog, fetch, serve
+from evergreen_trio.ipc.session import Role, ServeOptions
 from evergreen_trio.ipc.uri import IpcUri
 
 PROGRESS_AFTER_S = 0.5
@@ -28,11 +29,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--uri", default="tcp://127.0.0.1:0", help="ucx://HOST:PORT, tcp://HOST:PORT or shm:// (port 0: any)"
     )
     serve_parser.add_argument("--flight", help="also run a Flight control plane at this grpc:// location")
+    serve_parser.add_argument(
+        "--role",
+        choices=[role.value for role in Role],
+        default=Role.BOTH.value,
+        help="send metadata and bodies (both), or only one of them when two processes serve a stream",
+    )
     serve_parser.set_defaults(run=run_serve)
     get_parser = commands.add_parser("get", help="fetch a stream and write it as an Arrow IPC file")
     get_parser.add_argument("uri", help="the URI printed by `ipc serve`")
     get_parser.add_argument("ticket", help="the ticket (the served file's base name)")
     get_parser.add_argument("--out", type=Path, required=True, help="output Arrow IPC file")
+    get_parser.add_argument("--data-uri", help="the data server's URI when another process serves the bodies")
     get_parser.set_defaults(run=run_get)
 
 
@@ -46,7 +54,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            uri: IpcUri = await nursery.start(serve, args.uri, catalog)
+            uri: IpcUri = await nursery.start(serve, args.uri, catalog, ServeOptions(role=Role(args.role)))
             print(uri, flush=True)
             if args.flight:
                 from evergreen_trio.ipc.flight import ControlPlane
@@ -97,11 +105,11 @@ class Progress:
             sys.stderr.write("\n")
 
 
-async def get(uri: str, ticket: str, out: Path) -> int:
+async def get(uri: str, ticket: str, out: Path, data_uri: str | None = None) -> int:
     """Fetch ``ticket`` and write an Arrow IPC file; return the number of rows."""
     rows = 0
     progress = Progress()
-    async with fetch(uri, ticket) as stream:
+    async with fetch(uri, ticket, data_uri=data_uri) as stream:
         writer = None
         try:
             async for batch in stream:
@@ -122,7 +130,7 @@ async def get(uri: str, ticket: str, out: Path) -> int:
 
 def run_get(args: argparse.Namespace) -> int:
     try:
-        rows = trio.run(get, args.uri, args.ticket, args.out)
+        rows = trio.run(get, args.uri, args.ticket, args.out, args.data_uri)
     except IpcError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -19,11 +19,13 @@ from urllib.parse import urlsplit
 import pyarrow as pa
 import trio
 
+from evergreen_trio.ipc._nursery import open_quiet_nursery
 from evergreen_trio.ipc.arrow import OutgoingMessage, messages_from_file, messages_from_table
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
 from evergreen_trio.ipc.errors import TransportError, UnknownTicketError, UriError
 from evergreen_trio.ipc.pool import BufferPool
-from evergreen_trio.ipc.session import IpcStream, RawBodies, ServeOptions, serve_connection
+from evergreen_trio.ipc.session import IpcStream, MergedChannel, RawBodies, ServeOptions, serve_connection
+from evergreen_trio.ipc.transports.base import ClientChannel
 from evergreen_trio.ipc.transports.shm import (
     HANDLE,
     SegmentPool,
@@ -158,24 +160,15 @@ async def _serve_shm(path: str, catalog: Catalog, options: ServeOptions, task_st
 
 
 @asynccontextmanager
-async def fetch(
-    uri: str | IpcUri,
-    ticket: bytes | str,
-    *,
-    limits: IpcLimits = DEFAULT_LIMITS,
-    copy: bool = False,
-    pool: BufferPool | None = None,
-) -> AsyncIterator[IpcStream]:
-    """Connect, send ``want_data`` with ``ticket`` and yield the stream of batches."""
-    parsed = parse_uri(uri) if isinstance(uri, str) else uri
-    pool = pool if pool is not None else BufferPool(limits.pool_bytes)
+async def _connect(
+    parsed: IpcUri, limits: IpcLimits, pool: BufferPool
+) -> AsyncIterator[tuple[ClientChannel, SharedMemoryMapping | None]]:
+    """A client channel to one server (and the shared-memory mapping, for shm)."""
     if parsed.scheme == "ucx":
         from evergreen_trio.ipc.transports.ucx import connect_ucx
 
         async with connect_ucx(parsed, limits, pool) as ucx_channel:
-            stream = IpcStream(ucx_channel, free_data=parsed.free_data, limits=limits, copy=copy)
-            await ucx_channel.send_request(parsed.want_data, _ticket(ticket))
-            yield stream
+            yield ucx_channel, None
         return
     resolver = None
     try:
@@ -194,10 +187,48 @@ async def fetch(
     except (OSError, trio.TooSlowError) as exc:
         raise TransportError(f"connect {parsed}: expected a listening server, got {exc!r}") from None
     async with socket_stream:
-        channel = StreamClientChannel(FramedSocket(socket_stream, limits, pool))
-        stream = IpcStream(channel, free_data=parsed.free_data, resolver=resolver, limits=limits, copy=copy)
-        await channel.send_request(parsed.want_data, _ticket(ticket))
-        yield stream
+        yield StreamClientChannel(FramedSocket(socket_stream, limits, pool)), resolver
+
+
+@asynccontextmanager
+async def fetch(
+    uri: str | IpcUri,
+    ticket: bytes | str,
+    *,
+    data_uri: str | IpcUri | None = None,
+    limits: IpcLimits = DEFAULT_LIMITS,
+    copy: bool = False,
+    pool: BufferPool | None = None,
+) -> AsyncIterator[IpcStream]:
+    """Connect, send ``want_data`` with ``ticket`` and yield the stream of batches.
+
+    With ``data_uri``, ``uri`` names the server of the metadata stream and ``data_uri``
+    the server of the bodies (the spec's two-process case): want_data goes to each,
+    free_data to the data server.
+    """
+    parsed = parse_uri(uri) if isinstance(uri, str) else uri
+    pool = pool if pool is not None else BufferPool(limits.pool_bytes)
+    key = _ticket(ticket)
+    async with _connect(parsed, limits, pool) as (channel, resolver):
+        if data_uri is None:
+            stream = IpcStream(channel, free_data=parsed.free_data, resolver=resolver, limits=limits, copy=copy)
+            await channel.send_request(parsed.want_data, key)
+            yield stream
+            return
+        data_parsed = parse_uri(data_uri) if isinstance(data_uri, str) else data_uri
+        async with _connect(data_parsed, limits, pool) as (data_channel, data_resolver):
+            merged = MergedChannel(channel, data_channel)
+            stream = IpcStream(
+                merged, free_data=data_parsed.free_data, resolver=data_resolver, limits=limits, copy=copy
+            )
+            await channel.send_request(parsed.want_data, key)
+            await data_channel.send_request(data_parsed.want_data, key)
+            async with open_quiet_nursery() as nursery:
+                merged.start(nursery)
+                try:
+                    yield stream
+                finally:
+                    nursery.cancel_scope.cancel()
 
 
 async def fetch_table(uri: str | IpcUri, ticket: bytes | str, **kwargs: object) -> pa.Table:

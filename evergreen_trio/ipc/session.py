@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,13 +55,22 @@ log = logging.getLogger("evergreen_trio.ipc")
 Lookup = Callable[[bytes], Sequence[OutgoingMessage]]
 
 
+class Role(enum.Enum):
+    """What a server sends for a want_data: the spec lets one process or two serve a stream."""
+
+    BOTH = "both"
+    METADATA = "metadata"
+    DATA = "data"
+
+
 @dataclass(frozen=True)
 class ServeOptions:
-    """The tags a server advertises and the limits it enforces."""
+    """The tags a server advertises, the limits it enforces and the streams it serves."""
 
     want_data: int = WANT_DATA_TAG
     free_data: int = FREE_DATA_TAG
     limits: IpcLimits = DEFAULT_LIMITS
+    role: Role = Role.BOTH
 
 
 class BodySender(Protocol):
@@ -108,12 +118,14 @@ async def _send_bodies(
 
 
 async def _send_stream(
-    channel: ServerChannel, messages: Sequence[OutgoingMessage], bodies: BodySender, limits: IpcLimits
+    channel: ServerChannel, messages: Sequence[OutgoingMessage], bodies: BodySender, options: ServeOptions
 ) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_send_metadata, channel, messages)
-        nursery.start_soon(_send_bodies, channel, messages, bodies, limits)
-    log.debug("ipc.stream_sent messages=%d", len(messages))
+        if options.role is not Role.DATA:
+            nursery.start_soon(_send_metadata, channel, messages)
+        if options.role is not Role.METADATA:
+            nursery.start_soon(_send_bodies, channel, messages, bodies, options.limits)
+    log.debug("ipc.stream_sent messages=%d role=%s", len(messages), options.role.value)
 
 
 async def serve_connection(
@@ -132,7 +144,7 @@ async def serve_connection(
                         )
                     messages = lookup(payload)
                     log.info("ipc.want_data peer=%s ticket_bytes=%d messages=%d", peer, len(payload), len(messages))
-                    nursery.start_soon(_send_stream, channel, messages, bodies, limits)
+                    nursery.start_soon(_send_stream, channel, messages, bodies, options)
                 elif tag == options.free_data:
                     bodies.on_free(decode_free_data(payload, limits))
                 else:
@@ -146,6 +158,43 @@ async def serve_connection(
         log.warning("ipc.connection_error peer=%s error=%s", peer, group.exceptions[0])
     finally:
         bodies.release_all()
+
+
+class MergedChannel:
+    """A :class:`ClientChannel` over a metadata server and a data server (two processes).
+
+    One pump task per connection hands each message on through an unbuffered Trio
+    channel, so neither side reads ahead of the consumer; an error on either side is
+    handed on too and raised by :meth:`receive`. Requests (``free_data``) go to the data
+    server, which holds the bodies.
+    """
+
+    def __init__(self, metadata: ClientChannel, data: ClientChannel) -> None:
+        self._metadata = metadata
+        self._data = data
+        self._send, self._receive = trio.open_memory_channel[MetadataIn | BodyIn | IpcError](0)
+
+    def start(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self._pump, self._metadata, "metadata")
+        nursery.start_soon(self._pump, self._data, "data")
+
+    async def _pump(self, channel: ClientChannel, side: str) -> None:
+        try:
+            while True:
+                await self._send.send(await channel.receive())
+        except ConnectionLostError as exc:
+            await self._send.send(ConnectionLostError(f"{side} server: {exc}"))
+        except IpcError as exc:
+            await self._send.send(exc)
+
+    async def send_request(self, tag: int, payload: bytes) -> None:
+        await self._data.send_request(tag, payload)
+
+    async def receive(self) -> MetadataIn | BodyIn:
+        item = await self._receive.receive()
+        if isinstance(item, IpcError):
+            raise item
+        return item
 
 
 class IpcStream:

@@ -43,6 +43,25 @@ async def test_serve_prints_the_uri_and_get_writes_a_file(tmp_path: Path, uri: s
     assert pa.ipc.open_file(str(tmp_path / "out.arrow")).read_all().equals(table)
 
 
+async def test_two_serve_processes_split_metadata_and_data(tmp_path: Path) -> None:
+    table = write_file(tmp_path / "data.arrow")
+    base = [sys.executable, "-m", "evergreen_trio.cli", "ipc", "serve", str(tmp_path / "data.arrow")]
+    procs = []
+    for role, uri in (("metadata", "tcp://127.0.0.1:0"), ("data", "shm://")):
+        cmd = [*base, "--role", role, "--uri", uri]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))  # noqa: ASYNC220
+    try:
+        meta_uri, data_uri = [(await trio.to_thread.run_sync(p.stdout.readline)).strip() for p in procs]  # type: ignore[union-attr]
+        with trio.fail_after(60):
+            rows = await get(meta_uri, "data.arrow", tmp_path / "out.arrow", data_uri=data_uri)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait()
+    assert rows == table.num_rows
+    assert pa.ipc.open_file(str(tmp_path / "out.arrow")).read_all().equals(table)
+
+
 async def test_flight_points_at_the_dissociated_uri(nursery: trio.Nursery) -> None:
     catalog = Catalog()
     catalog.add_table("t", sample_table(), max_chunksize=5_000)

@@ -27,6 +27,7 @@ from evergreen_trio.ipc.framing import (
     encode_metadata,
     make_tag,
 )
+from evergreen_trio.ipc.session import Role
 from evergreen_trio.ipc.transports.tcp import FramedSocket
 
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None
@@ -275,3 +276,53 @@ async def test_shm_segment_is_reused_only_after_a_clean_finish(nursery: trio.Nur
         assert third - second  # batches still held on the second one: a new segment
         assert pa.Table.from_batches(held).equals(sample_table())
     nursery.cancel_scope.cancel()
+
+
+SPLITS = [
+    ("tcp://127.0.0.1:0", "tcp://127.0.0.1:0"),
+    ("tcp://127.0.0.1:0", "shm://"),
+    pytest.param(
+        "ucx://127.0.0.1:0",
+        "ucx://127.0.0.1:0",
+        marks=[pytest.mark.ucx, pytest.mark.skipif(not HAVE_UCX, reason="ucxx missing")],
+    ),
+]
+
+
+@pytest.mark.parametrize(("meta_scheme", "data_scheme"), SPLITS)
+async def test_metadata_and_data_from_two_servers(meta_scheme: str, data_scheme: str, nursery: trio.Nursery) -> None:
+    """The spec's two-process server: want_data goes to each, free_data to the data server."""
+    catalog = Catalog()
+    catalog.add_table("t", sample_table(), max_chunksize=3_000)
+    meta_uri = await nursery.start(serve, meta_scheme, catalog, ServeOptions(role=Role.METADATA))
+    data_uri = await nursery.start(
+        serve, data_scheme, catalog, ServeOptions(role=Role.DATA, limits=IpcLimits(max_unacked_bodies=2))
+    )
+    with trio.fail_after(GUARD_S):
+        async with fetch(str(meta_uri), "t", data_uri=str(data_uri), copy=True) as stream:
+            batches = [batch async for batch in stream]
+    assert pa.Table.from_batches(batches).equals(sample_table())
+    nursery.cancel_scope.cancel()
+
+
+async def test_data_server_dying_in_a_split_stream_is_a_clear_error() -> None:
+    catalog = Catalog()
+    catalog.add_table("big", big_table(), max_chunksize=2**16)
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as outer:
+            meta_uri = await outer.start(serve, "tcp://127.0.0.1:0", catalog, ServeOptions(role=Role.METADATA))
+            data_scope = trio.CancelScope()
+            options = ServeOptions(role=Role.DATA, limits=IpcLimits(max_unacked_bodies=1))
+
+            async def run_data(task_status: trio.TaskStatus[object] = trio.TASK_STATUS_IGNORED) -> None:
+                with data_scope:
+                    await serve("tcp://127.0.0.1:0", catalog, options, task_status=task_status)
+
+            data_uri = await outer.start(run_data)
+            async with fetch(str(meta_uri), "big", data_uri=str(data_uri)) as stream:
+                held = [await stream.__anext__()]
+                data_scope.cancel()
+                with pytest.raises(ConnectionLostError, match="data server"):
+                    async for batch in stream:
+                        held.append(batch)
+            outer.cancel_scope.cancel()

@@ -33,6 +33,7 @@ os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", "y")
 from ucxx._lib import libucxx as ucx
 from ucxx._lib.arr import Array
 
+from evergreen_trio.ipc._nursery import open_quiet_nursery
 from evergreen_trio.ipc.errors import ConnectionLostError, TransportError
 
 log = logging.getLogger("evergreen_trio.ipc.ucx")
@@ -229,18 +230,12 @@ async def open_bridge(context: Context) -> AsyncIterator[WorkerBridge]:
     bridge = WorkerBridge(context)
     _OPEN.add(bridge)
     try:
-        async with trio.open_nursery() as nursery:
+        async with open_quiet_nursery() as nursery:
             nursery.start_soon(bridge.progress_forever)
             try:
                 yield bridge
             finally:
                 nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # The progress task never fails, so a group holds the block's own error: unwrap
-        # it so callers see the typed error they would without this nursery.
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
     finally:
         bridge.shutdown()
         _OPEN.discard(bridge)
