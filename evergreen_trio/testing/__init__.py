@@ -1,1 +1,13 @@
-"""Tools for testing Evergreen servers and clients: a pytest plugin with in-process fixtures."""
+"""Tools for property-testing Evergreen servers and clients (docs/testing.md).
+
+- ``strategies``: hypothesis strategies for node DAGs, the fragment streams that deliver them,
+  and invalid sessions labelled with the rule they break.
+- ``model``: the expected result of a session as pure functions (flattening, reassembly).
+- ``wire``: a synchronous grpcio client that plays a whole session (needs ``grpcio``).
+- ``checks`` and ``machine``: the invariants, and a RuleBasedStateMachine that plays them
+  against any server address.
+- ``conformance``: ``evergreen-trio conformance HOST:PORT``.
+- ``subprocess_server`` and ``pytest_plugin``: our server in a child process, and fixtures.
+
+Nothing is imported here, so loading the pytest plugin stays cheap.
+"""

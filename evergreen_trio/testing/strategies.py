@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 from evergreen_trio.dag.limits import SessionLimits
 from evergreen_trio.testing.model import (
     Act,
-    EchoOf,
     Frag,
     InnerSpec,
     Item,
@@ -153,7 +152,7 @@ def _cuts(draw: st.DrawFn, length: int, *, allow_empty: bool, enabled: bool) -> 
     return sorted(draw(st.lists(st.integers(lo, hi), max_size=4, unique=not allow_empty)))
 
 
-def node_fragments(draw: st.DrawFn, nodes: dict[str, NodeSpec], delivery: Delivery) -> dict[str, list[Frag]]:
+def _node_fragments(draw: st.DrawFn, nodes: dict[str, NodeSpec], delivery: Delivery) -> dict[str, list[Frag]]:
     """Each client node's fragments, split at drawn points."""
     out: dict[str, list[Frag]] = {}
     for node_id, node in nodes.items():
@@ -246,7 +245,7 @@ def _drafts(draw: st.DrawFn, shape: DagShape, delivery: Delivery) -> _Draft:
             inp = f"c:nest{index}"
             nodes[inp] = InnerSpec((earlier, draw(st.sampled_from(pool))))
         calls.append((inp, out))
-    return _Draft(nodes, calls, node_fragments(draw, nodes, delivery))
+    return _Draft(nodes, calls, _node_fragments(draw, nodes, delivery))
 
 
 def _order(draw: st.DrawFn, draft: _Draft, delivery: Delivery) -> _Order:
@@ -297,7 +296,7 @@ def _reachable(nodes: dict[str, NodeSpec], root: str) -> list[list[str]]:
     return list(paths.values())
 
 
-def _with_inner(draft: _Draft, draw: st.DrawFn) -> str:
+def _with_inner(draft: _Draft) -> str:
     """The first call's input, made an inner node if it was not (wrapping the old input)."""
     inp, out = draft.calls[0]
     if isinstance(draft.nodes.get(inp), InnerSpec):
@@ -310,7 +309,7 @@ def _with_inner(draft: _Draft, draw: st.DrawFn) -> str:
 
 
 def _mutate_cycle(draw: st.DrawFn, draft: _Draft) -> tuple[str, list[tuple[Frag, Frag | None]]]:
-    root = _with_inner(draft, draw)
+    root = _with_inner(draft)
     path = draw(st.sampled_from(_reachable(draft.nodes, root)))
     target, ancestor = path[-1], draw(st.sampled_from(path))
     frags = draft.frags[target]
@@ -518,12 +517,10 @@ __all__ = [
     "Dag",
     "DagShape",
     "Delivery",
-    "EchoOf",
     "concurrent_actions_session",
     "dags",
     "expected_outputs",
     "invalid_sessions",
     "metas",
-    "node_fragments",
     "sessions",
 ]
