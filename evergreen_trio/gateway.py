@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextvars
-import ctypes
 import ipaddress
 import logging
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -33,7 +29,7 @@ import yaml
 from evergreen_trio.errors import EvergreenTrioError
 from evergreen_trio.picker.config import PickerConfig, config_from_documents
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
-from evergreen_trio.picker.envoy_process import ENVOY_ARGS, find_envoy
+from evergreen_trio.picker.envoy_process import run_envoy
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.runtime import PickerPorts, run_picker
 from evergreen_trio.sim.cli import add_config_arguments, config_from_args
@@ -155,76 +151,6 @@ async def _part(
     raise GatewayError(f"{name} stopped on its own; stopping the gateway")
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the thread that spawned it exits (Linux PR_SET_PDEATHSIG)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-
-
-async def _wait_envoy_ready(admin_url: str, exited: trio.Event, timeout_s: float) -> None:
-    async with httpx.AsyncClient(timeout=1.0) as client:
-        with trio.move_on_after(timeout_s):
-            while not exited.is_set():
-                try:
-                    if (await client.get(f"{admin_url}/ready")).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                await trio.sleep(0.05)
-    raise GatewayError(f"expected Envoy's admin {admin_url}/ready to answer 200 within {timeout_s}s"
-                       + ("; it exited" if exited.is_set() else ""))
-
-
-async def run_envoy_pinned(
-    config_path: Path,
-    *,
-    admin_port: int,
-    extra_args: Sequence[str] = (),
-    ready_timeout_s: float = 30.0,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run Envoy until cancelled; started once admin ``/ready`` answers 200.
-
-    PR_SET_PDEATHSIG fires when the spawning *thread* exits. ``trio.run_process`` spawns in a
-    cached worker thread that exits after 10 s idle, which SIGTERMs Envoy (seen with the
-    picker's ``run_envoy``). Here one thread spawns Envoy and waits on it for its whole life, so
-    Envoy dies with this process and at no other time.
-    """
-    command = [find_envoy(), "-c", str(config_path), *ENVOY_ARGS, *extra_args]
-    spawned: list[subprocess.Popen[bytes]] = []
-    exited = trio.Event()
-    token = trio.lowlevel.current_trio_token()
-
-    def spawn_and_wait() -> int:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-        spawned.append(process)
-        try:
-            return process.wait()
-        finally:
-            trio.from_thread.run_sync(exited.set, trio_token=token)
-
-    async def watch() -> None:
-        status = await trio.to_thread.run_sync(spawn_and_wait, abandon_on_cancel=True)
-        raise GatewayError(f"expected Envoy to run until cancelled, it exited with status {status}")
-
-    logger.info("envoy.start config=%s admin_port=%d", config_path, admin_port)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch)
-        try:
-            await _wait_envoy_ready(f"http://127.0.0.1:{admin_port}", exited, ready_timeout_s)
-            task_status.started()
-            await exited.wait()
-        finally:
-            for process in spawned:
-                process.terminate()
-            with trio.move_on_after(5) as waited:
-                waited.shield = True
-                await exited.wait()
-            if waited.cancelled_caught:
-                for process in spawned:
-                    process.kill()
-
-
 def split_listen(listen: str) -> tuple[str, int]:
     """``ip:port`` or ``[v6]:port`` -> (ip, port); port 0 means any free port."""
     host, _, port = listen.rpartition(":")
@@ -341,7 +267,7 @@ async def run_gateway(
                 round_robin_port=settings.round_robin_port,
             ))
             await nursery.start(_part, "envoy", partial(
-                run_envoy_pinned, envoy_config, admin_port=admin_port, extra_args=("--log-format", ENVOY_LOG_FORMAT),
+                run_envoy, envoy_config, admin_port=admin_port, extra_args=("--log-format", ENVOY_LOG_FORMAT),
             ))
             admin_url = f"http://127.0.0.1:{admin_port}"
             bound = await _bound_listeners(admin_url)

@@ -86,7 +86,7 @@ async def test_the_round_robin_listener_spreads_requests() -> None:
 
 
 async def test_the_gateway_stops_when_envoy_dies() -> None:
-    with pytest.RaisesGroup(pytest.RaisesExc(GatewayError, match="Envoy to run until cancelled"),
+    with pytest.RaisesGroup(pytest.RaisesExc(EnvoyError, match="expected envoy to run until cancelled"),
                             flatten_subgroups=True):
         async with trio.open_nursery() as nursery:
             info: GatewayInfo = await nursery.start(run_gateway, GatewaySettings(listen="127.0.0.1:0", simulate=1))
