@@ -42,6 +42,10 @@ ReqIn = TypeVar("ReqIn", bound=Message, contravariant=True)
 RepOut = TypeVar("RepOut", bound=Message, covariant=True)
 
 
+CLOSE_TIMEOUT_SECONDS = 5.0
+"""How long a stopping server waits for grpclib to release its connections."""
+
+
 class RpcAbort(EvergreenTrioError):
     """Ends a gRPC stream with ``status``; raised by handlers, or received when the peer ended it so."""
 
@@ -191,7 +195,9 @@ async def serve_grpclib(
                 if before_close is not None:
                     await before_close()
                 server.close()
-                await trio_asyncio.aio_as_trio(server.wait_closed)()
+                # grpclib waits for connections the peer keeps open; a stopping server does not.
+                with trio.move_on_after(CLOSE_TIMEOUT_SECONDS):
+                    await trio_asyncio.aio_as_trio(server.wait_closed)()
                 log.info("grpc.closed port=%d", bound_port)
 
 
