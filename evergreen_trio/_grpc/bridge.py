@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import trio
 import trio_asyncio
@@ -201,55 +201,6 @@ async def serve_grpclib(
                 log.info("grpc.closed port=%d", bound_port)
 
 
-class StreamProcessor(Protocol[ReqIn, RepOut]):
-    """Per-stream synchronous logic of a bidirectional method: messages in, replies out."""
-
-    def on_message(self, message: ReqIn) -> Iterable[RepOut]: ...
-
-    def on_end(self) -> Iterable[RepOut]: ...
-
-
-@dataclass(frozen=True)
-class SyncBidiMethod(Generic[Req, Rep]):
-    """A bidirectional-streaming method served by a plain synchronous :class:`StreamProcessor`."""
-
-    path: str
-    request_type: type[Req]
-    reply_type: type[Rep]
-    new_processor: Callable[[], StreamProcessor[Req, Rep]]
-
-
-class _SyncBidiService:
-    def __init__(self, methods: Sequence[SyncBidiMethod[Any, Any]]) -> None:
-        self._methods = methods
-
-    def __mapping__(self) -> dict[str, Handler]:
-        return {
-            m.path: Handler(_sync_bidi_handler(m), Cardinality.STREAM_STREAM, m.request_type, m.reply_type)
-            for m in self._methods
-        }
-
-
-def _sync_bidi_handler(method: SyncBidiMethod[Any, Any]) -> Callable[[Stream[Any, Any]], Any]:
-    async def handle(stream: Stream[Any, Any]) -> None:
-        processor = method.new_processor()
-        try:
-            async for message in stream:
-                for reply in processor.on_message(message):
-                    await stream.send_message(reply)
-            for reply in processor.on_end():
-                await stream.send_message(reply)
-        except RpcAbort as abort:
-            raise GRPCError(abort.status, abort.message) from None
-
-    return handle
-
-
-def sync_bidi_service(*methods: SyncBidiMethod[Any, Any]) -> Any:
-    """A grpclib servable whose per-message work is a synchronous call on the asyncio side."""
-    return _SyncBidiService(methods)
-
-
 # ---------------------------------------------------------------------------------------------
 # Message streams handed to Trio
 
@@ -420,8 +371,9 @@ async def open_client_stream(
     session: MessageStream[T] = MessageStream(pack)
     session.peer = f"{host}:{port}"
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-        nursery.start_soon(trio_asyncio.aio_as_trio(_client_main), host, port, path, request_type, reply_type,
-                           session, metadata)
+        nursery.start_soon(
+            trio_asyncio.aio_as_trio(_client_main), host, port, path, request_type, reply_type, session, metadata
+        )
         try:
             yield session
         finally:
@@ -441,8 +393,9 @@ async def _client_main(
 ) -> None:
     channel = Channel(host, port)
     try:
-        async with channel.request(path, Cardinality.STREAM_STREAM, request_type, reply_type,
-                                   metadata=dict(metadata or {})) as stream:
+        async with channel.request(
+            path, Cardinality.STREAM_STREAM, request_type, reply_type, metadata=dict(metadata or {})
+        ) as stream:
             await stream.send_request()
             reader = asyncio.ensure_future(_client_pump_in(stream, session.inbound))
             try:

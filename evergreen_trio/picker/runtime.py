@@ -20,7 +20,8 @@ from grpclib.health.check import ServiceStatus
 from grpclib.health.service import OVERALL, Health
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from evergreen_trio._grpc.bridge import RpcAbort, SyncBidiMethod, serve_grpclib, sync_bidi_service
+from evergreen_trio._grpc.bridge import RpcAbort, serve_grpclib
+from evergreen_trio._grpc.sync_bidi import SyncBidiMethod, sync_bidi_service
 from evergreen_trio.picker._http import HttpRequest, HttpResponse, serve_http
 from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import parse_engine_metrics
