@@ -1,6 +1,7 @@
-"""Built-in actions: ECHO (makes flattening observable over the wire) and GENERATE (a toy generator).
+"""Built-in actions: ECHO (makes flattening observable over the wire) and GENERATE.
 
-A later stage backs GENERATE with a real model server through the gateway; the toy stays the default.
+GENERATE is a deterministic toy generator unless a handler is given, e.g. an OpenAI-compatible
+backend's (``evergreen_trio.generate.open_backend``: a model server, or the gateway in front of a pool).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import re
 
 import trio
 
-from evergreen_trio.nursery_session import ActionContext
+from evergreen_trio.nursery_session import ActionContext, Handler
 from evergreen_trio.server import Server
 
 
@@ -47,6 +48,7 @@ async def generate(ctx: ActionContext) -> None:
         await trio.lowlevel.checkpoint()
 
 
-def register_builtin_actions(server: Server) -> None:
+def register_builtin_actions(server: Server, *, generate_handler: Handler = generate) -> None:
+    """ECHO, and GENERATE served by ``generate_handler`` (the toy generator by default)."""
     server.add_action("ECHO", echo, inputs=["input"], outputs=["output"])
-    server.add_action("GENERATE", generate, inputs=["prompt", "text"], outputs=["response", "text"])
+    server.add_action("GENERATE", generate_handler, inputs=["prompt", "text"], outputs=["response", "text"])

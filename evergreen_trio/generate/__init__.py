@@ -1,0 +1,48 @@
+"""GENERATE backed by any OpenAI-compatible endpoint (a model server, or the gateway in front of a pool).
+
+``open_backend(BackendSettings(url, model))`` gives an :class:`OpenAIBackend` whose ``generate`` is
+the action handler; ``evergreen-trio serve --generate-backend URL --model NAME`` wires it from the
+command line. See docs/generate.md.
+"""
+
+from evergreen_trio.generate.backend import OpenAIBackend, open_backend, read_prompt, response_metadata, served_by
+from evergreen_trio.generate.config import APIS, Api, BackendSettings
+from evergreen_trio.generate.errors import (
+    BackendConfigError,
+    BackendError,
+    PromptTooLarge,
+    ResponseTooLarge,
+    SSEError,
+    StreamFormatError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from evergreen_trio.generate.openai import PromptPart, StreamParser, request_body, status_code
+from evergreen_trio.generate.sse import SSEDecoder, SSEEvent
+
+__all__ = [
+    "APIS",
+    "Api",
+    "BackendConfigError",
+    "BackendError",
+    "BackendSettings",
+    "OpenAIBackend",
+    "PromptPart",
+    "PromptTooLarge",
+    "ResponseTooLarge",
+    "SSEDecoder",
+    "SSEError",
+    "SSEEvent",
+    "StreamFormatError",
+    "StreamParser",
+    "UpstreamStatusError",
+    "UpstreamTimeout",
+    "UpstreamUnavailable",
+    "open_backend",
+    "read_prompt",
+    "request_body",
+    "response_metadata",
+    "served_by",
+    "status_code",
+]
