@@ -36,9 +36,13 @@ class Servicer(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: 
         while True:
             message = await context.read()
             if message is grpc.aio.EOF:
+                for reply in stream.on_end():
+                    await context.write(reply)
                 return
             for reply in stream.on_message(message):
                 await context.write(reply)
+            if stream.finished:
+                return
 
 
 async def scrape(client: httpx.AsyncClient, endpoint: Endpoint, config: PickerConfig, snapshot: PoolSnapshot) -> None:

@@ -106,9 +106,15 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ExtProcConfig:
-    """Limits and modes of the ext_proc stream handling."""
+    """Limits and modes of the ext_proc stream handling.
+
+    ``observe_responses`` false ends each ext_proc stream as soon as the request is routed (unless
+    the model name must be rewritten back in the response): Envoy then skips the response
+    round trips, and token usage and served-endpoint reports are not collected.
+    """
 
     destination_mode: DestinationMode = DestinationMode.SINGLE
+    observe_responses: bool = True
     max_endpoints_in_list: int = 3
     max_request_body_bytes: int = 16 * 1024 * 1024
     max_response_body_bytes: int = 16 * 1024 * 1024
@@ -308,7 +314,7 @@ def _ext_proc(doc: Mapping[str, Any]) -> ExtProcConfig:
     _no_unknown(
         doc,
         {"destinationMode", "maxEndpointsInList", "maxRequestBodyBytes", "maxResponseBodyBytes",
-         "streamedChunkBytes"},
+         "streamedChunkBytes", "observeResponses"},
         "extProc",
     )
     values: dict[str, Any] = {}
@@ -317,6 +323,10 @@ def _ext_proc(doc: Mapping[str, Any]) -> ExtProcConfig:
         if doc["destinationMode"] not in modes:
             raise ConfigError("extProc.destinationMode", " | ".join(modes), doc["destinationMode"])
         values["destination_mode"] = DestinationMode(doc["destinationMode"])
+    if "observeResponses" in doc:
+        if not isinstance(doc["observeResponses"], bool):
+            raise ConfigError("extProc.observeResponses", "true or false", doc["observeResponses"])
+        values["observe_responses"] = doc["observeResponses"]
     ints = {"maxEndpointsInList": "max_endpoints_in_list", "maxRequestBodyBytes": "max_request_body_bytes",
             "maxResponseBodyBytes": "max_response_body_bytes", "streamedChunkBytes": "streamed_chunk_bytes"}
     for key, attr in ints.items():

@@ -196,6 +196,8 @@ class ExtProcStream:
         self.response_ended = False
         self.response_held = False
         self.usage_recorded = False
+        # True once the stream needs nothing more from Envoy: the server then ends the RPC.
+        self.finished = False
         self._handlers: dict[str, Callable[[ep.ProcessingRequest], list[ep.ProcessingResponse]]] = {
             "request_headers": self._request_headers,
             "request_body": self._request_body,
@@ -242,7 +244,7 @@ class ExtProcStream:
         self.body += message.request_body.body
         if len(self.body) > self.limits.max_request_body_bytes:
             self.routed = True
-            return [immediate(413, f"request body larger than {self.limits.max_request_body_bytes} bytes")]
+            return [self._immediate(413, f"request body larger than {self.limits.max_request_body_bytes} bytes")]
         if self.request_mode == FULL_DUPLEX:
             return self._duplex_route(trailers=False) if message.request_body.end_of_stream else []
         return [self._decide(bytes(self.body), "body", end_of_stream=True)]
@@ -267,8 +269,10 @@ class ExtProcStream:
         try:
             route = self.picker.route(self.headers.get(":path", ""), self.headers, body, self.subset)
         except RequestError as exc:
-            return immediate(exc.status, exc.message)
+            return self._immediate(exc.status, exc.message)
         self.route = route
+        rewrites_back = route.target_model is not None and route.target_model != route.client_model
+        self.finished = not (self.limits.observe_responses or rewrites_back)
         mode = self.picker.config.ext_proc.destination_mode
         value = ",".join(route.endpoints) if mode is DestinationMode.LIST else route.endpoints[0]
         set_headers = [_header_option(DESTINATION, value)]
@@ -291,6 +295,11 @@ class ExtProcStream:
             request_body=ep.BodyResponse(response=ep.CommonResponse(
                 header_mutation=mutation, body_mutation=body_mutation, clear_route_cache=True)),
             dynamic_metadata=metadata)
+
+    def _immediate(self, status: int, message: str) -> ep.ProcessingResponse:
+        """An ImmediateResponse ends Envoy's processing of the request, so it ends the stream too."""
+        self.finished = True
+        return immediate(status, message)
 
     # -- response -------------------------------------------------------------------------------
 
@@ -337,7 +346,7 @@ class ExtProcStream:
                 out = reader.feed(chunk)
             except RequestError as exc:
                 self.response_ended = True
-                return [immediate(exc.status, exc.message)]
+                return [self._immediate(exc.status, exc.message)]
             if self.response_held:
                 return self._release_held(end_of_stream=True) if end else []
             if end:

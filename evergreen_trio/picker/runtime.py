@@ -62,6 +62,10 @@ class _GrpcStream:
     def __init__(self, stream: ExtProcStream) -> None:
         self._stream = stream
 
+    @property
+    def finished(self) -> bool:
+        return self._stream.finished
+
     def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
         try:
             return self._stream.on_message(message)
