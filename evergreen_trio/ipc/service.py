@@ -136,7 +136,7 @@ async def _serve_shm(path: str, catalog: Catalog, options: ServeOptions, task_st
             nonlocal counter
             counter += 1
             segment = segments.take()
-            bodies = SharedMemoryBodies(segment, segments)
+            bodies = SharedMemoryBodies(segment, segments, options.limits.shm_batch_bytes)
             async with stream:
                 try:
                     await send_segment(stream, segment)
@@ -161,13 +161,14 @@ async def _serve_shm(path: str, catalog: Catalog, options: ServeOptions, task_st
 
 @asynccontextmanager
 async def _connect(
-    parsed: IpcUri, limits: IpcLimits, pool: BufferPool
+    parsed: IpcUri, ticket: bytes, limits: IpcLimits, pool: BufferPool
 ) -> AsyncIterator[tuple[ClientChannel, SharedMemoryMapping | None]]:
-    """A client channel to one server (and the shared-memory mapping, for shm)."""
+    """A client channel to one server that has been sent want_data (and the mapping, for shm)."""
     if parsed.scheme == "ucx":
         from evergreen_trio.ipc.transports.ucx import connect_ucx
 
         async with connect_ucx(parsed, limits, pool) as ucx_channel:
+            await ucx_channel.send_request(parsed.want_data, ticket)
             yield ucx_channel, None
         return
     resolver = None
@@ -179,15 +180,23 @@ async def _connect(
                 sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
                 try:
                     await sock.connect(parsed.path)
-                    resolver = SharedMemoryMapping(await receive_segment(sock))
                 except BaseException:
                     sock.close()
                     raise
                 socket_stream = trio.SocketStream(sock)
+            channel = StreamClientChannel(FramedSocket(socket_stream, limits, pool))
+            try:
+                # want_data goes out before the segment comes in: one round trip fewer.
+                await channel.send_request(parsed.want_data, ticket)
+                if parsed.scheme == "shm":
+                    resolver = SharedMemoryMapping(await receive_segment(socket_stream.socket))
+            except BaseException:
+                await trio.aclose_forcefully(socket_stream)
+                raise
     except (OSError, trio.TooSlowError) as exc:
         raise TransportError(f"connect {parsed}: expected a listening server, got {exc!r}") from None
     async with socket_stream:
-        yield StreamClientChannel(FramedSocket(socket_stream, limits, pool)), resolver
+        yield channel, resolver
 
 
 @asynccontextmanager
@@ -209,20 +218,16 @@ async def fetch(
     parsed = parse_uri(uri) if isinstance(uri, str) else uri
     pool = pool if pool is not None else BufferPool(limits.pool_bytes)
     key = _ticket(ticket)
-    async with _connect(parsed, limits, pool) as (channel, resolver):
+    async with _connect(parsed, key, limits, pool) as (channel, resolver):
         if data_uri is None:
-            stream = IpcStream(channel, free_data=parsed.free_data, resolver=resolver, limits=limits, copy=copy)
-            await channel.send_request(parsed.want_data, key)
-            yield stream
+            yield IpcStream(channel, free_data=parsed.free_data, resolver=resolver, limits=limits, copy=copy)
             return
         data_parsed = parse_uri(data_uri) if isinstance(data_uri, str) else data_uri
-        async with _connect(data_parsed, limits, pool) as (data_channel, data_resolver):
+        async with _connect(data_parsed, key, limits, pool) as (data_channel, data_resolver):
             merged = MergedChannel(channel, data_channel)
             stream = IpcStream(
                 merged, free_data=data_parsed.free_data, resolver=data_resolver, limits=limits, copy=copy
             )
-            await channel.send_request(parsed.want_data, key)
-            await data_channel.send_request(data_parsed.want_data, key)
             async with open_quiet_nursery() as nursery:
                 merged.start(nursery)
                 try:

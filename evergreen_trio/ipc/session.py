@@ -54,6 +54,9 @@ log = logging.getLogger("evergreen_trio.ipc")
 
 Lookup = Callable[[bytes], Sequence[OutgoingMessage]]
 
+_METADATA_BATCH = 256
+"""Metadata messages handed to the transport at once (it coalesces them into few sends)."""
+
 
 class Role(enum.Enum):
     """What a server sends for a want_data: the spec lets one process or two serve a stream."""
@@ -76,7 +79,18 @@ class ServeOptions:
 class BodySender(Protocol):
     """How a server places bodies: inline (type 0) or in shared memory (type 1)."""
 
-    async def post(self, channel: ServerChannel, seq: int, message: OutgoingMessage) -> Completion: ...
+    async def post(self, channel: ServerChannel, seq: int, message: OutgoingMessage) -> Completion:
+        """Place one body; it may be announced only at the next :meth:`flush`."""
+        ...
+
+    async def flush(self, channel: ServerChannel) -> None:
+        """Announce every body posted so far (called before waiting, and at the end)."""
+        ...
+
+    @property
+    def queued(self) -> int:
+        """Bodies posted but not yet announced to the client."""
+        ...
 
     def on_free(self, offsets: Sequence[int]) -> None: ...
 
@@ -84,11 +98,16 @@ class BodySender(Protocol):
 
 
 class RawBodies:
-    """Body type 0: the packed IPC body itself."""
+    """Body type 0: the packed IPC body itself, sent as soon as it is posted."""
 
     async def post(self, channel: ServerChannel, seq: int, message: OutgoingMessage) -> Completion:
         body = message.body if message.body is not None else pa.py_buffer(b"")
         return await channel.post_body(make_tag(seq, BodyType.RAW), body)
+
+    async def flush(self, channel: ServerChannel) -> None:
+        return None
+
+    queued = 0
 
     def on_free(self, offsets: Sequence[int]) -> None:
         raise FramingError(f"free_data: expected none for inline bodies, got {len(offsets)} offsets")
@@ -97,22 +116,90 @@ class RawBodies:
         return None
 
 
-async def _send_metadata(channel: ServerChannel, messages: Sequence[OutgoingMessage]) -> None:
-    for i, message in enumerate(messages):
-        await channel.send_metadata(encode_metadata(i & UINT32_MAX, message.flatbuffer))
-    await channel.send_metadata(encode_end_of_stream(len(messages) & UINT32_MAX))
+class _Pacer:
+    """Keeps the metadata and body senders of one stream within ``ahead`` messages of each other.
+
+    A client buffers at most ``max_pending_messages`` messages waiting for their other
+    half, so neither stream may run further ahead of the other than half of that.
+    """
+
+    def __init__(self, ahead: int) -> None:
+        self.ahead = ahead
+        self.metadata = 0
+        self.bodies = 0
+        self._moved = trio.Event()
+
+    def blocks_metadata(self, end: int) -> bool:
+        return end - self.bodies > self.ahead
+
+    def blocks_body(self, index: int) -> bool:
+        return index + 1 - self.metadata > self.ahead
+
+    async def moved(self) -> None:
+        await self._moved.wait()
+
+    def advance(self, *, metadata: int | None = None, bodies: int | None = None) -> None:
+        if metadata is not None:
+            self.metadata = metadata
+        if bodies is not None:
+            self.bodies = bodies
+        self._moved.set()
+        self._moved = trio.Event()
+
+
+async def _send_metadata(
+    channel: ServerChannel, messages: Sequence[OutgoingMessage], pacer: _Pacer | None, limits: IpcLimits
+) -> None:
+    count = len(messages)
+    batch = min(_METADATA_BATCH, pacer.ahead) if pacer is not None else _METADATA_BATCH
+    for start in range(0, count + 1, batch):
+        end = min(start + batch, count + 1)
+        while pacer is not None and pacer.blocks_metadata(min(end, count)):
+            await pacer.moved()
+        frames = [encode_metadata(i & UINT32_MAX, messages[i].flatbuffer) for i in range(start, min(end, count))]
+        if end > count:
+            frames.append(encode_end_of_stream(count & UINT32_MAX))
+        await channel.send_metadata(frames)
+        if pacer is not None:
+            pacer.advance(metadata=end)
 
 
 async def _send_bodies(
-    channel: ServerChannel, messages: Sequence[OutgoingMessage], bodies: BodySender, limits: IpcLimits
+    channel: ServerChannel,
+    messages: Sequence[OutgoingMessage],
+    bodies: BodySender,
+    limits: IpcLimits,
+    pacer: _Pacer | None,
 ) -> None:
     window: collections.deque[Completion] = collections.deque()
+    unannounced: collections.deque[int] = collections.deque()
+
+    def announced(upto: int) -> None:
+        # The metadata sender paces itself on bodies the client can see, not queued ones.
+        while len(unannounced) > bodies.queued:
+            unannounced.popleft()
+        if pacer is not None:
+            pacer.advance(bodies=unannounced[0] if unannounced else upto)
+
     for i, message in enumerate(messages):
         if not message.header.has_body:
             continue
+        if pacer is not None and pacer.blocks_body(i):
+            await bodies.flush(channel)
+            announced(i)
+            while pacer.blocks_body(i):
+                await pacer.moved()
         if len(window) >= limits.max_unacked_bodies:
-            await window.popleft().wait()
+            oldest = window.popleft()
+            if not oldest.done:
+                await bodies.flush(channel)
+                announced(i)
+            await oldest.wait()
         window.append(await bodies.post(channel, i & UINT32_MAX, message))
+        unannounced.append(i)
+        announced(i + 1)
+    await bodies.flush(channel)
+    announced(len(messages))
     while window:
         await window.popleft().wait()
 
@@ -120,11 +207,13 @@ async def _send_bodies(
 async def _send_stream(
     channel: ServerChannel, messages: Sequence[OutgoingMessage], bodies: BodySender, options: ServeOptions
 ) -> None:
+    # Serving one stream of the two, this process cannot pace them against each other.
+    pacer = _Pacer(max(1, options.limits.max_pending_messages // 2)) if options.role is Role.BOTH else None
     async with trio.open_nursery() as nursery:
         if options.role is not Role.DATA:
-            nursery.start_soon(_send_metadata, channel, messages)
+            nursery.start_soon(_send_metadata, channel, messages, pacer, options.limits)
         if options.role is not Role.METADATA:
-            nursery.start_soon(_send_bodies, channel, messages, bodies, options.limits)
+            nursery.start_soon(_send_bodies, channel, messages, bodies, options.limits, pacer)
     log.debug("ipc.stream_sent messages=%d role=%s", len(messages), options.role.value)
 
 
@@ -196,6 +285,9 @@ class MergedChannel:
             raise item
         return item
 
+    def ready(self) -> bool:
+        return self._receive.statistics().tasks_waiting_send > 0
+
 
 class IpcStream:
     """The client side of one stream: an async iterator of ``pyarrow.RecordBatch``.
@@ -264,7 +356,10 @@ class IpcStream:
         if self._batches:
             return
         try:
-            await self.flush_frees()
+            if not self._channel.ready():
+                # About to wait for the server: return what was released first, so a
+                # server waiting for space is never waiting on us (and frees coalesce).
+                await self.flush_frees()
             incoming = await self._channel.receive()
         except ConnectionLostError as exc:
             raise ConnectionLostError(

@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import trio
+import trio.testing
 from ipc_helpers import sample_messages, sample_table
 
 from evergreen_trio.ipc import Catalog, ServeOptions, fetch, fetch_table, serve
@@ -252,6 +253,44 @@ async def test_client_process_killed_mid_stream_leaves_the_server_serving(scheme
     assert ucx_inflight() == []
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+async def test_metadata_stays_within_the_clients_pending_bound(scheme: str, nursery: trio.Nursery) -> None:
+    """Metadata is sent in coalesced runs, but never so far ahead of the bodies that a
+    client with a small ``max_pending_messages`` would have to reject it."""
+    table = pa.table({"x": np.arange(2_000, dtype=np.float64)})
+    limits = IpcLimits(max_pending_messages=8)
+    catalog = Catalog()
+    catalog.add_table("t", table, max_chunksize=5)
+    uri = await nursery.start(serve, scheme, catalog, ServeOptions(limits=limits))
+    with trio.fail_after(GUARD_S):
+        assert (await fetch_table(str(uri), "t", limits=limits)).equals(table)
+    nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        IpcLimits(max_unacked_bodies=2, shm_batch_bytes=2**30),
+        IpcLimits(max_unacked_bodies=64, shm_batch_bytes=2**30, shm_segment_bytes=256 * 1024),
+    ],
+    ids=["window", "segment"],
+)
+async def test_shm_grouped_descriptors_never_stall(limits: IpcLimits, nursery: trio.Nursery) -> None:
+    """Descriptors wait for a group, but go out before the server waits for a free
+    window slot or segment space, so a client returning memory keeps the stream going."""
+    catalog = Catalog()
+    catalog.add_table("t", sample_table(), max_chunksize=1_000)
+    uri = await nursery.start(serve, "shm://", catalog, ServeOptions(limits=limits))
+    with trio.fail_after(GUARD_S):
+        async with fetch(str(uri), "t") as stream:
+            rows = 0
+            async for batch in stream:
+                rows += batch.num_rows
+                del batch
+    assert rows == sample_table().num_rows
+    nursery.cancel_scope.cancel()
+
+
 async def test_shm_segment_is_reused_only_after_a_clean_finish(nursery: trio.Nursery) -> None:
     """Warm segments skip first-touch faults; one with regions still held is never reused."""
     catalog = Catalog()
@@ -266,6 +305,8 @@ async def test_shm_segment_is_reused_only_after_a_clean_finish(nursery: trio.Nur
                     held.append(batch)
                 del batch
             names = {line.split("/memfd:")[1].split()[0] for line in memfd_mappings()}
+        # Let the server see the disconnect before the next connection comes in.
+        await trio.testing.wait_all_tasks_blocked()
         return names, held
 
     with trio.fail_after(GUARD_S):

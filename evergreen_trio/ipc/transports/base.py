@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,11 +30,18 @@ class BodyIn:
 class Completion(Protocol):
     """The transport's acknowledgement of one body (the backpressure unit)."""
 
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`wait` would return at once."""
+        ...
+
     async def wait(self) -> None: ...
 
 
 class Done:
     """A body acknowledged as soon as it was handed to the transport."""
+
+    done = True
 
     async def wait(self) -> None:
         return None
@@ -46,10 +54,16 @@ class ServerChannel(Protocol):
         """Next (tag, payload) from the client: want_data or free_data. Raises ConnectionLostError."""
         ...
 
-    async def send_metadata(self, frame: bytes) -> None: ...
+    async def send_metadata(self, frames: Sequence[bytes]) -> None:
+        """Send metadata-stream messages in order (a transport may coalesce them)."""
+        ...
 
     async def post_body(self, tag: int, body: object) -> Completion:
         """Start sending one body; the returned completion is its acknowledgement."""
+        ...
+
+    async def send_descriptors(self, descriptors: Sequence[tuple[int, bytes]]) -> None:
+        """Send small tagged bodies (shared-memory descriptors) in order, coalesced if possible."""
         ...
 
 
@@ -60,6 +74,10 @@ class ClientChannel(Protocol):
 
     async def receive(self) -> MetadataIn | BodyIn:
         """Next message from the server. Raises ConnectionLostError if the server is gone."""
+        ...
+
+    def ready(self) -> bool:
+        """Whether :meth:`receive` can return without waiting for the peer."""
         ...
 
 

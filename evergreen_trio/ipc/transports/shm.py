@@ -103,24 +103,36 @@ class _Region:
     offsets: collections.Counter[int]
     freed: trio.Event = field(default_factory=trio.Event)
 
+    @property
+    def done(self) -> bool:
+        return self.freed.is_set()
+
     async def wait(self) -> None:
         await self.freed.wait()
 
 
 class SharedMemoryBodies:
-    """:class:`~evergreen_trio.ipc.session.BodySender` placing bodies in a segment."""
+    """:class:`~evergreen_trio.ipc.session.BodySender` placing bodies in a segment.
 
-    def __init__(self, segment: SharedSegment, pool: SegmentPool | None = None) -> None:
+    Descriptors are announced in groups of about ``batch_bytes`` of bodies (one control
+    send for the group, not one per body), and before the server waits for anything.
+    """
+
+    def __init__(self, segment: SharedSegment, pool: SegmentPool | None = None, batch_bytes: int = 1) -> None:
         self.segment = segment
         self.pool = pool
+        self.batch_bytes = batch_bytes
         self.arena = Arena(segment.size)
         self._owner: dict[int, _Region] = {}
         self._space = trio.Event()
+        self._queued: list[tuple[int, bytes]] = []
+        self._queued_bytes = 0
 
     async def post(self, channel: ServerChannel, seq: int, message: OutgoingMessage) -> Completion:
         size = message.header.body_length
         start = self.arena.allocate(size)
         while start is None:
+            await self.flush(channel)
             await self._space.wait()
             start = self.arena.allocate(size)
         if message.body is not None and message.body.size:
@@ -134,8 +146,20 @@ class SharedMemoryBodies:
             completion = region
         else:
             self._release(start)
-        await channel.post_body(make_tag(seq, BodyType.DESCRIPTOR), encode_descriptor(BodyDescriptor(size, buffers)))
+        self._queued.append((make_tag(seq, BodyType.DESCRIPTOR), encode_descriptor(BodyDescriptor(size, buffers))))
+        self._queued_bytes += size
+        if self._queued_bytes >= self.batch_bytes:
+            await self.flush(channel)
         return completion
+
+    @property
+    def queued(self) -> int:
+        return len(self._queued)
+
+    async def flush(self, channel: ServerChannel) -> None:
+        if self._queued:
+            queued, self._queued, self._queued_bytes = self._queued, [], 0
+            await channel.send_descriptors(queued)
 
     def _release(self, start: int) -> None:
         self.arena.free(start)

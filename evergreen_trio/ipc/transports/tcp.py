@@ -3,13 +3,14 @@
 One connection carries everything as (tag uint64 LE, length uint64 LE, bytes) frames:
 metadata messages under :data:`METADATA_TAG`, bodies under their body tags, and the
 client's want_data / free_data requests under the tags from the URI. Bodies are read
-with ``recv_into`` straight into pooled buffers.
+with ``recv_into`` straight into pooled buffers; small frames are read and written in
+batches of about 64 KiB.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import pyarrow as pa
 import trio
@@ -35,7 +36,12 @@ _COALESCE_BYTES = 64 * 1024
 
 
 class FramedSocket:
-    """Frame sends (serialised by a lock) and exact receives on one Trio socket stream."""
+    """Frame sends (serialised by a lock) and buffered exact receives on one Trio socket stream.
+
+    Small frames are read through a 64 KiB buffer, so a burst of metadata or descriptor
+    frames costs one ``recv`` instead of two per frame; large payloads go straight into
+    their destination with ``recv_into``. Sends coalesce small frames the same way.
+    """
 
     def __init__(self, stream: trio.SocketStream, limits: IpcLimits, pool: BufferPool | None = None) -> None:
         self.stream = stream
@@ -43,35 +49,76 @@ class FramedSocket:
         self.pool = pool
         self._sock = stream.socket
         self._lock = trio.Lock()
-        self._header = bytearray(FRAME_HEADER.size)
+        self._inbox = bytearray(_COALESCE_BYTES)
+        self._start = 0
+        self._end = 0
 
-    async def send_frame(self, tag: int, payload: object) -> None:
-        view = memoryview(payload)  # type: ignore[arg-type]
+    async def send_frames(self, frames: Sequence[tuple[int, object]]) -> None:
+        """Send frames in order, small ones coalesced into sends of about 64 KiB."""
+        pending = bytearray()
         try:
             async with self._lock:
-                header = encode_frame_header(tag, view.nbytes)
-                if view.nbytes <= _COALESCE_BYTES:
-                    # Small frames (metadata, descriptors, requests): one send, not two.
-                    await self.stream.send_all(header + view.cast("B"))
-                else:
-                    await self.stream.send_all(header)
-                    await self.stream.send_all(view.cast("B"))
+                for tag, payload in frames:
+                    view = memoryview(payload).cast("B")  # type: ignore[arg-type]
+                    pending += encode_frame_header(tag, view.nbytes)
+                    if view.nbytes <= _COALESCE_BYTES:
+                        pending += view
+                        if len(pending) < _COALESCE_BYTES:
+                            continue
+                    else:
+                        await self.stream.send_all(pending)
+                        pending = view  # type: ignore[assignment]
+                    await self.stream.send_all(pending)
+                    pending = bytearray()
+                if pending:
+                    await self.stream.send_all(pending)
         except _CLOSED as exc:
-            raise ConnectionLostError(f"peer closed the connection while we sent tag {tag:#x}: {exc}") from None
+            raise ConnectionLostError(f"peer closed the connection while we sent {len(frames)} frames: {exc}") from None
+
+    async def send_frame(self, tag: int, payload: object) -> None:
+        await self.send_frames(((tag, payload),))
+
+    def ready(self) -> bool:
+        """Whether a whole small frame is already buffered (receiving it will not wait)."""
+        buffered = self._end - self._start
+        if buffered < FRAME_HEADER.size:
+            return False
+        _tag, length = FRAME_HEADER.unpack_from(self._inbox, self._start)
+        return bool(buffered - FRAME_HEADER.size >= length)
+
+    async def _recv(self, view: memoryview) -> int:
+        try:
+            got = await self._sock.recv_into(view)
+        except _CLOSED as exc:
+            raise ConnectionLostError(f"connection reset: {exc}") from None
+        if got == 0:
+            raise ConnectionLostError(f"peer closed the connection with {len(view)} bytes of a frame unread")
+        return got
+
+    async def _buffer(self, nbytes: int) -> None:
+        """Have at least ``nbytes`` (<= the buffer size) buffered."""
+        if self._start + nbytes > len(self._inbox):
+            rest = self._end - self._start
+            self._inbox[:rest] = self._inbox[self._start : self._end]
+            self._start, self._end = 0, rest
+        while self._end - self._start < nbytes:
+            self._end += await self._recv(memoryview(self._inbox)[self._end :])
 
     async def _receive_into(self, view: memoryview) -> None:
+        if len(view) <= len(self._inbox) // 2:
+            await self._buffer(len(view))
+        take = min(len(view), self._end - self._start)
+        view[:take] = self._inbox[self._start : self._start + take]
+        self._start += take
+        view = view[take:]
         while view:
-            try:
-                got = await self._sock.recv_into(view)
-            except _CLOSED as exc:
-                raise ConnectionLostError(f"connection reset: {exc}") from None
-            if got == 0:
-                raise ConnectionLostError(f"peer closed the connection with {len(view)} bytes of a frame unread")
-            view = view[got:]
+            view = view[await self._recv(view) :]
 
     async def receive_header(self) -> tuple[int, int]:
-        await self._receive_into(memoryview(self._header))
-        return decode_frame_header(memoryview(self._header), self.limits)
+        await self._buffer(FRAME_HEADER.size)
+        header = memoryview(self._inbox)[self._start : self._start + FRAME_HEADER.size]
+        self._start += FRAME_HEADER.size
+        return decode_frame_header(header, self.limits)
 
     async def receive_bytes(self, nbytes: int) -> bytes:
         data = bytearray(nbytes)
@@ -102,12 +149,15 @@ class StreamServerChannel:
             raise LimitExceededError(f"request tag {tag:#x}: expected <= {self._max_request} bytes, got {nbytes}")
         return tag, await self.framed.receive_bytes(nbytes)
 
-    async def send_metadata(self, frame: bytes) -> None:
-        await self.framed.send_frame(METADATA_TAG, frame)
+    async def send_metadata(self, frames: Sequence[bytes]) -> None:
+        await self.framed.send_frames([(METADATA_TAG, frame) for frame in frames])
 
     async def post_body(self, tag: int, body: object) -> Completion:
         await self.framed.send_frame(tag, body)
         return Done()
+
+    async def send_descriptors(self, descriptors: Sequence[tuple[int, bytes]]) -> None:
+        await self.framed.send_frames(descriptors)
 
 
 class StreamClientChannel:
@@ -131,6 +181,9 @@ class StreamClientChannel:
                 raise LimitExceededError(f"body descriptor: expected <= {self._max_descriptor} bytes, got {nbytes}")
             return BodyIn(tag, await self.framed.receive_bytes(nbytes), nbytes)
         return BodyIn(tag, await self.framed.receive_pooled(nbytes), nbytes)
+
+    def ready(self) -> bool:
+        return self.framed.ready()
 
 
 Handler = Callable[[trio.SocketStream], Awaitable[None]]

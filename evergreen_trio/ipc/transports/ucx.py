@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import pyarrow as pa
@@ -89,11 +89,17 @@ class UcxServerChannel:
             raise ConnectionLostError("client closed the connection")
         return tag, payload
 
-    async def send_metadata(self, frame: bytes) -> None:
-        await self.bridge.send(self.endpoint, METADATA_TAG, frame).wait()
+    async def send_metadata(self, frames: Sequence[bytes]) -> None:
+        await self.send_descriptors([(METADATA_TAG, frame) for frame in frames])
 
     async def post_body(self, tag: int, body: object) -> Completion:
         return self.bridge.send(self.endpoint, tag, body)
+
+    async def send_descriptors(self, descriptors: Sequence[tuple[int, bytes]]) -> None:
+        # Tagged sends on one endpoint match in order: post them all, then wait.
+        requests = [self.bridge.send(self.endpoint, tag, payload) for tag, payload in descriptors]
+        for request in requests:
+            await request.wait()
 
 
 class _Posted:
@@ -148,6 +154,9 @@ class UcxClientChannel:
         if posted.tag & RESERVED_MASK:
             raise FramingError(f"tag {posted.tag:#018x}: expected metadata or a body tag (bits 32-55 zero)")
         return BodyIn(posted.tag, data, posted.nbytes)
+
+    def ready(self) -> bool:
+        return bool(self._posted)
 
     def _post(self, probe: ProbeResult) -> None:
         """Post the receive of one probed message (limits checked on its announced length)."""

@@ -76,6 +76,10 @@ class Request:
         self.request = request
         self.buffer = buffer
 
+    @property
+    def done(self) -> bool:
+        return bool(self.request.completed)
+
     async def wait(self) -> None:
         await self.bridge.wait(self)
 
