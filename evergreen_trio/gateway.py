@@ -32,10 +32,11 @@ from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_con
 from evergreen_trio.picker.envoy_process import run_envoy
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.runtime import PickerPorts, run_picker
+from evergreen_trio.signals import cancel_on_signals
 from evergreen_trio.sim.cli import add_config_arguments, config_from_args
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.errors import SimConfigError
-from evergreen_trio.sim.server import cancel_on_signals, run_sim
+from evergreen_trio.sim.server import run_sim
 
 logger = logging.getLogger("evergreen_trio.gateway")
 

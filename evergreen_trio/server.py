@@ -92,16 +92,26 @@ class Server:
         async with trio.open_nursery() as sessions:
             try:
                 while True:
-                    for stream in await acceptor.accepted.get_batch():
-                        sessions.start_soon(self._run_session, stream)
+                    # The batch is only an argument: a loop variable here would keep the last
+                    # accepted stream (and, through its final error, its frames) alive.
+                    self._start_sessions(sessions, await acceptor.accepted.get_batch())
             finally:
                 acceptor.accepted.close()
+
+    def _start_sessions(self, nursery: trio.Nursery, streams: list[MessageStream[Outbound]]) -> None:
+        for stream in streams:
+            nursery.start_soon(self._run_session, stream)
 
     async def _run_session(self, stream: MessageStream[Outbound]) -> None:
         self._open.add(stream)
         try:
             await ServerSession(stream, self.options, self.actions, self.targets).run()
         finally:
+            stream.release()
+            # The final status goes out on grpclib's side: a session stays open until it has, so
+            # that a stopping server (``_drain``) waits for it before grpclib cancels the stream.
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + SHUTDOWN_GRACE_SECONDS):
+                await stream.wait_closed()
             self._open.discard(stream)
 
     async def _drain(self) -> None:

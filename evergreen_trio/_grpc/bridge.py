@@ -19,10 +19,11 @@ import logging
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import h2.exceptions
 import trio
 import trio_asyncio
 from google.protobuf.message import Message
@@ -110,6 +111,12 @@ class Handoff(Generic[T]):
         batch = [self._items.popleft() for _ in range(count)]
         self._wake()
         return batch
+
+    def release(self) -> None:
+        """Close and drop what is held: queued items and the error (whose traceback keeps frames)."""
+        self.close()
+        self._items.clear()
+        self._error = None
 
     def _full(self) -> bool:
         return len(self._items) >= self._capacity and not self._closed
@@ -244,6 +251,15 @@ class MessageStream(Generic[T]):
         """Wait until the asyncio side has sent everything and released the stream."""
         await self._done.wait()
 
+    def release(self) -> None:
+        """The Trio side reads no more: drop unread messages and the final error.
+
+        grpclib keeps finished handler tasks (and their exceptions' tracebacks, which reach this
+        stream) until its periodic cleanup; released, the stream no longer keeps a session alive.
+        Outbound items stay: they are still being sent.
+        """
+        self.inbound.release()
+
     def _mark_closed(self) -> None:
         self._done.set()
 
@@ -341,10 +357,17 @@ class SessionAcceptor(Generic[Req, T]):
         except HandoffClosed:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down") from None
         finally:
+            # A client that went away (reset, dead connection) cancels this handler: the Trio side
+            # learns it here, or its receive loop would wait forever with the session's nodes.
+            session.inbound.close(RpcAbort(Status.UNAVAILABLE, "the client went away"))
             session.finish(Status.UNAVAILABLE, "stream ended")
             session._mark_closed()
-            # The reader is left to end on its own: trailers (or a reset) end its read.
+            # Once the handler ends, grpclib releases the stream (acking unread data) and nothing
+            # will complete the reader's read: a pending task left to the GC would be reported
+            # into trio-asyncio's loop and take the server down. No one reads this stream again,
+            # so cancelling the read cannot corrupt framing.
             reader.add_done_callback(_log_task_error)
+            reader.cancel()
 
 
 def _log_task_error(task: asyncio.Future[None]) -> None:
@@ -407,7 +430,8 @@ async def _client_main(
                     reader.cancel()
                     session.inbound.close(RpcAbort(final.status, final.message or final.status.name))
                 else:
-                    await stream.end()
+                    if not reader.done():
+                        await _half_close(stream)
                     await asyncio.shield(reader)
             except (StreamTerminatedError, ConnectionError, GRPCError) as exc:
                 status = exc.status if isinstance(exc, GRPCError) else Status.UNAVAILABLE
@@ -420,3 +444,9 @@ async def _client_main(
         session.outbound.close()
         channel.close()
         session._mark_closed()
+
+
+async def _half_close(stream: Any) -> None:
+    """End the request stream; a server that already ended (and reset) the stream makes it moot."""
+    with suppress(StreamTerminatedError, ConnectionError, h2.exceptions.StreamClosedError):
+        await stream.end()

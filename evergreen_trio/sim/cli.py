@@ -9,9 +9,10 @@ from functools import partial
 
 import trio
 
+from evergreen_trio.signals import cancel_on_signals
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.errors import SimConfigError
-from evergreen_trio.sim.server import cancel_on_signals, run_sim
+from evergreen_trio.sim.server import run_sim
 
 logger = logging.getLogger("evergreen_trio.sim")
 

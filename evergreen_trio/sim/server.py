@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -203,15 +202,6 @@ async def _lifespan(receive: Receive, send: Send) -> None:
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-async def cancel_on_signals(scope: trio.CancelScope) -> None:
-    """Cancel ``scope`` on the first SIGINT or SIGTERM: a clean stop instead of a KeyboardInterrupt mid-send."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            logger.info("stopping signal=%s", signal.Signals(signum).name)
-            scope.cancel()
             return
 
 

@@ -29,6 +29,7 @@ from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.dag.limits import SessionLimits
 from evergreen_trio.errors import EvergreenTrioError
 from evergreen_trio.server import Server
+from evergreen_trio.signals import cancel_on_signals
 
 
 class ServerProcessError(EvergreenTrioError):
@@ -92,13 +93,11 @@ def main(argv: list[str]) -> None:
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
             port = await nursery.start(server.serve, "127.0.0.1", 0)
             print(f"port={port}", flush=True)
 
-    try:
-        trio.run(serve)
-    except* KeyboardInterrupt:
-        pass
+    trio.run(serve)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,10 @@
 """A server survives garbage collection after many aborted sessions (bridge fault).
 
-Found by the conformance kit: after a few dozen sessions that the server aborts while the
-client is still sending, the server process dies. Each aborted session leaves its asyncio
-reader (``_pump_in`` in ``evergreen_trio/_grpc/bridge.py``, started in
-``SessionAcceptor._handle`` and left running in its ``finally``) pending on a
-``recv_message`` nobody will ever complete; when the garbage collector reclaims it, asyncio
-reports "Task was destroyed but it is pending!", trio-asyncio raises that into its loop's
-nursery, and the whole server (every session) goes down.
+Found by the conformance kit: each aborted session used to leave its asyncio reader
+(``_pump_in`` in ``evergreen_trio/_grpc/bridge.py``) pending on a ``recv_message`` nobody would
+complete; when the garbage collector reclaimed it, asyncio reported "Task was destroyed but it
+is pending!" into trio-asyncio's loop and the whole server went down. The handler now cancels
+the reader once grpclib is done with the stream.
 """
 
 from __future__ import annotations
@@ -48,7 +46,6 @@ async def _aborted_session(port: int) -> None:
                 pass
 
 
-@pytest.mark.xfail(strict=False, reason="bridge: a reader left pending after an abort can crash the server on GC")
 async def test_server_survives_gc_after_aborted_sessions() -> None:
     server = Server()
     register_builtin_actions(server)

@@ -4,12 +4,11 @@ Measured, not assumed: the server's open-session count, the live ServerSession a
 Node objects (gc), and the Trio tasks under the test's root task all return to where they
 were before the session, and the server serves the next session.
 
-Finding (both tests xfail): the session is never freed. When the client's process dies (the
-kernel closes its connection) or the client resets its stream, grpclib cancels the stream's
-handler, ``SessionAcceptor._handle`` in evergreen_trio/_grpc/bridge.py; its ``finally`` closes
-only the outbound handoff, so the Trio session's receive loop (nursery_session.py,
-``Session.receive_loop``) waits on ``inbound.get_batch()`` forever, with its action tasks,
-its graph and its nodes. Closing ``inbound`` with an UNAVAILABLE RpcAbort there would end it.
+How it is freed: grpclib cancels the stream's handler (``SessionAcceptor._handle`` in
+evergreen_trio/_grpc/bridge.py) when the client resets its stream or its connection dies; the
+handler's ``finally`` closes ``inbound`` with UNAVAILABLE, which ends the Trio session's receive
+loop and with it the session's nursery. The server then releases the stream, because grpclib
+keeps finished handler tasks (whose tracebacks reach the stream) until its periodic cleanup.
 """
 
 from __future__ import annotations
@@ -77,10 +76,6 @@ def client_process() -> Iterator[list[subprocess.Popen[str]]]:
             process.stdout.close()
 
 
-LEAK = pytest.mark.xfail(
-    strict=True, reason="bridge: _handle never closes inbound when the client goes away; the session leaks"
-)
-
 
 async def _wait_until(condition: Callable[[], bool], what: str) -> None:
     with trio.fail_after(10):  # a hang guard, not a timing assertion
@@ -89,7 +84,6 @@ async def _wait_until(condition: Callable[[], bool], what: str) -> None:
     assert condition(), what
 
 
-@LEAK
 @pytest.mark.parametrize("input_kind", ["small", "big"])
 async def test_a_killed_client_leaves_nothing_behind(
     input_kind: str, client_process: list[subprocess.Popen[str]]
@@ -125,7 +119,6 @@ async def test_a_killed_client_leaves_nothing_behind(
         nursery.cancel_scope.cancel()
 
 
-@LEAK
 async def test_a_client_that_gives_up_mid_action_leaves_nothing_behind() -> None:
     server = Server()
     register_builtin_actions(server)

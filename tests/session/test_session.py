@@ -165,7 +165,6 @@ async def test_unrequested_outputs_are_not_produced(nursery: trio.Nursery) -> No
     assert len(session.graph.nodes) == 1
 
 
-@pytest.mark.xfail(strict=False, reason="race: the in-process client sometimes misses the UNAVAILABLE trailers")
 async def test_server_shutdown_ends_open_sessions_with_unavailable(nursery: trio.Nursery) -> None:
     server = Server()
     started = trio.Event()
