@@ -17,7 +17,7 @@ class IpcLimits:
     bodies per stream unacknowledged (UCX: send request not complete; TCP: not yet
     written to the socket; shared memory: not yet returned by ``free_data``).
     ``shm_batch_bytes``: a shared-memory server announces bodies in groups of about
-    this many bytes, one control send per group.
+    this many bytes (and at most half the window), one control send per group.
     """
 
     max_metadata_bytes: int = 1 * MiB
@@ -29,7 +29,7 @@ class IpcLimits:
     max_unacked_bodies: int = 16
     shm_segment_bytes: int = 1024 * MiB
     shm_idle_segments: int = 2
-    shm_batch_bytes: int = 32 * MiB
+    shm_batch_bytes: int = 64 * MiB
     pool_bytes: int = 512 * MiB
     connect_timeout_s: float = 10.0
 

@@ -136,7 +136,10 @@ async def _serve_shm(path: str, catalog: Catalog, options: ServeOptions, task_st
             nonlocal counter
             counter += 1
             segment = segments.take()
-            bodies = SharedMemoryBodies(segment, segments, options.limits.shm_batch_bytes)
+            limits = options.limits
+            bodies = SharedMemoryBodies(
+                segment, segments, limits.shm_batch_bytes, max(1, limits.max_unacked_bodies // 2)
+            )
             async with stream:
                 try:
                     await send_segment(stream, segment)

@@ -92,6 +92,10 @@ class BodySender(Protocol):
         """Bodies posted but not yet announced to the client."""
         ...
 
+    def prepare(self, messages: Sequence[OutgoingMessage], window: int) -> None:
+        """Get ready for a stream whose bodies are posted at most ``window`` unacknowledged."""
+        ...
+
     def on_free(self, offsets: Sequence[int]) -> None: ...
 
     def release_all(self) -> None: ...
@@ -108,6 +112,9 @@ class RawBodies:
         return None
 
     queued = 0
+
+    def prepare(self, messages: Sequence[OutgoingMessage], window: int) -> None:
+        return None
 
     def on_free(self, offsets: Sequence[int]) -> None:
         raise FramingError(f"free_data: expected none for inline bodies, got {len(offsets)} offsets")
@@ -181,6 +188,7 @@ async def _send_bodies(
         if pacer is not None:
             pacer.advance(bodies=unannounced[0] if unannounced else upto)
 
+    bodies.prepare(messages, limits.max_unacked_bodies)
     for i, message in enumerate(messages):
         if not message.header.has_body:
             continue

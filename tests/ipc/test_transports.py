@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import importlib.util
+import resource
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -316,6 +318,34 @@ async def test_shm_segment_is_reused_only_after_a_clean_finish(nursery: trio.Nur
         third, _ = await segment_names(keep=False)
         assert third - second  # batches still held on the second one: a new segment
         assert pa.Table.from_batches(held).equals(sample_table())
+    nursery.cancel_scope.cancel()
+
+
+async def test_shm_warm_segment_takes_no_page_faults(nursery: trio.Nursery) -> None:
+    """The first stream prefaults a window's worth of the segment; later streams on the
+    warm segment copy into touched pages only (a first touch costs more than the copy)."""
+    rows = 4 * 2**20
+    table = pa.table({"a": np.arange(rows, dtype=np.float64), "b": np.ones(rows)})
+    catalog = Catalog()
+    catalog.add_table("t", table, max_chunksize=2**18)  # 4 MiB bodies, 1,024 pages each
+    uri = await nursery.start(serve, "shm://", catalog, ServeOptions(limits=IpcLimits(max_unacked_bodies=4)))
+
+    async def faults_of_one_fetch(hold: int) -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        held: collections.deque[pa.RecordBatch] = collections.deque(maxlen=hold)
+        async with fetch(str(uri), "t") as stream:
+            async for batch in stream:
+                held.append(batch)
+                del batch
+            held.clear()
+            await stream.flush_frees()  # all returned: the segment stays in the warm pool
+        await trio.testing.wait_all_tasks_blocked()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    with trio.fail_after(GUARD_S):
+        await faults_of_one_fetch(hold=1)
+        # Holding more batches spreads the stream over more of the segment: still warm.
+        assert await faults_of_one_fetch(hold=3) < 256
     nursery.cancel_scope.cancel()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import array
 import collections
+import heapq
 import mmap
 import os
 import socket
@@ -47,12 +48,28 @@ class SharedSegment:
             os.close(self.fd)
             raise SharedMemoryError(f"shared memory: could not create a {size}-byte segment: {exc}") from None
         self.size = size
+        self.touched = 0
+        """Every write so far ended below this offset (the arena allocates lowest first)."""
         self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self.map, np.uint8)
 
     def write(self, offset: int, body: pa.Buffer) -> None:
         """The producer's copy into the segment."""
         assert self._array is not None
         np.copyto(self._array[offset : offset + body.size], np.frombuffer(body, np.uint8))
+        self.touched = max(self.touched, offset + body.size)
+
+    def prefault(self, end: int) -> None:
+        """Touch the pages up to ``end`` now, not during a stream's copies.
+
+        A first touch faults in and zeroes each page, several times slower than the copy
+        (1.2 GB/s against 9 here). Nothing was ever written past ``touched``, so zeroes
+        there overwrite no body.
+        """
+        assert self._array is not None
+        end = min(end, self.size)
+        if end > self.touched:
+            self._array[self.touched : end] = 0
+            self.touched = end
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -114,14 +131,19 @@ class _Region:
 class SharedMemoryBodies:
     """:class:`~evergreen_trio.ipc.session.BodySender` placing bodies in a segment.
 
-    Descriptors are announced in groups of about ``batch_bytes`` of bodies (one control
-    send for the group, not one per body), and before the server waits for anything.
+    Descriptors are announced in groups (one control send per group, not one per body):
+    a group ends at ``batch_bytes`` of bodies or ``batch_count`` bodies (half the window,
+    so frees of one group flow back while the next fills), and before the server waits
+    for anything.
     """
 
-    def __init__(self, segment: SharedSegment, pool: SegmentPool | None = None, batch_bytes: int = 1) -> None:
+    def __init__(
+        self, segment: SharedSegment, pool: SegmentPool | None = None, batch_bytes: int = 1, batch_count: int = 1
+    ) -> None:
         self.segment = segment
         self.pool = pool
         self.batch_bytes = batch_bytes
+        self.batch_count = batch_count
         self.arena = Arena(segment.size)
         self._owner: dict[int, _Region] = {}
         self._space = trio.Event()
@@ -148,9 +170,18 @@ class SharedMemoryBodies:
             self._release(start)
         self._queued.append((make_tag(seq, BodyType.DESCRIPTOR), encode_descriptor(BodyDescriptor(size, buffers))))
         self._queued_bytes += size
-        if self._queued_bytes >= self.batch_bytes:
+        if self._queued_bytes >= self.batch_bytes or len(self._queued) >= self.batch_count:
             await self.flush(channel)
         return completion
+
+    def prepare(self, messages: Sequence[OutgoingMessage], window: int) -> None:
+        """Prefault the extent a window of this stream's largest bodies can occupy.
+
+        With at most ``window`` regions alive and first-fit from the lowest address, the
+        stream stays inside that extent, so a warm segment takes no page faults at all.
+        """
+        sizes = (Arena.footprint(m.header.body_length) for m in messages if m.header.has_body)
+        self.segment.prefault(sum(heapq.nlargest(window, sizes)))
 
     @property
     def queued(self) -> int:
