@@ -24,7 +24,7 @@ from typing import Any
 
 from evergreen_trio.dag.errors import StatusCode
 from evergreen_trio.generate.config import BackendSettings
-from evergreen_trio.generate.errors import ResponseTooLarge, StreamFormatError, UpstreamStatusError
+from evergreen_trio.generate.errors import ResponseTooLarge, SSEError, StreamFormatError, UpstreamStatusError
 from evergreen_trio.generate.sse import SSEDecoder
 
 DONE = "[DONE]"
@@ -141,8 +141,12 @@ class StreamParser:
             raise ResponseTooLarge(
                 f"{self._where}: expected a response of at most {self._max_bytes} bytes, got more"
             )
+        try:
+            events = self._sse.feed(data)
+        except (SSEError, ResponseTooLarge) as error:
+            raise type(error)(f"{self._where}: {error.message}") from None
         deltas: list[str] = []
-        for event in self._sse.feed(data):
+        for event in events:
             if event.data == DONE:
                 self.done = True
                 break
