@@ -301,11 +301,16 @@ class OutputNode:
 
     async def child(self) -> OutputNode:
         """A new leaf or inner node appended as this node's next child."""
+        graph = self._session.graph
         while True:
             self._children += 1
             child_id = f"{self.id}/{self._children}"
-            if self._session.graph.get(child_id) is None:
+            if graph.is_new(child_id):
                 break
+        if self.requested:
+            # Claimed before it is named: a reader of this node that reaches the child before its
+            # first fragment must know it is produced here, not awaited from the peer.
+            graph.reserve_output(child_id, f"output {self.id!r}", local=True)
         await self.add_children([child_id])
         return OutputNode(self._session, child_id, requested=self.requested)
 

@@ -78,7 +78,7 @@ class FlattenCursor:
             if frame.index < len(frame.children):
                 child = frame.children[frame.index]
                 frame.index += 1
-                if len(stack) >= graph.limits.max_depth:
+                if len(stack) > graph.limits.max_depth:  # the child would sit len(stack) levels below
                     raise LimitExceeded(f"node {child!r}: nesting deeper than {graph.limits.max_depth}")
                 stack.append(_Frame(child))
                 continue

@@ -80,9 +80,13 @@ class SessionGraph:
         """Claim ``node_id`` for an action's output. Spec: "The provided node IDs in the output must be new"."""
         if not node_id:
             raise ProtocolViolation(f"{owner}: an output needs a node id, got an empty one")
-        if node_id in self.nodes or node_id in self._outputs:
+        if not self.is_new(node_id):
             raise ProtocolViolation(f"{owner}: output node id {node_id!r} is not new in this session")
         self._outputs[node_id] = (local, owner)
+
+    def is_new(self, node_id: str) -> bool:
+        """Neither a node of this session nor an id already claimed for an output."""
+        return node_id not in self.nodes and node_id not in self._outputs
 
     def can_arrive(self, node_id: str) -> bool:
         """Whether parts of ``node_id`` may still come: produced here, or the peer has not ended its stream."""

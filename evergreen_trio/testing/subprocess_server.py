@@ -1,19 +1,15 @@
 """Our server in a child process, for tests that need real process separation: a client and
 server that share no event loop, thread or garbage collector, and a server that can be killed.
 
-``python -m evergreen_trio.testing.subprocess_server [--no-gc] [LIMITS_JSON]`` serves the
+``python -m evergreen_trio.testing.subprocess_server [LIMITS_JSON]`` serves the
 built-in actions on a free loopback port with the given :class:`SessionLimits` fields and
 prints ``port=<n>``; :func:`spawn_server` starts it and yields the address.
 
-``--no-gc`` turns the cyclic garbage collector off in the child. It exists for one known
-fault (tests/faults/test_aborted_sessions_gc.py: collecting the asyncio reader an aborted
-session leaves pending crashes the server), so that tests of other rules stay deterministic
-while that one is open; the fault's own test runs with the collector on.
+It stops on SIGINT or SIGTERM by cancellation (see :mod:`evergreen_trio.signals`).
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import signal
@@ -56,12 +52,10 @@ class ServerProcess:
 
 @contextmanager
 def spawn_server(
-    limits: SessionLimits | None = None, *, collect_garbage: bool = True, start_timeout: float = 60.0
+    limits: SessionLimits | None = None, *, start_timeout: float = 60.0
 ) -> Iterator[ServerProcess]:
     """Start the server in a child process; at exit interrupt it (SIGINT) and wait."""
     args = [sys.executable, "-m", "evergreen_trio.testing.subprocess_server"]
-    if not collect_garbage:
-        args.append("--no-gc")
     if limits is not None:
         args.append(json.dumps(asdict(limits)))
     process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -84,9 +78,6 @@ def spawn_server(
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["--no-gc"]:
-        gc.disable()
-        argv = argv[1:]
     limits = SessionLimits(**json.loads(argv[0])) if argv else SessionLimits()
     server = Server(limits=limits)
     register_builtin_actions(server)

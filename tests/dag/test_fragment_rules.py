@@ -158,7 +158,7 @@ def test_cycle_aborts(order: list[str]) -> None:
 
 def test_nesting_deeper_than_limit_aborts() -> None:
     graph = SessionGraph(SessionLimits(max_depth=4))
-    for depth in range(4):
+    for depth in range(5):  # n5 sits 5 levels below n0; the graph sees each link on its own
         graph.add_fragment(parent(f"n{depth}", f"n{depth + 1}"))
     with pytest.raises(LimitExceeded, match="deeper than 4") as info:
         flatten(graph, "n0")

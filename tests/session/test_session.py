@@ -21,6 +21,8 @@ from evergreen_trio import (
     text,
 )
 from evergreen_trio.actions import register_builtin_actions
+from evergreen_trio.testing.model import Act, echo, frag_of, to_messages
+from evergreen_trio.testing.wire import SyncClient
 
 
 async def start(nursery: trio.Nursery, server: Server | None = None) -> tuple[Server, str]:
@@ -204,3 +206,31 @@ def test_file_resolver_refuses_traversal(tmp_path: Path, uri: str) -> None:
 
     with pytest.raises(RefRejected):
         FileResolver([root]).path(uri.format(root=str(root).lstrip("/")))
+
+
+async def test_a_child_output_read_after_the_peer_ends_its_stream_is_awaited_not_refused(
+    nursery: trio.Nursery,
+) -> None:
+    """A later ECHO reads an earlier action's output whose child is named but not yet written
+    when the client half-closes: the child is produced here, so the reader waits for it."""
+    server = Server()
+    register_builtin_actions(server)
+
+    @server.action("CHILD_LATER", inputs=[], outputs=["output"])
+    async def child_later(ctx: ActionContext) -> None:
+        output = ctx.output("output")
+        child = await output.child()
+        await output.close()
+        while not ctx.session.graph.peer_closed:  # noqa: ASYNC110 - the graph has no event for it
+            await trio.sleep(0.01)
+        for _ in range(10):  # lets ECHO's reader look at the child first
+            await trio.lowlevel.checkpoint()
+        await child.write("written late", last=True)
+
+    _, address = await start(nursery, server)
+    items = [Act("CHILD_LATER", (), (("output", "o:0"),)), echo("o:0", "o:1")]
+    with SyncClient(address) as client:
+        outcome = await trio.to_thread.run_sync(client.run, to_messages(items))
+    assert outcome.ok, outcome.describe()
+    echoed = [frag_of(f) for m in outcome.received for f in m.node_fragments if f.id.startswith("o:1")]
+    assert any(f.chunk and f.chunk[1] == b"written late" for f in echoed), echoed

@@ -27,8 +27,7 @@ def small_limits() -> SessionLimits:
 
 @pytest.fixture(scope="module")
 def small_server() -> Iterator[ServerProcess]:
-    # The collector is off in the child while tests/faults/test_aborted_sessions_gc.py is open.
-    with spawn_server(SMALL_LIMITS, collect_garbage=False) as server:
+    with spawn_server(SMALL_LIMITS) as server:
         yield server
 
 

@@ -147,14 +147,9 @@ def test_concurrent_actions_session_has_one_action_too_many() -> None:
     assert plan.items.index(actions[-1]) < plan.items.index(split_leaf("c:in", LeafSpec(TEXT, b"hi"))[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dag: FlattenCursor allows max_depth - 1 levels below the input, SessionGraph allows max_depth",
-)
 def test_graph_and_cursor_agree_on_max_depth() -> None:
-    """SessionLimits.max_depth is "nesting levels below an action's input node". The graph
-    (graph.py, _check_acyclic: ``depth > max_depth``) accepts a leaf max_depth levels below a
-    node; the cursor (flatten.py, FlattenCursor.next: ``len(stack) >= max_depth``) refuses it."""
+    """SessionLimits.max_depth is "nesting levels below an action's input node": the graph and
+    the flattening cursor both accept a leaf exactly max_depth levels below (they once differed by one)."""
     limits = SessionLimits(max_depth=4)
     nodes: dict[str, NodeSpec] = {"n0": LeafSpec(TEXT, b"x")}
     for level in range(1, limits.max_depth + 1):
