@@ -314,7 +314,7 @@ class IpcStream:
         resolver: BodyResolver | None = None,
         limits: IpcLimits = DEFAULT_LIMITS,
         copy: bool = False,
-        to_host: Callable[[object], pa.Buffer] | None = None,
+        to_host: Callable[[ReadyMessage], pa.Buffer] | None = None,
     ) -> None:
         self._channel = channel
         self._free_data = free_data
@@ -396,7 +396,7 @@ class IpcStream:
             return ready.body
         if self._to_host is None:
             raise FramingError(f"body {ready.seq}: expected host memory, got {type(ready.body).__name__}")
-        return self._to_host(ready.body)
+        return self._to_host(ready)
 
     async def flush_frees(self) -> None:
         """Send one coalesced free_data message for every released shared-memory body."""

@@ -1,8 +1,7 @@
-"""The CLI (`ipc serve` / `ipc get`), the Flight control plane and the GPU path (skipped without CUDA)."""
+"""The CLI (`ipc serve` / `ipc get`) and the Flight control plane."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -79,30 +78,4 @@ async def test_flight_points_at_the_dissociated_uri(nursery: trio.Nursery) -> No
         assert plain.equals(sample_table())
     finally:
         await trio.to_thread.run_sync(plane.shutdown)
-    nursery.cancel_scope.cancel()
-
-
-def _cuda_available() -> bool:
-    if importlib.util.find_spec("cupy") is None:
-        return False
-    import cupy
-
-    try:
-        return bool(cupy.cuda.runtime.getDeviceCount())
-    except cupy.cuda.runtime.CUDARuntimeError:
-        return False
-
-
-@pytest.mark.gpu
-@pytest.mark.ucx
-@pytest.mark.skipif(not _cuda_available(), reason="needs CuPy and a CUDA device")
-async def test_gpu_bodies_over_ucx(nursery: trio.Nursery) -> None:
-    from evergreen_trio.ipc.gpu import device_catalog_entry, fetch_device
-
-    catalog = Catalog()
-    catalog.add_messages("t", device_catalog_entry(sample_table()))
-    uri = await nursery.start(serve, "ucx://127.0.0.1:0", catalog)
-    messages, table = await fetch_device(str(uri), "t")
-    assert table.equals(sample_table())
-    assert all(hasattr(body, "__cuda_array_interface__") for _, body in messages if body is not None)
     nursery.cancel_scope.cancel()

@@ -16,10 +16,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
-import pyarrow as pa
 import trio
 
 from evergreen_trio.ipc.config import IpcLimits
@@ -107,7 +106,7 @@ class _Posted:
 
     __slots__ = ("body", "nbytes", "request", "tag")
 
-    def __init__(self, tag: int, nbytes: int, request: Request, body: pa.Buffer | None = None) -> None:
+    def __init__(self, tag: int, nbytes: int, request: Request, body: object | None = None) -> None:
         self.tag = tag
         self.nbytes = nbytes
         self.request = request
@@ -121,14 +120,23 @@ class UcxClientChannel:
     posted; so every message already announced is probed and posted at once (at most
     :data:`RECEIVE_DEPTH` bodies), and the transfer of the next bodies overlaps the
     Python work on the current one. Each posted receive has its message already there
-    (probe with removal first), so none is ever left waiting for a message.
+    (probe with removal first), so none is ever left waiting for a message. With
+    ``device``, raw bodies land in the buffers it allocates (GPU memory) instead.
     """
 
-    def __init__(self, bridge: WorkerBridge, endpoint: Endpoint, limits: IpcLimits, pool: BufferPool) -> None:
+    def __init__(
+        self,
+        bridge: WorkerBridge,
+        endpoint: Endpoint,
+        limits: IpcLimits,
+        pool: BufferPool,
+        device: Callable[[int], object] | None = None,
+    ) -> None:
         self.bridge = bridge
         self.endpoint = endpoint
         self.limits = limits
         self.pool = pool
+        self.device = device
         self._max_descriptor = 16 + 16 * limits.max_buffers_per_body
         self._posted: collections.deque[_Posted] = collections.deque()
         self._bodies_posted = 0
@@ -171,6 +179,11 @@ class UcxClientChannel:
         else:
             if nbytes > self.limits.max_body_bytes:
                 raise LimitExceededError(f"body: expected <= {self.limits.max_body_bytes} bytes, got {nbytes}")
+            if self.device is not None and nbytes:
+                body = self.device(nbytes)
+                self._posted.append(_Posted(tag, nbytes, self.bridge.post_receive(probe, body), body))
+                self._bodies_posted += 1
+                return
             buffer, view = self.pool.acquire(nbytes)
             self._posted.append(_Posted(tag, nbytes, self.bridge.post_receive(probe, view), buffer))
             self._bodies_posted += 1
@@ -223,7 +236,9 @@ async def serve_ucx(
 
 
 @asynccontextmanager
-async def connect_ucx(uri: IpcUri, limits: IpcLimits, pool: BufferPool) -> AsyncIterator[UcxClientChannel]:
+async def connect_ucx(
+    uri: IpcUri, limits: IpcLimits, pool: BufferPool, device: Callable[[int], object] | None = None
+) -> AsyncIterator[UcxClientChannel]:
     """Run the handshake and yield a channel to the server's per-connection worker."""
     context = create_context()
     async with open_bridge(context) as bridge:
@@ -235,6 +250,6 @@ async def connect_ucx(uri: IpcUri, limits: IpcLimits, pool: BufferPool) -> Async
         if timeout.cancelled_caught:
             raise TransportError(f"UCX connect {uri.host}:{uri.port}: no answer within {limits.connect_timeout_s}s")
         try:
-            yield UcxClientChannel(bridge, endpoint, limits, pool)
+            yield UcxClientChannel(bridge, endpoint, limits, pool, device)
         finally:
             await _say_bye(bridge, endpoint)

@@ -40,6 +40,9 @@ log = logging.getLogger("evergreen_trio.ipc.ucx")
 
 DEFAULT_TLS = "tcp,self,cma"
 """Transports used when ``UCX_TLS`` is unset: what works on a CPU-only host."""
+CUDA_TLS = "cuda_copy,cuda_ipc"
+"""Added to the default where an NVIDIA driver is present, for device (GPU) bodies.
+Not everywhere: UCX prints a warning on stdout for each named transport it lacks."""
 FULL_MASK = 0xFFFF_FFFF_FFFF_FFFF
 _REAP_ROUNDS = 1000
 
@@ -51,11 +54,14 @@ Listener: TypeAlias = Any
 
 @functools.cache
 def create_context() -> Context:
-    """The process's UCX context (tag matching, wakeup); ``UCX_TLS`` (default :data:`DEFAULT_TLS`) picks transports.
+    """The process's UCX context (tag matching, wakeup); ``UCX_TLS`` picks transports.
+
+    Unset, it is :data:`DEFAULT_TLS`, plus :data:`CUDA_TLS` on a host with a GPU.
 
     Creating a context costs tens of milliseconds, so it is shared; workers are not.
     """
-    tls = os.environ.get("UCX_TLS", DEFAULT_TLS)
+    default = f"{DEFAULT_TLS},{CUDA_TLS}" if os.path.exists("/dev/nvidiactl") else DEFAULT_TLS
+    tls = os.environ.get("UCX_TLS", default)
     try:
         return ucx.UCXContext(config_dict={"TLS": tls}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
     except ucx.UCXError as exc:

@@ -1,0 +1,142 @@
+"""GPU bodies over UCX (CuPy device memory on both ends).
+
+The device tests skip cleanly without CuPy and a CUDA device. On a GPU host run them in
+a process of their own, so that the process's UCX context is created after the CUDA
+context (``pip install cupy-cuda12x`` first):
+
+    .venv/bin/pytest tests/ipc -m gpu -v
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import trio
+from ipc_helpers import sample_table
+
+from evergreen_trio.ipc import Catalog, ServeOptions, serve
+from evergreen_trio.ipc.arrow import OutgoingMessage, messages_from_table
+from evergreen_trio.ipc.config import IpcLimits
+from evergreen_trio.ipc.errors import ConnectionLostError, IpcError, LimitExceededError, UriError
+from evergreen_trio.ipc.gpu import fetch_device
+
+GUARD_S = 60  # a hang guard, not a timing assertion
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    import cupy
+
+    try:
+        return bool(cupy.cuda.runtime.getDeviceCount())
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return False
+
+
+HAVE_CUDA = _cuda_available()
+
+
+def ucx_inflight() -> list[int]:
+    from evergreen_trio.ipc.transports.ucx_bridge import open_bridges
+
+    return [b.inflight for b in open_bridges()]
+
+
+def device_catalog(table: pa.Table, chunk: int) -> Catalog:
+    from evergreen_trio.ipc.gpu import device_catalog_entry
+
+    catalog = Catalog()
+    catalog.add_messages("t", device_catalog_entry(table, max_chunksize=chunk))
+    return catalog
+
+
+async def test_gpu_fetch_wants_a_ucx_uri() -> None:
+    with pytest.raises(UriError, match="ucx://"):
+        await fetch_device("tcp://127.0.0.1:1?want_data=1", "t")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed")
+async def test_gpu_fetch_without_cupy_is_a_typed_error() -> None:
+    with pytest.raises(IpcError, match="CuPy"):
+        await fetch_device("ucx://127.0.0.1:1?want_data=1", "t")
+
+
+@pytest.mark.gpu
+@pytest.mark.ucx
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs CuPy and a CUDA device")
+@pytest.mark.parametrize("chunk", [3_000, 20_000])
+async def test_device_bodies_arrive_in_device_memory_byte_exact(chunk: int, nursery: trio.Nursery) -> None:
+    """Dictionaries included: the host table equals the source, and each device body
+    holds exactly the bytes of the matching host body."""
+    import cupy
+
+    table = sample_table()
+    uri = await nursery.start(serve, "ucx://127.0.0.1:0", device_catalog(table, chunk))
+    with trio.fail_after(GUARD_S):
+        received, host = await fetch_device(str(uri), "t")
+    assert host.equals(table)
+    expected: Sequence[OutgoingMessage] = [
+        m for m in messages_from_table(table, max_chunksize=chunk) if m.body is not None and m.body.size
+    ]
+    assert [m.header.kind for m in received] == [m.header.kind for m in expected]
+    for got, want in zip(received, expected, strict=True):
+        assert isinstance(got.body, cupy.ndarray)
+        assert got.body.nbytes == got.header.body_length
+        assert bytes(cupy.asnumpy(got.body)) == want.body.to_pybytes()  # type: ignore[union-attr]
+    del received
+    assert ucx_inflight() == []
+    nursery.cancel_scope.cancel()
+
+
+@pytest.mark.gpu
+@pytest.mark.ucx
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs CuPy and a CUDA device")
+async def test_device_body_over_the_limit_is_rejected_before_allocation(nursery: trio.Nursery) -> None:
+    rows = 2**20
+    table = pa.table({"x": np.arange(rows, dtype=np.float64)})
+    uri = await nursery.start(serve, "ucx://127.0.0.1:0", device_catalog(table, rows))
+    with trio.fail_after(GUARD_S), pytest.raises(LimitExceededError, match="body"):
+        await fetch_device(str(uri), "t", IpcLimits(max_body_bytes=1024))
+    nursery.cancel_scope.cancel()
+
+
+class _DyingCatalog(Catalog):
+    """Cancels the server the moment a client asks for a stream (a server dying mid-stream)."""
+
+    def __init__(self, scope: trio.CancelScope) -> None:
+        super().__init__()
+        self.scope = scope
+
+    def lookup(self, ticket: bytes) -> Sequence[OutgoingMessage]:
+        self.scope.cancel()
+        return super().lookup(ticket)
+
+
+@pytest.mark.gpu
+@pytest.mark.ucx
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs CuPy and a CUDA device")
+async def test_device_server_dying_mid_stream_is_a_clear_error() -> None:
+    from evergreen_trio.ipc.gpu import device_catalog_entry
+
+    rows = 4 * 2**20
+    table = pa.table({"x": np.arange(rows, dtype=np.float64)})
+    scope = trio.CancelScope()
+    catalog = _DyingCatalog(scope)
+    catalog.add_messages("t", device_catalog_entry(table, max_chunksize=2**18))
+    options = ServeOptions(limits=IpcLimits(max_unacked_bodies=1))
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+
+            async def run_server(task_status: trio.TaskStatus[object] = trio.TASK_STATUS_IGNORED) -> None:
+                with scope:
+                    await serve("ucx://127.0.0.1:0", catalog, options, task_status=task_status)
+
+            uri = await nursery.start(run_server)
+            with pytest.raises(ConnectionLostError):
+                await fetch_device(str(uri), "t")
+    assert ucx_inflight() == []
