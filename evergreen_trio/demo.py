@@ -22,6 +22,7 @@ from evergreen_trio import FileResolver, NodeRef, Output, Server, connect, inner
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.gateway import GatewayInfo, GatewaySettings, run_gateway
 from evergreen_trio.generate import BackendSettings, open_backend, served_by
+from evergreen_trio.signals import cancel_on_signals
 from evergreen_trio.sim import SimConfig
 
 MODEL = "sim-model"
@@ -79,11 +80,21 @@ async def run_demo(root: Path) -> None:
     print("demo: session closed; Evergreen server, Envoy, picker and simulated servers stopped")
 
 
+async def interruptible_demo(root: Path) -> int:
+    """``run_demo``, stopped cleanly (Envoy included) by Ctrl-C or SIGTERM: exit status 130 then."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
+        await run_demo(root)
+        nursery.cancel_scope.cancel()
+        return 0
+    print("\ndemo: interrupted; everything stopped")
+    return 130
+
+
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s", stream=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="evergreen-demo-") as root:
-        trio.run(run_demo, Path(root))
-    return 0
+        return trio.run(interruptible_demo, Path(root))
 
 
 if __name__ == "__main__":

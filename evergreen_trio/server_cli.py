@@ -17,6 +17,7 @@ from evergreen_trio.actions import generate, register_builtin_actions
 from evergreen_trio.generate import APIS, BackendConfigError, BackendSettings, open_backend
 from evergreen_trio.refs import FileResolver
 from evergreen_trio.server import Server
+from evergreen_trio.signals import cancel_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +101,11 @@ def run_serve(args: argparse.Namespace) -> int:
                 handler = (await stack.enter_async_context(open_backend(backend))).generate
             register_builtin_actions(server, generate_handler=handler)
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
                 port = await nursery.start(server.serve, args.host, args.port)
                 target = f" (GENERATE -> {backend.endpoint} model {backend.model})" if backend else ""
                 print(f"evergreen-trio serving on {args.host}:{port}{target}", flush=True)
 
-    try:
-        trio.run(main)
-    except KeyboardInterrupt:
-        log.info("serve.stopped reason=interrupt")
+    trio.run(main)
+    log.info("serve.stopped")
     return 0
