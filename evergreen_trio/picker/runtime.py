@@ -1,8 +1,8 @@
 """The picker's Trio runtime: scraper tasks, readiness, the metrics exporter and the gRPC servers.
 
-The scraper tasks (Trio) and the ext_proc handler (the grpclib side of the bridge) run on the
-same thread and share one :class:`PoolSnapshot`; a pick is a plain synchronous call with no
-crossing into Trio per request.
+The scraper tasks and the ext_proc server (:mod:`evergreen_trio.picker.grpc_server`, a Trio
+task per connection) share one :class:`PoolSnapshot`; a pick is a plain synchronous call. The
+health service is grpclib's, through the bridge, on its own port.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from grpclib.health.check import ServiceStatus
 from grpclib.health.service import OVERALL, Health
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from evergreen_trio._grpc.bridge import RpcAbort, serve_grpclib
-from evergreen_trio._grpc.sync_bidi import SyncBidiMethod, sync_bidi_service
+from evergreen_trio._grpc.bridge import serve_grpclib
 from evergreen_trio.picker._http import HttpRequest, HttpResponse, serve_http
 from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
+from evergreen_trio.picker.grpc_server import serve_sync_bidi
+from evergreen_trio.picker.grpc_wire import RpcStatus, SyncBidiMethod
 from evergreen_trio.picker.processor import ExtProcStream, Picker
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
@@ -55,7 +56,7 @@ class _HealthName:
 
 
 class _GrpcStream:
-    """Adapts :class:`ExtProcStream` to the bridge: protocol violations end the RPC with a status."""
+    """Adapts :class:`ExtProcStream` to the gRPC server: protocol violations end the RPC with a status."""
 
     __slots__ = ("_stream",)
 
@@ -71,7 +72,7 @@ class _GrpcStream:
             return self._stream.on_message(message)
         except ExtProcError as exc:
             log.warning("picker.stream_aborted error=%s", exc)
-            raise RpcAbort(Status.INVALID_ARGUMENT, str(exc)) from None
+            raise RpcStatus(Status.INVALID_ARGUMENT, str(exc)) from None
 
     def on_end(self) -> Sequence[ep.ProcessingResponse]:
         return self._stream.on_end()
@@ -173,12 +174,11 @@ async def run_picker(
     method = SyncBidiMethod(
         path=PROCESS_PATH,
         request_type=ep.ProcessingRequest,
-        reply_type=ep.ProcessingResponse,
         new_processor=lambda: _GrpcStream(picker.new_stream()),
     )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_scrapers, config, snapshot, after_scrape)
-        grpc_bound = await nursery.start(serve_grpclib, [sync_bidi_service(method)], host, grpc_port)
+        grpc_bound = await nursery.start(serve_sync_bidi, [method], host, grpc_port)
         health_bound = await nursery.start(serve_grpclib, [health], host, health_port)
         metrics_bound = await nursery.start(serve_metrics, metrics, host, metrics_port)
         ports = PickerPorts(grpc_bound, health_bound, metrics_bound)

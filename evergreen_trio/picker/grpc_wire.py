@@ -1,0 +1,502 @@
+"""Sans-IO gRPC server connection (HTTP/2 framing) for bidirectional methods with synchronous logic.
+
+The picker answers one Envoy ext_proc stream per HTTP request, so per-stream cost is what
+matters. This connection does only what a gRPC server needs: the preface, SETTINGS, PING,
+WINDOW_UPDATE (both directions), HEADERS/CONTINUATION (HPACK decoded by ``hpack``), DATA,
+RST_STREAM and GOAWAY. Each stream's :class:`StreamProcessor` is called synchronously; every
+reply produced while handling one chunk of input is queued, and the caller writes them all with
+one :meth:`GrpcWireConnection.data_to_send` (a loopback write wakes the peer, and costs more than
+encoding a small reply). Response header blocks use only the HPACK static table and literals, so
+no encoder state is kept.
+
+Bad input never raises: a connection error queues GOAWAY and sets ``closed``; a stream error
+resets the stream or ends it with a gRPC status.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import hpack
+from google.protobuf.message import DecodeError, Message
+from grpclib.const import Status
+
+from evergreen_trio.picker.errors import WireError
+
+log = logging.getLogger(__name__)
+
+Req = TypeVar("Req", bound=Message)
+Rep = TypeVar("Rep", bound=Message)
+ReqIn = TypeVar("ReqIn", bound=Message, contravariant=True)
+RepOut = TypeVar("RepOut", bound=Message, covariant=True)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+END_STREAM = ACK = 0x1
+END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x3
+STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x9
+SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
+SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
+MAX_WINDOW = 2**31 - 1
+DEFAULT_WINDOW = 65_535
+DEFAULT_FRAME_SIZE = 16_384
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """Per-connection limits (advertised in SETTINGS where HTTP/2 has a setting for them)."""
+
+    max_concurrent_streams: int = 1024
+    max_header_list_bytes: int = 64 * 1024
+    max_message_bytes: int = 64 * 1024 * 1024
+    window_bytes: int = 16 * 1024 * 1024
+
+
+class StreamProcessor(Protocol[ReqIn, RepOut]):
+    """Per-stream synchronous logic of a bidirectional method: messages in, replies out.
+
+    Once ``finished`` is true after a message, its replies are sent with the OK trailers and
+    the stream ends there: nothing more is delivered and ``on_end`` is not called.
+    """
+
+    @property
+    def finished(self) -> bool: ...
+
+    def on_message(self, message: ReqIn) -> Sequence[RepOut]: ...
+
+    def on_end(self) -> Sequence[RepOut]: ...
+
+
+class RpcStatus(WireError):
+    """Raised by a processor to end its stream with a non-OK gRPC status."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(f"{status.name}: {message}")
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SyncBidiMethod(Generic[Req, Rep]):
+    """A bidirectional-streaming method served by a plain synchronous :class:`StreamProcessor`."""
+
+    path: str
+    request_type: type[Req]
+    new_processor: Callable[[], StreamProcessor[Req, Rep]]
+
+
+class _ConnectionError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes | bytearray = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
+
+
+def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((first | value,))
+    out = bytearray((first | limit,))
+    value -= limit
+    while value >= 128:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _literal(name: str, value: str) -> bytes:
+    """A header field as 'literal without indexing, new name' (no Huffman, no table state)."""
+    raw_name, raw_value = name.encode("ascii"), value.encode("ascii")
+    return b"\x00" + _hpack_int(len(raw_name), 7) + raw_name + _hpack_int(len(raw_value), 7) + raw_value
+
+
+def _percent_encode(message: str) -> str:
+    """gRPC's grpc-message encoding: UTF-8, bytes outside printable ASCII and '%' as %XX."""
+    return "".join(chr(b) if 0x20 <= b <= 0x7E and b != 0x25 else f"%{b:02X}" for b in message.encode())
+
+
+# ":status: 200" is static entry 8; content-type is static name 31.
+_RESPONSE_HEADERS = b"\x88" + _hpack_int(31, 4) + _hpack_int(16, 7) + b"application/grpc"
+_OK_TRAILERS = _literal("grpc-status", "0")
+_HTTP_415 = b"\x00" + _hpack_int(len(b":status"), 7) + b":status" + _hpack_int(3, 7) + b"415"
+
+
+def _status_block(status: Status, message: str | None) -> bytes:
+    block = _literal("grpc-status", str(status.value))
+    if message:
+        block += _literal("grpc-message", _percent_encode(message))
+    return block
+
+
+class _Stream:
+    __slots__ = (
+        "headers_sent",
+        "id",
+        "inbound",
+        "method",
+        "pending",
+        "processor",
+        "remote_closed",
+        "send_window",
+        "trailers",
+        "unacked",
+    )
+
+    def __init__(self, stream_id: int, method: SyncBidiMethod[Any, Any] | None, window: int) -> None:
+        self.id = stream_id
+        self.method = method
+        self.processor: StreamProcessor[Any, Any] | None = method.new_processor() if method else None
+        self.inbound = bytearray()
+        self.send_window = window
+        self.pending = bytearray()  # framed gRPC messages not yet sent (flow control)
+        self.trailers: bytes | None = None  # header block to send once ``pending`` is out
+        self.headers_sent = False
+        self.remote_closed = False
+        self.unacked = 0  # bytes received since the last stream WINDOW_UPDATE
+
+
+class GrpcWireConnection:
+    """One server-side HTTP/2 connection serving :class:`SyncBidiMethod` s by path.
+
+    Feed received bytes to :meth:`receive_data`, write :meth:`data_to_send` to the socket; once
+    ``closed`` is true, write what is left and close the socket.
+    """
+
+    def __init__(self, methods: Mapping[str, SyncBidiMethod[Any, Any]], limits: WireLimits | None = None) -> None:
+        self.methods = methods
+        self.limits = limits or WireLimits()
+        self.closed = False
+        self._buffer = bytearray()
+        self._preface_seen = False
+        self._out = bytearray()
+        self._streams: dict[int, _Stream] = {}
+        self._last_stream_id = 0
+        self._decoder = hpack.Decoder(max_header_list_size=self.limits.max_header_list_bytes)
+        self._header_block: bytearray | None = None  # an unfinished HEADERS + CONTINUATION block
+        self._header_stream = 0
+        self._header_flags = 0
+        self._send_window = DEFAULT_WINDOW
+        self._peer_stream_window = DEFAULT_WINDOW
+        self._peer_frame_size = DEFAULT_FRAME_SIZE
+        self._unacked = 0
+        window = self.limits.window_bytes
+        settings = b"".join(key.to_bytes(2, "big") + value.to_bytes(4, "big") for key, value in (
+            (SETTINGS_MAX_CONCURRENT_STREAMS, self.limits.max_concurrent_streams),
+            (SETTINGS_INITIAL_WINDOW_SIZE, window),
+            (SETTINGS_MAX_HEADER_LIST_SIZE, self.limits.max_header_list_bytes),
+        ))
+        self._out += _frame(SETTINGS, 0, 0, settings)
+        if window > DEFAULT_WINDOW:
+            self._out += _frame(WINDOW_UPDATE, 0, 0, (window - DEFAULT_WINDOW).to_bytes(4, "big"))
+
+    def data_to_send(self) -> bytes:
+        out = bytes(self._out)
+        self._out.clear()
+        return out
+
+    def receive_data(self, data: bytes) -> None:
+        """Process received bytes; replies, acknowledgements and errors go to :meth:`data_to_send`."""
+        if self.closed:
+            return
+        self._buffer += data
+        try:
+            self._process()
+        except _ConnectionError as exc:
+            log.info("grpc_wire.connection_error code=%d error=%s", exc.code, exc)
+            self._out += _frame(GOAWAY, 0, 0, self._last_stream_id.to_bytes(4, "big")
+                                + exc.code.to_bytes(4, "big") + str(exc).encode()[:256])
+            self._streams.clear()
+            self.closed = True
+
+    def _process(self) -> None:
+        buffer = self._buffer
+        if not self._preface_seen:
+            if len(buffer) < len(PREFACE):
+                if not PREFACE.startswith(bytes(buffer)):
+                    raise _ConnectionError(PROTOCOL_ERROR, "expected the HTTP/2 client preface")
+                return
+            if buffer[: len(PREFACE)] != PREFACE:
+                raise _ConnectionError(PROTOCOL_ERROR, "expected the HTTP/2 client preface")
+            del buffer[: len(PREFACE)]
+            self._preface_seen = True
+        pos = 0
+        size = len(buffer)
+        while size - pos >= 9:
+            length = int.from_bytes(buffer[pos : pos + 3], "big")
+            if length > DEFAULT_FRAME_SIZE:
+                raise _ConnectionError(FRAME_SIZE_ERROR, f"expected frames of at most {DEFAULT_FRAME_SIZE} bytes, "
+                                                         f"got {length}")
+            if size - pos < 9 + length:
+                break
+            kind, flags = buffer[pos + 3], buffer[pos + 4]
+            stream_id = int.from_bytes(buffer[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
+            payload = bytes(buffer[pos + 9 : pos + 9 + length])
+            pos += 9 + length
+            self._on_frame(kind, flags, stream_id, payload)
+        del buffer[:pos]
+        if self._unacked >= self.limits.window_bytes // 2:
+            self._out += _frame(WINDOW_UPDATE, 0, 0, self._unacked.to_bytes(4, "big"))
+            self._unacked = 0
+
+    # -- frames ---------------------------------------------------------------------------------
+
+    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if self._header_block is not None and kind != CONTINUATION:
+            raise _ConnectionError(PROTOCOL_ERROR, f"expected CONTINUATION, got frame type {kind}")
+        if kind == DATA:
+            self._data(flags, stream_id, payload)
+        elif kind == HEADERS:
+            self._headers(flags, stream_id, payload)
+        elif kind == CONTINUATION:
+            self._continuation(flags, stream_id, payload)
+        elif kind == SETTINGS:
+            self._settings(flags, stream_id, payload)
+        elif kind == WINDOW_UPDATE:
+            self._window_update(stream_id, payload)
+        elif kind == PING:
+            if stream_id or len(payload) != 8:
+                raise _ConnectionError(PROTOCOL_ERROR if stream_id else FRAME_SIZE_ERROR,
+                                       "expected PING with 8 bytes on stream 0")
+            if not flags & ACK:
+                self._out += _frame(PING, ACK, 0, payload)
+        elif kind == RST_STREAM:
+            if not stream_id or len(payload) != 4:
+                raise _ConnectionError(PROTOCOL_ERROR if not stream_id else FRAME_SIZE_ERROR,
+                                       "expected RST_STREAM with 4 bytes on a stream")
+            self._streams.pop(stream_id, None)
+        elif kind == PRIORITY:
+            if not stream_id or len(payload) != 5:
+                raise _ConnectionError(PROTOCOL_ERROR if not stream_id else FRAME_SIZE_ERROR,
+                                       "expected PRIORITY with 5 bytes on a stream")
+        elif kind == GOAWAY:
+            if stream_id or len(payload) < 8:
+                raise _ConnectionError(PROTOCOL_ERROR, "expected GOAWAY with at least 8 bytes on stream 0")
+        elif kind == PUSH_PROMISE:
+            raise _ConnectionError(PROTOCOL_ERROR, "expected no PUSH_PROMISE from a client")
+        # Unknown frame types are ignored (RFC 9113 section 4.1).
+
+    def _unpad(self, flags: int, payload: bytes) -> bytes:
+        if not flags & PADDED:
+            return payload
+        if not payload or payload[0] >= len(payload):
+            raise _ConnectionError(PROTOCOL_ERROR, "expected padding shorter than the frame")
+        return payload[1 : len(payload) - payload[0]]
+
+    def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if not stream_id:
+            raise _ConnectionError(PROTOCOL_ERROR, "expected DATA on a stream, got stream 0")
+        self._unacked += len(payload)
+        if self._unacked > self.limits.window_bytes:
+            raise _ConnectionError(FLOW_CONTROL_ERROR, "peer sent past the connection window")
+        data = self._unpad(flags, payload)
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            if stream_id > self._last_stream_id:
+                raise _ConnectionError(PROTOCOL_ERROR, f"expected DATA on an open stream, got idle stream {stream_id}")
+            return  # a stream this side already ended or reset
+        if stream.remote_closed:
+            self._reset(stream, STREAM_CLOSED)
+            return
+        stream.unacked += len(payload)
+        if stream.unacked > self.limits.window_bytes:
+            self._reset(stream, FLOW_CONTROL_ERROR)
+            return
+        if stream.unacked >= self.limits.window_bytes // 2 and not flags & END_STREAM:
+            self._out += _frame(WINDOW_UPDATE, 0, stream_id, stream.unacked.to_bytes(4, "big"))
+            stream.unacked = 0
+        stream.inbound += data
+        self._deliver(stream, end=bool(flags & END_STREAM))
+
+    def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if not stream_id:
+            raise _ConnectionError(PROTOCOL_ERROR, "expected HEADERS on a stream, got stream 0")
+        block = self._unpad(flags, payload)
+        if flags & PRIORITY_FLAG:
+            if len(block) < 5:
+                raise _ConnectionError(FRAME_SIZE_ERROR, "expected a 5-byte priority in HEADERS")
+            block = block[5:]
+        self._header_block = bytearray(block)
+        self._header_stream, self._header_flags = stream_id, flags
+        if flags & END_HEADERS:
+            self._end_headers()
+
+    def _continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if self._header_block is None or stream_id != self._header_stream:
+            raise _ConnectionError(PROTOCOL_ERROR, "expected CONTINUATION only right after HEADERS of its stream")
+        self._header_block += payload
+        if len(self._header_block) > self.limits.max_header_list_bytes:
+            raise _ConnectionError(PROTOCOL_ERROR, f"expected a header block of at most "
+                                                   f"{self.limits.max_header_list_bytes} bytes")
+        if flags & END_HEADERS:
+            self._end_headers()
+
+    def _end_headers(self) -> None:
+        assert self._header_block is not None
+        block, stream_id, flags = bytes(self._header_block), self._header_stream, self._header_flags
+        self._header_block = None
+        try:
+            headers = self._decoder.decode(block, raw=True)  # always decoded: HPACK state is per connection
+        except (hpack.HPACKError, ValueError, IndexError) as exc:
+            raise _ConnectionError(COMPRESSION_ERROR, f"expected a valid HPACK block ({type(exc).__name__})") from None
+        stream = self._streams.get(stream_id)
+        if stream is not None:  # trailers from the client
+            if not flags & END_STREAM:
+                self._reset(stream, PROTOCOL_ERROR)
+                return
+            self._deliver(stream, end=True)
+            return
+        if stream_id <= self._last_stream_id:
+            return  # a stream this side already ended
+        if stream_id % 2 == 0:
+            raise _ConnectionError(PROTOCOL_ERROR, f"expected an odd client stream id, got {stream_id}")
+        self._last_stream_id = stream_id
+        if len(self._streams) >= self.limits.max_concurrent_streams:
+            self._out += _frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big"))
+            return
+        fields: dict[bytes, bytes] = {bytes(k): bytes(v) for k, v in headers}
+        if fields.get(b":method") != b"POST" or not fields.get(b"content-type", b"").startswith(b"application/grpc"):
+            self._out += _frame(HEADERS, END_HEADERS | END_STREAM, stream_id, _HTTP_415)
+            self._out += _frame(RST_STREAM, 0, stream_id, NO_ERROR.to_bytes(4, "big"))
+            return
+        path = fields.get(b":path", b"").decode("latin-1")
+        method = self.methods.get(path)
+        stream = _Stream(stream_id, method, self._peer_stream_window)
+        if method is None:
+            stream.trailers = _status_block(Status.UNIMPLEMENTED, f"method {path!r} not found")
+            stream.remote_closed = bool(flags & END_STREAM)
+            self._flush(stream)
+            return
+        self._streams[stream_id] = stream
+        if flags & END_STREAM:
+            self._deliver(stream, end=True)
+
+    def _settings(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id:
+            raise _ConnectionError(PROTOCOL_ERROR, "expected SETTINGS on stream 0")
+        if flags & ACK:
+            if payload:
+                raise _ConnectionError(FRAME_SIZE_ERROR, "expected an empty SETTINGS ACK")
+            return
+        if len(payload) % 6:
+            raise _ConnectionError(FRAME_SIZE_ERROR, "expected SETTINGS of 6-byte entries")
+        for offset in range(0, len(payload), 6):
+            key = int.from_bytes(payload[offset : offset + 2], "big")
+            value = int.from_bytes(payload[offset + 2 : offset + 6], "big")
+            if key == SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise _ConnectionError(FLOW_CONTROL_ERROR, f"expected an initial window <= {MAX_WINDOW}")
+                delta = value - self._peer_stream_window
+                self._peer_stream_window = value
+                for stream in self._streams.values():
+                    stream.send_window += delta
+            elif key == SETTINGS_MAX_FRAME_SIZE:
+                if not DEFAULT_FRAME_SIZE <= value <= 16_777_215:
+                    raise _ConnectionError(PROTOCOL_ERROR, f"expected a max frame size in 16384..16777215, got {value}")
+                self._peer_frame_size = value
+        self._out += _frame(SETTINGS, ACK, 0)
+        self._flush_all()
+
+    def _window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise _ConnectionError(FRAME_SIZE_ERROR, "expected a 4-byte WINDOW_UPDATE")
+        increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if not stream_id:
+            if not increment or self._send_window + increment > MAX_WINDOW:
+                raise _ConnectionError(FLOW_CONTROL_ERROR if increment else PROTOCOL_ERROR,
+                                       "expected a connection window increment in 1..2^31-1 in total")
+            self._send_window += increment
+            self._flush_all()
+            return
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return
+        if not increment or stream.send_window + increment > MAX_WINDOW:
+            self._reset(stream, FLOW_CONTROL_ERROR if increment else PROTOCOL_ERROR)
+            return
+        stream.send_window += increment
+        self._flush(stream)
+
+    # -- gRPC -----------------------------------------------------------------------------------
+
+    def _deliver(self, stream: _Stream, *, end: bool) -> None:
+        """Hand complete messages to the processor; queue its replies (and trailers when done)."""
+        processor, method = stream.processor, stream.method
+        assert processor is not None and method is not None
+        inbound = stream.inbound
+        try:
+            replies: list[Message] = []
+            while len(inbound) >= 5 and stream.trailers is None:
+                size = int.from_bytes(inbound[1:5], "big")
+                if inbound[0] != 0:
+                    raise RpcStatus(Status.UNIMPLEMENTED, "expected uncompressed messages")
+                if size > self.limits.max_message_bytes:
+                    raise RpcStatus(Status.RESOURCE_EXHAUSTED,
+                                    f"message of {size} bytes exceeds the limit of {self.limits.max_message_bytes}")
+                if len(inbound) < 5 + size:
+                    break
+                try:
+                    message = method.request_type.FromString(bytes(inbound[5 : 5 + size]))
+                except DecodeError:
+                    raise RpcStatus(Status.INTERNAL, f"could not decode a {method.request_type.__name__}") from None
+                del inbound[: 5 + size]
+                replies.extend(processor.on_message(message))
+                if processor.finished:
+                    stream.trailers = _OK_TRAILERS
+            if end and stream.trailers is None:
+                stream.remote_closed = True
+                if inbound:
+                    raise RpcStatus(Status.INTERNAL, "stream ended inside a message")
+                replies.extend(processor.on_end())
+                stream.trailers = _OK_TRAILERS
+        except RpcStatus as exc:
+            stream.trailers = _status_block(exc.status, exc.message)
+        except Exception as exc:  # a processor bug must not take the connection down
+            log.exception("grpc_wire.processor_failed path=%s", method.path)
+            stream.trailers = _status_block(Status.UNKNOWN, type(exc).__name__)
+        for reply in replies:
+            data = reply.SerializeToString()
+            stream.pending += b"\x00" + len(data).to_bytes(4, "big") + data
+        if end:
+            stream.remote_closed = True
+        self._flush(stream)
+
+    def _flush(self, stream: _Stream) -> None:
+        """Queue what flow control allows of ``stream``'s replies, then its trailers."""
+        out = self._out
+        if stream.pending and not stream.headers_sent:
+            out += _frame(HEADERS, END_HEADERS, stream.id, _RESPONSE_HEADERS)
+            stream.headers_sent = True
+        pending = stream.pending
+        while pending:
+            size = min(len(pending), stream.send_window, self._send_window, self._peer_frame_size)
+            if size <= 0:
+                return
+            out += _frame(DATA, 0, stream.id, pending[:size])
+            del pending[:size]
+            stream.send_window -= size
+            self._send_window -= size
+        if stream.trailers is None:
+            return
+        block = stream.trailers if stream.headers_sent else _RESPONSE_HEADERS + stream.trailers
+        out += _frame(HEADERS, END_HEADERS | END_STREAM, stream.id, block)
+        if not stream.remote_closed:
+            # Tell the client to stop sending on a stream whose answer is complete.
+            out += _frame(RST_STREAM, 0, stream.id, NO_ERROR.to_bytes(4, "big"))
+        self._streams.pop(stream.id, None)
+
+    def _flush_all(self) -> None:
+        for stream in list(self._streams.values()):
+            if stream.pending or stream.trailers is not None:
+                self._flush(stream)
+
+    def _reset(self, stream: _Stream, code: int) -> None:
+        self._out += _frame(RST_STREAM, 0, stream.id, code.to_bytes(4, "big"))
+        self._streams.pop(stream.id, None)
