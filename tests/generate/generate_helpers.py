@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 import httpx
+import pytest
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
@@ -61,6 +62,13 @@ async def generate(
     if aborted is not None:
         raise aborted
     return answers
+
+
+async def aborted(settings: BackendSettings) -> SessionAborted:
+    """The abort of one GENERATE that must fail."""
+    with pytest.raises(SessionAborted) as caught:
+        await generate(settings)
+    return caught.value
 
 
 async def _turns(port: int, prompt: Leaf | Inner, second_turn: str | None, answers: list[Answer]) -> None:

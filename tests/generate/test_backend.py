@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 import trio
-from generate_helpers import BUSY, SERVED_BY, fill, generate, run_scripted_upstream
+from generate_helpers import BUSY, SERVED_BY, aborted, fill, generate, run_scripted_upstream
 
-from evergreen_trio import SessionAborted, StatusCode, blob, inner, text
+from evergreen_trio import StatusCode, blob, inner, text
 from evergreen_trio.generate import BackendSettings, served_by
 from evergreen_trio.sim import SimConfig, run_sim
 
@@ -111,65 +111,56 @@ async def test_odd_splits_crlf_and_comments_are_read(scripted: str) -> None:
 async def test_upstream_failures_abort_with_a_clear_status(
     scripted: str, model: str, code: StatusCode, message: str
 ) -> None:
-    with pytest.raises(SessionAborted) as caught:
-        await generate(BackendSettings(scripted, model))
-    assert caught.value.code == code
-    assert message in caught.value.message and "action GENERATE" in caught.value.message
+    error = await aborted(BackendSettings(scripted, model))
+    assert error.code == code
+    assert message in error.message and "action GENERATE" in error.message
 
 
 async def test_silence_past_the_read_timeout_is_deadline_exceeded(scripted: str) -> None:
-    with pytest.raises(SessionAborted) as caught:
-        await generate(BackendSettings(scripted, "hang", read_timeout_s=0.2))
-    assert caught.value.code == StatusCode.DEADLINE_EXCEEDED
-    assert "sent nothing for 0.2s" in caught.value.message
+    error = await aborted(BackendSettings(scripted, "hang", read_timeout_s=0.2))
+    assert error.code == StatusCode.DEADLINE_EXCEEDED
+    assert "sent nothing for 0.2s" in error.message
 
 
 async def test_a_stream_past_the_total_timeout_is_deadline_exceeded(scripted: str) -> None:
-    with pytest.raises(SessionAborted) as caught:
-        await generate(BackendSettings(scripted, "hang", total_timeout_s=0.2))
-    assert caught.value.code == StatusCode.DEADLINE_EXCEEDED
-    assert "did not finish within 0.2s" in caught.value.message
+    error = await aborted(BackendSettings(scripted, "hang", total_timeout_s=0.2))
+    assert error.code == StatusCode.DEADLINE_EXCEEDED
+    assert "did not finish within 0.2s" in error.message
 
 
 async def test_nothing_listening_is_unavailable() -> None:
     with socket.socket() as probe:  # a port that was free a moment ago, now closed
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with pytest.raises(SessionAborted) as caught:
-        await generate(BackendSettings(f"http://127.0.0.1:{port}", "sim-model"))
-    assert caught.value.code == StatusCode.UNAVAILABLE
-    assert "ConnectError" in caught.value.message
+    error = await aborted(BackendSettings(f"http://127.0.0.1:{port}", "sim-model"))
+    assert error.code == StatusCode.UNAVAILABLE
+    assert "ConnectError" in error.message
 
 
 async def test_a_response_over_max_response_bytes_is_resource_exhausted(sim: str) -> None:
-    with pytest.raises(SessionAborted) as caught:
-        await generate(BackendSettings(sim, "sim-model", max_tokens=64, max_response_bytes=2000))
-    assert caught.value.code == StatusCode.RESOURCE_EXHAUSTED
-    assert "at most 2000 bytes" in caught.value.message
+    error = await aborted(BackendSettings(sim, "sim-model", max_tokens=64, max_response_bytes=2000))
+    assert error.code == StatusCode.RESOURCE_EXHAUSTED
+    assert "at most 2000 bytes" in error.message
 
 
 async def test_a_prompt_over_max_prompt_bytes_is_resource_exhausted(sim: str) -> None:
-    with pytest.raises(SessionAborted) as caught:
-        await generate(BackendSettings(sim, "sim-model", max_prompt_bytes=10))
-    assert caught.value.code == StatusCode.RESOURCE_EXHAUSTED
-    assert "at most 10 bytes of prompt text" in caught.value.message
+    error = await aborted(BackendSettings(sim, "sim-model", max_prompt_bytes=10))
+    assert error.code == StatusCode.RESOURCE_EXHAUSTED
+    assert "at most 10 bytes of prompt text" in error.message
 
 
 async def test_the_simulators_own_errors_map_too(sim: str) -> None:
-    with pytest.raises(SessionAborted) as caught:
-        await generate(BackendSettings(sim, "no-such-model"))
-    assert caught.value.code == StatusCode.FAILED_PRECONDITION and "HTTP 404" in caught.value.message
-    with pytest.raises(SessionAborted) as caught:
-        await generate(BackendSettings(sim, "sim-model", max_tokens=100_000))  # past --max-model-len
-    assert caught.value.code == StatusCode.INVALID_ARGUMENT and "HTTP 400" in caught.value.message
+    error = await aborted(BackendSettings(sim, "no-such-model"))
+    assert error.code == StatusCode.FAILED_PRECONDITION and "HTTP 404" in error.message
+    error = await aborted(BackendSettings(sim, "sim-model", max_tokens=100_000))  # past --max-model-len
+    assert error.code == StatusCode.INVALID_ARGUMENT and "HTTP 400" in error.message
 
 
 async def test_a_full_simulator_queue_is_unavailable(nursery: trio.Nursery) -> None:
     endpoint = f"127.0.0.1:{await nursery.start(run_sim, BUSY)}"
     async with httpx.AsyncClient(timeout=300) as client:
         await fill(nursery, client, endpoint)
-        with pytest.raises(SessionAborted) as caught:
-            await generate(BackendSettings(f"http://{endpoint}", "sim-model"))
+        error = await aborted(BackendSettings(f"http://{endpoint}", "sim-model"))
         nursery.cancel_scope.cancel()
-    assert caught.value.code == StatusCode.UNAVAILABLE
-    assert "HTTP 503: waiting queue is full" in caught.value.message
+    assert error.code == StatusCode.UNAVAILABLE
+    assert "HTTP 503: waiting queue is full" in error.message
