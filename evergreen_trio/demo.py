@@ -22,6 +22,8 @@ from evergreen_trio import FileResolver, NodeRef, Output, Server, connect, inner
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.gateway import GatewayInfo, GatewaySettings, run_gateway
 from evergreen_trio.generate import BackendSettings, open_backend, served_by
+from evergreen_trio.picker.envoy_process import find_envoy
+from evergreen_trio.picker.errors import EnvoyError
 from evergreen_trio.signals import cancel_on_signals
 from evergreen_trio.sim import SimConfig
 
@@ -93,6 +95,11 @@ async def interruptible_demo(root: Path) -> int:
 
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s", stream=sys.stderr)
+    try:
+        find_envoy()
+    except EnvoyError as error:
+        print(f"demo: {error}; `make demo` installs it", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="evergreen-demo-") as root:
         return trio.run(interruptible_demo, Path(root))
 
