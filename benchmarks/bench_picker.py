@@ -1,11 +1,15 @@
 """Endpoint Picker through a real Envoy (--concurrency 1), loaded by wrk in its own process.
 
-Three routes to the same two model servers: Envoy alone (ROUND_ROBIN, no ext_proc), Envoy + our
-picker (``evergreen-trio picker``: grpclib on trio-asyncio) and Envoy + the grpcio reference
-picker (``benchmarks/grpcio_picker.py``: grpc.aio, same decision core). Model servers are a second
-Envoy answering ``/metrics`` and completions with direct responses, so they are never the
-bottleneck. wrk (installed from Debian's packages if missing) runs a Lua script posting an
-OpenAI completion body, at 1 and 16 connections, three runs each; the table gives the medians.
+Routes to the same two model servers: Envoy alone (ROUND_ROBIN, no ext_proc), Envoy + our picker
+(``evergreen-trio picker``: the sans-IO gRPC connection on a Trio listener) and Envoy + the
+grpcio reference picker (``benchmarks/grpcio_picker.py``: grpc.aio, same decision core, same
+stream lifetime). Both pickers run twice: routing only (``extProc.observeResponses: false``, the
+stream ends once the request is routed) and observing responses (the default: Envoy's response
+headers and body round trips too, for token usage). Envoy is the same for all: request and
+response bodies FULL_DUPLEX_STREAMED. Model servers are a second Envoy answering ``/metrics``
+and completions with direct responses, so they are never the bottleneck. wrk (installed from
+Debian's packages if missing) runs a Lua script posting an OpenAI completion body, at 1 and 16
+connections, three runs each; the table gives the medians.
 """
 
 from __future__ import annotations
@@ -54,7 +58,11 @@ pool:
   endpoints: [{endpoints}]
 models:
   - name: bench
+extProc:
+  observeResponses: {observe}
 """
+OURS, REF, DIRECT = "evergreen-trio picker", "grpcio picker", "envoy direct"
+OBSERVED = ", responses observed"
 
 
 def _free_port() -> int:
@@ -141,26 +149,30 @@ async def _measure(quick: bool) -> dict[str, dict[int, list[dict[str, float]]]]:
     pool = [f"127.0.0.1:{p}" for p in backends]
     picker_port, listener, rr_port = _free_port(), _free_port(), _free_port()
     backend_admin, gateway_admin = _free_port(), _free_port()
-    picker_config = work / "picker.yaml"
-    picker_config.write_text(PICKER_CONFIG.format(endpoints=", ".join(pool)))
+    configs = {}
+    for observe in ("false", "true"):
+        configs[observe] = work / f"picker-{observe}.yaml"
+        configs[observe].write_text(PICKER_CONFIG.format(endpoints=", ".join(pool), observe=observe))
     backend_path = write_gateway_config(work / "backends.json", backend_config(backends, backend_admin))
     gateway_path = write_gateway_config(work / "gateway.json", gateway_config(
         f"127.0.0.1:{picker_port}", listener, admin_port=gateway_admin,
         round_robin_endpoints=pool, round_robin_port=rr_port))
     python = sys.executable
-    pickers = {
-        "evergreen-trio picker": [python, "-m", "evergreen_trio.cli", "--log-level", "WARNING", "picker",
-                                  "--config", str(picker_config), "--grpc-port", str(picker_port),
-                                  "--grpc-health-port", str(_free_port()), "--metrics-port", str(_free_port())],
-        "grpcio picker": [python, "-m", "benchmarks.grpcio_picker", "--config", str(picker_config),
-                          "--port", str(picker_port)],
-    }
+    pickers: dict[str, list[str]] = {}
+    for observe, suffix in (("false", ""), ("true", OBSERVED)):
+        config = str(configs[observe])
+        pickers[OURS + suffix] = [
+            python, "-m", "evergreen_trio.cli", "--log-level", "WARNING", "picker", "--config", config,
+            "--grpc-port", str(picker_port), "--grpc-health-port", str(_free_port()),
+            "--metrics-port", str(_free_port())]
+        pickers[REF + suffix] = [python, "-m", "benchmarks.grpcio_picker", "--config", config,
+                                 "--port", str(picker_port)]
     results: dict[str, dict[int, list[dict[str, float]]]] = {}
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(run_envoy, backend_path, admin_port=backend_admin))
         await nursery.start(partial(run_envoy, gateway_path, admin_port=gateway_admin))
         variants: list[tuple[str, list[str] | None, str]] = [
-            ("envoy direct", None, f"http://127.0.0.1:{rr_port}/v1/completions"),
+            (DIRECT, None, f"http://127.0.0.1:{rr_port}/v1/completions"),
             *((name, command, f"http://127.0.0.1:{listener}/v1/completions") for name, command in pickers.items()),
         ]
         for name, command, url in variants:
@@ -183,22 +195,22 @@ async def _measure(quick: bool) -> dict[str, dict[int, list[dict[str, float]]]]:
 def run(quick: bool = False) -> None:
     results = trio.run(_measure, quick)
     rows: list[Row] = []
-    ours, ref, direct = "evergreen-trio picker", "grpcio picker", "envoy direct"
+    peers = {OURS: REF, OURS + OBSERVED: REF + OBSERVED}
     for connections in (1, 16):
-        for name in (direct, ours, ref):
+        for name in (DIRECT, OURS, REF, OURS + OBSERVED, REF + OBSERVED):
             samples = results[name][connections]
             rps, p50, p99 = (_median(samples, k) for k in ("rps", "p50_ms", "p99_ms"))
             extra = {"samples": samples}
-            peer = ref if name == ours else ""
-            peer_samples = results[ref][connections]
+            peer = peers.get(name, "")
+            peer_samples = results[peer][connections] if peer else samples
             rows.append(Row(f"{name} c={connections} throughput", rps, "req/s", peer,
                             rps / _median(peer_samples, "rps") if peer else None, extra))
             rows.append(Row(f"{name} c={connections} p50", p50, "ms", peer,
                             p50 / _median(peer_samples, "p50_ms") if peer else None))
             rows.append(Row(f"{name} c={connections} p99", p99, "ms", peer,
                             p99 / _median(peer_samples, "p99_ms") if peer else None))
-        for name in (ours, ref):
-            added = _median(results[name][connections], "p50_ms") - _median(results[direct][connections], "p50_ms")
-            rows.append(Row(f"{name} c={connections} added p50 vs envoy direct", added, "ms", direct))
+        for name in (OURS, REF, OURS + OBSERVED, REF + OBSERVED):
+            added = _median(results[name][connections], "p50_ms") - _median(results[DIRECT][connections], "p50_ms")
+            rows.append(Row(f"{name} c={connections} added p50 vs envoy direct", added, "ms", DIRECT))
     print_table("Endpoint Picker through Envoy (wrk, POST /v1/completions, median of runs)", rows)
     write_results("picker", rows, quick=quick, runs=1 if quick else 3, tool="wrk -t1", envoy="--concurrency 1")

@@ -1,0 +1,296 @@
+"""The sans-IO gRPC server connection against real peers: the ``h2`` client in memory, grpcio over TCP."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from functools import partial
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import pytest
+import trio
+from google.protobuf.wrappers_pb2 import BytesValue
+from grpclib.const import Status
+from hypothesis import given
+from hypothesis import strategies as st
+
+from evergreen_trio.picker.grpc_server import serve_sync_bidi
+from evergreen_trio.picker.grpc_wire import PREFACE, GrpcWireConnection, RpcStatus, SyncBidiMethod, WireLimits
+
+PATH = "/test.Echo/Chat"
+
+
+class Echo:
+    """Replies with each message; b"stop" finishes the stream, b"fail" and b"bug" end it in error."""
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.ended = False
+
+    def on_message(self, message: BytesValue) -> Sequence[BytesValue]:
+        if message.value == b"fail":
+            raise RpcStatus(Status.INVALID_ARGUMENT, "asked to fail: é%")
+        if message.value == b"bug":
+            raise KeyError("bug")
+        self.finished = message.value == b"stop"
+        return [BytesValue(value=message.value)]
+
+    def on_end(self) -> Sequence[BytesValue]:
+        self.ended = True
+        return [BytesValue(value=b"end")]
+
+
+METHOD = SyncBidiMethod(PATH, BytesValue, Echo)
+
+
+def fields(headers: object) -> dict[str, str]:
+    """h2's header pairs (str with a header_encoding, bytes without) as a str dict."""
+    pairs: list[tuple[str | bytes, str | bytes]] = list(headers)  # type: ignore[call-overload]
+    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in pairs}
+
+
+def grpc_message(value: bytes, flag: int = 0) -> bytes:
+    data = BytesValue(value=value).SerializeToString()
+    return bytes([flag]) + len(data).to_bytes(4, "big") + data
+
+
+class Peer:
+    """An h2 client wired to a :class:`GrpcWireConnection` in memory."""
+
+    def __init__(self, limits: WireLimits | None = None, window: int = 65_535) -> None:
+        self.server = GrpcWireConnection({PATH: METHOD}, limits)
+        self.client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.client.local_settings = h2.settings.Settings(client=True, initial_values={
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+        self.client.initiate_connection()
+        self.events: list[h2.events.Event] = []
+        self.data: dict[int, bytearray] = {}
+        self.pump()
+
+    def pump(self) -> None:
+        for _ in range(1000):
+            out = self.client.data_to_send()
+            if out:
+                self.server.receive_data(out)
+            back = self.server.data_to_send()
+            if not out and not back:
+                return
+            if back:
+                for event in self.client.receive_data(back):
+                    self.events.append(event)
+                    if isinstance(event, h2.events.DataReceived):
+                        self.data.setdefault(event.stream_id, bytearray()).extend(event.data)
+                        self.client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+
+    def open(self, path: str = PATH, content_type: str = "application/grpc") -> int:
+        stream_id: int = self.client.get_next_available_stream_id()
+        self.client.send_headers(stream_id, [
+            (":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "picker"),
+            ("content-type", content_type), ("te", "trailers")])
+        return stream_id
+
+    def send(self, stream_id: int, *values: bytes, end: bool = False) -> None:
+        self.client.send_data(stream_id, b"".join(grpc_message(v) for v in values), end_stream=end)
+        self.pump()
+
+    def replies(self, stream_id: int) -> list[bytes]:
+        data, out = bytes(self.data.get(stream_id, b"")), []
+        while data:
+            size = int.from_bytes(data[1:5], "big")
+            out.append(BytesValue.FromString(data[5 : 5 + size]).value)
+            data = data[5 + size :]
+        return out
+
+    def trailers(self, stream_id: int) -> dict[str, str]:
+        for event in self.events:
+            if isinstance(event, h2.events.TrailersReceived | h2.events.ResponseReceived) and (
+                    event.stream_id == stream_id and "grpc-status" in fields(event.headers)):
+                return fields(event.headers)
+        return {}
+
+    def reset(self, stream_id: int) -> int | None:
+        for event in self.events:
+            if isinstance(event, h2.events.StreamReset) and event.stream_id == stream_id:
+                return int(event.error_code)
+        return None
+
+
+def test_messages_replies_and_ok_trailers_at_client_end() -> None:
+    peer = Peer()
+    stream = peer.open()
+    peer.send(stream, b"a", b"b")
+    assert peer.replies(stream) == [b"a", b"b"]
+    assert peer.trailers(stream) == {}
+    peer.send(stream, b"c", end=True)
+    assert peer.replies(stream) == [b"a", b"b", b"c", b"end"]
+    assert peer.trailers(stream)["grpc-status"] == "0"
+    assert peer.reset(stream) is None
+
+
+def test_finished_processor_ends_the_stream_and_resets_the_client_side() -> None:
+    peer = Peer()
+    stream = peer.open()
+    peer.send(stream, b"stop", b"ignored")
+    assert peer.replies(stream) == [b"stop"]
+    assert peer.trailers(stream)["grpc-status"] == "0"
+    assert peer.reset(stream) == 0
+
+
+def test_rpc_status_and_processor_bug_become_grpc_statuses() -> None:
+    peer = Peer()
+    failing, buggy = peer.open(), peer.open()
+    peer.send(failing, b"fail")
+    peer.send(buggy, b"bug")
+    assert peer.trailers(failing)["grpc-status"] == str(Status.INVALID_ARGUMENT.value)
+    assert peer.trailers(failing)["grpc-message"] == "asked to fail: %C3%A9%25"
+    assert peer.trailers(buggy)["grpc-status"] == str(Status.UNKNOWN.value)
+    assert not peer.server.closed
+
+
+def test_unknown_method_and_non_grpc_request() -> None:
+    peer = Peer()
+    unknown = peer.open(path="/no.Such/Method")
+    peer.pump()
+    assert peer.trailers(unknown)["grpc-status"] == str(Status.UNIMPLEMENTED.value)
+    plain = peer.open(content_type="text/plain")
+    peer.pump()
+    statuses = [fields(e.headers).get(":status") for e in peer.events
+                if isinstance(e, h2.events.ResponseReceived) and e.stream_id == plain]
+    assert statuses == ["415"]
+
+
+def test_compressed_and_oversized_messages() -> None:
+    peer = Peer(limits=WireLimits(max_message_bytes=100))
+    compressed, big = peer.open(), peer.open()
+    peer.client.send_data(compressed, grpc_message(b"x", flag=1))
+    peer.send(big, b"y" * 200)
+    assert peer.trailers(compressed)["grpc-status"] == str(Status.UNIMPLEMENTED.value)
+    assert peer.trailers(big)["grpc-status"] == str(Status.RESOURCE_EXHAUSTED.value)
+
+
+def test_large_messages_respect_both_flow_control_windows() -> None:
+    peer = Peer(limits=WireLimits(window_bytes=100_000), window=20_000)
+    stream = peer.open()
+    payload = os.urandom(700_000)
+    message = grpc_message(payload)
+    for offset in range(0, len(message), 16_384):
+        window = peer.client.local_flow_control_window(stream)
+        while window < 16_384:
+            peer.pump()
+            window = peer.client.local_flow_control_window(stream)
+        peer.client.send_data(stream, message[offset : offset + 16_384])
+        peer.pump()
+    peer.client.end_stream(stream)
+    peer.pump()
+    assert peer.replies(stream) == [payload, b"end"]
+    assert peer.trailers(stream)["grpc-status"] == "0"
+
+
+def test_concurrent_stream_limit_refuses_streams() -> None:
+    peer = Peer(limits=WireLimits(max_concurrent_streams=1))
+    # A misbehaving client that ignores the advertised limit.
+    peer.client.remote_settings = h2.settings.Settings(client=False, initial_values={
+        h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 10})
+    first, second = peer.open(), peer.open()
+    peer.send(first, b"a")
+    assert peer.replies(first) == [b"a"]
+    assert peer.reset(second) == 7  # REFUSED_STREAM
+
+
+def test_ping_is_acknowledged_and_bad_preface_is_goaway() -> None:
+    peer = Peer()
+    peer.client.ping(b"12345678")
+    peer.pump()
+    assert any(isinstance(e, h2.events.PingAckReceived) for e in peer.events)
+    server = GrpcWireConnection({PATH: METHOD})
+    server.receive_data(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 20)
+    assert server.closed
+    assert b"expected the HTTP/2 client preface" in server.data_to_send()
+
+
+def _client_bytes() -> bytes:
+    """The client bytes of a two-stream conversation with a PING, for splitting and mutating."""
+    peer = Peer()
+    chunks = []
+    original = peer.server.receive_data
+
+    def record(data: bytes) -> None:
+        chunks.append(data)
+        original(data)
+
+    peer.server.receive_data = record  # type: ignore[method-assign]
+    first, second = peer.open(), peer.open()
+    peer.client.send_data(first, grpc_message(b"a" * 300))
+    peer.client.ping(b"abcdefgh")
+    peer.client.send_data(second, grpc_message(b"stop"), end_stream=True)
+    peer.client.send_data(first, grpc_message(b"b"), end_stream=True)
+    peer.pump()
+    return b"".join(chunks)
+
+
+CLIENT_BYTES = _client_bytes()
+
+
+def _feed(chunks: list[bytes]) -> bytes:
+    server = GrpcWireConnection({PATH: METHOD})
+    out = bytearray(server.data_to_send())
+    for chunk in chunks:
+        server.receive_data(chunk)
+        out += server.data_to_send()
+    return bytes(out)
+
+
+@given(st.lists(st.integers(min_value=0, max_value=len(CLIENT_BYTES)), max_size=20))
+def test_split_points_do_not_change_the_answer(cuts: list[int]) -> None:
+    bounds = [0, *sorted(cuts), len(CLIENT_BYTES)]
+    chunks = [CLIENT_BYTES[a:b] for a, b in itertools.pairwise(bounds)]
+    assert _feed(chunks) == _feed([CLIENT_BYTES])
+
+
+@pytest.mark.fuzz
+@given(st.binary(max_size=2000), st.booleans())
+def test_fuzz_arbitrary_bytes_never_raise(data: bytes, with_preface: bool) -> None:
+    server = GrpcWireConnection({PATH: METHOD}, WireLimits(max_message_bytes=1000))
+    server.receive_data((PREFACE if with_preface else b"") + data)
+    server.data_to_send()
+
+
+@pytest.mark.fuzz
+@given(st.data())
+def test_fuzz_mutated_conversation_never_raises(data: st.DataObject) -> None:
+    raw = bytearray(CLIENT_BYTES)
+    for _ in range(data.draw(st.integers(1, 8))):
+        index = data.draw(st.integers(len(PREFACE), len(raw) - 1))
+        raw[index] = data.draw(st.integers(0, 255))
+    server = GrpcWireConnection({PATH: METHOD})
+    server.receive_data(bytes(raw))
+    server.data_to_send()
+
+
+async def test_grpcio_client_over_tcp(nursery: trio.Nursery) -> None:
+    port = await nursery.start(partial(serve_sync_bidi, [METHOD], "127.0.0.1", 0))
+    big = os.urandom(3_000_000)
+
+    def call(values: list[bytes]) -> tuple[list[bytes], grpc.StatusCode, str]:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=[
+                ("grpc.max_receive_message_length", 8_000_000), ("grpc.max_send_message_length", 8_000_000)]) as ch:
+            rpc = ch.stream_stream(PATH, request_serializer=BytesValue.SerializeToString,
+                                   response_deserializer=BytesValue.FromString)
+            calls = rpc(iter([BytesValue(value=v) for v in values]))
+            try:
+                return [r.value for r in calls], calls.code(), calls.details() or ""
+            except grpc.RpcError as exc:
+                return [], exc.code(), exc.details() or ""
+
+    replies, code, _ = await trio.to_thread.run_sync(call, [b"a", big, b"b"])
+    assert replies == [b"a", big, b"b", b"end"] and code == grpc.StatusCode.OK
+    replies, code, _ = await trio.to_thread.run_sync(call, [b"x", b"stop", b"y"])
+    assert replies == [b"x", b"stop"] and code == grpc.StatusCode.OK
+    _, code, details = await trio.to_thread.run_sync(call, [b"fail"])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details == "asked to fail: é%"
