@@ -154,9 +154,7 @@ class _Pacer:
         self._moved = trio.Event()
 
 
-async def _send_metadata(
-    channel: ServerChannel, messages: Sequence[OutgoingMessage], pacer: _Pacer | None, limits: IpcLimits
-) -> None:
+async def _send_metadata(channel: ServerChannel, messages: Sequence[OutgoingMessage], pacer: _Pacer | None) -> None:
     count = len(messages)
     batch = min(_METADATA_BATCH, pacer.ahead) if pacer is not None else _METADATA_BATCH
     for start in range(0, count + 1, batch):
@@ -219,7 +217,7 @@ async def _send_stream(
     pacer = _Pacer(max(1, options.limits.max_pending_messages // 2)) if options.role is Role.BOTH else None
     async with trio.open_nursery() as nursery:
         if options.role is not Role.DATA:
-            nursery.start_soon(_send_metadata, channel, messages, pacer, options.limits)
+            nursery.start_soon(_send_metadata, channel, messages, pacer)
         if options.role is not Role.METADATA:
             nursery.start_soon(_send_bodies, channel, messages, bodies, options.limits, pacer)
     log.debug("ipc.stream_sent messages=%d role=%s", len(messages), options.role.value)
@@ -303,7 +301,8 @@ class IpcStream:
     Batches over shared memory are built on the mapped segment; their memory goes back
     to the server (``free_data``) once pyarrow releases them. Pass ``copy=True`` to
     hold many batches at once (the server keeps at most ``max_unacked_bodies`` of them
-    alive per stream and waits for the rest).
+    alive per stream and waits for the rest). ``to_host`` turns a body that is not host
+    memory (a device buffer) into one; it sees the whole ready message.
     """
 
     def __init__(

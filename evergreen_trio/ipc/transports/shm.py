@@ -49,7 +49,7 @@ class SharedSegment:
             raise SharedMemoryError(f"shared memory: could not create a {size}-byte segment: {exc}") from None
         self.size = size
         self.touched = 0
-        """Every write so far ended below this offset (the arena allocates lowest first)."""
+        """No byte at or past this offset was ever written (by a body or by :meth:`prefault`)."""
         self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self.map, np.uint8)
 
     def write(self, offset: int, body: pa.Buffer) -> None:
