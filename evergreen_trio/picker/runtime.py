@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import httpx
 import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpclib.const import Status
@@ -21,9 +20,9 @@ from grpclib.health.service import OVERALL, Health
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from evergreen_trio._grpc.bridge import serve_grpclib
-from evergreen_trio.picker._http import HttpRequest, HttpResponse, serve_http
+from evergreen_trio.picker._http import HttpGetError, HttpRequest, HttpResponse, KeepAliveGetter, serve_http
 from evergreen_trio.picker.config import Endpoint, PickerConfig
-from evergreen_trio.picker.engine_metrics import parse_engine_metrics
+from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.grpc_server import serve_sync_bidi
 from evergreen_trio.picker.grpc_wire import RpcStatus, SyncBidiMethod
@@ -79,30 +78,35 @@ class _GrpcStream:
 
 
 async def _scrape_forever(
-    client: httpx.AsyncClient,
     endpoint: Endpoint,
     config: PickerConfig,
     snapshot: PoolSnapshot,
     after_scrape: Callable[[], None],
 ) -> None:
+    getter = KeepAliveGetter(endpoint.host, endpoint.port, max_body=MAX_METRICS_BYTES)
     url = f"http://{endpoint.address}{config.pool.metrics_path}"
     was_ready = False
-    while True:
-        try:
-            response = await client.get(url)
-            if response.status_code != 200:
-                raise MetricsError(f"expected HTTP 200 from {url}, got {response.status_code}")
-            snapshot.update(endpoint.address, parse_engine_metrics(endpoint.engine, response.text))
-            if not was_ready:
-                log.info("picker.endpoint_ready endpoint=%s", endpoint.address)
-            was_ready = True
-        except (httpx.HTTPError, MetricsError) as exc:
-            snapshot.mark_failed(endpoint.address)
-            if was_ready:
-                log.warning("picker.endpoint_not_ready endpoint=%s error=%s", endpoint.address, exc)
-            was_ready = False
-        after_scrape()
-        await trio.sleep(config.pool.refresh_interval_s)
+    try:
+        while True:
+            try:
+                with trio.fail_after(config.pool.scrape_timeout_s):
+                    status, body = await getter.get(config.pool.metrics_path)
+                if status != 200:
+                    raise MetricsError(f"expected HTTP 200 from {url}, got {status}")
+                text = body.decode("utf-8", "replace")
+                snapshot.update(endpoint.address, parse_engine_metrics(endpoint.engine, text))
+                if not was_ready:
+                    log.info("picker.endpoint_ready endpoint=%s", endpoint.address)
+                was_ready = True
+            except (HttpGetError, MetricsError, trio.TooSlowError) as exc:
+                snapshot.mark_failed(endpoint.address)
+                if was_ready:
+                    log.warning("picker.endpoint_not_ready endpoint=%s error=%s", endpoint.address, exc or "timeout")
+                was_ready = False
+            after_scrape()
+            await trio.sleep(config.pool.refresh_interval_s)
+    finally:
+        await getter.aclose()
 
 
 async def run_scrapers(
@@ -111,11 +115,9 @@ async def run_scrapers(
     after_scrape: Callable[[], None],
 ) -> None:
     """One Trio task per endpoint, in one nursery, scraping ``/metrics`` every refresh interval."""
-    timeout = httpx.Timeout(config.pool.scrape_timeout_s)
-    limits = httpx.Limits(max_keepalive_connections=len(config.pool.endpoints))
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client, trio.open_nursery() as nursery:
+    async with trio.open_nursery() as nursery:
         for endpoint in config.pool.endpoints:
-            nursery.start_soon(_scrape_forever, client, endpoint, config, snapshot, after_scrape)
+            nursery.start_soon(_scrape_forever, endpoint, config, snapshot, after_scrape)
 
 
 async def serve_metrics(
