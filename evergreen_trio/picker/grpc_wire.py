@@ -242,9 +242,20 @@ class GrpcWireConnection:
             pos += 9 + length
             self._on_frame(kind, flags, stream_id, payload)
         del buffer[:pos]
-        if self._unacked >= self.limits.window_bytes // 2:
+        self._replenish_connection()
+
+    def _replenish_connection(self) -> None:
+        """Return connection window, unless replies the peer does not read pile up (backpressure)."""
+        if self._unacked >= self.limits.window_bytes // 2 and (
+                sum(len(s.pending) for s in self._streams.values()) <= self.limits.window_bytes):
             self._out += _frame(WINDOW_UPDATE, 0, 0, self._unacked.to_bytes(4, "big"))
             self._unacked = 0
+
+    def _replenish_stream(self, stream: _Stream) -> None:
+        if (stream.unacked >= self.limits.window_bytes // 2 and not stream.remote_closed
+                and len(stream.pending) <= self.limits.window_bytes):
+            self._out += _frame(WINDOW_UPDATE, 0, stream.id, stream.unacked.to_bytes(4, "big"))
+            stream.unacked = 0
 
     # -- frames ---------------------------------------------------------------------------------
 
@@ -309,9 +320,6 @@ class GrpcWireConnection:
         if stream.unacked > self.limits.window_bytes:
             self._reset(stream, FLOW_CONTROL_ERROR)
             return
-        if stream.unacked >= self.limits.window_bytes // 2 and not flags & END_STREAM:
-            self._out += _frame(WINDOW_UPDATE, 0, stream_id, stream.unacked.to_bytes(4, "big"))
-            stream.unacked = 0
         stream.inbound += data
         self._deliver(stream, end=bool(flags & END_STREAM))
 
@@ -478,12 +486,13 @@ class GrpcWireConnection:
         while pending:
             size = min(len(pending), stream.send_window, self._send_window, self._peer_frame_size)
             if size <= 0:
-                return
+                break
             out += _frame(DATA, 0, stream.id, pending[:size])
             del pending[:size]
             stream.send_window -= size
             self._send_window -= size
-        if stream.trailers is None:
+        if pending or stream.trailers is None:
+            self._replenish_stream(stream)
             return
         block = stream.trailers if stream.headers_sent else _RESPONSE_HEADERS + stream.trailers
         out += _frame(HEADERS, END_HEADERS | END_STREAM, stream.id, block)
@@ -496,6 +505,7 @@ class GrpcWireConnection:
         for stream in list(self._streams.values()):
             if stream.pending or stream.trailers is not None:
                 self._flush(stream)
+        self._replenish_connection()
 
     def _reset(self, stream: _Stream, code: int) -> None:
         self._out += _frame(RST_STREAM, 0, stream.id, code.to_bytes(4, "big"))

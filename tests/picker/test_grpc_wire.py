@@ -63,7 +63,8 @@ def grpc_message(value: bytes, flag: int = 0) -> bytes:
 class Peer:
     """An h2 client wired to a :class:`GrpcWireConnection` in memory."""
 
-    def __init__(self, limits: WireLimits | None = None, window: int = 65_535) -> None:
+    def __init__(self, limits: WireLimits | None = None, window: int = 65_535, ack: bool = True) -> None:
+        self.ack = ack
         self.server = GrpcWireConnection({PATH: METHOD}, limits)
         self.client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
         self.client.local_settings = h2.settings.Settings(client=True, initial_values={
@@ -86,7 +87,8 @@ class Peer:
                     self.events.append(event)
                     if isinstance(event, h2.events.DataReceived):
                         self.data.setdefault(event.stream_id, bytearray()).extend(event.data)
-                        self.client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                        if self.ack:
+                            self.client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
 
     def open(self, path: str = PATH, content_type: str = "application/grpc") -> int:
         stream_id: int = self.client.get_next_available_stream_id()
@@ -190,6 +192,18 @@ def test_large_messages_respect_both_flow_control_windows() -> None:
     peer.pump()
     assert peer.replies(stream) == [payload, b"end"]
     assert peer.trailers(stream)["grpc-status"] == "0"
+
+
+def test_replies_the_client_does_not_read_stop_its_window() -> None:
+    peer = Peer(limits=WireLimits(window_bytes=40_000), window=1_000, ack=False)
+    stream = peer.open()
+    sent = 0
+    while peer.client.local_flow_control_window(stream) >= 10_005 and sent < 100:
+        peer.send(stream, b"z" * 10_000)
+        sent += 1
+    # Replies pile up unread; the server stopped returning window, so the client is blocked.
+    assert sent < 10
+    assert peer.client.local_flow_control_window(stream) < 10_005
 
 
 def test_concurrent_stream_limit_refuses_streams() -> None:
