@@ -320,7 +320,8 @@ class GrpcWireConnection:
         if stream.unacked > self.limits.window_bytes:
             self._reset(stream, FLOW_CONTROL_ERROR)
             return
-        stream.inbound += data
+        if stream.trailers is None:  # an answered stream's further input is dropped, not buffered
+            stream.inbound += data
         self._deliver(stream, end=bool(flags & END_STREAM))
 
     def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:

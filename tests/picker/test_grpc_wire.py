@@ -206,6 +206,16 @@ def test_replies_the_client_does_not_read_stop_its_window() -> None:
     assert peer.client.local_flow_control_window(stream) < 10_005
 
 
+def test_input_after_the_answer_is_dropped_while_the_answer_waits_for_window() -> None:
+    peer = Peer(window=1_000, ack=False)
+    stream = peer.open()
+    peer.send(stream, b"x" * 5_000, b"stop")
+    held = peer.server._streams[stream]  # answered, replies held back by the client's window
+    assert held.trailers is not None and held.pending
+    peer.send(stream, b"y" * 20_000)
+    assert not held.inbound
+
+
 def test_concurrent_stream_limit_refuses_streams() -> None:
     peer = Peer(limits=WireLimits(max_concurrent_streams=1))
     # A misbehaving client that ignores the advertised limit.
