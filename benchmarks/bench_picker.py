@@ -15,6 +15,7 @@ connections, three runs each; the table gives the medians.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -120,18 +121,50 @@ async def _wait_routable(url: str, timeout_s: float = 30.0) -> None:
                 await trio.sleep(0.1)
 
 
-async def _wrk(wrk: str, script: Path, url: str, connections: int, seconds: int) -> dict[str, float]:
+def _pids(fragment: str) -> list[int]:
+    """Processes whose command line contains ``fragment`` (Linux /proc; none elsewhere)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if fragment in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` so far (0 for a process that is gone)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+async def _wrk(
+    wrk: str, script: Path, url: str, connections: int, seconds: int, watched: dict[str, list[int]]
+) -> dict[str, float]:
+    """One wrk run; besides rate and latency, the CPU ms per request of each ``watched`` process group."""
+    before = {name: _cpu_seconds(pids) for name, pids in watched.items()}
     result = await trio.run_process(
         [wrk, "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "5s", "-s", str(script), url],
         capture_stdout=True, capture_stderr=True)
     line = next(x for x in result.stdout.decode().splitlines() if x.startswith("WRK "))
     data = json.loads(line[4:])
-    return {
+    requests = max(1, data["requests"])
+    sample = {
         "rps": data["requests"] / (data["duration_us"] / 1e6),
         "p50_ms": data["p50_us"] / 1000,
         "p99_ms": data["p99_us"] / 1000,
         "errors": data["errors"] + data["non2xx"],
     }
+    for name, pids in watched.items():
+        sample[f"{name}_cpu_ms_per_req"] = round(1000 * (_cpu_seconds(pids) - before[name]) / requests, 4)
+    return sample
 
 
 def _median(samples: list[dict[str, float]], key: str) -> float:
@@ -181,11 +214,14 @@ async def _measure(quick: bool) -> dict[str, dict[int, list[dict[str, float]]]]:
                     if command is not None:
                         inner.start_soon(partial(trio.run_process, command, check=False, cwd=ROOT))
                     await _wait_routable(url)
+                    watched = {"gateway_envoy": _pids(str(gateway_path)), "backend_envoy": _pids(str(backend_path))}
+                    if command is not None:
+                        watched["picker"] = _pids(f"--config {command[command.index('--config') + 1]}")
                     results[name] = {}
                     for connections in (1, 16):
-                        await _wrk(wrk, script, url, connections, 1)  # warm-up
+                        await _wrk(wrk, script, url, connections, 1, watched)  # warm-up
                         results[name][connections] = [
-                            await _wrk(wrk, script, url, connections, seconds) for _ in range(runs)]
+                            await _wrk(wrk, script, url, connections, seconds, watched) for _ in range(runs)]
                     scope.cancel()
         nursery.cancel_scope.cancel()
     shutil.rmtree(work, ignore_errors=True)
@@ -209,6 +245,11 @@ def run(quick: bool = False) -> None:
                             p50 / _median(peer_samples, "p50_ms") if peer else None))
             rows.append(Row(f"{name} c={connections} p99", p99, "ms", peer,
                             p99 / _median(peer_samples, "p99_ms") if peer else None))
+            for process in ("picker", "gateway_envoy"):
+                key = f"{process}_cpu_ms_per_req"
+                if key in samples[0]:
+                    rows.append(Row(f"{name} c={connections} {process.replace('_', ' ')} CPU per request",
+                                    _median(samples, key), "ms"))
         for name in (OURS, REF, OURS + OBSERVED, REF + OBSERVED):
             added = _median(results[name][connections], "p50_ms") - _median(results[DIRECT][connections], "p50_ms")
             rows.append(Row(f"{name} c={connections} added p50 vs envoy direct", added, "ms", DIRECT))
