@@ -3,9 +3,10 @@
 Each transport's server runs in its own process (``evergreen-trio ipc serve`` on a
 memory-mapped Arrow file, or the pyarrow peer) and the client in this one; GB/s is the
 median of three timed fetches after one warm-up round; the rounds alternate the cases.
-Receive buffers are pooled across fetches. Peers measured in the same run: plain Arrow
-IPC stream over a loopback TCP socket, ``pyarrow.flight`` DoGet on localhost, and one
-memcpy into touched memory.
+Receive buffers are pooled across fetches; every client validates each batch. Peers
+measured in the same run: plain Arrow IPC stream over a loopback TCP socket,
+``pyarrow.flight`` DoGet on localhost, and one memcpy into touched memory (per round the
+best of three copies).
 """
 
 from __future__ import annotations
@@ -146,7 +147,10 @@ def run(quick: bool = False) -> None:
             np.copyto(dst, src)
             return nbytes
 
-        cases["memcpy"] = gbps(nbytes, memcpy)
+        one_copy = gbps(nbytes, memcpy)
+        # The physical limit: a copy that other jobs preempted would flatter every ratio
+        # against it, so each round takes the best of three copies.
+        cases["memcpy"] = lambda: max(one_copy() for _ in range(3))
         # Rounds alternate the cases, so load from other jobs on this shared machine
         # falls on all of them alike; the first round only warms up (pools, page cache).
         samples: dict[str, list[float]] = {name: [] for name in cases}
