@@ -107,6 +107,7 @@ def test_kubernetes_manifests_with_static_endpoints() -> None:
     ("pool: {endpoints: ['127.0.0.1:1']}\nscheduler: {weights: {latency: 1}}", "scheduler.weights.latency"),
     ("pool: {endpoints: ['127.0.0.1:1']}\nextProc: {streamedChunkBytes: 70000}", "extProc.streamedChunkBytes"),
     ("pool: {endpoints: ['127.0.0.1:1']}\nextProc: {destinationMode: random}", "extProc.destinationMode"),
+    ("pool: {endpoints: ['127.0.0.1:1']}\nextProc: {observeResponses: sometimes}", "extProc.observeResponses"),
     ("models: []", "pool"),
     ("pool: [", "file"),
     ("kind: Gateway\nmetadata: {name: g}\nspec: {}", "document[0].kind"),

@@ -326,3 +326,24 @@ def test_fuzz_wire_bytes_only_raise_ext_proc_errors(frames: list[bytes]) -> None
             stream.on_message(message)
     except ExtProcError:
         pass
+
+
+@pytest.mark.parametrize("request_mode", [Mode.FULL_DUPLEX_STREAMED, Mode.BUFFERED])
+def test_stream_finishes_once_routed_unless_responses_are_observed_or_rewritten(request_mode: int) -> None:
+    def finished_after_routing(extra: str, model: str) -> bool:
+        stream = make_picker(extra).new_stream()
+        stream.on_message(request_headers(request_mode=request_mode))
+        assert not stream.finished
+        stream.on_message(request_body(json.dumps({"model": model, "prompt": "p"}).encode()))
+        return stream.finished
+
+    assert finished_after_routing("extProc: {observeResponses: false}", "plain")
+    assert not finished_after_routing("extProc: {observeResponses: false}", "food-review")  # rewrite back
+    assert not finished_after_routing("", "plain")
+
+
+def test_immediate_response_finishes_the_stream() -> None:
+    stream = make_picker().new_stream()
+    stream.on_message(request_headers())
+    assert status(stream.on_message(request_body(b"not json"))) == 400
+    assert stream.finished
