@@ -14,6 +14,7 @@ from evergreen_trio.ipc.errors import IpcError
 from evergreen_trio.ipc.service import Catalog, fetch, serve
 from evergreen_trio.ipc.session import Role, ServeOptions
 from evergreen_trio.ipc.uri import IpcUri
+from evergreen_trio.signals import cancel_on_signals
 
 PROGRESS_AFTER_S = 0.5
 PROGRESS_EVERY_S = 0.1
@@ -54,6 +55,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
             uri: IpcUri = await nursery.start(serve, args.uri, catalog, ServeOptions(role=Role(args.role)))
             print(uri, flush=True)
             if args.flight:
@@ -64,7 +66,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         trio.run(main)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the signal handler is in place
         return 0
     except (OSError, IpcError) as exc:
         print(f"error: {exc}", file=sys.stderr)
