@@ -109,8 +109,9 @@ class Server:
         finally:
             stream.release()
             # The final status goes out on grpclib's side: a session stays open until it has, so
-            # that a stopping server (``_drain``) waits for it before grpclib cancels the stream.
-            with trio.CancelScope(shield=True, deadline=trio.current_time() + SHUTDOWN_GRACE_SECONDS):
+            # that a stopping server (``_drain``) waits for it before grpclib cancels the stream
+            # (which ends this wait however slow the client is to read).
+            with trio.CancelScope(shield=True):
                 await stream.wait_closed()
             self._open.discard(stream)
 
