@@ -13,6 +13,7 @@ from evergreen_trio.picker.config import load_config
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.runtime import run_picker
+from evergreen_trio.signals import cancel_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ def run_picker_command(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
             ports = await nursery.start(lambda task_status: run_picker(
                 config, host=args.host, grpc_port=args.grpc_port, health_port=args.grpc_health_port,
                 metrics_port=args.metrics_port, task_status=task_status))
@@ -57,7 +59,7 @@ def run_picker_command(args: argparse.Namespace) -> int:
 
     try:
         trio.run(main)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the signal handler is in place
         log.info("picker.stopped reason=interrupt")
     return 0
 
