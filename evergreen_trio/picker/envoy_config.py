@@ -91,11 +91,13 @@ def gateway_config(
     message_timeout_s: float = 5.0,
     upstream_timeout_s: float = 300.0,
     retries: int = 2,
+    max_downstream_connections: int = 50_000,
 ) -> dict[str, Any]:
     """An Envoy bootstrap (as a dict) routing ``listen_host:listener_port`` through the picker.
 
     ``subset_hint_header`` (tests) copies that request header into the ``envoy.lb.subset_hint``
-    metadata, the way a gateway would inject a subset.
+    metadata, the way a gateway would inject a subset. ``max_downstream_connections`` bounds the
+    client connections Envoy accepts at once (its overload manager refuses the rest).
     """
     for mode in (request_body_mode, response_body_mode):
         if mode not in _BODY_MODES:
@@ -207,9 +209,18 @@ def gateway_config(
             }], [])]}],
         })
         clusters.append(_static_cluster(ROUND_ROBIN_CLUSTER, round_robin_endpoints, lb_policy="ROUND_ROBIN"))
+    if max_downstream_connections < 1:
+        raise ValueError(f"expected max_downstream_connections >= 1, got {max_downstream_connections}")
     return {
         "admin": {"address": _socket("127.0.0.1", admin_port)},
         "static_resources": {"listeners": listeners, "clusters": clusters},
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": _EXT + "resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                "max_active_downstream_connections": max_downstream_connections,
+            },
+        }]},
     }
 
 
