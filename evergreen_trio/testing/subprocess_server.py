@@ -15,8 +15,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass
 
 import trio
@@ -77,6 +77,24 @@ def spawn_server(
             process.stdout.close()
 
 
+@asynccontextmanager
+async def serve_command(*args: str, start_timeout: float = 30.0) -> AsyncIterator[str]:
+    """Run ``evergreen-trio serve --port 0 ARGS...`` as a child process (Trio) and yield the first
+    line it prints (``evergreen-trio serving on HOST:PORT...``); it is terminated at exit."""
+    command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", *args]
+    process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert process.stdout is not None
+        line = b""
+        with trio.fail_after(start_timeout):
+            while not line.endswith(b"\n"):
+                line += await process.stdout.receive_some(1)
+        yield line.decode()
+    finally:
+        process.terminate()
+        await process.wait()
+
+
 def main(argv: list[str]) -> None:
     limits = SessionLimits(**json.loads(argv[0])) if argv else SessionLimits()
     server = Server(limits=limits)
@@ -93,3 +111,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+

@@ -14,6 +14,7 @@ from evergreen_trio.cli import build_parser
 from evergreen_trio.generate import BackendConfigError, BackendSettings, served_by
 from evergreen_trio.server_cli import backend_from_args
 from evergreen_trio.sim import SimConfig, run_sim
+from evergreen_trio.testing.subprocess_server import serve_command
 
 
 def parse(*argv: str) -> BackendSettings | None:
@@ -61,22 +62,12 @@ async def sim(nursery: trio.Nursery) -> AsyncIterator[str]:
 
 
 async def test_a_served_generate_streams_from_the_backend(sim: str) -> None:
-    command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0",
-               "--generate-backend", f"http://{sim}", "--model", "sim-model", "--max-tokens", "3"]
-    process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
-        assert process.stdout is not None
-        line = b""
-        with trio.fail_after(30):
-            while not line.endswith(b"\n"):
-                line += await process.stdout.receive_some(1)
-        assert f"(GENERATE -> http://{sim}/v1/completions model sim-model)" in line.decode()
-        port = line.decode().split(" (")[0].rsplit(":", 1)[1]
+    backend = ("--generate-backend", f"http://{sim}", "--model", "sim-model", "--max-tokens", "3")
+    async with serve_command(*backend) as line:
+        assert f"(GENERATE -> http://{sim}/v1/completions model sim-model)" in line
+        port = line.split(" (")[0].rsplit(":", 1)[1]
         async with connect(f"127.0.0.1:{port}") as session:
             call = await session.run("GENERATE", {"prompt": inner(text("Hello"))}, ["response"])
             chunks = [(chunk.metadata, await chunk.read()) async for chunk in call["response"]]
         [(metadata, data)] = chunks
         assert served_by(metadata) == sim and len(data.split()) == 3
-    finally:
-        process.terminate()
-        await process.wait()

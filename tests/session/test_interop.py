@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import grpc
@@ -21,6 +19,7 @@ from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
 )
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.server import START_SESSION
+from evergreen_trio.testing.subprocess_server import serve_command
 
 
 def grpcio_echo(address: str) -> list[SessionMessage]:
@@ -68,24 +67,13 @@ async def test_grpcio_client_against_our_server(nursery: trio.Nursery) -> None:
 
 
 async def test_our_client_against_our_server_in_another_process() -> None:
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0"], stdout=subprocess.PIPE
-    )
-    try:
-        assert process.stdout is not None
-        line = b""
-        with trio.fail_after(30):
-            while not line.endswith(b"\n"):
-                line += await process.stdout.receive_some(1)
-        address = line.decode().split()[-1]
+    async with serve_command() as line:
+        address = line.split()[-1]
         async with connect(address) as session:
             call = await session.run("ECHO", {"input": inner(text("across "), text("processes"))}, ["output"])
             assert await call["output"].read_text() == "across processes"
             generated = await session.run("GENERATE", {"prompt": text("hello")}, ["response"])
             assert "hello" in await generated["response"].read_text()
-    finally:
-        process.terminate()
-        await process.wait()
 
 
 @pytest.mark.parametrize("bad_address", ["no-port", "host:notaport"])
