@@ -7,10 +7,10 @@ gRPC status the Evergreen client sees; settings that make no sense are a :class:
 from __future__ import annotations
 
 from evergreen_trio.dag.errors import SessionError, StatusCode
-from evergreen_trio.errors import EvergreenTrioError
+from evergreen_trio.errors import ConfigurationError
 
 
-class BackendConfigError(EvergreenTrioError, ValueError):
+class BackendConfigError(ConfigurationError):
     """A ``BackendSettings`` field is out of range; the message names the field and what came."""
 
 

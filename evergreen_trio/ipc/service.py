@@ -69,7 +69,7 @@ class Catalog:
             return self._streams[ticket]
         except KeyError:
             raise UnknownTicketError(
-                f"want_data: expected one of {len(self._streams)} known tickets, got {ticket[:64]!r}"
+                f"want_data: unknown ticket {ticket[:64]!r} (this server has {len(self._streams)})"
             ) from None
 
     @property
