@@ -22,8 +22,7 @@ from evergreen_trio import FileResolver, NodeRef, Output, Server, connect, inner
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.gateway import GatewayInfo, GatewaySettings, run_gateway
 from evergreen_trio.generate import BackendSettings, open_backend, served_by
-from evergreen_trio.picker.envoy_process import find_envoy
-from evergreen_trio.picker.errors import EnvoyError
+from evergreen_trio.picker import EnvoyError, find_envoy
 from evergreen_trio.signals import run_until_signal
 from evergreen_trio.sim import SimConfig
 

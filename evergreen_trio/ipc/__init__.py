@@ -19,6 +19,7 @@ from evergreen_trio.ipc.errors import (
     UnknownTicketError,
     UriError,
 )
+from evergreen_trio.ipc.pool import BufferPool
 from evergreen_trio.ipc.service import Catalog, fetch, fetch_table, serve
 from evergreen_trio.ipc.session import IpcStream, Role, ServeOptions
 from evergreen_trio.ipc.uri import IpcUri, parse_uri
@@ -26,6 +27,7 @@ from evergreen_trio.ipc.uri import IpcUri, parse_uri
 __all__ = [
     "DEFAULT_LIMITS",
     "BodyMismatchError",
+    "BufferPool",
     "Catalog",
     "ConnectionLostError",
     "FlatbufferError",

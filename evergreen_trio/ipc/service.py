@@ -37,7 +37,7 @@ from evergreen_trio.ipc.transports.shm import (
 from evergreen_trio.ipc.transports.tcp import FramedSocket, StreamClientChannel, StreamServerChannel
 from evergreen_trio.ipc.uri import IpcUri, parse_uri
 
-log = logging.getLogger("evergreen_trio.ipc")
+log = logging.getLogger(__name__)
 
 DEFAULT_OPTIONS = ServeOptions()
 

@@ -52,7 +52,7 @@ from evergreen_trio.ipc.transports.base import (
     ServerChannel,
 )
 
-log = logging.getLogger("evergreen_trio.ipc")
+log = logging.getLogger(__name__)
 
 Lookup = Callable[[bytes], Sequence[OutgoingMessage]]
 

@@ -40,7 +40,7 @@ class ExtProcError(PickerError):
 
 
 class WireError(PickerError):
-    """Base of the gRPC wire layer's errors (:class:`evergreen_trio.picker.grpc_wire.RpcStatus`)."""
+    """Base of the gRPC wire layer's errors (:class:`evergreen_trio.picker.grpc_wire.RpcStatusError`)."""
 
 
 class EnvoyError(PickerError):
