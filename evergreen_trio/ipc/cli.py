@@ -23,7 +23,7 @@ _BAR = 30
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ipc = subparsers.add_parser("ipc", help="Arrow Dissociated IPC: serve and fetch Arrow data")
-    commands = ipc.add_subparsers(dest="ipc_command", required=True)
+    commands = ipc.add_subparsers(dest="ipc_command", required=True, metavar="COMMAND")
     serve_parser = commands.add_parser("serve", help="serve an Arrow IPC file or stream until interrupted")
     serve_parser.add_argument("file", type=Path, help="Arrow IPC file or stream; the ticket is its base name")
     serve_parser.add_argument(
