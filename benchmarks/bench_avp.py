@@ -19,9 +19,18 @@ import avp as reference
 import numpy as np
 
 from benchmarks._harness import Row, print_table, write_results
-from evergreen_trio.avp import AVPLimits, AVPMetadata, DataType, PayloadType, decode, encode, encode_buffers, pack_kv
-from evergreen_trio.avp.incremental import AVPDecoder
-from evergreen_trio.avp.stream import avp_fragments
+from evergreen_trio.avp import (
+    AVPDecoder,
+    AVPLimits,
+    AVPMetadata,
+    DataType,
+    PayloadType,
+    avp_fragments,
+    decode,
+    encode,
+    encode_buffers,
+    pack_kv,
+)
 
 REFERENCE = f"avp {reference.__version__}"
 LEVELS = {"fast": reference.CompressionLevel.FAST, "balanced": reference.CompressionLevel.BALANCED}

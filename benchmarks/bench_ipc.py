@@ -28,8 +28,7 @@ import pyarrow.flight as flight
 import trio
 
 from benchmarks._harness import Row, print_table, write_results
-from evergreen_trio.ipc import fetch
-from evergreen_trio.ipc.pool import BufferPool
+from evergreen_trio.ipc import BufferPool, fetch
 from evergreen_trio.ipc.transports.ucx_bridge import DEFAULT_TLS
 
 RUNS = 3

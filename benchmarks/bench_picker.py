@@ -29,8 +29,7 @@ import httpx
 import trio
 
 from benchmarks._harness import Row, print_table, write_results
-from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
-from evergreen_trio.picker.envoy_process import run_envoy
+from evergreen_trio.picker import gateway_config, run_envoy, write_gateway_config
 
 METRICS = (
     "vllm:num_requests_waiting 1\nvllm:num_requests_running 2\nvllm:kv_cache_usage_perc 0.3\n"

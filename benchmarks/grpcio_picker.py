@@ -18,11 +18,15 @@ import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
-from evergreen_trio.picker.config import Endpoint, PickerConfig, load_config
-from evergreen_trio.picker.engine_metrics import parse_engine_metrics
-from evergreen_trio.picker.errors import MetricsError
-from evergreen_trio.picker.processor import Picker
-from evergreen_trio.picker.scheduler import PoolSnapshot
+from evergreen_trio.picker import (
+    Endpoint,
+    MetricsError,
+    Picker,
+    PickerConfig,
+    PoolSnapshot,
+    load_config,
+    parse_engine_metrics,
+)
 
 
 class Servicer(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]

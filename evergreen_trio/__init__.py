@@ -7,14 +7,14 @@ The Evergreen session API lives here; the other protocols are subpackages:
 
 from evergreen_trio.client import Call, ClientSession, Output, connect
 from evergreen_trio.dag import (
-    LimitExceeded,
-    ProtocolViolation,
-    SessionAborted,
+    LimitExceededError,
+    ProtocolViolationError,
+    SessionAbortedError,
     SessionError,
     SessionLimits,
     StatusCode,
 )
-from evergreen_trio.errors import EvergreenTrioError
+from evergreen_trio.errors import ConfigurationError, EvergreenTrioError
 from evergreen_trio.nodes import NodeRef, blob, inner, ref, text
 from evergreen_trio.nursery_session import ActionContext, ChunkReader, InputStream, OutputNode
 from evergreen_trio.refs import FileResolver, RefResolver
@@ -25,17 +25,18 @@ __all__ = [
     "Call",
     "ChunkReader",
     "ClientSession",
+    "ConfigurationError",
     "EvergreenTrioError",
     "FileResolver",
     "InputStream",
-    "LimitExceeded",
+    "LimitExceededError",
     "NodeRef",
     "Output",
     "OutputNode",
-    "ProtocolViolation",
+    "ProtocolViolationError",
     "RefResolver",
     "Server",
-    "SessionAborted",
+    "SessionAbortedError",
     "SessionError",
     "SessionLimits",
     "StatusCode",

@@ -1,16 +1,21 @@
-"""`evergreen-trio` and its subcommands: argument parsing and wiring, no logic.
+"""evergreen-trio: serve and consume GenAI wire protocols on Trio.
 
-Each area registers its own subcommands through a ``register(subparsers)``
-function in the module named in ``COMMAND_MODULES``.
+Evergreen sessions (serve, conformance), the Endpoint Picker for Envoy (picker, gateway-config,
+gateway), a simulated vLLM model server (sim) and Arrow Dissociated IPC (ipc serve, ipc get).
+
+Each area registers its subcommands through ``register(subparsers)`` in the module named in
+``COMMAND_MODULES``; ``evergreen_trio._cli`` holds what they share.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
 from collections.abc import Sequence
+
+from evergreen_trio._cli import Parser, add_global_options, run_command
 
 COMMAND_MODULES = (
     "evergreen_trio.server_cli",
@@ -22,23 +27,26 @@ COMMAND_MODULES = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="evergreen-trio", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    subparsers = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> Parser:
+    """The ``evergreen-trio`` parser with every subcommand."""
+    tool, commands, _ = (__doc__ or "").split("\n\n", 2)
+    parser = Parser(prog="evergreen-trio", description=f"{tool} {commands}")
+    parser.add_argument("--version", action="version",
+                        version=f"evergreen-trio {importlib.metadata.version('evergreen-trio')}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    add_global_options(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Parse ``argv`` (default: the process's), run the subcommand, return its exit status."""
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
     )
-    result: int = args.run(args)
-    return result
+    return run_command(args.prog, lambda: int(args.run(args)), debug=args.log_level == "DEBUG")
 
 
 if __name__ == "__main__":

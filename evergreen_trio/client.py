@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import trio
 from google.protobuf.any_pb2 import Any as AnyProto
 
-from evergreen_trio._grpc.bridge import MessageStream, RpcAbort, open_client_stream
+from evergreen_trio._grpc.bridge import MessageStream, RpcAbortError, open_client_stream
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Action, ChunkMetadata, NamedParameter, SessionMessage
-from evergreen_trio.dag import FragmentBuilder, SessionAborted, SessionError, SessionLimits, StatusCode
+from evergreen_trio._wire import START_SESSION
+from evergreen_trio.dag import FragmentBuilder, SessionAbortedError, SessionError, SessionLimits, StatusCode
 from evergreen_trio.nodes import Inner, Leaf, NodeLike, NodeRef, RefURI
 from evergreen_trio.nursery_session import (
     InputStream,
@@ -25,7 +26,6 @@ from evergreen_trio.nursery_session import (
     pack_messages,
 )
 from evergreen_trio.refs import RefResolver, resolver_map
-from evergreen_trio.server import START_SESSION
 
 
 @dataclass
@@ -141,7 +141,7 @@ async def connect(
     fragment_bytes: int = 256 * 1024,
 ) -> AsyncIterator[ClientSession]:
     """Open a session to ``host:port``. Leaving the block ends the client's side of the stream and
-    waits for the server to finish; a server abort raises :class:`SessionAborted` here."""
+    waits for the server to finish; a server abort raises :class:`SessionAbortedError` here."""
     host, port = parse_target(target)
     options = SessionOptions(limits or SessionLimits(), resolver_map(resolvers), fragment_bytes)
     async with open_client_stream(host, port, START_SESSION, SessionMessage, SessionMessage, pack_messages) as stream:
@@ -166,8 +166,8 @@ async def connect(
 async def _receive(session: ClientSession, scope: trio.CancelScope) -> None:
     try:
         await session.receive_loop(_no_actions)
-    except RpcAbort as abort:
-        _abort(session, scope, SessionAborted(abort.message, code=StatusCode(abort.status.value)))
+    except RpcAbortError as abort:
+        _abort(session, scope, SessionAbortedError(abort.message, code=StatusCode(abort.status.value)))
     except SessionError as error:
         _abort(session, scope, error)
 

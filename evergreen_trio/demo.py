@@ -22,9 +22,8 @@ from evergreen_trio import FileResolver, NodeRef, Output, Server, connect, inner
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.gateway import GatewayInfo, GatewaySettings, run_gateway
 from evergreen_trio.generate import BackendSettings, open_backend, served_by
-from evergreen_trio.picker.envoy_process import find_envoy
-from evergreen_trio.picker.errors import EnvoyError
-from evergreen_trio.signals import cancel_on_signals
+from evergreen_trio.picker import EnvoyError, find_envoy
+from evergreen_trio.signals import run_until_signal
 from evergreen_trio.sim import SimConfig
 
 MODEL = "sim-model"
@@ -84,10 +83,7 @@ async def run_demo(root: Path) -> None:
 
 async def interruptible_demo(root: Path) -> int:
     """``run_demo``, stopped cleanly (Envoy included) by Ctrl-C or SIGTERM: exit status 130 then."""
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
-        await run_demo(root)
-        nursery.cancel_scope.cancel()
+    if await run_until_signal(run_demo, root):
         return 0
     print("\ndemo: interrupted; everything stopped")
     return 130

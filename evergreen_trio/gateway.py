@@ -24,21 +24,17 @@ from typing import Any
 
 import httpx
 import trio
-import yaml
 
-from evergreen_trio.errors import EvergreenTrioError
-from evergreen_trio.picker.config import PickerConfig, config_from_documents
+from evergreen_trio._cli import add_dataclass_options, dataclass_options, port, serve_until_signal
+from evergreen_trio.errors import ConfigurationError, EvergreenTrioError
+from evergreen_trio.picker.config import PickerConfig, config_from_documents, read_documents
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.envoy_process import run_envoy
-from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.runtime import PickerPorts, run_picker
-from evergreen_trio.signals import cancel_on_signals
-from evergreen_trio.sim.cli import add_config_arguments, config_from_args
-from evergreen_trio.sim.config import SimConfig
-from evergreen_trio.sim.errors import SimConfigError
+from evergreen_trio.sim.config import OPTION_HELP, SimConfig
 from evergreen_trio.sim.server import run_sim
 
-logger = logging.getLogger("evergreen_trio.gateway")
+logger = logging.getLogger(__name__)
 
 MAX_SIMULATE = 64
 """Most simulated servers one gateway runs."""
@@ -51,6 +47,10 @@ _component: contextvars.ContextVar[str] = contextvars.ContextVar("evergreen_trio
 
 class GatewayError(EvergreenTrioError):
     """The gateway could not start, or one of its parts stopped."""
+
+
+class GatewaySettingsError(GatewayError, ConfigurationError):
+    """A :class:`GatewaySettings` field makes no sense; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -79,17 +79,17 @@ class GatewaySettings:
 
     def __post_init__(self) -> None:
         if not 0 <= self.simulate <= MAX_SIMULATE:
-            raise GatewayError(f"simulate must be in 0..{MAX_SIMULATE}, got {self.simulate}")
+            raise GatewaySettingsError(f"simulate must be in 0..{MAX_SIMULATE}, got {self.simulate}")
         if self.config_path is None and not self.simulate:
-            raise GatewayError("expected a config file, or simulate >= 1 to make a pool of simulated servers")
+            raise GatewaySettingsError("expected a config file, or simulate >= 1 to make a pool of simulated servers")
         split_listen(self.listen)
         for name in ("grpc_port", "health_port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
-                raise GatewayError(f"{name} must be in 0..65535, got {getattr(self, name)}")
+                raise GatewaySettingsError(f"{name} must be in 0..65535, got {getattr(self, name)}")
         if self.round_robin_port is not None and not 0 <= self.round_robin_port < 65536:
-            raise GatewayError(f"round_robin_port must be in 0..65535, got {self.round_robin_port}")
+            raise GatewaySettingsError(f"round_robin_port must be in 0..65535, got {self.round_robin_port}")
         if self.ready_timeout_s <= 0:
-            raise GatewayError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+            raise GatewaySettingsError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -159,9 +159,9 @@ def split_listen(listen: str) -> tuple[str, int]:
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        raise GatewayError(f"listen must be ip:port, got {listen!r}") from None
+        raise GatewaySettingsError(f"listen must be ip:port, got {listen!r}") from None
     if not port.isdigit() or int(port) > 65535:
-        raise GatewayError(f"listen port must be in 0..65535, got {listen!r}") from None
+        raise GatewaySettingsError(f"listen port must be in 0..65535, got {listen!r}") from None
     return host, int(port)
 
 
@@ -175,12 +175,7 @@ def _free_port(host: str = "127.0.0.1") -> int:
 def _read_documents(path: Path | None) -> list[object]:
     if path is None:
         return [{"pool": {"name": "simulated", "endpoints": []}}]
-    try:
-        return list(yaml.safe_load_all(path.read_text(encoding="utf-8")))
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError("file", f"a readable UTF-8 file at {path}", str(error)) from None
-    except yaml.YAMLError as error:
-        raise ConfigError("file", "valid YAML", str(error).splitlines()[0]) from None
+    return read_documents(path)
 
 
 def pool_config(documents: Sequence[object], endpoints: Sequence[str] | None) -> PickerConfig:
@@ -288,12 +283,13 @@ async def run_gateway(
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
-    """The GatewaySettings the command line describes; raises GatewayError or SimConfigError."""
+    """The GatewaySettings the command line describes; raises GatewaySettingsError or SimConfigError."""
     return GatewaySettings(
         config_path=args.config,
         listen=args.listen,
         simulate=args.simulate,
-        sim=config_from_args(args, prefix="sim_"),
+        sim=SimConfig(lora_adapters=tuple(args.sim_lora), **dataclass_options(args, SimConfig, OPTION_HELP,
+                                                                               prefix="sim_")),
         round_robin_port=args.round_robin_port,
         grpc_port=args.grpc_port,
         health_port=args.grpc_health_port,
@@ -302,36 +298,16 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     )
 
 
-async def _serve(settings: GatewaySettings) -> None:
-    """Run the gateway until SIGINT or SIGTERM, which cancel it (rather than a KeyboardInterrupt mid-send)."""
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
-        info: GatewayInfo = await nursery.start(run_gateway, settings)
-        print("\n".join(info.lines()), flush=True)
-        print("Ctrl-C stops everything.", flush=True)
-
-
-def _leaves(error: BaseException) -> Iterator[BaseException]:
-    if isinstance(error, BaseExceptionGroup):
-        for inner in error.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield error
+def _announce(info: GatewayInfo) -> None:
+    print("\n".join(info.lines()), flush=True)
+    print("Ctrl-C stops everything.", flush=True)
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Run the gateway until SIGINT or SIGTERM, which cancel it (rather than a KeyboardInterrupt mid-send)."""
     # The picker's scrapers log every scrape through httpx at INFO: too chatty for a console.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    status = 0
-    try:
-        trio.run(_serve, settings_from_args(args))
-    except* KeyboardInterrupt:
-        logger.info("gateway.stopped reason=interrupt")
-    except* (EvergreenTrioError, SimConfigError) as group:
-        for error in _leaves(group):
-            logger.error("gateway.failed error=%s", error)
-        status = 1
-    return status
+    return serve_until_signal(run_gateway, settings_from_args(args), started=_announce)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -344,12 +320,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--listen", default="127.0.0.1:8080", help="Envoy listener ip:port (default: %(default)s)")
     parser.add_argument("--simulate", type=int, default=0, metavar="N",
                         help="run N simulated model servers as the pool (default: %(default)s)")
-    parser.add_argument("--round-robin-port", type=int, default=None,
+    parser.add_argument("--round-robin-port", type=port, default=None,
                         help="also open a round-robin listener (no picker) on this port, as a baseline")
-    parser.add_argument("--grpc-port", type=int, default=0, help="picker ext_proc port (default: any free)")
-    parser.add_argument("--grpc-health-port", type=int, default=0, help="picker health port (default: any free)")
-    parser.add_argument("--metrics-port", type=int, default=0, help="picker metrics port (default: any free)")
+    parser.add_argument("--grpc-port", type=port, default=0, help="picker ext_proc port (default: any free)")
+    parser.add_argument("--grpc-health-port", type=port, default=0, help="picker health port (default: any free)")
+    parser.add_argument("--metrics-port", type=port, default=0, help="picker metrics port (default: any free)")
     parser.add_argument("--ready-timeout", type=float, default=30.0,
                         help="seconds to wait for the first request through Envoy (default: %(default)s)")
-    add_config_arguments(parser.add_argument_group("simulated servers (with --simulate)"), prefix="sim-")
+    group = parser.add_argument_group("simulated servers (with --simulate)")
+    add_dataclass_options(group, SimConfig, OPTION_HELP, prefix="sim-")
+    group.add_argument("--sim-lora", action="append", default=[], metavar="NAME",
+                       help="serve a LoRA adapter of this name (repeatable)")
     parser.set_defaults(run=_run)

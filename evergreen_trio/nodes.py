@@ -44,6 +44,7 @@ NodeLike = Leaf | Inner | NodeRef
 
 
 def text(value: str, *, mimetype: str = "text/plain", id: str | None = None) -> Leaf:
+    """A leaf of one UTF-8 fragment (``text/plain`` unless ``mimetype`` says otherwise)."""
     return Leaf((value.encode(),), mimetype, id)
 
 
@@ -62,4 +63,5 @@ def ref(uri: str | Sequence[str], *, mimetype: str = "application/octet-stream",
 
 
 def inner(*children: NodeLike, id: str | None = None) -> Inner:
+    """An inner node of ``children`` (nodes or NodeRefs), flattened in this order."""
     return Inner(children, id)

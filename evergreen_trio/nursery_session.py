@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from evergreen_trio._grpc.bridge import HandoffClosed, MessageStream, RpcAbort
+from evergreen_trio._grpc.bridge import HandoffClosedError, MessageStream, RpcAbortError
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Action, ChunkMetadata, NodeFragment, SessionMessage
 from evergreen_trio.dag import (
     FlattenCursor,
@@ -22,17 +22,18 @@ from evergreen_trio.dag import (
     LeafBytes,
     LeafEnd,
     LeafStart,
-    LimitExceeded,
-    ProtocolViolation,
-    SessionAborted,
+    LimitExceededError,
+    ProtocolViolationError,
+    SessionAbortedError,
     SessionError,
     SessionGraph,
     SessionLimits,
     StatusCode,
-    UnknownAction,
-    UnknownTarget,
+    UnknownActionError,
+    UnknownTargetError,
     Wait,
 )
+from evergreen_trio.errors import leaf_exceptions
 from evergreen_trio.refs import RefResolver
 
 log = logging.getLogger(__name__)
@@ -157,8 +158,8 @@ class Session:
     async def _put(self, item: Outbound) -> None:
         try:
             await self.stream.outbound.put(item)
-        except HandoffClosed:
-            raise self.error or SessionAborted("the session has ended", code=StatusCode.CANCELLED) from None
+        except HandoffClosedError:
+            raise self.error or SessionAbortedError("the session has ended", code=StatusCode.CANCELLED) from None
 
     def input(self, node_id: str) -> InputStream:
         return InputStream(self, node_id)
@@ -348,7 +349,7 @@ class ActionContext:
         for name in names:
             if name in self.inputs:
                 return self.inputs[name]
-        raise ProtocolViolation(f"action {self.name}: needs input {' or '.join(map(repr, names))}")
+        raise ProtocolViolationError(f"action {self.name}: needs input {' or '.join(map(repr, names))}")
 
     def output(self, *names: str) -> OutputNode:
         """The first of ``names`` the caller asked for, or a writer that drops what it gets."""
@@ -416,7 +417,7 @@ class ServerSession(Session):
         for action in actions:
             context, spec = self._accept(action)
             if self._running >= self.options.limits.max_concurrent_actions:
-                raise LimitExceeded(f"{describe(action)}: {self._running} actions already running, the limit")
+                raise LimitExceededError(f"{describe(action)}: {self._running} actions already running, the limit")
             self._running += 1
             self._nursery.start_soon(self._run_action, spec, context, name=f"evergreen.action.{action.name}")
 
@@ -425,20 +426,20 @@ class ServerSession(Session):
         spec = self._actions.get(action.name)
         if spec is None:
             offered = ", ".join(sorted(self._actions)) or "none"
-            raise UnknownAction(f"{where}: unknown action (this server offers: {offered})")
+            raise UnknownActionError(f"{where}: unknown action (this server offers: {offered})")
         if action.target_spec.id not in self._targets:
-            raise UnknownTarget(f"{where}: unknown target {action.target_spec.id!r}")
+            raise UnknownTargetError(f"{where}: unknown target {action.target_spec.id!r}")
         inputs: dict[str, InputStream] = {}
         for param in action.inputs:
             if param.name not in spec.inputs:
-                raise ProtocolViolation(f"{where}: unknown input {param.name!r} (accepts {sorted(spec.inputs)})")
+                raise ProtocolViolationError(f"{where}: unknown input {param.name!r} (accepts {sorted(spec.inputs)})")
             if not param.id:
-                raise ProtocolViolation(f"{where}: input {param.name!r} names no node")
+                raise ProtocolViolationError(f"{where}: input {param.name!r} names no node")
             inputs[param.name] = self.input(param.id)
         outputs: dict[str, OutputNode] = {}
         for param in action.outputs:
             if param.name not in spec.outputs:
-                raise ProtocolViolation(f"{where}: unknown output {param.name!r} (offers {sorted(spec.outputs)})")
+                raise ProtocolViolationError(f"{where}: unknown output {param.name!r} (offers {sorted(spec.outputs)})")
             self.graph.reserve_output(param.id, where, local=True)
             outputs[param.name] = self.output(param.id)
         return ActionContext(action.name, action, self, inputs, outputs), spec
@@ -459,22 +460,14 @@ class ServerSession(Session):
             self._running -= 1
 
 
-def _flatten_group(exc: BaseException) -> Iterable[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _flatten_group(inner)
-    else:
-        yield exc
-
-
 def _session_error(exc: BaseException) -> SessionError | None:
     """The error that explains a session's end, out of a (nested) exception group."""
-    for leaf in _flatten_group(exc):
+    for leaf in leaf_exceptions(exc):
         if isinstance(leaf, SessionError):
             return leaf
-        if isinstance(leaf, RpcAbort):
-            return SessionAborted(leaf.message, code=StatusCode(leaf.status.value))
-    for leaf in _flatten_group(exc):
+        if isinstance(leaf, RpcAbortError):
+            return SessionAbortedError(leaf.message, code=StatusCode(leaf.status.value))
+    for leaf in leaf_exceptions(exc):
         if isinstance(leaf, Exception):
             return SessionError(f"internal error: {type(leaf).__name__}: {leaf}", code=StatusCode.INTERNAL)
     return None

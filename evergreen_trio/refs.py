@@ -10,7 +10,7 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
-from evergreen_trio.dag.errors import RefRejected, StatusCode
+from evergreen_trio.dag.errors import RefRejectedError, StatusCode
 
 
 class RefResolver(Protocol):
@@ -19,7 +19,7 @@ class RefResolver(Protocol):
     scheme: str
 
     def check(self, uri: str) -> None:
-        """Raise RefRejected when ``uri`` can never be resolved here (checked when the ref arrives)."""
+        """Raise RefRejectedError when ``uri`` can never be resolved here (checked when the ref arrives)."""
 
     def open(self, uri: str) -> AsyncIterator[bytes]: ...
 
@@ -36,20 +36,20 @@ class FileResolver:
         self.read_bytes = read_bytes
 
     def path(self, uri: str) -> Path:
-        """The real path ``uri`` names, or RefRejected saying why it is refused."""
+        """The real path ``uri`` names, or RefRejectedError saying why it is refused."""
         parts = urlsplit(uri)
         if parts.scheme.lower() != "file":
-            raise RefRejected(f"ref {uri!r}: expected a file:// URI")
+            raise RefRejectedError(f"ref {uri!r}: expected a file:// URI")
         if parts.netloc not in ("", "localhost"):
-            raise RefRejected(f"ref {uri!r}: expected file:///absolute/path, got host {parts.netloc!r}")
+            raise RefRejectedError(f"ref {uri!r}: expected file:///absolute/path, got host {parts.netloc!r}")
         raw = unquote(parts.path)
         if "\x00" in raw or not raw.startswith("/"):
-            raise RefRejected(f"ref {uri!r}: expected an absolute path")
+            raise RefRejectedError(f"ref {uri!r}: expected an absolute path")
         if ".." in raw.split("/"):
-            raise RefRejected(f"ref {uri!r}: '..' is not allowed in a path")
+            raise RefRejectedError(f"ref {uri!r}: '..' is not allowed in a path")
         real = Path(os.path.realpath(raw))
         if not any(real == root or root in real.parents for root in self.roots):
-            raise RefRejected(f"ref {uri!r}: outside the allowed roots", code=StatusCode.PERMISSION_DENIED)
+            raise RefRejectedError(f"ref {uri!r}: outside the allowed roots", code=StatusCode.PERMISSION_DENIED)
         return real
 
     def check(self, uri: str) -> None:
@@ -62,7 +62,7 @@ class FileResolver:
                 while block := await handle.read(self.read_bytes):
                     yield block
         except OSError as exc:
-            raise RefRejected(f"ref {uri!r}: cannot be read ({exc.strerror})") from None
+            raise RefRejectedError(f"ref {uri!r}: cannot be read ({exc.strerror})") from None
 
 
 def resolver_map(resolvers: Iterable[RefResolver]) -> dict[str, RefResolver]:

@@ -10,6 +10,7 @@ import trio
 
 from evergreen_trio._grpc.bridge import MessageStream, SessionAcceptor, serve_grpclib
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
+from evergreen_trio._wire import START_SESSION
 from evergreen_trio.dag import SessionLimits
 from evergreen_trio.nursery_session import (
     ActionSpec,
@@ -22,8 +23,6 @@ from evergreen_trio.nursery_session import (
 from evergreen_trio.refs import RefResolver, resolver_map
 
 log = logging.getLogger(__name__)
-
-START_SESSION = "/evergreen.v2.EvergreenService/StartSession"
 
 SHUTDOWN_GRACE_SECONDS = 5.0
 """How long a stopping server waits for open sessions to receive their UNAVAILABLE status."""

@@ -13,11 +13,11 @@ from contextlib import AsyncExitStack
 
 import trio
 
+from evergreen_trio._cli import port, serve_until_signal
 from evergreen_trio.actions import generate, register_builtin_actions
 from evergreen_trio.generate import APIS, BackendConfigError, BackendSettings, open_backend
 from evergreen_trio.refs import FileResolver
 from evergreen_trio.server import Server
-from evergreen_trio.signals import cancel_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ def backend_from_args(args: argparse.Namespace) -> BackendSettings | None:
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = subparsers.add_parser("serve", help="serve Evergreen sessions (ECHO, GENERATE)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    serve.add_argument("--port", type=port, default=50051, help="port to bind, 0 for any (default: %(default)s)")
     serve.add_argument(
         "--allow-file-root", action="append", default=[], metavar="DIR",
         help="resolve file:// refs under DIR (repeatable); by default refs are refused",
@@ -87,25 +87,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    try:
-        backend = backend_from_args(args)
-    except BackendConfigError as error:
-        log.error("serve.failed error=%s", error)
-        return 2
+    """Serve until SIGINT or SIGTERM; bad options raise BackendConfigError (exit 2)."""
+    backend = backend_from_args(args)
     server = Server(resolvers=[FileResolver(args.allow_file_root)] if args.allow_file_root else ())
+    target = f" (GENERATE -> {backend.endpoint} model {backend.model})" if backend else ""
 
-    async def main() -> None:
+    def announce(port: int) -> None:
+        print(f"evergreen-trio serving on {args.host}:{port}{target}", flush=True)
+
+    async def serve(*, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         async with AsyncExitStack() as stack:
             handler = generate
             if backend is not None:
                 handler = (await stack.enter_async_context(open_backend(backend))).generate
             register_builtin_actions(server, generate_handler=handler)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
-                port = await nursery.start(server.serve, args.host, args.port)
-                target = f" (GENERATE -> {backend.endpoint} model {backend.model})" if backend else ""
-                print(f"evergreen-trio serving on {args.host}:{port}{target}", flush=True)
+            await server.serve(args.host, args.port, task_status=task_status)
 
-    trio.run(main)
+    status = serve_until_signal(serve, started=announce, address=f"{args.host}:{args.port}")
     log.info("serve.stopped")
-    return 0
+    return status

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
@@ -25,3 +27,32 @@ async def cancel_on_signals(scope: trio.CancelScope) -> None:
             break
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
+
+async def run_until_signal(
+    run: Callable[..., Awaitable[object]], *args: object, started: Callable[[Any], object] | None = None
+) -> bool:
+    """Run ``run(*args)`` until it returns or the first SIGINT or SIGTERM cancels it.
+
+    With ``started``, ``run`` is started the way ``nursery.start`` starts a task (it gets
+    ``task_status``) and ``started`` is called with the value it reports, e.g. to print the
+    bound port. Returns True when ``run`` returned, False when a signal stopped it. Errors
+    from ``run`` propagate (in an exception group, as from any nursery).
+    """
+    returned = False
+    async with trio.open_nursery() as nursery:
+
+        async def run_then_stop(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+            nonlocal returned
+            if started is None:
+                await run(*args)
+            else:
+                await run(*args, task_status=task_status)
+            returned = True
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
+        if started is None:
+            nursery.start_soon(run_then_stop)
+        else:
+            started(await nursery.start(run_then_stop))
+    return returned

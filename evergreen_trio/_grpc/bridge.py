@@ -48,7 +48,7 @@ CLOSE_TIMEOUT_SECONDS = 5.0
 """How long a stopping server waits for grpclib to release its connections."""
 
 
-class RpcAbort(EvergreenTrioError):
+class RpcAbortError(EvergreenTrioError):
     """Ends a gRPC stream with ``status``; raised by handlers, or received when the peer ended it so."""
 
     def __init__(self, status: Status, message: str) -> None:
@@ -57,7 +57,7 @@ class RpcAbort(EvergreenTrioError):
         self.message = message
 
 
-class HandoffClosed(EvergreenTrioError):
+class HandoffClosedError(EvergreenTrioError):
     """The other side closed the handoff; ``error`` says why when it failed."""
 
 
@@ -99,7 +99,7 @@ class Handoff(Generic[T]):
 
     def _push(self, item: T) -> None:
         if self._closed:
-            raise HandoffClosed("the stream is closed") from self._error
+            raise HandoffClosedError("the stream is closed") from self._error
         self._items.append(item)
         self._wake()
 
@@ -256,7 +256,7 @@ class FinalStatus:
 class MessageStream(Generic[T]):
     """The Trio side's handle on one gRPC stream.
 
-    ``inbound`` yields received messages (``[]`` at the peer's end of stream; :class:`RpcAbort`
+    ``inbound`` yields received messages (``[]`` at the peer's end of stream; :class:`RpcAbortError`
     when the stream ended with an error status); ``outbound`` takes items that ``pack``
     turns into messages. :meth:`finish` ends the stream: on a server with a status, on a
     client by half-closing (or resetting, for a non-OK status).
@@ -306,8 +306,8 @@ async def _pump_in(stream: Any, inbound: Handoff[Message]) -> None:
             await inbound.aio_put(message)
         inbound.close()
     except (StreamTerminatedError, ConnectionError) as exc:
-        inbound.close(RpcAbort(Status.UNAVAILABLE, f"stream terminated: {exc}"))
-    except HandoffClosed:
+        inbound.close(RpcAbortError(Status.UNAVAILABLE, f"stream terminated: {exc}"))
+    except HandoffClosedError:
         pass
 
 
@@ -322,17 +322,17 @@ async def _client_pump_in(stream: Any, inbound: Handoff[Message]) -> None:
         while (message := await stream.recv_message()) is not None:
             await inbound.aio_put(message)
     except GRPCError as exc:  # a trailers-only response
-        inbound.close(RpcAbort(exc.status, exc.message or exc.status.name))
+        inbound.close(RpcAbortError(exc.status, exc.message or exc.status.name))
         return
     except (StreamTerminatedError, ConnectionError):
         pass
-    except HandoffClosed:
+    except HandoffClosedError:
         return
     trailers = stream._stream.trailers
     if trailers is None and stream._stream.headers is not None and "grpc-status" in dict(stream._stream.headers):
         trailers = stream._stream.headers  # a trailers-only response, then the reset
     if trailers is None:
-        inbound.close(RpcAbort(Status.UNAVAILABLE, "the stream ended without a status"))
+        inbound.close(RpcAbortError(Status.UNAVAILABLE, "the stream ended without a status"))
         return
     try:
         status, message_text, _ = stream._process_grpc_status(dict(trailers))
@@ -341,7 +341,7 @@ async def _client_pump_in(stream: Any, inbound: Handoff[Message]) -> None:
     if status is Status.OK:
         inbound.close()
     else:
-        inbound.close(RpcAbort(status, message_text or status.name))
+        inbound.close(RpcAbortError(status, message_text or status.name))
 
 
 async def _pump_out(stream: Any, session: MessageStream[Any]) -> None:
@@ -387,14 +387,14 @@ class SessionAcceptor(Generic[Req, T]):
             if final.status is not Status.OK:
                 raise GRPCError(final.status, final.message)
         except (StreamTerminatedError, ConnectionError) as exc:
-            session.inbound.close(RpcAbort(Status.UNAVAILABLE, f"stream terminated: {exc}"))
+            session.inbound.close(RpcAbortError(Status.UNAVAILABLE, f"stream terminated: {exc}"))
             session.outbound.close()
-        except HandoffClosed:
+        except HandoffClosedError:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down") from None
         finally:
             # A client that went away (reset, dead connection) cancels this handler: the Trio side
             # learns it here, or its receive loop would wait forever with the session's nodes.
-            session.inbound.close(RpcAbort(Status.UNAVAILABLE, "the client went away"))
+            session.inbound.close(RpcAbortError(Status.UNAVAILABLE, "the client went away"))
             session.finish(Status.UNAVAILABLE, "stream ended")
             session._mark_closed()
             # Once the handler ends, grpclib releases the stream (acking unread data) and nothing
@@ -463,18 +463,18 @@ async def _client_main(
                     # The stream is reset, so its framing no longer matters: the pending read may go.
                     await stream.cancel()
                     reader.cancel()
-                    session.inbound.close(RpcAbort(final.status, final.message or final.status.name))
+                    session.inbound.close(RpcAbortError(final.status, final.message or final.status.name))
                 else:
                     if not reader.done():
                         await _half_close(stream)
                     await asyncio.shield(reader)
             except (StreamTerminatedError, ConnectionError, GRPCError) as exc:
                 status = exc.status if isinstance(exc, GRPCError) else Status.UNAVAILABLE
-                session.inbound.close(RpcAbort(status, str(exc)))
+                session.inbound.close(RpcAbortError(status, str(exc)))
                 await asyncio.shield(reader)
     except (OSError, StreamTerminatedError, GRPCError, ProtocolError) as exc:
         status = exc.status if isinstance(exc, GRPCError) else Status.UNAVAILABLE
-        session.inbound.close(RpcAbort(status, f"cannot reach {host}:{port}: {exc}"))
+        session.inbound.close(RpcAbortError(status, f"cannot reach {host}:{port}: {exc}"))
     finally:
         session.outbound.close()
         channel.close()

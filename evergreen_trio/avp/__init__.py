@@ -18,6 +18,7 @@ from evergreen_trio.avp.errors import (
     AVPTruncatedError,
     AVPVersionError,
 )
+from evergreen_trio.avp.incremental import AVPDecoder
 from evergreen_trio.avp.kv import KVCacheHeader, pack_kv, unpack_kv
 from evergreen_trio.avp.message import (
     DEFAULT_LIMITS,
@@ -29,11 +30,13 @@ from evergreen_trio.avp.message import (
     DataType,
     PayloadType,
 )
+from evergreen_trio.avp.stream import avp_fragments
 
 __all__ = [
     "DEFAULT_LIMITS",
     "AVPChecksumError",
     "AVPCompressionError",
+    "AVPDecoder",
     "AVPDeviceError",
     "AVPEncodeError",
     "AVPEnumError",
@@ -55,6 +58,7 @@ __all__ = [
     "DataType",
     "KVCacheHeader",
     "PayloadType",
+    "avp_fragments",
     "decode",
     "encode",
     "encode_buffers",

@@ -14,7 +14,7 @@ from evergreen_trio.avp.errors import AVPFormatError, AVPHandshakeError
 from evergreen_trio.avp.handshake import MAX_HELLO_BYTES, HelloMessage, hello_from_json, hello_to_json, resolve_mode
 from evergreen_trio.avp.message import DEFAULT_LIMITS, AVPLimits, AVPMessage
 from evergreen_trio.avp.stream import AVP_MIMETYPE, avp_fragments, read_avp
-from evergreen_trio.dag import ProtocolViolation
+from evergreen_trio.dag import ProtocolViolationError
 from evergreen_trio.nursery_session import ActionContext, InputStream, OutputNode
 from evergreen_trio.server import Server
 
@@ -63,11 +63,11 @@ async def _read_hello(stream: InputStream) -> HelloMessage:
         async for piece in chunk:
             data += piece
             if len(data) > MAX_HELLO_BYTES:
-                raise ProtocolViolation(f"AVP_HANDSHAKE hello: expected at most {MAX_HELLO_BYTES} bytes, got more")
+                raise ProtocolViolationError(f"AVP_HANDSHAKE hello: expected at most {MAX_HELLO_BYTES} bytes, got more")
     try:
         return hello_from_json(bytes(data))
     except AVPHandshakeError as exc:
-        raise ProtocolViolation(f"AVP_HANDSHAKE hello: {exc}") from None
+        raise ProtocolViolationError(f"AVP_HANDSHAKE hello: {exc}") from None
 
 
 def register_avp_actions(server: Server, hello: HelloMessage) -> None:

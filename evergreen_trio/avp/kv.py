@@ -30,6 +30,8 @@ KV_DTYPES = (DataType.FLOAT32, DataType.FLOAT16, DataType.BFLOAT16)
 
 @dataclass(frozen=True, slots=True)
 class KVCacheHeader:
+    """The 17-byte header in front of a KV-cache payload: its shape and element type."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int

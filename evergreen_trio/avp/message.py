@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from evergreen_trio.avp.errors import AVPDeviceError, AVPInconsistentError, AVPLimitError
+from evergreen_trio.avp.errors import AVPDeviceError, AVPInconsistentError
+from evergreen_trio.limits import check_limits
 
 MAGIC = b"AV"
 PROTOCOL_VERSION = 0x01
@@ -24,12 +25,16 @@ MiB = 1 << 20
 
 
 class PayloadType(enum.IntEnum):
+    """What the payload carries (``avp.PayloadType`` in the metadata)."""
+
     HIDDEN_STATE = 0
     KV_CACHE = 1
     EMBEDDING = 2
 
 
 class DataType(enum.IntEnum):
+    """The tensor's element type (``avp.DataType``)."""
+
     FLOAT32 = 0
     FLOAT16 = 1
     BFLOAT16 = 2
@@ -37,6 +42,8 @@ class DataType(enum.IntEnum):
 
 
 class CommunicationMode(enum.IntEnum):
+    """Latent (tensors) or JSON messages (``avp.CommunicationMode``)."""
+
     LATENT = 0
     JSON_MODE = 1
 
@@ -115,15 +122,8 @@ class AVPLimits:
     max_extra_entries: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("max_payload_bytes", "max_metadata_bytes", "max_rank", "max_extra_entries"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise AVPLimitError(f"AVPLimits.{name}: expected a non-negative int, got {value!r}")
-        if self.max_payload_bytes > 0xFFFFFFFF:
-            raise AVPLimitError(
-                f"AVPLimits.max_payload_bytes: expected at most 4 GiB - 1 (uint32 lengths), "
-                f"got {self.max_payload_bytes}"
-            )
+        """Raises ConfigurationError for a negative field or a payload cap past uint32 lengths (4 GiB - 1)."""
+        check_limits(self, minimum=0, maximum={"max_payload_bytes": 0xFFFFFFFF})
 
 
 DEFAULT_LIMITS = AVPLimits()

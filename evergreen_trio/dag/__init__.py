@@ -1,18 +1,18 @@
 """The Evergreen session DAG, sans-IO: fragment rules, graph bookkeeping, limits, flattening order."""
 
 from evergreen_trio.dag.errors import (
-    LimitExceeded,
-    ProtocolViolation,
-    RefRejected,
-    SessionAborted,
+    LimitExceededError,
+    ProtocolViolationError,
+    RefRejectedError,
+    SessionAbortedError,
     SessionError,
     StatusCode,
-    UnknownAction,
-    UnknownTarget,
+    UnknownActionError,
+    UnknownTargetError,
 )
 from evergreen_trio.dag.flatten import FlattenCursor, FlattenEvent, LeafBytes, LeafEnd, LeafStart, Wait
 from evergreen_trio.dag.graph import LeafPart, Node, NodeKind, SessionGraph
-from evergreen_trio.dag.limits import LimitsError, SessionLimits
+from evergreen_trio.dag.limits import SessionLimits
 from evergreen_trio.dag.produce import FragmentBuilder
 
 __all__ = [
@@ -23,18 +23,17 @@ __all__ = [
     "LeafEnd",
     "LeafPart",
     "LeafStart",
-    "LimitExceeded",
-    "LimitsError",
+    "LimitExceededError",
     "Node",
     "NodeKind",
-    "ProtocolViolation",
-    "RefRejected",
-    "SessionAborted",
+    "ProtocolViolationError",
+    "RefRejectedError",
+    "SessionAbortedError",
     "SessionError",
     "SessionGraph",
     "SessionLimits",
     "StatusCode",
-    "UnknownAction",
-    "UnknownTarget",
+    "UnknownActionError",
+    "UnknownTargetError",
     "Wait",
 ]

@@ -36,35 +36,35 @@ class SessionError(EvergreenTrioError):
             self.code = code
 
 
-class ProtocolViolation(SessionError):
+class ProtocolViolationError(SessionError):
     """The peer broke a rule of the Evergreen protocol."""
 
     code = StatusCode.INVALID_ARGUMENT
 
 
-class LimitExceeded(SessionError):
+class LimitExceededError(SessionError):
     """A configured limit (nodes, bytes, fragment size, depth, concurrent actions) was crossed."""
 
     code = StatusCode.RESOURCE_EXHAUSTED
 
 
-class UnknownAction(SessionError):
+class UnknownActionError(SessionError):
     """The peer asked for an action this side does not offer."""
 
     code = StatusCode.UNIMPLEMENTED
 
 
-class UnknownTarget(SessionError):
+class UnknownTargetError(SessionError):
     """The action's target_spec names no configured target."""
 
     code = StatusCode.NOT_FOUND
 
 
-class RefRejected(SessionError):
+class RefRejectedError(SessionError):
     """A chunk's external ref cannot be resolved here (no resolver for its scheme, or outside the roots)."""
 
     code = StatusCode.INVALID_ARGUMENT
 
 
-class SessionAborted(SessionError):
+class SessionAbortedError(SessionError):
     """The session ended with a non-OK status; raised on the side that did not choose to abort."""

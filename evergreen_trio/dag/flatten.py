@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import ChunkMetadata
-from evergreen_trio.dag.errors import LimitExceeded, ProtocolViolation
+from evergreen_trio.dag.errors import LimitExceededError, ProtocolViolationError
 from evergreen_trio.dag.graph import LeafPart, NodeKind, SessionGraph
 
 
@@ -33,6 +33,8 @@ class LeafBytes:
 
 @dataclass(frozen=True, slots=True)
 class LeafEnd:
+    """The leaf ``node_id`` has no more bytes (its final fragment arrived)."""
+
     node_id: str
 
 
@@ -64,7 +66,7 @@ class FlattenCursor:
     """Walks the DAG below ``root`` in flattening order; ``next()`` returns None when done.
 
     A shared node is repeated wherever it appears. Depth beyond ``limits.max_depth`` raises
-    LimitExceeded; waiting for a node the peer can no longer send raises ProtocolViolation.
+    LimitExceededError; waiting for a node the peer can no longer send raises ProtocolViolationError.
     """
 
     def __init__(self, graph: SessionGraph, root: str) -> None:
@@ -79,7 +81,7 @@ class FlattenCursor:
                 child = frame.children[frame.index]
                 frame.index += 1
                 if len(stack) > graph.limits.max_depth:  # the child would sit len(stack) levels below
-                    raise LimitExceeded(f"node {child!r}: nesting deeper than {graph.limits.max_depth}")
+                    raise LimitExceededError(f"node {child!r}: nesting deeper than {graph.limits.max_depth}")
                 stack.append(_Frame(child))
                 continue
             node = graph.get(frame.node_id)
@@ -107,5 +109,7 @@ class FlattenCursor:
 
     def _wait(self, node_id: str, seq: int) -> Wait:
         if not self._graph.can_arrive(node_id):
-            raise ProtocolViolation(f"node {node_id!r} seq {seq} is needed, but the peer ended its stream without it")
+            raise ProtocolViolationError(
+                f"node {node_id!r} seq {seq} is needed, but the peer ended its stream without it"
+            )
         return Wait(node_id, seq)

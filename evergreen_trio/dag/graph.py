@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from enum import Enum
 
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import ChunkMetadata, NodeFragment
-from evergreen_trio.dag.errors import LimitExceeded, ProtocolViolation, RefRejected
+from evergreen_trio.dag.errors import LimitExceededError, ProtocolViolationError, RefRejectedError
 from evergreen_trio.dag.limits import SessionLimits
 
 
 class NodeKind(Enum):
+    """What a node turned out to be, from its first fragment with a payload."""
+
     UNKNOWN = "unknown"
     """Only fragments without payload so far."""
     LEAF = "leaf"
@@ -79,9 +81,9 @@ class SessionGraph:
     def reserve_output(self, node_id: str, owner: str, *, local: bool) -> None:
         """Claim ``node_id`` for an action's output. Spec: "The provided node IDs in the output must be new"."""
         if not node_id:
-            raise ProtocolViolation(f"{owner}: an output needs a node id, got an empty one")
+            raise ProtocolViolationError(f"{owner}: an output needs a node id, got an empty one")
         if not self.is_new(node_id):
-            raise ProtocolViolation(f"{owner}: output node id {node_id!r} is not new in this session")
+            raise ProtocolViolationError(f"{owner}: output node id {node_id!r} is not new in this session")
         self._outputs[node_id] = (local, owner)
 
     def is_new(self, node_id: str) -> bool:
@@ -99,21 +101,21 @@ class SessionGraph:
         node_id, seq = fragment.id, fragment.seq
         where = f"node {node_id!r} seq {seq}"
         if not node_id:
-            raise ProtocolViolation(f"a node fragment needs an id, got an empty one (seq {seq})")
+            raise ProtocolViolationError(f"a node fragment needs an id, got an empty one (seq {seq})")
         if seq < 0:
-            raise ProtocolViolation(f"{where}: seq must be >= 0")
+            raise ProtocolViolationError(f"{where}: seq must be >= 0")
         node = self.nodes.get(node_id)
         if node is None:
             owner = self._outputs.get(node_id)
             if owner is not None and owner[0] != local:
                 side = "this side" if owner[0] else "the peer"
-                raise ProtocolViolation(f"{where}: the node is the output of {owner[1]}, produced by {side}")
+                raise ProtocolViolationError(f"{where}: the node is the output of {owner[1]}, produced by {side}")
             if len(self.nodes) >= self.limits.max_nodes:
-                raise LimitExceeded(f"{where}: the session holds {len(self.nodes)} nodes, the limit")
+                raise LimitExceededError(f"{where}: the session holds {len(self.nodes)} nodes, the limit")
             node = Node(node_id, local=local)
             self.nodes[node_id] = node
         elif node.local != local:
-            raise ProtocolViolation(f"{where}: the node is produced by the other side")
+            raise ProtocolViolationError(f"{where}: the node is produced by the other side")
         # Spec, Ordering: "accept the first received NodeFragment ... with that seq number, and ignore the rest".
         if seq in node.parts:
             return False
@@ -131,23 +133,25 @@ class SessionGraph:
     def _check_boundary(self, node: Node, fragment: NodeFragment, where: str) -> None:
         # Spec, Boundaries: a seq greater than the final fragment's aborts the session.
         if node.final_seq is not None and fragment.seq > node.final_seq:
-            raise ProtocolViolation(f"{where}: seq is past the final fragment (seq {node.final_seq})")
+            raise ProtocolViolationError(f"{where}: seq is past the final fragment (seq {node.final_seq})")
         if not fragment.continued and node.parts and max(node.parts) > fragment.seq:
-            raise ProtocolViolation(f"{where}: final fragment, but seq {max(node.parts)} has already arrived")
+            raise ProtocolViolationError(f"{where}: final fragment, but seq {max(node.parts)} has already arrived")
 
     def _part(self, node: Node, fragment: NodeFragment, where: str) -> Part:
         has_chunk = fragment.HasField("chunk_fragment")
         children = tuple(fragment.child_ids)
         if has_chunk and children:
-            raise ProtocolViolation(f"{where}: a fragment carries a chunk and child_ids; a node is a leaf or inner")
+            raise ProtocolViolationError(
+                f"{where}: a fragment carries a chunk and child_ids; a node is a leaf or inner"
+            )
         if not has_chunk and not children:
             return None
         kind = NodeKind.LEAF if has_chunk else NodeKind.INNER
         if node.kind not in (NodeKind.UNKNOWN, kind):
-            raise ProtocolViolation(f"{where}: {kind.value} fragment for a node that is {node.kind.value}")
+            raise ProtocolViolationError(f"{where}: {kind.value} fragment for a node that is {node.kind.value}")
         if children:
             if len(children) > self.limits.max_children_per_fragment:
-                raise LimitExceeded(
+                raise LimitExceededError(
                     f"{where}: {len(children)} child_ids, limit {self.limits.max_children_per_fragment}"
                 )
             node.kind = kind
@@ -155,9 +159,11 @@ class SessionGraph:
         chunk = fragment.chunk_fragment
         data = chunk.data
         if len(data) > self.limits.max_fragment_bytes:
-            raise LimitExceeded(f"{where}: {len(data)} bytes in one fragment, limit {self.limits.max_fragment_bytes}")
+            raise LimitExceededError(
+                f"{where}: {len(data)} bytes in one fragment, limit {self.limits.max_fragment_bytes}"
+            )
         if self.buffered_bytes + len(data) > self.limits.max_buffered_bytes:
-            raise LimitExceeded(
+            raise LimitExceededError(
                 f"{where}: the session would hold {self.buffered_bytes + len(data)} bytes, "
                 f"limit {self.limits.max_buffered_bytes}"
             )
@@ -166,7 +172,7 @@ class SessionGraph:
             scheme = ref.partition(":")[0].lower()
             if scheme not in self.ref_schemes:
                 allowed = ", ".join(sorted(self.ref_schemes)) or "none"
-                raise RefRejected(f"{where}: ref {ref!r} uses scheme {scheme!r}; this side resolves: {allowed}")
+                raise RefRejectedError(f"{where}: ref {ref!r} uses scheme {scheme!r}; this side resolves: {allowed}")
         self._check_metadata(node, fragment, where)
         node.kind = kind
         return LeafPart(data, ref)
@@ -181,12 +187,12 @@ class SessionGraph:
             metadata.CopyFrom(chunk.metadata)
             for later_seq, later in node._later_metadata or ():
                 if later != metadata:
-                    raise ProtocolViolation(f"node {node.id!r} seq {later_seq}: metadata differs from seq 0's")
+                    raise ProtocolViolationError(f"node {node.id!r} seq {later_seq}: metadata differs from seq 0's")
             node.metadata, node._later_metadata = metadata, None
         elif chunk.HasField("metadata"):
             if node.metadata is not None:
                 if chunk.metadata != node.metadata:
-                    raise ProtocolViolation(f"{where}: metadata differs from seq 0's")
+                    raise ProtocolViolationError(f"{where}: metadata differs from seq 0's")
             else:
                 later = ChunkMetadata()
                 later.CopyFrom(chunk.metadata)
@@ -200,9 +206,9 @@ class SessionGraph:
         while stack:
             node_id, depth = stack.pop()
             if node_id == parent:
-                raise ProtocolViolation(f"{where}: child {node_id!r} makes the node include itself")
+                raise ProtocolViolationError(f"{where}: child {node_id!r} makes the node include itself")
             if depth > max_depth:
-                raise LimitExceeded(f"{where}: nesting below the node is deeper than {max_depth}")
+                raise LimitExceededError(f"{where}: nesting below the node is deeper than {max_depth}")
             if deepest.get(node_id, 0) >= depth:
                 continue
             deepest[node_id] = depth

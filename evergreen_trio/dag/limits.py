@@ -1,14 +1,10 @@
-"""Per-session limits. Crossing any of them aborts the session with RESOURCE_EXHAUSTED."""
+"""Per-session limits. Crossing any of them aborts the session with RESOURCE_EXHAUSTED (LimitExceededError)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from evergreen_trio.errors import EvergreenTrioError
-
-
-class LimitsError(EvergreenTrioError, ValueError):
-    """A limits object was built with a value that makes no sense."""
+from evergreen_trio.limits import check_limits
 
 
 @dataclass(frozen=True)
@@ -29,6 +25,5 @@ class SessionLimits:
     """child_ids in one fragment."""
 
     def __post_init__(self) -> None:
-        for name, value in vars(self).items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LimitsError(f"SessionLimits.{name} must be a positive int, got {value!r}")
+        """Raises ConfigurationError for a field that is not an int >= 1."""
+        check_limits(self)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Chunk, ChunkMetadata, NodeFragment
-from evergreen_trio.dag.errors import ProtocolViolation
+from evergreen_trio.dag.errors import ProtocolViolationError
 
 
 class FragmentBuilder:
@@ -25,7 +25,7 @@ class FragmentBuilder:
 
     def _next(self, last: bool) -> NodeFragment:
         if self.closed:
-            raise ProtocolViolation(f"node {self.node_id!r}: written after its final fragment")
+            raise ProtocolViolationError(f"node {self.node_id!r}: written after its final fragment")
         fragment = NodeFragment(id=self.node_id, seq=self._seq, continued=not last)
         self._seq += 1
         self.closed = last
@@ -35,7 +35,7 @@ class FragmentBuilder:
         if self._leaf is None:
             self._leaf = leaf
         elif self._leaf != leaf:
-            raise ProtocolViolation(f"node {self.node_id!r}: a node is a leaf or inner, not both")
+            raise ProtocolViolationError(f"node {self.node_id!r}: a node is a leaf or inner, not both")
 
     def data(self, payload: bytes, metadata: ChunkMetadata | None = None, *, last: bool = False) -> list[NodeFragment]:
         """Inline bytes, split into fragments of at most ``fragment_bytes``."""

@@ -24,15 +24,15 @@ from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import ChunkMetadata
 from evergreen_trio.generate.config import BackendSettings
 from evergreen_trio.generate.errors import (
     BackendError,
-    PromptTooLarge,
+    PromptTooLargeError,
     StreamFormatError,
-    UpstreamTimeout,
-    UpstreamUnavailable,
+    UpstreamTimeoutError,
+    UpstreamUnavailableError,
 )
 from evergreen_trio.generate.openai import PromptPart, StreamParser, request_body, upstream_error
 from evergreen_trio.nursery_session import ActionContext, InputStream, OutputNode, describe
 
-log = logging.getLogger("evergreen_trio.generate")
+log = logging.getLogger(__name__)
 
 RESPONSE_ROLE = "assistant"
 """The ``role`` of GENERATE's output chunk: a later chat prompt that reuses it sends it as such."""
@@ -73,7 +73,7 @@ async def read_prompt(stream: InputStream, max_bytes: int, *, where: str) -> tup
         async for piece in chunk:
             size += len(piece)
             if size > max_bytes:
-                raise PromptTooLarge(f"{where}: expected at most {max_bytes} bytes of prompt text, got more")
+                raise PromptTooLargeError(f"{where}: expected at most {max_bytes} bytes of prompt text, got more")
             data += piece
         parts.append(PromptPart(chunk.metadata.role, data.decode("utf-8", errors="replace")))
     return parts, skipped
@@ -82,13 +82,13 @@ async def read_prompt(stream: InputStream, max_bytes: int, *, where: str) -> tup
 def _transport_error(error: httpx.HTTPError, settings: BackendSettings, where: str) -> BackendError:
     upstream = settings.endpoint
     if isinstance(error, httpx.ConnectTimeout | httpx.PoolTimeout):
-        return UpstreamUnavailable(
+        return UpstreamUnavailableError(
             f"{where}: could not get a connection to {upstream} within {settings.connect_timeout_s}s"
         )
     if isinstance(error, httpx.TimeoutException):
-        return UpstreamTimeout(f"{where}: {upstream} sent nothing for {settings.read_timeout_s}s")
+        return UpstreamTimeoutError(f"{where}: {upstream} sent nothing for {settings.read_timeout_s}s")
     if isinstance(error, httpx.TransportError):
-        return UpstreamUnavailable(f"{where}: {upstream} failed: {type(error).__name__}: {error}")
+        return UpstreamUnavailableError(f"{where}: {upstream} failed: {type(error).__name__}: {error}")
     return StreamFormatError(f"{where}: {upstream} sent an unreadable response: {type(error).__name__}: {error}")
 
 
@@ -128,7 +128,7 @@ class OpenAIBackend:
             with trio.move_on_after(self.settings.total_timeout_s) as deadline:
                 await self._stream(body, ctx.output("response", "text"), attempt, where)
             if deadline.cancelled_caught:
-                raise UpstreamTimeout(
+                raise UpstreamTimeoutError(
                     f"{where}: {self.settings.endpoint} did not finish within {self.settings.total_timeout_s}s"
                 )
         except httpx.HTTPError as error:
@@ -166,7 +166,7 @@ class OpenAIBackend:
                 if parser.done:
                     break
             if not parser.done:
-                raise UpstreamUnavailable(f"{where}: {settings.endpoint} closed the stream before data: [DONE]")
+                raise UpstreamUnavailableError(f"{where}: {settings.endpoint} closed the stream before data: [DONE]")
         if metadata is not None:
             await output.write(b"", metadata=metadata, last=True)
         else:

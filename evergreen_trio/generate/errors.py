@@ -7,10 +7,10 @@ gRPC status the Evergreen client sees; settings that make no sense are a :class:
 from __future__ import annotations
 
 from evergreen_trio.dag.errors import SessionError, StatusCode
-from evergreen_trio.errors import EvergreenTrioError
+from evergreen_trio.errors import ConfigurationError
 
 
-class BackendConfigError(EvergreenTrioError, ValueError):
+class BackendConfigError(ConfigurationError):
     """A ``BackendSettings`` field is out of range; the message names the field and what came."""
 
 
@@ -38,25 +38,25 @@ class SSEError(StreamFormatError):
     """Bytes that are not a valid ``text/event-stream`` (not UTF-8, a line or event over its limit)."""
 
 
-class ResponseTooLarge(BackendError):
+class ResponseTooLargeError(BackendError):
     """The upstream's response (or one of its lines) crossed a configured size limit."""
 
     code = StatusCode.RESOURCE_EXHAUSTED
 
 
-class PromptTooLarge(BackendError):
+class PromptTooLargeError(BackendError):
     """The flattened prompt's text crossed ``max_prompt_bytes``."""
 
     code = StatusCode.RESOURCE_EXHAUSTED
 
 
-class UpstreamUnavailable(BackendError):
+class UpstreamUnavailableError(BackendError):
     """The upstream could not be reached, or dropped the connection before ``[DONE]``."""
 
     code = StatusCode.UNAVAILABLE
 
 
-class UpstreamTimeout(BackendError):
+class UpstreamTimeoutError(BackendError):
     """The upstream was too slow: no bytes within the read timeout, or no ``[DONE]`` within the total."""
 
     code = StatusCode.DEADLINE_EXCEEDED

@@ -24,7 +24,7 @@ from typing import Any
 
 from evergreen_trio.dag.errors import StatusCode
 from evergreen_trio.generate.config import BackendSettings
-from evergreen_trio.generate.errors import ResponseTooLarge, SSEError, StreamFormatError, UpstreamStatusError
+from evergreen_trio.generate.errors import ResponseTooLargeError, SSEError, StreamFormatError, UpstreamStatusError
 from evergreen_trio.generate.sse import SSEDecoder
 
 DONE = "[DONE]"
@@ -120,7 +120,7 @@ class StreamParser:
     ``[DONE]``, after which nothing more is read. ``usage`` and ``finish_reason`` keep the last
     seen. Anything else than the OpenAI shapes raises :class:`StreamFormatError`; an error
     object in the stream raises :class:`UpstreamStatusError`; crossing ``max_response_bytes``
-    raises :class:`ResponseTooLarge`.
+    raises :class:`ResponseTooLargeError`.
     """
 
     def __init__(self, settings: BackendSettings, *, where: str) -> None:
@@ -138,12 +138,12 @@ class StreamParser:
             return []
         self.received += len(data)
         if self.received > self._max_bytes:
-            raise ResponseTooLarge(
+            raise ResponseTooLargeError(
                 f"{self._where}: expected a response of at most {self._max_bytes} bytes, got more"
             )
         try:
             events = self._sse.feed(data)
-        except (SSEError, ResponseTooLarge) as error:
+        except (SSEError, ResponseTooLargeError) as error:
             raise type(error)(f"{self._where}: {error.message}") from None
         deltas: list[str] = []
         for event in events:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from evergreen_trio.generate.errors import ResponseTooLarge, SSEError
+from evergreen_trio.generate.errors import ResponseTooLargeError, SSEError
 
 _EOL = re.compile(rb"[\r\n]")
 _BOM = "\ufeff"
@@ -31,7 +31,7 @@ class SSEEvent:
 class SSEDecoder:
     """Feed bytes as they arrive; each call returns the events completed by them.
 
-    Raises :class:`SSEError` for bytes that are not UTF-8 and :class:`ResponseTooLarge` for a
+    Raises :class:`SSEError` for bytes that are not UTF-8 and :class:`ResponseTooLargeError` for a
     line over ``max_line_bytes`` or an event whose data is over ``max_event_bytes``.
     """
 
@@ -77,7 +77,7 @@ class SSEDecoder:
 
     def _check_line(self, size: int) -> None:
         if size > self.max_line_bytes:
-            raise ResponseTooLarge(
+            raise ResponseTooLargeError(
                 f"expected SSE lines of at most {self.max_line_bytes} bytes, got one of {size} bytes or more"
             )
 
@@ -100,7 +100,7 @@ class SSEDecoder:
         if field == "data":
             self._data_bytes += len(raw)
             if self._data_bytes > self.max_event_bytes:
-                raise ResponseTooLarge(
+                raise ResponseTooLargeError(
                     f"expected SSE events of at most {self.max_event_bytes} data bytes, got more"
                 )
             self._data.append(value)

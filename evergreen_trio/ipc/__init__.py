@@ -12,12 +12,14 @@ from evergreen_trio.ipc.errors import (
     FramingError,
     IpcError,
     LimitExceededError,
+    RequestRefusedError,
     SequenceError,
     SharedMemoryError,
     TransportError,
     UnknownTicketError,
     UriError,
 )
+from evergreen_trio.ipc.pool import BufferPool
 from evergreen_trio.ipc.service import Catalog, fetch, fetch_table, serve
 from evergreen_trio.ipc.session import IpcStream, Role, ServeOptions
 from evergreen_trio.ipc.uri import IpcUri, parse_uri
@@ -25,6 +27,7 @@ from evergreen_trio.ipc.uri import IpcUri, parse_uri
 __all__ = [
     "DEFAULT_LIMITS",
     "BodyMismatchError",
+    "BufferPool",
     "Catalog",
     "ConnectionLostError",
     "FlatbufferError",
@@ -34,6 +37,7 @@ __all__ = [
     "IpcStream",
     "IpcUri",
     "LimitExceededError",
+    "RequestRefusedError",
     "Role",
     "SequenceError",
     "ServeOptions",

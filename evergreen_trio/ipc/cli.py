@@ -10,11 +10,11 @@ from pathlib import Path
 import pyarrow as pa
 import trio
 
+from evergreen_trio._cli import UsageError, new_file, serve_until_signal
 from evergreen_trio.ipc.errors import IpcError
 from evergreen_trio.ipc.service import Catalog, fetch, serve
 from evergreen_trio.ipc.session import Role, ServeOptions
 from evergreen_trio.ipc.uri import IpcUri
-from evergreen_trio.signals import cancel_on_signals
 
 PROGRESS_AFTER_S = 0.5
 PROGRESS_EVERY_S = 0.1
@@ -23,7 +23,7 @@ _BAR = 30
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ipc = subparsers.add_parser("ipc", help="Arrow Dissociated IPC: serve and fetch Arrow data")
-    commands = ipc.add_subparsers(dest="ipc_command", required=True)
+    commands = ipc.add_subparsers(dest="ipc_command", required=True, metavar="COMMAND")
     serve_parser = commands.add_parser("serve", help="serve an Arrow IPC file or stream until interrupted")
     serve_parser.add_argument("file", type=Path, help="Arrow IPC file or stream; the ticket is its base name")
     serve_parser.add_argument(
@@ -40,44 +40,37 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     get_parser = commands.add_parser("get", help="fetch a stream and write it as an Arrow IPC file")
     get_parser.add_argument("uri", help="the URI printed by `ipc serve`")
     get_parser.add_argument("ticket", help="the ticket (the served file's base name)")
-    get_parser.add_argument("--out", type=Path, required=True, help="output Arrow IPC file")
+    get_parser.add_argument("--out", type=new_file, required=True, help="output Arrow IPC file")
     get_parser.add_argument("--data-uri", help="the data server's URI when another process serves the bodies")
     get_parser.set_defaults(run=run_get)
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGINT or SIGTERM; a file that is not Arrow IPC raises UsageError (exit 2)."""
     catalog = Catalog()
     try:
         catalog.add_file(args.file)
     except (OSError, IpcError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UsageError(f"argument file: {args.file}: {reason}") from None
 
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
-            uri: IpcUri = await nursery.start(serve, args.uri, catalog, ServeOptions(role=Role(args.role)))
-            print(uri, flush=True)
-            if args.flight:
-                from evergreen_trio.ipc.flight import ControlPlane
+    def announce(uri: IpcUri) -> None:
+        print(uri, flush=True)
+        if args.flight:
+            from evergreen_trio.ipc.flight import ControlPlane
 
-                plane = ControlPlane(args.flight, catalog, uri)
-                print(f"flight grpc://127.0.0.1:{plane.port}", file=sys.stderr, flush=True)
+            plane = ControlPlane(args.flight, catalog, uri)
+            print(f"flight grpc://127.0.0.1:{plane.port}", file=sys.stderr, flush=True)
 
-    try:
-        trio.run(main)
-    except KeyboardInterrupt:  # before the signal handler is in place
-        return 0
-    except (OSError, IpcError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return serve_until_signal(serve, args.uri, catalog, ServeOptions(role=Role(args.role)), started=announce,
+                              address=args.uri)
 
 
 class Progress:
-    """A one-line progress bar on stderr, shown only for transfers longer than half a second."""
+    """A one-line progress bar on stderr, shown only on a terminal, for transfers longer than half a second."""
 
     def __init__(self, total: int | None = None) -> None:
+        self.enabled = sys.stderr.isatty()
         self.total = total
         self.start = time.monotonic()
         self.last = 0.0
@@ -89,7 +82,7 @@ class Progress:
         self.bytes += nbytes
         self.batches += 1
         now = time.monotonic()
-        if now - self.start < PROGRESS_AFTER_S or now - self.last < PROGRESS_EVERY_S:
+        if not self.enabled or now - self.start < PROGRESS_AFTER_S or now - self.last < PROGRESS_EVERY_S:
             return
         self.last = now
         self.shown = True
@@ -131,10 +124,7 @@ async def get(uri: str, ticket: str, out: Path, data_uri: str | None = None) -> 
 
 
 def run_get(args: argparse.Namespace) -> int:
-    try:
-        rows = trio.run(get, args.uri, args.ticket, args.out, args.data_uri)
-    except IpcError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    """Fetch and write; IpcError and OSError propagate (exit 1: one line)."""
+    rows = trio.run(get, args.uri, args.ticket, args.out, args.data_uri)
     print(f"{rows} rows -> {args.out}", file=sys.stderr)
     return 0

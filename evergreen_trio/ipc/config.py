@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from evergreen_trio.ipc.errors import LimitExceededError
+from evergreen_trio.limits import check_limits
 
 MiB = 1 << 20
 
@@ -34,15 +34,9 @@ class IpcLimits:
     connect_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise LimitExceededError(f"IpcLimits.{f.name}: expected a positive number, got {value!r}")
-        if self.max_pending_messages >= 1 << 31:
-            raise LimitExceededError(
-                f"IpcLimits.max_pending_messages: expected < 2**31 (half the sequence space), "
-                f"got {self.max_pending_messages}"
-            )
+        """Raises ConfigurationError for a field that is not positive (and max_pending_messages >= 2**31,
+        half the sequence space)."""
+        check_limits(self, maximum={"max_pending_messages": (1 << 31) - 1})
 
 
 DEFAULT_LIMITS = IpcLimits()

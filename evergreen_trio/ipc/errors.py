@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from evergreen_trio.errors import EvergreenTrioError
+from evergreen_trio.errors import ConfigurationError, EvergreenTrioError
 
 
 class IpcError(EvergreenTrioError):
@@ -17,7 +17,7 @@ class FlatbufferError(FramingError):
     """An Arrow IPC Flatbuffers header is truncated or inconsistent."""
 
 
-class UriError(IpcError):
+class UriError(IpcError, ConfigurationError):
     """A Dissociated IPC URI is missing a parameter or carries a malformed one."""
 
 
@@ -35,6 +35,10 @@ class LimitExceededError(IpcError):
 
 class UnknownTicketError(IpcError):
     """The server has no stream for the requested ticket."""
+
+
+class RequestRefusedError(IpcError):
+    """The server refused the request and said why (an unknown ticket, a ticket too long)."""
 
 
 class TransportError(IpcError):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
-from evergreen_trio.ipc.errors import FramingError, LimitExceededError
+from evergreen_trio.ipc.errors import FramingError, LimitExceededError, RequestRefusedError
 
 UINT32_MAX = 0xFFFF_FFFF
 UINT64_MAX = 0xFFFF_FFFF_FFFF_FFFF
@@ -29,6 +29,9 @@ REFERENCE_BODY_TYPE_SHIFT = 55
 METADATA_PREFIX = 5
 META_EOS = 0
 META_FLATBUFFER = 1
+META_REFUSED = 0xFF
+"""Our extension (the spec has types 0 and 1): the server refuses the request; the rest is a UTF-8 reason."""
+MAX_REASON_BYTES = 512
 
 
 def _space(name: bytes) -> int:
@@ -104,6 +107,11 @@ def encode_end_of_stream(seq: int) -> bytes:
     return struct.pack("<BI", META_EOS, seq)
 
 
+def encode_refusal(reason: str) -> bytes:
+    """A type-0xFF message telling the client why its request is refused (reason cut to 512 bytes)."""
+    return struct.pack("<BI", META_REFUSED, 0) + reason.encode()[:MAX_REASON_BYTES]
+
+
 def decode_metadata(data: bytes | memoryview, limits: IpcLimits = DEFAULT_LIMITS) -> MetadataMessage | EndOfStream:
     """Parse one metadata-stream message."""
     view = memoryview(data)
@@ -114,6 +122,9 @@ def decode_metadata(data: bytes | memoryview, limits: IpcLimits = DEFAULT_LIMITS
         if len(view) != METADATA_PREFIX:
             raise FramingError(f"End of Stream: expected exactly 5 bytes, got {len(view)}")
         return EndOfStream(seq)
+    if kind == META_REFUSED:
+        reason = bytes(view[METADATA_PREFIX : METADATA_PREFIX + MAX_REASON_BYTES]).decode("utf-8", "replace")
+        raise RequestRefusedError(f"the server refused: {reason}")
     if kind != META_FLATBUFFER:
         raise FramingError(f"metadata message type: expected 0 (EOS) or 1 (Flatbuffers), got {kind}")
     size = len(view) - METADATA_PREFIX

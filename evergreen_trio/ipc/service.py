@@ -37,7 +37,7 @@ from evergreen_trio.ipc.transports.shm import (
 from evergreen_trio.ipc.transports.tcp import FramedSocket, StreamClientChannel, StreamServerChannel
 from evergreen_trio.ipc.uri import IpcUri, parse_uri
 
-log = logging.getLogger("evergreen_trio.ipc")
+log = logging.getLogger(__name__)
 
 DEFAULT_OPTIONS = ServeOptions()
 
@@ -69,7 +69,7 @@ class Catalog:
             return self._streams[ticket]
         except KeyError:
             raise UnknownTicketError(
-                f"want_data: expected one of {len(self._streams)} known tickets, got {ticket[:64]!r}"
+                f"want_data: unknown ticket {ticket[:64]!r} (this server has {len(self._streams)})"
             ) from None
 
     @property

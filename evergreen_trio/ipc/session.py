@@ -26,6 +26,7 @@ from evergreen_trio.ipc.errors import (
     FramingError,
     IpcError,
     LimitExceededError,
+    UnknownTicketError,
 )
 from evergreen_trio.ipc.flatbuf import MessageKind
 from evergreen_trio.ipc.framing import (
@@ -38,6 +39,7 @@ from evergreen_trio.ipc.framing import (
     encode_end_of_stream,
     encode_free_data,
     encode_metadata,
+    encode_refusal,
     make_tag,
 )
 from evergreen_trio.ipc.reassembly import ReadyMessage, Reassembler
@@ -50,7 +52,7 @@ from evergreen_trio.ipc.transports.base import (
     ServerChannel,
 )
 
-log = logging.getLogger("evergreen_trio.ipc")
+log = logging.getLogger(__name__)
 
 Lookup = Callable[[bytes], Sequence[OutgoingMessage]]
 
@@ -237,7 +239,11 @@ async def serve_connection(
                         raise LimitExceededError(
                             f"want_data: expected a ticket <= {limits.max_ticket_bytes} bytes, got {len(payload)}"
                         )
-                    messages = lookup(payload)
+                    try:
+                        messages = lookup(payload)
+                    except UnknownTicketError as exc:
+                        await channel.send_metadata([encode_refusal(str(exc))])  # the client says why
+                        raise
                     log.info("ipc.want_data peer=%s ticket_bytes=%d messages=%d", peer, len(payload), len(messages))
                     nursery.start_soon(_send_stream, channel, messages, bodies, options)
                 elif tag == options.free_data:

@@ -5,22 +5,30 @@ Public entry points: :func:`run_picker` (the Trio runtime), :func:`gateway_confi
 task), :func:`load_config` / :func:`parse_config` (YAML and Kubernetes manifests).
 """
 
-from evergreen_trio.picker.config import PickerConfig, load_config, parse_config
+from evergreen_trio.picker.config import Endpoint, PickerConfig, load_config, parse_config
+from evergreen_trio.picker.engine_metrics import parse_engine_metrics
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.envoy_process import find_envoy, run_envoy
-from evergreen_trio.picker.errors import ConfigError, EnvoyError, PickerError
+from evergreen_trio.picker.errors import ConfigError, EnvoyError, MetricsError, PickerError
+from evergreen_trio.picker.processor import Picker
 from evergreen_trio.picker.runtime import PickerPorts, run_picker
+from evergreen_trio.picker.scheduler import PoolSnapshot
 
 __all__ = [
     "ConfigError",
+    "Endpoint",
     "EnvoyError",
+    "MetricsError",
+    "Picker",
     "PickerConfig",
     "PickerError",
     "PickerPorts",
+    "PoolSnapshot",
     "find_envoy",
     "gateway_config",
     "load_config",
     "parse_config",
+    "parse_engine_metrics",
     "run_envoy",
     "run_picker",
     "write_gateway_config",

@@ -411,23 +411,55 @@ def config_from_documents(documents: Sequence[object]) -> PickerConfig:
     )
 
 
-def parse_config(text: str) -> PickerConfig:
-    """Parse a YAML config stream; every problem is a :class:`ConfigError`."""
+def parse_documents(text: str) -> list[object]:
+    """The YAML documents of a config stream; a syntax error's field is its ``line:column``."""
     if len(text) > MAX_CONFIG_BYTES:
         raise ConfigError("file", f"at most {MAX_CONFIG_BYTES} bytes", f"{len(text)} bytes")
     try:
-        documents = list(yaml.safe_load_all(text))
+        return list(yaml.safe_load_all(text))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{mark.line + 1}:{mark.column + 1}" if mark is not None else "file"
+        raise ConfigError(where, "valid YAML", exc.problem or str(exc).splitlines()[0]) from None
     except yaml.YAMLError as exc:
         raise ConfigError("file", "valid YAML", str(exc).splitlines()[0]) from None
     except (ValueError, TypeError, RecursionError) as exc:
         raise ConfigError("file", "valid YAML", type(exc).__name__) from None
-    return config_from_documents(documents)
 
 
-def load_config(path: str | Path) -> PickerConfig:
-    """Read and parse a config file."""
+def parse_config(text: str) -> PickerConfig:
+    """Parse a YAML config stream; every problem is a :class:`ConfigError`."""
+    return config_from_documents(parse_documents(text))
+
+
+def _in_file(path: str | Path, error: ConfigError) -> ConfigError:
+    """``error`` with its field prefixed by the file: ``FILE:line:column`` or ``FILE: field``."""
+    if error.field == "file":
+        field = str(path)
+    elif error.field[:1].isdigit():
+        field = f"{path}:{error.field}"
+    else:
+        field = f"{path}: {error.field}"
+    return ConfigError(field, error.expected, error.got)
+
+
+def read_documents(path: str | Path) -> list[object]:
+    """The YAML documents of a config file; a :class:`ConfigError` names the file (and line:column)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError("file", f"a readable UTF-8 file at {path}", str(exc)) from None
-    return parse_config(text)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(str(path), "a readable UTF-8 file", reason) from None
+    try:
+        return parse_documents(text)
+    except ConfigError as exc:
+        raise _in_file(path, exc) from None
+
+
+def load_config(path: str | Path) -> PickerConfig:
+    """Read and parse a config file; a :class:`ConfigError`'s field starts with the file's name."""
+    documents = read_documents(path)
+    try:
+        return config_from_documents(documents)
+    except ConfigError as exc:
+        raise _in_file(path, exc) from None

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from evergreen_trio.errors import EvergreenTrioError
+from evergreen_trio.errors import ConfigurationError, EvergreenTrioError
 
 
 class PickerError(EvergreenTrioError):
     """Base of every error the Endpoint Picker raises on purpose."""
 
 
-class ConfigError(PickerError):
+class ConfigError(PickerError, ConfigurationError):
     """A configuration document is invalid; ``field`` names the offending field by its path."""
 
     def __init__(self, field: str, expected: str, got: object) -> None:
@@ -40,7 +40,7 @@ class ExtProcError(PickerError):
 
 
 class WireError(PickerError):
-    """Base of the gRPC wire layer's errors (:class:`evergreen_trio.picker.grpc_wire.RpcStatus`)."""
+    """Base of the gRPC wire layer's errors (:class:`evergreen_trio.picker.grpc_wire.RpcStatusError`)."""
 
 
 class EnvoyError(PickerError):

@@ -24,6 +24,7 @@ import hpack
 from google.protobuf.message import DecodeError, Message
 from grpclib.const import Status
 
+from evergreen_trio.limits import check_limits
 from evergreen_trio.picker.errors import WireError
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ class WireLimits:
     max_message_bytes: int = 64 * 1024 * 1024
     window_bytes: int = 16 * 1024 * 1024
 
+    def __post_init__(self) -> None:
+        """Raises ConfigurationError for a field that is not an int >= 1 (a window past 2**31 - 1)."""
+        check_limits(self, maximum={"window_bytes": (1 << 31) - 1})
+
 
 class StreamProcessor(Protocol[ReqIn, RepOut]):
     """Per-stream synchronous logic of a bidirectional method: messages in, replies out.
@@ -71,7 +76,7 @@ class StreamProcessor(Protocol[ReqIn, RepOut]):
     def on_end(self) -> Sequence[RepOut]: ...
 
 
-class RpcStatus(WireError):
+class RpcStatusError(WireError):
     """Raised by a processor to end its stream with a non-OK gRPC status."""
 
     def __init__(self, status: Status, message: str) -> None:
@@ -445,16 +450,18 @@ class GrpcWireConnection:
             while len(inbound) >= 5 and stream.trailers is None:
                 size = int.from_bytes(inbound[1:5], "big")
                 if inbound[0] != 0:
-                    raise RpcStatus(Status.UNIMPLEMENTED, "expected uncompressed messages")
+                    raise RpcStatusError(Status.UNIMPLEMENTED, "expected uncompressed messages")
                 if size > self.limits.max_message_bytes:
-                    raise RpcStatus(Status.RESOURCE_EXHAUSTED,
+                    raise RpcStatusError(Status.RESOURCE_EXHAUSTED,
                                     f"message of {size} bytes exceeds the limit of {self.limits.max_message_bytes}")
                 if len(inbound) < 5 + size:
                     break
                 try:
                     message = method.request_type.FromString(bytes(inbound[5 : 5 + size]))
                 except DecodeError:
-                    raise RpcStatus(Status.INTERNAL, f"could not decode a {method.request_type.__name__}") from None
+                    raise RpcStatusError(
+                        Status.INTERNAL, f"could not decode a {method.request_type.__name__}"
+                    ) from None
                 del inbound[: 5 + size]
                 replies.extend(processor.on_message(message))
                 if processor.finished:
@@ -462,10 +469,10 @@ class GrpcWireConnection:
             if end and stream.trailers is None:
                 stream.remote_closed = True
                 if inbound:
-                    raise RpcStatus(Status.INTERNAL, "stream ended inside a message")
+                    raise RpcStatusError(Status.INTERNAL, "stream ended inside a message")
                 replies.extend(processor.on_end())
                 stream.trailers = _OK_TRAILERS
-        except RpcStatus as exc:
+        except RpcStatusError as exc:
             stream.trailers = _status_block(exc.status, exc.message)
         except Exception as exc:  # a processor bug must not take the connection down
             log.exception("grpc_wire.processor_failed path=%s", method.path)

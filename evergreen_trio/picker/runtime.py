@@ -25,7 +25,7 @@ from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.grpc_server import serve_sync_bidi
-from evergreen_trio.picker.grpc_wire import RpcStatus, SyncBidiMethod
+from evergreen_trio.picker.grpc_wire import RpcStatusError, SyncBidiMethod
 from evergreen_trio.picker.processor import ExtProcStream, Picker
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
@@ -71,7 +71,7 @@ class _GrpcStream:
             return self._stream.on_message(message)
         except ExtProcError as exc:
             log.warning("picker.stream_aborted error=%s", exc)
-            raise RpcStatus(Status.INVALID_ARGUMENT, str(exc)) from None
+            raise RpcStatusError(Status.INVALID_ARGUMENT, str(exc)) from None
 
     def on_end(self) -> Sequence[ep.ProcessingResponse]:
         return self._stream.on_end()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from evergreen_trio.sim.errors import SimConfigError
@@ -85,3 +86,25 @@ class SimConfig:
     def block_chars(self) -> int:
         """Characters in one full KV block of prompt text."""
         return self.block_size * self.chars_per_token
+
+
+OPTION_HELP: Mapping[str, str] = {
+    "model": "served model name",
+    "max_batch": "most running sequences",
+    "kv_blocks": "KV cache blocks",
+    "block_size": "tokens per KV block",
+    "chars_per_token": "characters per simulated token",
+    "prefill_us_per_token": "prefill microseconds per uncached prompt token",
+    "decode_ms_per_token": "decode step milliseconds at batch 1",
+    "decode_batch_factor": "decode step slowdown per extra running sequence",
+    "max_batched_tokens": "most uncached prompt tokens prefilled per step",
+    "max_loras": "most LoRA adapters loaded at once",
+    "lora_load_ms": "milliseconds to load an adapter",
+    "max_model_len": "most prompt + output tokens",
+    "default_max_tokens": "output tokens when the request does not say",
+    "max_waiting": "most queued requests (then 503)",
+    "max_body_bytes": "largest request body (then 413)",
+    "seed": "seed of the generated text",
+    "time_scale": "multiplies every simulated duration",
+}
+"""Short help of each knob a command line sets (``evergreen-trio sim``, ``gateway --simulate``)."""

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from evergreen_trio.errors import EvergreenTrioError
+from evergreen_trio.errors import ConfigurationError, EvergreenTrioError
 
 
 class SimError(EvergreenTrioError):
     """Base of every error the model-server simulator raises on purpose."""
 
 
-class SimConfigError(SimError, ValueError):
+class SimConfigError(SimError, ConfigurationError):
     """A simulator knob is out of range; the message names the knob, what it must be and what came."""
 
 

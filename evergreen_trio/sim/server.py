@@ -25,7 +25,7 @@ from evergreen_trio.sim.errors import SimRequestError
 from evergreen_trio.sim.metrics import SimMetrics
 from evergreen_trio.sim.model import Emission, Engine, SimRequest
 
-logger = logging.getLogger("evergreen_trio.sim")
+logger = logging.getLogger(__name__)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -34,7 +34,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _Handler = Callable[[str, Receive, Send], Awaitable[None]]
 
 
-class _ClientGone(Exception):
+class _ClientGoneError(Exception):
     """The client hung up before its request body was in."""
 
 
@@ -99,7 +99,7 @@ class SimServer:
         except SimRequestError as error:
             logger.info("sim.reject path=%s status=%d reason=%s", path, error.status, error.message)
             await self._respond(send, error.status, api.error_body(error.status, error.message, error.error_type))
-        except _ClientGone:
+        except _ClientGoneError:
             logger.info("sim.abort path=%s reason=client-gone-before-body", path)
 
     async def _respond(
@@ -127,7 +127,7 @@ class SimServer:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                raise _ClientGone
+                raise _ClientGoneError
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
@@ -215,7 +215,7 @@ async def run_sim(
     """Serve one simulated server until cancelled; ``started`` reports the bound port (useful with port 0)."""
     http_config = HypercornConfig()
     http_config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    http_config.errorlog = logging.getLogger("evergreen_trio.sim.http")
+    http_config.errorlog = logging.getLogger(f"{__name__}.http")
     http_config.graceful_timeout = 0.5
     server = SimServer(config)
     async with trio.open_nursery() as nursery:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from evergreen_trio.errors import EvergreenTrioError
 from evergreen_trio.testing.model import (
     FlatChunk,
     InnerSpec,
@@ -20,7 +21,7 @@ from evergreen_trio.testing.model import (
 from evergreen_trio.testing.wire import Outcome, SyncClient
 
 
-class RuleBroken(AssertionError):
+class RuleBrokenError(EvergreenTrioError, AssertionError):
     """A server broke a rule; the message says what was expected and what came."""
 
 
@@ -33,27 +34,27 @@ def check_valid(plan: Plan, outcome: Outcome, *, full_metadata: bool = False) ->
     """A valid session ends OK, and each ECHO output is an inner node of leaves whose
     flattening equals the input's (mimetypes and bytes; all metadata with ``full_metadata``)."""
     if not outcome.ok:
-        raise RuleBroken(f"a valid session must end OK, got {outcome.describe()}")
+        raise RuleBrokenError(f"a valid session must end OK, got {outcome.describe()}")
     try:
         produced = reassemble(iter_frags(outcome.received))
     except ModelError as error:
-        raise RuleBroken(f"the server's own fragments break the fragment rules: {error}") from None
+        raise RuleBrokenError(f"the server's own fragments break the fragment rules: {error}") from None
     model: dict[str, NodeSpec] = {**plan.nodes, **produced}
     for out, expected in plan.expected().items():
         root = produced.get(out)
         if root is None:
-            raise RuleBroken(f"output {out!r} was never produced (produced: {sorted(produced)[:10]})")
+            raise RuleBrokenError(f"output {out!r} was never produced (produced: {sorted(produced)[:10]})")
         if not isinstance(root, InnerSpec) or not all(isinstance(model.get(c), LeafSpec) for c in root.children):
-            raise RuleBroken(f"ECHO output {out!r} must be an inner node of leaves, got {root!r}")
+            raise RuleBrokenError(f"ECHO output {out!r} must be an inner node of leaves, got {root!r}")
         try:
             got = flatten(model, out)
         except ModelError as error:
-            raise RuleBroken(f"output {out!r} cannot be flattened: {error}") from None
+            raise RuleBrokenError(f"output {out!r} cannot be flattened: {error}") from None
         if not full_metadata:
             got = [FlatChunk(Meta(c.meta.mimetype), c.data) for c in got]
             expected = [FlatChunk(Meta(c.meta.mimetype), c.data) for c in expected]
         if got != expected:
-            raise RuleBroken(
+            raise RuleBrokenError(
                 f"output {out!r} flattens to {_show(got, full_metadata)}, expected {_show(expected, full_metadata)}"
             )
 
@@ -62,11 +63,11 @@ def check_abort(plan: Plan, outcome: Outcome, *, strict_codes: bool = False) -> 
     """An invalid session ends with a non-OK status (with ``strict_codes``, the one our server uses)."""
     assert plan.violation is not None
     if outcome.hung:
-        raise RuleBroken(f"{plan.violation.label} ({plan.note}): expected an abort, {outcome.describe()}")
+        raise RuleBrokenError(f"{plan.violation.label} ({plan.note}): expected an abort, {outcome.describe()}")
     if outcome.code == 0:
-        raise RuleBroken(f"{plan.violation.label} ({plan.note}): expected an abort, the session ended OK")
+        raise RuleBrokenError(f"{plan.violation.label} ({plan.note}): expected an abort, the session ended OK")
     if strict_codes and outcome.code != plan.violation.code:
-        raise RuleBroken(
+        raise RuleBrokenError(
             f"{plan.violation.label} ({plan.note}): expected status {plan.violation.code.name}, "
             f"got {outcome.describe()}"
         )
@@ -84,5 +85,5 @@ def check_still_serving(client: SyncClient) -> None:
     plan = probe_plan()
     try:
         check_valid(plan, client.run(plan.messages()))
-    except RuleBroken as error:
-        raise RuleBroken(f"after the abort, the next session failed: {error}") from None
+    except RuleBrokenError as error:
+        raise RuleBrokenError(f"after the abort, the next session failed: {error}") from None

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
+from evergreen_trio._cli import UsageError
 from evergreen_trio.testing.checks import check_still_serving
 from evergreen_trio.testing.machine import machine_for, play_session
 from evergreen_trio.testing.model import InnerSpec, Plan, Violation, depth
@@ -193,8 +194,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _run(args: argparse.Namespace) -> int:
     if args.examples < 1:
-        print("--examples must be at least 1", file=sys.stderr)
-        return 2
+        raise UsageError(f"argument --examples: expected at least 1, got {args.examples}")
     results = run_conformance(
         args.target, examples=args.examples, strict_codes=args.strict_codes, timeout=args.timeout,
         derandomize=args.derandomize, only=args.rule,

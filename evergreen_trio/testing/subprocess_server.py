@@ -18,6 +18,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import trio
 
@@ -25,7 +26,7 @@ from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.dag.limits import SessionLimits
 from evergreen_trio.errors import EvergreenTrioError
 from evergreen_trio.server import Server
-from evergreen_trio.signals import cancel_on_signals
+from evergreen_trio.signals import run_until_signal
 
 
 class ServerProcessError(EvergreenTrioError):
@@ -100,13 +101,10 @@ def main(argv: list[str]) -> None:
     server = Server(limits=limits)
     register_builtin_actions(server)
 
-    async def serve() -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
-            port = await nursery.start(server.serve, "127.0.0.1", 0)
-            print(f"port={port}", flush=True)
+    def announce(port: int) -> None:
+        print(f"port={port}", flush=True)
 
-    trio.run(serve)
+    trio.run(partial(run_until_signal, server.serve, "127.0.0.1", 0, started=announce))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from types import TracebackType
 import grpc  # type: ignore[import-untyped]
 
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
+from evergreen_trio._wire import START_SESSION
 from evergreen_trio.dag.errors import StatusCode
-from evergreen_trio.server import START_SESSION
 
 MAX_MESSAGE_BYTES = 64 << 20
 

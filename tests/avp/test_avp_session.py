@@ -9,7 +9,7 @@ import pytest
 import trio
 from avp_strategies import kv_layers
 
-from evergreen_trio import ActionContext, Server, SessionAborted, StatusCode, blob, connect, inner, text
+from evergreen_trio import ActionContext, Server, SessionAbortedError, StatusCode, blob, connect, inner, text
 from evergreen_trio.avp import AVPMetadata, DataType, PayloadType, encode_buffers, pack_kv, unpack_kv
 from evergreen_trio.avp.actions import AVP_HANDSHAKE, read_avp_input, register_avp_actions, write_avp_output
 from evergreen_trio.avp.handshake import HelloMessage, ModelIdentity, hello_from_json, hello_to_json, resolve_mode
@@ -53,7 +53,7 @@ async def test_handshake_resolves_latent_for_the_same_model(nursery: trio.Nurser
 
 async def test_handshake_rejects_a_bad_hello(nursery: trio.Nursery) -> None:
     address = await _start(nursery)
-    with pytest.raises(SessionAborted) as info:
+    with pytest.raises(SessionAbortedError) as info:
         async with connect(address) as session:
             call = await session.run(AVP_HANDSHAKE, {"hello": text(json.dumps({"agent_id": 7}))}, ["hello"])
             await call["hello"].read_bytes()
@@ -78,7 +78,7 @@ async def test_kv_cache_round_trip_in_fragments(nursery: trio.Nursery) -> None:
 
 async def test_a_non_avp_input_is_an_error(nursery: trio.Nursery) -> None:
     address = await _start(nursery)
-    with pytest.raises(SessionAborted) as info:
+    with pytest.raises(SessionAbortedError) as info:
         async with connect(address) as session:
             call = await session.run("KV_DOUBLE", {"input": text("not avp")}, ["output"])
             await call["output"].read_bytes()

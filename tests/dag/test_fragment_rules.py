@@ -12,9 +12,9 @@ from evergreen_trio.dag import (
     LeafBytes,
     LeafEnd,
     LeafStart,
-    LimitExceeded,
-    ProtocolViolation,
-    RefRejected,
+    LimitExceededError,
+    ProtocolViolationError,
+    RefRejectedError,
     SessionGraph,
     SessionLimits,
     StatusCode,
@@ -81,7 +81,7 @@ def test_seq_past_final_aborts() -> None:
     """Spec, Boundaries: a seq greater than the final fragment's aborts the session."""
     graph = SessionGraph()
     graph.add_fragment(leaf("a", b"x", 0))
-    with pytest.raises(ProtocolViolation, match="past the final") as info:
+    with pytest.raises(ProtocolViolationError, match="past the final") as info:
         graph.add_fragment(leaf("a", b"y", 1))
     assert info.value.code is StatusCode.INVALID_ARGUMENT
 
@@ -89,7 +89,7 @@ def test_seq_past_final_aborts() -> None:
 def test_final_after_a_later_seq_aborts() -> None:
     graph = SessionGraph()
     graph.add_fragment(leaf("a", b"y", 3, continued=True))
-    with pytest.raises(ProtocolViolation, match="final fragment"):
+    with pytest.raises(ProtocolViolationError, match="final fragment"):
         graph.add_fragment(leaf("a", b"x", 1))
 
 
@@ -109,7 +109,7 @@ def test_different_metadata_on_later_fragment_aborts(seq0_first: bool) -> None:
     if not seq0_first:
         first, second = second, first
     graph.add_fragment(first)
-    with pytest.raises(ProtocolViolation, match="metadata differs"):
+    with pytest.raises(ProtocolViolationError, match="metadata differs"):
         graph.add_fragment(second)
 
 
@@ -117,9 +117,9 @@ def test_leaf_and_inner_mixed_aborts() -> None:
     """A node is a leaf (chunks) or an inner node (child_ids)."""
     graph = SessionGraph()
     graph.add_fragment(parent("p", "a", continued=True))
-    with pytest.raises(ProtocolViolation, match="leaf fragment for a node that is inner"):
+    with pytest.raises(ProtocolViolationError, match="leaf fragment for a node that is inner"):
         graph.add_fragment(leaf("p", b"x", 1))
-    with pytest.raises(ProtocolViolation, match="chunk and child_ids"):
+    with pytest.raises(ProtocolViolationError, match="chunk and child_ids"):
         graph.add_fragment(NodeFragment(id="q", child_ids=["a"], chunk_fragment=Chunk(data=b"x")))
 
 
@@ -150,9 +150,9 @@ def test_cycle_aborts(order: list[str]) -> None:
     graph = SessionGraph()
     fragments = {"a": parent("a", "b"), "b": parent("b", "a")}
     graph.add_fragment(fragments[order[0]])
-    with pytest.raises(ProtocolViolation, match="include itself"):
+    with pytest.raises(ProtocolViolationError, match="include itself"):
         graph.add_fragment(fragments[order[1]])
-    with pytest.raises(ProtocolViolation, match="include itself"):
+    with pytest.raises(ProtocolViolationError, match="include itself"):
         graph.add_fragment(parent("self", "self"))
 
 
@@ -160,13 +160,13 @@ def test_nesting_deeper_than_limit_aborts() -> None:
     graph = SessionGraph(SessionLimits(max_depth=4))
     for depth in range(5):  # n5 sits 5 levels below n0; the graph sees each link on its own
         graph.add_fragment(parent(f"n{depth}", f"n{depth + 1}"))
-    with pytest.raises(LimitExceeded, match="deeper than 4") as info:
+    with pytest.raises(LimitExceededError, match="deeper than 4") as info:
         flatten(graph, "n0")
     assert info.value.code is StatusCode.RESOURCE_EXHAUSTED
     bottom_up = SessionGraph(SessionLimits(max_depth=3))
     for depth in range(3, 0, -1):
         bottom_up.add_fragment(parent(f"n{depth}", f"n{depth + 1}"))
-    with pytest.raises(LimitExceeded):
+    with pytest.raises(LimitExceededError):
         bottom_up.add_fragment(parent("n0", "n1"))
 
 
@@ -183,14 +183,14 @@ def test_limits_abort_with_resource_exhausted(
     limits: SessionLimits, fragments: list[NodeFragment], match: str
 ) -> None:
     graph = SessionGraph(limits)
-    with pytest.raises(LimitExceeded, match=match) as info:
+    with pytest.raises(LimitExceededError, match=match) as info:
         for fragment in fragments:
             graph.add_fragment(fragment)
     assert info.value.code is StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_refs_refused_by_default_and_allowed_by_scheme() -> None:
-    with pytest.raises(RefRejected, match="resolves: none"):
+    with pytest.raises(RefRejectedError, match="resolves: none"):
         SessionGraph().add_fragment(leaf("v", b"", ref="file:///tmp/part1"))
     graph = SessionGraph(ref_schemes=frozenset({"file"}))
     graph.add_fragment(leaf("v", b"", ref="file:///tmp/part1", continued=True))
@@ -205,12 +205,12 @@ def test_outputs_must_be_new_and_belong_to_their_producer() -> None:
     """Spec, Generating actions: output node IDs must be new and must not be reused."""
     graph = SessionGraph()
     graph.add_fragment(leaf("prompt", b"q"))
-    with pytest.raises(ProtocolViolation, match="not new"):
+    with pytest.raises(ProtocolViolationError, match="not new"):
         graph.reserve_output("prompt", "action GENERATE", local=True)
     graph.reserve_output("response", "action GENERATE", local=True)
-    with pytest.raises(ProtocolViolation, match="not new"):
+    with pytest.raises(ProtocolViolationError, match="not new"):
         graph.reserve_output("response", "action ECHO", local=True)
-    with pytest.raises(ProtocolViolation, match="output of action GENERATE"):
+    with pytest.raises(ProtocolViolationError, match="output of action GENERATE"):
         graph.add_fragment(leaf("response", b"from the peer"))
     assert graph.add_fragment(leaf("response", b"from us"), local=True)
 
@@ -219,7 +219,7 @@ def test_waiting_for_a_node_the_peer_can_no_longer_send_aborts() -> None:
     graph = SessionGraph()
     graph.add_fragment(parent("p", "missing"))
     graph.peer_closed = True
-    with pytest.raises(ProtocolViolation, match="ended its stream"):
+    with pytest.raises(ProtocolViolationError, match="ended its stream"):
         flatten(graph, "p")
 
 

@@ -15,10 +15,10 @@ import pytest
 import trio
 
 from evergreen_trio import Server, connect, text
-from evergreen_trio._grpc.bridge import RpcAbort, open_client_stream
+from evergreen_trio._grpc.bridge import RpcAbortError, open_client_stream
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
+from evergreen_trio._wire import START_SESSION
 from evergreen_trio.actions import register_builtin_actions
-from evergreen_trio.server import START_SESSION
 from evergreen_trio.testing.model import Frag, Item, Meta, echo, to_messages
 
 TEXT = Meta("text/plain")
@@ -41,7 +41,7 @@ async def _aborted_session(port: int) -> None:
     async with open_client_stream("127.0.0.1", port, START_SESSION, SessionMessage, SessionMessage, _as_is) as stream:
         for message in to_messages(ABORTED):
             await stream.outbound.put(message)
-        with pytest.raises(RpcAbort):
+        with pytest.raises(RpcAbortError):
             while await stream.inbound.get_batch():
                 pass
 

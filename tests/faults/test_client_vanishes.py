@@ -32,7 +32,7 @@ from evergreen_trio.nursery_session import ServerSession
 # server is blocked writing), then waits to be killed.
 CLIENT = """
 import sys, threading, grpc
-from evergreen_trio.server import START_SESSION
+from evergreen_trio._wire import START_SESSION
 from evergreen_trio.testing.model import Frag, Meta, echo, to_messages
 big = sys.argv[2] == "big"
 items = [echo("c:a", "o:0"), Frag("c:a", 0, True, chunk=(Meta("text/plain"), b"first part"))]

@@ -10,10 +10,10 @@ import grpc  # type: ignore[import-untyped]
 import pytest
 import trio
 
-from evergreen_trio import NodeRef, Server, SessionAborted, StatusCode, connect
+from evergreen_trio import NodeRef, Server, SessionAbortedError, StatusCode, connect
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
+from evergreen_trio._wire import START_SESSION
 from evergreen_trio.actions import register_builtin_actions
-from evergreen_trio.server import START_SESSION
 from evergreen_trio.testing.model import Frag, Meta, echo, to_messages
 from evergreen_trio.testing.subprocess_server import spawn_server
 
@@ -29,7 +29,7 @@ async def _open_session_until_aborted(port: int, ready: trio.Semaphore, codes: l
             await leaf.write("part one; the rest never comes")
             ready.release()
             await call["output"].read_chunks()
-    except SessionAborted as aborted:
+    except SessionAbortedError as aborted:
         codes.append(aborted.code)
 
 

@@ -19,7 +19,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from evergreen_trio import NodeRef, Server, SessionAborted, connect, inner, text
+from evergreen_trio import NodeRef, Server, SessionAbortedError, connect, inner, text
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import ChunkMetadata
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.generate import BackendSettings, open_backend
@@ -46,17 +46,17 @@ async def generate(
 ) -> list[Answer]:
     """Run GENERATE on ``prompt`` through a fresh server backed by ``settings``; with ``second_turn``,
     run it again on [prompt, response, second_turn] (the spec's second turn). A session abort
-    raises SessionAborted."""
+    raises SessionAbortedError."""
     prompt = prompt or inner(text("Write a summary of this video: "), id="prompt_1")
     answers: list[Answer] = []
-    aborted: SessionAborted | None = None
+    aborted: SessionAbortedError | None = None
     server = Server()
     async with open_backend(settings) as backend, trio.open_nursery() as nursery:
         register_builtin_actions(server, generate_handler=backend.generate)
         port = await nursery.start(server.serve, "127.0.0.1", 0)
         try:
             await _turns(port, prompt, second_turn, answers)
-        except SessionAborted as error:  # raised plainly, not in the server nursery's group
+        except SessionAbortedError as error:  # raised plainly, not in the server nursery's group
             aborted = error
         nursery.cancel_scope.cancel()
     if aborted is not None:
@@ -64,9 +64,9 @@ async def generate(
     return answers
 
 
-async def aborted(settings: BackendSettings) -> SessionAborted:
+async def aborted(settings: BackendSettings) -> SessionAbortedError:
     """The abort of one GENERATE that must fail."""
-    with pytest.raises(SessionAborted) as caught:
+    with pytest.raises(SessionAbortedError) as caught:
         await generate(settings)
     return caught.value
 

@@ -13,7 +13,7 @@ from evergreen_trio.generate import (
     BackendConfigError,
     BackendSettings,
     PromptPart,
-    ResponseTooLarge,
+    ResponseTooLargeError,
     SSEError,
     StreamFormatError,
     StreamParser,
@@ -145,7 +145,7 @@ def test_the_simulators_stream_parses_byte_by_byte(chat: bool) -> None:
         (b'data: {"error": {"message": "boom", "code": 429}}\n\n', UpstreamStatusError, "HTTP 429\\): boom"),
         (b'data: {"error": "no code"}\n\n', UpstreamStatusError, "HTTP 500\\): no code"),
         (b"data: \xff\n\n", SSEError, "^test: expected UTF-8"),
-        (b"data: " + b"x" * 100, ResponseTooLarge, "at most 64 bytes"),
+        (b"data: " + b"x" * 100, ResponseTooLargeError, "at most 64 bytes"),
     ],
 )
 def test_broken_streams_are_typed_errors(data: bytes, error: type[BackendError], message: str) -> None:
@@ -157,7 +157,7 @@ def test_broken_streams_are_typed_errors(data: bytes, error: type[BackendError],
 def test_the_response_size_limit() -> None:
     parser = StreamParser(BackendSettings("http://h", "m", max_response_bytes=100), where="test")
     parser.feed(b"data: " + b" " * 90)
-    with pytest.raises(ResponseTooLarge, match="test: expected a response of at most 100 bytes"):
+    with pytest.raises(ResponseTooLargeError, match="test: expected a response of at most 100 bytes"):
         parser.feed(b"0123456789")
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from evergreen_trio.generate import ResponseTooLarge, SSEDecoder, SSEError, SSEEvent
+from evergreen_trio.generate import ResponseTooLargeError, SSEDecoder, SSEError, SSEEvent
 from evergreen_trio.generate.errors import BackendError
 
 
@@ -58,12 +58,12 @@ def test_a_crlf_split_between_feeds_is_one_line_end() -> None:
 def test_a_line_over_the_limit_is_refused_before_it_ends() -> None:
     decoder = SSEDecoder(max_line_bytes=16)
     decoder.feed(b"data: 0123456789")
-    with pytest.raises(ResponseTooLarge, match="at most 16 bytes"):
+    with pytest.raises(ResponseTooLargeError, match="at most 16 bytes"):
         decoder.feed(b"x")
 
 
 def test_an_event_over_the_limit_is_refused() -> None:
-    with pytest.raises(ResponseTooLarge, match="at most 20"):
+    with pytest.raises(ResponseTooLargeError, match="at most 20"):
         decode(b"data: 0123456789\ndata: 0123456789\n\n", max_event_bytes=20)
     assert decode(b"data: 0123456789\n\ndata: 0123456789\n\n", max_event_bytes=20) == [SSEEvent("0123456789")] * 2
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from ipc_helpers import sample_messages
 
-from evergreen_trio.errors import EvergreenTrioError
+from evergreen_trio.errors import ConfigurationError, EvergreenTrioError
 from evergreen_trio.ipc.config import IpcLimits
 from evergreen_trio.ipc.errors import FramingError, IpcError, LimitExceededError, UriError
 from evergreen_trio.ipc.flatbuf import MessageKind, parse_message_header
@@ -106,8 +106,21 @@ def test_limits_are_enforced() -> None:
         decode_free_data(encode_free_data([1, 2]), limits)
     with pytest.raises(LimitExceededError):
         decode_frame_header(encode_frame_header(0, 11), limits)
-    with pytest.raises(LimitExceededError):
-        IpcLimits(max_unacked_bodies=0)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"max_unacked_bodies": 0}, r"IpcLimits\.max_unacked_bodies: expected an int >= 1, got 0"),
+        ({"max_body_bytes": 1.5}, r"IpcLimits\.max_body_bytes: expected an int"),
+        ({"connect_timeout_s": 0}, r"IpcLimits\.connect_timeout_s: expected a number > 0"),
+        ({"max_pending_messages": 1 << 31}, r"IpcLimits\.max_pending_messages: expected at most 2147483647"),
+    ],
+)
+def test_a_bad_limit_is_a_configuration_error_not_a_limit_crossed(settings: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message) as info:
+        IpcLimits(**settings)  # type: ignore[arg-type]
+    assert not isinstance(info.value, LimitExceededError)
 
 
 def test_flatbuffer_headers_from_pyarrow() -> None:

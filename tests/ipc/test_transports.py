@@ -21,7 +21,13 @@ from ipc_helpers import sample_messages, sample_table
 from evergreen_trio.ipc import Catalog, ServeOptions, fetch, fetch_table, serve
 from evergreen_trio.ipc.arrow import OutgoingMessage
 from evergreen_trio.ipc.config import IpcLimits
-from evergreen_trio.ipc.errors import BodyMismatchError, ConnectionLostError, IpcError, TransportError
+from evergreen_trio.ipc.errors import (
+    BodyMismatchError,
+    ConnectionLostError,
+    IpcError,
+    RequestRefusedError,
+    TransportError,
+)
 from evergreen_trio.ipc.framing import (
     METADATA_TAG,
     BodyType,
@@ -76,7 +82,7 @@ async def test_roundtrip_with_dictionaries(scheme: str, nursery: trio.Nursery) -
 @pytest.mark.parametrize("scheme", SCHEMES)
 async def test_unknown_ticket_is_a_clear_error(scheme: str, nursery: trio.Nursery) -> None:
     uri = await nursery.start(serve, scheme, Catalog())
-    with trio.fail_after(GUARD_S), pytest.raises(ConnectionLostError, match="mid-stream"):
+    with trio.fail_after(GUARD_S), pytest.raises(RequestRefusedError, match="unknown ticket b'nope'"):
         await fetch_table(str(uri), "nope")
     nursery.cancel_scope.cancel()
 

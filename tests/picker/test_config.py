@@ -109,7 +109,7 @@ def test_kubernetes_manifests_with_static_endpoints() -> None:
     ("pool: {endpoints: ['127.0.0.1:1']}\nextProc: {destinationMode: random}", "extProc.destinationMode"),
     ("pool: {endpoints: ['127.0.0.1:1']}\nextProc: {observeResponses: sometimes}", "extProc.observeResponses"),
     ("models: []", "pool"),
-    ("pool: [", "file"),
+    ("pool: [", "1:8"),
     ("kind: Gateway\nmetadata: {name: g}\nspec: {}", "document[0].kind"),
 ])
 def test_bad_config_names_the_field(text: str, field: str) -> None:

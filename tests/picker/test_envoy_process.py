@@ -60,4 +60,4 @@ def test_picker_cli_bad_config_is_one_error_and_non_zero(tmp_path: Path) -> None
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"evergreen-trio picker: bad config {config}: pool.endpoints[0].address: expected 'host:port', got 'nowhere'"]
+        f"evergreen-trio picker: error: {config}: pool.endpoints[0].address: expected 'host:port', got 'nowhere'"]

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from evergreen_trio.picker.grpc_server import serve_sync_bidi
-from evergreen_trio.picker.grpc_wire import PREFACE, GrpcWireConnection, RpcStatus, SyncBidiMethod, WireLimits
+from evergreen_trio.picker.grpc_wire import PREFACE, GrpcWireConnection, RpcStatusError, SyncBidiMethod, WireLimits
 
 PATH = "/test.Echo/Chat"
 
@@ -34,7 +34,7 @@ class Echo:
 
     def on_message(self, message: BytesValue) -> Sequence[BytesValue]:
         if message.value == b"fail":
-            raise RpcStatus(Status.INVALID_ARGUMENT, "asked to fail: é%")
+            raise RpcStatusError(Status.INVALID_ARGUMENT, "asked to fail: é%")
         if message.value == b"bug":
             raise KeyError("bug")
         self.finished = message.value == b"stop"

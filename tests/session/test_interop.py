@@ -17,8 +17,8 @@ from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
     NodeFragment,
     SessionMessage,
 )
+from evergreen_trio._wire import START_SESSION
 from evergreen_trio.actions import register_builtin_actions
-from evergreen_trio.server import START_SESSION
 from evergreen_trio.testing.subprocess_server import serve_command
 
 

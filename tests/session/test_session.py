@@ -11,7 +11,7 @@ from evergreen_trio import (
     ActionContext,
     FileResolver,
     Server,
-    SessionAborted,
+    SessionAbortedError,
     SessionLimits,
     StatusCode,
     blob,
@@ -103,8 +103,8 @@ async def test_blob_parts_and_shared_children_flatten_in_order(nursery: trio.Nur
     assert [(m.mimetype, d) for m, d in chunks] == [("text/plain", b"S"), ("x/y", b"abc"), ("text/plain", b"S")]
 
 
-async def abort_code(address: str, action: str, inputs: dict[str, object], target: str = "") -> SessionAborted:
-    with pytest.raises(SessionAborted) as info:
+async def abort_code(address: str, action: str, inputs: dict[str, object], target: str = "") -> SessionAbortedError:
+    with pytest.raises(SessionAbortedError) as info:
         async with connect(address) as session:
             call = await session.run(action, inputs, ["output"], target=target)  # type: ignore[arg-type]
             await call["output"].read_bytes()
@@ -140,7 +140,7 @@ async def test_abort_statuses_name_the_fault_and_server_keeps_serving(nursery: t
 
 async def test_output_ids_must_be_new(nursery: trio.Nursery) -> None:
     _, address = await start(nursery)
-    with pytest.raises(SessionAborted) as info:
+    with pytest.raises(SessionAbortedError) as info:
         async with connect(address) as session:
             call = await session.run("ECHO", {"input": text("a", id="a")}, {"output": "out"})
             await call["output"].read_bytes()
@@ -183,7 +183,7 @@ async def test_server_shutdown_ends_open_sessions_with_unavailable(nursery: trio
             await server.serve("127.0.0.1", 0, task_status=task_status)
 
     port = await nursery.start(run_server)
-    with pytest.raises(SessionAborted) as info, trio.fail_after(15):
+    with pytest.raises(SessionAbortedError) as info, trio.fail_after(15):
         async with connect(f"127.0.0.1:{port}") as session:
             call = await session.run("WAIT", {}, ["output"])
             await started.wait()
@@ -202,9 +202,9 @@ def test_file_resolver_refuses_traversal(tmp_path: Path, uri: str) -> None:
     root.mkdir()
     (tmp_path / "secret").write_text("no")
     (root / "link").symlink_to(tmp_path)
-    from evergreen_trio.dag import RefRejected
+    from evergreen_trio.dag import RefRejectedError
 
-    with pytest.raises(RefRejected):
+    with pytest.raises(RefRejectedError):
         FileResolver([root]).path(uri.format(root=str(root).lstrip("/")))
 
 

@@ -15,7 +15,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from evergreen_trio.sim import SERVED_BY_HEADER, SimConfig, run_sim
+from evergreen_trio.sim import SERVED_BY_HEADER, SimConfig, SimConfigError, run_sim
 from evergreen_trio.sim.cli import config_from_args, register
 
 FAST = SimConfig(lora_adapters=("food-review",), decode_ms_per_token=1.0, prefill_us_per_token=1.0,
@@ -181,7 +181,8 @@ def test_cli_options_build_the_config() -> None:
     config = config_from_args(args)
     assert (config.max_batch, config.kv_blocks, config.lora_adapters) == (4, 100, ("a", "b"))
     assert (config.decode_ms_per_token, config.seed, config.time_scale) == (2.5, 7, 3.0)
-    assert args.run(parser.parse_args(["sim", "--max-batch", "0"])) == 2
+    with pytest.raises(SimConfigError, match="max_batch"):
+        config_from_args(parser.parse_args(["sim", "--max-batch", "0"]))
 
 
 def test_the_sim_command_serves_until_ctrl_c() -> None:

@@ -29,7 +29,7 @@ from evergreen_trio.ipc.framing import (
 from evergreen_trio.ipc.pool import BufferPool
 from evergreen_trio.ipc.transports.base import BodyIn, Completion, Done, MetadataIn
 
-log = logging.getLogger("evergreen_trio.ipc.tcp")
+log = logging.getLogger(__name__)
 
 _CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _COALESCE_BYTES = 64 * 1024

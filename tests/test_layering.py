@@ -1,0 +1,135 @@
+"""The import layering README.md's "How the code is laid out" describes, checked by parsing imports.
+
+- Sans-IO cores import no Trio, asyncio, sockets, threads or HTTP/gRPC machinery.
+- Only ``_grpc/bridge.py`` imports asyncio (or trio-asyncio).
+- The protocol packages (avp, ipc, picker, sim, generate) do not import each other; the
+  modules that compose them (gateway.py, demo.py) sit above.
+- The base modules (errors, limits, _wire) import nothing of ours but ``errors``.
+- The demo, the benchmarks and the docs import only package faces.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PACKAGE = ROOT / "evergreen_trio"
+
+SANS_IO_CORES = (
+    "dag/*.py",
+    "avp/codec.py", "avp/errors.py", "avp/handshake.py", "avp/incremental.py", "avp/kv.py", "avp/message.py",
+    "ipc/config.py", "ipc/errors.py", "ipc/flatbuf.py", "ipc/framing.py", "ipc/reassembly.py", "ipc/uri.py",
+    "picker/config.py", "picker/engine_metrics.py", "picker/errors.py", "picker/grpc_wire.py",
+    "picker/processor.py", "picker/request.py", "picker/scheduler.py", "picker/usage.py",
+    "sim/api.py", "sim/config.py", "sim/errors.py", "sim/model.py",
+    "generate/config.py", "generate/errors.py", "generate/openai.py", "generate/sse.py",
+    "testing/model.py", "errors.py", "limits.py", "_wire.py", "nodes.py",
+)
+"""Plain Python under the Trio shells: tested without an event loop."""
+
+IO_MODULES = frozenset({
+    "trio", "trio_asyncio", "asyncio", "anyio", "socket", "selectors", "ssl", "subprocess",
+    "httpx", "hypercorn", "grpclib", "grpc",
+})
+IO_ALLOWED = frozenset({"grpclib.const"})
+"""grpclib's status enum is a plain constant table."""
+
+PROTOCOL_PACKAGES = ("avp", "ipc", "picker", "sim", "generate")
+BASE_MODULES = ("errors.py", "limits.py", "_wire.py")
+
+FACE_EXCEPTIONS = {
+    # Baselines that talk raw grpclib need the generated wire messages.
+    "benchmarks/bench_session.py": {"evergreen_trio._proto.evergreen.v2.evergreen_pb2"},
+    "benchmarks/grpclib_echo.py": {"evergreen_trio._proto.evergreen.v2.evergreen_pb2"},
+    # The benchmark pins the UCX transports its server child uses to the bridge's default.
+    "benchmarks/bench_ipc.py": {"evergreen_trio.ipc.transports.ucx_bridge"},
+}
+
+
+def imports(path: Path) -> Iterator[str]:
+    """Absolute module names ``path`` imports (relative imports resolved against its package)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                yield f"{base}.{node.module}" if node.module else base
+            elif node.module:
+                yield node.module
+
+
+def module_files() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "_proto" not in p.parts)
+
+
+def relative(path: Path) -> str:
+    return path.relative_to(PACKAGE).as_posix()
+
+
+def test_the_listed_cores_exist() -> None:
+    for pattern in SANS_IO_CORES:
+        assert list(PACKAGE.glob(pattern)), pattern
+
+
+@pytest.mark.parametrize("path", [p for pattern in SANS_IO_CORES for p in sorted(PACKAGE.glob(pattern))],
+                         ids=relative)
+def test_sans_io_cores_do_no_io(path: Path) -> None:
+    bad = [name for name in imports(path) if name.split(".")[0] in IO_MODULES and name not in IO_ALLOWED]
+    assert not bad, f"{relative(path)} is a sans-IO core but imports {bad}"
+
+
+def test_only_the_bridge_imports_asyncio() -> None:
+    users = {relative(p) for p in module_files() if any(n.split(".")[0] in {"asyncio", "trio_asyncio"}
+                                                         for n in imports(p))}
+    assert users <= {"_grpc/bridge.py"}
+
+
+@pytest.mark.parametrize("package", PROTOCOL_PACKAGES)
+def test_protocol_packages_do_not_import_each_other(package: str) -> None:
+    others = {f"evergreen_trio.{other}" for other in PROTOCOL_PACKAGES if other != package}
+    for path in sorted((PACKAGE / package).rglob("*.py")):
+        bad = [n for n in imports(path) if any(n == o or n.startswith(o + ".") for o in others)]
+        assert not bad, f"{relative(path)} imports {bad}"
+
+
+@pytest.mark.parametrize("name", BASE_MODULES)
+def test_base_modules_import_nothing_above_them(name: str) -> None:
+    ours = [n for n in imports(PACKAGE / name) if n.startswith("evergreen_trio")]
+    assert set(ours) <= {"evergreen_trio.errors"}, ours
+
+
+def faces() -> set[str]:
+    """Modules a user imports: each package's ``__init__``, the public top-level modules, testing's modules."""
+    names = {"evergreen_trio"}
+    for path in module_files():
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__" and not any(p.startswith("_") for p in parts[:-1]):
+            names.add(".".join(parts[:-1]))
+        elif not parts[-1].startswith("_") and (len(parts) == 2 or parts[:2] == ("evergreen_trio", "testing")):
+            names.add(".".join(parts))
+    return names
+
+
+_DOC_IMPORT = re.compile(r"^\s*(?:from\s+(evergreen_trio[\w.]*)\s+import|import\s+(evergreen_trio[\w.]*))", re.M)
+
+
+def users() -> list[Path]:
+    return [PACKAGE / "demo.py", *sorted((ROOT / "benchmarks").glob("*.py")), ROOT / "README.md",
+            *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("path", users(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_demo_benchmarks_and_docs_import_only_faces(path: Path) -> None:
+    if path.suffix == ".py":
+        used = {n for n in imports(path) if n.startswith("evergreen_trio")}
+    else:
+        used = {a or b for a, b in _DOC_IMPORT.findall(path.read_text(encoding="utf-8"))}
+    allowed = faces() | FACE_EXCEPTIONS.get(path.relative_to(ROOT).as_posix(), set())
+    assert used <= allowed, f"{path.relative_to(ROOT)} reaches behind a face: {sorted(used - allowed)}"
