@@ -68,8 +68,10 @@ class WireLimits:
     ``max_output_per_read`` bounds what one :meth:`GrpcWireConnection.receive_data` queues before
     it pauses. ``max_stream_errors_per_second`` is the budget of streams reset by the peer,
     refused, or ended with a non-OK status; past it the connection gets GOAWAY ENHANCE_YOUR_CALM.
+    ``max_connections`` is per server: the shell closes connections accepted beyond it.
     """
 
+    max_connections: int = 1024
     max_concurrent_streams: int = 1024
     max_header_list_bytes: int = 64 * 1024
     max_message_bytes: int = 16 * 1024 * 1024 + 64 * 1024
@@ -271,7 +273,7 @@ class GrpcWireConnection:
         self._out.clear()
         return out
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray) -> None:
         """Process received bytes; replies, acknowledgements and errors go to :meth:`data_to_send`.
 
         Stops early, with ``paused`` true, once :attr:`WireLimits.max_output_per_read` bytes are
