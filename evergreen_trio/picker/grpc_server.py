@@ -109,19 +109,22 @@ class _Server:
                     deadline, why = trio.current_time() + timeouts.idle_s, "idle"
                 else:
                     deadline, why = math.inf, ""
-                with trio.move_on_at(deadline):
+                data: bytes | bytearray | None = None
+                with trio.move_on_at(deadline):  # only the wait for the peer, not our own work
                     data = await stream.receive_some(RECEIVE_BYTES)
-                    if not data:
-                        return
-                    connection.receive_data(data)
+                if data is None:
+                    log.info("grpc_wire.connection_timeout reason=%s", why)
+                    connection.close(why)
                     await self._send(stream, connection)
-                    while connection.paused:  # bounded output per slice: write before reading on
-                        connection.resume()
-                        await self._send(stream, connection)
-                    continue
-                log.info("grpc_wire.connection_timeout reason=%s", why)
-                connection.close(why)
+                    return
+                if not data:
+                    return
+                connection.receive_data(data)
                 await self._send(stream, connection)
+                while connection.paused:  # a bounded slice at a time, letting other tasks run between
+                    await trio.lowlevel.checkpoint()
+                    connection.resume()
+                    await self._send(stream, connection)
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError) as exc:
             log.debug("grpc_wire.connection_lost error=%r", exc)
 

@@ -65,9 +65,10 @@ class WireLimits:
     ``window_bytes`` is both the stream and the connection window; stream credit is returned only
     for consumed input. ``max_buffered_bytes`` caps input buffered in partial messages plus
     replies waiting for the peer's window: past it the connection window is not returned.
-    ``max_output_per_read`` bounds what one :meth:`GrpcWireConnection.receive_data` queues before
-    it pauses. ``max_stream_errors_per_second`` is the budget of streams reset by the peer,
-    refused, or ended with a non-OK status; past it the connection gets GOAWAY ENHANCE_YOUR_CALM.
+    ``slice_bytes`` bounds the input one :meth:`GrpcWireConnection.receive_data` processes, and
+    the output it queues, before it pauses (so the shell writes and lets other tasks run).
+    ``max_stream_errors_per_second`` is the budget of streams reset by the peer, refused, or
+    ended with a non-OK status; past it the connection gets GOAWAY ENHANCE_YOUR_CALM.
     ``max_connections`` is per server: the shell closes connections accepted beyond it.
     """
 
@@ -78,7 +79,7 @@ class WireLimits:
     window_bytes: int = 16 * 1024 * 1024
     max_buffered_bytes: int = 48 * 1024 * 1024
     max_header_frames: int = 64
-    max_output_per_read: int = 256 * 1024
+    slice_bytes: int = 64 * 1024
     max_stream_errors_per_second: int = 1000
 
 
@@ -276,8 +277,8 @@ class GrpcWireConnection:
     def receive_data(self, data: bytes | bytearray) -> None:
         """Process received bytes; replies, acknowledgements and errors go to :meth:`data_to_send`.
 
-        Stops early, with ``paused`` true, once :attr:`WireLimits.max_output_per_read` bytes are
-        queued; the rest of the input is kept for :meth:`resume`.
+        Stops early, with ``paused`` true, once :attr:`WireLimits.slice_bytes` of input were
+        processed or of output queued; the rest of the input is kept for :meth:`resume`.
         """
         if self.closed:
             return
@@ -322,10 +323,10 @@ class GrpcWireConnection:
             self._preface_seen = True
         pos = 0
         size = len(buffer)
-        budget = self.limits.max_output_per_read
+        budget = self.limits.slice_bytes
         try:
             while size - pos >= 9:
-                if len(self._out) >= budget:
+                if len(self._out) >= budget or pos >= budget:
                     self.paused = True
                     break
                 length = int.from_bytes(buffer[pos : pos + 3], "big")
