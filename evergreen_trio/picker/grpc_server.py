@@ -86,20 +86,35 @@ class _Server:
             nursery.start_soon(self.serve_connection, stream)
 
     async def serve_connection(self, raw: trio.SocketStream) -> None:
+        handshake_deadline = trio.current_time() + self.timeouts.handshake_s
         try:
             stream: trio.abc.Stream = raw
             if self.ssl_context is not None:
                 context = self.ssl_context() if callable(self.ssl_context) else self.ssl_context
                 context.set_alpn_protocols(["h2"])
-                stream = trio.SSLStream(raw, context, server_side=True)
-            await self._converse(stream, GrpcWireConnection(self.methods, self.limits))
+                tls = trio.SSLStream(raw, context, server_side=True)
+                if not await self._tls_handshake(tls, handshake_deadline):
+                    return
+                stream = tls
+            await self._converse(stream, GrpcWireConnection(self.methods, self.limits), handshake_deadline)
         finally:
             self.active -= 1
             await trio.aclose_forcefully(raw)
 
-    async def _converse(self, stream: trio.abc.Stream, connection: GrpcWireConnection) -> None:
+    async def _tls_handshake(self, stream: trio.SSLStream[trio.SocketStream], deadline: float) -> bool:
+        with trio.move_on_at(deadline):
+            try:
+                await stream.do_handshake()
+            except trio.BrokenResourceError as exc:
+                log.info("grpc_wire.tls_failed error=%r", exc.__cause__ or exc)
+                return False
+            return True
+        log.info("grpc_wire.connection_timeout reason=no TLS handshake in time")
+        return False
+
+    async def _converse(self, stream: trio.abc.Stream, connection: GrpcWireConnection,
+                        handshake_deadline: float) -> None:
         timeouts = self.timeouts
-        handshake_deadline = trio.current_time() + timeouts.handshake_s
         try:
             await self._send(stream, connection)
             while not connection.closed:

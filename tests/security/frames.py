@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+import grpc
 import hpack
 import trio
 from google.protobuf.wrappers_pb2 import BytesValue
@@ -51,6 +52,13 @@ class Echo:
 
 
 ECHO = SyncBidiMethod(ECHO_PATH, BytesValue, Echo)
+
+
+def grpcio_echo(channel: grpc.Channel, timeout: float = 5.0) -> bytes:
+    """A legitimate call from grpcio (the real peer): one message, its echo."""
+    rpc = channel.stream_stream(ECHO_PATH, request_serializer=BytesValue.SerializeToString,
+                                response_deserializer=BytesValue.FromString)
+    return next(iter(rpc(iter([BytesValue(value=b"legit")]), timeout=timeout))).value
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:

@@ -17,8 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 import trio
-from frames import ECHO, ECHO_PATH, Outcome, RawClient, frame
-from google.protobuf.wrappers_pb2 import BytesValue
+from frames import ECHO, Outcome, RawClient, frame, grpcio_echo
 
 from evergreen_trio.picker import grpc_wire
 from evergreen_trio.picker.grpc_server import WireTimeouts, serve_sync_bidi
@@ -33,10 +32,7 @@ MiB = 1 << 20
 def grpcio_call(port: int) -> bytes:
     """A legitimate call from grpcio on its own connection."""
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        rpc = channel.stream_stream(ECHO_PATH, request_serializer=BytesValue.SerializeToString,
-                                    response_deserializer=BytesValue.FromString)
-        replies = list(rpc(iter([BytesValue(value=b"legit")]), timeout=CEILING_S))
-        return replies[0].value
+        return grpcio_echo(channel, CEILING_S)
 
 
 @pytest.fixture
