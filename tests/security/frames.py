@@ -270,8 +270,13 @@ async def buffer_fill(port: int, scale: float) -> Outcome:
     sent, limit = 0, int(200 * 1024 * 1024 * scale)
     while sent < limit:
         burst = bytearray()
-        for stream_id in streams:
-            while credit[stream_id] > 0 and connection > 0:
+        progress = True
+        while progress:  # round robin, a frame per stream per round: every message stays partial
+            progress = False
+            for stream_id in streams:
+                if credit[stream_id] <= 0 or connection <= 0:
+                    continue
+                progress = True
                 size = min(16_384, credit[stream_id], connection)
                 prefix = b"" if stream_id in started else b"\x00" + declared.to_bytes(4, "big")
                 started.add(stream_id)
@@ -425,6 +430,8 @@ async def ping_flood(port: int, scale: float) -> Outcome:
         acks += got.kind == PING
         return acks >= count or got.kind == GOAWAY
 
+    # The server's SETTINGS first: acknowledging it while the flood holds the socket would deadlock.
+    await client.read_until(lambda f: f.kind == SETTINGS, 5.0)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(client.send, frame(PING, 0, 0, b"12345678") * count)
         await client.read_until(counted, 10.0)
