@@ -464,7 +464,7 @@ class Attack:
 
 ATTACKS = (
     Attack(1, "unknown :path reflected (2,500 x 3,899-char path)",
-           "UNIMPLEMENTED, message <= 70 chars; GOAWAY ENHANCE_YOUR_CALM past 1,000/s", reflection),
+           "UNIMPLEMENTED, path echoed as <= 64 sanitized chars; GOAWAY ENHANCE_YOUR_CALM past 1,000/s", reflection),
     Attack(2, "SETTINGS + WINDOW_UPDATE flood, 1,000 idle streams", "all acknowledged, no stall", settings_flood),
     Attack(3, "8 streams of partial 16 MiB messages, windows respected",
            "peer blocked at window + max_buffered_bytes", buffer_fill),
