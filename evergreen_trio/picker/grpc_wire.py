@@ -354,7 +354,8 @@ class GrpcWireConnection:
     def _replenish_stream(self, stream: _Stream) -> None:
         """Return stream window for consumed input (all of it while one partial message needs more)."""
         window = self.limits.window_bytes
-        if stream.remote_closed or not stream.unacked or len(stream.pending) > window:
+        # Both reasons to return credit below need at least half a window unacknowledged.
+        if stream.unacked < window // 2 or stream.remote_closed or len(stream.pending) > window:
             return
         inbound = stream.inbound
         needed = 5 + int.from_bytes(inbound[1:5], "big") if len(inbound) >= 5 else 0
@@ -612,9 +613,10 @@ class GrpcWireConnection:
             log.exception("grpc_wire.processor_failed path=%s", method.path)
             stream.trailers = _status_block(Status.UNKNOWN, type(exc).__name__)
             failed = True
-        if stream.trailers is not None:
+        if stream.trailers is not None and inbound:
             inbound.clear()  # input after the answer is never read
-        self._buffered -= before - len(inbound)
+        if before:
+            self._buffered -= before - len(inbound)
         for reply in replies:
             data = reply.SerializeToString()
             stream.pending += b"\x00" + len(data).to_bytes(4, "big") + data
@@ -642,8 +644,7 @@ class GrpcWireConnection:
             self._buffered -= size
             stream.credit -= size
             self._send_window -= size
-        self._blocked_on_stream.pop(stream.id, None)
-        self._blocked_on_connection.pop(stream.id, None)
+        self._unblock(stream)
         if pending:
             blocked = self._blocked_on_connection if self._send_window <= 0 else self._blocked_on_stream
             blocked[stream.id] = stream
@@ -672,13 +673,19 @@ class GrpcWireConnection:
         self._remove(stream)
         self._strike(f"stream reset with code {code}")
 
+    def _unblock(self, stream: _Stream) -> None:
+        if self._blocked_on_stream:  # usually empty: skip the lookups
+            self._blocked_on_stream.pop(stream.id, None)
+        if self._blocked_on_connection:
+            self._blocked_on_connection.pop(stream.id, None)
+
     def _remove(self, stream: _Stream) -> None:
         self._streams.pop(stream.id, None)
-        self._blocked_on_stream.pop(stream.id, None)
-        self._blocked_on_connection.pop(stream.id, None)
-        self._buffered -= len(stream.inbound) + len(stream.pending)
-        stream.inbound.clear()
-        stream.pending.clear()
+        self._unblock(stream)
+        if stream.inbound or stream.pending:
+            self._buffered -= len(stream.inbound) + len(stream.pending)
+            stream.inbound.clear()
+            stream.pending.clear()
 
 
 _HANDLERS: dict[int, _FrameHandler] = {
