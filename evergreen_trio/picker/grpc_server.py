@@ -45,6 +45,14 @@ class WireTimeouts:
     send_s: float = 30.0
 
 
+def _peer(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"{host}:{port}"
+
+
 class _Server:
     """Accepts connections up to the cap and serves each in its own task."""
 
@@ -96,7 +104,8 @@ class _Server:
                 if not await self._tls_handshake(tls, handshake_deadline):
                     return
                 stream = tls
-            await self._converse(stream, GrpcWireConnection(self.methods, self.limits), handshake_deadline)
+            await self._converse(stream, GrpcWireConnection(self.methods, self.limits), handshake_deadline,
+                                 _peer(raw))
         finally:
             self.active -= 1
             await trio.aclose_forcefully(raw)
@@ -113,7 +122,7 @@ class _Server:
         return False
 
     async def _converse(self, stream: trio.abc.Stream, connection: GrpcWireConnection,
-                        handshake_deadline: float) -> None:
+                        handshake_deadline: float, peer: str) -> None:
         timeouts = self.timeouts
         try:
             await self._send(stream, connection)
@@ -128,7 +137,7 @@ class _Server:
                 with trio.move_on_at(deadline):  # only the wait for the peer, not our own work
                     data = await stream.receive_some(RECEIVE_BYTES)
                 if data is None:
-                    log.info("grpc_wire.connection_timeout reason=%s", why)
+                    log.info("grpc_wire.connection_timeout peer=%s reason=%s", peer, why)
                     connection.close(why)
                     await self._send(stream, connection)
                     return
@@ -140,8 +149,11 @@ class _Server:
                     await trio.lowlevel.checkpoint()
                     connection.resume()
                     await self._send(stream, connection)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError) as exc:
-            log.debug("grpc_wire.connection_lost error=%r", exc)
+        except trio.TooSlowError:
+            log.info("grpc_wire.connection_timeout peer=%s reason=peer took no data for %g s",
+                     peer, timeouts.send_s)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.debug("grpc_wire.connection_lost peer=%s error=%r", peer, exc)
 
     async def _send(self, stream: trio.abc.Stream, connection: GrpcWireConnection) -> None:
         out = connection.data_to_send()

@@ -286,6 +286,7 @@ class GrpcWireConnection:
         try:
             self._process()
         except _ConnectionError as exc:
+            log.info("grpc_wire.connection_error code=%d error=%s", exc.code, exc)
             self._goaway(exc.code, str(exc))
 
     def resume(self) -> None:
@@ -298,7 +299,6 @@ class GrpcWireConnection:
             self._goaway(NO_ERROR, message)
 
     def _goaway(self, code: int, message: str) -> None:
-        log.info("grpc_wire.connection_error code=%d error=%s", code, message)
         self._out += _frame(GOAWAY, 0, 0, self._last_stream_id.to_bytes(4, "big")
                             + code.to_bytes(4, "big") + message.encode()[:256])
         self._streams.clear()
