@@ -15,13 +15,14 @@ from functools import partial
 from pathlib import Path
 
 import grpc
+import hpack
 import pytest
 import trio
-from frames import ECHO, Outcome, RawClient, frame, grpcio_echo
+from frames import ECHO, ECHO_PATH, Outcome, RawClient, frame, grpcio_echo, settings
 
 from evergreen_trio.picker import grpc_wire
 from evergreen_trio.picker.grpc_server import WireTimeouts, serve_sync_bidi
-from evergreen_trio.picker.grpc_wire import END_STREAM, HEADERS, WireLimits
+from evergreen_trio.picker.grpc_wire import END_HEADERS, END_STREAM, HEADERS, GrpcWireConnection, WireLimits
 
 LIMITS = WireLimits(max_connections=16, window_bytes=1 << 20, max_buffered_bytes=4 << 20)
 TIMEOUTS = WireTimeouts(handshake_s=0.5, idle_s=0.5, send_s=0.5)
@@ -183,3 +184,20 @@ async def test_first_frame_after_the_preface_must_be_settings(port: int) -> None
     await client.send(grpc_wire.PREFACE + frame(grpc_wire.PING, 0, 0, b"12345678"))
     outcome = await client.drain(5.0)
     assert outcome.goaway == "PROTOCOL_ERROR"
+
+
+def test_initial_window_raise_after_the_large_stream_closed_is_accepted() -> None:
+    # The overflow check's cheap upper bound is stale once the stream with the large window is gone.
+    server = GrpcWireConnection({ECHO_PATH: ECHO})
+    block = RawClient.__new__(RawClient)
+    block.encoder = hpack.Encoder()
+    server.receive_data(grpc_wire.PREFACE + settings() + frame(HEADERS, END_HEADERS, 1, block.request_block())
+                        + frame(grpc_wire.WINDOW_UPDATE, 0, 1, (grpc_wire.MAX_WINDOW - 65_535).to_bytes(4, "big"))
+                        + frame(grpc_wire.RST_STREAM, 0, 1, b"\x00\x00\x00\x08")
+                        + settings((grpc_wire.SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20)))
+    assert not server.closed
+    out, kinds = server.data_to_send(), []
+    while out:
+        kinds.append(out[3])
+        out = out[9 + int.from_bytes(out[:3], "big") :]
+    assert grpc_wire.GOAWAY not in kinds
