@@ -10,12 +10,19 @@ encoding a small reply). Response header blocks use only the HPACK static table 
 no encoder state is kept.
 
 Bad input never raises: a connection error queues GOAWAY and sets ``closed``; a stream error
-resets the stream or ends it with a gRPC status.
+resets the stream or ends it with a gRPC status. Cost is bounded for a hostile peer
+(:class:`WireLimits`): flow-control credit is returned only for input that was consumed, input
+buffered plus replies pending per connection are capped, header blocks are capped in bytes and
+frames, untrusted input is never echoed beyond a short sanitized prefix, window changes walk
+only the streams blocked on them, one call queues a bounded amount of output (the rest of the
+input waits for :meth:`GrpcWireConnection.resume`), and a peer that resets, gets refused or
+fails streams faster than a budget gets GOAWAY ENHANCE_YOUR_CALM.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -40,21 +47,41 @@ END_STREAM = ACK = 0x1
 END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
 NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x3
 STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x9
+ENHANCE_YOUR_CALM = 0xB
 SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
 SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
 MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65_535
 DEFAULT_FRAME_SIZE = 16_384
+MAX_ECHOED_CHARS = 64  # of untrusted input (a request path) in a grpc-message
+MAX_STATUS_MESSAGE_CHARS = 512  # of a processor's status message, before percent-encoding
 
 
 @dataclass(frozen=True)
 class WireLimits:
-    """Per-connection limits (advertised in SETTINGS where HTTP/2 has a setting for them)."""
+    """Per-connection limits (advertised in SETTINGS where HTTP/2 has a setting for them).
 
+    ``max_message_bytes`` fits ext_proc: the largest buffered request body
+    (``ExtProcConfig.max_request_body_bytes``, 16 MiB) plus 64 KiB for headers and framing.
+    ``window_bytes`` is both the stream and the connection window; stream credit is returned only
+    for consumed input. ``max_buffered_bytes`` caps input buffered in partial messages plus
+    replies waiting for the peer's window: past it the connection window is not returned.
+    ``slice_bytes`` bounds the input one :meth:`GrpcWireConnection.receive_data` processes, and
+    the output it queues, before it pauses (so the shell writes and lets other tasks run).
+    ``max_stream_errors_per_second`` is the budget of streams reset by the peer, refused, or
+    ended with a non-OK status; past it the connection gets GOAWAY ENHANCE_YOUR_CALM.
+    ``max_connections`` is per server: the shell closes connections accepted beyond it.
+    """
+
+    max_connections: int = 1024
     max_concurrent_streams: int = 1024
     max_header_list_bytes: int = 64 * 1024
-    max_message_bytes: int = 64 * 1024 * 1024
+    max_message_bytes: int = 16 * 1024 * 1024 + 64 * 1024
     window_bytes: int = 16 * 1024 * 1024
+    max_buffered_bytes: int = 48 * 1024 * 1024
+    max_header_frames: int = 64
+    slice_bytes: int = 64 * 1024
+    max_stream_errors_per_second: int = 1000
 
     def __post_init__(self) -> None:
         """Raises ConfigurationError for a field that is not an int >= 1 (a window past 2**31 - 1)."""
@@ -104,6 +131,17 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes | bytearray = b
     return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
 
 
+def _header_frames(stream_id: int, flags: int, block: bytes, max_frame: int) -> bytes:
+    """HEADERS with ``flags`` (END_HEADERS added), split into CONTINUATION frames past ``max_frame``."""
+    if len(block) <= max_frame:
+        return _frame(HEADERS, flags | END_HEADERS, stream_id, block)
+    chunks = [block[i : i + max_frame] for i in range(0, len(block), max_frame)]
+    out = [_frame(HEADERS, flags, stream_id, chunks[0])]
+    out += [_frame(CONTINUATION, 0, stream_id, chunk) for chunk in chunks[1:-1]]
+    out.append(_frame(CONTINUATION, END_HEADERS, stream_id, chunks[-1]))
+    return b"".join(out)
+
+
 def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
     limit = (1 << prefix_bits) - 1
     if value < limit:
@@ -128,6 +166,13 @@ def _percent_encode(message: str) -> str:
     return "".join(chr(b) if 0x20 <= b <= 0x7E and b != 0x25 else f"%{b:02X}" for b in message.encode())
 
 
+def _sanitize(untrusted: bytes) -> str:
+    """At most :data:`MAX_ECHOED_CHARS` of ``untrusted``, printable ASCII only, for an error message."""
+    head = untrusted[:MAX_ECHOED_CHARS]
+    shown = "".join(chr(b) if 0x21 <= b <= 0x7E else "?" for b in head)
+    return shown + ("..." if len(untrusted) > MAX_ECHOED_CHARS else "")
+
+
 # ":status: 200" is static entry 8; content-type is static name 31.
 _RESPONSE_HEADERS = b"\x88" + _hpack_int(31, 4) + _hpack_int(16, 7) + b"application/grpc"
 _OK_TRAILERS = _literal("grpc-status", "0")
@@ -137,12 +182,13 @@ _HTTP_415 = b"\x00" + _hpack_int(len(b":status"), 7) + b":status" + _hpack_int(3
 def _status_block(status: Status, message: str | None) -> bytes:
     block = _literal("grpc-status", str(status.value))
     if message:
-        block += _literal("grpc-message", _percent_encode(message))
+        block += _literal("grpc-message", _percent_encode(message[:MAX_STATUS_MESSAGE_CHARS]))
     return block
 
 
 class _Stream:
     __slots__ = (
+        "credit",
         "headers_sent",
         "id",
         "inbound",
@@ -150,17 +196,18 @@ class _Stream:
         "pending",
         "processor",
         "remote_closed",
-        "send_window",
         "trailers",
         "unacked",
     )
 
-    def __init__(self, stream_id: int, method: SyncBidiMethod[Any, Any] | None, window: int) -> None:
+    def __init__(self, stream_id: int, method: SyncBidiMethod[Any, Any] | None) -> None:
         self.id = stream_id
         self.method = method
         self.processor: StreamProcessor[Any, Any] | None = method.new_processor() if method else None
         self.inbound = bytearray()
-        self.send_window = window
+        # Send window relative to the peer's SETTINGS_INITIAL_WINDOW_SIZE, so that a change of the
+        # setting costs nothing per stream: window = initial + credit.
+        self.credit = 0
         self.pending = bytearray()  # framed gRPC messages not yet sent (flow control)
         self.trailers: bytes | None = None  # header block to send once ``pending`` is out
         self.headers_sent = False
@@ -168,30 +215,46 @@ class _Stream:
         self.unacked = 0  # bytes received since the last stream WINDOW_UPDATE
 
 
+_FrameHandler = Callable[["GrpcWireConnection", int, int, bytes], None]
+
+
 class GrpcWireConnection:
     """One server-side HTTP/2 connection serving :class:`SyncBidiMethod` s by path.
 
-    Feed received bytes to :meth:`receive_data`, write :meth:`data_to_send` to the socket; once
-    ``closed`` is true, write what is left and close the socket.
+    Feed received bytes to :meth:`receive_data`, write :meth:`data_to_send` to the socket, and
+    while ``paused`` call :meth:`resume` (then write again); once ``closed`` is true, write what
+    is left and close the socket. ``clock`` (seconds) paces the stream-error budget.
     """
 
-    def __init__(self, methods: Mapping[str, SyncBidiMethod[Any, Any]], limits: WireLimits | None = None) -> None:
+    def __init__(self, methods: Mapping[str, SyncBidiMethod[Any, Any]], limits: WireLimits | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.methods = methods
         self.limits = limits or WireLimits()
         self.closed = False
+        self.paused = False
+        self._clock = clock
         self._buffer = bytearray()
         self._preface_seen = False
+        self._settings_seen = False
         self._out = bytearray()
         self._streams: dict[int, _Stream] = {}
+        # Streams with replies waiting for window: on their own window, or on the connection's.
+        self._blocked_on_stream: dict[int, _Stream] = {}
+        self._blocked_on_connection: dict[int, _Stream] = {}
+        self._buffered = 0  # inbound partial messages + pending replies, over all streams
+        self._credit_high = 0  # an upper bound of every open stream's credit
         self._last_stream_id = 0
         self._decoder = hpack.Decoder(max_header_list_size=self.limits.max_header_list_bytes)
         self._header_block: bytearray | None = None  # an unfinished HEADERS + CONTINUATION block
         self._header_stream = 0
         self._header_flags = 0
+        self._header_frame_count = 0
         self._send_window = DEFAULT_WINDOW
         self._peer_stream_window = DEFAULT_WINDOW
         self._peer_frame_size = DEFAULT_FRAME_SIZE
         self._unacked = 0
+        self._strikes = 0
+        self._strike_second = 0
         window = self.limits.window_bytes
         settings = b"".join(key.to_bytes(2, "big") + value.to_bytes(4, "big") for key, value in (
             (SETTINGS_MAX_CONCURRENT_STREAMS, self.limits.max_concurrent_streams),
@@ -202,13 +265,26 @@ class GrpcWireConnection:
         if window > DEFAULT_WINDOW:
             self._out += _frame(WINDOW_UPDATE, 0, 0, (window - DEFAULT_WINDOW).to_bytes(4, "big"))
 
+    @property
+    def handshake_complete(self) -> bool:
+        """Whether the client's preface and first SETTINGS frame have arrived."""
+        return self._settings_seen
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
     def data_to_send(self) -> bytes:
         out = bytes(self._out)
         self._out.clear()
         return out
 
-    def receive_data(self, data: bytes) -> None:
-        """Process received bytes; replies, acknowledgements and errors go to :meth:`data_to_send`."""
+    def receive_data(self, data: bytes | bytearray) -> None:
+        """Process received bytes; replies, acknowledgements and errors go to :meth:`data_to_send`.
+
+        Stops early, with ``paused`` true, once :attr:`WireLimits.slice_bytes` of input were
+        processed or of output queued; the rest of the input is kept for :meth:`resume`.
+        """
         if self.closed:
             return
         self._buffer += data
@@ -216,13 +292,31 @@ class GrpcWireConnection:
             self._process()
         except _ConnectionError as exc:
             log.info("grpc_wire.connection_error code=%d error=%s", exc.code, exc)
-            self._out += _frame(GOAWAY, 0, 0, self._last_stream_id.to_bytes(4, "big")
-                                + exc.code.to_bytes(4, "big") + str(exc).encode()[:256])
-            self._streams.clear()
-            self.closed = True
+            self._goaway(exc.code, str(exc))
+
+    def resume(self) -> None:
+        """Go on with input left by a paused :meth:`receive_data` (call after writing its output)."""
+        self.receive_data(b"")
+
+    def close(self, message: str) -> None:
+        """Queue GOAWAY NO_ERROR (the shell's timeouts and shutdown) and mark the connection closed."""
+        if not self.closed:
+            self._goaway(NO_ERROR, message)
+
+    def _goaway(self, code: int, message: str) -> None:
+        self._out += _frame(GOAWAY, 0, 0, self._last_stream_id.to_bytes(4, "big")
+                            + code.to_bytes(4, "big") + message.encode()[:256])
+        self._streams.clear()
+        self._blocked_on_stream.clear()
+        self._blocked_on_connection.clear()
+        self._buffer.clear()
+        self._buffered = 0
+        self.closed = True
+        self.paused = False
 
     def _process(self) -> None:
         buffer = self._buffer
+        self.paused = False
         if not self._preface_seen:
             if len(buffer) < len(PREFACE):
                 if not PREFACE.startswith(bytes(buffer)):
@@ -234,70 +328,96 @@ class GrpcWireConnection:
             self._preface_seen = True
         pos = 0
         size = len(buffer)
-        while size - pos >= 9:
-            length = int.from_bytes(buffer[pos : pos + 3], "big")
-            if length > DEFAULT_FRAME_SIZE:
-                raise _ConnectionError(FRAME_SIZE_ERROR, f"expected frames of at most {DEFAULT_FRAME_SIZE} bytes, "
-                                                         f"got {length}")
-            if size - pos < 9 + length:
-                break
-            kind, flags = buffer[pos + 3], buffer[pos + 4]
-            stream_id = int.from_bytes(buffer[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
-            payload = bytes(buffer[pos + 9 : pos + 9 + length])
-            pos += 9 + length
-            self._on_frame(kind, flags, stream_id, payload)
-        del buffer[:pos]
+        budget = self.limits.slice_bytes
+        try:
+            while size - pos >= 9:
+                if len(self._out) >= budget or pos >= budget:
+                    self.paused = True
+                    break
+                length = int.from_bytes(buffer[pos : pos + 3], "big")
+                if length > DEFAULT_FRAME_SIZE:
+                    raise _ConnectionError(FRAME_SIZE_ERROR, f"expected frames of at most {DEFAULT_FRAME_SIZE} "
+                                                             f"bytes, got {length}")
+                if size - pos < 9 + length:
+                    break
+                kind, flags = buffer[pos + 3], buffer[pos + 4]
+                stream_id = int.from_bytes(buffer[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
+                payload = bytes(buffer[pos + 9 : pos + 9 + length])
+                pos += 9 + length
+                self._on_frame(kind, flags, stream_id, payload)
+        finally:
+            del buffer[:pos]
         self._replenish_connection()
 
     def _replenish_connection(self) -> None:
-        """Return connection window, unless replies the peer does not read pile up (backpressure)."""
-        if self._unacked >= self.limits.window_bytes // 2 and (
-                sum(len(s.pending) for s in self._streams.values()) <= self.limits.window_bytes):
+        """Return connection window unless input and replies buffered reach the cap (backpressure)."""
+        window = self.limits.window_bytes
+        if self._unacked >= window // 2 and self._buffered + window <= max(self.limits.max_buffered_bytes, window):
             self._out += _frame(WINDOW_UPDATE, 0, 0, self._unacked.to_bytes(4, "big"))
             self._unacked = 0
 
     def _replenish_stream(self, stream: _Stream) -> None:
-        if (stream.unacked >= self.limits.window_bytes // 2 and not stream.remote_closed
-                and len(stream.pending) <= self.limits.window_bytes):
-            self._out += _frame(WINDOW_UPDATE, 0, stream.id, stream.unacked.to_bytes(4, "big"))
-            stream.unacked = 0
+        """Return stream window for consumed input (all of it while one partial message needs more)."""
+        window = self.limits.window_bytes
+        # Both reasons to return credit below need at least half a window unacknowledged.
+        if stream.unacked < window // 2 or stream.remote_closed or len(stream.pending) > window:
+            return
+        inbound = stream.inbound
+        needed = 5 + int.from_bytes(inbound[1:5], "big") if len(inbound) >= 5 else 0
+        consumed = stream.unacked if needed > window else max(0, stream.unacked - len(inbound))
+        # Half a window at a time, or sooner when the peer is (nearly) out of credit.
+        if consumed and (consumed >= window // 2 or window - stream.unacked < window // 2):
+            self._out += _frame(WINDOW_UPDATE, 0, stream.id, consumed.to_bytes(4, "big"))
+            stream.unacked -= consumed
+
+    def _strike(self, what: str) -> None:
+        """Count a reset, refused or failed stream against the per-second budget."""
+        second = int(self._clock())
+        if second != self._strike_second:
+            self._strike_second, self._strikes = second, 0
+        self._strikes += 1
+        if self._strikes > self.limits.max_stream_errors_per_second:
+            raise _ConnectionError(ENHANCE_YOUR_CALM, f"more than {self.limits.max_stream_errors_per_second} "
+                                                      f"streams reset, refused or failed in a second (last: {what})")
 
     # -- frames ---------------------------------------------------------------------------------
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._header_block is not None and kind != CONTINUATION:
             raise _ConnectionError(PROTOCOL_ERROR, f"expected CONTINUATION, got frame type {kind}")
-        if kind == DATA:
-            self._data(flags, stream_id, payload)
-        elif kind == HEADERS:
-            self._headers(flags, stream_id, payload)
-        elif kind == CONTINUATION:
-            self._continuation(flags, stream_id, payload)
-        elif kind == SETTINGS:
-            self._settings(flags, stream_id, payload)
-        elif kind == WINDOW_UPDATE:
-            self._window_update(stream_id, payload)
-        elif kind == PING:
-            if stream_id or len(payload) != 8:
-                raise _ConnectionError(PROTOCOL_ERROR if stream_id else FRAME_SIZE_ERROR,
-                                       "expected PING with 8 bytes on stream 0")
-            if not flags & ACK:
-                self._out += _frame(PING, ACK, 0, payload)
-        elif kind == RST_STREAM:
-            if not stream_id or len(payload) != 4:
-                raise _ConnectionError(PROTOCOL_ERROR if not stream_id else FRAME_SIZE_ERROR,
-                                       "expected RST_STREAM with 4 bytes on a stream")
-            self._streams.pop(stream_id, None)
-        elif kind == PRIORITY:
-            if not stream_id or len(payload) != 5:
-                raise _ConnectionError(PROTOCOL_ERROR if not stream_id else FRAME_SIZE_ERROR,
-                                       "expected PRIORITY with 5 bytes on a stream")
-        elif kind == GOAWAY:
-            if stream_id or len(payload) < 8:
-                raise _ConnectionError(PROTOCOL_ERROR, "expected GOAWAY with at least 8 bytes on stream 0")
-        elif kind == PUSH_PROMISE:
-            raise _ConnectionError(PROTOCOL_ERROR, "expected no PUSH_PROMISE from a client")
-        # Unknown frame types are ignored (RFC 9113 section 4.1).
+        if not self._settings_seen and (kind != SETTINGS or flags & ACK):
+            raise _ConnectionError(PROTOCOL_ERROR, f"expected SETTINGS after the preface, got frame type {kind}")
+        handler = _HANDLERS.get(kind)
+        if handler is not None:  # unknown frame types are ignored (RFC 9113 section 4.1)
+            handler(self, flags, stream_id, payload)
+
+    def _ping(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id or len(payload) != 8:
+            raise _ConnectionError(PROTOCOL_ERROR if stream_id else FRAME_SIZE_ERROR,
+                                   "expected PING with 8 bytes on stream 0")
+        if not flags & ACK:
+            self._out += _frame(PING, ACK, 0, payload)
+
+    def _rst_stream(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if not stream_id or len(payload) != 4:
+            raise _ConnectionError(PROTOCOL_ERROR if not stream_id else FRAME_SIZE_ERROR,
+                                   "expected RST_STREAM with 4 bytes on a stream")
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            self._remove(stream)
+        self._strike("RST_STREAM")
+
+    def _priority(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if not stream_id or len(payload) != 5:
+            raise _ConnectionError(PROTOCOL_ERROR if not stream_id else FRAME_SIZE_ERROR,
+                                   "expected PRIORITY with 5 bytes on a stream")
+
+    def _goaway_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id or len(payload) < 8:
+            raise _ConnectionError(PROTOCOL_ERROR, "expected GOAWAY with at least 8 bytes on stream 0")
+
+    def _push_promise(self, flags: int, stream_id: int, payload: bytes) -> None:
+        raise _ConnectionError(PROTOCOL_ERROR, "expected no PUSH_PROMISE from a client")
 
     def _unpad(self, flags: int, payload: bytes) -> bytes:
         if not flags & PADDED:
@@ -327,6 +447,7 @@ class GrpcWireConnection:
             return
         if stream.trailers is None:  # an answered stream's further input is dropped, not buffered
             stream.inbound += data
+            self._buffered += len(data)
         self._deliver(stream, end=bool(flags & END_STREAM))
 
     def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:
@@ -339,12 +460,17 @@ class GrpcWireConnection:
             block = block[5:]
         self._header_block = bytearray(block)
         self._header_stream, self._header_flags = stream_id, flags
+        self._header_frame_count = 1
         if flags & END_HEADERS:
             self._end_headers()
 
     def _continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
         if self._header_block is None or stream_id != self._header_stream:
             raise _ConnectionError(PROTOCOL_ERROR, "expected CONTINUATION only right after HEADERS of its stream")
+        self._header_frame_count += 1
+        if self._header_frame_count > self.limits.max_header_frames:
+            raise _ConnectionError(ENHANCE_YOUR_CALM, f"expected a header block in at most "
+                                                      f"{self.limits.max_header_frames} frames")
         self._header_block += payload
         if len(self._header_block) > self.limits.max_header_list_bytes:
             raise _ConnectionError(PROTOCOL_ERROR, f"expected a header block of at most "
@@ -374,19 +500,22 @@ class GrpcWireConnection:
         self._last_stream_id = stream_id
         if len(self._streams) >= self.limits.max_concurrent_streams:
             self._out += _frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big"))
+            self._strike("refused stream")
             return
         fields: dict[bytes, bytes] = {bytes(k): bytes(v) for k, v in headers}
         if fields.get(b":method") != b"POST" or not fields.get(b"content-type", b"").startswith(b"application/grpc"):
             self._out += _frame(HEADERS, END_HEADERS | END_STREAM, stream_id, _HTTP_415)
             self._out += _frame(RST_STREAM, 0, stream_id, NO_ERROR.to_bytes(4, "big"))
+            self._strike("not a gRPC request")
             return
-        path = fields.get(b":path", b"").decode("latin-1")
-        method = self.methods.get(path)
-        stream = _Stream(stream_id, method, self._peer_stream_window)
+        raw_path = fields.get(b":path", b"")
+        method = self.methods.get(raw_path.decode("latin-1"))
+        stream = _Stream(stream_id, method)
         if method is None:
-            stream.trailers = _status_block(Status.UNIMPLEMENTED, f"method {path!r} not found")
+            stream.trailers = _status_block(Status.UNIMPLEMENTED, f"method {_sanitize(raw_path)} not found")
             stream.remote_closed = bool(flags & END_STREAM)
             self._flush(stream)
+            self._strike("unknown method")
             return
         self._streams[stream_id] = stream
         if flags & END_STREAM:
@@ -401,24 +530,32 @@ class GrpcWireConnection:
             return
         if len(payload) % 6:
             raise _ConnectionError(FRAME_SIZE_ERROR, "expected SETTINGS of 6-byte entries")
+        self._settings_seen = True
+        grew = False
         for offset in range(0, len(payload), 6):
             key = int.from_bytes(payload[offset : offset + 2], "big")
             value = int.from_bytes(payload[offset + 2 : offset + 6], "big")
             if key == SETTINGS_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise _ConnectionError(FLOW_CONTROL_ERROR, f"expected an initial window <= {MAX_WINDOW}")
-                delta = value - self._peer_stream_window
+                if value + self._credit_high > MAX_WINDOW:
+                    # Rare: tighten the bound to the open streams' real credits before deciding.
+                    self._credit_high = max((s.credit for s in self._streams.values()), default=0)
+                    if value + self._credit_high > MAX_WINDOW:
+                        raise _ConnectionError(FLOW_CONTROL_ERROR, "initial window change overflows a stream window "
+                                                                   "past 2^31-1 (RFC 9113 section 6.9.2)")
+                grew |= value > self._peer_stream_window
                 self._peer_stream_window = value
-                for stream in self._streams.values():
-                    stream.send_window += delta
             elif key == SETTINGS_MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME_SIZE <= value <= 16_777_215:
                     raise _ConnectionError(PROTOCOL_ERROR, f"expected a max frame size in 16384..16777215, got {value}")
                 self._peer_frame_size = value
         self._out += _frame(SETTINGS, ACK, 0)
-        self._flush_all()
+        if grew:  # only a larger stream window can unblock a stream
+            self._flush_blocked(self._blocked_on_stream)
+        self._replenish_connection()
 
-    def _window_update(self, stream_id: int, payload: bytes) -> None:
+    def _window_update(self, flags: int, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
             raise _ConnectionError(FRAME_SIZE_ERROR, "expected a 4-byte WINDOW_UPDATE")
         increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
@@ -427,15 +564,17 @@ class GrpcWireConnection:
                 raise _ConnectionError(FLOW_CONTROL_ERROR if increment else PROTOCOL_ERROR,
                                        "expected a connection window increment in 1..2^31-1 in total")
             self._send_window += increment
-            self._flush_all()
+            self._flush_blocked(self._blocked_on_connection)
+            self._replenish_connection()
             return
         stream = self._streams.get(stream_id)
         if stream is None:
             return
-        if not increment or stream.send_window + increment > MAX_WINDOW:
+        if not increment or self._peer_stream_window + stream.credit + increment > MAX_WINDOW:
             self._reset(stream, FLOW_CONTROL_ERROR if increment else PROTOCOL_ERROR)
             return
-        stream.send_window += increment
+        stream.credit += increment
+        self._credit_high = max(self._credit_high, stream.credit)
         self._flush(stream)
 
     # -- gRPC -----------------------------------------------------------------------------------
@@ -445,6 +584,8 @@ class GrpcWireConnection:
         processor, method = stream.processor, stream.method
         assert processor is not None and method is not None
         inbound = stream.inbound
+        before = len(inbound)
+        failed = False
         try:
             replies: list[Message] = []
             while len(inbound) >= 5 and stream.trailers is None:
@@ -474,15 +615,24 @@ class GrpcWireConnection:
                 stream.trailers = _OK_TRAILERS
         except RpcStatusError as exc:
             stream.trailers = _status_block(exc.status, exc.message)
+            failed = True
         except Exception as exc:  # a processor bug must not take the connection down
             log.exception("grpc_wire.processor_failed path=%s", method.path)
             stream.trailers = _status_block(Status.UNKNOWN, type(exc).__name__)
+            failed = True
+        if stream.trailers is not None and inbound:
+            inbound.clear()  # input after the answer is never read
+        if before:
+            self._buffered -= before - len(inbound)
         for reply in replies:
             data = reply.SerializeToString()
             stream.pending += b"\x00" + len(data).to_bytes(4, "big") + data
+            self._buffered += 5 + len(data)
         if end:
             stream.remote_closed = True
         self._flush(stream)
+        if failed:
+            self._strike("failed stream")
 
     def _flush(self, stream: _Stream) -> None:
         """Queue what flow control allows of ``stream``'s replies, then its trailers."""
@@ -492,29 +642,68 @@ class GrpcWireConnection:
             stream.headers_sent = True
         pending = stream.pending
         while pending:
-            size = min(len(pending), stream.send_window, self._send_window, self._peer_frame_size)
+            size = min(len(pending), self._peer_stream_window + stream.credit, self._send_window,
+                       self._peer_frame_size)
             if size <= 0:
                 break
             out += _frame(DATA, 0, stream.id, pending[:size])
             del pending[:size]
-            stream.send_window -= size
+            self._buffered -= size
+            stream.credit -= size
             self._send_window -= size
+        self._unblock(stream)
+        if pending:
+            blocked = self._blocked_on_connection if self._send_window <= 0 else self._blocked_on_stream
+            blocked[stream.id] = stream
         if pending or stream.trailers is None:
             self._replenish_stream(stream)
             return
         block = stream.trailers if stream.headers_sent else _RESPONSE_HEADERS + stream.trailers
-        out += _frame(HEADERS, END_HEADERS | END_STREAM, stream.id, block)
+        out += _header_frames(stream.id, END_STREAM, block, self._peer_frame_size)
         if not stream.remote_closed:
             # Tell the client to stop sending on a stream whose answer is complete.
             out += _frame(RST_STREAM, 0, stream.id, NO_ERROR.to_bytes(4, "big"))
-        self._streams.pop(stream.id, None)
+        self._remove(stream)
 
-    def _flush_all(self) -> None:
-        for stream in list(self._streams.values()):
-            if stream.pending or stream.trailers is not None:
-                self._flush(stream)
-        self._replenish_connection()
+    def _flush_blocked(self, blocked: dict[int, _Stream]) -> None:
+        """Flush the streams of one blocked set, until the connection window runs out."""
+        for stream in list(blocked.values()):
+            if self._send_window <= 0:
+                if blocked is self._blocked_on_stream:  # their own windows may have grown: now the connection's
+                    self._blocked_on_connection.update(blocked)
+                    blocked.clear()
+                return
+            self._flush(stream)
 
     def _reset(self, stream: _Stream, code: int) -> None:
         self._out += _frame(RST_STREAM, 0, stream.id, code.to_bytes(4, "big"))
+        self._remove(stream)
+        self._strike(f"stream reset with code {code}")
+
+    def _unblock(self, stream: _Stream) -> None:
+        if self._blocked_on_stream:  # usually empty: skip the lookups
+            self._blocked_on_stream.pop(stream.id, None)
+        if self._blocked_on_connection:
+            self._blocked_on_connection.pop(stream.id, None)
+
+    def _remove(self, stream: _Stream) -> None:
         self._streams.pop(stream.id, None)
+        self._unblock(stream)
+        if stream.inbound or stream.pending:
+            self._buffered -= len(stream.inbound) + len(stream.pending)
+            stream.inbound.clear()
+            stream.pending.clear()
+
+
+_HANDLERS: dict[int, _FrameHandler] = {
+    DATA: GrpcWireConnection._data,
+    HEADERS: GrpcWireConnection._headers,
+    PRIORITY: GrpcWireConnection._priority,
+    RST_STREAM: GrpcWireConnection._rst_stream,
+    SETTINGS: GrpcWireConnection._settings,
+    PUSH_PROMISE: GrpcWireConnection._push_promise,
+    PING: GrpcWireConnection._ping,
+    GOAWAY: GrpcWireConnection._goaway_frame,
+    WINDOW_UPDATE: GrpcWireConnection._window_update,
+    CONTINUATION: GrpcWireConnection._continuation,
+}

@@ -1,0 +1,55 @@
+"""Hostile peers (issue 11): each attack against a running server, with a legitimate client measuring the stall.
+
+Rows come from ``benchmarks/security_picker.py`` and, when present, ``benchmarks/security_session.py``
+(each exposes ``attacks(quick: bool) -> list[dict[str, object]]``). Row keys:
+
+- ``server``: ``picker`` or ``session``.
+- ``attack``: the issue item number and what the attacker sends.
+- ``expected``: the answer the server should give the attacking connection.
+- ``observed``: the answer it gave (GOAWAY / RST codes, grpc-status, what was accepted).
+- ``idle_p50_ms``: a legitimate call's median latency on the same server, idle, before the attack.
+- ``p50_ms``, ``max_ms``: the legitimate call's median and worst latency while the attack runs
+  (on its own connection, opened before the attack); ``max_ms`` is the worst stall.
+- ``rss_growth_mib``: the server's peak RSS during the attack minus its RSS before it.
+
+Targets: ``max_ms`` <= 100 on the picker, <= 250 on the session server; RSS growth <= 64 MiB per
+attacking connection. Writes ``benchmarks/results/security.json``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import platform
+
+from benchmarks import security_picker
+from benchmarks._harness import RESULTS_DIR
+
+COLUMNS = ("server", "attack", "expected", "observed", "idle_p50_ms", "p50_ms", "max_ms", "rss_growth_mib")
+TARGET_MAX_MS = {"picker": 100.0, "session": 250.0}
+TARGET_RSS_MIB = 64.0
+
+
+def _cell(value: object) -> str:
+    return "" if value is None else f"{value:,.3g}" if isinstance(value, float) else str(value)
+
+
+def run(quick: bool = False) -> None:
+    rows = security_picker.attacks(quick)
+    if importlib.util.find_spec("benchmarks.security_session") is not None:
+        rows += importlib.import_module("benchmarks.security_session").attacks(quick)
+    print("\n## Hostile peers: a legitimate call during each attack\n")
+    print("| " + " | ".join(COLUMNS) + " | targets met |")
+    print("|" + "---|" * (len(COLUMNS) + 1))
+    for row in rows:
+        worst = row.get("max_ms")
+        met = (isinstance(worst, float) and worst <= TARGET_MAX_MS.get(str(row["server"]), 100.0)
+               and float(str(row["rss_growth_mib"])) <= TARGET_RSS_MIB)
+        print("| " + " | ".join(_cell(row.get(c)) for c in COLUMNS) + f" | {'yes' if met else 'NO'} |")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "security.json").write_text(json.dumps({
+        "area": "security", "quick": quick,
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "targets": {"max_ms": TARGET_MAX_MS, "rss_growth_mib": TARGET_RSS_MIB}, "rows": rows,
+    }, indent=2) + "\n")
