@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import random
 import ssl
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -187,8 +188,13 @@ class Server:
 
     async def _expire(self, stream: MessageStream[Outbound], session: ServerSession, scope: trio.CancelScope) -> None:
         """End the session with DEADLINE_EXCEEDED at its deadline, or when it stays silent too long:
-        the status goes out first (a stream keeps its first status), then the session is cancelled."""
+        the status goes out first (a stream keeps its first status), then the session is cancelled.
+
+        The silence timeouts get up to 10% more, at random: sessions a flood opened together
+        then expire spread out, not in one burst of work that stalls every other session.
+        """
         started = trio.current_time()
+        jitter = 1.0 + random.random() / 10
         while True:
             now = trio.current_time()
             candidates: list[tuple[float, str]] = []
@@ -196,9 +202,11 @@ class Server:
                 candidates.append((stream.deadline, "the call's deadline (grpc-timeout) passed"))
             if stream.received == 0:
                 timeout = self.first_message_timeout
-                candidates.append((started + timeout, f"no message within {timeout:g} s of opening the session"))
+                candidates.append(
+                    (started + timeout * jitter, f"no message within {timeout:g} s of opening the session")
+                )
             elif self.idle_timeout is not None:
-                idle_until = stream.last_activity + self.idle_timeout
+                idle_until = stream.last_activity + self.idle_timeout * jitter
                 if session.running_actions:
                     idle_until = max(idle_until, now + self.idle_timeout)
                 candidates.append((idle_until, f"no message either way for {self.idle_timeout:g} s"))
