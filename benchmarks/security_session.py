@@ -82,8 +82,8 @@ class RawH2:
         return frame.serialize()
 
     @staticmethod
-    def data(stream_id: int, payload: bytes) -> bytes:
-        return DataFrame(stream_id, payload).serialize()
+    def data(stream_id: int, payload: bytes, *, end_stream: bool = False) -> bytes:
+        return DataFrame(stream_id, payload, flags=["END_STREAM"] if end_stream else []).serialize()
 
     @staticmethod
     def reset(stream_id: int, code: int = CANCEL) -> bytes:
@@ -193,8 +193,7 @@ async def _advertised_limit(client: RawH2) -> int:
 
 async def rapid_reset(port: int, pairs: int) -> str:
     """``pairs`` HEADERS+RST_STREAM pairs, 100 per write, reconnecting whenever the server sends GOAWAY."""
-    sent = connections = 0
-    goaways: set[int | None] = set()
+    sent = connections = calmed = 0
     while sent < pairs:
         client = await RawH2.open(port)
         connections += 1
@@ -203,21 +202,21 @@ async def rapid_reset(port: int, pairs: int) -> str:
             nursery.start_soon(client.until, lambda c: c.goaway is not None, math.inf)
             try:
                 while sent < pairs and client.goaway is None and not client.closed:
-                    batch = b"".join(client.headers(stream_id + 2 * i) + client.reset(stream_id + 2 * i) for i in range(100))
+                    ids = range(stream_id, stream_id + 200, 2)
+                    batch = b"".join(client.headers(i) + client.reset(i) for i in ids)
                     stream_id += 200
                     sent += 100
                     await client.send(batch)
-                    await trio.sleep(0)
+                    await trio.lowlevel.checkpoint()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
             with trio.move_on_after(2):
                 while client.goaway is None and not client.closed:  # noqa: ASYNC110 - the reader sets them
                     await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
-        goaways.add(client.goaway)
+        calmed += client.goaway == ENHANCE_YOUR_CALM
         await client.aclose()
-    named = sorted("ENHANCE_YOUR_CALM" if g == ENHANCE_YOUR_CALM else str(g) for g in goaways)
-    return f"{pairs} pairs over {connections} connections, GOAWAY {'/'.join(named)}"
+    return f"{pairs} pairs over {connections} connections, {calmed} ended by GOAWAY ENHANCE_YOUR_CALM"
 
 
 async def many_sessions(port: int, connections: int, per_connection: int = 100) -> str:

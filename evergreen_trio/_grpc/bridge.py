@@ -276,7 +276,7 @@ class _GuardedProtocol(H2Protocol):
         self.connection.flush()
         self.connection.initialize()
         self.processor = EventsProcessor(self.handler, self.connection)
-        self._timer = asyncio.get_running_loop().call_later(self.limits.handshake_timeout, self._check_idle)
+        self._schedule(self.limits.handshake_timeout)
 
     def data_received(self, data: bytes) -> None:
         self._last_frame = time.monotonic()
@@ -296,8 +296,9 @@ class _GuardedProtocol(H2Protocol):
                 stream = self.processor.streams.get(event.stream_id)
                 if stream is not None and stream.created is not None:
                     self.budget.reset(time.monotonic() - stream.created)
-            elif isinstance(event, h2.events.RemoteSettingsChanged):
+            elif isinstance(event, h2.events.RemoteSettingsChanged) and not self._settled:
                 self._settled = True
+                self._schedule(self.limits.idle_timeout)
             self.processor.process(event)
         if self.budget.exceeded and not self.connection.is_closing():
             self._go_away(ErrorCodes.ENHANCE_YOUR_CALM, "too many streams reset by the peer soon after opening")
@@ -317,8 +318,14 @@ class _GuardedProtocol(H2Protocol):
             h2_conn.reset_stream(stream_id, error_code=ErrorCodes.REFUSED_STREAM)
         return False
 
+    def _schedule(self, delay: float | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None if delay is None else asyncio.get_running_loop().call_later(delay, self._check_idle)
+
     def _go_away(self, code: ErrorCodes, why: str) -> None:
-        log.warning("grpc.goaway peer=%s code=%s reason=%s", self._peer(), code.name, why)
+        level = logging.INFO if code is ErrorCodes.NO_ERROR else logging.WARNING
+        log.log(level, "grpc.goaway peer=%s code=%s reason=%s", self._peer(), code.name, why)
         h2_conn = self.connection._connection
         with suppress(h2.exceptions.ProtocolError):
             h2_conn.close_connection(error_code=code, last_stream_id=h2_conn.highest_inbound_stream_id)
@@ -340,16 +347,13 @@ class _GuardedProtocol(H2Protocol):
         if not self.processor.streams and quiet >= idle:
             self._go_away(ErrorCodes.NO_ERROR, f"no stream for {idle:g} s")
             return
-        delay = idle - quiet if not self.processor.streams else idle
-        self._timer = asyncio.get_running_loop().call_later(max(delay, 0.01), self._check_idle)
+        self._schedule(max(idle - quiet if not self.processor.streams else idle, 0.01))
 
     def _peer(self) -> str:
         return str(self.connection.get_peer().addr()) if not self.connection.is_closing() else "?"
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._schedule(None)
         super().connection_lost(exc)
 
 
