@@ -12,6 +12,7 @@ import grpc
 import pytest
 import trio
 import trustme
+from test_interop import grpcio_echo
 
 from evergreen_trio import Server, SessionAborted, connect, text
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
@@ -19,8 +20,6 @@ from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.auth import Peer
 from evergreen_trio.dag import StatusCode
 from evergreen_trio.tls import client_context, server_context
-
-from test_interop import grpcio_echo
 
 
 class Pki:
