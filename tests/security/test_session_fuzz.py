@@ -1,4 +1,4 @@
-"""The session server's message reader fed arbitrary bytes: a message, the end, or RpcAbort with a status, nothing else."""
+"""The session server's message reader fed arbitrary bytes: messages, the end, or RpcAbort with a status."""
 
 from __future__ import annotations
 
