@@ -17,7 +17,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import hpack
@@ -305,8 +306,10 @@ def attacks(quick: bool) -> list[dict[str, object]]:
     return trio.run(_attacks, quick)
 
 
-async def _attacks(quick: bool) -> list[dict[str, object]]:
-    command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", *ServerArgs]
+@asynccontextmanager
+async def _serve(*args: str) -> AsyncIterator[tuple[trio.Process, str]]:
+    """``evergreen-trio serve --port 0 ARGS`` in a child process: (process, its address)."""
+    command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     try:
@@ -315,7 +318,14 @@ async def _attacks(quick: bool) -> list[dict[str, object]]:
         with trio.fail_after(30):
             while not line.endswith(b"\n"):
                 line += await process.stdout.receive_some(1)
-        address = line.decode().split()[-1]
+        yield process, line.decode().split()[-1]
+    finally:
+        process.terminate()
+        await process.wait()
+
+
+async def _attacks(quick: bool) -> list[dict[str, object]]:
+    async with _serve(*ServerArgs) as (process, address):
         port = int(address.rsplit(":", 1)[1])
         idle = [await echo_once(address) for _ in range(10 if quick else 50)]
         idle_p50 = statistics.median(idle)
@@ -344,14 +354,31 @@ async def _attacks(quick: bool) -> list[dict[str, object]]:
                 "max_ms": round(max(samples), 2), "rss_growth_mib": round(growth, 1),
             })
         return rows
-    finally:
-        process.terminate()
-        await process.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def rapid_reset_cost(pairs: int) -> str:
+    """The server's CPU and RSS spent on ``pairs`` rapid-reset pairs (default options)."""
+    async with _serve() as (process, address):
+        cpu, rss = cpu_seconds(process.pid), rss_mib(process.pid)
+        observed = await rapid_reset(int(address.rsplit(":", 1)[1]), pairs)
+        await trio.sleep(1)  # what the server still does after the sender stopped
+        cpu, rss = cpu_seconds(process.pid) - cpu, rss_mib(process.pid) - rss
+        return f"{observed}: server CPU {cpu:.2f} s, RSS {rss:+.1f} MiB"
 
 
 def main() -> None:
-    quick = "--quick" in sys.argv
-    for row in attacks(quick):
+    """``python -m benchmarks.security_session [--quick] [--rapid-reset-cost PAIRS]``"""
+    if "--rapid-reset-cost" in sys.argv:
+        pairs = int(sys.argv[sys.argv.index("--rapid-reset-cost") + 1])
+        print(trio.run(rapid_reset_cost, pairs))
+        return
+    for row in attacks("--quick" in sys.argv):
         print(" | ".join(str(value) for value in row.values()))
 
 
