@@ -19,6 +19,7 @@ from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.auth import Peer
 from evergreen_trio.dag import StatusCode
+from evergreen_trio.testing.subprocess_server import serve_command
 from evergreen_trio.tls import client_context, server_context
 
 
@@ -157,3 +158,12 @@ async def test_our_client_against_a_grpcio_tls_server(pki: Pki) -> None:
         assert seen and seen[0]["authorization"] == "Bearer s3cret"
     finally:
         server.stop(None)
+
+
+async def test_serve_with_tls_flags_as_a_user_types_it(pki: Pki) -> None:
+    args = ["--tls-cert", pki.server_cert, "--tls-key", pki.server_key, "--tls-client-ca", pki.ca_file]
+    async with serve_command(*args) as line:
+        assert line.startswith("evergreen-trio serving TLS on ")
+        port = int(line.split()[-1].rsplit(":", 1)[1])
+        with_cert = client_context(ca_file=pki.ca_file, cert_file=pki.client_cert, key_file=pki.client_key)
+        assert await echo(port, with_cert) == "over TLS"
