@@ -95,8 +95,12 @@ class RawH2:
         return PingFrame(0, opaque_data=b"evergrn!").serialize()
 
     async def send(self, data: bytes) -> None:
+        """Write ``data``; a connection the server closed is only recorded (``closed``)."""
         async with self._sending:  # the reader answers SETTINGS and PINGs while an attack writes
-            await self.stream.send_all(data)
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.closed = True
 
     async def until(self, done: Callable[[RawH2], bool], seconds: float) -> bool:
         """Read and record the server's frames until ``done(self)``, the connection closes, or ``seconds``."""
@@ -123,10 +127,7 @@ class RawH2:
             del self._buffer[: 9 + length]
             replies += self._record(frame)
         if replies and self.answer and not self.closed:
-            try:
-                await self.send(replies)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self.closed = True
+            await self.send(replies)
 
     def _record(self, frame: Frame) -> bytes:
         if isinstance(frame, SettingsFrame) and "ACK" not in frame.flags:
@@ -183,8 +184,13 @@ async def too_many_streams(port: int, streams: int = 150) -> str:
     alive = await client.until(lambda c: c.pings_acked > 0, 10)
     refused = sum(code == REFUSED_STREAM for code in client.resets.values())
     await client.aclose()
-    goaway = "no GOAWAY" if client.goaway is None else f"GOAWAY {client.goaway}"
+    goaway = "no GOAWAY" if client.goaway is None else f"GOAWAY {_code_name(client.goaway)}"
     return f"max_concurrent_streams={limit} refused={refused} {goaway} ping={'answered' if alive else 'lost'}"
+
+
+def _code_name(code: int) -> str:
+    names = {0: "NO_ERROR", REFUSED_STREAM: "REFUSED_STREAM", ENHANCE_YOUR_CALM: "ENHANCE_YOUR_CALM"}
+    return names.get(code, str(code))
 
 
 async def _advertised_limit(client: RawH2) -> int:
@@ -201,16 +207,13 @@ async def rapid_reset(port: int, pairs: int) -> str:
         stream_id = 1
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.until, lambda c: c.goaway is not None, math.inf)
-            try:
-                while sent < pairs and client.goaway is None and not client.closed:
-                    ids = range(stream_id, stream_id + 200, 2)
-                    batch = b"".join(client.headers(i) + client.reset(i) for i in ids)
-                    stream_id += 200
-                    sent += 100
-                    await client.send(batch)
-                    await trio.lowlevel.checkpoint()
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+            while sent < pairs and client.goaway is None and not client.closed:
+                ids = range(stream_id, stream_id + 200, 2)
+                batch = b"".join(client.headers(i) + client.reset(i) for i in ids)
+                stream_id += 200
+                sent += 100
+                await client.send(batch)
+                await trio.lowlevel.checkpoint()
             with trio.move_on_after(2):
                 while client.goaway is None and not client.closed:  # noqa: ASYNC110 - the reader sets them
                     await trio.sleep(0.01)
@@ -334,6 +337,8 @@ async def _attacks(quick: bool) -> list[dict[str, object]]:
              lambda: oversized_prefix(port)),
             ("150 streams on one connection", "max_concurrent_streams=100 refused=50 no GOAWAY ping=answered",
              lambda: too_many_streams(port)),
+            ("4,000 streams in one write", "GOAWAY ENHANCE_YOUR_CALM after 100 refused",
+             lambda: too_many_streams(port, 4000)),
             ("rapid reset (HEADERS+RST_STREAM)", "GOAWAY ENHANCE_YOUR_CALM after 500 streams per connection",
              lambda: rapid_reset(port, 10_000 if quick else 100_000)),
             ("silent sessions (x100 per connection)", "each ended with grpc-status 4 (DEADLINE_EXCEEDED) at 1 s",

@@ -26,6 +26,8 @@ class TransportLimits:
     - ``premature_resets``: past this many streams on one connection, if more than half were reset
       by the peer within ``premature_reset_seconds`` of opening, GOAWAY(ENHANCE_YOUR_CALM) (rapid
       reset, CVE-2023-44487; Envoy's ``premature_reset_total_stream_count`` works the same way).
+      A connection that had more than ``max_streams_per_connection`` streams refused gets the same
+      GOAWAY (a client that honours SETTINGS_MAX_CONCURRENT_STREAMS sees a few at most).
     """
 
     max_streams: int = 10_000
@@ -50,13 +52,15 @@ class TransportLimits:
 
 
 class ResetBudget:
-    """Counts a connection's streams and those the peer reset soon after opening them."""
+    """Counts a connection's streams, those the peer reset soon after opening them, and those refused."""
 
     def __init__(self, limits: TransportLimits) -> None:
         self._min_streams = limits.premature_resets
+        self._max_refused = limits.max_streams_per_connection
         self.premature_after = limits.premature_reset_seconds
         self.streams = 0
         self.premature = 0
+        self.refusals = 0
 
     def opened(self) -> None:
         self.streams += 1
@@ -66,6 +70,15 @@ class ResetBudget:
         if lifetime < self.premature_after:
             self.premature += 1
 
+    def refused(self) -> None:
+        """A stream refused because the connection had its maximum of streams open."""
+        self.refusals += 1
+
     @property
-    def exceeded(self) -> bool:
-        return self.streams >= self._min_streams and 2 * self.premature > self.streams
+    def exceeded(self) -> str | None:
+        """Why the connection should be told to calm down, or None."""
+        if self.streams >= self._min_streams and 2 * self.premature > self.streams:
+            return f"{self.premature} of {self.streams} streams reset by the peer soon after opening"
+        if self.refusals > self._max_refused:
+            return f"{self.refusals} streams refused past SETTINGS_MAX_CONCURRENT_STREAMS"
+        return None

@@ -132,6 +132,18 @@ async def test_item11_a_101st_stream_is_refused_alone_and_the_other_sessions_liv
     assert rss() - before < 2 * MEMORY_CEILING_MIB  # two attacking connections
 
 
+async def test_item11_a_burst_of_streams_far_past_the_limit_gets_goaway_enhance_your_calm(
+    nursery_: trio.Nursery,
+) -> None:
+    """4,000 HEADERS in one write: h2 would have walked every open stream per frame (quadratic,
+    1.3 s of CPU); now about 100 are refused, then GOAWAY, and the rest of the write is not parsed."""
+    server, port = await start(nursery_)
+    observed = await too_many_streams(port, streams=4000)
+    assert "GOAWAY ENHANCE_YOUR_CALM" in observed, observed
+    await legit_session_completes(port)
+    await wait_for(lambda: server.open_sessions == 0, "the connection's sessions ended")
+
+
 async def test_item11_past_the_server_cap_a_new_session_gets_resource_exhausted(nursery_: trio.Nursery) -> None:
     server, port = await start(nursery_, max_sessions=5)
     first, second = await RawH2.open(port), await RawH2.open(port)
