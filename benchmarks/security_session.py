@@ -337,7 +337,7 @@ async def _attacks(quick: bool) -> list[dict[str, object]]:
              lambda: oversized_prefix(port)),
             ("150 streams on one connection", "max_concurrent_streams=100 refused=50 no GOAWAY ping=answered",
              lambda: too_many_streams(port)),
-            ("4,000 streams in one write", "GOAWAY ENHANCE_YOUR_CALM after 100 refused",
+            ("4,000 streams in one write", "GOAWAY ENHANCE_YOUR_CALM after 101 refused",
              lambda: too_many_streams(port, 4000)),
             ("rapid reset (HEADERS+RST_STREAM)", "GOAWAY ENHANCE_YOUR_CALM after 500 streams per connection",
              lambda: rapid_reset(port, 10_000 if quick else 100_000)),

@@ -312,6 +312,8 @@ class _GuardedProtocol(H2Protocol):
         reset_now = {e.stream_id for e in events if isinstance(e, h2.events.StreamReset) and e.remote_reset}
         for event in events:
             if isinstance(event, h2.events.RequestReceived) and not self._admit(event.stream_id, reset_now):
+                if self.budget.exceeded is not None:
+                    break  # the GOAWAY below: the rest of this slice is not worth processing
                 continue
             if isinstance(event, h2.events.StreamReset) and event.remote_reset:
                 stream = self.processor.streams.get(event.stream_id)
