@@ -323,7 +323,9 @@ class _GuardedProtocol(H2Protocol):
                 self._settled = True
                 self._schedule(self.limits.idle_timeout)
             self.processor.process(event)
-        if self.budget.exceeded is not None and not self.connection.is_closing():
+        if self.connection.is_closing():  # the peer's GOAWAY closed it while processing
+            return False
+        if self.budget.exceeded is not None:
             self._go_away(ErrorCodes.ENHANCE_YOUR_CALM, self.budget.exceeded)
             return False
         self.connection.flush()

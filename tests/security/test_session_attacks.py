@@ -240,3 +240,17 @@ async def test_item10_a_running_action_keeps_a_quiet_session_open(nursery_: trio
         async with connect(f"127.0.0.1:{port}") as session:
             call = await session.run("SLOW", {"input": text("x")}, ["output"])
             assert await call["output"].read_bytes() == b""
+
+
+async def test_a_client_goaway_mid_read_closes_the_connection_quietly(nursery_: trio.Nursery) -> None:
+    """A GOAWAY followed by more frames in the same write: the server closes, logs no error, serves on."""
+    from hyperframe.frame import GoAwayFrame
+
+    server, port = await start(nursery_)
+    client = await RawH2.open(port)
+    await client.send(client.headers(1) + GoAwayFrame(0, last_stream_id=1).serialize() + client.headers(3))
+    await client.until(lambda c: False, 2)
+    assert client.closed
+    await client.aclose()
+    await wait_for(lambda: server.open_sessions == 0, "the session of the closed connection ended")
+    await legit_session_completes(port)
