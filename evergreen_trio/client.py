@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
+import ssl
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 import trio
 from google.protobuf.any_pb2 import Any as AnyProto
 
-from evergreen_trio._grpc.bridge import MessageStream, RpcAbortError, open_client_stream
+from evergreen_trio._grpc.bridge import ClientOptions, MessageStream, RpcAbortError, open_client_stream
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Action, ChunkMetadata, NamedParameter, SessionMessage
 from evergreen_trio._wire import START_SESSION
 from evergreen_trio.dag import FragmentBuilder, SessionAbortedError, SessionError, SessionLimits, StatusCode
@@ -136,18 +138,30 @@ def parse_target(target: str) -> tuple[str, int]:
 async def connect(
     target: str,
     *,
+    tls: bool | ssl.SSLContext | None = None,
+    metadata: Mapping[str, str] | None = None,
+    timeout: float | None = None,  # noqa: ASYNC109 - the pinned interface; it becomes grpc-timeout too
     limits: SessionLimits | None = None,
     resolvers: Iterable[RefResolver] = (),
     fragment_bytes: int = 256 * 1024,
 ) -> AsyncIterator[ClientSession]:
     """Open a session to ``host:port``. Leaving the block ends the client's side of the stream and
-    waits for the server to finish; a server abort raises :class:`SessionAbortedError` here."""
+    waits for the server to finish; a server abort raises :class:`SessionAbortedError` here.
+
+    ``tls``: ``True`` verifies the server against the system's CAs, an ``ssl.SSLContext``
+    (:func:`evergreen_trio.tls.client_context`) as it says. ``metadata`` goes with the call (a bearer
+    token: ``{"authorization": "Bearer ..."}``). ``timeout`` bounds the whole session: it is sent as
+    ``grpc-timeout``, and past it the session aborts with DEADLINE_EXCEEDED on both sides.
+    """
     host, port = parse_target(target)
     options = SessionOptions(limits or SessionLimits(), resolver_map(resolvers), fragment_bytes)
-    async with open_client_stream(host, port, START_SESSION, SessionMessage, SessionMessage, pack_messages) as stream:
+    wire = ClientOptions(tls=tls, metadata=metadata, timeout=timeout)
+    async with open_client_stream(
+        host, port, START_SESSION, SessionMessage, SessionMessage, pack_messages, options=wire
+    ) as stream:
         session = ClientSession(stream, options)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_receive, session, nursery.cancel_scope)
+            nursery.start_soon(_receive, session, nursery.cancel_scope, timeout)
             try:
                 yield session
             except SessionError as error:
@@ -163,13 +177,18 @@ async def connect(
         raise session.error
 
 
-async def _receive(session: ClientSession, scope: trio.CancelScope) -> None:
-    try:
-        await session.receive_loop(_no_actions)
-    except RpcAbortError as abort:
-        _abort(session, scope, SessionAbortedError(abort.message, code=StatusCode(abort.status.value)))
-    except SessionError as error:
-        _abort(session, scope, error)
+async def _receive(session: ClientSession, scope: trio.CancelScope, seconds: float | None) -> None:
+    # The client's side of the deadline: a server that does not answer in time is not waited for.
+    with trio.move_on_after(math.inf if seconds is None else seconds) as timer:
+        try:
+            await session.receive_loop(_no_actions)
+        except RpcAbortError as abort:
+            _abort(session, scope, SessionAbortedError(abort.message, code=StatusCode(abort.status.value)))
+        except SessionError as error:
+            _abort(session, scope, error)
+    if timer.cancelled_caught:
+        why = f"no answer within the {seconds:g} s timeout"
+        _abort(session, scope, SessionAbortedError(why, code=StatusCode.DEADLINE_EXCEEDED))
 
 
 def _abort(session: ClientSession, scope: trio.CancelScope, error: SessionError) -> None:

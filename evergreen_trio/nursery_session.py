@@ -343,6 +343,8 @@ class ActionContext:
     session: Session
     inputs: dict[str, InputStream]
     outputs: dict[str, OutputNode]
+    principal: str | None = None
+    """Who opened the session, as the server's ``authorize`` named them (``None`` without one)."""
 
     def input(self, *names: str) -> InputStream:
         """The first of ``names`` the caller gave (aliases, e.g. "prompt", "text")."""
@@ -386,12 +388,19 @@ class ServerSession(Session):
         options: SessionOptions,
         actions: Mapping[str, ActionSpec],
         targets: frozenset[str],
+        *,
+        principal: str | None = None,
     ) -> None:
         super().__init__(stream, options)
+        self.principal = principal
         self._actions = actions
         self._targets = targets
         self._running = 0
         self._nursery: trio.Nursery | None = None
+
+    @property
+    def running_actions(self) -> int:
+        return self._running
 
     async def run(self) -> None:
         """Serve the session to its end and send the final status (OK, or why it aborted)."""
@@ -442,7 +451,7 @@ class ServerSession(Session):
                 raise ProtocolViolationError(f"{where}: unknown output {param.name!r} (offers {sorted(spec.outputs)})")
             self.graph.reserve_output(param.id, where, local=True)
             outputs[param.name] = self.output(param.id)
-        return ActionContext(action.name, action, self, inputs, outputs), spec
+        return ActionContext(action.name, action, self, inputs, outputs, self.principal), spec
 
     async def _run_action(self, spec: ActionSpec, context: ActionContext) -> None:
         try:

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
+import random
+import ssl
 from collections.abc import Callable, Iterable
 from functools import partial
 
 import trio
 
 from evergreen_trio._grpc.bridge import MessageStream, SessionAcceptor, serve_grpclib
+from evergreen_trio._grpc.limits import TransportLimits
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import START_SESSION
-from evergreen_trio.dag import SessionLimits
+from evergreen_trio.auth import Authorizer, Peer
+from evergreen_trio.dag import SessionError, SessionLimits, StatusCode
 from evergreen_trio.nursery_session import (
+    PACK_BYTES,
     ActionSpec,
     Handler,
     Outbound,
@@ -34,6 +40,21 @@ class Server:
     >>> server = Server()
     >>> @server.action("GENERATE", inputs=["prompt"], outputs=["response"])
     ... async def generate(ctx): ...
+
+    Transport and security (docs/security-session.md):
+
+    - ``tls``: serve TLS (:func:`evergreen_trio.tls.server_context`); ``authorize``: called with each
+      session's metadata and :class:`~evergreen_trio.auth.Peer` before the session starts.
+    - ``max_sessions`` open on the server, ``max_sessions_per_connection`` (advertised as HTTP/2
+      SETTINGS_MAX_CONCURRENT_STREAMS; a stream past it gets RST_STREAM(REFUSED_STREAM)).
+    - ``first_message_timeout``: a session that sends nothing that long, and a connection that does
+      not finish its HTTP/2 (and TLS) handshake, are ended. ``idle_timeout``: a session with no
+      message either way and no action running that long, and a connection with no session, are
+      ended (``None``: never). Both end a session with DEADLINE_EXCEEDED, as does the client's
+      ``grpc-timeout``; the session's nursery is cancelled.
+    - ``max_message_bytes``: an inbound gRPC message claiming more is refused on its 5-byte
+      prefix with RESOURCE_EXHAUSTED (default: ``limits.max_fragment_bytes`` plus the 1 MiB a
+      peer packs fragments into, plus 64 KiB).
     """
 
     def __init__(
@@ -43,11 +64,28 @@ class Server:
         resolvers: Iterable[RefResolver] = (),
         targets: Iterable[str] = ("",),
         fragment_bytes: int = 256 * 1024,
+        tls: ssl.SSLContext | None = None,
+        authorize: Authorizer | None = None,
+        max_sessions: int = 10_000,
+        max_sessions_per_connection: int = 100,
+        first_message_timeout: float = 30.0,
+        idle_timeout: float | None = 300.0,
+        max_message_bytes: int | None = None,
     ) -> None:
-        self.options = SessionOptions(
-            limits=limits or SessionLimits(), resolvers=resolver_map(resolvers), fragment_bytes=fragment_bytes
-        )
+        limits = limits or SessionLimits()
+        self.options = SessionOptions(limits=limits, resolvers=resolver_map(resolvers), fragment_bytes=fragment_bytes)
         self.targets = frozenset(targets)
+        self.tls = tls
+        self.authorize = authorize
+        self.first_message_timeout = first_message_timeout
+        self.idle_timeout = idle_timeout
+        self.transport_limits = TransportLimits(
+            max_streams=max_sessions,
+            max_streams_per_connection=max_sessions_per_connection,
+            max_message_bytes=max_message_bytes or limits.max_fragment_bytes + PACK_BYTES + 64 * 1024,
+            handshake_timeout=first_message_timeout,
+            idle_timeout=idle_timeout,
+        )
         self.actions: dict[str, ActionSpec] = {}
         self._open: set[MessageStream[Outbound]] = set()
 
@@ -76,14 +114,22 @@ class Server:
         host: str = "127.0.0.1",
         port: int = 50051,
         *,
+        reuse_port: bool = False,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Serve until cancelled; ``task_status.started`` gets the bound port (0 picks a free one)."""
+        """Serve until cancelled; ``task_status.started`` gets the bound port (0 picks a free one).
+
+        ``reuse_port`` sets SO_REUSEPORT, so that several processes serve one port.
+        Raises ``OSError`` when the address cannot be bound.
+        """
         acceptor: SessionAcceptor[SessionMessage, Outbound] = SessionAcceptor(
-            START_SESSION, SessionMessage, SessionMessage, pack_messages
+            START_SESSION, SessionMessage, SessionMessage, pack_messages, limits=self.transport_limits
+        )
+        serve = partial(
+            serve_grpclib, limits=self.transport_limits, tls=self.tls, reuse_port=reuse_port, before_close=self._drain
         )
         async with trio.open_nursery() as nursery:
-            bound = await nursery.start(partial(serve_grpclib, before_close=self._drain), [acceptor], host, port)
+            bound = await nursery.start(serve, [acceptor], host, port)
             nursery.start_soon(self._accept, acceptor)
             task_status.started(bound)
 
@@ -104,7 +150,13 @@ class Server:
     async def _run_session(self, stream: MessageStream[Outbound]) -> None:
         self._open.add(stream)
         try:
-            await ServerSession(stream, self.options, self.actions, self.targets).run()
+            session = ServerSession(stream, self.options, self.actions, self.targets)
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._expire, stream, session, scope)
+                    if await self._authorized(stream, session):
+                        await session.run()
+                    nursery.cancel_scope.cancel()
         finally:
             stream.release()
             # The final status goes out on grpclib's side: a session stays open until it has, so
@@ -113,6 +165,59 @@ class Server:
             with trio.CancelScope(shield=True):
                 await stream.wait_closed()
             self._open.discard(stream)
+
+    async def _authorized(self, stream: MessageStream[Outbound], session: ServerSession) -> bool:
+        """Run ``authorize``; a refusal ends the stream with its status before anything else runs."""
+        if self.authorize is None:
+            return True
+        try:
+            principal = self.authorize(stream.metadata, Peer(stream.peer, stream.peer_certificate))
+            if inspect.isawaitable(principal):
+                principal = await principal
+        except SessionError as refused:
+            log.info("session.refused peer=%s code=%s reason=%s", stream.peer, refused.code.name, refused.message)
+            stream.finish(refused.code, refused.message)
+            return False
+        except Exception:
+            log.exception("session.authorize_failed peer=%s", stream.peer)
+            stream.finish(StatusCode.INTERNAL, "the server could not check the credentials")
+            return False
+        session.principal = principal
+        return True
+
+    async def _expire(self, stream: MessageStream[Outbound], session: ServerSession, scope: trio.CancelScope) -> None:
+        """End the session with DEADLINE_EXCEEDED at its deadline, or when it stays silent too long:
+        the status goes out first (a stream keeps its first status), then the session is cancelled.
+
+        The silence timeouts get up to 10% more, at random: sessions a flood opened together
+        then expire spread out, not in one burst of work that stalls every other session.
+        """
+        started = trio.current_time()
+        jitter = 1.0 + random.random() / 10
+        while True:
+            now = trio.current_time()
+            candidates: list[tuple[float, str]] = []
+            if stream.deadline is not None:
+                candidates.append((stream.deadline, "the call's deadline (grpc-timeout) passed"))
+            if stream.received == 0:
+                timeout = self.first_message_timeout
+                candidates.append(
+                    (started + timeout * jitter, f"no message within {timeout:g} s of opening the session")
+                )
+            elif self.idle_timeout is not None:
+                idle_until = stream.last_activity + self.idle_timeout * jitter
+                if session.running_actions:
+                    idle_until = max(idle_until, now + self.idle_timeout)
+                candidates.append((idle_until, f"no message either way for {self.idle_timeout:g} s"))
+            if not candidates:
+                await trio.sleep_forever()
+            at, why = min(candidates)
+            if now >= at:
+                log.info("session.expired peer=%s reason=%s", stream.peer, why)
+                stream.finish(StatusCode.DEADLINE_EXCEEDED, why)
+                scope.cancel()
+                return
+            await trio.sleep_until(at)
 
     async def _drain(self) -> None:
         """Before grpclib cancels what is left, let each open stream send its final status."""

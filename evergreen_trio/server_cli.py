@@ -9,12 +9,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import ssl
 from contextlib import AsyncExitStack
+from typing import Any
 
 import trio
 
+from evergreen_trio import tls
 from evergreen_trio._cli import port, serve_until_signal
 from evergreen_trio.actions import generate, register_builtin_actions
+from evergreen_trio.auth import TokenFileAuthorizer
+from evergreen_trio.errors import ConfigurationError
 from evergreen_trio.generate import APIS, BackendConfigError, BackendSettings, open_backend
 from evergreen_trio.refs import FileResolver
 from evergreen_trio.server import Server
@@ -83,17 +88,81 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="resolve file:// refs under DIR (repeatable); by default refs are refused",
     )
     add_backend_arguments(serve)
+    add_security_arguments(serve)
     serve.set_defaults(run=run_serve)
 
 
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """TLS, auth and limits of the session server (docs/security-session.md)."""
+    group = parser.add_argument_group("TLS, auth and limits")
+    group.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this PEM certificate chain")
+    group.add_argument("--tls-key", metavar="FILE", help="the PEM private key of --tls-cert")
+    group.add_argument("--tls-client-ca", metavar="FILE",
+                       help="require client certificates signed by this CA (mTLS; needs --tls-cert)")
+    group.add_argument("--auth-token-file", metavar="FILE",
+                       help="accept only 'authorization: Bearer T' for a token T of FILE (one per line, "
+                            "# comments; re-read within seconds of a change)")
+    group.add_argument("--max-sessions", type=int, default=10_000, metavar="N",
+                       help="sessions open on the server, then RESOURCE_EXHAUSTED (default: %(default)s)")
+    group.add_argument("--max-sessions-per-connection", type=int, default=100, metavar="N",
+                       help="HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS (default: %(default)s)")
+    group.add_argument("--first-message-timeout", type=float, default=30.0, metavar="S",
+                       help="a session that sends nothing, or a connection that does not finish its "
+                            "handshake, is ended after S seconds (default: %(default)s)")
+    group.add_argument("--idle-timeout", type=float, default=300.0, metavar="S",
+                       help="a session silent both ways with no action running, or a connection with "
+                            "no session, is ended after S seconds; 0: never (default: %(default)s)")
+
+
+def security_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The Server keyword arguments the TLS/auth/limit options describe.
+
+    Raises :class:`ServeConfigError` naming the option at fault (a missing or unreadable file, a
+    certificate that does not match its key, a value out of range).
+    """
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ServeConfigError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        raise ServeConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+    for flag, value in (("--max-sessions", args.max_sessions),
+                        ("--max-sessions-per-connection", args.max_sessions_per_connection)):
+        if value < 1:
+            raise ServeConfigError(f"{flag}: expected at least 1, got {value}")
+    if not args.first_message_timeout > 0 or args.idle_timeout < 0:
+        raise ServeConfigError("--first-message-timeout must be > 0 and --idle-timeout >= 0")
+    options: dict[str, Any] = {
+        "max_sessions": args.max_sessions,
+        "max_sessions_per_connection": args.max_sessions_per_connection,
+        "first_message_timeout": args.first_message_timeout,
+        "idle_timeout": args.idle_timeout or None,
+    }
+    if args.tls_cert is not None:
+        try:
+            options["tls"] = tls.server_context(args.tls_cert, args.tls_key, client_ca_file=args.tls_client_ca)
+        except (OSError, ssl.SSLError) as error:
+            raise ServeConfigError(f"--tls-cert/--tls-key/--tls-client-ca: {error}") from None
+    if args.auth_token_file is not None:
+        try:
+            options["authorize"] = TokenFileAuthorizer(args.auth_token_file)
+        except (OSError, UnicodeDecodeError) as error:
+            raise ServeConfigError(f"--auth-token-file: {error}") from None
+    return options
+
+
+class ServeConfigError(ConfigurationError):
+    """A serve option that cannot work (names the option)."""
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until SIGINT or SIGTERM; bad options raise BackendConfigError (exit 2)."""
+    """Serve until SIGINT or SIGTERM; bad options raise BackendConfigError or ServeConfigError (exit 2)."""
     backend = backend_from_args(args)
-    server = Server(resolvers=[FileResolver(args.allow_file_root)] if args.allow_file_root else ())
+    security = security_from_args(args)
+    server = Server(resolvers=[FileResolver(args.allow_file_root)] if args.allow_file_root else (), **security)
     target = f" (GENERATE -> {backend.endpoint} model {backend.model})" if backend else ""
+    scheme = " TLS" if "tls" in security else ""
 
     def announce(port: int) -> None:
-        print(f"evergreen-trio serving on {args.host}:{port}{target}", flush=True)
+        print(f"evergreen-trio serving{scheme} on {args.host}:{port}{target}", flush=True)
 
     async def serve(*, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         async with AsyncExitStack() as stack:

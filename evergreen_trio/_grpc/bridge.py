@@ -18,21 +18,31 @@ import asyncio
 import heapq
 import logging
 import socket
+import ssl
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import grpclib.server
+import h2.connection
+import h2.events
 import h2.exceptions
+import h2.settings
 import trio
 import trio_asyncio
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from grpclib.client import Channel
+from grpclib.config import Configuration
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
-from grpclib.server import Server, Stream
+from grpclib.protocol import Connection, EventsProcessor, H2Protocol
+from grpclib.server import Stream
+from h2.errors import ErrorCodes
 
+from evergreen_trio._grpc.limits import ResetBudget, TransportLimits
 from evergreen_trio.errors import EvergreenTrioError
 
 log = logging.getLogger(__name__)
@@ -46,6 +56,9 @@ RepOut = TypeVar("RepOut", bound=Message, covariant=True)
 
 CLOSE_TIMEOUT_SECONDS = 5.0
 """How long a stopping server waits for grpclib to release its connections."""
+
+FEED_BYTES = 8 * 1024
+"""The session server hands h2 at most this much input at a time (see ``_GuardedProtocol``)."""
 
 
 class RpcAbortError(EvergreenTrioError):
@@ -193,12 +206,15 @@ async def _open_loop() -> AsyncIterator[None]:
         yield
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto must be IPPROTO_TCP: asyncio disables Nagle only on sockets that say so, and accepted
     # sockets inherit it (with Nagle on, each ext_proc exchange stalled about 40 ms on a delayed ACK).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        # Several worker processes accept on one port; the kernel spreads connections among them.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(128)
@@ -206,29 +222,236 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _GuardedH2Connection(h2.connection.H2Connection):
+    """h2's connection, leaving the stream cap to :class:`_GuardedProtocol`.
+
+    h2 enforces SETTINGS_MAX_CONCURRENT_STREAMS as a connection error (TooManyStreamsError, and
+    grpclib then dropped the connection with every session on it) where RFC 9113 section 5.1.2
+    allows refusing the one stream; and it counts open streams by walking all of them for every
+    HEADERS frame, quadratic in a burst (4,000 HEADERS in one write cost 1.3 s of CPU). Here h2
+    sees no open stream, and the protocol prunes closed ones once per read.
+    """
+
+    @property
+    def open_inbound_streams(self) -> int:
+        return 0
+
+    def prune(self) -> None:
+        """Forget closed streams (h2 does it while counting open ones)."""
+        h2.connection.H2Connection.open_inbound_streams.fget(self)  # type: ignore[attr-defined]
+
+
+def _h2(connection: Connection) -> _GuardedH2Connection:
+    h2_conn = connection._connection
+    assert isinstance(h2_conn, _GuardedH2Connection)
+    return h2_conn
+
+
+class _GuardedProtocol(H2Protocol):
+    """grpclib's HTTP/2 protocol with the session server's transport limits.
+
+    Per connection: streams past ``max_streams_per_connection`` are refused with
+    RST_STREAM(REFUSED_STREAM) before any handler task starts; a stream the peer opens and resets
+    within one read starts nothing; too many premature resets get GOAWAY(ENHANCE_YOUR_CALM); a
+    protocol error gets h2's GOAWAY on the wire (grpclib closed without sending it); a connection
+    that is slow with its preface, or idle with no stream, is closed.
+    """
+
+    def __init__(self, handler: _Handler, config: Configuration, h2_config: Any, limits: TransportLimits) -> None:
+        super().__init__(handler, config, h2_config)
+        self.limits = limits
+        self.budget = ResetBudget(limits)
+        self._settled = False  # the peer's SETTINGS arrived (its preface is complete)
+        self._last_frame = time.monotonic()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        # grpclib's connection_made, with local settings that advertise the stream cap.
+        h2_conn = _GuardedH2Connection(config=self.h2_config)
+        h2_conn.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.limits.max_streams_per_connection,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: h2_conn.DEFAULT_MAX_HEADER_LIST_SIZE,
+            },
+        )
+        h2_conn.initiate_connection()
+        initial = h2_conn.local_settings.initial_window_size
+        if self.config.http2_connection_window_size != initial:
+            h2_conn.increment_flow_control_window(self.config.http2_connection_window_size - initial)
+        if self.config.http2_stream_window_size != initial:
+            h2_conn.update_settings(
+                {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size}
+            )
+        self.connection = Connection(h2_conn, transport, config=self.config)
+        self.connection.flush()
+        self.connection.initialize()
+        self.processor = EventsProcessor(self.handler, self.connection)
+        self._schedule(self.limits.handshake_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        self._last_frame = time.monotonic()
+        # Fed in slices, so that a read full of frames (asyncio reads up to 256 KiB) is cut short
+        # as soon as the connection is told to calm down, and no slice costs much CPU.
+        view = memoryview(data)
+        for offset in range(0, len(view), FEED_BYTES):
+            if self.connection.is_closing() or not self._feed(bytes(view[offset : offset + FEED_BYTES])):
+                return
+
+    def _feed(self, data: bytes) -> bool:
+        """Process one slice of input; False once the connection is closed."""
+        try:
+            events = self.connection.feed(data)
+        except h2.exceptions.ProtocolError as error:
+            log.info("grpc.protocol_error peer=%s error=%s", self._peer(), error)
+            self.connection.flush()  # h2 queued a GOAWAY naming the error: send it before closing
+            self.processor.close("Protocol error")
+            return False
+        self.connection.flush()
+        _h2(self.connection).prune()
+        reset_now = {e.stream_id for e in events if isinstance(e, h2.events.StreamReset) and e.remote_reset}
+        for event in events:
+            if isinstance(event, h2.events.RequestReceived) and not self._admit(event.stream_id, reset_now):
+                if self.budget.exceeded is not None:
+                    break  # the GOAWAY below: the rest of this slice is not worth processing
+                continue
+            if isinstance(event, h2.events.StreamReset) and event.remote_reset:
+                stream = self.processor.streams.get(event.stream_id)
+                if stream is not None and stream.created is not None:
+                    self.budget.reset(time.monotonic() - stream.created)
+            elif isinstance(event, h2.events.RemoteSettingsChanged) and not self._settled:
+                self._settled = True
+                self._schedule(self.limits.idle_timeout)
+            self.processor.process(event)
+        if self.connection.is_closing():  # the peer's GOAWAY closed it while processing
+            return False
+        if self.budget.exceeded is not None:
+            self._go_away(ErrorCodes.ENHANCE_YOUR_CALM, self.budget.exceeded)
+            return False
+        self.connection.flush()
+        return True
+
+    def _admit(self, stream_id: int, reset_now: set[int]) -> bool:
+        """Whether a new stream gets a handler; a refused stream is reset unless the peer did."""
+        self.budget.opened()
+        if stream_id in reset_now:
+            self.budget.reset(0.0)  # opened and reset in one read: nothing to start
+            return False
+        if len(self.processor.streams) < self.limits.max_streams_per_connection:
+            return True
+        self.budget.refused()
+        h2_conn = self.connection._connection
+        with suppress(h2.exceptions.StreamClosedError, KeyError):
+            h2_conn.reset_stream(stream_id, error_code=ErrorCodes.REFUSED_STREAM)
+        return False
+
+    def _schedule(self, delay: float | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None if delay is None else asyncio.get_running_loop().call_later(delay, self._check_idle)
+
+    def _go_away(self, code: ErrorCodes, why: str) -> None:
+        level = logging.INFO if code is ErrorCodes.NO_ERROR else logging.WARNING
+        log.log(level, "grpc.goaway peer=%s code=%s reason=%s", self._peer(), code.name, why)
+        h2_conn = self.connection._connection
+        with suppress(h2.exceptions.ProtocolError):
+            h2_conn.close_connection(error_code=code, last_stream_id=h2_conn.highest_inbound_stream_id)
+        self.connection.flush()
+        self.processor.close(why)
+
+    def _check_idle(self) -> None:
+        self._timer = None
+        if self.connection.is_closing():
+            return
+        if not self._settled:
+            log.info("grpc.handshake_timeout peer=%s", self._peer())
+            self.processor.close("no HTTP/2 preface in time")
+            return
+        idle = self.limits.idle_timeout
+        if idle is None:
+            return
+        quiet = time.monotonic() - self._last_frame
+        if not self.processor.streams and quiet >= idle:
+            self._go_away(ErrorCodes.NO_ERROR, f"no stream for {idle:g} s")
+            return
+        self._schedule(max(idle - quiet if not self.processor.streams else idle, 0.01))
+
+    def _peer(self) -> str:
+        return str(self.connection.get_peer().addr()) if not self.connection.is_closing() else "?"
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._schedule(None)
+        super().connection_lost(exc)
+
+
+class _Handler(grpclib.server.Handler):
+    """grpclib's per-connection handler, releasing every stream.
+
+    grpclib releases a stream in its request task's ``finally``; a task cancelled before its first
+    step (the peer reset the stream at once) never runs it, and the stream, with its buffers, stayed
+    in the connection's table until the connection closed: rapid reset grew memory without bound.
+    """
+
+    def accept(self, stream: Any, headers: Any, release_stream: Callable[[], Any]) -> None:
+        released = False
+
+        def release_once() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                release_stream()
+
+        super().accept(stream, headers, release_once)
+        self._tasks[stream].add_done_callback(lambda _task: release_once())
+
+
+class _GuardedServer(grpclib.server.Server):
+    """grpclib's server with :class:`_GuardedProtocol` connections."""
+
+    def __init__(self, handlers: Sequence[Any], limits: TransportLimits) -> None:
+        config = Configuration(
+            _keepalive_time=limits.keepalive_time,
+            _keepalive_timeout=limits.keepalive_timeout,
+        )
+        super().__init__(list(handlers), config=config)
+        self._limits = limits
+
+    def _protocol_factory(self) -> H2Protocol:
+        self.__gc_step__()
+        handler = _Handler(self._mapping, self._codec, self._status_details_codec, self.__dispatch__)
+        self._handlers.add(handler)
+        return _GuardedProtocol(handler, self._config, self._h2_config, self._limits)
+
+
 async def serve_grpclib(
     servables: Sequence[Any],
     host: str,
     port: int,
     *,
+    limits: TransportLimits | None = None,
+    tls: ssl.SSLContext | None = None,
+    reuse_port: bool = False,
     before_close: Callable[[], Any] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve grpclib ``servables`` on ``host:port`` until cancelled; ``started`` gets the bound port.
 
-    On cancellation, ``before_close`` (a Trio async function) runs first, shielded, so open
-    streams can end with a status of their own before grpclib cancels what is left.
+    ``limits`` bound each connection (see :class:`TransportLimits`); ``tls`` serves TLS (its
+    handshake must end within ``limits.handshake_timeout``). On cancellation, ``before_close`` (a
+    Trio async function) runs first, shielded, so open streams can end with a status of their own
+    before grpclib cancels what is left. Raises ``OSError`` when the address cannot be bound.
     """
-    sock = _bind(host, port)
+    limits = limits or TransportLimits()
+    sock = _bind(host, port, reuse_port=reuse_port)
     bound_port: int = sock.getsockname()[1]
     async with _open_loop():
-        server = Server(list(servables))
+        server = _GuardedServer(servables, limits)
         # grpclib drops the handlers of closed connections (and with them each connection's h2
         # state, about 100 bytes per stream it served) only every tenth new connection; a server
         # that clients keep reconnecting to then holds up to ten dead connections. Every one:
         server.__gc_interval__ = 1
-        await trio_asyncio.aio_as_trio(server.start)(sock=sock)
-        log.info("grpc.listening host=%s port=%d", host, bound_port)
+        await trio_asyncio.aio_as_trio(_start)(server, sock, tls, limits.handshake_timeout)
+        log.info("grpc.listening host=%s port=%d tls=%s", host, bound_port, tls is not None)
         try:
             task_status.started(bound_port)
             await trio.sleep_forever()
@@ -241,6 +464,15 @@ async def serve_grpclib(
                 with trio.move_on_after(CLOSE_TIMEOUT_SECONDS):
                     await trio_asyncio.aio_as_trio(server.wait_closed)()
                 log.info("grpc.closed port=%d", bound_port)
+
+
+async def _start(server: _GuardedServer, sock: socket.socket, tls: ssl.SSLContext | None, handshake: float) -> None:
+    """grpclib's ``Server.start`` with a TLS handshake deadline (grpclib leaves asyncio's 60 s)."""
+    loop = asyncio.get_running_loop()
+    server._server = await loop.create_server(
+        server._protocol_factory, sock=sock, ssl=tls, ssl_handshake_timeout=handshake if tls else None
+    )
+    server._server_closed_fut = loop.create_future()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,6 +492,11 @@ class MessageStream(Generic[T]):
     when the stream ended with an error status); ``outbound`` takes items that ``pack``
     turns into messages. :meth:`finish` ends the stream: on a server with a status, on a
     client by half-closing (or resetting, for a non-OK status).
+
+    On a server, ``metadata`` (lower-case keys; binary ``-bin`` entries left out), ``peer``,
+    ``peer_certificate`` (mTLS) and ``deadline`` (Trio time, from ``grpc-timeout``) describe the
+    call; ``received`` counts inbound messages and ``last_activity`` (Trio time) is when the last
+    message went either way.
     """
 
     def __init__(
@@ -274,6 +511,11 @@ class MessageStream(Generic[T]):
         self.pack = pack
         self.final: FinalStatus | None = None
         self.peer: str = ""
+        self.peer_certificate: dict[str, Any] | None = None
+        self.metadata: dict[str, str] = {}
+        self.deadline: float | None = None
+        self.received = 0
+        self.last_activity = trio.current_time()
         self._done = trio.Event()
 
     def finish(self, status: Status | int = Status.OK, message: str | None = None) -> None:
@@ -299,30 +541,66 @@ class MessageStream(Generic[T]):
         self._done.set()
 
 
-async def _pump_in(stream: Any, inbound: Handoff[Message]) -> None:
-    """Server side: read every message into ``inbound``; never cancelled, it ends when the stream does."""
+async def _recv_message(h2_stream: Any, message_type: type[Message], limit: int) -> Message | None:
+    """grpclib's ``recv_message``, refusing a message on its 5-byte prefix when it claims more than
+    ``limit`` bytes (grpclib reads a whole message into memory first, whatever it claims).
+
+    Raises :class:`RpcAbortError`: RESOURCE_EXHAUSTED (too large), UNIMPLEMENTED (compressed),
+    INVALID_ARGUMENT (not a ``message_type``, or the stream ended inside a message).
+    """
     try:
-        while (message := await stream.recv_message()) is not None:
+        prefix = await h2_stream.recv_data(5)
+        if not prefix:
+            return None
+        length = int.from_bytes(prefix[1:5], "big")
+        if prefix[0]:
+            raise RpcAbortError(Status.UNIMPLEMENTED, "compressed messages are not supported")
+        if length > limit:
+            raise RpcAbortError(Status.RESOURCE_EXHAUSTED, f"a message of {length} bytes, over the {limit}-byte limit")
+        body = await h2_stream.recv_data(length)
+    except AssertionError:  # grpclib's Buffer, when the stream ends inside a message
+        raise RpcAbortError(Status.INVALID_ARGUMENT, "the stream ended inside a message") from None
+    try:
+        return message_type.FromString(body)
+    except DecodeError as error:
+        raise RpcAbortError(Status.INVALID_ARGUMENT, f"not a {message_type.__name__}: {error}") from None
+
+
+async def _pump_in(stream: Any, session: MessageStream[Any], message_type: type[Message], limit: int) -> None:
+    """Server side: read every message into ``inbound``; never cancelled, it ends when the stream does."""
+    inbound = session.inbound
+    try:
+        while (message := await _recv_message(stream._stream, message_type, limit)) is not None:
+            session.received += 1
+            session.last_activity = trio.current_time()
             await inbound.aio_put(message)
         inbound.close()
+    except RpcAbortError as abort:
+        inbound.close(abort)
     except (StreamTerminatedError, ConnectionError) as exc:
         inbound.close(RpcAbortError(Status.UNAVAILABLE, f"stream terminated: {exc}"))
     except HandoffClosedError:
         pass
 
 
-async def _client_pump_in(stream: Any, inbound: Handoff[Message]) -> None:
+async def _client_pump_in(stream: Any, session: MessageStream[Any], message_type: type[Message], limit: int) -> None:
     """Client side: like :func:`_pump_in`, then the server's status from its trailers.
 
     A server that aborts sends trailers and then resets the stream, so the read may end with a
     reset although the status already arrived: the trailers (or a trailers-only response's
     headers) are read from grpclib's protocol stream, where they are kept whatever came after.
     """
+    inbound = session.inbound
     try:
-        while (message := await stream.recv_message()) is not None:
+        await stream.recv_initial_metadata()
+        while (message := await _recv_message(stream._stream, message_type, limit)) is not None:
+            session.received += 1
             await inbound.aio_put(message)
     except GRPCError as exc:  # a trailers-only response
         inbound.close(RpcAbortError(exc.status, exc.message or exc.status.name))
+        return
+    except RpcAbortError as abort:
+        inbound.close(abort)
         return
     except (StreamTerminatedError, ConnectionError):
         pass
@@ -350,12 +628,17 @@ async def _pump_out(stream: Any, session: MessageStream[Any]) -> None:
         batch = await session.outbound.aio_get_batch()
         if not batch:
             return
+        session.last_activity = trio.current_time()
         for message in session.pack(batch):
             await stream.send_message(message)
 
 
 class SessionAcceptor(Generic[Req, T]):
-    """Serves one bidirectional method by handing each new stream to a Trio acceptor task."""
+    """Serves one bidirectional method by handing each new stream to a Trio acceptor task.
+
+    Past ``limits.max_streams`` open streams a new one is answered RESOURCE_EXHAUSTED at once;
+    inbound messages over ``limits.max_message_bytes`` end their stream with RESOURCE_EXHAUSTED.
+    """
 
     def __init__(
         self,
@@ -364,22 +647,42 @@ class SessionAcceptor(Generic[Req, T]):
         reply_type: type[Message],
         pack: Callable[[list[T]], Iterable[Message]],
         *,
+        limits: TransportLimits | None = None,
         backlog: int = 1024,
     ) -> None:
         self.path = path
         self.request_type = request_type
         self.reply_type = reply_type
+        self.limits = limits or TransportLimits()
         self._pack = pack
         self.accepted: Handoff[MessageStream[T]] = Handoff(backlog)
+        self.open_streams = 0
+        self._saturated = False
 
     def __mapping__(self) -> dict[str, Handler]:
         handler = Handler(self._handle, Cardinality.STREAM_STREAM, self.request_type, self.reply_type)
         return {self.path: handler}
 
+    def _refuse_past_cap(self, stream: Stream[Any, Any]) -> None:
+        cap = self.limits.max_streams
+        if self.open_streams < cap:
+            self._saturated = False
+            return
+        if not self._saturated:  # once per episode: a flood must not flood the log too
+            self._saturated = True
+            log.warning("grpc.session_cap_reached open=%d peer=%s", self.open_streams, stream.peer.addr())
+        raise GRPCError(Status.RESOURCE_EXHAUSTED, f"the server has {cap} sessions open, its limit")
+
     async def _handle(self, stream: Stream[Any, Any]) -> None:
+        self._refuse_past_cap(stream)
+        self.open_streams += 1
         session: MessageStream[T] = MessageStream(self._pack)
-        session.peer = str(stream.peer.addr() if stream.peer else "")
-        reader = asyncio.ensure_future(_pump_in(stream, session.inbound))
+        session.peer = _address(stream.peer.addr() if stream.peer else None)
+        session.peer_certificate = stream.peer.cert() if stream.peer else None
+        session.metadata = {k: v for k, v in (stream.metadata or {}).items() if isinstance(v, str)}
+        if stream.deadline is not None:
+            session.deadline = trio.current_time() + stream.deadline.time_remaining()
+        reader = asyncio.ensure_future(_pump_in(stream, session, self.request_type, self.limits.max_message_bytes))
         try:
             await self.accepted.aio_put(session)
             await _pump_out(stream, session)
@@ -392,10 +695,18 @@ class SessionAcceptor(Generic[Req, T]):
         except HandoffClosedError:
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down") from None
         finally:
-            # A client that went away (reset, dead connection) cancels this handler: the Trio side
-            # learns it here, or its receive loop would wait forever with the session's nodes.
-            session.inbound.close(RpcAbortError(Status.UNAVAILABLE, "the client went away"))
-            session.finish(Status.UNAVAILABLE, "stream ended")
+            self.open_streams -= 1
+            # A client that went away (reset, dead connection) or a deadline grpclib enforced
+            # cancels this handler: the Trio side learns it here, or its receive loop would wait
+            # forever with the session's nodes.
+            # (No local holds the error: this frame outlives the handler in grpclib's task table,
+            # and the error's traceback reaches the Trio session.)
+            if session.deadline is not None and trio.current_time() >= session.deadline:
+                status, why = Status.DEADLINE_EXCEEDED, "the call's deadline passed"
+            else:
+                status, why = Status.UNAVAILABLE, "the client went away"
+            session.inbound.close(RpcAbortError(status, why))
+            session.finish(status, why)
             session._mark_closed()
             # Once the handler ends, grpclib releases the stream (acking unread data) and nothing
             # will complete the reader's read: a pending task left to the GC would be reported
@@ -405,9 +716,27 @@ class SessionAcceptor(Generic[Req, T]):
             reader.cancel()
 
 
+def _address(addr: Any) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host = f"[{addr[0]}]" if ":" in str(addr[0]) else str(addr[0])
+        return f"{host}:{addr[1]}"
+    return str(addr or "")
+
+
 def _log_task_error(task: asyncio.Future[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("grpc.pump_failed error=%r", task.exception())
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """How a client stream connects: ``tls`` (``True``: system CAs), ``metadata``, ``timeout`` (sent
+    as ``grpc-timeout``), and the largest message it accepts from the server."""
+
+    tls: bool | ssl.SSLContext | None = None
+    metadata: Mapping[str, str] | None = None
+    timeout: float | None = None
+    max_message_bytes: int = TransportLimits().max_message_bytes
 
 
 @asynccontextmanager
@@ -419,7 +748,7 @@ async def open_client_stream(
     reply_type: type[Req],
     pack: Callable[[list[T]], Iterable[Message]],
     *,
-    metadata: Mapping[str, str] | None = None,
+    options: ClientOptions | None = None,
 ) -> AsyncIterator[MessageStream[T]]:
     """Open a bidirectional stream to ``host:port`` and hand it to Trio until the block exits.
 
@@ -430,7 +759,8 @@ async def open_client_stream(
     session.peer = f"{host}:{port}"
     async with _open_loop(), trio.open_nursery() as nursery:
         nursery.start_soon(
-            trio_asyncio.aio_as_trio(_client_main), host, port, path, request_type, reply_type, session, metadata
+            trio_asyncio.aio_as_trio(_client_main),
+            host, port, path, request_type, reply_type, session, options or ClientOptions(),
         )
         try:
             yield session
@@ -447,15 +777,16 @@ async def _client_main(
     request_type: type[Message],
     reply_type: type[Message],
     session: MessageStream[Any],
-    metadata: Mapping[str, str] | None,
+    options: ClientOptions,
 ) -> None:
-    channel = Channel(host, port)
+    channel = Channel(host, port, ssl=options.tls or None)
     try:
         async with channel.request(
-            path, Cardinality.STREAM_STREAM, request_type, reply_type, metadata=dict(metadata or {})
+            path, Cardinality.STREAM_STREAM, request_type, reply_type,
+            metadata=dict(options.metadata or {}), timeout=options.timeout,
         ) as stream:
             await stream.send_request()
-            reader = asyncio.ensure_future(_client_pump_in(stream, session.inbound))
+            reader = asyncio.ensure_future(_client_pump_in(stream, session, reply_type, options.max_message_bytes))
             try:
                 await _pump_out(stream, session)
                 final = session.final
@@ -472,6 +803,8 @@ async def _client_main(
                 status = exc.status if isinstance(exc, GRPCError) else Status.UNAVAILABLE
                 session.inbound.close(RpcAbortError(status, str(exc)))
                 await asyncio.shield(reader)
+    except TimeoutError:  # grpclib's own deadline timer fired inside one of its calls
+        session.inbound.close(RpcAbortError(Status.DEADLINE_EXCEEDED, f"no answer within {options.timeout:g} s"))
     except (OSError, StreamTerminatedError, GRPCError, ProtocolError) as exc:
         status = exc.status if isinstance(exc, GRPCError) else Status.UNAVAILABLE
         session.inbound.close(RpcAbortError(status, f"cannot reach {host}:{port}: {exc}"))

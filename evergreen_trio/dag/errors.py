@@ -8,7 +8,7 @@ from evergreen_trio.errors import EvergreenTrioError
 
 
 class StatusCode(IntEnum):
-    """gRPC status codes (the subset sessions use), kept here so the core needs no gRPC import."""
+    """gRPC status codes, kept here so the core needs no gRPC import."""
 
     OK = 0
     CANCELLED = 1
@@ -16,12 +16,17 @@ class StatusCode(IntEnum):
     INVALID_ARGUMENT = 3
     DEADLINE_EXCEEDED = 4
     NOT_FOUND = 5
+    ALREADY_EXISTS = 6
     PERMISSION_DENIED = 7
     RESOURCE_EXHAUSTED = 8
     FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
     UNIMPLEMENTED = 12
     INTERNAL = 13
     UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
 
 
 class SessionError(EvergreenTrioError):

@@ -22,8 +22,8 @@ from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.testing.subprocess_server import serve_command
 
 
-def grpcio_echo(address: str) -> list[SessionMessage]:
-    """A blocking grpcio client: the spec's streamed-chain example through ECHO."""
+def grpcio_echo(address: str, credentials: grpc.ChannelCredentials | None = None) -> list[SessionMessage]:
+    """A blocking grpcio client: the spec's streamed-chain example through ECHO (over TLS with ``credentials``)."""
 
     def requests() -> Iterator[SessionMessage]:
         yield SessionMessage(
@@ -42,7 +42,8 @@ def grpcio_echo(address: str) -> list[SessionMessage]:
         eot = Chunk(metadata=ChunkMetadata(mimetype="application/x-protobuf; type=EndOfTurn"))
         yield SessionMessage(node_fragments=[NodeFragment(id="prompt_1_eot", chunk_fragment=eot)])
 
-    with grpc.insecure_channel(address) as channel:
+    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    with channel:
         call = channel.stream_stream(
             START_SESSION,
             request_serializer=SessionMessage.SerializeToString,

@@ -1,0 +1,391 @@
+"""Attacks on the Evergreen session server over a real socket, and what a legitimate session sees meanwhile.
+
+``attacks(quick)`` starts ``evergreen-trio serve`` in a child process (short timeouts, so the
+timeout attacks finish in seconds), measures ECHO session latency on fresh connections while the
+server is idle, then runs each attack from a raw HTTP/2 client (hand-built frames: hyperframe +
+hpack, so nothing stops it from breaking the rules) while the same latency probe runs, and reports
+per attack: what the server should answer, what it answered, latency p50/max during the attack
+against idle p50, and the server's RSS growth. ``tests/security/test_session_*.py`` run the same
+attack clients against an in-process server and assert the answers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import hpack
+import trio
+from hyperframe.frame import (
+    DataFrame,
+    Frame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
+
+from evergreen_trio import connect, text
+from evergreen_trio.server import START_SESSION
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+MAX_CONCURRENT_STREAMS = 0x3
+REFUSED_STREAM = 0x7
+CANCEL = 0x8
+ENHANCE_YOUR_CALM = 0xB
+
+ServerArgs = ("--first-message-timeout", "1", "--idle-timeout", "2")
+"""The benchmark server's options: short timeouts, so the timeout attacks end within seconds."""
+
+
+@dataclass
+class RawH2:
+    """A hostile HTTP/2 client: frames built by hand, the server's frames parsed and recorded."""
+
+    stream: trio.SocketStream
+    encoder: hpack.Encoder = field(default_factory=hpack.Encoder)
+    decoder: hpack.Decoder = field(default_factory=hpack.Decoder)
+    settings: dict[int, int] = field(default_factory=dict)
+    statuses: dict[int, str] = field(default_factory=dict)
+    resets: dict[int, int] = field(default_factory=dict)
+    goaway: int | None = None
+    closed: bool = False
+    answer: bool = True  # acknowledge SETTINGS and PINGs (a client that sent no preface must not)
+    pings_acked: int = 0
+    _buffer: bytearray = field(default_factory=bytearray)
+    _sending: trio.Lock = field(default_factory=trio.Lock)
+
+    @classmethod
+    async def open(cls, port: int, *, preface: bool = True) -> RawH2:
+        client = cls(await trio.open_tcp_stream("127.0.0.1", port), answer=preface)
+        if preface:
+            await client.send(PREFACE + SettingsFrame(0).serialize())
+        return client
+
+    def headers(self, stream_id: int, *, end_stream: bool = False) -> bytes:
+        block = self.encoder.encode([
+            (":method", "POST"), (":scheme", "http"), (":path", START_SESSION), (":authority", "localhost"),
+            ("content-type", "application/grpc"), ("te", "trailers"),
+        ])
+        frame = HeadersFrame(stream_id, block)
+        frame.flags.add("END_HEADERS")
+        if end_stream:
+            frame.flags.add("END_STREAM")
+        return frame.serialize()
+
+    @staticmethod
+    def data(stream_id: int, payload: bytes, *, end_stream: bool = False) -> bytes:
+        return DataFrame(stream_id, payload, flags=["END_STREAM"] if end_stream else []).serialize()
+
+    @staticmethod
+    def reset(stream_id: int, code: int = CANCEL) -> bytes:
+        return RstStreamFrame(stream_id, error_code=code).serialize()
+
+    @staticmethod
+    def ping() -> bytes:
+        return PingFrame(0, opaque_data=b"evergrn!").serialize()
+
+    async def send(self, data: bytes) -> None:
+        """Write ``data``; a connection the server closed is only recorded (``closed``)."""
+        async with self._sending:  # the reader answers SETTINGS and PINGs while an attack writes
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.closed = True
+
+    async def until(self, done: Callable[[RawH2], bool], seconds: float) -> bool:
+        """Read and record the server's frames until ``done(self)``, the connection closes, or ``seconds``."""
+        with trio.move_on_after(seconds):
+            while not done(self) and not self.closed:
+                try:
+                    data = await self.stream.receive_some(1 << 16)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+                if not data:
+                    self.closed = True
+                    break
+                await self._feed(data)
+        return done(self)
+
+    async def _feed(self, data: bytes) -> None:
+        self._buffer += data
+        replies = b""
+        while len(self._buffer) >= 9:
+            frame, length = Frame.parse_frame_header(memoryview(self._buffer[:9]))
+            if len(self._buffer) < 9 + length:
+                break
+            frame.parse_body(memoryview(self._buffer[9 : 9 + length]))
+            del self._buffer[: 9 + length]
+            replies += self._record(frame)
+        if replies and self.answer and not self.closed:
+            await self.send(replies)
+
+    def _record(self, frame: Frame) -> bytes:
+        if isinstance(frame, SettingsFrame) and "ACK" not in frame.flags:
+            self.settings.update(frame.settings)
+            return SettingsFrame(0, flags=["ACK"]).serialize()
+        if isinstance(frame, PingFrame):
+            if "ACK" in frame.flags:
+                self.pings_acked += 1
+                return b""
+            return PingFrame(0, flags=["ACK"], opaque_data=frame.opaque_data).serialize()
+        if isinstance(frame, HeadersFrame):
+            headers = dict(self.decoder.decode(frame.data, raw=False))
+            if "grpc-status" in headers:
+                self.statuses[frame.stream_id] = f"{headers['grpc-status']} {headers.get('grpc-message', '')}"
+        elif isinstance(frame, RstStreamFrame):
+            self.resets[frame.stream_id] = frame.error_code
+        elif isinstance(frame, GoAwayFrame):
+            self.goaway = frame.error_code
+        elif isinstance(frame, DataFrame) and frame.flow_controlled_length:
+            size = frame.flow_controlled_length
+            return WindowUpdateFrame(0, size).serialize() + WindowUpdateFrame(frame.stream_id, size).serialize()
+        return b""
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def message_prefix(length: int) -> bytes:
+    """A gRPC length prefix (uncompressed) claiming ``length`` bytes."""
+    return b"\x00" + length.to_bytes(4, "big")
+
+
+# -- the attacks: each returns what the server answered, in words ---------------------------------
+
+
+async def oversized_prefix(port: int) -> str:
+    """One stream whose first message claims 4 GiB; 48 KiB of it is sent (within the initial window)."""
+    client = await RawH2.open(port)
+    await client.send(client.headers(1) + client.data(1, message_prefix(2**32 - 1) + bytes(16_000)))
+    for _ in range(2):
+        await client.send(client.data(1, bytes(16_000)))
+    await client.until(lambda c: 1 in c.statuses, 10)
+    await client.aclose()
+    return f"grpc-status {client.statuses.get(1, 'none')}"
+
+
+async def too_many_streams(port: int, streams: int = 150) -> str:
+    """``streams`` sessions opened at once on one connection, ignoring SETTINGS_MAX_CONCURRENT_STREAMS."""
+    client = await RawH2.open(port)
+    await client.send(b"".join(client.headers(2 * i + 1) for i in range(streams)))
+    limit = await _advertised_limit(client)
+    await client.until(lambda c: len(c.resets) >= streams - limit, 10)
+    await client.send(client.ping())
+    alive = await client.until(lambda c: c.pings_acked > 0, 10)
+    refused = sum(code == REFUSED_STREAM for code in client.resets.values())
+    await client.aclose()
+    goaway = "no GOAWAY" if client.goaway is None else f"GOAWAY {_code_name(client.goaway)}"
+    return f"max_concurrent_streams={limit} refused={refused} {goaway} ping={'answered' if alive else 'lost'}"
+
+
+def _code_name(code: int) -> str:
+    names = {0: "NO_ERROR", REFUSED_STREAM: "REFUSED_STREAM", ENHANCE_YOUR_CALM: "ENHANCE_YOUR_CALM"}
+    return names.get(code, str(code))
+
+
+async def _advertised_limit(client: RawH2) -> int:
+    await client.until(lambda c: MAX_CONCURRENT_STREAMS in c.settings, 10)
+    return client.settings.get(MAX_CONCURRENT_STREAMS, -1)
+
+
+async def rapid_reset(port: int, pairs: int) -> str:
+    """``pairs`` HEADERS+RST_STREAM pairs, 100 per write, reconnecting whenever the server sends GOAWAY."""
+    sent = connections = calmed = 0
+    while sent < pairs:
+        client = await RawH2.open(port)
+        connections += 1
+        stream_id = 1
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.until, lambda c: c.goaway is not None, math.inf)
+            while sent < pairs and client.goaway is None and not client.closed:
+                ids = range(stream_id, stream_id + 200, 2)
+                batch = b"".join(client.headers(i) + client.reset(i) for i in ids)
+                stream_id += 200
+                sent += 100
+                await client.send(batch)
+                await trio.lowlevel.checkpoint()
+            with trio.move_on_after(2):
+                while client.goaway is None and not client.closed:  # noqa: ASYNC110 - the reader sets them
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        calmed += client.goaway == ENHANCE_YOUR_CALM
+        await client.aclose()
+    return f"{pairs} pairs over {connections} connections, {calmed} ended by GOAWAY ENHANCE_YOUR_CALM"
+
+
+async def many_sessions(port: int, connections: int, per_connection: int = 100) -> str:
+    """``connections`` x ``per_connection`` silent sessions, held until the server ends them."""
+    clients = [await RawH2.open(port) for _ in range(connections)]
+    for client in clients:
+        await client.send(b"".join(client.headers(2 * i + 1) for i in range(per_connection)))
+    async with trio.open_nursery() as nursery:
+        for client in clients:
+            nursery.start_soon(client.until, lambda c: len(c.statuses) >= per_connection, 30)
+    codes = {status.split()[0] for client in clients for status in client.statuses.values()}
+    ended = sum(len(client.statuses) for client in clients)
+    for client in clients:
+        await client.aclose()
+    return f"{ended}/{connections * per_connection} sessions ended, grpc-status {'/'.join(sorted(codes))}"
+
+
+async def silent_session(port: int) -> str:
+    """A session that is opened and never sent anything."""
+    client = await RawH2.open(port)
+    await client.send(client.headers(1))
+    await client.until(lambda c: 1 in c.statuses, 30)
+    await client.aclose()
+    return f"grpc-status {client.statuses.get(1, 'none')}"
+
+
+async def silent_connection(port: int, *, preface: bool) -> str:
+    """A connection that sends nothing (no preface), or only the preface and SETTINGS (no stream)."""
+    start = time.monotonic()
+    client = await RawH2.open(port, preface=preface)
+    await client.until(lambda c: False, 30)
+    await client.aclose()
+    goaway = "" if client.goaway is None else f"GOAWAY {client.goaway} then "
+    return f"{goaway}closed after {time.monotonic() - start:.1f} s" if client.closed else "still open after 30 s"
+
+
+# -- the benchmark -------------------------------------------------------------------------------
+
+
+async def echo_once(address: str) -> float:
+    """One ECHO session on a fresh connection; its duration in ms."""
+    start = time.perf_counter()
+    async with connect(address, timeout=30) as session:
+        call = await session.run("ECHO", {"input": text("ping")}, ["output"])
+        await call["output"].read_bytes()
+    return (time.perf_counter() - start) * 1000
+
+
+async def probe(address: str, samples: list[float], stop: trio.Event) -> None:
+    while not stop.is_set():
+        samples.append(await echo_once(address))
+        await trio.sleep(0.01)
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return math.nan
+
+
+async def _measure(address: str, pid: int, attack: Callable[[], Awaitable[str]]) -> tuple[str, list[float], float]:
+    samples: list[float] = []
+    stop = trio.Event()
+    before = rss_mib(pid)
+    peak = before
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(probe, address, samples, stop)
+
+        async def watch_rss() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, rss_mib(pid))
+                await trio.sleep(0.05)
+
+        nursery.start_soon(watch_rss)
+        observed = await attack()
+        await trio.sleep(0.2)
+        stop.set()
+    return observed, samples or [math.nan], max(peak, rss_mib(pid)) - before
+
+
+def attacks(quick: bool) -> list[dict[str, object]]:
+    """Run every attack against a fresh ``evergreen-trio serve``; one row per attack."""
+    return trio.run(_attacks, quick)
+
+
+@asynccontextmanager
+async def _serve(*args: str) -> AsyncIterator[tuple[trio.Process, str]]:
+    """``evergreen-trio serve --port 0 ARGS`` in a child process: (process, its address)."""
+    command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    try:
+        assert process.stdout is not None
+        line = b""
+        with trio.fail_after(30):
+            while not line.endswith(b"\n"):
+                line += await process.stdout.receive_some(1)
+        yield process, line.decode().split()[-1]
+    finally:
+        process.terminate()
+        await process.wait()
+
+
+async def _attacks(quick: bool) -> list[dict[str, object]]:
+    async with _serve(*ServerArgs) as (process, address):
+        port = int(address.rsplit(":", 1)[1])
+        idle = [await echo_once(address) for _ in range(10 if quick else 50)]
+        idle_p50 = statistics.median(idle)
+        plan: list[tuple[str, str, Callable[[], Awaitable[str]]]] = [
+            ("4 GiB message prefix", "grpc-status 8 (RESOURCE_EXHAUSTED), nothing buffered",
+             lambda: oversized_prefix(port)),
+            ("150 streams on one connection", "max_concurrent_streams=100 refused=50 no GOAWAY ping=answered",
+             lambda: too_many_streams(port)),
+            ("4,000 streams in one write", "GOAWAY ENHANCE_YOUR_CALM after 101 refused",
+             lambda: too_many_streams(port, 4000)),
+            ("rapid reset (HEADERS+RST_STREAM)", "GOAWAY ENHANCE_YOUR_CALM after 500 streams per connection",
+             lambda: rapid_reset(port, 10_000 if quick else 100_000)),
+            ("silent sessions (x100 per connection)", "each ended with grpc-status 4 (DEADLINE_EXCEEDED) at 1 s",
+             lambda: many_sessions(port, 5 if quick else 50)),
+            ("silent session", "grpc-status 4 (DEADLINE_EXCEEDED) after --first-message-timeout 1",
+             lambda: silent_session(port)),
+            ("connection without preface", "closed after --first-message-timeout 1",
+             lambda: silent_connection(port, preface=False)),
+            ("connection without a stream", "GOAWAY 0 (NO_ERROR) after --idle-timeout 2",
+             lambda: silent_connection(port, preface=True)),
+        ]
+        rows: list[dict[str, object]] = []
+        for name, expected, run in plan:
+            observed, samples, growth = await _measure(address, process.pid, run)
+            rows.append({
+                "server": "session", "attack": name, "expected": expected, "observed": observed,
+                "idle_p50_ms": round(idle_p50, 2), "p50_ms": round(statistics.median(samples), 2),
+                "max_ms": round(max(samples), 2), "rss_growth_mib": round(growth, 1),
+            })
+        return rows
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def rapid_reset_cost(pairs: int) -> str:
+    """The server's CPU and RSS spent on ``pairs`` rapid-reset pairs (default options)."""
+    async with _serve() as (process, address):
+        cpu, rss = cpu_seconds(process.pid), rss_mib(process.pid)
+        observed = await rapid_reset(int(address.rsplit(":", 1)[1]), pairs)
+        await trio.sleep(1)  # what the server still does after the sender stopped
+        cpu, rss = cpu_seconds(process.pid) - cpu, rss_mib(process.pid) - rss
+        return f"{observed}: server CPU {cpu:.2f} s, RSS {rss:+.1f} MiB"
+
+
+def main() -> None:
+    """``python -m benchmarks.security_session [--quick] [--rapid-reset-cost PAIRS]``"""
+    if "--rapid-reset-cost" in sys.argv:
+        pairs = int(sys.argv[sys.argv.index("--rapid-reset-cost") + 1])
+        print(trio.run(rapid_reset_cost, pairs))
+        return
+    for row in attacks("--quick" in sys.argv):
+        print(" | ".join(str(value) for value in row.values()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Who may open a session: an authorizer maps a stream's metadata and peer to a principal, or refuses.
+
+``Server(authorize=...)`` calls it once per session, before the session starts: no action runs for
+a refused stream. Raise :class:`UnauthenticatedError` (no or bad credentials -> UNAUTHENTICATED)
+or :class:`PermissionDeniedError` (known, not allowed -> PERMISSION_DENIED); any other exception
+is the authorizer's bug and answers INTERNAL. Handlers see the principal as ``ctx.principal``.
+
+>>> server = Server(authorize=TokenFileAuthorizer("/etc/evergreen/tokens"))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from evergreen_trio.dag import SessionError, StatusCode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The other end of a session's connection: ``address`` (host:port) and, with mTLS, its
+    certificate as :meth:`ssl.SSLSocket.getpeercert` gives it (``None`` without TLS or client cert)."""
+
+    address: str
+    certificate: Mapping[str, Any] | None = field(default=None)
+
+
+Authorizer = Callable[[Mapping[str, str], Peer], "str | Awaitable[str]"]
+"""``authorize(metadata, peer) -> principal`` (plain or async); metadata keys are lower-case."""
+
+
+class UnauthenticatedError(SessionError):
+    """The caller showed no credentials, or credentials this server does not accept."""
+
+    code = StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(SessionError):
+    """The caller is known but may not open this session."""
+
+    code = StatusCode.PERMISSION_DENIED
+
+
+class TokenFileAuthorizer:
+    """Accepts ``authorization: Bearer TOKEN`` where TOKEN is a line of ``path``.
+
+    The file holds one token per line; blank lines and ``#`` comments are ignored. Tokens are
+    compared in constant time (every token, by SHA-256 digest, so neither a token's content nor its
+    length leaks through timing). The file is re-read when its mtime, size or inode changes,
+    checked at most every ``check_interval`` seconds when a session opens (no background task); a
+    file that disappears or cannot be read revokes every token until it is back (fail closed).
+    The principal is ``token:`` and the first 12 hex digits of the token's SHA-256.
+
+    Raises ``OSError`` at construction when the file cannot be read.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, check_interval: float = 1.0) -> None:
+        self.path = os.fspath(path)
+        self.check_interval = check_interval
+        self._stamp = self._stat()
+        self._digests = self._load()
+        self._checked = time.monotonic()
+
+    def _stat(self) -> tuple[int, int, int]:
+        st = os.stat(self.path)
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _load(self) -> list[bytes]:
+        with open(self.path, encoding="utf-8") as file:
+            lines = (line.split("#", 1)[0].strip() for line in file)
+            return [hashlib.sha256(line.encode()).digest() for line in lines if line]
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < self.check_interval:
+            return
+        self._checked = now
+        try:
+            stamp = self._stat()
+            if stamp != self._stamp:
+                self._digests, self._stamp = self._load(), stamp
+                log.info("auth.tokens_reloaded path=%s tokens=%d", self.path, len(self._digests))
+        except (OSError, UnicodeDecodeError) as error:
+            if self._digests:
+                log.error("auth.tokens_unreadable path=%s error=%s (refusing every token)", self.path, error)
+            self._digests, self._stamp = [], (0, 0, 0)
+
+    def __call__(self, metadata: Mapping[str, str], peer: Peer) -> str:
+        """The principal for a valid bearer token; raises :class:`UnauthenticatedError` otherwise."""
+        self._refresh()
+        scheme, _, token = metadata.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise UnauthenticatedError("expected metadata 'authorization: Bearer <token>'")
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        matched = False
+        for known in self._digests:
+            matched |= hmac.compare_digest(digest, known)
+        if not matched:
+            raise UnauthenticatedError(f"the bearer token from {peer.address} is not accepted")
+        return "token:" + digest.hex()[:12]

@@ -1,0 +1,256 @@
+"""Issue 11, items 9-12: the session server under raw HTTP/2 attacks, over a real socket.
+
+Each test runs one attack client from ``benchmarks/security_session.py`` against an in-process
+server and asserts the server's answer (status, RST_STREAM, GOAWAY), that a legitimate session on
+another connection still completes, and that this process's RSS stays bounded. Ceilings are
+generous; the measured stall and memory figures are in ``python -m benchmarks.security_session``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import trio
+
+from benchmarks.security_session import (
+    CANCEL,
+    REFUSED_STREAM,
+    RawH2,
+    echo_once,
+    message_prefix,
+    oversized_prefix,
+    rapid_reset,
+    rss_mib,
+    silent_connection,
+    silent_session,
+    too_many_streams,
+)
+from evergreen_trio import Server
+from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
+    Action,
+    Chunk,
+    ChunkMetadata,
+    NamedParameter,
+    NodeFragment,
+    SessionMessage,
+)
+from evergreen_trio.actions import register_builtin_actions
+
+MEMORY_CEILING_MIB = 64
+"""RSS growth allowed per attacking connection (issue 11's target)."""
+
+LEGIT_CEILING_S = 5.0
+"""A legitimate session during an attack must complete within this (a hang guard, not a timing claim)."""
+
+
+def rss() -> float:
+    import os
+
+    return rss_mib(os.getpid())
+
+
+async def start(nursery: trio.Nursery, **options: object) -> tuple[Server, int]:
+    server = Server(**options)  # type: ignore[arg-type]
+    register_builtin_actions(server)
+    port: int = await nursery.start(server.serve, "127.0.0.1", 0)
+    return server, port
+
+
+async def legit_session_completes(port: int) -> None:
+    with trio.fail_after(LEGIT_CEILING_S):
+        await echo_once(f"127.0.0.1:{port}")
+
+
+async def wait_for(condition: Callable[[], bool], what: str, seconds: float = 10) -> None:
+    with trio.fail_after(seconds):  # a hang guard
+        while not condition():  # noqa: ASYNC110 - server counters have no event
+            await trio.sleep(0.02)
+    assert condition(), what
+
+
+def echo_message(text: bytes) -> bytes:
+    """One whole session's input as a gRPC message: ECHO of a leaf holding ``text``."""
+    message = SessionMessage(
+        actions=[Action(name="ECHO", inputs=[NamedParameter(name="input", id="p")],
+                        outputs=[NamedParameter(name="output", id="o")])],
+        node_fragments=[NodeFragment(id="p", chunk_fragment=Chunk(metadata=ChunkMetadata(mimetype="text/plain"),
+                                                                  data=text))],
+    ).SerializeToString()
+    return message_prefix(len(message)) + message
+
+
+@pytest.fixture
+async def nursery_() -> AsyncIterator[trio.Nursery]:
+    async with trio.open_nursery() as nursery:
+        yield nursery
+        nursery.cancel_scope.cancel()
+
+
+async def test_item9_a_4_gib_prefix_is_refused_before_anything_is_buffered(nursery_: trio.Nursery) -> None:
+    server, port = await start(nursery_)
+    before = rss()
+    observed = await oversized_prefix(port)
+    assert observed.startswith("grpc-status 8 "), observed  # RESOURCE_EXHAUSTED
+    assert "4294967295 bytes" in observed
+    await legit_session_completes(port)
+    assert rss() - before < MEMORY_CEILING_MIB
+    await wait_for(lambda: server.open_sessions == 0, "the refused session is gone")
+
+
+async def test_item9_a_message_at_the_limit_is_accepted_and_one_byte_more_is_not(nursery_: trio.Nursery) -> None:
+    limit = 4096
+    _, port = await start(nursery_, max_message_bytes=limit)
+    client = await RawH2.open(port)
+    fits = echo_message(b"x" * 100)
+    await client.send(client.headers(1) + client.data(1, fits, end_stream=True))
+    await client.send(client.headers(3) + client.data(3, message_prefix(limit + 1) + bytes(limit + 1)))
+    await client.until(lambda c: 1 in c.statuses and 3 in c.statuses, 10)
+    assert client.statuses[1].startswith("0"), client.statuses
+    assert client.statuses[3].startswith("8 "), client.statuses
+    await client.aclose()
+
+
+async def test_item11_a_101st_stream_is_refused_alone_and_the_other_sessions_live_on(nursery_: trio.Nursery) -> None:
+    server, port = await start(nursery_)
+    before = rss()
+    observed = await too_many_streams(port, streams=150)
+    assert observed == "max_concurrent_streams=100 refused=50 no GOAWAY ping=answered"
+
+    # On one connection: 100 open sessions, a refused 101st, then session 1 still completes.
+    client = await RawH2.open(port)
+    await client.send(b"".join(client.headers(2 * i + 1) for i in range(101)))
+    await client.until(lambda c: 201 in c.resets, 10)
+    assert client.resets[201] == REFUSED_STREAM
+    await client.send(client.data(1, echo_message(b"still here"), end_stream=True))
+    await client.until(lambda c: 1 in c.statuses, 10)
+    assert client.statuses[1].startswith("0"), client.statuses
+    assert client.goaway is None
+    await legit_session_completes(port)
+    await client.aclose()
+    await wait_for(lambda: server.open_sessions == 0, "every session of the closed connections ended")
+    assert rss() - before < 2 * MEMORY_CEILING_MIB  # two attacking connections
+
+
+async def test_item11_a_burst_of_streams_far_past_the_limit_gets_goaway_enhance_your_calm(
+    nursery_: trio.Nursery,
+) -> None:
+    """4,000 HEADERS in one write: h2 would have walked every open stream per frame (quadratic,
+    1.3 s of CPU); now about 100 are refused, then GOAWAY, and the rest of the write is not parsed."""
+    server, port = await start(nursery_)
+    observed = await too_many_streams(port, streams=4000)
+    assert "GOAWAY ENHANCE_YOUR_CALM" in observed, observed
+    await legit_session_completes(port)
+    await wait_for(lambda: server.open_sessions == 0, "the connection's sessions ended")
+
+
+async def test_item11_past_the_server_cap_a_new_session_gets_resource_exhausted(nursery_: trio.Nursery) -> None:
+    server, port = await start(nursery_, max_sessions=5)
+    first, second = await RawH2.open(port), await RawH2.open(port)
+    await first.send(b"".join(first.headers(2 * i + 1) for i in range(4)))
+    await wait_for(lambda: server.open_sessions == 4, "four sessions open")
+    await second.send(b"".join(second.headers(2 * i + 1) for i in range(4)))
+    await second.until(lambda c: len(c.statuses) >= 3, 10)
+    assert sorted(status.split()[0] for status in second.statuses.values()) == ["8", "8", "8"]
+    assert first.statuses == {}  # the sessions already open are untouched
+    for client in (first, second):
+        await client.aclose()
+    await wait_for(lambda: server.open_sessions == 0, "the held sessions ended with their connections")
+    await legit_session_completes(port)
+
+
+async def test_item12_rapid_reset_gets_goaway_enhance_your_calm_and_leaves_nothing(nursery_: trio.Nursery) -> None:
+    server, port = await start(nursery_)
+    before = rss()
+    observed = await rapid_reset(port, 3000)
+    _, connections, calmed = [int(word) for word in observed.replace(",", "").split() if word.isdigit()]
+    assert calmed >= connections - 1, observed  # the last one may stop short of the budget
+    await legit_session_completes(port)
+    await wait_for(lambda: server.open_sessions == 0, "no session of the attack is left")
+    assert rss() - before < MEMORY_CEILING_MIB
+
+
+async def test_item12_resets_spread_over_reads_start_no_more_than_the_stream_cap(nursery_: trio.Nursery) -> None:
+    """HEADERS in one write, their RST_STREAMs in the next: handlers start, but never more than
+    the per-connection cap at once, and the connection is told to calm down."""
+    server, port = await start(nursery_)
+    client = await RawH2.open(port)
+    peak = 0
+    stream_id = 1
+    for _ in range(10):
+        ids = range(stream_id, stream_id + 200, 2)
+        stream_id += 200
+        await client.send(b"".join(client.headers(i) for i in ids))
+        await trio.sleep(0.01)
+        peak = max(peak, server.open_sessions)
+        await client.send(b"".join(client.reset(i, CANCEL) for i in ids))
+        await client.until(lambda c: c.goaway is not None, 0.05)
+        if client.goaway is not None or client.closed:
+            break
+    assert peak <= 100
+    assert client.goaway is not None and client.goaway == 0xB
+    await client.aclose()
+    await wait_for(lambda: server.open_sessions == 0, "every started session ended")
+    await legit_session_completes(port)
+
+
+async def test_item10_a_silent_session_ends_with_deadline_exceeded(nursery_: trio.Nursery) -> None:
+    _, port = await start(nursery_, first_message_timeout=0.3)
+    observed = await silent_session(port)
+    assert observed.startswith("grpc-status 4 no message within 0.3 s"), observed
+    await legit_session_completes(port)
+
+
+async def test_item10_a_connection_without_preface_is_closed(nursery_: trio.Nursery) -> None:
+    _, port = await start(nursery_, first_message_timeout=0.3)
+    observed = await silent_connection(port, preface=False)
+    assert observed.startswith("closed after"), observed
+
+
+async def test_item10_a_connection_without_sessions_gets_goaway_after_the_idle_timeout(nursery_: trio.Nursery) -> None:
+    _, port = await start(nursery_, idle_timeout=0.3)
+    observed = await silent_connection(port, preface=True)
+    assert observed.startswith("GOAWAY 0 then closed"), observed
+
+
+async def test_item10_a_session_silent_after_its_first_message_ends_after_the_idle_timeout(
+    nursery_: trio.Nursery,
+) -> None:
+    _, port = await start(nursery_, idle_timeout=0.3)
+    client = await RawH2.open(port)
+    leaf = SessionMessage(node_fragments=[NodeFragment(id="a", chunk_fragment=Chunk(data=b"x"), continued=True)])
+    body = leaf.SerializeToString()
+    await client.send(client.headers(1) + client.data(1, message_prefix(len(body)) + body))
+    await client.until(lambda c: 1 in c.statuses, 10)
+    assert client.statuses[1].startswith("4 no message either way for 0.3 s"), client.statuses
+    await client.aclose()
+
+
+async def test_item10_a_running_action_keeps_a_quiet_session_open(nursery_: trio.Nursery) -> None:
+    server = Server(idle_timeout=0.2)
+
+    @server.action("SLOW", inputs=["input"], outputs=["output"])
+    async def slow(ctx: object) -> None:
+        await trio.sleep(0.6)  # three idle timeouts without a message either way
+
+    port = await nursery_.start(server.serve, "127.0.0.1", 0)
+    from evergreen_trio import connect, text
+
+    with trio.fail_after(LEGIT_CEILING_S):
+        async with connect(f"127.0.0.1:{port}") as session:
+            call = await session.run("SLOW", {"input": text("x")}, ["output"])
+            assert await call["output"].read_bytes() == b""
+
+
+async def test_a_client_goaway_mid_read_closes_the_connection_quietly(nursery_: trio.Nursery) -> None:
+    """A GOAWAY followed by more frames in the same write: the server closes, logs no error, serves on."""
+    from hyperframe.frame import GoAwayFrame
+
+    server, port = await start(nursery_)
+    client = await RawH2.open(port)
+    await client.send(client.headers(1) + GoAwayFrame(0, last_stream_id=1).serialize() + client.headers(3))
+    await client.until(lambda c: False, 2)
+    assert client.closed
+    await client.aclose()
+    await wait_for(lambda: server.open_sessions == 0, "the session of the closed connection ended")
+    await legit_session_completes(port)
