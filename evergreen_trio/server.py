@@ -1,4 +1,9 @@
-"""An Evergreen server: actions registered by name, one nursery per session, all in one server nursery."""
+"""An Evergreen server: actions registered by name, one nursery per session, all in one server nursery.
+
+Beside ``StartSession`` the serving port answers gRPC health (``""`` and
+``evergreen.v2.EvergreenService``): SERVING while it accepts sessions, NOT_SERVING once
+:meth:`Server.drain` starts. Session, action and fragment metrics go to ``server.metrics``.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,10 @@ from functools import partial
 import trio
 
 from evergreen_trio._grpc.bridge import MessageStream, SessionAcceptor, serve_grpclib
+from evergreen_trio._grpc.health import ServingStatus
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
-from evergreen_trio.dag import SessionLimits
+from evergreen_trio.dag import SessionLimits, StatusCode
+from evergreen_trio.metrics import SessionMetrics
 from evergreen_trio.nursery_session import (
     ActionSpec,
     Handler,
@@ -23,7 +30,11 @@ from evergreen_trio.refs import RefResolver, resolver_map
 
 log = logging.getLogger(__name__)
 
-START_SESSION = "/evergreen.v2.EvergreenService/StartSession"
+SERVICE = "evergreen.v2.EvergreenService"
+START_SESSION = f"/{SERVICE}/StartSession"
+
+DRAIN_GRACE_SECONDS = 30.0
+"""How long :meth:`Server.drain` lets open sessions run by default."""
 
 SHUTDOWN_GRACE_SECONDS = 5.0
 """How long a stopping server waits for open sessions to receive their UNAVAILABLE status."""
@@ -45,12 +56,17 @@ class Server:
         targets: Iterable[str] = ("",),
         fragment_bytes: int = 256 * 1024,
     ) -> None:
+        self.metrics = SessionMetrics()
         self.options = SessionOptions(
-            limits=limits or SessionLimits(), resolvers=resolver_map(resolvers), fragment_bytes=fragment_bytes
+            limits=limits or SessionLimits(), resolvers=resolver_map(resolvers), fragment_bytes=fragment_bytes,
+            metrics=self.metrics,
         )
         self.targets = frozenset(targets)
         self.actions: dict[str, ActionSpec] = {}
+        self.health = ServingStatus(("", SERVICE))
         self._open: set[MessageStream[Outbound]] = set()
+        self._draining = False
+        self._session_closed: trio.Event | None = None
 
     def add_action(self, name: str, handler: Handler, *, inputs: Iterable[str], outputs: Iterable[str]) -> None:
         if name in self.actions:
@@ -72,21 +88,53 @@ class Server:
     def open_sessions(self) -> int:
         return len(self._open)
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     async def serve(
         self,
         host: str = "127.0.0.1",
         port: int = 50051,
         *,
+        reuse_port: bool = False,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Serve until cancelled; ``task_status.started`` gets the bound port (0 picks a free one)."""
+        """Serve until cancelled; ``task_status.started`` gets the bound port (0 picks a free one).
+
+        ``reuse_port`` (SO_REUSEPORT) lets several processes serve one port (``serve --workers``).
+        Cancelled, it ends the sessions still open with UNAVAILABLE; :meth:`drain` first to let
+        them finish.
+        """
         acceptor: SessionAcceptor[SessionMessage, Outbound] = SessionAcceptor(
             START_SESSION, SessionMessage, SessionMessage, pack_messages
         )
-        async with trio.open_nursery() as nursery:
-            bound = await nursery.start(partial(serve_grpclib, before_close=self._drain), [acceptor], host, port)
-            nursery.start_soon(self._accept, acceptor)
-            task_status.started(bound)
+        grpc = partial(serve_grpclib, before_close=self._end_open_sessions, reuse_port=reuse_port)
+        try:
+            async with trio.open_nursery() as nursery:
+                bound = await nursery.start(grpc, [acceptor, self.health.servable], host, port)
+                nursery.start_soon(self._accept, acceptor)
+                self.health.set(not self._draining)
+                task_status.started(bound)
+        finally:
+            self.health.set(False)
+
+    async def drain(self, grace: float = DRAIN_GRACE_SECONDS) -> int:
+        """Stop accepting sessions and let the open ones finish, for at most ``grace`` seconds.
+
+        From now on health answers NOT_SERVING and a new session ends at once with UNAVAILABLE
+        (no handler runs; the client may retry elsewhere). Returns how many sessions are still
+        open; cancelling :meth:`serve` then ends them with UNAVAILABLE.
+        """
+        self._draining = True
+        self.health.set(False)
+        log.info("server.draining open=%d grace_s=%s", len(self._open), grace)
+        with trio.move_on_after(grace):
+            while self._open:
+                self._session_closed = trio.Event()
+                await self._session_closed.wait()
+        log.info("server.drained still_open=%d", len(self._open))
+        return len(self._open)
 
     async def _accept(self, acceptor: SessionAcceptor[SessionMessage, Outbound]) -> None:
         async with trio.open_nursery() as sessions:
@@ -100,13 +148,20 @@ class Server:
 
     def _start_sessions(self, nursery: trio.Nursery, streams: list[MessageStream[Outbound]]) -> None:
         for stream in streams:
-            nursery.start_soon(self._run_session, stream)
+            if self._draining:
+                stream.finish(StatusCode.UNAVAILABLE, "the server is draining; open the session elsewhere")
+                stream.release()
+                self.metrics.aborted("draining")
+            else:
+                nursery.start_soon(self._run_session, stream)
 
     async def _run_session(self, stream: MessageStream[Outbound]) -> None:
         self._open.add(stream)
+        self.metrics.session_started()
         try:
             await ServerSession(stream, self.options, self.actions, self.targets).run()
         finally:
+            self.metrics.session_ended(stream.final.status.name if stream.final else StatusCode.UNAVAILABLE.name)
             stream.release()
             # The final status goes out on grpclib's side: a session stays open until it has, so
             # that a stopping server (``_drain``) waits for it before grpclib cancels the stream
@@ -114,8 +169,10 @@ class Server:
             with trio.CancelScope(shield=True):
                 await stream.wait_closed()
             self._open.discard(stream)
+            if self._session_closed is not None:
+                self._session_closed.set()
 
-    async def _drain(self) -> None:
+    async def _end_open_sessions(self) -> None:
         """Before grpclib cancels what is left, let each open stream send its final status."""
         with trio.move_on_after(SHUTDOWN_GRACE_SECONDS):
             for stream in list(self._open):

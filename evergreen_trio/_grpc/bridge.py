@@ -193,12 +193,14 @@ async def _open_loop() -> AsyncIterator[None]:
         yield
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto must be IPPROTO_TCP: asyncio disables Nagle only on sockets that say so, and accepted
     # sockets inherit it (with Nagle on, each ext_proc exchange stalled about 40 ms on a delayed ACK).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:  # several processes listen on the port; the kernel spreads new connections
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(128)
@@ -212,14 +214,16 @@ async def serve_grpclib(
     port: int,
     *,
     before_close: Callable[[], Any] | None = None,
+    reuse_port: bool = False,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve grpclib ``servables`` on ``host:port`` until cancelled; ``started`` gets the bound port.
 
     On cancellation, ``before_close`` (a Trio async function) runs first, shielded, so open
     streams can end with a status of their own before grpclib cancels what is left.
+    ``reuse_port`` sets SO_REUSEPORT, so other processes can listen on the same port.
     """
-    sock = _bind(host, port)
+    sock = _bind(host, port, reuse_port=reuse_port)
     bound_port: int = sock.getsockname()[1]
     async with _open_loop():
         server = Server(list(servables))

@@ -79,7 +79,8 @@ class FlattenCursor:
                 child = frame.children[frame.index]
                 frame.index += 1
                 if len(stack) > graph.limits.max_depth:  # the child would sit len(stack) levels below
-                    raise LimitExceeded(f"node {child!r}: nesting deeper than {graph.limits.max_depth}")
+                    raise LimitExceeded(f"node {child!r}: nesting deeper than {graph.limits.max_depth}",
+                                        limit="max_depth")
                 stack.append(_Frame(child))
                 continue
             node = graph.get(frame.node_id)

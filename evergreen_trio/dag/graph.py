@@ -109,7 +109,7 @@ class SessionGraph:
                 side = "this side" if owner[0] else "the peer"
                 raise ProtocolViolation(f"{where}: the node is the output of {owner[1]}, produced by {side}")
             if len(self.nodes) >= self.limits.max_nodes:
-                raise LimitExceeded(f"{where}: the session holds {len(self.nodes)} nodes, the limit")
+                raise LimitExceeded(f"{where}: the session holds {len(self.nodes)} nodes, the limit", limit="max_nodes")
             node = Node(node_id, local=local)
             self.nodes[node_id] = node
         elif node.local != local:
@@ -148,18 +148,21 @@ class SessionGraph:
         if children:
             if len(children) > self.limits.max_children_per_fragment:
                 raise LimitExceeded(
-                    f"{where}: {len(children)} child_ids, limit {self.limits.max_children_per_fragment}"
+                    f"{where}: {len(children)} child_ids, limit {self.limits.max_children_per_fragment}",
+                    limit="max_children_per_fragment",
                 )
             node.kind = kind
             return children
         chunk = fragment.chunk_fragment
         data = chunk.data
         if len(data) > self.limits.max_fragment_bytes:
-            raise LimitExceeded(f"{where}: {len(data)} bytes in one fragment, limit {self.limits.max_fragment_bytes}")
+            raise LimitExceeded(f"{where}: {len(data)} bytes in one fragment, limit {self.limits.max_fragment_bytes}",
+                                limit="max_fragment_bytes")
         if self.buffered_bytes + len(data) > self.limits.max_buffered_bytes:
             raise LimitExceeded(
                 f"{where}: the session would hold {self.buffered_bytes + len(data)} bytes, "
-                f"limit {self.limits.max_buffered_bytes}"
+                f"limit {self.limits.max_buffered_bytes}",
+                limit="max_buffered_bytes",
             )
         ref = chunk.ref if chunk.WhichOneof("payload") == "ref" else None
         if ref is not None and not node.local:
@@ -202,7 +205,7 @@ class SessionGraph:
             if node_id == parent:
                 raise ProtocolViolation(f"{where}: child {node_id!r} makes the node include itself")
             if depth > max_depth:
-                raise LimitExceeded(f"{where}: nesting below the node is deeper than {max_depth}")
+                raise LimitExceeded(f"{where}: nesting below the node is deeper than {max_depth}", limit="max_depth")
             if deepest.get(node_id, 0) >= depth:
                 continue
             deepest[node_id] = depth
