@@ -3,13 +3,15 @@
 A KeyboardInterrupt raised at an arbitrary checkpoint can land inside a shielded shutdown step
 (a gRPC stream sending its final status, the asyncio loop under grpclib closing) and leave it
 half done. Cancelling a scope instead runs every ``finally`` in order. A second Ctrl-C while
-that happens ends the process at once, as users expect of a stuck shutdown.
+that happens ends the process at once, as users expect of a stuck shutdown. A server that
+drains (``serve``) first lets open work finish, then cancels; a second signal cuts that short.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import trio
 
@@ -25,3 +27,31 @@ async def cancel_on_signals(scope: trio.CancelScope) -> None:
             break
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
+
+
+async def drain_on_signals(
+    drain: Callable[[], Awaitable[object]], stop_now: Callable[[], object], scope: trio.CancelScope
+) -> None:
+    """On the first SIGINT or SIGTERM await ``drain()``, then cancel ``scope``.
+
+    A signal while it drains calls ``stop_now()`` (which should end the drain at once); once
+    this returns, a SIGINT kills the process.
+    """
+    try:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("draining signal=%s", signal.Signals(signum).name)
+                break
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_stop_on_second_signal, signals, stop_now)
+                await drain()
+                nursery.cancel_scope.cancel()
+        scope.cancel()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+async def _stop_on_second_signal(signals: AsyncIterator[int], stop_now: Callable[[], object]) -> None:
+    async for signum in signals:
+        log.info("stopping signal=%s", signal.Signals(signum).name)
+        stop_now()
