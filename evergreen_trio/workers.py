@@ -217,6 +217,8 @@ class Supervisor:
                     process = await self._start(index)
                     break
                 except WorkerError as exc:
+                    if self._stopping:  # stopped while it started
+                        return
                     failures += 1
                     log.error("workers.restart_failed index=%d error=%s", index, exc)
             self.restarts += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc  # type: ignore[import-untyped]
 import httpx
@@ -78,10 +80,12 @@ class ServeProcess:
         return line.split()[-1]
 
     def worker_pids(self) -> list[int]:
-        """The supervisor's children, from /proc (Linux)."""
-        pid = self.process.pid
-        with open(f"/proc/{pid}/task/{pid}/children") as children:
-            return [int(p) for p in children.read().split()]
+        """The supervisor's children, from /proc (Linux): any of its threads may have forked them."""
+        pids: list[int] = []
+        for children in Path(f"/proc/{self.process.pid}/task").glob("*/children"):
+            with contextlib.suppress(FileNotFoundError):  # a thread that just exited
+                pids += [int(p) for p in children.read_text().split()]
+        return sorted(pids)
 
     def signal(self, signum: int) -> None:
         self.process.send_signal(signum)
