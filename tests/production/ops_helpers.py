@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -140,3 +141,11 @@ async def held_echo(address: str, opened: trio.Semaphore, release: trio.Event, r
         result.append("OK")
     except SessionAborted as aborted:
         result.append(aborted.code.name)
+
+
+def free_port() -> int:
+    """A port free now, for Envoy's static config (Envoy reports no port it picked itself)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
