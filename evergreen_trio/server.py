@@ -1,8 +1,9 @@
 """An Evergreen server: actions registered by name, one nursery per session, all in one server nursery.
 
-Beside ``StartSession`` the serving port answers gRPC health (``""`` and
-``evergreen.v2.EvergreenService``): SERVING while it accepts sessions, NOT_SERVING once
-:meth:`Server.drain` starts. Session, action and fragment metrics go to ``server.metrics``.
+Beside ``StartSession`` the serving port answers gRPC health: ``""`` and
+``evergreen.v2.EvergreenService`` are SERVING while it accepts sessions, NOT_SERVING once
+:meth:`Server.drain` starts; ``liveness`` stays SERVING while it serves, draining included.
+Session, action and fragment metrics go to ``server.metrics``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from functools import partial
 import trio
 
 from evergreen_trio._grpc.bridge import MessageStream, SessionAcceptor, serve_grpclib
-from evergreen_trio._grpc.health import ServingStatus
+from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio.dag import SessionLimits, StatusCode
 from evergreen_trio.metrics import SessionMetrics
@@ -63,7 +64,7 @@ class Server:
         )
         self.targets = frozenset(targets)
         self.actions: dict[str, ActionSpec] = {}
-        self.health = ServingStatus(("", SERVICE))
+        self.health = ServerHealth(("", SERVICE))
         self._open: set[MessageStream[Outbound]] = set()
         self._draining = False
         self._session_closed: trio.Event | None = None
@@ -114,20 +115,20 @@ class Server:
             async with trio.open_nursery() as nursery:
                 bound = await nursery.start(grpc, [acceptor, self.health.servable], host, port)
                 nursery.start_soon(self._accept, acceptor)
-                self.health.set(not self._draining)
+                self.health.set(ready=not self._draining, live=True)
                 task_status.started(bound)
         finally:
-            self.health.set(False)
+            self.health.set(ready=False, live=False)
 
     async def drain(self, grace: float = DRAIN_GRACE_SECONDS) -> int:
         """Stop accepting sessions and let the open ones finish, for at most ``grace`` seconds.
 
-        From now on health answers NOT_SERVING and a new session ends at once with UNAVAILABLE
+        From now on readiness answers NOT_SERVING (liveness stays SERVING) and a new session ends at once with UNAVAILABLE
         (no handler runs; the client may retry elsewhere). Returns how many sessions are still
         open; cancelling :meth:`serve` then ends them with UNAVAILABLE.
         """
         self._draining = True
-        self.health.set(False)
+        self.health.set(ready=False, live=True)
         log.info("server.draining open=%d grace_s=%s", len(self._open), grace)
         with trio.move_on_after(grace):
             while self._open:

@@ -8,6 +8,7 @@ plain call (grpclib's watchers are woken on the same thread, on the trio-asyncio
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import OVERALL, Health
@@ -23,20 +24,30 @@ class HealthName:
         return {f"/{self.name}/Check": None}
 
 
-class ServingStatus:
-    """One SERVING / NOT_SERVING flag answered under several service names (``""`` is the server's).
+class ServerHealth:
+    """A server's health: readiness under ``ready_names`` (``""`` is the server's overall status),
+    liveness under ``"liveness"``. Both start NOT_SERVING; ``servable`` goes in the grpclib
+    server's servables.
 
-    ``servable`` goes in the grpclib server's servables; it starts NOT_SERVING.
+    A draining server is live but not ready: a Kubernetes liveness probe must not kill it while
+    its readiness probe takes it out of rotation.
     """
 
-    def __init__(self, names: Iterable[str]) -> None:
-        self._status = ServiceStatus()
-        self._status.set(False)
-        self.servable = Health({OVERALL if name == "" else HealthName(name): [self._status] for name in names})
+    LIVENESS = "liveness"
+
+    def __init__(self, ready_names: Iterable[str]) -> None:
+        self._ready, self._live = ServiceStatus(), ServiceStatus()
+        self._ready.set(False)
+        self._live.set(False)
+        checks: dict[Any, list[ServiceStatus]] = {
+            OVERALL if name == "" else HealthName(name): [self._ready] for name in ready_names}
+        checks[HealthName(self.LIVENESS)] = [self._live]
+        self.servable = Health(checks)
 
     @property
-    def serving(self) -> bool:
-        return self._status.__status__() is True
+    def ready(self) -> bool:
+        return self._ready.__status__() is True
 
-    def set(self, serving: bool) -> None:
-        self._status.set(serving)
+    def set(self, *, ready: bool, live: bool) -> None:
+        self._ready.set(ready)
+        self._live.set(live)

@@ -37,6 +37,7 @@ async def test_health_answers_serving_then_not_serving_while_draining() -> None:
             address = f"127.0.0.1:{port}"
             assert await health(address) == "SERVING"
             assert await health(address, SERVICE) == "SERVING"
+            assert await health(address, "liveness") == "SERVING"
             assert await health(address, "no.such.Service") == "NOT_FOUND"
             clients.start_soon(held_echo, address, opened, release, result)
             await opened.acquire()
@@ -50,6 +51,7 @@ async def test_health_answers_serving_then_not_serving_while_draining() -> None:
             await trio.testing.wait_all_tasks_blocked()
             assert await health(address) == "NOT_SERVING"
             assert await health(address, SERVICE) == "NOT_SERVING"
+            assert await health(address, "liveness") == "SERVING"  # draining, not dead
             assert await _one_echo(address) == "UNAVAILABLE"  # refused: no handler runs
             assert not drained.is_set()
             release.set()
