@@ -123,9 +123,9 @@ class Server:
     async def drain(self, grace: float = DRAIN_GRACE_SECONDS) -> int:
         """Stop accepting sessions and let the open ones finish, for at most ``grace`` seconds.
 
-        From now on readiness answers NOT_SERVING (liveness stays SERVING) and a new session ends at once with UNAVAILABLE
-        (no handler runs; the client may retry elsewhere). Returns how many sessions are still
-        open; cancelling :meth:`serve` then ends them with UNAVAILABLE.
+        From now on readiness answers NOT_SERVING (liveness stays SERVING) and a new session
+        ends at once with UNAVAILABLE (no handler runs; the client may retry elsewhere). Returns
+        how many sessions are still open; cancelling :meth:`serve` then ends them with UNAVAILABLE.
         """
         self._draining = True
         self.health.set(ready=False, live=True)
