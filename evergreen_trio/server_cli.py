@@ -146,12 +146,15 @@ def run_serve(args: argparse.Namespace) -> int:
                 nursery.start_soon(drain_on_signals, partial(server.drain, args.drain_grace), cancel.cancel, cancel)
                 if supervised:
                     nursery.start_soon(signal_self_when_gone, args.supervised_by)
+                metrics = None
+                if args.metrics_port is not None and not supervised:  # a supervisor serves its workers' metrics
+                    metrics = await nursery.start(serve_metrics, server.metrics.registry, args.host, args.metrics_port)
                 serve = partial(server.serve, args.host, args.port, reuse_port=args.reuse_port or supervised)
                 port = await nursery.start(serve)
+                # The first line says it is ready: everything it announces is already listening.
                 print(f"evergreen-trio serving on {args.host}:{port}{target}", flush=True)
-                if args.metrics_port is not None and not supervised:  # a supervisor serves its workers' metrics
-                    bound = await nursery.start(serve_metrics, server.metrics.registry, args.host, args.metrics_port)
-                    print(f"evergreen-trio metrics on http://{args.host}:{bound}/metrics", flush=True)
+                if metrics is not None:
+                    print(f"evergreen-trio metrics on http://{args.host}:{metrics}/metrics", flush=True)
 
     trio.run(main)
     log.info("serve.stopped")
@@ -175,13 +178,15 @@ def run_workers(args: argparse.Namespace, target: str) -> int:
         async with trio.open_nursery() as nursery:
             cancel = nursery.cancel_scope
             nursery.start_soon(drain_on_signals, supervisor.shutdown, supervisor.stop, cancel)
+            metrics = None
+            if metrics_dir is not None:
+                registry = multiprocess_registry(metrics_dir)
+                metrics = await nursery.start(serve_metrics, registry, args.host, args.metrics_port)
             pids = await nursery.start(supervisor.run)
             print(f"evergreen-trio serving on {args.host}:{port}{target}", flush=True)
             print(f"evergreen-trio workers: {len(pids)} (pids {' '.join(map(str, pids))})", flush=True)
-            if metrics_dir is not None:
-                registry = multiprocess_registry(metrics_dir)
-                bound = await nursery.start(serve_metrics, registry, args.host, args.metrics_port)
-                print(f"evergreen-trio metrics on http://{args.host}:{bound}/metrics", flush=True)
+            if metrics is not None:
+                print(f"evergreen-trio metrics on http://{args.host}:{metrics}/metrics", flush=True)
 
     failed = False
     with reserved, ExitStack() as stack:

@@ -25,7 +25,7 @@ from evergreen_trio.evergreen_front import front_config
 from evergreen_trio.picker.envoy_config import write_gateway_config
 from evergreen_trio.picker.envoy_process import find_envoy, run_envoy
 from evergreen_trio.server import START_SESSION
-from evergreen_trio.testing.model import Frag, Meta, echo, to_messages
+from evergreen_trio.testing.model import Act, Frag, Meta, echo, to_messages
 
 pytestmark = pytest.mark.envoy
 HANG_GUARD = 120
@@ -91,7 +91,7 @@ async def test_sessions_land_on_both_servers_and_survive_a_drain(tmp_path: Path)
 
 def _grpcio_echo(address: str, credentials: grpc.ChannelCredentials | None) -> tuple[str, bytes]:
     """One ECHO session with grpcio (TLS when ``credentials``): (final status, echoed bytes)."""
-    items = [echo("in", "out"), Frag("in", 0, True, chunk=(Meta("text/plain"), b"over ")),
+    items: list[Frag | Act] = [echo("in", "out"), Frag("in", 0, True, chunk=(Meta("text/plain"), b"over ")),
              Frag("in", 1, False, chunk=(None, b"TLS"))]
     requests: Iterator[SessionMessage] = iter(to_messages(items, groups=[2]))
     channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
