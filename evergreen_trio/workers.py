@@ -200,7 +200,8 @@ class Supervisor:
             finally:
                 if process.returncode is None:  # cancelled: the supervisor is going away
                     with trio.CancelScope(shield=True):
-                        await self._terminate([process])
+                        process.send_signal(signal.SIGTERM)
+                        await self._reap([process])
             self.pids[index] = None
             self._forget(process.pid)
             if self._stopping:
@@ -227,12 +228,11 @@ class Supervisor:
         """Drain every worker: :meth:`stop`, then wait for them to exit, SIGKILLing those still
         running after ``stop_timeout``."""
         self.stop()
-        await self._terminate([p for p in self._processes if p is not None])
+        await self._reap([p for p in self._processes if p is not None])
 
-    async def _terminate(self, processes: Sequence[trio.Process]) -> None:
-        for process in processes:
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
+    async def _reap(self, processes: Sequence[trio.Process]) -> None:
+        """Wait for ``processes``, already asked to stop (once: a second SIGTERM would cut their
+        drain short), and SIGKILL those still running after ``stop_timeout``."""
         with trio.move_on_after(self.stop_timeout):
             for process in processes:
                 await process.wait()
