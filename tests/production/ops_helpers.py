@@ -21,7 +21,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from evergreen_trio import NodeRef, SessionAborted, connect
 
-SERVICE = "evergreen.v2.EvergreenService"
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

@@ -8,10 +8,11 @@ import sys
 
 import pytest
 import trio
-from ops_helpers import SERVICE, health, held_echo, serve, wait_health
+from ops_helpers import health, held_echo, serve, wait_health
 
 from evergreen_trio import Server, SessionAborted, connect, text
 from evergreen_trio.actions import register_builtin_actions
+from evergreen_trio.server import SERVICE
 
 HANG_GUARD = 60
 
