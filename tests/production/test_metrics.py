@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import httpx
 import trio
 from hypothesis import given
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 from ops_helpers import scrape, serve, value
 
 from evergreen_trio import ActionContext, Server, SessionAborted, SessionLimits, connect, inner, text
+from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.dag import LimitExceeded, ProtocolViolation
 from evergreen_trio.metrics import abort_reason, serve_metrics
@@ -107,3 +110,24 @@ def test_the_exporter_survives_any_bytes(garbage: bytes) -> None:
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+async def _ok(request: HttpRequest) -> HttpResponse:
+    return HttpResponse(200, [], b"ok")
+
+
+async def test_the_http_server_closes_slow_and_surplus_connections() -> None:
+    with trio.fail_after(HANG_GUARD):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(partial(serve_http, _ok, "127.0.0.1", 0, read_timeout=0.5, max_connections=2))
+            slow = await trio.open_tcp_stream("127.0.0.1", port)
+            await slow.send_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n")  # never finishes its headers
+            idle = await trio.open_tcp_stream("127.0.0.1", port)
+            await trio.sleep(0.1)
+            surplus = await trio.open_tcp_stream("127.0.0.1", port)
+            assert await surplus.receive_some(100) == b""  # a third connection: closed at once
+            assert await slow.receive_some(100) == b""  # closed after read_timeout
+            assert await idle.receive_some(100) == b""
+            async with httpx.AsyncClient(timeout=10) as client:  # then it serves again
+                assert (await client.get(f"http://127.0.0.1:{port}/")).text == "ok"
+            nursery.cancel_scope.cancel()
