@@ -26,9 +26,9 @@ MAX_REQUEST_BODY = 4096
 
 
 def abort_reason(error: SessionError) -> str:
-    """A bounded label for why a session aborted: the error's class in snake case
-    (``ProtocolViolation`` -> ``protocol_violation``, ``LimitExceeded`` -> ``limit_exceeded``)."""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__).lower()
+    """A bounded label for why a session aborted: the error's class in snake case, less a trailing
+    ``Error`` (``ProtocolViolation[Error]`` -> ``protocol_violation``, ``SessionError`` -> ``session``)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__.removesuffix("Error") or "Error").lower()
 
 
 class SessionMetrics:

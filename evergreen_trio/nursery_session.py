@@ -18,7 +18,7 @@ import trio
 from evergreen_trio._grpc.bridge import HandoffClosed, MessageStream, RpcAbort
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Action, ChunkMetadata, NodeFragment, SessionMessage
 from evergreen_trio.dag import (
-    ActionFailed,
+    ActionFailedError,
     FlattenCursor,
     FragmentBuilder,
     LeafBytes,
@@ -487,7 +487,7 @@ class ServerSession(Session):
         except Exception as exc:
             code = StatusCode.INTERNAL
             log.exception("action.failed name=%s", spec.name)
-            raise ActionFailed(f"{describe(context.action)} failed: {type(exc).__name__}: {exc}") from exc
+            raise ActionFailedError(f"{describe(context.action)} failed: {type(exc).__name__}: {exc}") from exc
         finally:
             self._running -= 1
             if self.options.metrics is not None:

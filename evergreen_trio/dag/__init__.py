@@ -1,7 +1,7 @@
 """The Evergreen session DAG, sans-IO: fragment rules, graph bookkeeping, limits, flattening order."""
 
 from evergreen_trio.dag.errors import (
-    ActionFailed,
+    ActionFailedError,
     LimitExceeded,
     ProtocolViolation,
     RefRejected,
@@ -17,7 +17,7 @@ from evergreen_trio.dag.limits import LimitsError, SessionLimits
 from evergreen_trio.dag.produce import FragmentBuilder
 
 __all__ = [
-    "ActionFailed",
+    "ActionFailedError",
     "FlattenCursor",
     "FlattenEvent",
     "FragmentBuilder",

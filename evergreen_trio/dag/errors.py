@@ -55,7 +55,7 @@ class LimitExceeded(SessionError):
         self.limit = limit
 
 
-class ActionFailed(SessionError):
+class ActionFailedError(SessionError):
     """An action's handler raised an exception that is not a :class:`SessionError`."""
 
     code = StatusCode.INTERNAL

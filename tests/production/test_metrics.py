@@ -13,7 +13,7 @@ from ops_helpers import scrape, serve, value
 from evergreen_trio import ActionContext, Server, SessionAborted, SessionLimits, connect, inner, text
 from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
 from evergreen_trio.actions import register_builtin_actions
-from evergreen_trio.dag import LimitExceeded, ProtocolViolation
+from evergreen_trio.dag import LimitExceeded, ProtocolViolation, SessionError
 from evergreen_trio.metrics import abort_reason, serve_metrics
 from evergreen_trio.nodes import NodeLike
 
@@ -76,6 +76,12 @@ async def test_sessions_actions_fragments_aborts_and_limits_are_counted() -> Non
 def test_abort_reasons_are_snake_case_class_names() -> None:
     assert abort_reason(ProtocolViolation("x")) == "protocol_violation"
     assert abort_reason(LimitExceeded("x", limit="max_depth")) == "limit_exceeded"
+
+    class ProtocolViolationError(SessionError):  # the same label once errors are named ...Error
+        pass
+
+    assert abort_reason(ProtocolViolationError("x")) == "protocol_violation"
+    assert abort_reason(SessionError("x")) == "session"
 
 
 async def test_serve_metrics_port_after_real_sessions() -> None:
