@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, NoReturn
@@ -120,12 +120,17 @@ class StartError(EvergreenTrioError):
 
 
 def serve_until_signal(
-    run: Callable[..., Any], *args: object, started: Callable[[Any], object], address: str | None = None
+    run: Callable[..., Any],
+    *args: object,
+    started: Callable[[Any], object],
+    address: str | None = None,
+    drain: Callable[[], Awaitable[object]] | None = None,
 ) -> int:
     """Run a server (``run(*args, task_status=...)``) until SIGINT or SIGTERM; exit status 0.
 
     ``started`` gets what the server reports once it listens (print the address there). An
     OSError before that (a port in use) becomes a :class:`StartError` naming ``address``.
+    ``drain`` runs on the first signal before the server is cancelled (:func:`run_until_signal`).
     """
     listening = False
 
@@ -135,7 +140,7 @@ def serve_until_signal(
         started(value)
 
     try:
-        trio.run(lambda: run_until_signal(run, *args, started=on_started))
+        trio.run(lambda: run_until_signal(run, *args, started=on_started, drain=drain))
     except Exception as error:
         reasons = [leaf for leaf in leaf_exceptions(error) if isinstance(leaf, OSError)]
         if listening or address is None or not reasons:

@@ -2,5 +2,8 @@
 
 from __future__ import annotations
 
-START_SESSION = "/evergreen.v2.EvergreenService/StartSession"
+SERVICE = "evergreen.v2.EvergreenService"
+"""The gRPC service (also the name health checks ask about)."""
+
+START_SESSION = f"/{SERVICE}/StartSession"
 """The gRPC method of ``evergreen.v2.EvergreenService.StartSession`` (bidirectional streaming)."""

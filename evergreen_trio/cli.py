@@ -42,7 +42,9 @@ def build_parser() -> Parser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: the process's), run the subcommand, return its exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --workers` starts workers with them
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
     )

@@ -9,6 +9,7 @@ without polling. Any failure cancels the session's scope, which aborts the sessi
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import trio
 from evergreen_trio._grpc.bridge import HandoffClosedError, MessageStream, RpcAbortError
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Action, ChunkMetadata, NodeFragment, SessionMessage
 from evergreen_trio.dag import (
+    ActionFailedError,
     FlattenCursor,
     FragmentBuilder,
     LeafBytes,
@@ -34,6 +36,7 @@ from evergreen_trio.dag import (
     Wait,
 )
 from evergreen_trio.errors import leaf_exceptions
+from evergreen_trio.metrics import SessionMetrics, abort_reason
 from evergreen_trio.refs import RefResolver
 
 log = logging.getLogger(__name__)
@@ -90,11 +93,13 @@ class Barrier:
 
 @dataclass(frozen=True)
 class SessionOptions:
-    """How a session behaves: its limits, the ref resolvers it offers, the fragment size it writes."""
+    """How a session behaves: its limits, the ref resolvers it offers, the fragment size it writes,
+    and where it records metrics (None: nowhere)."""
 
     limits: SessionLimits = field(default_factory=SessionLimits)
     resolvers: Mapping[str, RefResolver] = field(default_factory=dict)
     fragment_bytes: int = 256 * 1024
+    metrics: SessionMetrics | None = None
 
 
 class Session:
@@ -112,10 +117,12 @@ class Session:
     async def receive_loop(self, on_actions: Callable[[Sequence[Action]], None]) -> None:
         """Feed every received message into the graph until the peer ends its stream."""
         graph, barrier, resolvers = self.graph, self.barrier, self.options.resolvers
+        metrics = self.options.metrics
         while True:
             batch = await self.stream.inbound.get_batch()
             if not batch:
                 break
+            fragments = nbytes = 0
             for message in batch:
                 assert isinstance(message, SessionMessage)
                 if message.actions:
@@ -126,6 +133,11 @@ class Session:
                         ref = fragment.chunk_fragment.ref
                         if ref:
                             resolvers[ref.partition(":")[0].lower()].check(ref)
+                if metrics is not None:
+                    fragments += len(message.node_fragments)
+                    nbytes += sum(fragment.ByteSize() for fragment in message.node_fragments)
+            if metrics is not None:
+                metrics.received(fragments, nbytes)
             await trio.lowlevel.checkpoint()
         graph.peer_closed = True
         barrier.notify_all()
@@ -147,10 +159,19 @@ class Session:
 
     async def emit(self, fragments: Iterable[NodeFragment]) -> None:
         """Record produced fragments in the graph (later actions may read them) and send them."""
-        for fragment in fragments:
-            if self.graph.add_fragment(fragment, local=True):
-                self.barrier.notify(fragment.id)
-            await self._put(fragment)
+        metrics = self.options.metrics
+        count = nbytes = 0
+        try:
+            for fragment in fragments:
+                if self.graph.add_fragment(fragment, local=True):
+                    self.barrier.notify(fragment.id)
+                await self._put(fragment)
+                if metrics is not None:
+                    count += 1
+                    nbytes += fragment.ByteSize()
+        finally:
+            if metrics is not None and count:
+                metrics.sent(count, nbytes)
 
     async def send_action(self, action: Action) -> None:
         await self._put(action)
@@ -413,20 +434,29 @@ class ServerSession(Session):
             error = _session_error(exc)
             if error is None:
                 self.stream.finish(StatusCode.UNAVAILABLE, "the server is shutting down")
+                self._record_abort("shutdown")
                 raise
             status, message = error.code, error.message
             log.info("session.abort peer=%s code=%s reason=%s", self.stream.peer, status.name, message)
+            self._record_abort(abort_reason(error))
+            if isinstance(error, LimitExceededError) and self.options.metrics is not None:
+                self.options.metrics.limit_hit(error.limit)
         finally:
             self._nursery = None
             self.barrier.notify_all()
         self.stream.finish(status, message)
+
+    def _record_abort(self, reason: str) -> None:
+        if self.options.metrics is not None:
+            self.options.metrics.aborted(reason)
 
     def _start_actions(self, actions: Sequence[Action]) -> None:
         assert self._nursery is not None
         for action in actions:
             context, spec = self._accept(action)
             if self._running >= self.options.limits.max_concurrent_actions:
-                raise LimitExceededError(f"{describe(action)}: {self._running} actions already running, the limit")
+                raise LimitExceededError(f"{describe(action)}: {self._running} actions already running, the limit",
+                                    limit="max_concurrent_actions")
             self._running += 1
             self._nursery.start_soon(self._run_action, spec, context, name=f"evergreen.action.{action.name}")
 
@@ -454,19 +484,24 @@ class ServerSession(Session):
         return ActionContext(action.name, action, self, inputs, outputs, self.principal), spec
 
     async def _run_action(self, spec: ActionSpec, context: ActionContext) -> None:
+        started = time.perf_counter()
+        code = StatusCode.CANCELLED  # unless it ends otherwise: cancelled with its session
         try:
             await spec.handler(context)
             for output in context.outputs.values():
                 await output.close()
-        except SessionError:
+            code = StatusCode.OK
+        except SessionError as error:
+            code = error.code
             raise
         except Exception as exc:
+            code = StatusCode.INTERNAL
             log.exception("action.failed name=%s", spec.name)
-            raise SessionError(
-                f"{describe(context.action)} failed: {type(exc).__name__}: {exc}", code=StatusCode.INTERNAL
-            ) from exc
+            raise ActionFailedError(f"{describe(context.action)} failed: {type(exc).__name__}: {exc}") from exc
         finally:
             self._running -= 1
+            if self.options.metrics is not None:
+                self.options.metrics.action_finished(spec.name, code, time.perf_counter() - started)
 
 
 def _session_error(exc: BaseException) -> SessionError | None:

@@ -12,11 +12,13 @@ from functools import partial
 import trio
 
 from evergreen_trio._grpc.bridge import MessageStream, SessionAcceptor, serve_grpclib
+from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.limits import TransportLimits
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
-from evergreen_trio._wire import START_SESSION
+from evergreen_trio._wire import SERVICE, START_SESSION
 from evergreen_trio.auth import Authorizer, Peer
 from evergreen_trio.dag import SessionError, SessionLimits, StatusCode
+from evergreen_trio.metrics import SessionMetrics
 from evergreen_trio.nursery_session import (
     PACK_BYTES,
     ActionSpec,
@@ -30,6 +32,9 @@ from evergreen_trio.refs import RefResolver, resolver_map
 
 log = logging.getLogger(__name__)
 
+DRAIN_GRACE_SECONDS = 30.0
+"""How long :meth:`Server.drain` lets open sessions run by default."""
+
 SHUTDOWN_GRACE_SECONDS = 5.0
 """How long a stopping server waits for open sessions to receive their UNAVAILABLE status."""
 
@@ -41,7 +46,7 @@ class Server:
     >>> @server.action("GENERATE", inputs=["prompt"], outputs=["response"])
     ... async def generate(ctx): ...
 
-    Transport and security (docs/security-session.md):
+    Transport and security (docs/security.md):
 
     - ``tls``: serve TLS (:func:`evergreen_trio.tls.server_context`); ``authorize``: called with each
       session's metadata and :class:`~evergreen_trio.auth.Peer` before the session starts.
@@ -73,7 +78,10 @@ class Server:
         max_message_bytes: int | None = None,
     ) -> None:
         limits = limits or SessionLimits()
-        self.options = SessionOptions(limits=limits, resolvers=resolver_map(resolvers), fragment_bytes=fragment_bytes)
+        self.metrics = SessionMetrics()
+        self.options = SessionOptions(
+            limits=limits, resolvers=resolver_map(resolvers), fragment_bytes=fragment_bytes, metrics=self.metrics
+        )
         self.targets = frozenset(targets)
         self.tls = tls
         self.authorize = authorize
@@ -87,7 +95,10 @@ class Server:
             idle_timeout=idle_timeout,
         )
         self.actions: dict[str, ActionSpec] = {}
+        self.health = ServerHealth(("", SERVICE))
         self._open: set[MessageStream[Outbound]] = set()
+        self._draining = False
+        self._session_closed: trio.Event | None = None
 
     def add_action(self, name: str, handler: Handler, *, inputs: Iterable[str], outputs: Iterable[str]) -> None:
         if name in self.actions:
@@ -109,6 +120,10 @@ class Server:
     def open_sessions(self) -> int:
         return len(self._open)
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     async def serve(
         self,
         host: str = "127.0.0.1",
@@ -119,19 +134,42 @@ class Server:
     ) -> None:
         """Serve until cancelled; ``task_status.started`` gets the bound port (0 picks a free one).
 
-        ``reuse_port`` sets SO_REUSEPORT, so that several processes serve one port.
-        Raises ``OSError`` when the address cannot be bound.
+        ``reuse_port`` (SO_REUSEPORT) lets several processes serve one port (``serve --workers``).
+        Cancelled, it ends the sessions still open with UNAVAILABLE; :meth:`drain` first to let
+        them finish. Raises ``OSError`` when the address cannot be bound.
         """
         acceptor: SessionAcceptor[SessionMessage, Outbound] = SessionAcceptor(
             START_SESSION, SessionMessage, SessionMessage, pack_messages, limits=self.transport_limits
         )
-        serve = partial(
-            serve_grpclib, limits=self.transport_limits, tls=self.tls, reuse_port=reuse_port, before_close=self._drain
+        grpc = partial(
+            serve_grpclib, limits=self.transport_limits, tls=self.tls, reuse_port=reuse_port,
+            before_close=self._end_open_sessions,
         )
-        async with trio.open_nursery() as nursery:
-            bound = await nursery.start(serve, [acceptor], host, port)
-            nursery.start_soon(self._accept, acceptor)
-            task_status.started(bound)
+        try:
+            async with trio.open_nursery() as nursery:
+                bound = await nursery.start(grpc, [acceptor, self.health.servable], host, port)
+                nursery.start_soon(self._accept, acceptor)
+                self.health.set(ready=not self._draining, live=True)
+                task_status.started(bound)
+        finally:
+            self.health.set(ready=False, live=False)
+
+    async def drain(self, grace: float = DRAIN_GRACE_SECONDS) -> int:
+        """Stop accepting sessions and let the open ones finish, for at most ``grace`` seconds.
+
+        From now on readiness answers NOT_SERVING (liveness stays SERVING) and a new session
+        ends at once with UNAVAILABLE (no handler runs; the client may retry elsewhere). Returns
+        how many sessions are still open; cancelling :meth:`serve` then ends them with UNAVAILABLE.
+        """
+        self._draining = True
+        self.health.set(ready=False, live=True)
+        log.info("server.draining open=%d grace_s=%s", len(self._open), grace)
+        with trio.move_on_after(grace):
+            while self._open:
+                self._session_closed = trio.Event()
+                await self._session_closed.wait()
+        log.info("server.drained still_open=%d", len(self._open))
+        return len(self._open)
 
     async def _accept(self, acceptor: SessionAcceptor[SessionMessage, Outbound]) -> None:
         async with trio.open_nursery() as sessions:
@@ -145,10 +183,16 @@ class Server:
 
     def _start_sessions(self, nursery: trio.Nursery, streams: list[MessageStream[Outbound]]) -> None:
         for stream in streams:
-            nursery.start_soon(self._run_session, stream)
+            if self._draining:
+                stream.finish(StatusCode.UNAVAILABLE, "the server is draining; open the session elsewhere")
+                stream.release()
+                self.metrics.aborted("draining")
+            else:
+                nursery.start_soon(self._run_session, stream)
 
     async def _run_session(self, stream: MessageStream[Outbound]) -> None:
         self._open.add(stream)
+        self.metrics.session_started()
         try:
             session = ServerSession(stream, self.options, self.actions, self.targets)
             with trio.CancelScope() as scope:
@@ -158,13 +202,16 @@ class Server:
                         await session.run()
                     nursery.cancel_scope.cancel()
         finally:
+            self.metrics.session_ended(stream.final.status.name if stream.final else StatusCode.UNAVAILABLE.name)
             stream.release()
             # The final status goes out on grpclib's side: a session stays open until it has, so
-            # that a stopping server (``_drain``) waits for it before grpclib cancels the stream
+            # that a stopping server (``_end_open_sessions``) waits for it before grpclib cancels the stream
             # (which ends this wait however slow the client is to read).
             with trio.CancelScope(shield=True):
                 await stream.wait_closed()
             self._open.discard(stream)
+            if self._session_closed is not None:
+                self._session_closed.set()
 
     async def _authorized(self, stream: MessageStream[Outbound], session: ServerSession) -> bool:
         """Run ``authorize``; a refusal ends the stream with its status before anything else runs."""
@@ -177,6 +224,7 @@ class Server:
         except SessionError as refused:
             log.info("session.refused peer=%s code=%s reason=%s", stream.peer, refused.code.name, refused.message)
             stream.finish(refused.code, refused.message)
+            self.metrics.aborted(refused.code.name.lower())
             return False
         except Exception:
             log.exception("session.authorize_failed peer=%s", stream.peer)
@@ -215,11 +263,12 @@ class Server:
             if now >= at:
                 log.info("session.expired peer=%s reason=%s", stream.peer, why)
                 stream.finish(StatusCode.DEADLINE_EXCEEDED, why)
+                self.metrics.aborted("deadline_exceeded")
                 scope.cancel()
                 return
             await trio.sleep_until(at)
 
-    async def _drain(self) -> None:
+    async def _end_open_sessions(self) -> None:
         """Before grpclib cancels what is left, let each open stream send its final status."""
         with trio.move_on_after(SHUTDOWN_GRACE_SECONDS):
             for stream in list(self._open):

@@ -1,7 +1,9 @@
 """`evergreen-trio serve`: an Evergreen server with the built-in actions.
 
 GENERATE is the toy generator, or with ``--generate-backend URL --model NAME`` any
-OpenAI-compatible endpoint (see docs/generate.md).
+OpenAI-compatible endpoint (see docs/generate.md). SIGTERM/SIGINT drain it (``--drain-grace``);
+``--workers N`` runs N of it on one port under a supervisor; ``--metrics-port`` exports
+Prometheus metrics (docs/production.md).
 """
 
 from __future__ import annotations
@@ -10,19 +12,25 @@ import argparse
 import logging
 import os
 import ssl
-from contextlib import AsyncExitStack
+import sys
+import tempfile
+from contextlib import AsyncExitStack, ExitStack
+from functools import partial
 from typing import Any
 
 import trio
 
 from evergreen_trio import tls
-from evergreen_trio._cli import port, serve_until_signal
+from evergreen_trio._cli import StartError, port, serve_until_signal
 from evergreen_trio.actions import generate, register_builtin_actions
 from evergreen_trio.auth import TokenFileAuthorizer
 from evergreen_trio.errors import ConfigurationError
 from evergreen_trio.generate import APIS, BackendConfigError, BackendSettings, open_backend
+from evergreen_trio.metrics import serve_metrics
 from evergreen_trio.refs import FileResolver
-from evergreen_trio.server import Server
+from evergreen_trio.server import DRAIN_GRACE_SECONDS, Server
+from evergreen_trio.signals import drain_on_signals
+from evergreen_trio.workers import Supervisor, WorkerError, multiprocess_registry, reserve_port, signal_self_when_gone
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +87,35 @@ def backend_from_args(args: argparse.Namespace) -> BackendSettings | None:
     )
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text}")
+    return value
+
+
+def add_operations_arguments(parser: argparse.ArgumentParser) -> None:
+    """Metrics, drain and worker processes (docs/production.md)."""
+    group = parser.add_argument_group("operations")
+    group.add_argument("--metrics-port", type=port, default=None, metavar="PORT",
+                       help="serve Prometheus metrics on HOST:PORT (0: a free port; default: off)")
+    group.add_argument("--drain-grace", type=_seconds, default=DRAIN_GRACE_SECONDS, metavar="S",
+                       help="on SIGTERM/SIGINT: stop accepting sessions (health NOT_SERVING) and let open ones "
+                            "run this long before ending them with UNAVAILABLE (default: %(default)s)")
+    group.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                       help="N server processes on the port (SO_REUSEPORT), restarted if they die (default: 1)")
+    group.add_argument("--reuse-port", action="store_true",
+                       help="listen with SO_REUSEPORT, so other processes can serve the same port")
+    group.add_argument("--supervised-by", type=int, default=None, help=argparse.SUPPRESS)
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = subparsers.add_parser("serve", help="serve Evergreen sessions (ECHO, GENERATE)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
@@ -89,11 +126,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_backend_arguments(serve)
     add_security_arguments(serve)
+    add_operations_arguments(serve)
     serve.set_defaults(run=run_serve)
 
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:
-    """TLS, auth and limits of the session server (docs/security-session.md)."""
+    """TLS, auth and limits of the session server (docs/security.md)."""
     group = parser.add_argument_group("TLS, auth and limits")
     group.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this PEM certificate chain")
     group.add_argument("--tls-key", metavar="FILE", help="the PEM private key of --tls-cert")
@@ -154,24 +192,81 @@ class ServeConfigError(ConfigurationError):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until SIGINT or SIGTERM; bad options raise BackendConfigError or ServeConfigError (exit 2)."""
+    """Serve until SIGINT or SIGTERM (which drain first); bad options raise BackendConfigError or
+    ServeConfigError (exit 2)."""
     backend = backend_from_args(args)
     security = security_from_args(args)
-    server = Server(resolvers=[FileResolver(args.allow_file_root)] if args.allow_file_root else (), **security)
     target = f" (GENERATE -> {backend.endpoint} model {backend.model})" if backend else ""
+    if args.workers > 1 and args.supervised_by is None:
+        return run_workers(args, target)
+    server = Server(resolvers=[FileResolver(args.allow_file_root)] if args.allow_file_root else (), **security)
+    supervised = args.supervised_by is not None
     scheme = " TLS" if "tls" in security else ""
 
-    def announce(port: int) -> None:
-        print(f"evergreen-trio serving{scheme} on {args.host}:{port}{target}", flush=True)
+    def announce(ports: tuple[int, int | None]) -> None:
+        # The first line says it is ready: everything it announces is already listening.
+        print(f"evergreen-trio serving{scheme} on {args.host}:{ports[0]}{target}", flush=True)
+        if ports[1] is not None:
+            print(f"evergreen-trio metrics on http://{args.host}:{ports[1]}/metrics", flush=True)
 
-    async def serve(*, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(*, task_status: trio.TaskStatus[tuple[int, int | None]] = trio.TASK_STATUS_IGNORED) -> None:
         async with AsyncExitStack() as stack:
             handler = generate
             if backend is not None:
                 handler = (await stack.enter_async_context(open_backend(backend))).generate
             register_builtin_actions(server, generate_handler=handler)
-            await server.serve(args.host, args.port, task_status=task_status)
+            async with trio.open_nursery() as nursery:
+                if supervised:
+                    nursery.start_soon(signal_self_when_gone, args.supervised_by)
+                metrics = None
+                if args.metrics_port is not None and not supervised:  # a supervisor serves its workers' metrics
+                    metrics = await nursery.start(serve_metrics, server.metrics.registry, args.host, args.metrics_port)
+                bound = await nursery.start(partial(server.serve, args.host, args.port,
+                                                    reuse_port=args.reuse_port or supervised))
+                task_status.started((bound, metrics))
 
-    status = serve_until_signal(serve, started=announce, address=f"{args.host}:{args.port}")
+    status = serve_until_signal(serve, started=announce, address=f"{args.host}:{args.port}",
+                                drain=partial(server.drain, args.drain_grace))
     log.info("serve.stopped")
     return status
+
+
+def run_workers(args: argparse.Namespace, target: str) -> int:
+    """The supervisor of ``serve --workers N``: holds the port, runs and restarts the workers."""
+    try:
+        reserved = reserve_port(args.host, args.port)
+    except OSError as error:
+        raise StartError(f"cannot listen on {args.host}:{args.port}: {error}") from None
+    port = reserved.getsockname()[1]
+    command = [sys.executable, "-m", "evergreen_trio.cli", *args.argv,
+               "--port", str(port), "--supervised-by", str(os.getpid())]
+
+    async def main(metrics_dir: str | None) -> None:
+        # Each worker drains for up to --drain-grace; the rest is for its final statuses and exit.
+        supervisor = Supervisor(command, args.workers, metrics_dir=metrics_dir, stop_timeout=args.drain_grace + 15)
+        async with trio.open_nursery() as nursery:
+            cancel = nursery.cancel_scope
+            nursery.start_soon(drain_on_signals, supervisor.shutdown, supervisor.stop, cancel)
+            metrics = None
+            if metrics_dir is not None:
+                registry = multiprocess_registry(metrics_dir)
+                metrics = await nursery.start(serve_metrics, registry, args.host, args.metrics_port)
+            pids = await nursery.start(supervisor.run)
+            print(f"evergreen-trio serving on {args.host}:{port}{target}", flush=True)
+            print(f"evergreen-trio workers: {len(pids)} (pids {' '.join(map(str, pids))})", flush=True)
+            if metrics is not None:
+                print(f"evergreen-trio metrics on http://{args.host}:{metrics}/metrics", flush=True)
+
+    failed = False
+    with reserved, ExitStack() as stack:
+        metrics_dir = None
+        if args.metrics_port is not None:
+            metrics_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="evergreen-trio-metrics-"))
+        try:
+            trio.run(main, metrics_dir)
+        except* WorkerError as group:
+            failed = True
+            for failure in group.exceptions:
+                log.error("serve.failed error=%s", failure)
+    log.info("serve.stopped workers=%d", args.workers)
+    return 1 if failed else 0

@@ -3,14 +3,15 @@
 A KeyboardInterrupt raised at an arbitrary checkpoint can land inside a shielded shutdown step
 (a gRPC stream sending its final status, the asyncio loop under grpclib closing) and leave it
 half done. Cancelling a scope instead runs every ``finally`` in order. A second Ctrl-C while
-that happens ends the process at once, as users expect of a stuck shutdown.
+that happens ends the process at once, as users expect of a stuck shutdown. A server that
+drains (``serve``) first lets open work finish, then cancels; a second signal cuts that short.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import trio
@@ -29,14 +30,19 @@ async def cancel_on_signals(scope: trio.CancelScope) -> None:
 
 
 async def run_until_signal(
-    run: Callable[..., Awaitable[object]], *args: object, started: Callable[[Any], object] | None = None
+    run: Callable[..., Awaitable[object]],
+    *args: object,
+    started: Callable[[Any], object] | None = None,
+    drain: Callable[[], Awaitable[object]] | None = None,
 ) -> bool:
     """Run ``run(*args)`` until it returns or the first SIGINT or SIGTERM cancels it.
 
     With ``started``, ``run`` is started the way ``nursery.start`` starts a task (it gets
     ``task_status``) and ``started`` is called with the value it reports, e.g. to print the
-    bound port. Returns True when ``run`` returned, False when a signal stopped it. Errors
-    from ``run`` propagate (in an exception group, as from any nursery).
+    bound port. With ``drain``, the first signal awaits ``drain()`` before cancelling (a second
+    one cancels at once: :func:`drain_on_signals`). Returns True when ``run`` returned, False
+    when a signal stopped it. Errors from ``run`` propagate (in an exception group, as from any
+    nursery).
     """
     returned = False
     async with trio.open_nursery() as nursery:
@@ -50,9 +56,41 @@ async def run_until_signal(
             returned = True
             nursery.cancel_scope.cancel()
 
-        nursery.start_soon(cancel_on_signals, nursery.cancel_scope)
+        scope = nursery.cancel_scope
+        if drain is None:
+            nursery.start_soon(cancel_on_signals, scope)
+        else:
+            nursery.start_soon(drain_on_signals, drain, scope.cancel, scope)
         if started is None:
             nursery.start_soon(run_then_stop)
         else:
             started(await nursery.start(run_then_stop))
     return returned
+
+
+async def drain_on_signals(
+    drain: Callable[[], Awaitable[object]], stop_now: Callable[[], object], scope: trio.CancelScope
+) -> None:
+    """On the first SIGINT or SIGTERM await ``drain()``, then cancel ``scope``.
+
+    A signal while it drains calls ``stop_now()`` (which should end the drain at once); once
+    this returns, a SIGINT kills the process.
+    """
+    try:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("draining signal=%s", signal.Signals(signum).name)
+                break
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_stop_on_second_signal, signals, stop_now)
+                await drain()
+                nursery.cancel_scope.cancel()
+        scope.cancel()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+async def _stop_on_second_signal(signals: AsyncIterator[int], stop_now: Callable[[], object]) -> None:
+    async for signum in signals:
+        log.info("stopping signal=%s", signal.Signals(signum).name)
+        stop_now()

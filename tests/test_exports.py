@@ -27,7 +27,8 @@ PINNED = {
         "encode_into", "pack_kv", "unpack_kv",
     },
     "evergreen_trio.dag": {
-        "FlattenCursor", "FlattenEvent", "FragmentBuilder", "LeafBytes", "LeafEnd", "LeafPart", "LeafStart",
+        "ActionFailedError", "FlattenCursor", "FlattenEvent", "FragmentBuilder", "LeafBytes", "LeafEnd", "LeafPart",
+        "LeafStart",
         "LimitExceededError", "Node", "NodeKind", "ProtocolViolationError", "RefRejectedError",
         "SessionAbortedError", "SessionError", "SessionGraph", "SessionLimits", "StatusCode",
         "UnknownActionError", "UnknownTargetError", "Wait",

@@ -1,6 +1,6 @@
 """Transport limits of the session server and the premature-reset budget: plain Python, no I/O.
 
-The bridge's grpclib protocol applies them per connection; see docs/security-session.md.
+The bridge's grpclib protocol applies them per connection; see docs/security.md.
 """
 
 from __future__ import annotations

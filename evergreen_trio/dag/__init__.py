@@ -1,6 +1,7 @@
 """The Evergreen session DAG, sans-IO: fragment rules, graph bookkeeping, limits, flattening order."""
 
 from evergreen_trio.dag.errors import (
+    ActionFailedError,
     LimitExceededError,
     ProtocolViolationError,
     RefRejectedError,
@@ -16,6 +17,7 @@ from evergreen_trio.dag.limits import SessionLimits
 from evergreen_trio.dag.produce import FragmentBuilder
 
 __all__ = [
+    "ActionFailedError",
     "FlattenCursor",
     "FlattenEvent",
     "FragmentBuilder",

@@ -48,9 +48,22 @@ class ProtocolViolationError(SessionError):
 
 
 class LimitExceededError(SessionError):
-    """A configured limit (nodes, bytes, fragment size, depth, concurrent actions) was crossed."""
+    """A configured limit (nodes, bytes, fragment size, depth, concurrent actions) was crossed.
+
+    ``limit`` names it (the :class:`SessionLimits` field, e.g. ``"max_nodes"``), for metrics.
+    """
 
     code = StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, *, limit: str = "unknown", code: StatusCode | None = None) -> None:
+        super().__init__(message, code=code)
+        self.limit = limit
+
+
+class ActionFailedError(SessionError):
+    """An action's handler raised an exception that is not a :class:`SessionError`."""
+
+    code = StatusCode.INTERNAL
 
 
 class UnknownActionError(SessionError):

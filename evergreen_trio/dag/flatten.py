@@ -81,7 +81,8 @@ class FlattenCursor:
                 child = frame.children[frame.index]
                 frame.index += 1
                 if len(stack) > graph.limits.max_depth:  # the child would sit len(stack) levels below
-                    raise LimitExceededError(f"node {child!r}: nesting deeper than {graph.limits.max_depth}")
+                    raise LimitExceededError(f"node {child!r}: nesting deeper than {graph.limits.max_depth}",
+                                        limit="max_depth")
                 stack.append(_Frame(child))
                 continue
             node = graph.get(frame.node_id)

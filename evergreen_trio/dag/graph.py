@@ -111,7 +111,9 @@ class SessionGraph:
                 side = "this side" if owner[0] else "the peer"
                 raise ProtocolViolationError(f"{where}: the node is the output of {owner[1]}, produced by {side}")
             if len(self.nodes) >= self.limits.max_nodes:
-                raise LimitExceededError(f"{where}: the session holds {len(self.nodes)} nodes, the limit")
+                raise LimitExceededError(
+                    f"{where}: the session holds {len(self.nodes)} nodes, the limit", limit="max_nodes"
+                )
             node = Node(node_id, local=local)
             self.nodes[node_id] = node
         elif node.local != local:
@@ -152,7 +154,8 @@ class SessionGraph:
         if children:
             if len(children) > self.limits.max_children_per_fragment:
                 raise LimitExceededError(
-                    f"{where}: {len(children)} child_ids, limit {self.limits.max_children_per_fragment}"
+                    f"{where}: {len(children)} child_ids, limit {self.limits.max_children_per_fragment}",
+                    limit="max_children_per_fragment",
                 )
             node.kind = kind
             return children
@@ -160,12 +163,14 @@ class SessionGraph:
         data = chunk.data
         if len(data) > self.limits.max_fragment_bytes:
             raise LimitExceededError(
-                f"{where}: {len(data)} bytes in one fragment, limit {self.limits.max_fragment_bytes}"
+                f"{where}: {len(data)} bytes in one fragment, limit {self.limits.max_fragment_bytes}",
+                limit="max_fragment_bytes",
             )
         if self.buffered_bytes + len(data) > self.limits.max_buffered_bytes:
             raise LimitExceededError(
                 f"{where}: the session would hold {self.buffered_bytes + len(data)} bytes, "
-                f"limit {self.limits.max_buffered_bytes}"
+                f"limit {self.limits.max_buffered_bytes}",
+                limit="max_buffered_bytes",
             )
         ref = chunk.ref if chunk.WhichOneof("payload") == "ref" else None
         if ref is not None and not node.local:
@@ -208,7 +213,9 @@ class SessionGraph:
             if node_id == parent:
                 raise ProtocolViolationError(f"{where}: child {node_id!r} makes the node include itself")
             if depth > max_depth:
-                raise LimitExceededError(f"{where}: nesting below the node is deeper than {max_depth}")
+                raise LimitExceededError(
+                    f"{where}: nesting below the node is deeper than {max_depth}", limit="max_depth"
+                )
             if deepest.get(node_id, 0) >= depth:
                 continue
             deepest[node_id] = depth

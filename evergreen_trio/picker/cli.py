@@ -1,4 +1,5 @@
-"""`evergreen-trio picker` (the Endpoint Picker) and `evergreen-trio gateway-config` (its Envoy bootstrap)."""
+"""`evergreen-trio picker` (the Endpoint Picker) and `evergreen-trio gateway-config` (its Envoy bootstrap,
+or with ``--evergreen HOST:PORT ...`` an Envoy front for Evergreen servers: :mod:`evergreen_trio.evergreen_front`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from functools import partial
 
 from evergreen_trio._cli import UsageError, port, serve_until_signal
+from evergreen_trio.evergreen_front import add_front_arguments, front_from_args
 from evergreen_trio.picker.config import load_config
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.runtime import PickerPorts, run_picker
@@ -33,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     config.add_argument("--response-body-mode", default="FULL_DUPLEX_STREAMED",
                         choices=["NONE", "BUFFERED", "FULL_DUPLEX_STREAMED"])
     config.add_argument("--output", "-o", default="-", metavar="FILE", help="file (.json or .yaml); '-' = stdout")
+    add_front_arguments(config)
     config.set_defaults(run=run_gateway_config)
 
 
@@ -52,7 +55,7 @@ def run_picker_command(args: argparse.Namespace) -> int:
 
 def run_gateway_config(args: argparse.Namespace) -> int:
     try:
-        bootstrap = gateway_config(
+        bootstrap = front_from_args(args) if args.evergreen else gateway_config(
             args.picker, args.listener_port, admin_port=args.admin_port, pool_endpoints=args.pool_endpoint,
             request_body_mode=args.request_body_mode, response_body_mode=args.response_body_mode)
     except ValueError as exc:  # ConfigError is one too

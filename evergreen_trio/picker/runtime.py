@@ -17,10 +17,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpclib.const import Status
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import OVERALL, Health
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from evergreen_trio._grpc.bridge import serve_grpclib
-from evergreen_trio.picker._http import HttpGetError, HttpRequest, HttpResponse, KeepAliveGetter, serve_http
+from evergreen_trio._grpc.health import HealthName
+from evergreen_trio._http import HttpGetError, KeepAliveGetter
+from evergreen_trio.metrics import serve_metrics
 from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
@@ -42,16 +43,6 @@ class PickerPorts:
     grpc: int
     health: int
     metrics: int
-
-
-class _HealthName:
-    """A service name for grpclib's Health, which keys its checks by servable (``/name/method``)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __mapping__(self) -> dict[str, None]:
-        return {f"/{self.name}/Check": None}
 
 
 class _GrpcStream:
@@ -120,23 +111,6 @@ async def run_scrapers(
             nursery.start_soon(_scrape_forever, endpoint, config, snapshot, after_scrape)
 
 
-async def serve_metrics(
-    metrics: PickerMetrics,
-    host: str,
-    port: int,
-    *,
-    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """The Prometheus exporter: ``GET /metrics`` (any path) renders the picker's registry."""
-
-    async def handle(request: HttpRequest) -> HttpResponse:
-        if request.method != "GET":
-            return HttpResponse(405, [("allow", "GET")])
-        return HttpResponse(200, [("content-type", CONTENT_TYPE_LATEST)], generate_latest(metrics.registry))
-
-    await serve_http(handle, host, port, task_status=task_status)
-
-
 async def run_picker(
     config: PickerConfig,
     *,
@@ -159,9 +133,9 @@ async def run_picker(
     ready.set(False)
     health = Health({
         OVERALL: [ready],
-        _HealthName(EXT_PROC_SERVICE): [ready],
-        _HealthName("liveness"): [live],
-        _HealthName("readiness"): [ready],
+        HealthName(EXT_PROC_SERVICE): [ready],
+        HealthName("liveness"): [live],
+        HealthName("readiness"): [ready],
     })
     is_ready = False
 
@@ -182,7 +156,7 @@ async def run_picker(
         nursery.start_soon(run_scrapers, config, snapshot, after_scrape)
         grpc_bound = await nursery.start(serve_sync_bidi, [method], host, grpc_port)
         health_bound = await nursery.start(serve_grpclib, [health], host, health_port)
-        metrics_bound = await nursery.start(serve_metrics, metrics, host, metrics_port)
+        metrics_bound = await nursery.start(serve_metrics, metrics.registry, host, metrics_port)
         ports = PickerPorts(grpc_bound, health_bound, metrics_bound)
         log.info("picker.serving pool=%s grpc=%d health=%d metrics=%d", config.pool.name, *vars(ports).values())
         task_status.started(ports)

@@ -11,6 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
+from evergreen_trio._grpc.health import ServerHealth
+from evergreen_trio._wire import SERVICE
+from evergreen_trio.cli import build_parser
 from evergreen_trio.picker.config import load_config
 
 DEPLOY = Path(__file__).parents[2] / "deploy" / "kubernetes"
@@ -139,3 +142,28 @@ def test_dockerfile_runs_the_picker_on_the_same_ports() -> None:
     deployment_args = DOCS[("Deployment", "evergreen-picker")]["spec"]["template"]["spec"]["containers"][0]["args"]
     cmd = yaml.safe_load(re.search(r"^CMD (\[.*?\])$", text, re.M | re.S).group(1).replace("\\\n", ""))  # type: ignore[union-attr]
     assert cmd == deployment_args
+
+
+def test_evergreen_server_args_ports_probes_and_services_agree() -> None:
+    deployment = DOCS[("Deployment", "evergreen-server")]
+    pod = deployment["spec"]["template"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == ["evergreen-trio"]
+    args = build_parser().parse_args(container["args"])  # the flags the real command accepts
+    assert args.command == "serve" and args.host == "0.0.0.0" and args.workers >= 1
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": args.port, "metrics": args.metrics_port}
+    assert container["readinessProbe"]["grpc"] == {"port": args.port, "service": SERVICE}
+    assert container["livenessProbe"]["grpc"] == {"port": args.port, "service": ServerHealth.LIVENESS}
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    assert pod["spec"]["terminationGracePeriodSeconds"] > int(pre_stop[1]) + args.drain_grace
+    for name in ("evergreen-server", "evergreen-server-pods"):
+        service = DOCS[("Service", name)]
+        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+        assert service_ports["grpc"]["targetPort"] == args.port
+        assert service_ports["grpc"]["appProtocol"] == "kubernetes.io/h2c"  # gRPC: HTTP/2 in cleartext
+        assert {p["targetPort"] for p in service_ports.values()} <= set(ports.values())
+    assert DOCS[("Service", "evergreen-server-pods")]["spec"]["clusterIP"] == "None"  # one DNS record per pod

@@ -14,7 +14,7 @@ import httpx
 import trio
 from grpclib.health.v1 import health_pb2
 
-from evergreen_trio.picker._http import HttpRequest, HttpResponse, serve_http
+from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
 from evergreen_trio.picker.engine_metrics import EndpointMetrics, render_metrics
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.envoy_process import ENVOY_ARGS, find_envoy

@@ -7,7 +7,7 @@ from functools import partial
 import pytest
 import trio
 
-from evergreen_trio.picker._http import HttpGetError, HttpRequest, HttpResponse, KeepAliveGetter, serve_http
+from evergreen_trio._http import HttpGetError, HttpRequest, HttpResponse, KeepAliveGetter, serve_http
 
 
 async def sized(request: HttpRequest) -> HttpResponse:

@@ -1,5 +1,6 @@
-"""Minimal HTTP/1.1 on Trio + h11: a server for the metrics exporter and the tests' model servers,
-and a keep-alive GET client for the scrapers.
+"""Minimal HTTP/1.1 on Trio + h11: a server for the Prometheus exporters (the picker's and the
+Evergreen server's, :mod:`evergreen_trio.metrics`) and the tests' model servers, and a keep-alive
+GET client for the picker's scrapers.
 
 Server: keep-alive, request bodies up to a limit, and streamed responses (each chunk a separate
 write, so an SSE body really arrives in pieces). Client: one connection per endpoint, reopened
@@ -12,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import h11
 import trio
@@ -69,18 +69,20 @@ async def _send(conn: h11.Connection, stream: trio.abc.Stream, event: h11.Event)
         await stream.send_all(data)
 
 
-async def _connection(handler: Handler, max_body: int, stream: trio.SocketStream) -> None:
+async def _connection(handler: Handler, max_body: int, read_timeout: float, stream: trio.SocketStream) -> None:
     conn = h11.Connection(h11.SERVER)
     try:
         while True:
             try:
-                request = await _read_request(conn, stream, max_body)
+                request = None
+                with trio.move_on_after(read_timeout):  # a whole request, or the wait for the next one
+                    request = await _read_request(conn, stream, max_body)
+                if request is None:  # the peer closed, or was too slow
+                    return
             except h11.RemoteProtocolError as exc:
                 if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                     status = exc.error_status_hint
                     await _send(conn, stream, h11.Response(status_code=status, headers=[("content-length", "0")]))
-                return
-            if request is None:
                 return
             response = await handler(request)
             headers = list(response.headers)
@@ -107,15 +109,35 @@ async def serve_http(
     port: int,
     *,
     max_body: int = 64 * 1024 * 1024,
+    read_timeout: float = 30.0,
+    max_connections: int = 256,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``handler`` on ``host:port`` until cancelled; ``started`` gets the bound port."""
+    """Serve ``handler`` on ``host:port`` until cancelled; ``started`` gets the bound port.
+
+    A connection is closed when a request (or, kept alive, the next one) takes longer than
+    ``read_timeout`` to arrive; past ``max_connections`` open at once a new one is closed at once.
+    """
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound: int = listeners[0].socket.getsockname()[1]
     log.debug("http.listening host=%s port=%d", host, bound)
+    open_connections = 0
+
+    async def connection(stream: trio.SocketStream) -> None:
+        nonlocal open_connections
+        if open_connections >= max_connections:
+            log.warning("http.refused port=%d open=%d (max_connections)", bound, open_connections)
+            await stream.aclose()
+            return
+        open_connections += 1
+        try:
+            await _connection(handler, max_body, read_timeout, stream)
+        finally:
+            open_connections -= 1
+
     async with trio.open_nursery() as nursery:
         task_status.started(bound)
-        await trio.serve_listeners(partial(_connection, handler, max_body), listeners, handler_nursery=nursery)
+        await trio.serve_listeners(connection, listeners, handler_nursery=nursery)
 
 
 class HttpGetError(Exception):

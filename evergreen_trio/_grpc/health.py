@@ -1,0 +1,53 @@
+"""gRPC health (``grpc.health.v1.Health``) for servers on the bridge: grpclib's service under our names.
+
+grpclib keys a health check by servable, naming it from the servable's ``__mapping__`` paths;
+:class:`HealthName` is a servable that only carries a name. A status is set from Trio with a
+plain call (grpclib's watchers are woken on the same thread, on the trio-asyncio loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from grpclib.health.check import ServiceStatus
+from grpclib.health.service import OVERALL, Health
+
+
+class HealthName:
+    """A service name for grpclib's Health, which keys its checks by servable (``/name/method``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __mapping__(self) -> dict[str, None]:
+        return {f"/{self.name}/Check": None}
+
+
+class ServerHealth:
+    """A server's health: readiness under ``ready_names`` (``""`` is the server's overall status),
+    liveness under ``"liveness"``. Both start NOT_SERVING; ``servable`` goes in the grpclib
+    server's servables.
+
+    A draining server is live but not ready: a Kubernetes liveness probe must not kill it while
+    its readiness probe takes it out of rotation.
+    """
+
+    LIVENESS = "liveness"
+
+    def __init__(self, ready_names: Iterable[str]) -> None:
+        self._ready, self._live = ServiceStatus(), ServiceStatus()
+        self._ready.set(False)
+        self._live.set(False)
+        checks: dict[Any, list[ServiceStatus]] = {
+            OVERALL if name == "" else HealthName(name): [self._ready] for name in ready_names}
+        checks[HealthName(self.LIVENESS)] = [self._live]
+        self.servable = Health(checks)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.__status__() is True
+
+    def set(self, *, ready: bool, live: bool) -> None:
+        self._ready.set(ready)
+        self._live.set(live)

@@ -1,0 +1,104 @@
+"""An Evergreen server's Prometheus metrics, and the Trio HTTP exporter that serves a registry.
+
+The Trio shells record (``server.py`` for sessions, ``nursery_session.py`` for actions and
+fragments); the sans-IO cores know nothing of metrics. Counters are bumped once per received
+batch or emitted write, not per byte. Under ``evergreen-trio serve --workers N`` the workers
+record into prometheus_client's multiprocess files and the supervisor serves the sum
+(:mod:`evergreen_trio.workers`); ``evergreen_sessions_active`` then has one series per worker
+(label ``pid``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
+from evergreen_trio.dag.errors import SessionError, StatusCode
+
+ACTION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+"""Action durations span a cached ECHO (about a millisecond) to a long generation (minutes)."""
+
+MAX_REQUEST_BODY = 4096
+"""A scrape is a GET: a client sending a larger body is cut off with 413."""
+
+
+def abort_reason(error: SessionError) -> str:
+    """A bounded label for why a session aborted: the error's class in snake case, less a trailing
+    ``Error`` (``ProtocolViolationError[Error]`` -> ``protocol_violation``, ``SessionError`` -> ``session``)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__.removesuffix("Error") or "Error").lower()
+
+
+class SessionMetrics:
+    """Sessions, actions, fragments, aborts and limit hits of one server, in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.sessions_started = Counter("evergreen_sessions_started", "Sessions accepted", registry=r)
+        self.sessions_active = Gauge("evergreen_sessions_active", "Sessions open now", registry=r,
+                                     multiprocess_mode="liveall")
+        self.sessions_ended = Counter("evergreen_sessions_ended", "Sessions ended, by final gRPC status",
+                                      ["code"], registry=r)
+        self.action_seconds = Histogram("evergreen_action_duration_seconds",
+                                        "Action run time, by action name and final status (its _count counts "
+                                        "actions)", ["action", "code"], buckets=ACTION_BUCKETS, registry=r)
+        fragments = Counter("evergreen_fragments", "Node fragments, received (in) and sent (out)",
+                            ["direction"], registry=r)
+        fragment_bytes = Counter("evergreen_fragment_bytes", "Serialized node-fragment bytes, in and out",
+                                 ["direction"], registry=r)
+        self.aborts = Counter("evergreen_session_aborts", "Sessions that ended with an error, by reason",
+                              ["reason"], registry=r)
+        self.limit_hits = Counter("evergreen_limit_hits", "Limits crossed, by limit", ["limit"], registry=r)
+        # Children resolved once: these two are bumped on every batch.
+        self._fragments_in, self._fragments_out = fragments.labels("in"), fragments.labels("out")
+        self._bytes_in, self._bytes_out = fragment_bytes.labels("in"), fragment_bytes.labels("out")
+
+    def session_started(self) -> None:
+        self.sessions_started.inc()
+        self.sessions_active.inc()
+
+    def session_ended(self, code: str) -> None:
+        """A session ended with the gRPC status named ``code`` (``"OK"``, ``"UNAVAILABLE"``, ...)."""
+        self.sessions_active.dec()
+        self.sessions_ended.labels(code).inc()
+
+    def aborted(self, reason: str) -> None:
+        self.aborts.labels(reason).inc()
+
+    def limit_hit(self, limit: str) -> None:
+        """A limit was crossed; ``limit`` names it (``max_nodes``, ``max_sessions``, ...)."""
+        self.limit_hits.labels(limit).inc()
+
+    def action_finished(self, name: str, code: StatusCode, seconds: float) -> None:
+        self.action_seconds.labels(name, code.name).observe(seconds)
+
+    def received(self, fragments: int, nbytes: int) -> None:
+        self._fragments_in.inc(fragments)
+        self._bytes_in.inc(nbytes)
+
+    def sent(self, fragments: int, nbytes: int) -> None:
+        self._fragments_out.inc(fragments)
+        self._bytes_out.inc(nbytes)
+
+
+async def serve_metrics(
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The Prometheus exporter: ``GET`` (any path) renders ``registry``; other methods get 405.
+
+    Serves until cancelled; ``started`` gets the bound port (0 picks a free one).
+    """
+
+    async def handle(request: HttpRequest) -> HttpResponse:
+        if request.method != "GET":
+            return HttpResponse(405, [("allow", "GET")])
+        return HttpResponse(200, [("content-type", CONTENT_TYPE_LATEST)], generate_latest(registry))
+
+    await serve_http(handle, host, port, max_body=MAX_REQUEST_BODY, task_status=task_status)

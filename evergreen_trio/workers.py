@@ -1,0 +1,242 @@
+"""``evergreen-trio serve --workers N``: N server processes on one port, supervised from Trio.
+
+Each worker is an ordinary ``serve`` process listening with SO_REUSEPORT, so the kernel spreads
+new connections across them (a session stays on the connection, hence on the worker, that
+opened it). The supervisor holds the port with a bound, non-listening SO_REUSEPORT socket, so
+``--port 0`` resolves once and a restarted worker gets the same port back. A worker that exits
+while the supervisor runs is logged and restarted after a backoff that doubles while it keeps
+failing (a crash loop costs little); a stopping supervisor sends every worker SIGTERM (each
+drains) and SIGKILLs the ones still running after ``stop_timeout``.
+
+Workers record metrics into prometheus_client's multiprocess files in a directory the
+supervisor owns, and the supervisor serves their sum; a worker watches the supervisor's pid and
+drains if it disappears, so no worker outlives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import trio
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from evergreen_trio.errors import EvergreenTrioError
+
+log = logging.getLogger(__name__)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+MAX_READY_LINE = 4096
+"""The first line a worker prints (``evergreen-trio serving on ...``) is cut off past this."""
+
+
+class WorkerError(EvergreenTrioError):
+    """A worker did not start: it exited, or printed no ready line in time (the message says which)."""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Restart delays: ``initial`` doubling per consecutive failure up to ``maximum``; a worker
+    that ran ``stable_after`` seconds resets the count."""
+
+    initial: float = 0.5
+    maximum: float = 30.0
+    stable_after: float = 60.0
+
+    def delay(self, failures: int) -> float:
+        """The wait before restarting a worker that failed ``failures`` times in a row (>= 1)."""
+        return float(min(self.maximum, self.initial * 2 ** max(0, failures - 1)))
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A bound, non-listening SO_REUSEPORT socket that holds ``host:port`` (0: a free port) for
+    the workers; it takes no connections itself. Raises OSError when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def multiprocess_registry(directory: str) -> CollectorRegistry:
+    """A registry that renders the sum of the metrics the workers wrote under ``directory``."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+    return registry
+
+
+async def wait_pid_exit(pid: int, *, poll_s: float = 1.0) -> None:
+    """Return once process ``pid`` (not necessarily a child) has exited: a pidfd where Linux has
+    one, else polling whether this process was re-parented away from it."""
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is not None:
+        try:
+            fd = pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        finally:
+            os.close(fd)
+        return
+    while os.getppid() == pid:  # noqa: ASYNC110 - no event to wait for without a pidfd
+        await trio.sleep(poll_s)
+
+
+async def signal_self_when_gone(pid: int) -> None:
+    """SIGTERM this process when ``pid`` (its supervisor) exits, so it drains like on a signal."""
+    await wait_pid_exit(pid)
+    log.warning("worker.orphaned supervisor_pid=%d", pid)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class Supervisor:
+    """Runs ``count`` copies of ``command`` and keeps them running until :meth:`stop`.
+
+    A worker is ready once it prints a line on stdout. ``pids`` lists the running workers'
+    pids by index (None while one restarts).
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        count: int,
+        *,
+        env: Mapping[str, str] | None = None,
+        metrics_dir: str | None = None,
+        ready_timeout: float = 60.0,
+        stop_timeout: float = 45.0,
+        backoff: Backoff = Backoff(),
+    ) -> None:
+        if count < 1:
+            raise ValueError(f"expected at least one worker, got {count}")
+        self.command = list(command)
+        self.env = dict(os.environ if env is None else env)
+        self.metrics_dir = metrics_dir
+        if metrics_dir is not None:
+            self.env[MULTIPROC_ENV] = metrics_dir
+        self.ready_timeout = ready_timeout
+        self.stop_timeout = stop_timeout
+        self.backoff = backoff
+        self.pids: list[int | None] = [None] * count
+        self.restarts = 0
+        self._processes: list[trio.Process | None] = [None] * count
+        self._stopping = False
+
+    async def run(self, *, task_status: trio.TaskStatus[list[int]] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start every worker (:class:`WorkerError` if one cannot), report their pids, then keep
+        them running until :meth:`stop` and every worker has exited."""
+        async with trio.open_nursery() as nursery:
+            for index in range(len(self.pids)):
+                process = await self._start(index)
+                nursery.start_soon(self._keep_running, index, process)
+            task_status.started([pid for pid in self.pids if pid is not None])
+
+    def stop(self) -> None:
+        """Ask every worker to drain (SIGTERM); a second call asks again, which ends them at once."""
+        self._stopping = True
+        for process in self._processes:
+            if process is not None and process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+
+    async def _start(self, index: int) -> trio.Process:
+        process = await trio.lowlevel.open_process(self.command, stdout=subprocess.PIPE, env=self.env)
+        self._processes[index] = process
+        try:
+            line = await self._ready_line(process)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self._kill(process)
+            raise
+        self.pids[index] = process.pid
+        log.info("workers.started index=%d pid=%d ready=%r", index, process.pid, line)
+        if self._stopping:  # stop() ran while this one was starting
+            process.send_signal(signal.SIGTERM)
+        return process
+
+    async def _ready_line(self, process: trio.Process) -> str:
+        assert process.stdout is not None
+        line = bytearray()
+        with trio.move_on_after(self.ready_timeout):
+            while b"\n" not in line and len(line) < MAX_READY_LINE:
+                data = await process.stdout.receive_some(MAX_READY_LINE)
+                if not data:
+                    code = await process.wait()
+                    raise WorkerError(f"worker {self.command!r} exited with status {code} before it was ready")
+                line += data
+            # A worker prints one line; closing the pipe keeps the supervisor from holding its output.
+            await process.stdout.aclose()
+            return line.split(b"\n", 1)[0].decode("utf-8", "replace")
+        raise WorkerError(f"worker {self.command!r} printed no ready line within {self.ready_timeout}s")
+
+    async def _kill(self, process: trio.Process) -> None:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+        self._forget(process.pid)
+
+    def _forget(self, pid: int) -> None:
+        if self.metrics_dir is not None:
+            mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+
+    async def _keep_running(self, index: int, process: trio.Process) -> None:
+        failures = 0
+        while True:
+            started = time.monotonic()
+            try:
+                code = await process.wait()
+            finally:
+                if process.returncode is None:  # cancelled: the supervisor is going away
+                    with trio.CancelScope(shield=True):
+                        process.send_signal(signal.SIGTERM)
+                        await self._reap([process])
+            self.pids[index] = None
+            self._forget(process.pid)
+            if self._stopping:
+                log.info("workers.stopped index=%d pid=%d status=%d", index, process.pid, code)
+                return
+            failures = 1 if time.monotonic() - started >= self.backoff.stable_after else failures + 1
+            log.warning("workers.died index=%d pid=%d status=%d restart_in_s=%.1f",
+                        index, process.pid, code, self.backoff.delay(failures))
+            while True:
+                await trio.sleep(self.backoff.delay(failures))
+                if self._stopping:
+                    return
+                try:
+                    process = await self._start(index)
+                    break
+                except WorkerError as exc:
+                    if self._stopping:  # stopped while it started
+                        return
+                    failures += 1
+                    log.error("workers.restart_failed index=%d error=%s", index, exc)
+            self.restarts += 1
+
+    async def shutdown(self) -> None:
+        """Drain every worker: :meth:`stop`, then wait for them to exit, SIGKILLing those still
+        running after ``stop_timeout``."""
+        self.stop()
+        await self._reap([p for p in self._processes if p is not None])
+
+    async def _reap(self, processes: Sequence[trio.Process]) -> None:
+        """Wait for ``processes``, already asked to stop (once: a second SIGTERM would cut their
+        drain short), and SIGKILL those still running after ``stop_timeout``."""
+        with trio.move_on_after(self.stop_timeout):
+            for process in processes:
+                await process.wait()
+        for process in processes:
+            if process.returncode is None:
+                log.warning("workers.killed pid=%d after_s=%s", process.pid, self.stop_timeout)
+                await self._kill(process)

@@ -1,0 +1,139 @@
+"""gRPC health on the serving port, and graceful drain: in process, and `serve` stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+import trio
+from ops_helpers import health, held_echo, serve, wait_health
+
+from evergreen_trio import Server, SessionAbortedError, connect, text
+from evergreen_trio.actions import register_builtin_actions
+from evergreen_trio.server import SERVICE
+
+HANG_GUARD = 60
+
+
+async def _one_echo(address: str) -> str:
+    try:
+        async with connect(address) as session:
+            call = await session.run("ECHO", {"input": text("hi")}, ["output"])
+            assert await call["output"].read_text() == "hi"
+        return "OK"
+    except SessionAbortedError as aborted:
+        return aborted.code.name
+
+
+async def test_health_answers_serving_then_not_serving_while_draining() -> None:
+    server = Server()
+    register_builtin_actions(server)
+    result: list[str] = []
+    opened, release = trio.Semaphore(0), trio.Event()
+    with trio.fail_after(HANG_GUARD):
+        async with trio.open_nursery() as clients, trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            address = f"127.0.0.1:{port}"
+            assert await health(address) == "SERVING"
+            assert await health(address, SERVICE) == "SERVING"
+            assert await health(address, "liveness") == "SERVING"
+            assert await health(address, "no.such.Service") == "NOT_FOUND"
+            clients.start_soon(held_echo, address, opened, release, result)
+            await opened.acquire()
+            drained = trio.Event()
+
+            async def drain() -> None:
+                assert await server.drain(grace=HANG_GUARD) == 0
+                drained.set()
+
+            nursery.start_soon(drain)
+            await trio.testing.wait_all_tasks_blocked()
+            assert await health(address) == "NOT_SERVING"
+            assert await health(address, SERVICE) == "NOT_SERVING"
+            assert await health(address, "liveness") == "SERVING"  # draining, not dead
+            assert await _one_echo(address) == "UNAVAILABLE"  # refused: no handler runs
+            assert not drained.is_set()
+            release.set()
+            await drained.wait()
+            nursery.cancel_scope.cancel()
+    assert result == ["OK"]
+    assert server.metrics.registry.get_sample_value("evergreen_session_aborts_total", {"reason": "draining"}) == 1
+
+
+async def test_sigterm_drains_open_sessions_then_exits_zero() -> None:
+    result: list[str] = []
+    opened, release = trio.Semaphore(0), trio.Event()
+    with trio.fail_after(HANG_GUARD):
+        async with serve("--drain-grace", "30") as server, trio.open_nursery() as nursery:
+            assert await health(server.address) == "SERVING"
+            nursery.start_soon(held_echo, server.address, opened, release, result)
+            await opened.acquire()
+            server.signal(signal.SIGTERM)
+            await wait_health(server.address, "NOT_SERVING", SERVICE)
+            assert await _one_echo(server.address) == "UNAVAILABLE"
+            assert server.process.returncode is None  # still draining: the session is open
+            release.set()
+            assert await server.process.wait() == 0
+    assert result == ["OK"]
+
+
+async def test_sessions_still_open_after_the_grace_end_with_unavailable() -> None:
+    result: list[str] = []
+    opened, never = trio.Semaphore(0), trio.Event()
+    with trio.fail_after(HANG_GUARD):
+        async with serve("--drain-grace", "1") as server, trio.open_nursery() as nursery:
+            nursery.start_soon(held_echo, server.address, opened, never, result)
+            await opened.acquire()
+            started = trio.current_time()
+            server.signal(signal.SIGTERM)
+            assert await server.process.wait() == 0
+            assert trio.current_time() - started >= 1.0
+    assert result == ["UNAVAILABLE"]
+
+
+async def test_a_second_signal_ends_a_long_drain_at_once() -> None:
+    result: list[str] = []
+    opened, never = trio.Semaphore(0), trio.Event()
+    with trio.fail_after(HANG_GUARD):
+        async with serve("--drain-grace", "600") as server, trio.open_nursery() as nursery:
+            nursery.start_soon(held_echo, server.address, opened, never, result)
+            await opened.acquire()
+            server.signal(signal.SIGTERM)
+            await wait_health(server.address, "NOT_SERVING")
+            server.signal(signal.SIGINT)
+            assert await server.process.wait() == 0
+    assert result == ["UNAVAILABLE"]
+
+
+@pytest.mark.parametrize(("flag", "bad", "expected"), [
+    ("--drain-grace", "-1", "seconds >= 0"),
+    ("--drain-grace", "soon", "invalid _seconds value"),
+    ("--workers", "0", "integer >= 1"),
+    ("--metrics-port", "x", "expected a port"),
+])
+def test_bad_operations_flags_exit_2_naming_the_flag(flag: str, bad: str, expected: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "evergreen_trio.cli", "serve", flag, bad],
+                          capture_output=True, text=True, timeout=HANG_GUARD)
+    assert done.returncode == 2
+    assert flag in done.stderr and expected in done.stderr
+
+
+async def test_a_draining_server_that_is_cancelled_ends_its_sessions_with_unavailable() -> None:
+    server = Server()
+    register_builtin_actions(server)
+    result: list[str] = []
+    opened, never = trio.Semaphore(0), trio.Event()
+    with trio.fail_after(HANG_GUARD):
+        async with trio.open_nursery() as clients, trio.open_nursery() as serving:
+            port = await serving.start(server.serve, "127.0.0.1", 0)
+            clients.start_soon(held_echo, f"127.0.0.1:{port}", opened, never, result)
+            await opened.acquire()
+            assert await server.drain(grace=0.2) == 1
+            serving.cancel_scope.cancel()
+    assert result == ["UNAVAILABLE"]
+    assert server.open_sessions == 0
+    ended = server.metrics.registry.get_sample_value("evergreen_sessions_ended_total", {"code": "UNAVAILABLE"})
+    assert ended == 1
+
