@@ -37,13 +37,20 @@ class PoolSnapshot:
         self.staleness_s = staleness_s
         self.clock = clock
 
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        """Follow discovery: keep the state of endpoints still listed, add new ones, drop the rest."""
+        self.states = {e.address: self.states.get(e.address) or EndpointState(e) for e in endpoints}
+
     def update(self, address: str, metrics: EndpointMetrics) -> None:
-        state = self.states[address]
+        state = self.states.get(address)
+        if state is None:  # removed by discovery while its scrape was answered
+            return
         state.metrics, state.updated_at, state.ready, state.scraped = metrics, self.clock(), True, True
 
     def mark_failed(self, address: str) -> None:
-        state = self.states[address]
-        state.ready, state.scraped = False, True
+        state = self.states.get(address)
+        if state is not None:
+            state.ready, state.scraped = False, True
 
     @property
     def first_scrape_done(self) -> bool:
