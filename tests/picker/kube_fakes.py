@@ -1,0 +1,62 @@
+"""Objects for the stand-in Kubernetes API server (evergreen_trio.testing.kube_api): pools and pods."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from evergreen_trio.testing.kube_api import KubeApiServer, kubeconfig_text
+
+PODS = "api/v1/pods"
+POOLS_V1 = "apis/inference.networking.k8s.io/v1/inferencepools"
+POOLS_V1ALPHA2 = "apis/inference.networking.x-k8s.io/v1alpha2/inferencepools"
+LEASES = "apis/coordination.k8s.io/v1/leases"
+NAMESPACE = "llm"
+
+
+def pool_v1(name: str = "pool", labels: dict[str, str] | None = None, ports: tuple[int, ...] = (8000,)) -> dict[str, Any]:
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"selector": {"matchLabels": labels or {"app": "model"}},
+                 "targetPorts": [{"number": p} for p in ports],
+                 "endpointPickerRef": {"name": f"{name}-epp", "port": {"number": 9002}}},
+    }
+
+
+def pool_v1alpha2(name: str = "pool", labels: dict[str, str] | None = None, port: int = 8000) -> dict[str, Any]:
+    return {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"selector": labels or {"app": "model"}, "targetPortNumber": port,
+                 "extensionRef": {"name": f"{name}-epp"}},
+    }
+
+
+def pod(name: str, ip: str | None, *, ready: bool = True, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": "Running",
+                              "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if ip is not None:
+        status["podIP"] = ip
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels or {"app": "model"}},
+            "spec": {"containers": [{"name": "server", "image": "sim"}]}, "status": status}
+
+
+def write_kubeconfig(directory: Path, port: int) -> Path:
+    path = directory / "kubeconfig"
+    path.write_text(kubeconfig_text(port, NAMESPACE))
+    return path
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait until ``check()`` holds (a generous ceiling: these tests assert behaviour, not speed)."""
+    with trio.fail_after(timeout_s):
+        while not check():
+            await trio.sleep(0.02)
+
+
+__all__ = ["KubeApiServer"]
