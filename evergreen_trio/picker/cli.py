@@ -113,7 +113,9 @@ def _pool_overrides(config: PickerConfig, args: argparse.Namespace) -> PickerCon
 def _cluster_parts(args: argparse.Namespace, config: PickerConfig) -> tuple[Discovery, LeaderElection | None]:
     # Imported here: the static mode needs no Kubernetes client.
     from evergreen_trio.picker.k8s import ClusterAccess, PoolRef, lease_election, parse_selector, pool_discovery
+    from evergreen_trio.picker.k8s.discovery import pool_resource
 
+    pool_resource(args.pool_group)  # ConfigError now for a group we cannot watch
     access = ClusterAccess.load(args.kubeconfig)
     namespace = args.pool_namespace or os.environ.get("NAMESPACE") or access.namespace
     if args.endpoint_selector:
@@ -159,6 +161,8 @@ def picker_settings(args: argparse.Namespace) -> PickerSettings:
 
 def run_picker_command(args: argparse.Namespace) -> int:
     apply_reference_flags(args)
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("httpx2").setLevel(logging.WARNING)  # one INFO line per Kubernetes request
     try:
         settings = picker_settings(args)
     except PickerError as exc:

@@ -60,3 +60,34 @@ async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None
 
 
 __all__ = ["KubeApiServer"]
+
+
+def free_port_on(*hosts: str) -> int:
+    """A port free on every one of ``hosts`` (the pods of a pool share the pool's target port)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind((hosts[0], 0))
+            port = int(first.getsockname()[1])
+            try:
+                for host in hosts[1:]:
+                    with socket.socket() as other:
+                        other.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no port free on all of {hosts}")
+
+
+async def start_sims(nursery: trio.Nursery, hosts: tuple[str, ...], model: str = "food-review") -> int:
+    """One simulated vLLM per host (127.0.0.2, 127.0.0.3, ...), all on one port, which is returned."""
+    from functools import partial
+
+    from evergreen_trio.sim.config import SimConfig
+    from evergreen_trio.sim.server import run_sim
+
+    port = free_port_on(*hosts)
+    for host in hosts:
+        await nursery.start(partial(run_sim, SimConfig(model=model), host=host, port=port))
+    return port
