@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import ssl
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -30,7 +31,7 @@ from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.grpc_server import serve_sync_bidi
 from evergreen_trio.picker.grpc_wire import RpcStatus, SyncBidiMethod
-from evergreen_trio.picker.processor import ExtProcStream, Picker
+from evergreen_trio.picker.processor import Picker, StreamReport
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
 
@@ -65,13 +66,25 @@ class _HealthName:
         return {f"/{self.name}/Check": None}
 
 
+def _record_dropped(metrics: PickerMetrics, report: StreamReport, started: float) -> None:
+    if not report.recorded:
+        report.recorded = True
+        metrics.record(report, time.monotonic() - started)
+
+
 class _GrpcStream:
-    """Adapts :class:`ExtProcStream` to the gRPC server: protocol violations end the RPC with a status."""
+    """Adapts :class:`ExtProcStream` to the gRPC server (protocol violations end the RPC with a
+    status) and records the stream's report in the metrics when it ends."""
 
-    __slots__ = ("_stream",)
+    __slots__ = ("__weakref__", "_metrics", "_picker", "_running", "_started", "_stream")
 
-    def __init__(self, stream: ExtProcStream) -> None:
-        self._stream = stream
+    def __init__(self, picker: Picker, metrics: PickerMetrics) -> None:
+        self._stream = picker.new_stream()
+        self._picker, self._metrics = picker, metrics
+        self._started = time.monotonic()
+        self._running = False
+        # A stream Envoy resets gets neither on_end nor finished: record it when it is dropped.
+        weakref.finalize(self, _record_dropped, metrics, self._stream.report, self._started)
 
     @property
     def finished(self) -> bool:
@@ -79,13 +92,28 @@ class _GrpcStream:
 
     def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
         try:
-            return self._stream.on_message(message)
+            replies = self._stream.on_message(message)
         except ExtProcError as exc:
             log.warning("picker.stream_aborted error=%s", exc)
+            self._record()
             raise RpcStatus(Status.INVALID_ARGUMENT, str(exc)) from None
+        if self._stream.report.routed and not self._running:
+            self._running = True
+            self._metrics.started(self._stream.report)
+        if self._stream.finished:
+            self._record()
+        return replies
 
     def on_end(self) -> Sequence[ep.ProcessingResponse]:
-        return self._stream.on_end()
+        replies = self._stream.on_end()
+        self._record()
+        return replies
+
+    def _record(self) -> None:
+        if not self._stream.report.recorded:
+            self._stream.report.recorded = True
+            self._metrics.record(self._stream.report, time.monotonic() - self._started,
+                                 prefix_index_size=self._picker.scheduler.prefix.total())
 
 
 async def _scrape_forever(
@@ -207,7 +235,7 @@ async def run_picker(
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = PickerMetrics(config.pool.name)
-    picker = Picker(config, snapshot, metrics=metrics)
+    picker = Picker(config, snapshot)
     readiness = Readiness(config.pool.name, discovered=discovery is not None, elected=leader_election is not None)
 
     def after_scrape() -> None:
@@ -217,7 +245,7 @@ async def run_picker(
     method = SyncBidiMethod(
         path=PROCESS_PATH,
         request_type=ep.ProcessingRequest,
-        new_processor=lambda: _GrpcStream(picker.new_stream()),
+        new_processor=lambda: _GrpcStream(picker, metrics),
     )
     # INTEGRATION(helper A, grpc_server.py): serve_sync_bidi(..., ssl_context=) wraps each accepted
     # connection in trio.SSLStream with ALPN h2; until it lands a secure picker fails at start.

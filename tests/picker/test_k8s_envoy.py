@@ -69,6 +69,23 @@ async def test_envoy_routes_to_discovered_pods(nursery: trio.Nursery, tmp_path: 
                 while not routed_to_new():
                     i += 1
                     await ask(i)
+            bad = await client.post("/v1/completions", json={"prompt": "no model"})
+            assert bad.status_code == 400
+            metrics = await client.get(f"http://127.0.0.1:{picker.metrics}/metrics")
+        text = metrics.text
+        labels = 'model_name="food-review",target_model_name="food-review"'
+        assert f"inference_objective_request_total{{{labels}}} {i - 100 + 12}.0" in text
+        assert 'inference_objective_request_error_total{error_code="BadRequest",model_name="",target_model_name=""} 1.0' \
+            in text
+        for name in ("inference_objective_request_duration_seconds_count", "inference_objective_request_sizes_count",
+                     "inference_objective_response_sizes_count", "inference_objective_input_tokens_count",
+                     "inference_objective_output_tokens_count",
+                     "inference_objective_normalized_time_per_output_token_seconds_count"):
+            assert f"{name}{{{labels}}}" in text, name
+        assert 'inference_objective_running_requests{model_name="food-review"} 0.0' in text
+        assert f'inference_pool_per_pod_queue_size{{model_server_pod="{new}",name="pool"}}' in text
+        assert 'inference_extension_plugin_duration_seconds_count{extension_point="Scorer"' in text
+        assert "inference_extension_prefix_indexer_size " in text and "inference_extension_info{" in text
 
 
 async def _tls_terminator(target_port: int, *, task_status: trio.TaskStatus[int]) -> None:
