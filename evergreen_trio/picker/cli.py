@@ -47,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     text = picker.add_mutually_exclusive_group()
     text.add_argument("--config-file", metavar="FILE", help="cluster mode: EndpointPickerConfig or our YAML")
     text.add_argument("--config-text", metavar="TEXT", help="the same, given inline")
-    picker.add_argument("--host", default=None, help="address to bind (default: 127.0.0.1 static, all interfaces cluster)")
+    picker.add_argument("--host", default=None,
+                        help="address to bind (default: 127.0.0.1 static, all interfaces cluster)")
     picker.add_argument("--secure-serving", type=go_bool, nargs="?", const=True, default=None, metavar="BOOL",
                         help="TLS on the ext_proc port (default: false static, true cluster)")
     picker.add_argument("--cert-path", metavar="DIR", help="directory with tls.crt and tls.key (else self-signed)")

@@ -403,7 +403,7 @@ def config_from_documents(documents: Sequence[object], *, cluster_pool: str | No
             raise ConfigError(f"document[{index}].kind", expected, kind)
     if cluster_pool is not None and plain is None:
         plain = {}
-    if plain is None or "pool" not in plain and cluster_pool is None:
+    if plain is None or ("pool" not in plain and cluster_pool is None):
         raise ConfigError("pool", "a 'pool' section with static endpoints", None)
     _no_unknown(plain, {"pool", "models", "objectives", "scheduler", "extProc"}, "")
     pool = _pool(_mapping(plain.get("pool", {}), "pool"), name=pool_name, default_port=default_port,

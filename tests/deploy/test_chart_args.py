@@ -19,11 +19,11 @@ import trio
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "picker"))
-from kube_fakes import NAMESPACE, PODS, POOLS_V1, KubeApiServer, pod, pool_v1, start_sims, write_kubeconfig  # noqa: E402
-from picker_cli import EPHEMERAL_PORTS, health, picker_process, wait_health  # noqa: E402
-from test_manifests import DOCS, dockerfile_cmd  # noqa: E402
+from kube_fakes import NAMESPACE, PODS, POOLS_V1, KubeApiServer, pod, pool_v1, start_sims, write_kubeconfig
+from picker_cli import EPHEMERAL_PORTS, health, picker_process, wait_health
+from test_manifests import DOCS, dockerfile_cmd
 
-from evergreen_trio.picker.grpc_server import serve_sync_bidi  # noqa: E402
+from evergreen_trio.picker.grpc_server import serve_sync_bidi
 
 CHART = Path(__file__).parent / "chart"
 OTHER_ADDRESS = "127.0.0.5"

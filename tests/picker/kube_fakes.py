@@ -17,7 +17,9 @@ LEASES = "apis/coordination.k8s.io/v1/leases"
 NAMESPACE = "llm"
 
 
-def pool_v1(name: str = "pool", labels: dict[str, str] | None = None, ports: tuple[int, ...] = (8000,)) -> dict[str, Any]:
+def pool_v1(
+    name: str = "pool", labels: dict[str, str] | None = None, ports: tuple[int, ...] = (8000,)
+) -> dict[str, Any]:
     return {
         "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
         "metadata": {"name": name, "namespace": NAMESPACE},
@@ -55,7 +57,7 @@ def write_kubeconfig(directory: Path, port: int) -> Path:
 async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
     """Wait until ``check()`` holds (a generous ceiling: these tests assert behaviour, not speed)."""
     with trio.fail_after(timeout_s):
-        while not check():
+        while not check():  # noqa: ASYNC110 (polls state other tasks change, with no event to wait on)
             await trio.sleep(0.02)
 
 

@@ -33,7 +33,9 @@ def cli_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_cli(args: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    args: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """Run a command that should exit on its own (bad input)."""
     return subprocess.run([*PICKER, *args], env=cli_env(env), capture_output=True, text=True, timeout=timeout,
                           check=False)
@@ -84,5 +86,5 @@ def health(host: str, port: int, service: str) -> str:
 
 async def wait_health(host: str, port: int, service: str, want: str = "SERVING", timeout_s: float = 30.0) -> None:
     with trio.fail_after(timeout_s):
-        while await trio.to_thread.run_sync(health, host, port, service) != want:
+        while await trio.to_thread.run_sync(health, host, port, service) != want:  # noqa: ASYNC110 (a peer's state)
             await trio.sleep(0.1)

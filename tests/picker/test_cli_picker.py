@@ -48,7 +48,7 @@ async def cluster(nursery: trio.Nursery, tmp_path: Path) -> tuple[KubeApiServer,
 
 
 async def test_cluster_mode_serves_every_health_name_on_all_interfaces(nursery: trio.Nursery, tmp_path: Path) -> None:
-    _, kubeconfig, port = await cluster(nursery, tmp_path)
+    _, kubeconfig, _ = await cluster(nursery, tmp_path)
     args = ["--pool-name", "pool", "--pool-namespace", NAMESPACE, "--config-text", EPP_CONFIG,
             "--secure-serving=false", "--kubeconfig", str(kubeconfig), *EPHEMERAL_PORTS]
     async with picker_process(args) as picker:

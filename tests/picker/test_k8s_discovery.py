@@ -10,8 +10,19 @@ from pathlib import Path
 
 import pytest
 import trio
-from kube_fakes import LEASES, NAMESPACE, PODS, POOLS_V1, POOLS_V1ALPHA2, KubeApiServer, eventually, pod, pool_v1, \
-    pool_v1alpha2, write_kubeconfig
+from kube_fakes import (
+    LEASES,
+    NAMESPACE,
+    PODS,
+    POOLS_V1,
+    POOLS_V1ALPHA2,
+    KubeApiServer,
+    eventually,
+    pod,
+    pool_v1,
+    pool_v1alpha2,
+    write_kubeconfig,
+)
 
 from evergreen_trio.picker.config import Endpoint, PoolConfig
 from evergreen_trio.picker.k8s import ClusterAccess, PoolRef, parse_selector, pool_discovery

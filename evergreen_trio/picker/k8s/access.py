@@ -37,7 +37,10 @@ class ClusterAccess:
         path = kubeconfig or os.environ.get("KUBECONFIG")
         try:
             config = KubeConfig.from_file(path) if path else KubeConfig.from_service_account()
-            namespace = config.get().namespace or "default"
+            context = config.get()
+            if context is None:
+                raise ConfigError("no current context")
+            namespace = context.namespace or "default"
         except (ConfigError, OSError, ValueError, KeyError) as exc:
             where = path or "the in-cluster service account"
             raise KubeError(f"expected cluster access from {where}, got {type(exc).__name__}: {exc}") from None

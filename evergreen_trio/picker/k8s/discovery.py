@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -82,12 +82,13 @@ class _Backoff:
         await trio.sleep(self.delay_s * random.uniform(0.5, 1.0))
 
 
-async def _events(watch: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[tuple[str, Any]]:
+async def _events(watch: AsyncIterable[tuple[str, Any]]) -> AsyncIterator[tuple[str, Any]]:
     """The watch's events, ending it with TooSlowError when the connection goes silent."""
+    events = watch.__aiter__()
     while True:
         with trio.fail_after(IDLE_TIMEOUT_S):
             try:
-                event = await watch.__anext__()
+                event = await events.__anext__()
             except StopAsyncIteration:
                 return
         yield event
@@ -189,7 +190,7 @@ class _PodWatcher:
 
 async def _watch_pool(client: AsyncClient, ref: PoolRef, pods: _PodWatcher, max_backoff_s: float) -> None:
     resource = pool_resource(ref.group)
-    fields = {"metadata.name": ref.name}
+    fields: dict[str, Any] = {"metadata.name": ref.name}
     backoff = _Backoff(max_backoff_s)
     status: dict[str, bool] = {}
     where = f"{ref.group}/{POOL_VERSIONS[ref.group]} InferencePool {ref.namespace}/{ref.name}"
@@ -202,14 +203,14 @@ async def _watch_pool(client: AsyncClient, ref: PoolRef, pods: _PodWatcher, max_
             if status.pop("failing", False):
                 log.info("picker.kube_recovered what=inferencepool")
             if pools:
-                pods.on_spec(pool_spec(pools[0].to_dict().get("spec") or {}))
+                pods.on_spec(pool_spec(pools[0].get("spec") or {}))
             else:
                 log.warning("picker.pool_not_found pool=%s (waiting for it)", where)
             watch = client.watch(resource, namespace=ref.namespace, fields=fields, server_timeout=WATCH_TIMEOUT_S,
                                  resource_version=listing.resourceVersion)
             async for kind, pool in _events(watch):
                 if kind in ("ADDED", "MODIFIED"):
-                    pods.on_spec(pool_spec(pool.to_dict().get("spec") or {}))
+                    pods.on_spec(pool_spec(pool.get("spec") or {}))
                 elif kind == "DELETED":
                     log.warning("picker.pool_deleted pool=%s (keeping the last endpoints)", where)
         if not status["gone"]:

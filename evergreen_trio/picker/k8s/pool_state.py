@@ -9,7 +9,7 @@ label map, ``targetPortNumber``).
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,8 @@ class PoolSpec:
     ports: tuple[int, ...]
 
     @property
-    def labels(self) -> dict[str, str]:
+    def labels(self) -> dict[str, Any]:
+        """The selector as lightkube's ``labels`` argument (equality terms only)."""
         return dict(self.selector)
 
 
@@ -82,7 +83,7 @@ class PoolState:
         self.spec = spec
         self.pods: dict[str, str | None] = {}
 
-    def replace_pods(self, pods: list[Mapping[str, Any]]) -> None:
+    def replace_pods(self, pods: Sequence[Mapping[str, Any]]) -> None:
         """A fresh list: forget every pod not in it."""
         self.pods = {_name(p): pod_address(p) for p in pods}
 
