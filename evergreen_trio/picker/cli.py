@@ -26,7 +26,6 @@ from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_con
 from evergreen_trio.picker.epp_flags import add_reference_flags, apply_reference_flags, go_bool
 from evergreen_trio.picker.errors import ConfigError, PickerError
 from evergreen_trio.picker.runtime import Discovery, LeaderElection, SslContext, run_picker
-from evergreen_trio.picker.tls import ext_proc_context
 from evergreen_trio.signals import cancel_on_signals
 
 log = logging.getLogger(__name__)
@@ -157,6 +156,8 @@ def picker_settings(args: argparse.Namespace) -> PickerSettings:
         raise ConfigError("--cert-path", "a directory with tls.crt and tls.key", args.cert_path)
     host = args.host or ("0.0.0.0" if cluster else "127.0.0.1")
     discovery, election = _cluster_parts(args, config) if cluster else (None, None)
+    from evergreen_trio.picker.tls import ext_proc_context  # cryptography: the `picker` extra
+
     return PickerSettings(config, host, ext_proc_context(secure, args.cert_path), discovery, election)
 
 
@@ -168,6 +169,10 @@ def run_picker_command(args: argparse.Namespace) -> int:
         settings = picker_settings(args)
     except PickerError as exc:
         print(f"evergreen-trio picker: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:  # lightkube or cryptography missing
+        print(f"evergreen-trio picker: cluster mode and TLS need the picker extra "
+              f"(pip install 'evergreen-trio[picker]'): {exc}", file=sys.stderr)
         return 2
 
     async def main() -> None:

@@ -52,20 +52,25 @@ def pool_spec(spec: Mapping[str, Any]) -> PoolSpec:
         entries = spec["targetPorts"]
         if not isinstance(entries, list) or not entries:
             raise PoolSpecError(f"InferencePool spec.targetPorts: expected a list, got {entries!r}")
-        ports = tuple(_port(e.get("number") if isinstance(e, Mapping) else e, f"spec.targetPorts[{i}].number")
-                      for i, e in enumerate(entries))
+        ports = tuple(_port(_map(e).get("number"), f"spec.targetPorts[{i}].number") for i, e in enumerate(entries))
     else:
         ports = (_port(spec.get("targetPortNumber"), "spec.targetPortNumber"),)
     return PoolSpec(tuple(sorted(selector.items())), ports)
 
 
+def _map(value: object) -> Mapping[str, Any]:
+    """``value`` when it is a mapping, else empty: an API object with a malformed part is not Ready."""
+    return value if isinstance(value, Mapping) else {}
+
+
 def pod_address(pod: Mapping[str, Any]) -> str | None:
     """The pod's IP when it is Ready and not being deleted, else None."""
-    metadata = pod.get("metadata") or {}
-    status = pod.get("status") or {}
+    metadata, status = _map(pod.get("metadata")), _map(pod.get("status"))
     if metadata.get("deletionTimestamp"):
         return None
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
+    conditions = status.get("conditions")
+    ready = isinstance(conditions, list) and any(
+        _map(c).get("type") == "Ready" and _map(c).get("status") == "True" for c in conditions)
     ip = status.get("podIP")
     if not ready or not isinstance(ip, str):
         return None
@@ -102,4 +107,4 @@ class PoolState:
 
 
 def _name(pod: Mapping[str, Any]) -> str:
-    return str((pod.get("metadata") or {}).get("name", ""))
+    return str(_map(pod.get("metadata")).get("name", ""))
