@@ -3,6 +3,7 @@ scheduler; the sans-IO pool/pod readers discovery feeds; both fuzzed with hypoth
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,8 @@ def test_every_known_plugin_and_parameters() -> None:
 saturationDetector: {queueDepthThreshold: 8, kvCacheUtilThreshold: 0.9}
 schedulingProfiles:
 - name: default
-  plugins: [{pluginRef: kv, weight: 5}, {pluginRef: prefix-cache-scorer}, {pluginRef: lora-affinity-scorer, weight: 0.5},
-            {pluginRef: max-score-picker}]
+  plugins: [{pluginRef: kv, weight: 5}, {pluginRef: prefix-cache-scorer},
+            {pluginRef: lora-affinity-scorer, weight: 0.5}, {pluginRef: max-score-picker}]
 """
     scheduler = SchedulerConfig(**scheduler_values(yaml.safe_load(text)))
     assert (scheduler.queue, scheduler.kv_cache, scheduler.prefix_cache, scheduler.lora_affinity) == (0, 5, 1, 0.5)
@@ -97,14 +98,17 @@ json_values = st.recursive(
                        max_size=3))
 def test_fuzz_endpoint_picker_config(body: dict[str, Any]) -> None:
     doc = {"apiVersion": "inference.networking.x-k8s.io/v1alpha1", "kind": "EndpointPickerConfig", **body}
-    try:
+    with contextlib.suppress(ConfigError):
         SchedulerConfig(**scheduler_values(doc))
-    except ConfigError:
-        pass
 
 
-@pytest.mark.parametrize("pod", [{"metadata": [1]}, {"status": "x"}, {"status": {"conditions": [3, None]}},
-                                 {"status": {"podIP": "not-an-ip", "conditions": [{"type": "Ready", "status": "True"}]}}])
+MALFORMED_PODS = [
+    {"metadata": [1]}, {"status": "x"}, {"status": {"conditions": [3, None]}},
+    {"status": {"podIP": "not-an-ip", "conditions": [{"type": "Ready", "status": "True"}]}},
+]
+
+
+@pytest.mark.parametrize("pod", MALFORMED_PODS)
 def test_malformed_pods_are_not_ready(pod: dict[str, Any]) -> None:
     state = PoolState(pool_spec({"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 1}]}))
     state.apply("ADDED", pod)
@@ -114,10 +118,8 @@ def test_malformed_pods_are_not_ready(pod: dict[str, Any]) -> None:
 @pytest.mark.fuzz
 @given(json_values, json_values)
 def test_fuzz_pool_spec_and_pods(spec: Any, pod: Any) -> None:
-    try:
+    with contextlib.suppress(PoolSpecError):
         pool_spec(spec if isinstance(spec, dict) else {"selector": spec})
-    except PoolSpecError:
-        pass
     if isinstance(pod, dict):
         state = PoolState()
         for kind in ("ADDED", "MODIFIED", "BOOKMARK", "DELETED"):
