@@ -15,6 +15,7 @@ from kube_fakes import NAMESPACE, PODS, POOLS_V1, KubeApiServer, pod, pool_v1, s
 from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
 from picker_fakes import free_port
 
+from evergreen_trio.gateway import GatewayInfo, GatewaySettings, run_gateway
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.envoy_process import run_envoy
 from evergreen_trio.picker.grpc_server import serve_sync_bidi
@@ -135,3 +136,13 @@ async def test_envoy_speaks_tls_with_alpn_h2_to_a_self_signed_picker(nursery: tr
             response = await client.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
         assert response.headers[SERVED_BY_HEADER] == f"{HOSTS[0]}:{port}"
+
+
+@pytest.mark.skipif(not TLS_READY, reason="serve_sync_bidi has no ssl_context")
+async def test_gateway_with_a_secure_picker(nursery: trio.Nursery) -> None:
+    settings = GatewaySettings(listen="127.0.0.1:0", simulate=1, secure_picker=True)
+    info: GatewayInfo = await nursery.start(run_gateway, settings)
+    async with httpx.AsyncClient(base_url=info.url, timeout=30) as client:
+        response = await client.post("/v1/completions", json={"model": "sim-model", "prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    nursery.cancel_scope.cancel()
