@@ -134,8 +134,24 @@ def _cluster_parts(args: argparse.Namespace, config: PickerConfig) -> tuple[Disc
     return discovery, election
 
 
-def picker_settings(args: argparse.Namespace) -> PickerSettings:
-    """Resolve the mode, config, TLS and cluster access; ConfigError / PickerError on a bad one."""
+def config_source(args: argparse.Namespace) -> str:
+    """How the config was given, for error messages."""
+    return str(args.config or args.config_file or ("--config-text" if args.config_text is not None else "defaults"))
+
+
+def load_picker_config(args: argparse.Namespace) -> PickerConfig:
+    """The config of either mode; ConfigError names the field (the caller names the source)."""
+    if args.pool_name is None:
+        return load_config(args.config)
+    if args.config_text is not None:
+        return parse_config(args.config_text, cluster_pool=args.pool_name)
+    if args.config_file is not None:
+        return load_config(args.config_file, cluster_pool=args.pool_name)
+    return parse_config("", cluster_pool=args.pool_name)
+
+
+def picker_settings(args: argparse.Namespace, config: PickerConfig) -> PickerSettings:
+    """Resolve the mode, flags, TLS and cluster access; ConfigError / PickerError on a bad one."""
     cluster = args.pool_name is not None
     if not cluster:
         for flag in ("config_file", "config_text", "kubeconfig", "endpoint_selector"):
@@ -143,13 +159,6 @@ def picker_settings(args: argparse.Namespace) -> PickerSettings:
                 raise ConfigError("--" + flag.replace("_", "-"), "--pool-name (cluster mode) with it", "--config")
         if args.ha_enable_leader_election:
             raise ConfigError("--ha-enable-leader-election", "--pool-name (cluster mode) with it", "--config")
-        config = load_config(args.config)
-    elif args.config_text is not None:
-        config = parse_config(args.config_text, cluster_pool=args.pool_name)
-    elif args.config_file is not None:
-        config = load_config(args.config_file, cluster_pool=args.pool_name)
-    else:
-        config = parse_config("", cluster_pool=args.pool_name)
     config = _pool_overrides(config, args)
     secure = cluster if args.secure_serving is None else args.secure_serving
     if args.cert_path and not Path(args.cert_path).is_dir():
@@ -166,7 +175,12 @@ def run_picker_command(args: argparse.Namespace) -> int:
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("httpx2").setLevel(logging.WARNING)  # one INFO line per Kubernetes request
     try:
-        settings = picker_settings(args)
+        config = load_picker_config(args)
+    except ConfigError as exc:
+        print(f"evergreen-trio picker: bad config {config_source(args)}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        settings = picker_settings(args, config)
     except PickerError as exc:
         print(f"evergreen-trio picker: {exc}", file=sys.stderr)
         return 2

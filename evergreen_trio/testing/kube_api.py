@@ -254,12 +254,13 @@ class KubeApiServer:
             sent = start
         with trio.move_on_after(timeout_s):
             while True:
-                for event in [e for e in self.events if e.version > sent]:
-                    sent = event.version
+                # Taken before yielding: events added while a line is being sent set this event,
+                # so the wait below returns at once and the next round sends them.
+                changed, top = self._changed, self.version
+                for event in [e for e in self.events if sent < e.version <= top]:
                     if event.collection == collection and self._selected(collection, namespace, query, event.obj):
                         yield line(event.kind, event.obj)
-                sent = max(sent, self.version)
-                changed = self._changed
+                sent = top
                 with trio.move_on_after(bookmarks if bookmarks is not None else float("inf")) as waited:
                     await changed.wait()
                 if waited.cancelled_caught:  # as the real server: the collection's kind, only a version

@@ -104,7 +104,8 @@ async def test_high_availability_one_ready_leader_and_takeover(nursery: trio.Nur
     (["--config", "x.yaml", "--pool-name", "p"], "not allowed with argument"),
     (["--pool-name", "p", "--secure-serving=maybe"], "expected true or false"),
     (["--config", "/nonexistent.yaml"], "a readable UTF-8 file"),
-    (["--config", "/nonexistent.yaml", "--ha-enable-leader-election"], "--pool-name (cluster mode)"),
+    (["--config", "{ok}", "--ha-enable-leader-election"], "--pool-name (cluster mode)"),
+    (["--config", "{ok}", "--config-text", "x: 1"], "--pool-name (cluster mode)"),
     (["--pool-name", "p", "--config-text", "kind: EndpointPickerConfig\napiVersion: inference.networking.x-k8s.io"
       "/v1alpha1\nplugins: [{type: magic-scorer}]\n"], "magic-scorer"),
     (["--pool-name", "p", "--kubeconfig", "/nonexistent/kubeconfig"], "expected cluster access from"),
@@ -113,7 +114,9 @@ async def test_high_availability_one_ready_leader_and_takeover(nursery: trio.Nur
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
     kubeconfig = write_kubeconfig(tmp_path, 1)
-    result = run_cli(args, {"KUBECONFIG": str(kubeconfig)})
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("pool: {endpoints: ['127.0.0.2:1']}\n")
+    result = run_cli([a.replace("{ok}", str(ok)) for a in args], {"KUBECONFIG": str(kubeconfig)})
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     errors = [line for line in result.stderr.splitlines() if "evergreen-trio" in line or "error" in line]
