@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -204,10 +205,22 @@ def run_picker_command(args: argparse.Namespace) -> int:
         trio.run(main)
     except KeyboardInterrupt:  # before the signal handler is in place
         log.info("picker.stopped reason=interrupt")
-    except OSError as exc:  # a port in use, an address not ours
-        print(f"evergreen-trio picker: {exc}", file=sys.stderr)
+    except BaseException as exc:
+        # A port in use or an address not ours arrives wrapped in the nurseries' exception groups.
+        failures = list(_leaves(exc))
+        if not all(isinstance(f, OSError | PickerError) for f in failures):
+            raise
+        print(f"evergreen-trio picker: {failures[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
 
 
 def run_gateway_config(args: argparse.Namespace) -> int:

@@ -99,11 +99,11 @@ class ReloadingContext:
         try:
             stamp = self._files_stamp()
             if stamp != self._stamp:
+                self._stamp = stamp  # tried once per change: a bad pair logs once, not per connection
                 self._context = server_context(self.cert_file, self.key_file)
-                self._stamp = stamp
                 log.info("picker.tls_reloaded cert=%s", self.cert_file)
         except TlsError as exc:
-            log.warning("picker.tls_reload_failed error=%s", exc)
+            log.warning("picker.tls_reload_failed error=%s (keeping the previous certificate)", exc)
         return self._context
 
 

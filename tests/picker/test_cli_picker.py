@@ -4,6 +4,7 @@ reference flags, high availability, and bad input (one line, exit 2)."""
 from __future__ import annotations
 
 import signal
+import socket
 from pathlib import Path
 
 import httpx
@@ -129,3 +130,17 @@ def test_unknown_plugin_type_lists_the_known_ones() -> None:
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert "low-queue-filter" in line and "queue-scorer" in line and "max-score-picker" in line
+
+
+def test_a_port_in_use_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    config = tmp_path / "picker.yaml"
+    config.write_text("pool:\n  endpoints: ['127.0.0.2:1']\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli(["--config", str(config), "--grpc-port", str(port), "--grpc-health-port", "0",
+                          "--metrics-port", "0"])
+    assert result.returncode == 1
+    (line,) = [ln for ln in result.stderr.splitlines() if "evergreen-trio picker" in ln]
+    assert "Address already in use" in line and "Traceback" not in result.stderr
