@@ -209,7 +209,9 @@ class Readiness:
                               **{_HealthName(name): [self.ready] for name in READINESS_NAMES}})
 
     def update(self, snapshot: PoolSnapshot) -> None:
-        self.scraped = self.synced and snapshot.first_scrape_done
+        # Latched: a pod added later is scraped within a refresh interval, and readiness must not
+        # flap on every scale-up while it is.
+        self.scraped = self.scraped or (self.synced and snapshot.first_scrape_done)
         ready = self.scraped and self.leader
         if ready != bool(self.ready.__status__()):
             log.info("picker.%s pool=%s", "ready" if ready else "not_ready", self.pool)

@@ -138,3 +138,13 @@ async def test_missing_pool_reports_nothing_until_created(nursery: trio.Nursery,
     assert seen.sets == []  # not synced: readiness stays NOT_SERVING
     api.put(POOLS_V1, pool_v1())
     await eventually(lambda: seen.last == ["10.0.0.1:8000"])
+
+
+async def test_endpoints_are_capped(nursery: trio.Nursery, api: KubeApiServer, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery_module, "MAX_ENDPOINTS", 2)
+    api.put(POOLS_V1, pool_v1())
+    for i in range(4):
+        api.put(PODS, pod(f"m-{i}", f"10.0.0.{i + 1}"))
+    seen = await start(nursery, api, tmp_path)
+    await eventually(lambda: seen.last == ["10.0.0.1:8000", "10.0.0.2:8000"])

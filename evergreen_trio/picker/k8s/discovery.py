@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 POOL_VERSIONS = {"inference.networking.k8s.io": "v1", "inference.networking.x-k8s.io": "v1alpha2"}
 WATCH_TIMEOUT_S = 60  # the server closes each watch after this; lightkube resumes it
 IDLE_TIMEOUT_S = 90.0  # no event and no clean close for this long: the connection is dead, re-list
+MAX_ENDPOINTS = 4096  # one scraper task each: a selector matching far more pods is a mistake, not a pool
 # Errors of one list or watch round (network, HTTP status, undecodable body, unusable pool spec).
 ROUND_ERRORS = (httpx2.HTTPError, msgspec.MsgspecError, PoolSpecError, ValueError, TypeError, KeyError)
 
@@ -133,6 +134,10 @@ class _Sync:
         if self.state.spec is None or not self.pods_listed:
             return
         endpoints = self.state.endpoints()
+        if len(endpoints) > MAX_ENDPOINTS:
+            log.error("picker.too_many_endpoints count=%d limit=%d (serving the first %d)",
+                      len(endpoints), MAX_ENDPOINTS, MAX_ENDPOINTS)
+            endpoints = endpoints[:MAX_ENDPOINTS]
         if endpoints != self._last:
             log.info("picker.endpoints count=%d endpoints=%s", len(endpoints), ",".join(e.address for e in endpoints))
             self._last = endpoints
