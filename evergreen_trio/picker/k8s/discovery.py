@@ -23,6 +23,7 @@ import msgspec
 import trio
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
+from lightkube.core.exceptions import ConfigError as KubeConfigError
 from lightkube.generic_resource import GenericNamespacedResource, create_namespaced_resource
 from lightkube.resources.core_v1 import Pod
 
@@ -36,8 +37,10 @@ POOL_VERSIONS = {"inference.networking.k8s.io": "v1", "inference.networking.x-k8
 WATCH_TIMEOUT_S = 60  # the server closes each watch after this; lightkube resumes it
 IDLE_TIMEOUT_S = 90.0  # no event and no clean close for this long: the connection is dead, re-list
 MAX_ENDPOINTS = 4096  # one scraper task each: a selector matching far more pods is a mistake, not a pool
-# Errors of one list or watch round (network, HTTP status, undecodable body, unusable pool spec).
-ROUND_ERRORS = (httpx2.HTTPError, msgspec.MsgspecError, PoolSpecError, ValueError, TypeError, KeyError)
+# Errors of one list or watch round (network, HTTP status, undecodable body, unusable pool spec,
+# a service-account token file missing for a moment during rotation).
+ROUND_ERRORS = (httpx2.HTTPError, msgspec.MsgspecError, PoolSpecError, ValueError, TypeError, KeyError,
+                KubeConfigError)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import msgspec
 import trio
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
+from lightkube.core.exceptions import ConfigError as KubeConfigError
 from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
@@ -103,7 +104,8 @@ async def lease_election(
             try:
                 with trio.fail_after(retry_s * 2):
                     held = await _try_once(client, namespace, name, identity, observed, duration_s)
-            except (ApiError, httpx2.HTTPError, msgspec.MsgspecError, trio.TooSlowError, ValueError) as exc:
+            except (ApiError, httpx2.HTTPError, msgspec.MsgspecError, trio.TooSlowError, ValueError,
+                    KubeConfigError) as exc:
                 log.debug("picker.lease_attempt_failed lease=%s error=%s", name, exc)
                 held = leader and trio.current_time() - last_renew < renew_deadline_s
             else:
