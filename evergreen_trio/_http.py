@@ -11,7 +11,7 @@ per endpoint on the same thread as the ext_proc server.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import h11
@@ -30,12 +30,13 @@ class HttpRequest:
 
 @dataclass
 class HttpResponse:
-    """A response; ``chunks`` (if any) are sent one write each after ``body``, chunk-encoded."""
+    """A response; ``chunks`` (if any), then ``stream``'s, are sent one write each after ``body``, chunk-encoded."""
 
     status: int = 200
     headers: list[tuple[str, str]] = field(default_factory=list)
     body: bytes = b""
     chunks: Sequence[bytes] | None = None
+    stream: AsyncIterable[bytes] | None = None
 
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
@@ -86,13 +87,16 @@ async def _connection(handler: Handler, max_body: int, read_timeout: float, stre
                 return
             response = await handler(request)
             headers = list(response.headers)
-            if response.chunks is None:
+            if response.chunks is None and response.stream is None:
                 headers.append(("content-length", str(len(response.body))))
             await _send(conn, stream, h11.Response(status_code=response.status, headers=headers))
             if response.body:
                 await _send(conn, stream, h11.Data(data=response.body))
             for chunk in response.chunks or ():
                 await _send(conn, stream, h11.Data(data=chunk))
+            if response.stream is not None:
+                async for chunk in response.stream:
+                    await _send(conn, stream, h11.Data(data=chunk))
             await _send(conn, stream, h11.EndOfMessage())
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return

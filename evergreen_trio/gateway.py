@@ -30,6 +30,7 @@ from evergreen_trio.errors import ConfigurationError, EvergreenTrioError
 from evergreen_trio.picker.config import PickerConfig, config_from_documents, read_documents
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.envoy_process import run_envoy
+from evergreen_trio.picker.epp_flags import go_bool
 from evergreen_trio.picker.runtime import PickerPorts, run_picker
 from evergreen_trio.sim.config import OPTION_HELP, SimConfig
 from evergreen_trio.sim.server import run_sim
@@ -71,6 +72,8 @@ class GatewaySettings:
     round_robin_port: int | None = None
     """Also open Envoy's round-robin listener (no picker) on this port (0: any free), the routing baseline."""
     picker_host: str = "127.0.0.1"
+    secure_picker: bool = False
+    """TLS between Envoy and the picker (a self-signed certificate), as in a cluster."""
     grpc_port: int = 0
     health_port: int = 0
     metrics_port: int = 0
@@ -251,16 +254,21 @@ async def run_gateway(
                     ports.append(await nursery.start(_part, f"sim-{index + 1}", run))
                 config = pool_config(documents, [f"127.0.0.1:{port}" for port in ports])
             endpoints = tuple(endpoint.address for endpoint in config.pool.endpoints)
+            ssl_context = None
+            if settings.secure_picker:
+                from evergreen_trio.picker.tls import self_signed_context  # cryptography: the picker extra
+
+                ssl_context = self_signed_context()
             picker_ports: PickerPorts = await nursery.start(_part, "picker", partial(
                 run_picker, config, host=settings.picker_host, grpc_port=settings.grpc_port,
-                health_port=settings.health_port, metrics_port=settings.metrics_port,
+                health_port=settings.health_port, metrics_port=settings.metrics_port, ssl_context=ssl_context,
             ))
             admin_port = _free_port()
             envoy_config = write_gateway_config(Path(workdir) / "envoy.json", gateway_config(
                 f"{settings.picker_host}:{picker_ports.grpc}", listen_port, admin_port=admin_port,
                 listen_host=listen_host,
                 round_robin_endpoints=endpoints if settings.round_robin_port is not None else (),
-                round_robin_port=settings.round_robin_port,
+                round_robin_port=settings.round_robin_port, picker_tls=settings.secure_picker,
             ))
             await nursery.start(_part, "envoy", partial(
                 run_envoy, envoy_config, admin_port=admin_port, extra_args=("--log-format", ENVOY_LOG_FORMAT),
@@ -295,6 +303,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         health_port=args.grpc_health_port,
         metrics_port=args.metrics_port,
         ready_timeout_s=args.ready_timeout,
+        secure_picker=args.secure_serving,
     )
 
 
@@ -325,6 +334,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--grpc-port", type=port, default=0, help="picker ext_proc port (default: any free)")
     parser.add_argument("--grpc-health-port", type=port, default=0, help="picker health port (default: any free)")
     parser.add_argument("--metrics-port", type=port, default=0, help="picker metrics port (default: any free)")
+    parser.add_argument("--secure-serving", type=go_bool, nargs="?", const=True, default=False, metavar="BOOL",
+                        help="TLS between Envoy and the picker, self-signed (default: false)")
     parser.add_argument("--ready-timeout", type=float, default=30.0,
                         help="seconds to wait for the first request through Envoy (default: %(default)s)")
     group = parser.add_argument_group("simulated servers (with --simulate)")

@@ -48,7 +48,7 @@ PINNED = {
     },
     "evergreen_trio.picker": {
         "ConfigError", "Endpoint", "EnvoyError", "MetricsError", "Picker", "PickerConfig", "PickerError",
-        "PickerPorts", "PoolSnapshot", "find_envoy", "gateway_config", "load_config", "parse_config",
+        "PickerPorts", "PoolConfig", "PoolSnapshot", "find_envoy", "gateway_config", "load_config", "parse_config",
         "parse_engine_metrics", "run_envoy", "run_picker", "write_gateway_config",
     },
     "evergreen_trio.sim": {

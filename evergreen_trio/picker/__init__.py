@@ -5,7 +5,7 @@ Public entry points: :func:`run_picker` (the Trio runtime), :func:`gateway_confi
 task), :func:`load_config` / :func:`parse_config` (YAML and Kubernetes manifests).
 """
 
-from evergreen_trio.picker.config import Endpoint, PickerConfig, load_config, parse_config
+from evergreen_trio.picker.config import Endpoint, PickerConfig, PoolConfig, load_config, parse_config
 from evergreen_trio.picker.engine_metrics import parse_engine_metrics
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.envoy_process import find_envoy, run_envoy
@@ -23,6 +23,7 @@ __all__ = [
     "PickerConfig",
     "PickerError",
     "PickerPorts",
+    "PoolConfig",
     "PoolSnapshot",
     "find_envoy",
     "gateway_config",

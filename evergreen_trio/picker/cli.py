@@ -1,31 +1,78 @@
 """`evergreen-trio picker` (the Endpoint Picker) and `evergreen-trio gateway-config` (its Envoy bootstrap,
-or with ``--evergreen HOST:PORT ...`` an Envoy front for Evergreen servers: :mod:`evergreen_trio.evergreen_front`)."""
+or with ``--evergreen HOST:PORT ...`` an Envoy front for Evergreen servers: :mod:`evergreen_trio.evergreen_front`).
+
+The picker runs in one of two modes. Static (``--config FILE``): the endpoints are listed in
+the file; defaults are loopback and plaintext, for one machine. Cluster (``--pool-name NAME``):
+a drop-in for the reference Endpoint Picker image of the official ``inferencepool`` Helm chart;
+the endpoints are the InferencePool's Ready pods, and the defaults are the reference's: all
+interfaces, TLS on the ext_proc port.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
+import os
 import sys
+from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 from evergreen_trio._cli import UsageError, port, serve_until_signal
 from evergreen_trio.evergreen_front import add_front_arguments, front_from_args
-from evergreen_trio.picker.config import load_config
+from evergreen_trio.picker.config import PickerConfig, load_config, parse_config, parse_duration
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
-from evergreen_trio.picker.runtime import PickerPorts, run_picker
+from evergreen_trio.picker.epp_flags import add_reference_flags, apply_reference_flags, go_bool
+from evergreen_trio.picker.errors import ConfigError, PickerError
+from evergreen_trio.picker.grpc_server import SSLContextSource
+from evergreen_trio.picker.runtime import Discovery, LeaderElection, PickerPorts, run_picker
+
+log = logging.getLogger(__name__)
+REFERENCE_POOL_GROUP = "inference.networking.k8s.io"
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    picker = subparsers.add_parser("picker", help="run the Endpoint Picker (Envoy ext_proc server)")
-    picker.add_argument("--config", required=True, metavar="FILE", help="YAML config (and/or Kubernetes manifests)")
-    picker.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    picker = subparsers.add_parser(
+        "picker", help="run the Endpoint Picker (Envoy ext_proc server)",
+        description="Static mode: --config FILE. Cluster mode (drop-in for the reference EPP): --pool-name NAME.")
+    mode = picker.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--config", metavar="FILE", help="static mode: YAML config with the endpoints")
+    mode.add_argument("--pool-name", metavar="NAME", help="cluster mode: the InferencePool to serve")
+    picker.add_argument("--pool-namespace", metavar="NS",
+                        help="the pool's namespace (default: $NAMESPACE, else the kubeconfig's, else default)")
+    picker.add_argument("--pool-group", default=REFERENCE_POOL_GROUP, metavar="GROUP",
+                        help=f"the InferencePool API group ({REFERENCE_POOL_GROUP} or inference.networking.x-k8s.io)")
+    text = picker.add_mutually_exclusive_group()
+    text.add_argument("--config-file", metavar="FILE", help="cluster mode: EndpointPickerConfig or our YAML")
+    text.add_argument("--config-text", metavar="TEXT", help="the same, given inline")
+    picker.add_argument("--host", default=None,
+                        help="address to bind (default: 127.0.0.1 static, all interfaces cluster)")
+    picker.add_argument("--secure-serving", type=go_bool, nargs="?", const=True, default=None, metavar="BOOL",
+                        help="TLS on the ext_proc port (default: false static, true cluster)")
+    picker.add_argument("--cert-path", metavar="DIR", help="directory with tls.crt and tls.key (else self-signed)")
     picker.add_argument("--grpc-port", type=port, default=9002, help="ext_proc gRPC port (default 9002)")
     picker.add_argument("--grpc-health-port", type=port, default=9003, help="gRPC health port (default 9003)")
     picker.add_argument("--metrics-port", type=port, default=9090, help="Prometheus metrics port (default 9090)")
+    picker.add_argument("--kubeconfig", metavar="FILE", help="cluster access (default: $KUBECONFIG, else in-cluster)")
+    picker.add_argument("--ha-enable-leader-election", type=go_bool, nargs="?", const=True, default=False,
+                        metavar="BOOL", help="take a coordination.k8s.io Lease; only the leader is ready")
+    picker.add_argument("--endpoint-selector", metavar="K=V,...",
+                        help="cluster mode without an InferencePool: pods with these labels")
+    picker.add_argument("--endpoint-target-ports", metavar="PORT,...", help="with --endpoint-selector: their ports")
+    picker.add_argument("--refresh-metrics-interval", metavar="DURATION", help="scrape interval (default 50ms)")
+    picker.add_argument("--metrics-staleness-threshold", metavar="DURATION", help="metrics age limit (default 2s)")
+    picker.add_argument("--model-server-metrics-path", metavar="PATH", help="scrape path (default /metrics)")
+    picker.add_argument("--model-server-metrics-scheme", default="http", choices=["http"],
+                        help="scrape scheme (http only)")
+    add_reference_flags(picker)
     picker.set_defaults(run=run_picker_command)
 
     config = subparsers.add_parser("gateway-config", help="write an Envoy bootstrap that routes through the picker")
     config.add_argument("--picker", default="127.0.0.1:9002", metavar="IP:PORT", help="the picker's gRPC address")
+    config.add_argument("--picker-tls", type=go_bool, nargs="?", const=True, default=False, metavar="BOOL",
+                        help="connect to the picker over TLS (a picker run with --secure-serving)")
     config.add_argument("--listener-port", type=port, default=8081, help="Envoy's HTTP listener port (default 8081)")
     config.add_argument("--admin-port", type=port, default=9901, help="Envoy's admin port (default 9901)")
     config.add_argument("--pool-endpoint", action="append", default=[], metavar="IP:PORT",
@@ -39,24 +86,125 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     config.set_defaults(run=run_gateway_config)
 
 
+@dataclass(frozen=True)
+class PickerSettings:
+    """Everything ``run_picker`` is called with, resolved from the command line."""
+
+    config: PickerConfig
+    host: str
+    ssl_context: SSLContextSource | None
+    discovery: Discovery | None
+    leader_election: LeaderElection | None
+
+
+def _pool_overrides(config: PickerConfig, args: argparse.Namespace) -> PickerConfig:
+    pool = config.pool
+    if args.refresh_metrics_interval:
+        pool = dataclasses.replace(pool, refresh_interval_s=parse_duration(args.refresh_metrics_interval,
+                                                                      "--refresh-metrics-interval"))
+    if args.metrics_staleness_threshold:
+        pool = dataclasses.replace(pool, staleness_threshold_s=parse_duration(args.metrics_staleness_threshold,
+                                                                         "--metrics-staleness-threshold"))
+    if args.model_server_metrics_path:
+        if not args.model_server_metrics_path.startswith("/"):
+            raise ConfigError("--model-server-metrics-path", "a path starting with '/'", args.model_server_metrics_path)
+        pool = dataclasses.replace(pool, metrics_path=args.model_server_metrics_path)
+    return dataclasses.replace(config, pool=pool)
+
+
+def _cluster_parts(args: argparse.Namespace, config: PickerConfig) -> tuple[Discovery, LeaderElection | None]:
+    # Imported here: the static mode needs no Kubernetes client.
+    from evergreen_trio.picker.k8s import ClusterAccess, PoolRef, lease_election, parse_selector, pool_discovery
+    from evergreen_trio.picker.k8s.discovery import pool_resource
+
+    pool_resource(args.pool_group)  # ConfigError now for a group we cannot watch
+    access = ClusterAccess.load(args.kubeconfig)
+    namespace = args.pool_namespace or os.environ.get("NAMESPACE") or access.namespace
+    if args.endpoint_selector:
+        ports = [int(p) for p in (args.endpoint_target_ports or "").split(",") if p.strip().isdigit()]
+        if not ports:
+            raise ConfigError("--endpoint-target-ports", "a comma-separated list of ports", args.endpoint_target_ports)
+        ref = PoolRef(args.pool_name, namespace, args.pool_group,
+                      selector=parse_selector(args.endpoint_selector), ports=tuple(ports))
+    else:
+        ref = PoolRef(args.pool_name, namespace, args.pool_group)
+    discovery = partial(pool_discovery, access, ref, config.pool)
+    election = None
+    if args.ha_enable_leader_election:
+        identity = os.environ.get("EPP_NAME") or os.environ.get("HOSTNAME") or f"picker-{os.getpid()}"
+        election = partial(lease_election, access, namespace, f"epp-{args.pool_name}", identity)
+    return discovery, election
+
+
+def config_source(args: argparse.Namespace) -> str:
+    """How the config was given, for error messages."""
+    return str(args.config or args.config_file or ("--config-text" if args.config_text is not None else "defaults"))
+
+
+def load_picker_config(args: argparse.Namespace) -> PickerConfig:
+    """The config of either mode; ConfigError names the field (the caller names the source)."""
+    if args.pool_name is None:
+        return load_config(args.config)
+    if args.config_text is not None:
+        return parse_config(args.config_text, cluster_pool=args.pool_name)
+    if args.config_file is not None:
+        return load_config(args.config_file, cluster_pool=args.pool_name)
+    return parse_config("", cluster_pool=args.pool_name)
+
+
+def picker_settings(args: argparse.Namespace, config: PickerConfig) -> PickerSettings:
+    """Resolve the mode, flags, TLS and cluster access; ConfigError / PickerError on a bad one."""
+    cluster = args.pool_name is not None
+    if not cluster:
+        for flag in ("config_file", "config_text", "kubeconfig", "endpoint_selector"):
+            if getattr(args, flag):
+                raise ConfigError("--" + flag.replace("_", "-"), "--pool-name (cluster mode) with it", "--config")
+        if args.ha_enable_leader_election:
+            raise ConfigError("--ha-enable-leader-election", "--pool-name (cluster mode) with it", "--config")
+    config = _pool_overrides(config, args)
+    secure = cluster if args.secure_serving is None else args.secure_serving
+    if args.cert_path and not Path(args.cert_path).is_dir():
+        raise ConfigError("--cert-path", "a directory with tls.crt and tls.key", args.cert_path)
+    host = args.host or ("0.0.0.0" if cluster else "127.0.0.1")
+    discovery, election = _cluster_parts(args, config) if cluster else (None, None)
+    from evergreen_trio.picker.tls import ext_proc_context  # cryptography: the `picker` extra
+
+    return PickerSettings(config, host, ext_proc_context(secure, args.cert_path), discovery, election)
+
+
 def run_picker_command(args: argparse.Namespace) -> int:
-    """Serve until SIGINT or SIGTERM; a bad config raises ConfigError (exit 2)."""
-    config = load_config(args.config)
+    """Serve until SIGINT or SIGTERM; a bad config or flag raises a ConfigurationError (exit 2)."""
+    apply_reference_flags(args)
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("httpx2").setLevel(logging.WARNING)  # one INFO line per Kubernetes request
+    try:
+        config = load_picker_config(args)
+    except ConfigError as exc:  # from a file, it names the file already
+        raise UsageError(str(exc) if args.config or args.config_file else f"{config_source(args)}: {exc}") from None
+    try:
+        settings = picker_settings(args, config)
+    except PickerError as exc:
+        raise UsageError(str(exc)) from None
+    except ImportError as exc:  # lightkube or cryptography missing
+        raise UsageError(f"cluster mode and TLS need the picker extra "
+                         f"(pip install 'evergreen-trio[picker]'): {exc}") from None
 
     def announce(ports: PickerPorts) -> None:
-        print(f"evergreen-trio picker: grpc {args.host}:{ports.grpc} health {ports.health} "
-              f"metrics {ports.metrics}", flush=True)
+        print(f"evergreen-trio picker: grpc {settings.host}:{ports.grpc} health {ports.health} "
+              f"metrics {ports.metrics} tls {'on' if settings.ssl_context else 'off'}", flush=True)
 
     return serve_until_signal(partial(
-        run_picker, config, host=args.host, grpc_port=args.grpc_port, health_port=args.grpc_health_port,
-        metrics_port=args.metrics_port), started=announce,
-        address=f"{args.host} (ports {args.grpc_port}, {args.grpc_health_port}, {args.metrics_port})")
+        run_picker, settings.config, host=settings.host, grpc_port=args.grpc_port,
+        health_port=args.grpc_health_port, metrics_port=args.metrics_port, ssl_context=settings.ssl_context,
+        discovery=settings.discovery, leader_election=settings.leader_election), started=announce,
+        address=f"{settings.host} (ports {args.grpc_port}, {args.grpc_health_port}, {args.metrics_port})")
 
 
 def run_gateway_config(args: argparse.Namespace) -> int:
     try:
         bootstrap = front_from_args(args) if args.evergreen else gateway_config(
             args.picker, args.listener_port, admin_port=args.admin_port, pool_endpoints=args.pool_endpoint,
+            picker_tls=args.picker_tls,
             request_body_mode=args.request_body_mode, response_body_mode=args.response_body_mode)
     except ValueError as exc:  # ConfigError is one too
         raise UsageError(str(exc)) from None

@@ -3,8 +3,11 @@
 A config file is a YAML stream. One plain document (no ``kind``) holds ``pool``, ``models``,
 ``objectives``, ``scheduler`` and ``extProc``; any number of Kubernetes documents
 (``InferencePool``, ``InferenceModel``, ``InferenceObjective``) may sit beside it, so a pool
-described for a cluster runs here unchanged with a static endpoint list. Every problem raises one
-:class:`ConfigError` naming the field by its path.
+described for a cluster runs here unchanged with a static endpoint list. The reference picker's
+``EndpointPickerConfig`` (:mod:`evergreen_trio.picker.epp_config`) may stand in for the ``scheduler``
+section. In cluster mode (``pool_name`` given) the endpoints come from the InferencePool's pods, so
+the plain document and its ``pool`` section are optional and list no endpoints. Every problem raises
+one :class:`ConfigError` naming the field by its path.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from evergreen_trio.picker.epp_config import is_endpoint_picker_config, scheduler_values
 from evergreen_trio.picker.errors import ConfigError
 
 ENGINES = ("vllm", "sglang", "trtllm")
@@ -77,6 +81,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class PoolConfig:
+    """The pool: its name, its model servers, and how often and where their metrics are scraped."""
+
     name: str
     endpoints: tuple[Endpoint, ...]
     refresh_interval_s: float = 0.05
@@ -143,7 +149,7 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
 
 
-def _duration(value: object, path: str) -> float:
+def parse_duration(value: object, path: str) -> float:
     if isinstance(value, bool):
         raise ConfigError(path, "a duration like '50ms' or '2s'", value)
     if isinstance(value, int | float) and value > 0:
@@ -247,7 +253,7 @@ def _model(doc: Mapping[str, Any], path: str, name_key: str) -> ModelConfig:
 
 
 def _pool(
-    doc: Mapping[str, Any], *, name: str | None, default_port: int | None
+    doc: Mapping[str, Any], *, name: str | None, default_port: int | None, discovered: bool = False
 ) -> PoolConfig:
     _no_unknown(
         doc,
@@ -258,8 +264,10 @@ def _pool(
     if name is not None and "name" in doc and doc["name"] != name:
         raise ConfigError("pool.name", f"the InferencePool's name {name!r}", doc["name"])
     endpoints: list[Endpoint] = []
-    raw = _sequence(doc.get("endpoints"), "pool.endpoints")
-    if not raw:
+    if discovered and "endpoints" in doc:
+        raise ConfigError("pool.endpoints", "no static endpoints with --pool-name (they are discovered)", "a list")
+    raw = [] if discovered else _sequence(doc.get("endpoints"), "pool.endpoints")
+    if not raw and not discovered:
         raise ConfigError("pool.endpoints", "at least one endpoint", raw)
     for i, item in enumerate(raw):
         path = f"pool.endpoints[{i}]"
@@ -279,9 +287,9 @@ def _pool(
     return PoolConfig(
         pool_name,
         tuple(endpoints),
-        _duration(doc.get("refreshMetricsInterval", "50ms"), "pool.refreshMetricsInterval"),
-        _duration(doc.get("metricsStalenessThreshold", "2s"), "pool.metricsStalenessThreshold"),
-        _duration(doc.get("scrapeTimeout", "1s"), "pool.scrapeTimeout"),
+        parse_duration(doc.get("refreshMetricsInterval", "50ms"), "pool.refreshMetricsInterval"),
+        parse_duration(doc.get("metricsStalenessThreshold", "2s"), "pool.metricsStalenessThreshold"),
+        parse_duration(doc.get("scrapeTimeout", "1s"), "pool.scrapeTimeout"),
         metrics_path,
     )
 
@@ -344,10 +352,14 @@ def _manifest_pool_ref(spec: Mapping[str, Any], path: str) -> str | None:
     return _string(_mapping(spec["poolRef"], f"{path}.poolRef").get("name"), f"{path}.poolRef.name")
 
 
-def config_from_documents(documents: Sequence[object]) -> PickerConfig:
-    """Build the config from parsed YAML documents (one plain document plus any manifests)."""
+def config_from_documents(documents: Sequence[object], *, cluster_pool: str | None = None) -> PickerConfig:
+    """Build the config from parsed YAML documents (one plain document plus any manifests).
+
+    ``cluster_pool`` (cluster mode) names the InferencePool whose pods are the endpoints.
+    """
     plain: Mapping[str, Any] | None = None
-    pool_name: str | None = None
+    picker_config: Mapping[str, Any] | None = None
+    pool_name: str | None = cluster_pool
     default_port: int | None = None
     models: list[ModelConfig] = []
     objectives: dict[str, int] = {}
@@ -362,10 +374,17 @@ def config_from_documents(documents: Sequence[object]) -> PickerConfig:
                 raise ConfigError(f"document[{index}]", "one plain config document", "a second one")
             plain = doc
             continue
+        if is_endpoint_picker_config(doc):
+            if picker_config is not None:
+                raise ConfigError(f"document[{index}]", "one EndpointPickerConfig", "a second one")
+            picker_config = doc
+            continue
         kind, where = doc["kind"], f"{doc['kind']}"
         spec = _mapping(doc.get("spec"), f"{where}.spec")
         name = _string(_mapping(doc.get("metadata"), f"{where}.metadata").get("name"), f"{where}.metadata.name")
         if kind == "InferencePool":
+            if cluster_pool is not None:
+                continue  # the live pool is watched; a manifest beside the config is documentation
             if pool_name is not None:
                 raise ConfigError(f"document[{index}]", "one InferencePool", "a second one")
             pool_name = name
@@ -382,11 +401,15 @@ def config_from_documents(documents: Sequence[object]) -> PickerConfig:
             path = f"InferenceObjective {name}.spec"
             manifest_objectives.append((_manifest_pool_ref(spec, path), name, _criticality(spec, path)))
         else:
-            raise ConfigError(f"document[{index}].kind", "InferencePool, InferenceModel or InferenceObjective", kind)
-    if plain is None or "pool" not in plain:
+            expected = "EndpointPickerConfig, InferencePool, InferenceModel or InferenceObjective"
+            raise ConfigError(f"document[{index}].kind", expected, kind)
+    if cluster_pool is not None and plain is None:
+        plain = {}
+    if plain is None or ("pool" not in plain and cluster_pool is None):
         raise ConfigError("pool", "a 'pool' section with static endpoints", None)
     _no_unknown(plain, {"pool", "models", "objectives", "scheduler", "extProc"}, "")
-    pool = _pool(_mapping(plain["pool"], "pool"), name=pool_name, default_port=default_port)
+    pool = _pool(_mapping(plain.get("pool", {}), "pool"), name=pool_name, default_port=default_port,
+                 discovered=cluster_pool is not None)
     for i, item in enumerate(_sequence(plain.get("models", []), "models")):
         entry = _mapping(item, f"models[{i}]")
         _no_unknown(entry, {"name", "criticality", "priority", "targetModels"}, f"models[{i}]")
@@ -402,11 +425,15 @@ def config_from_documents(documents: Sequence[object]) -> PickerConfig:
         _no_unknown(entry, {"name", "priority", "criticality"}, f"objectives[{i}]")
         objectives[_string(entry.get("name"), f"objectives[{i}].name")] = _criticality(entry, f"objectives[{i}]")
     objectives.update({name: prio for ref, name, prio in manifest_objectives if ref in (None, pool.name)})
+    if picker_config is not None and "scheduler" in plain:
+        raise ConfigError("scheduler", "either a 'scheduler' section or an EndpointPickerConfig", "both")
+    scheduler = (SchedulerConfig(**scheduler_values(picker_config)) if picker_config is not None
+                 else _scheduler(_mapping(plain.get("scheduler", {}), "scheduler")))
     return PickerConfig(
         pool=pool,
         models=tuple(models),
         objectives=objectives,
-        scheduler=_scheduler(_mapping(plain.get("scheduler", {}), "scheduler")),
+        scheduler=scheduler,
         ext_proc=_ext_proc(_mapping(plain.get("extProc", {}), "extProc")),
     )
 
@@ -427,9 +454,9 @@ def parse_documents(text: str) -> list[object]:
         raise ConfigError("file", "valid YAML", type(exc).__name__) from None
 
 
-def parse_config(text: str) -> PickerConfig:
+def parse_config(text: str, *, cluster_pool: str | None = None) -> PickerConfig:
     """Parse a YAML config stream; every problem is a :class:`ConfigError`."""
-    return config_from_documents(parse_documents(text))
+    return config_from_documents(parse_documents(text), cluster_pool=cluster_pool)
 
 
 def _in_file(path: str | Path, error: ConfigError) -> ConfigError:
@@ -456,10 +483,10 @@ def read_documents(path: str | Path) -> list[object]:
         raise _in_file(path, exc) from None
 
 
-def load_config(path: str | Path) -> PickerConfig:
+def load_config(path: str | Path, *, cluster_pool: str | None = None) -> PickerConfig:
     """Read and parse a config file; a :class:`ConfigError`'s field starts with the file's name."""
     documents = read_documents(path)
     try:
-        return config_from_documents(documents)
+        return config_from_documents(documents, cluster_pool=cluster_pool)
     except ConfigError as exc:
         raise _in_file(path, exc) from None

@@ -76,39 +76,9 @@ def _hcm(name: str, routes: list[dict[str, Any]], filters: list[dict[str, Any]])
     }
 
 
-def gateway_config(
-    picker_address: str,
-    listener_port: int,
-    *,
-    admin_port: int,
-    round_robin_endpoints: Sequence[str] = (),
-    round_robin_port: int | None = None,
-    pool_endpoints: Sequence[str] = (),
-    listen_host: str = "127.0.0.1",
-    request_body_mode: str = "FULL_DUPLEX_STREAMED",
-    response_body_mode: str = "FULL_DUPLEX_STREAMED",
-    subset_hint_header: str | None = None,
-    message_timeout_s: float = 5.0,
-    upstream_timeout_s: float = 300.0,
-    retries: int = 2,
-    max_downstream_connections: int = 50_000,
-) -> dict[str, Any]:
-    """An Envoy bootstrap (as a dict) routing ``listen_host:listener_port`` through the picker.
-
-    ``subset_hint_header`` (tests) copies that request header into the ``envoy.lb.subset_hint``
-    metadata, the way a gateway would inject a subset. ``max_downstream_connections`` bounds the
-    client connections Envoy accepts at once (its overload manager refuses the rest).
-    """
-    for mode in (request_body_mode, response_body_mode):
-        if mode not in _BODY_MODES:
-            raise ValueError(f"expected a body mode in {_BODY_MODES}, got {mode!r}")
-    if request_body_mode == "NONE":
-        raise ValueError("expected request body mode BUFFERED or FULL_DUPLEX_STREAMED, got 'NONE'")
-    if round_robin_port is not None and not round_robin_endpoints:
-        raise ValueError("expected round_robin_endpoints with round_robin_port, got none")
-    picker_host, picker_port = parse_address(picker_address, "picker_address")
+def _ext_proc_filter(request_body_mode: str, response_body_mode: str, message_timeout_s: float) -> dict[str, Any]:
     duplex = "FULL_DUPLEX_STREAMED" in (request_body_mode, response_body_mode)
-    ext_proc = {
+    return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": _EXT + "filters.http.ext_proc.v3.ExternalProcessor",
@@ -131,96 +101,167 @@ def gateway_config(
             },
         },
     }
-    filters: list[dict[str, Any]] = []
-    if subset_hint_header:
-        filters.append({
-            "name": "envoy.filters.http.header_to_metadata",
-            "typed_config": {
-                "@type": _EXT + "filters.http.header_to_metadata.v3.Config",
-                "request_rules": [{
-                    "header": subset_hint_header,
-                    "on_header_present": {"metadata_namespace": SUBSET_NAMESPACE, "key": SUBSET, "type": "STRING"},
-                    "remove": True,
-                }],
-            },
-        })
-    filters.append(ext_proc)
-    timeout = f"{upstream_timeout_s}s"
-    routes: list[dict[str, Any]] = []
-    clusters: list[dict[str, Any]] = [
-        _static_cluster(PICKER_CLUSTER, [f"{picker_host}:{picker_port}" if ":" not in picker_host
-                                         else f"[{picker_host}]:{picker_port}"],
-                        typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                            "@type": _EXT + "upstreams.http.v3.HttpProtocolOptions",
-                            # PINGs find a picker that stopped answering without closing its socket.
-                            "explicit_http_config": {"http2_protocol_options": {
-                                "connection_keepalive": {"interval": "1s", "timeout": "1s"}}},
-                        }}),
-        {
-            "name": ORIGINAL_DST_CLUSTER,
-            "type": "ORIGINAL_DST",
-            "lb_policy": "CLUSTER_PROVIDED",
-            "connect_timeout": "1s",
-            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
+
+
+def _subset_hint_filter(header: str) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": {
+            "@type": _EXT + "filters.http.header_to_metadata.v3.Config",
+            "request_rules": [{
+                "header": header,
+                "on_header_present": {"metadata_namespace": SUBSET_NAMESPACE, "key": SUBSET, "type": "STRING"},
+                "remove": True,
+            }],
         },
-    ]
-    if pool_endpoints:
-        routes.append({
-            "match": {"prefix": "/override/"},
-            "route": {
-                "cluster": OVERRIDE_HOST_CLUSTER,
-                "prefix_rewrite": "/",
-                "timeout": timeout,
-                "retry_policy": {"retry_on": "connect-failure,refused-stream,reset,5xx", "num_retries": retries},
+    }
+
+
+def _picker_cluster(picker_address: str, tls: bool) -> dict[str, Any]:
+    """The picker's cluster: HTTP/2 with keepalive PINGs; with ``tls``, TLS with ALPN h2.
+
+    Like the gateways in front of the reference picker, Envoy does not verify the picker's
+    certificate (it is self-signed unless ``--cert-path`` gives one): TLS here is encryption
+    on the wire, and the picker is reached by a cluster-internal address.
+    """
+    host, port = parse_address(picker_address, "picker_address")
+    cluster = _static_cluster(
+        PICKER_CLUSTER, [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"],
+        typed_extension_protocol_options={"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": _EXT + "upstreams.http.v3.HttpProtocolOptions",
+            # PINGs find a picker that stopped answering without closing its socket.
+            "explicit_http_config": {"http2_protocol_options": {
+                "connection_keepalive": {"interval": "1s", "timeout": "1s"}}},
+        }})
+    if tls:
+        cluster["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": _EXT + "transport_sockets.tls.v3.UpstreamTlsContext",
+                "common_tls_context": {"alpn_protocols": ["h2"]},
             },
-        })
-        clusters.append(_static_cluster(OVERRIDE_HOST_CLUSTER, pool_endpoints, load_balancing_policy={"policies": [{
-            "typed_extension_config": {
-                "name": "envoy.load_balancing_policies.override_host",
-                "typed_config": {
-                    "@type": _EXT + "load_balancing_policies.override_host.v3.OverrideHost",
-                    "override_host_sources": [
-                        {"metadata": _metadata_key(DESTINATION)},
-                        {"metadata": _metadata_key(FALLBACK)},
-                        {"header": DESTINATION},
-                    ],
-                    "selected_host_key": _metadata_key(SERVED),
-                    "fallback_policy": {"policies": [{"typed_extension_config": {
-                        "name": "envoy.load_balancing_policies.round_robin",
-                        "typed_config": {
-                            "@type": _EXT + "load_balancing_policies.round_robin.v3.RoundRobin",
-                        },
-                    }}]},
-                },
+        }
+    return cluster
+
+
+def _original_dst_cluster() -> dict[str, Any]:
+    return {
+        "name": ORIGINAL_DST_CLUSTER,
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "1s",
+        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
+    }
+
+
+def _override_route(timeout: str, retries: int) -> dict[str, Any]:
+    return {
+        "match": {"prefix": "/override/"},
+        "route": {
+            "cluster": OVERRIDE_HOST_CLUSTER,
+            "prefix_rewrite": "/",
+            "timeout": timeout,
+            "retry_policy": {"retry_on": "connect-failure,refused-stream,reset,5xx", "num_retries": retries},
+        },
+    }
+
+
+def _override_host_cluster(pool_endpoints: Sequence[str]) -> dict[str, Any]:
+    return _static_cluster(OVERRIDE_HOST_CLUSTER, pool_endpoints, load_balancing_policy={"policies": [{
+        "typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": _EXT + "load_balancing_policies.override_host.v3.OverrideHost",
+                "override_host_sources": [
+                    {"metadata": _metadata_key(DESTINATION)},
+                    {"metadata": _metadata_key(FALLBACK)},
+                    {"header": DESTINATION},
+                ],
+                "selected_host_key": _metadata_key(SERVED),
+                "fallback_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {"@type": _EXT + "load_balancing_policies.round_robin.v3.RoundRobin"},
+                }}]},
             },
-        }]}))
+        },
+    }]})
+
+
+def _round_robin_listener(host: str, port: int, timeout: str) -> dict[str, Any]:
+    return {
+        "name": "round_robin",
+        "address": _socket(host, port),
+        "filter_chains": [{"filters": [_hcm("round_robin", [{
+            "match": {"prefix": "/"}, "route": {"cluster": ROUND_ROBIN_CLUSTER, "timeout": timeout},
+        }], [])]}],
+    }
+
+
+def _overload_manager(max_downstream_connections: int) -> dict[str, Any]:
+    if max_downstream_connections < 1:
+        raise ValueError(f"expected max_downstream_connections >= 1, got {max_downstream_connections}")
+    return {"resource_monitors": [{
+        "name": "envoy.resource_monitors.global_downstream_max_connections",
+        "typed_config": {
+            "@type": _EXT + "resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+            "max_active_downstream_connections": max_downstream_connections,
+        },
+    }]}
+
+
+def gateway_config(
+    picker_address: str,
+    listener_port: int,
+    *,
+    admin_port: int,
+    round_robin_endpoints: Sequence[str] = (),
+    round_robin_port: int | None = None,
+    pool_endpoints: Sequence[str] = (),
+    listen_host: str = "127.0.0.1",
+    request_body_mode: str = "FULL_DUPLEX_STREAMED",
+    response_body_mode: str = "FULL_DUPLEX_STREAMED",
+    subset_hint_header: str | None = None,
+    message_timeout_s: float = 5.0,
+    upstream_timeout_s: float = 300.0,
+    retries: int = 2,
+    max_downstream_connections: int = 50_000,
+    picker_tls: bool = False,
+) -> dict[str, Any]:
+    """An Envoy bootstrap (as a dict) routing ``listen_host:listener_port`` through the picker.
+
+    ``subset_hint_header`` (tests) copies that request header into the ``envoy.lb.subset_hint``
+    metadata, the way a gateway would inject a subset. ``max_downstream_connections`` bounds the
+    client connections Envoy accepts at once (its overload manager refuses the rest).
+    ``picker_tls`` speaks TLS to the picker (one run with ``--secure-serving``). ValueError
+    for a bad body mode or connection bound, ConfigError for a bad address.
+    """
+    for mode in (request_body_mode, response_body_mode):
+        if mode not in _BODY_MODES:
+            raise ValueError(f"expected a body mode in {_BODY_MODES}, got {mode!r}")
+    if request_body_mode == "NONE":
+        raise ValueError("expected request body mode BUFFERED or FULL_DUPLEX_STREAMED, got 'NONE'")
+    if round_robin_port is not None and not round_robin_endpoints:
+        raise ValueError("expected round_robin_endpoints with round_robin_port, got none")
+    filters = [_subset_hint_filter(subset_hint_header)] if subset_hint_header else []
+    filters.append(_ext_proc_filter(request_body_mode, response_body_mode, message_timeout_s))
+    timeout = f"{upstream_timeout_s}s"
+    routes = [_override_route(timeout, retries)] if pool_endpoints else []
     routes.append({"match": {"prefix": "/"}, "route": {"cluster": ORIGINAL_DST_CLUSTER, "timeout": timeout}})
+    clusters = [_picker_cluster(picker_address, picker_tls), _original_dst_cluster()]
+    if pool_endpoints:
+        clusters.append(_override_host_cluster(pool_endpoints))
     listeners = [{
         "name": "gateway",
         "address": _socket(listen_host, listener_port),
         "filter_chains": [{"filters": [_hcm("gateway", routes, filters)]}],
     }]
     if round_robin_port is not None:
-        listeners.append({
-            "name": "round_robin",
-            "address": _socket(listen_host, round_robin_port),
-            "filter_chains": [{"filters": [_hcm("round_robin", [{
-                "match": {"prefix": "/"}, "route": {"cluster": ROUND_ROBIN_CLUSTER, "timeout": timeout},
-            }], [])]}],
-        })
+        listeners.append(_round_robin_listener(listen_host, round_robin_port, timeout))
         clusters.append(_static_cluster(ROUND_ROBIN_CLUSTER, round_robin_endpoints, lb_policy="ROUND_ROBIN"))
-    if max_downstream_connections < 1:
-        raise ValueError(f"expected max_downstream_connections >= 1, got {max_downstream_connections}")
     return {
         "admin": {"address": _socket("127.0.0.1", admin_port)},
         "static_resources": {"listeners": listeners, "clusters": clusters},
-        "overload_manager": {"resource_monitors": [{
-            "name": "envoy.resource_monitors.global_downstream_max_connections",
-            "typed_config": {
-                "@type": _EXT + "resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
-                "max_active_downstream_connections": max_downstream_connections,
-            },
-        }]},
+        "overload_manager": _overload_manager(max_downstream_connections),
     }
 
 

@@ -6,6 +6,9 @@ One :class:`ExtProcStream` serves one Envoy ``Process`` stream (one HTTP request
 ``protocol_config``: BUFFERED answers each message as it comes; FULL_DUPLEX_STREAMED holds the
 request headers until the body ends, then sends the header response (destination, metadata,
 corrected Content-Length) and the body again in chunks of at most 62,000 bytes.
+
+Nothing here records metrics: each stream fills a :class:`StreamReport` (models, error,
+sizes, scheduling time, prefix match, served endpoint, token usage) and the shell records it.
 """
 
 from __future__ import annotations
@@ -26,8 +29,7 @@ from evergreen_trio.picker.config import DestinationMode, PickerConfig
 from evergreen_trio.picker.errors import ExtProcError, RequestError
 from evergreen_trio.picker.request import parse_body, rewrite_model
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
-from evergreen_trio.picker.telemetry import PickerMetrics
-from evergreen_trio.picker.usage import ResponseBody
+from evergreen_trio.picker.usage import ResponseBody, Usage
 
 DESTINATION = "x-gateway-destination-endpoint"
 FALLBACK = "x-gateway-destination-endpoint-fallback"
@@ -50,6 +52,28 @@ _JSON_HEADERS = ep.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
 
 
 @dataclass
+class StreamReport:
+    """What one ext_proc stream did, filled as it goes; the shell turns it into metrics.
+
+    ``routed`` turns true when a request was sent to an endpoint (it is then running until the
+    stream ends); ``error`` is the HTTP status of an answer the picker gave itself.
+    """
+
+    client_model: str = ""
+    target_model: str = ""
+    routed: bool = False
+    error: int | None = None
+    request_bytes: int = 0
+    response_bytes: int = 0
+    scheduling_s: float | None = None
+    scorer_s: dict[str, float] = field(default_factory=dict)
+    prefix_match: tuple[int, int] | None = None  # (matched bytes, prompt bytes in full blocks)
+    served: list[str] = field(default_factory=list)
+    usage: Usage | None = None
+    recorded: bool = False  # set by the shell once it has recorded this report
+
+
+@dataclass
 class Route:
     """A routing decision: endpoints best first, the model names, the prompt hashes, a new body."""
 
@@ -62,21 +86,13 @@ class Route:
 
 
 class Picker:
-    """Shared by every stream of one picker: config, the metrics snapshot, scheduler and metrics."""
+    """Shared by every stream of one picker: config, the metrics snapshot and the scheduler."""
 
-    def __init__(
-        self,
-        config: PickerConfig,
-        snapshot: PoolSnapshot,
-        *,
-        metrics: PickerMetrics | None = None,
-        rng: random.Random | None = None,
-    ) -> None:
+    def __init__(self, config: PickerConfig, snapshot: PoolSnapshot, *, rng: random.Random | None = None) -> None:
         self.config = config
         self.snapshot = snapshot
         self.rng = rng or random.Random()
         self.scheduler = Scheduler(config, snapshot, self.rng)
-        self.metrics = metrics or PickerMetrics(config.pool.name)
         mode = config.ext_proc.destination_mode
         self.pick_count = {DestinationMode.SINGLE: 1, DestinationMode.FALLBACK: 2}.get(
             mode, config.ext_proc.max_endpoints_in_list)
@@ -85,13 +101,14 @@ class Picker:
         return ExtProcStream(self)
 
     def route(self, path: str, headers: Mapping[str, str], body: bytes | None,
-              subset: frozenset[str] | None) -> Route:
-        """Decide where a request goes; RequestError for 400/404/429/503."""
+              subset: frozenset[str] | None, report: StreamReport | None = None) -> Route:
+        """Decide where a request goes, noting it in ``report``; RequestError for 400/404/429/503."""
+        report = report if report is not None else StreamReport()
         started = time.perf_counter()
         client_model: str | None = None
+        target: str | None = None
         try:
             priority = 0
-            target: str | None = None
             hashes: Sequence[int] = ()
             new_body: bytes | None = None
             if body is not None:
@@ -113,20 +130,22 @@ class Picker:
                 priority = self.config.objectives[objective]
             endpoints = self.scheduler.pick(PickRequest(target, priority, hashes, subset), self.pick_count)
         except RequestError as exc:
-            self.metrics.errors.labels(client_model or "", str(exc.status)).inc()
+            report.client_model, report.target_model, report.error = client_model or "", target or "", exc.status
             raise
+        report.client_model, report.target_model, report.routed = client_model or "", target or "", True
+        report.scheduling_s = time.perf_counter() - started
+        report.scorer_s = dict(self.scheduler.scorer_seconds)
         if hashes:
+            block = self.config.scheduler.prefix_block_bytes
+            report.prefix_match = (self.scheduler.prefix_matches.get(endpoints[0], 0) * block, len(hashes) * block)
             self.scheduler.prefix.add(endpoints[0], hashes)
-        self.metrics.requests.labels(client_model or "", target or "").inc()
-        self.metrics.scheduling.observe(time.perf_counter() - started)
         return Route(endpoints, client_model, target, hashes, new_body)
 
     def record_served(self, route: Route, served: str) -> None:
-        """Envoy reported the endpoint that served: count it and teach the prefix index."""
+        """Envoy reported the endpoint that served: note it and teach the prefix index."""
         if served in route.served:
             return
         route.served.append(served)
-        self.metrics.served.labels(served).inc()
         if route.hashes and served != route.endpoints[0] and served in self.snapshot.states:
             self.scheduler.prefix.add(served, route.hashes)
 
@@ -182,6 +201,7 @@ class ExtProcStream:
 
     def __init__(self, picker: Picker) -> None:
         self.picker = picker
+        self.report = StreamReport()
         self.limits = picker.config.ext_proc
         self.request_mode: int = BUFFERED
         self.response_mode: int = NONE
@@ -242,6 +262,7 @@ class ExtProcStream:
         if not self.headers or self.routed:
             raise ExtProcError("expected request_body between request_headers and the routing decision")
         self.body += message.request_body.body
+        self.report.request_bytes = len(self.body)
         if len(self.body) > self.limits.max_request_body_bytes:
             self.routed = True
             return [self._immediate(413, f"request body larger than {self.limits.max_request_body_bytes} bytes")]
@@ -267,7 +288,7 @@ class ExtProcStream:
         """Route the request; the response for ``phase`` carrying the decision, or an immediate one."""
         self.routed = True
         try:
-            route = self.picker.route(self.headers.get(":path", ""), self.headers, body, self.subset)
+            route = self.picker.route(self.headers.get(":path", ""), self.headers, body, self.subset, self.report)
         except RequestError as exc:
             return self._immediate(exc.status, exc.message)
         self.route = route
@@ -299,6 +320,7 @@ class ExtProcStream:
     def _immediate(self, status: int, message: str) -> ep.ProcessingResponse:
         """An ImmediateResponse ends Envoy's processing of the request, so it ends the stream too."""
         self.finished = True
+        self.report.error = status
         return immediate(status, message)
 
     # -- response -------------------------------------------------------------------------------
@@ -313,6 +335,7 @@ class ExtProcStream:
         if route is not None and served is not None:
             for address in _struct_strings(served)[:1]:
                 self.picker.record_served(route, address)
+                self.report.served = list(route.served)
         rewrite = None
         if route is not None and route.target_model and route.client_model and route.target_model != route.client_model:
             rewrite = (route.target_model, route.client_model)
@@ -335,6 +358,7 @@ class ExtProcStream:
         if not self.response_started or self.response_ended:
             raise ExtProcError("expected response_body after response_headers and before the body ended")
         chunk = message.response_body.body
+        self.report.response_bytes += len(chunk)
         end = message.response_body.end_of_stream
         if self.response_mode != FULL_DUPLEX:
             self.response_ended = True
@@ -410,4 +434,4 @@ class ExtProcStream:
             return
         self.usage_recorded = True
         if self.reader is not None and self.route is not None:
-            self.picker.metrics.observe_usage(self.route.client_model or "", self.reader.usage)
+            self.report.usage = self.reader.usage

@@ -2,15 +2,19 @@
 
 The scraper tasks and the ext_proc server (:mod:`evergreen_trio.picker.grpc_server`, a Trio
 task per connection) share one :class:`PoolSnapshot`; a pick is a plain synchronous call. The
-health service is grpclib's, through the bridge, on its own port.
+health service is grpclib's, through the bridge, on its own port. The endpoints are the static
+config's, or what a discovery task reports (:mod:`evergreen_trio.picker.k8s`): one scraper task
+per endpoint, started and cancelled as the set changes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -25,15 +29,21 @@ from evergreen_trio.metrics import serve_metrics
 from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
-from evergreen_trio.picker.grpc_server import serve_sync_bidi
+from evergreen_trio.picker.grpc_server import SSLContextSource, serve_sync_bidi
 from evergreen_trio.picker.grpc_wire import RpcStatusError, SyncBidiMethod
-from evergreen_trio.picker.processor import ExtProcStream, Picker
+from evergreen_trio.picker.processor import Picker, StreamReport
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
 
 log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 PROCESS_PATH = f"/{EXT_PROC_SERVICE}/Process"
+# The official chart probes ``inference-extension``; load balancers ask for "" (overall).
+READINESS_NAMES = ("inference-extension", EXT_PROC_SERVICE, "readiness")
+# Discovery: called with ``on_endpoints``, which it calls with the whole set on every change.
+Discovery = Callable[[Callable[[Sequence[Endpoint]], None]], Awaitable[None]]
+# Leader election: called with ``on_leader``, which it calls with True/False as leadership changes.
+LeaderElection = Callable[[Callable[[bool], None]], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -45,13 +55,25 @@ class PickerPorts:
     metrics: int
 
 
+def _record_dropped(metrics: PickerMetrics, report: StreamReport, started: float) -> None:
+    if not report.recorded:
+        report.recorded = True
+        metrics.record(report, time.monotonic() - started)
+
+
 class _GrpcStream:
-    """Adapts :class:`ExtProcStream` to the gRPC server: protocol violations end the RPC with a status."""
+    """Adapts :class:`ExtProcStream` to the gRPC server (protocol violations end the RPC with a
+    status) and records the stream's report in the metrics when it ends."""
 
-    __slots__ = ("_stream",)
+    __slots__ = ("__weakref__", "_metrics", "_picker", "_running", "_started", "_stream")
 
-    def __init__(self, stream: ExtProcStream) -> None:
-        self._stream = stream
+    def __init__(self, picker: Picker, metrics: PickerMetrics) -> None:
+        self._stream = picker.new_stream()
+        self._picker, self._metrics = picker, metrics
+        self._started = time.monotonic()
+        self._running = False
+        # A stream Envoy resets gets neither on_end nor finished: record it when it is dropped.
+        weakref.finalize(self, _record_dropped, metrics, self._stream.report, self._started)
 
     @property
     def finished(self) -> bool:
@@ -59,13 +81,28 @@ class _GrpcStream:
 
     def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
         try:
-            return self._stream.on_message(message)
+            replies = self._stream.on_message(message)
         except ExtProcError as exc:
             log.warning("picker.stream_aborted error=%s", exc)
+            self._record()
             raise RpcStatusError(Status.INVALID_ARGUMENT, str(exc)) from None
+        if self._stream.report.routed and not self._running:
+            self._running = True
+            self._metrics.started(self._stream.report)
+        if self._stream.finished:
+            self._record()
+        return replies
 
     def on_end(self) -> Sequence[ep.ProcessingResponse]:
-        return self._stream.on_end()
+        replies = self._stream.on_end()
+        self._record()
+        return replies
+
+    def _record(self) -> None:
+        if not self._stream.report.recorded:
+            self._stream.report.recorded = True
+            self._metrics.record(self._stream.report, time.monotonic() - self._started,
+                                 prefix_index_size=self._picker.scheduler.prefix.total())
 
 
 async def _scrape_forever(
@@ -100,15 +137,56 @@ async def _scrape_forever(
         await getter.aclose()
 
 
-async def run_scrapers(
-    config: PickerConfig,
-    snapshot: PoolSnapshot,
-    after_scrape: Callable[[], None],
-) -> None:
-    """One Trio task per endpoint, in one nursery, scraping ``/metrics`` every refresh interval."""
-    async with trio.open_nursery() as nursery:
-        for endpoint in config.pool.endpoints:
-            nursery.start_soon(_scrape_forever, endpoint, config, snapshot, after_scrape)
+class Scrapers:
+    """One scraper task per endpoint in ``nursery``, following the endpoint set :meth:`sync` is given."""
+
+    def __init__(self, nursery: trio.Nursery, config: PickerConfig, snapshot: PoolSnapshot,
+                 after_scrape: Callable[[], None]) -> None:
+        self.nursery, self.config, self.snapshot, self.after_scrape = nursery, config, snapshot, after_scrape
+        self._scopes: dict[str, trio.CancelScope] = {}
+
+    def sync(self, endpoints: Iterable[Endpoint]) -> None:
+        wanted = {e.address: e for e in endpoints}
+        for address in [a for a in self._scopes if a not in wanted]:
+            self._scopes.pop(address).cancel()
+            log.info("picker.endpoint_removed endpoint=%s", address)
+        self.snapshot.set_endpoints(wanted.values())
+        for address, endpoint in wanted.items():
+            if address not in self._scopes:
+                scope = self._scopes[address] = trio.CancelScope()
+                self.nursery.start_soon(self._run, endpoint, scope)
+
+    async def _run(self, endpoint: Endpoint, scope: trio.CancelScope) -> None:
+        with scope:
+            await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape)
+
+
+class Readiness:
+    """Readiness = endpoints known (static, or discovery listed them) + each scraped once + leader.
+
+    ``liveness`` is SERVING from the start; every name in :data:`READINESS_NAMES` and ``""``
+    follow readiness, as the reference picker's health server does.
+    """
+
+    def __init__(self, pool: str, *, discovered: bool, elected: bool) -> None:
+        self.pool = pool
+        self.live, self.ready = ServiceStatus(), ServiceStatus()
+        self.live.set(True)
+        self.ready.set(False)
+        self.synced = not discovered
+        self.leader = not elected
+        self.scraped = False
+        self.health = Health({OVERALL: [self.ready], HealthName("liveness"): [self.live],
+                              **{HealthName(name): [self.ready] for name in READINESS_NAMES}})
+
+    def update(self, snapshot: PoolSnapshot) -> None:
+        # Latched: a pod added later is scraped within a refresh interval, and readiness must not
+        # flap on every scale-up while it is.
+        self.scraped = self.scraped or (self.synced and snapshot.first_scrape_done)
+        ready = self.scraped and self.leader
+        if ready != bool(self.ready.__status__()):
+            log.info("picker.%s pool=%s", "ready" if ready else "not_ready", self.pool)
+            self.ready.set(ready)
 
 
 async def run_picker(
@@ -118,45 +196,54 @@ async def run_picker(
     grpc_port: int = 9002,
     health_port: int = 9003,
     metrics_port: int = 9090,
+    ssl_context: SSLContextSource | None = None,
+    discovery: Discovery | None = None,
+    leader_election: LeaderElection | None = None,
     task_status: trio.TaskStatus[PickerPorts] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the Endpoint Picker until cancelled; ``started`` gets the bound :class:`PickerPorts`.
 
-    Port 0 picks a free port. Readiness (gRPC health for ``""``, the ext_proc service and
-    ``readiness``) turns SERVING once every endpoint has been scraped once; ``liveness`` at once.
+    Port 0 picks a free port. ``ssl_context`` serves ext_proc over TLS (a callable is asked per
+    connection, for reloading). ``discovery`` replaces the static endpoint list; with
+    ``leader_election`` only the leader reports ready. See :class:`Readiness`.
     """
-    snapshot = PoolSnapshot(config.pool.endpoints, config.pool.staleness_threshold_s, time.monotonic)
+    snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = PickerMetrics(config.pool.name)
-    picker = Picker(config, snapshot, metrics=metrics)
-    live, ready = ServiceStatus(), ServiceStatus()
-    live.set(True)
-    ready.set(False)
-    health = Health({
-        OVERALL: [ready],
-        HealthName(EXT_PROC_SERVICE): [ready],
-        HealthName("liveness"): [live],
-        HealthName("readiness"): [ready],
-    })
-    is_ready = False
+    picker = Picker(config, snapshot)
+    readiness = Readiness(config.pool.name, discovered=discovery is not None, elected=leader_election is not None)
 
     def after_scrape() -> None:
-        nonlocal is_ready
         metrics.observe_pool(snapshot)
-        if not is_ready and snapshot.first_scrape_done:
-            is_ready = True
-            log.info("picker.ready pool=%s", config.pool.name)
-            ready.set(True)
+        readiness.update(snapshot)
 
     method = SyncBidiMethod(
         path=PROCESS_PATH,
         request_type=ep.ProcessingRequest,
-        new_processor=lambda: _GrpcStream(picker.new_stream()),
+        new_processor=lambda: _GrpcStream(picker, metrics),
     )
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(run_scrapers, config, snapshot, after_scrape)
-        grpc_bound = await nursery.start(serve_sync_bidi, [method], host, grpc_port)
-        health_bound = await nursery.start(serve_grpclib, [health], host, health_port)
+        scrapers = Scrapers(nursery, config, snapshot, after_scrape)
+        if discovery is None:
+            scrapers.sync(config.pool.endpoints)
+        else:
+
+            def on_endpoints(endpoints: Sequence[Endpoint]) -> None:
+                readiness.synced = True
+                scrapers.sync(endpoints)
+                after_scrape()
+
+            nursery.start_soon(discovery, on_endpoints)
+        if leader_election is not None:
+
+            def on_leader(leader: bool) -> None:
+                readiness.leader = leader
+                readiness.update(snapshot)
+
+            nursery.start_soon(leader_election, on_leader)
+        grpc_bound = await nursery.start(partial(serve_sync_bidi, [method], host, grpc_port, ssl_context=ssl_context))
+        health_bound = await nursery.start(serve_grpclib, [readiness.health], host, health_port)
         metrics_bound = await nursery.start(serve_metrics, metrics.registry, host, metrics_port)
         ports = PickerPorts(grpc_bound, health_bound, metrics_bound)
-        log.info("picker.serving pool=%s grpc=%d health=%d metrics=%d", config.pool.name, *vars(ports).values())
+        log.info("picker.serving pool=%s grpc=%d health=%d metrics=%d tls=%s", config.pool.name,
+                 *vars(ports).values(), ssl_context is not None)
         task_status.started(ports)

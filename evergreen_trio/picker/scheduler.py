@@ -7,6 +7,7 @@ ext_proc handler reads it on the same thread, so no locking is needed.
 from __future__ import annotations
 
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -37,13 +38,20 @@ class PoolSnapshot:
         self.staleness_s = staleness_s
         self.clock = clock
 
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        """Follow discovery: keep the state of endpoints still listed, add new ones, drop the rest."""
+        self.states = {e.address: self.states.get(e.address) or EndpointState(e) for e in endpoints}
+
     def update(self, address: str, metrics: EndpointMetrics) -> None:
-        state = self.states[address]
+        state = self.states.get(address)
+        if state is None:  # removed by discovery while its scrape was answered
+            return
         state.metrics, state.updated_at, state.ready, state.scraped = metrics, self.clock(), True, True
 
     def mark_failed(self, address: str) -> None:
-        state = self.states[address]
-        state.ready, state.scraped = False, True
+        state = self.states.get(address)
+        if state is not None:
+            state.ready, state.scraped = False, True
 
     @property
     def first_scrape_done(self) -> bool:
@@ -112,6 +120,10 @@ class PrefixIndex:
     def size(self, address: str) -> int:
         return len(self._lru.get(address, ()))
 
+    def total(self) -> int:
+        """Distinct block hashes held over all endpoints."""
+        return len(self._owners)
+
 
 @dataclass(frozen=True)
 class PickRequest:
@@ -141,6 +153,10 @@ class Scheduler:
         self.snapshot = snapshot
         self.prefix = PrefixIndex(config.scheduler.prefix_cache_capacity)
         self.rng = rng or random.Random()
+        # Of the last pick, for the stream's report: leading blocks each candidate held, and
+        # seconds spent per scorer (keyed by the reference's plugin type names).
+        self.prefix_matches: dict[str, int] = {}
+        self.scorer_seconds: dict[str, float] = {}
 
     def saturation(self) -> float:
         """Mean over endpoints of max(queue/threshold, kv/threshold); stale or down counts 1.0."""
@@ -176,21 +192,30 @@ class Scheduler:
         fresh = {s.endpoint.address: s.metrics for s in candidates
                  if s.metrics is not None and self.snapshot.is_fresh(s, now)}
         result = dict.fromkeys((s.endpoint.address for s in candidates), 0.0)
+        timings: dict[str, float] = {}
+        self.scorer_seconds, self.prefix_matches = timings, {}
+        clock = time.perf_counter
+        started = clock()
         if cfg.queue and fresh:
             queues = [m.waiting for m in fresh.values()]
             low, high = min(queues), max(queues)
             for address, m in fresh.items():
                 result[address] += cfg.queue * (1.0 if high == low else (high - m.waiting) / (high - low))
+            timings["queue-scorer"], started = clock() - started, clock()
         if cfg.kv_cache:
             for address, m in fresh.items():
                 result[address] += cfg.kv_cache * min(1.0, max(0.0, 1.0 - m.kv_usage))
+            timings["kv-cache-utilization-scorer"], started = clock() - started, clock()
         if cfg.lora_affinity and request.model is not None:
             for address, m in fresh.items():
                 result[address] += cfg.lora_affinity * _lora_score(m, request.model)
+            timings["lora-affinity-scorer"], started = clock() - started, clock()
         if cfg.prefix_cache and request.hashes:
             total = len(request.hashes)
-            for address, matched in self.prefix.matches(request.hashes, result).items():
+            self.prefix_matches = self.prefix.matches(request.hashes, result)
+            for address, matched in self.prefix_matches.items():
                 result[address] += cfg.prefix_cache * matched / total
+            timings["prefix-cache-scorer"] = clock() - started
         return result
 
 

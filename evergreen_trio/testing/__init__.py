@@ -8,6 +8,8 @@
   against any server address.
 - ``conformance``: ``evergreen-trio conformance HOST:PORT``.
 - ``subprocess_server`` and ``pytest_plugin``: our server in a child process, and fixtures.
+- ``kube_api``: a stand-in Kubernetes API server (lists, watches, 410 Gone, restarts) for the
+  picker's discovery and leader election.
 
 Nothing is imported here, so loading the pytest plugin stays cheap.
 """

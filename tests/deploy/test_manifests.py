@@ -47,7 +47,8 @@ def option(args: list[str], name: str) -> str:
 @pytest.mark.parametrize("key", sorted(DOCS))
 def test_every_manifest_has_the_basics(key: tuple[str, str]) -> None:
     doc = DOCS[key]
-    assert isinstance(doc["apiVersion"], str) and doc["spec" if key[0] != "ConfigMap" else "data"]
+    body = {"ConfigMap": "data", "Role": "rules", "RoleBinding": "subjects", "ServiceAccount": "metadata"}
+    assert isinstance(doc["apiVersion"], str) and doc[body.get(key[0], "spec")]
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
 
 
@@ -74,7 +75,7 @@ def test_picker_deployment_ports_probes_and_args_agree_with_its_service() -> Non
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     (container,) = pod["spec"]["containers"]
     args = container["args"]
-    assert args[0] == "picker"
+    assert args[:2] == ["--pool-name", one("InferencePool")["metadata"]["name"]]
     container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert container_ports == {"grpc": int(option(args, "--grpc-port")),
                                "grpc-health": int(option(args, "--grpc-health-port")),
@@ -83,44 +84,47 @@ def test_picker_deployment_ports_probes_and_args_agree_with_its_service() -> Non
     service = DOCS[("Service", "evergreen-picker")]
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert {p["targetPort"] for p in service["spec"]["ports"]} == set(container_ports.values())
-    for probe, service_name in (("readinessProbe", "readiness"), ("livenessProbe", "liveness")):
-        assert container[probe]["grpc"] == {"port": 9003, "service": service_name}
+    for probe in ("readinessProbe", "livenessProbe"):  # as the official chart, with one replica
+        assert container[probe]["grpc"] == {"port": 9003, "service": "inference-extension"}
 
 
 def test_picker_config_is_mounted_and_valid_for_the_pool(tmp_path: Path) -> None:
     pod = DOCS[("Deployment", "evergreen-picker")]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    config_path = Path(option(container["args"], "--config"))
+    config_path = Path(option(container["args"], "--config-file"))
     (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == config_path.parent]
     (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
     config_map = DOCS[("ConfigMap", volume["configMap"]["name"])]
     text = config_map["data"][config_path.name]
     (tmp_path / "picker.yaml").write_text(text)
-    config = load_config(tmp_path / "picker.yaml")
     pool = one("InferencePool")
-    assert config.pool.name == pool["metadata"]["name"]
-    target_port = pool["spec"]["targetPorts"][0]["number"]
-    replica_services = {
-        (d["spec"]["clusterIP"], p["port"])
-        for (kind, _), d in DOCS.items()
-        if kind == "Service" and "statefulset.kubernetes.io/pod-name" in d["spec"].get("selector", {})
-        for p in d["spec"]["ports"]
-    }
-    assert {(e.host, e.port) for e in config.pool.endpoints} == replica_services
-    assert {e.port for e in config.pool.endpoints} == {target_port}
+    config = load_config(tmp_path / "picker.yaml", cluster_pool=pool["metadata"]["name"])
+    assert config.pool.name == pool["metadata"]["name"] and config.pool.endpoints == ()
+    assert config.scheduler.lora_affinity == 1.0 and config.scheduler.prefix_cache == 3.0
+
+
+def test_picker_may_read_what_it_watches() -> None:
+    deployment = DOCS[("Deployment", "evergreen-picker")]
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    binding = DOCS[("RoleBinding", "evergreen-picker")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    rules = DOCS[("Role", binding["roleRef"]["name"])]["rules"]
+    granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    for group, resource in (("", "pods"), ("inference.networking.k8s.io", "inferencepools")):
+        assert {(group, resource, verb) for verb in ("get", "list", "watch")} <= granted
+    assert {("coordination.k8s.io", "leases", verb) for verb in ("get", "create", "update")} <= granted
 
 
 def test_model_servers_match_the_pool_selector_and_port() -> None:
     pool = one("InferencePool")
-    servers = one("StatefulSet")
+    servers = DOCS[("Deployment", "evergreen-model-server")]
     pod = servers["spec"]["template"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     (container,) = pod["spec"]["containers"]
     assert [p["containerPort"] for p in container["ports"]] == [pool["spec"]["targetPorts"][0]["number"]]
+    assert container["command"] == ["evergreen-trio"] and container["args"][0] == "sim"
     assert int(option(container["args"], "--port")) == pool["spec"]["targetPorts"][0]["number"]
-    names = {d["metadata"]["name"] for (k, _), d in DOCS.items() if k == "Service"}
-    for index in range(servers["spec"]["replicas"]):
-        assert f"{servers['metadata']['name']}-{index}" in names
+    assert option(container["args"], "--host") == "0.0.0.0"
 
 
 def test_http_route_sends_traffic_to_the_pool_through_the_gateway() -> None:
@@ -135,13 +139,22 @@ def test_http_route_sends_traffic_to_the_pool_through_the_gateway() -> None:
 def test_dockerfile_runs_the_picker_on_the_same_ports() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^EXPOSE 9002 9003 9090$", text, re.M)
-    assert 'ENTRYPOINT ["evergreen-trio"]' in text
+    assert 'ENTRYPOINT ["evergreen-trio", "picker"]' in text  # the chart passes only the picker's flags
+    assert '--wheel-dir /wheels ".[picker]"' in text  # cluster mode's lightkube and cryptography
     for source in re.findall(r"^COPY (?!--)(.+) \S+$", text, re.M):
         for name in shlex.split(source):
             assert (DEPLOY.parents[1] / name).exists(), name
-    deployment_args = DOCS[("Deployment", "evergreen-picker")]["spec"]["template"]["spec"]["containers"][0]["args"]
-    cmd = yaml.safe_load(re.search(r"^CMD (\[.*?\])$", text, re.M | re.S).group(1).replace("\\\n", ""))  # type: ignore[union-attr]
-    assert cmd == deployment_args
+    cmd = dockerfile_cmd()
+    assert option(cmd, "--host") == "0.0.0.0"
+    assert [int(option(cmd, f)) for f in ("--grpc-port", "--grpc-health-port", "--metrics-port")] == [9002, 9003, 9090]
+
+
+def dockerfile_cmd() -> list[str]:
+    text = (DEPLOY / "Dockerfile").read_text()
+    match = re.search(r"^CMD (\[.*?\])$", text, re.M | re.S)
+    assert match is not None
+    cmd: list[str] = yaml.safe_load(match.group(1).replace("\\\n", ""))
+    return cmd
 
 
 def test_evergreen_server_args_ports_probes_and_services_agree() -> None:

@@ -20,6 +20,8 @@ from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ExtProcError
 from evergreen_trio.picker.processor import DESTINATION, FALLBACK, Picker
 from evergreen_trio.picker.scheduler import PoolSnapshot
+from evergreen_trio.picker.telemetry import PickerMetrics
+from evergreen_trio.picker.usage import Usage
 
 Mode = processing_mode_pb2.ProcessingMode
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -144,9 +146,12 @@ def test_bad_requests_get_immediate_responses(body: bytes, code: int) -> None:
 def test_429_for_sheddable_under_saturation_503_when_nothing_ready() -> None:
     saturated = [EndpointMetrics(waiting=10, kv_usage=0.9)] * 3
     picker = make_picker(metrics=saturated)
+    telemetry = PickerMetrics("pool")
     stream = picker.new_stream()
     stream.on_message(request_headers())
     assert status(stream.on_message(request_body(b'{"model":"batch"}'))) == 429
+    assert stream.report.error == 429 and not stream.report.routed
+    telemetry.record(stream.report, 0.01)
     stream = picker.new_stream()
     stream.on_message(request_headers())
     assert stream.on_message(request_body(b'{"model":"plain"}'))[0].HasField("request_headers")
@@ -155,9 +160,10 @@ def test_429_for_sheddable_under_saturation_503_when_nothing_ready() -> None:
     stream = picker.new_stream()
     stream.on_message(request_headers())
     assert status(stream.on_message(request_body(b'{"model":"plain"}'))) == 503
-    errors = {s.labels["error_code"]: s.value for s in picker.metrics.errors.collect()[0].samples
-              if s.name.endswith("_total")}
-    assert errors == {"429": 1.0, "503": 1.0}
+    telemetry.record(stream.report, 0.01)
+    errors = {(s.labels["model_name"], s.labels["error_code"]): s.value
+              for s in telemetry.errors.collect()[0].samples if s.name.endswith("_total")}
+    assert errors == {("batch", "InferencePoolResourceExhausted"): 1.0, ("plain", "ServiceUnavailable"): 1.0}
 
 
 def test_objective_header_overrides_model_criticality() -> None:
@@ -204,9 +210,7 @@ def test_served_endpoint_is_recorded_and_teaches_the_prefix_index() -> None:
     stream.on_message(request_headers())
     stream.on_message(request_body(json.dumps({"model": "plain", "prompt": "q" * 640}).encode()))
     stream.on_message(response_headers(served=B))
-    served = {s.labels["endpoint"]: s.value for s in picker.metrics.served.collect()[0].samples
-              if s.name.endswith("_total")}
-    assert served == {B: 1.0}
+    assert stream.report.served == [B]
     assert picker.scheduler.prefix.size(A) == 10 and picker.scheduler.prefix.size(B) == 10
 
 
@@ -225,9 +229,13 @@ def test_duplex_sse_response_rewritten_line_by_line_with_usage() -> None:
     sent = b"".join(r.response_body.response.body_mutation.streamed_response.body for r in rest)
     assert b'"model":"food-review"' in sent and b"food-review-v1" not in sent
     assert rest[-1].response_body.response.body_mutation.streamed_response.end_of_stream
-    tokens = {s.labels["kind"]: s.value for s in picker.metrics.tokens.collect()[0].samples
-              if s.name.endswith("_total")}
+    assert stream.report.usage == Usage(prompt_tokens=2, completion_tokens=3)
+    telemetry = PickerMetrics("pool")
+    telemetry.record(stream.report, 0.3)
+    tokens = {s.labels["kind"]: s.value for s in telemetry.tokens.collect()[0].samples if s.name.endswith("_total")}
     assert tokens == {"prompt": 2.0, "completion": 3.0}
+    ntpot = {s.name: s.value for s in telemetry.ntpot.collect()[0].samples}
+    assert ntpot["inference_objective_normalized_time_per_output_token_seconds_sum"] == pytest.approx(0.1)
 
 
 def test_duplex_json_response_held_until_end_then_content_length_fixed() -> None:

@@ -1,0 +1,110 @@
+"""Sans-IO: an InferencePool and its pods (as JSON-like mappings) -> the picker's endpoints.
+
+An endpoint is a Ready, not-terminating pod's IP with each of the pool's target ports. The
+pool is read in both served versions: ``inference.networking.k8s.io/v1`` (``selector.matchLabels``,
+``targetPorts[].number``) and ``inference.networking.x-k8s.io/v1alpha2`` (``selector`` as a plain
+label map, ``targetPortNumber``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from evergreen_trio.picker.config import Endpoint
+from evergreen_trio.picker.errors import PickerError
+
+
+class PoolSpecError(PickerError):
+    """The InferencePool's spec lacks a selector or target ports we can read."""
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What discovery needs of a pool: the pods' label selector and the target ports."""
+
+    selector: tuple[tuple[str, str], ...]
+    ports: tuple[int, ...]
+
+    @property
+    def labels(self) -> dict[str, Any]:
+        """The selector as lightkube's ``labels`` argument (equality terms only)."""
+        return dict(self.selector)
+
+
+def _port(value: object, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise PoolSpecError(f"InferencePool {path}: expected a port in 1..65535, got {value!r}")
+    return value
+
+
+def pool_spec(spec: Mapping[str, Any]) -> PoolSpec:
+    """Read a pool's ``spec`` (v1 or v1alpha2); PoolSpecError when a field is missing or wrong."""
+    selector = spec.get("selector")
+    if isinstance(selector, Mapping) and "matchLabels" in selector:
+        selector = selector["matchLabels"]
+    if not isinstance(selector, Mapping) or not selector or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in selector.items()):
+        raise PoolSpecError(f"InferencePool spec.selector: expected label=value pairs, got {selector!r}")
+    if "targetPorts" in spec:
+        entries = spec["targetPorts"]
+        if not isinstance(entries, list) or not entries:
+            raise PoolSpecError(f"InferencePool spec.targetPorts: expected a list, got {entries!r}")
+        ports = tuple(_port(_map(e).get("number"), f"spec.targetPorts[{i}].number") for i, e in enumerate(entries))
+    else:
+        ports = (_port(spec.get("targetPortNumber"), "spec.targetPortNumber"),)
+    return PoolSpec(tuple(sorted(selector.items())), ports)
+
+
+def _map(value: object) -> Mapping[str, Any]:
+    """``value`` when it is a mapping, else empty: an API object with a malformed part is not Ready."""
+    return value if isinstance(value, Mapping) else {}
+
+
+def pod_address(pod: Mapping[str, Any]) -> str | None:
+    """The pod's IP when it is Ready and not being deleted, else None."""
+    metadata, status = _map(pod.get("metadata")), _map(pod.get("status"))
+    if metadata.get("deletionTimestamp"):
+        return None
+    conditions = status.get("conditions")
+    ready = isinstance(conditions, list) and any(
+        _map(c).get("type") == "Ready" and _map(c).get("status") == "True" for c in conditions)
+    ip = status.get("podIP")
+    if not ready or not isinstance(ip, str):
+        return None
+    try:
+        ipaddress.ip_address(ip)
+    except ValueError:
+        return None
+    return ip
+
+
+class PoolState:
+    """The pool's spec and its pods' addresses; :meth:`endpoints` is what the picker serves."""
+
+    def __init__(self, spec: PoolSpec | None = None) -> None:
+        self.spec = spec
+        self.pods: dict[str, str | None] = {}
+
+    def replace_pods(self, pods: Sequence[Mapping[str, Any]]) -> None:
+        """A fresh list: forget every pod not in it."""
+        self.pods = {_name(p): pod_address(p) for p in pods}
+
+    def apply(self, event_type: str, pod: Mapping[str, Any]) -> None:
+        """One watch event (ADDED, MODIFIED, DELETED; BOOKMARK carries no pod)."""
+        if event_type == "DELETED":
+            self.pods.pop(_name(pod), None)
+        elif event_type in ("ADDED", "MODIFIED"):
+            self.pods[_name(pod)] = pod_address(pod)
+
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        if self.spec is None:
+            return ()
+        ips = sorted({ip for ip in self.pods.values() if ip is not None})
+        return tuple(Endpoint(ip, port) for ip in ips for port in self.spec.ports)
+
+
+def _name(pod: Mapping[str, Any]) -> str:
+    return str(_map(pod.get("metadata")).get("name", ""))

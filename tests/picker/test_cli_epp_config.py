@@ -1,0 +1,130 @@
+"""The reference's EndpointPickerConfig (what --config-file / --config-text carry) onto our
+scheduler; the sans-IO pool/pod readers discovery feeds; both fuzzed with hypothesis."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from evergreen_trio.picker.config import SchedulerConfig, parse_config
+from evergreen_trio.picker.epp_config import KNOWN_TYPES, scheduler_values
+from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.k8s.pool_state import PoolSpecError, PoolState, pod_address, pool_spec
+
+CHART_DEFAULT = (Path(__file__).parents[1] / "deploy" / "chart" / "default-plugins.yaml").read_text()
+HEAD = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+
+
+def test_the_charts_default_plugins_file() -> None:
+    config = parse_config(CHART_DEFAULT, cluster_pool="pool")
+    assert (config.scheduler.queue, config.scheduler.kv_cache, config.scheduler.prefix_cache,
+            config.scheduler.lora_affinity) == (2.0, 2.0, 3.0, 0.0)
+    assert config.pool.name == "pool" and config.pool.endpoints == ()
+
+
+def test_every_known_plugin_and_parameters() -> None:
+    text = HEAD + """plugins:
+- {type: queue-scorer}
+- {type: kv-cache-utilization-scorer, name: kv}
+- {type: prefix-cache-scorer, parameters: {hashBlockSize: 32, maxPrefixBlocksToMatch: 64, lruCapacityPerServer: 100}}
+- {type: lora-affinity-scorer}
+- {type: max-score-picker}
+- {type: single-profile-handler}
+saturationDetector: {queueDepthThreshold: 8, kvCacheUtilThreshold: 0.9}
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: kv, weight: 5}, {pluginRef: prefix-cache-scorer},
+            {pluginRef: lora-affinity-scorer, weight: 0.5}, {pluginRef: max-score-picker}]
+"""
+    scheduler = SchedulerConfig(**scheduler_values(yaml.safe_load(text)))
+    assert (scheduler.queue, scheduler.kv_cache, scheduler.prefix_cache, scheduler.lora_affinity) == (0, 5, 1, 0.5)
+    assert scheduler.prefix_block_bytes == 32 and scheduler.max_prefix_blocks == 64
+    assert scheduler.prefix_cache_capacity == 100 and scheduler.queue_threshold == 8
+
+
+def test_no_profile_means_every_scorer_at_weight_1() -> None:
+    values = scheduler_values(yaml.safe_load(HEAD + "plugins: [{type: queue-scorer}, {type: max-score-picker}]"))
+    assert values["queue"] == 1.0 and values["kv_cache"] == 0.0
+
+
+def test_our_yaml_beside_an_endpoint_picker_config(tmp_path: Path) -> None:
+    text = "models: [{name: m, criticality: Sheddable}]\n---\n" + CHART_DEFAULT
+    config = parse_config(text, cluster_pool="pool")
+    assert config.models[0].sheddable and config.scheduler.prefix_cache == 3.0
+    static = parse_config("pool: {endpoints: ['10.0.0.1:8000']}\n---\n" + CHART_DEFAULT)
+    assert static.scheduler.queue == 2.0 and len(static.pool.endpoints) == 1
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    (HEAD + "plugins: [{type: magic}]", "EndpointPickerConfig.plugins[0].type"),
+    (HEAD + "plugins: [{type: queue-scorer}]\nschedulingProfiles: [{name: a, plugins: [{pluginRef: nope}]}]",
+     "EndpointPickerConfig.schedulingProfiles[0].plugins[0].pluginRef"),
+    (HEAD + "plugins: [{type: queue-scorer}]\nschedulingProfiles: [{name: a}, {name: b}]",
+     "EndpointPickerConfig.schedulingProfiles"),
+    (HEAD + "plugins: [{type: max-score-picker}]", "EndpointPickerConfig.schedulingProfiles"),
+    (HEAD + "plugins: [{type: prefix-cache-scorer, parameters: {blockSize: 3}}]",
+     "EndpointPickerConfig.plugins[0].parameters.blockSize"),
+    ("apiVersion: v2\nkind: EndpointPickerConfig\n", "EndpointPickerConfig.apiVersion"),
+    (HEAD + "unknownKey: 1", "EndpointPickerConfig.unknownKey"),
+    ("pool: {endpoints: ['10.0.0.1:1']}", "pool.endpoints"),
+    ("scheduler: {weights: {queue: 1}}\n---\n" + HEAD + "plugins: [{type: queue-scorer}]", "scheduler"),
+])
+def test_mistakes_name_the_field(text: str, field: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, cluster_pool="pool")
+    assert caught.value.field == field
+
+
+def test_unknown_type_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(HEAD + "plugins: [{type: low-queue-filter}]", cluster_pool="pool")
+    assert all(kind in str(caught.value) for kind in KNOWN_TYPES)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 70000) | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=20)
+
+
+@pytest.mark.fuzz
+@given(st.dictionaries(st.sampled_from(["plugins", "schedulingProfiles", "saturationDetector", "x"]), json_values,
+                       max_size=3))
+def test_fuzz_endpoint_picker_config(body: dict[str, Any]) -> None:
+    doc = {"apiVersion": "inference.networking.x-k8s.io/v1alpha1", "kind": "EndpointPickerConfig", **body}
+    with contextlib.suppress(ConfigError):
+        SchedulerConfig(**scheduler_values(doc))
+
+
+MALFORMED_PODS = [
+    {"metadata": [1]}, {"status": "x"}, {"status": {"conditions": [3, None]}},
+    {"status": {"podIP": "not-an-ip", "conditions": [{"type": "Ready", "status": "True"}]}},
+]
+
+
+@pytest.mark.parametrize("pod", MALFORMED_PODS)
+def test_malformed_pods_are_not_ready(pod: dict[str, Any]) -> None:
+    state = PoolState(pool_spec({"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 1}]}))
+    state.apply("ADDED", pod)
+    assert pod_address(pod) is None and state.endpoints() == ()
+
+
+@pytest.mark.fuzz
+@given(json_values, json_values)
+def test_fuzz_pool_spec_and_pods(spec: Any, pod: Any) -> None:
+    with contextlib.suppress(PoolSpecError):
+        pool_spec(spec if isinstance(spec, dict) else {"selector": spec})
+    if isinstance(pod, dict):
+        state = PoolState()
+        for kind in ("ADDED", "MODIFIED", "BOOKMARK", "DELETED"):
+            try:
+                state.apply(kind, pod)
+            except (AttributeError, TypeError):
+                pytest.fail("a malformed pod must not raise")
+        pod_address(pod)

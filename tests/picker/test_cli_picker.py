@@ -1,0 +1,146 @@
+"""`evergreen-trio picker` as a user types it: static and cluster modes, bind address, health names,
+reference flags, high availability, and bad input (one line, exit 2)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from kube_fakes import NAMESPACE, PODS, POOLS_V1, KubeApiServer, pod, pool_v1, start_sims, write_kubeconfig
+from picker_cli import EPHEMERAL_PORTS, health, picker_process, run_cli, wait_health
+
+from evergreen_trio.picker.runtime import EXT_PROC_SERVICE
+
+EPP_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: lora-affinity-scorer
+- type: max-score-picker
+- type: single-profile-handler
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: queue-scorer, weight: 2}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+  - {pluginRef: prefix-cache-scorer, weight: 3}
+  - {pluginRef: lora-affinity-scorer, weight: 1}
+  - {pluginRef: max-score-picker}
+"""
+HOSTS = ("127.0.0.2", "127.0.0.3")
+OTHER_ADDRESS = "127.0.0.5"  # another address of this machine: reached only through a 0.0.0.0 bind
+
+
+async def cluster(nursery: trio.Nursery, tmp_path: Path) -> tuple[KubeApiServer, Path, int]:
+    api = KubeApiServer()
+    await nursery.start(api.serve)
+    port = await start_sims(nursery, HOSTS)
+    api.put(POOLS_V1, pool_v1(ports=(port,)))
+    for i, host in enumerate(HOSTS):
+        api.put(PODS, pod(f"model-{i}", host))
+    return api, write_kubeconfig(tmp_path, api.port), port
+
+
+async def test_cluster_mode_serves_every_health_name_on_all_interfaces(nursery: trio.Nursery, tmp_path: Path) -> None:
+    _, kubeconfig, _ = await cluster(nursery, tmp_path)
+    args = ["--pool-name", "pool", "--pool-namespace", NAMESPACE, "--config-text", EPP_CONFIG,
+            "--secure-serving=false", "--kubeconfig", str(kubeconfig), *EPHEMERAL_PORTS]
+    async with picker_process(args) as picker:
+        assert not picker.tls
+        await wait_health(OTHER_ADDRESS, picker.health, "inference-extension")
+        for name in ("inference-extension", EXT_PROC_SERVICE, "", "liveness", "readiness"):
+            assert await trio.to_thread.run_sync(health, OTHER_ADDRESS, picker.health, name) == "SERVING", name
+        metrics = await trio.to_thread.run_sync(httpx.get, f"http://{OTHER_ADDRESS}:{picker.metrics}/metrics")
+        assert metrics.status_code == 200 and "inference_pool_ready_pods" in metrics.text
+        assert 'inference_pool_ready_pods{name="pool"} 2.0' in metrics.text
+
+
+async def test_static_mode_stays_on_loopback_unless_told(tmp_path: Path) -> None:
+    config = tmp_path / "picker.yaml"
+    config.write_text("pool:\n  endpoints: ['127.0.0.2:1']\n")
+    async with picker_process(["--config", str(config), *EPHEMERAL_PORTS]) as picker:
+        assert not picker.tls
+        assert await trio.to_thread.run_sync(health, "127.0.0.1", picker.health, "liveness") == "SERVING"
+        assert await trio.to_thread.run_sync(health, OTHER_ADDRESS, picker.health, "liveness") == "UNAVAILABLE"
+    async with picker_process(["--config", str(config), "--host", "0.0.0.0", *EPHEMERAL_PORTS]) as picker:
+        assert await trio.to_thread.run_sync(health, OTHER_ADDRESS, picker.health, "liveness") == "SERVING"
+
+
+async def test_reference_flags_are_accepted_and_logged(nursery: trio.Nursery, tmp_path: Path) -> None:
+    _, kubeconfig, _ = await cluster(nursery, tmp_path)
+    args = ["--pool-name", "pool", "--pool-group", "inference.networking.k8s.io", "--zap-encoder", "json",
+            "-v", "3", "--tracing=false", "--metrics-endpoint-auth=false", "--enable-pprof", "--health-checking",
+            "--refresh-metrics-interval", "100ms", "--metrics-staleness-threshold", "3s",
+            "--total-queued-requests-metric", "vllm:num_requests_waiting", "--secure-serving=false",
+            "--kubeconfig", str(kubeconfig), *EPHEMERAL_PORTS]
+    async with picker_process(args, {"NAMESPACE": NAMESPACE}) as picker:
+        await wait_health("127.0.0.1", picker.health, "inference-extension")
+
+
+async def test_high_availability_one_ready_leader_and_takeover(nursery: trio.Nursery, tmp_path: Path) -> None:
+    _, kubeconfig, _ = await cluster(nursery, tmp_path)
+    args = ["--pool-name", "pool", "--pool-namespace", NAMESPACE, "--secure-serving=false",
+            "--ha-enable-leader-election", "--kubeconfig", str(kubeconfig), *EPHEMERAL_PORTS]
+    async with picker_process(args, {"EPP_NAME": "epp-a"}) as first:
+        await wait_health("127.0.0.1", first.health, "readiness")
+        async with picker_process(args, {"EPP_NAME": "epp-b"}) as second:
+            await wait_health("127.0.0.1", second.health, "liveness")
+            await trio.sleep(3)  # more than a retry period: the follower has looked at the Lease
+            assert await trio.to_thread.run_sync(health, "127.0.0.1", second.health, "readiness") == "NOT_SERVING"
+            assert await trio.to_thread.run_sync(health, "127.0.0.1", second.health, "") == "NOT_SERVING"
+            first.process.send_signal(signal.SIGTERM)  # a clean stop releases the Lease
+            await first.process.wait()
+            await wait_health("127.0.0.1", second.health, "readiness", timeout_s=20)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ([], "one of the arguments --config --pool-name is required"),
+    (["--config", "x.yaml", "--pool-name", "p"], "not allowed with argument"),
+    (["--pool-name", "p", "--secure-serving=maybe"], "expected true or false"),
+    (["--config", "/nonexistent.yaml"], "a readable UTF-8 file"),
+    (["--config", "{ok}", "--ha-enable-leader-election"], "--pool-name (cluster mode)"),
+    (["--config", "{ok}", "--config-text", "x: 1"], "--pool-name (cluster mode)"),
+    (["--pool-name", "p", "--config-text", "kind: EndpointPickerConfig\napiVersion: inference.networking.x-k8s.io"
+      "/v1alpha1\nplugins: [{type: magic-scorer}]\n"], "magic-scorer"),
+    (["--pool-name", "p", "--kubeconfig", "/nonexistent/kubeconfig"], "expected cluster access from"),
+    (["--pool-name", "p", "--pool-group", "example.com"], "--pool-group"),
+    (["--pool-name", "p", "--cert-path", "/nonexistent"], "--cert-path"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
+    kubeconfig = write_kubeconfig(tmp_path, 1)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("pool: {endpoints: ['127.0.0.2:1']}\n")
+    result = run_cli([a.replace("{ok}", str(ok)) for a in args], {"KUBECONFIG": str(kubeconfig)})
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "evergreen-trio" in line or "error" in line]
+    assert len(errors) <= 2, result.stderr  # argparse prints usage + one error line; ours one line
+
+
+def test_unknown_plugin_type_lists_the_known_ones() -> None:
+    text = EPP_CONFIG.replace("type: queue-scorer", "type: low-queue-filter")
+    result = run_cli(["--pool-name", "p", "--config-text", text])
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "low-queue-filter" in line and "queue-scorer" in line and "max-score-picker" in line
+
+
+def test_a_port_in_use_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    config = tmp_path / "picker.yaml"
+    config.write_text("pool:\n  endpoints: ['127.0.0.2:1']\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli(["--config", str(config), "--grpc-port", str(port), "--grpc-health-port", "0",
+                          "--metrics-port", "0"])
+    assert result.returncode == 1
+    (line,) = [ln for ln in result.stderr.splitlines() if "evergreen-trio picker" in ln]
+    assert "Address already in use" in line and "Traceback" not in result.stderr

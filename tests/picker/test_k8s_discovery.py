@@ -1,0 +1,150 @@
+"""Discovery against the stand-in API server, through lightkube on Trio: the endpoint set follows
+the pool and its pods, and survives watch expiry, API server restarts and outages."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+import trio
+from kube_fakes import (
+    LEASES,
+    NAMESPACE,
+    PODS,
+    POOLS_V1,
+    POOLS_V1ALPHA2,
+    KubeApiServer,
+    eventually,
+    pod,
+    pool_v1,
+    pool_v1alpha2,
+    write_kubeconfig,
+)
+
+from evergreen_trio.picker.config import Endpoint, PoolConfig
+from evergreen_trio.picker.k8s import ClusterAccess, PoolRef, parse_selector, pool_discovery
+from evergreen_trio.picker.k8s import discovery as discovery_module
+
+
+class Seen:
+    def __init__(self) -> None:
+        self.sets: list[list[str]] = []
+
+    def __call__(self, endpoints: Sequence[Endpoint]) -> None:
+        self.sets.append([e.address for e in endpoints])
+
+    @property
+    def last(self) -> list[str] | None:
+        return self.sets[-1] if self.sets else None
+
+
+@pytest.fixture
+async def api(nursery: trio.Nursery) -> AsyncIterator[KubeApiServer]:
+    server = KubeApiServer(bookmark_interval_s=0.2)
+    await nursery.start(server.serve)
+    yield server
+
+
+async def start(nursery: trio.Nursery, api: KubeApiServer, tmp_path: Path, ref: PoolRef | None = None) -> Seen:
+    seen = Seen()
+    access = ClusterAccess.load(str(write_kubeconfig(tmp_path, api.port)))
+    nursery.start_soon(lambda: pool_discovery(access, ref or PoolRef("pool", NAMESPACE), PoolConfig("pool", ()),
+                                              seen, max_backoff_s=0.3))
+    return seen
+
+
+async def test_follows_scale_readiness_ip_and_pool_edits(nursery: trio.Nursery, api: KubeApiServer,
+                                                         tmp_path: Path) -> None:
+    api.put(POOLS_V1, pool_v1())
+    api.put(PODS, pod("m-0", "10.0.0.1"))
+    api.put(PODS, pod("other", "10.0.0.9", labels={"app": "not-the-pool"}))
+    api.put(PODS, pod("pending", None, ready=False))
+    seen = await start(nursery, api, tmp_path)
+    await eventually(lambda: seen.last == ["10.0.0.1:8000"])
+    steps = [
+        (lambda: api.put(PODS, pod("m-1", "10.0.0.2")), ["10.0.0.1:8000", "10.0.0.2:8000"]),  # scale up
+        (lambda: api.put(PODS, pod("m-0", "10.0.0.1", ready=False)), ["10.0.0.2:8000"]),  # readiness flip
+        (lambda: api.put(PODS, pod("m-0", "10.0.0.3")), ["10.0.0.2:8000", "10.0.0.3:8000"]),  # new IP
+        (lambda: api.delete(PODS, NAMESPACE, "m-1"), ["10.0.0.3:8000"]),  # scale down
+        (lambda: api.put(POOLS_V1, pool_v1(ports=(8000, 8001))), ["10.0.0.3:8000", "10.0.0.3:8001"]),  # ports
+        (lambda: api.put(POOLS_V1, pool_v1(labels={"app": "not-the-pool"})), ["10.0.0.9:8000"]),  # selector
+    ]
+    for change, expected in steps:
+        began = time.monotonic()
+        change()
+        await eventually(lambda e=expected: seen.last == e)  # type: ignore[misc]
+        assert time.monotonic() - began < 5.0
+    watches = [r for r in api.requests if "watch=true" in r and "/pods" in r]
+    assert any("labelSelector=app%3Dnot-the-pool" in r or "labelSelector=app=not-the-pool" in r for r in watches)
+
+
+async def test_v1alpha2_pool(nursery: trio.Nursery, api: KubeApiServer, tmp_path: Path) -> None:
+    api.put(POOLS_V1ALPHA2, pool_v1alpha2(port=8200))
+    api.put(PODS, pod("m-0", "10.0.0.1"))
+    seen = await start(nursery, api, tmp_path, PoolRef("pool", NAMESPACE, "inference.networking.x-k8s.io"))
+    await eventually(lambda: seen.last == ["10.0.0.1:8200"])
+
+
+async def test_selector_mode_without_a_pool(nursery: trio.Nursery, api: KubeApiServer, tmp_path: Path) -> None:
+    api.put(PODS, pod("m-0", "10.0.0.1", labels={"app": "model", "tier": "a"}))
+    api.put(PODS, pod("m-1", "10.0.0.2", labels={"app": "model", "tier": "b"}))
+    ref = PoolRef("pool", NAMESPACE, selector=parse_selector("app=model,tier=b"), ports=(9000,))
+    seen = await start(nursery, api, tmp_path, ref)
+    await eventually(lambda: seen.last == ["10.0.0.2:9000"])
+
+
+async def test_410_gone_relists(nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "evergreen_trio.picker.k8s")
+    monkeypatch.setattr(discovery_module, "WATCH_TIMEOUT_S", 1)  # watches end (cleanly) every second
+    api = KubeApiServer()  # no bookmarks: the resumed version stays the last event's
+    await nursery.start(api.serve)
+    api.put(POOLS_V1, pool_v1())
+    api.put(PODS, pod("m-0", "10.0.0.1"))
+    seen = await start(nursery, api, tmp_path)
+    await eventually(lambda: seen.last == ["10.0.0.1:8000"])
+    lists_before = sum(1 for r in api.requests if "/pods" in r and "watch=true" not in r)
+    api.put(LEASES, {"metadata": {"name": "unrelated", "namespace": NAMESPACE}})  # the version moves on
+    api.compact()  # the versions the watches resume from are gone: 410 on resume
+    await eventually(lambda: sum(1 for r in api.requests if "/pods" in r and "watch=true" not in r) > lists_before)
+    api.put(PODS, pod("m-1", "10.0.0.2"))
+    await eventually(lambda: seen.last == ["10.0.0.1:8000", "10.0.0.2:8000"])
+    assert "410 Gone, re-listing" in caplog.text
+
+
+async def test_api_server_restart_and_outage_keep_the_last_endpoints(
+        nursery: trio.Nursery, api: KubeApiServer, tmp_path: Path) -> None:
+    api.put(POOLS_V1, pool_v1())
+    api.put(PODS, pod("m-0", "10.0.0.1"))
+    seen = await start(nursery, api, tmp_path)
+    await eventually(lambda: seen.last == ["10.0.0.1:8000"])
+    api.stop()  # the API server goes away: connections reset, then refused
+    await trio.sleep(1.0)
+    assert seen.last == ["10.0.0.1:8000"]
+    api.put(PODS, pod("m-1", "10.0.0.2"))  # changed while away: picked up by the re-list
+    api.compact()
+    await api.start()
+    await eventually(lambda: seen.last == ["10.0.0.1:8000", "10.0.0.2:8000"])
+
+
+async def test_missing_pool_reports_nothing_until_created(nursery: trio.Nursery, api: KubeApiServer,
+                                                          tmp_path: Path) -> None:
+    api.put(PODS, pod("m-0", "10.0.0.1"))
+    seen = await start(nursery, api, tmp_path)
+    await trio.sleep(0.5)
+    assert seen.sets == []  # not synced: readiness stays NOT_SERVING
+    api.put(POOLS_V1, pool_v1())
+    await eventually(lambda: seen.last == ["10.0.0.1:8000"])
+
+
+async def test_endpoints_are_capped(nursery: trio.Nursery, api: KubeApiServer, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery_module, "MAX_ENDPOINTS", 2)
+    api.put(POOLS_V1, pool_v1())
+    for i in range(4):
+        api.put(PODS, pod(f"m-{i}", f"10.0.0.{i + 1}"))
+    seen = await start(nursery, api, tmp_path)
+    await eventually(lambda: seen.last == ["10.0.0.1:8000", "10.0.0.2:8000"])

@@ -1,0 +1,55 @@
+"""Lease leader election against the stand-in API server: one leader, a takeover within the
+lease duration when it dies, a leader that loses the API server steps down."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+
+import trio
+from kube_fakes import LEASES, NAMESPACE, KubeApiServer, eventually, write_kubeconfig
+
+from evergreen_trio.picker.k8s import ClusterAccess, lease_election
+
+TIMING = {"duration_s": 1.0, "renew_deadline_s": 0.7, "retry_s": 0.1}
+
+
+async def test_one_leader_and_takeover_within_the_lease_duration(nursery: trio.Nursery, tmp_path: Path) -> None:
+    api = KubeApiServer()
+    await nursery.start(api.serve)
+    access = ClusterAccess.load(str(write_kubeconfig(tmp_path, api.port)))
+    state: dict[str, bool] = {}
+    scopes = {name: trio.CancelScope() for name in ("a", "b")}
+
+    async def candidate(name: str) -> None:
+        with scopes[name]:
+            await lease_election(access, NAMESPACE, "epp-pool", name, partial(state.__setitem__, name), **TIMING)
+
+    nursery.start_soon(candidate, "a")
+    await eventually(lambda: state.get("a") is True)
+    nursery.start_soon(candidate, "b")
+    await trio.sleep(1.5)  # longer than the lease: a renewing leader keeps it
+    assert state == {"a": True, "b": False}
+    lease = api.get(LEASES, NAMESPACE, "epp-pool")
+    assert lease is not None and lease["spec"]["holderIdentity"] == "a"
+    began = time.monotonic()
+    scopes["a"].cancel()  # the leader dies without releasing
+    await eventually(lambda: state.get("b") is True)
+    assert time.monotonic() - began < 1.0 + 2.0  # the lease duration plus a generous margin
+    lease = api.get(LEASES, NAMESPACE, "epp-pool")
+    assert lease is not None and lease["spec"]["holderIdentity"] == "b" and lease["spec"]["leaseTransitions"] == 1
+
+
+async def test_leader_steps_down_when_it_cannot_renew(nursery: trio.Nursery, tmp_path: Path) -> None:
+    api = KubeApiServer()
+    await nursery.start(api.serve)
+    access = ClusterAccess.load(str(write_kubeconfig(tmp_path, api.port)))
+    changes: list[bool] = []
+    nursery.start_soon(partial(lease_election, access, NAMESPACE, "epp-pool", "a", changes.append, **TIMING))
+    await eventually(lambda: changes[-1:] == [True])
+    api.stop()
+    await eventually(lambda: changes[-1:] == [False])
+    await api.start()
+    await eventually(lambda: changes[-1:] == [True])
+    assert changes == [False, True, False, True]
