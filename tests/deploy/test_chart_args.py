@@ -8,7 +8,6 @@ pod mounts under /config are read from a test directory (the ``--config-file`` p
 
 from __future__ import annotations
 
-import inspect
 import re
 import sys
 from pathlib import Path
@@ -23,12 +22,8 @@ from kube_fakes import NAMESPACE, PODS, POOLS_V1, KubeApiServer, pod, pool_v1, s
 from picker_cli import EPHEMERAL_PORTS, health, picker_process, wait_health
 from test_manifests import DOCS, dockerfile_cmd
 
-from evergreen_trio.picker.grpc_server import serve_sync_bidi
-
 CHART = Path(__file__).parent / "chart"
 OTHER_ADDRESS = "127.0.0.5"
-# INTEGRATION(helper A): the chart's default is TLS, which needs serve_sync_bidi(..., ssl_context=).
-TLS_READY = "ssl_context" in inspect.signature(serve_sync_bidi).parameters
 
 
 def render(values: dict[str, Any]) -> dict[str, Any]:
@@ -116,9 +111,8 @@ async def test_the_charts_args_run_our_picker(nursery: trio.Nursery, tmp_path: P
     args = localize([str(a) for a in container["args"]], CHART)
     assert args[:4] == ["--pool-name", "pool", "--pool-namespace", NAMESPACE]
     kubeconfig = await pool_cluster(nursery, tmp_path, values["apiVersion"])
-    extra = [] if TLS_READY else ["--secure-serving=false"]
-    async with picker_process([*args, *EPHEMERAL_PORTS, *extra], {"KUBECONFIG": str(kubeconfig)}) as picker:
-        assert picker.tls is TLS_READY
+    async with picker_process([*args, *EPHEMERAL_PORTS], {"KUBECONFIG": str(kubeconfig)}) as picker:
+        assert picker.tls  # the chart serves ext_proc over TLS
         for probe in ("readinessProbe", "livenessProbe"):
             service = container[probe]["grpc"]["service"]
             await wait_health(OTHER_ADDRESS, picker.health, service)
@@ -139,8 +133,7 @@ async def test_our_deployment_args_run_and_are_reached_from_another_address(
         del args[index : index + 2]
     kubeconfig = await pool_cluster(nursery, tmp_path, "inference.networking.k8s.io",
                                     DOCS[("InferencePool", "evergreen-pool")]["metadata"]["name"])
-    extra = [] if TLS_READY else ["--secure-serving=false"]
-    async with picker_process([*args, *EPHEMERAL_PORTS, *extra], {"KUBECONFIG": str(kubeconfig)}) as picker:
+    async with picker_process([*args, *EPHEMERAL_PORTS], {"KUBECONFIG": str(kubeconfig)}) as picker:
         await wait_health(OTHER_ADDRESS, picker.health, container["readinessProbe"]["grpc"]["service"])
         await wait_health(OTHER_ADDRESS, picker.health, container["livenessProbe"]["grpc"]["service"])
 

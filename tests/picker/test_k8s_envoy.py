@@ -4,7 +4,6 @@ server) to simulated vLLM pods on 127.0.0.2, 127.0.0.3, ...; a pod added to the 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from functools import partial
 from pathlib import Path
 
@@ -18,18 +17,14 @@ from picker_fakes import free_port
 from evergreen_trio.gateway import GatewayInfo, GatewaySettings, run_gateway
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.envoy_process import run_envoy
-from evergreen_trio.picker.grpc_server import serve_sync_bidi
 from evergreen_trio.picker.tls import self_signed_context
 from evergreen_trio.sim.server import SERVED_BY_HEADER
 
 pytestmark = pytest.mark.envoy
-# INTEGRATION(helper A): TLS on ext_proc needs serve_sync_bidi(..., ssl_context=).
-TLS_READY = "ssl_context" in inspect.signature(serve_sync_bidi).parameters
 HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 
 
-@pytest.mark.parametrize("tls", [
-    False, pytest.param(True, marks=pytest.mark.skipif(not TLS_READY, reason="serve_sync_bidi has no ssl_context"))])
+@pytest.mark.parametrize("tls", [False, True])
 async def test_envoy_routes_to_discovered_pods(nursery: trio.Nursery, tmp_path: Path, tls: bool) -> None:
     api = KubeApiServer()
     await nursery.start(api.serve)
@@ -138,7 +133,6 @@ async def test_envoy_speaks_tls_with_alpn_h2_to_a_self_signed_picker(nursery: tr
         assert response.headers[SERVED_BY_HEADER] == f"{HOSTS[0]}:{port}"
 
 
-@pytest.mark.skipif(not TLS_READY, reason="serve_sync_bidi has no ssl_context")
 async def test_gateway_with_a_secure_picker(nursery: trio.Nursery) -> None:
     settings = GatewaySettings(listen="127.0.0.1:0", simulate=1, secure_picker=True)
     info: GatewayInfo = await nursery.start(run_gateway, settings)
