@@ -1,6 +1,7 @@
 """AVP (Agent Vector Protocol): a sans-IO, zero-copy, hardened codec for latent payloads, and its session binding."""
 
 from evergreen_trio.avp.codec import decode, encode, encode_buffers, encode_into
+from evergreen_trio.avp.dtypes import DataType
 from evergreen_trio.avp.errors import (
     AVPChecksumError,
     AVPCompressionError,
@@ -26,7 +27,6 @@ from evergreen_trio.avp.message import (
     AVPMessage,
     AVPMetadata,
     CommunicationMode,
-    DataType,
     PayloadType,
 )
 
