@@ -66,3 +66,7 @@ class AVPDeviceError(AVPError):
 
 class AVPHandshakeError(AVPError):
     """A HelloMessage is malformed."""
+
+
+class AVPTextError(AVPError):
+    """A JSON fallback message (``JSONMessage``) is malformed."""
