@@ -8,8 +8,9 @@
 4. a Rosetta ``.avp-map`` for the (local, remote) model hashes -> LATENT with its map id (``avp_map_file``);
 5. at least 100 tokens shared by the two vocabularies -> LATENT, ``vocab_overlap:<count>``;
 
-else JSON_MODE (``json_fallback``). Rule 4's file lookup is the caller's (`evergreen_trio.avp.maps.find_maps` lists a map
-directory), so this module does no I/O. Each resolution names a new session id and its TTL.
+else JSON_MODE (``json_fallback``). Rule 4's file lookup is the caller's
+(`evergreen_trio.avp.maps.find_maps` lists a map directory), so this module does no I/O.
+Each resolution names a new session id and its TTL.
 The JSON shape is the reference's ``HelloMessage.to_dict()``.
 """
 
@@ -115,8 +116,8 @@ def resolve_mode(
 ) -> Resolution:
     """The mode two agents talk in (the five rules above) and a new session (``session_id`` or a uuid4 hex).
 
-    ``maps``: the map ids available locally (`evergreen_trio.avp.maps.find_maps`); ``local_vocab``/``remote_vocab``: the two
-    tokenizers' token strings (a vocabulary dict's keys), for rule 5.
+    ``maps``: the map ids available locally (`evergreen_trio.avp.maps.find_maps`);
+    ``local_vocab``/``remote_vocab``: the two tokenizers' token strings (a vocabulary dict's keys), for rule 5.
     """
     mode, path, avp_map = _resolve(local, remote, maps, local_vocab, remote_vocab)
     resolution = Resolution(mode, path, avp_map, session_id or uuid.uuid4().hex, ttl_s)
