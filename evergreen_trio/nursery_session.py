@@ -33,6 +33,7 @@ from evergreen_trio.dag import (
     UnknownTarget,
     Wait,
 )
+from evergreen_trio.nodes import SERVER_ROLE
 from evergreen_trio.refs import RefResolver
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,9 @@ class SessionOptions:
 
 class Session:
     """State shared by both ends of a session: the graph, the barriers, the outbound stream."""
+
+    default_role = SERVER_ROLE
+    """The role of chunks written with ``mimetype=`` only (the client's side overrides it)."""
 
     def __init__(self, stream: MessageStream[Outbound], options: SessionOptions) -> None:
         self.stream = stream
@@ -273,7 +277,7 @@ class OutputNode:
 
     def _metadata(self, mimetype: str | None, metadata: ChunkMetadata | None) -> ChunkMetadata | None:
         if metadata is None and mimetype is not None:
-            metadata = ChunkMetadata(mimetype=mimetype)
+            metadata = ChunkMetadata(mimetype=mimetype, role=self._session.default_role)
         return metadata
 
     async def write(
@@ -434,11 +438,15 @@ class ServerSession(Session):
                 raise ProtocolViolation(f"{where}: unknown input {param.name!r} (accepts {sorted(spec.inputs)})")
             if not param.id:
                 raise ProtocolViolation(f"{where}: input {param.name!r} names no node")
+            if param.name in inputs:
+                raise ProtocolViolation(f"{where}: input {param.name!r} given twice (each name once per action)")
             inputs[param.name] = self.input(param.id)
         outputs: dict[str, OutputNode] = {}
         for param in action.outputs:
             if param.name not in spec.outputs:
                 raise ProtocolViolation(f"{where}: unknown output {param.name!r} (offers {sorted(spec.outputs)})")
+            if param.name in outputs:
+                raise ProtocolViolation(f"{where}: output {param.name!r} given twice (each name once per action)")
             self.graph.reserve_output(param.id, where, local=True)
             outputs[param.name] = self.output(param.id)
         return ActionContext(action.name, action, self, inputs, outputs), spec

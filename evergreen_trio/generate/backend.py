@@ -30,11 +30,12 @@ from evergreen_trio.generate.errors import (
     UpstreamUnavailable,
 )
 from evergreen_trio.generate.openai import PromptPart, StreamParser, request_body, upstream_error
+from evergreen_trio.nodes import SERVER_ROLE
 from evergreen_trio.nursery_session import ActionContext, InputStream, OutputNode, describe
 
 log = logging.getLogger("evergreen_trio.generate")
 
-RESPONSE_ROLE = "assistant"
+RESPONSE_ROLE = SERVER_ROLE
 """The ``role`` of GENERATE's output chunk: a later chat prompt that reuses it sends it as such."""
 
 
