@@ -46,7 +46,8 @@ async def test_unset_roles_get_defaults_on_the_wire(nursery: trio.Nursery) -> No
     address = await _serve(nursery, server)
     async with connect(address) as session:
         leaf = session.open_leaf()
-        call = await session.run("ROLES", {"input": inner(text("a"), text("b", role="system"), NodeRef(leaf.id))}, ["output"])
+        prompt = inner(text("a"), text("b", role="system"), NodeRef(leaf.id))
+        call = await session.run("ROLES", {"input": prompt}, ["output"])
         await leaf.write("c", last=True)
         chunks = await call["output"].read_chunks()
     assert seen == [CLIENT_ROLE, "system", CLIENT_ROLE] == ["user", "system", "user"]
