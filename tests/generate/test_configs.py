@@ -97,7 +97,7 @@ async def test_another_config_type_is_refused() -> None:
     other.Pack(StringValue(value="x"))
     server = Server()
     register_builtin_actions(server)
-    with pytest.raises(SessionAborted, match="config of type 'type.googleapis.com/google.protobuf.StringValue'"):
+    with pytest.raises(SessionAborted, match=r"config of type 'type.googleapis.com/google.protobuf.StringValue'"):
         await _run(server, "GENERATE", [other])
     with pytest.raises(SessionAborted, match="ECHO takes no configs") as caught:
         await _run(server, "ECHO", [generate_config(seed=1)], output="output")
