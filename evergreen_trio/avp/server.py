@@ -183,7 +183,6 @@ async def serve_avp(
     config.errorlog = log
     config.accesslog = None
     config.keep_alive_timeout = app.options.keep_alive_timeout_s
-    config.read_timeout = max(1, round(app.options.body_timeout_s))
     config.h2_max_concurrent_streams = app.options.max_concurrent_streams
     config.graceful_timeout = 1.0
     async with trio.open_nursery() as nursery:
