@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import trio
@@ -57,7 +58,18 @@ def run_serve(args: argparse.Namespace) -> int:
         trio.run(main)
     except KeyboardInterrupt:  # before the signal handler is in place
         return 0
-    except OSError as exc:
-        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+    except (OSError, BaseExceptionGroup) as exc:  # a group from inside the server's nurseries
+        failed = next((leaf for leaf in _leaves(exc) if isinstance(leaf, OSError)), None)
+        if failed is None:
+            raise
+        print(f"error: cannot listen on {args.host}:{args.port}: {failed.strerror or failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc

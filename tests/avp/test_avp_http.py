@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,6 @@ def reference_agent() -> Iterator[str]:
                 httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0)
                 break
             except httpx.HTTPError:
-                import time
-
                 time.sleep(0.1)
         yield f"http://127.0.0.1:{port}"
     finally:
