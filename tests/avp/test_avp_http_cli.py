@@ -49,7 +49,8 @@ def test_serve_with_a_token_file(tmp_path: Path) -> None:
         refused = httpx.post(f"{url}/avp/v2/transmit", content=message, timeout=30)
         assert refused.status_code == 401
         bad = httpx.post(f"{url}/avp/v2/transmit", content=b"XY" + message[2:], headers=headers, timeout=30)
-        assert bad.status_code == 400 and bad.json()["message"] == "bad AVP message: magic: expected 4156 ('AV'), got 5859"
+        assert bad.status_code == 400
+        assert bad.json()["message"] == "bad AVP message: magic: expected 4156 ('AV'), got 5859"
         assert httpx.get(f"{url}/health", timeout=30).json() == {"status": "ok"}
     finally:
         assert _stop(process) == 0
