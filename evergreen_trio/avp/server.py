@@ -59,6 +59,8 @@ class AVPServerOptions:
     keep_alive_timeout_s: float = 5.0
     max_concurrent_streams: int = 100
     """HTTP/2 streams per connection."""
+    max_concurrent_requests: int = 256
+    """Requests being handled at once, all connections together; past it, 503 at once."""
 
     @property
     def max_binary_bytes(self) -> int:
@@ -83,6 +85,7 @@ class AVPApp:
         self.options = options or AVPServerOptions()
         self.on_message = on_message
         self.on_text = on_text
+        self._active = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -96,7 +99,15 @@ class AVPApp:
         headers: Mapping[bytes, bytes] = dict(scope["headers"])
         agent = headers.get(b"avp-agent-id", b"-").decode("latin-1")[:100]
         try:
-            status, document = await self._route(path, method, headers, receive)
+            if self._active >= self.options.max_concurrent_requests:
+                raise AVPRequestError(
+                    503, f"busy: {self._active} requests in progress (max_concurrent_requests); retry later"
+                )
+            self._active += 1
+            try:
+                status, document = await self._route(path, method, headers, receive)
+            finally:
+                self._active -= 1
         except AVPRequestError as refusal:
             log.info("avp.http.refused path=%s agent=%s status=%d reason=%s", path[:100], agent, refusal.status,
                      refusal.message)

@@ -209,3 +209,29 @@ def test_answers_are_json_documents() -> None:
     from evergreen_trio.avp.binding import answer
 
     assert json.loads(answer({"success": True})) == {"success": True}
+
+
+async def test_requests_past_the_concurrency_cap_get_503(nursery: trio.Nursery) -> None:
+    entered, release = trio.Event(), trio.Event()
+
+    async def slow(message: Any) -> dict[str, Any]:
+        entered.set()
+        await release.wait()
+        return {}
+
+    app = AVPApp(AVPServerOptions(max_concurrent_requests=1), on_message=slow)
+    port = await nursery.start(serve_avp, app, "127.0.0.1", 0)
+    good = encode(np.zeros(4, "<f4"), AVPMetadata(tensor_shape=(4,)))
+    statuses: list[int] = []
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+
+        async def post() -> None:
+            statuses.append((await http.post("/avp/v2/transmit", content=good)).status_code)
+
+        async with trio.open_nursery() as posts:
+            posts.start_soon(post)
+            await entered.wait()
+            busy = await http.post("/avp/v2/transmit", content=good)
+            assert busy.status_code == 503 and "max_concurrent_requests" in busy.json()["message"]
+            release.set()
+    assert statuses == [200]
