@@ -140,6 +140,7 @@ def test_json_message_rejects(data: bytes, match: str) -> None:
         text_from_json(data)
 
 
+@pytest.mark.fuzz
 @given(st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
 def test_fuzz_json_documents_raise_only_typed_errors(data: bytes) -> None:
     for parse, error in ((text_from_json, AVPTextError), (hello_from_json, AVPHandshakeError)):

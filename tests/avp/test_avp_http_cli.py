@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -116,6 +117,7 @@ def mutated(draw: st.DrawFn) -> bytes:
     return bytes(data[: draw(st.integers(0, len(data)))]) + draw(st.binary(max_size=8))
 
 
+@pytest.mark.fuzz
 @settings(suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(st.one_of(mutated(), st.binary(max_size=64)), st.integers(1, 5),
        st.sampled_from(["/avp/v2/transmit", "/avp/v2/handshake", "/avp/v2/text"]))

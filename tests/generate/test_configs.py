@@ -119,6 +119,7 @@ JSON_VALUES = st.recursive(
 )
 
 
+@pytest.mark.fuzz
 @given(st.dictionaries(st.sampled_from(["max_tokens", "temperature", "top_p", "stop", "seed", "other"]),
                        JSON_VALUES, max_size=5))
 def test_fuzz_configs_parse_or_name_the_key(settings: dict[str, Any]) -> None:
