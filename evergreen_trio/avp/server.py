@@ -22,7 +22,13 @@ from evergreen_trio.avp import binding
 from evergreen_trio.avp.codec import decode, zstd_bound
 from evergreen_trio.avp.errors import AVPError, AVPRequestError
 from evergreen_trio.avp.fallback import MAX_TEXT_MESSAGE_BYTES, JSONMessage, text_from_json
-from evergreen_trio.avp.handshake import DEFAULT_SESSION_TTL_S, MAX_HELLO_BYTES, HelloMessage, hello_from_json
+from evergreen_trio.avp.handshake import (
+    DEFAULT_SESSION_TTL_S,
+    MAX_HELLO_BYTES,
+    HelloMessage,
+    ModelIdentity,
+    hello_from_json,
+)
 from evergreen_trio.avp.handshake import resolve_mode as resolve
 from evergreen_trio.avp.message import DEFAULT_LIMITS, HEADER_SIZE, AVPLimits, AVPMessage
 
@@ -153,10 +159,9 @@ class AVPApp:
         except AVPError as error:
             raise AVPRequestError(400, f"Invalid handshake: {error}") from None
         mine = self.options.hello
-        local = (mine.identity if mine is not None else None) or hello.identity
-        remote = hello.identity
-        if local is None or remote is None:
-            raise AVPRequestError(400, "Invalid handshake: hello.identity: expected a model identity, got none")
+        # A hello without an identity is accepted, as the reference does; it resolves to JSON.
+        remote = hello.identity or ModelIdentity()
+        local = (mine.identity if mine is not None else None) or remote
         resolution = resolve(local, remote, maps=self.options.maps, ttl_s=self.options.session_ttl_s)
         return 200, {"success": True, **binding.handshake_answer(hello, mine, resolution)}
 

@@ -167,7 +167,6 @@ async def test_our_server_refuses_with_one_line(ours: str) -> None:
             ("POST", "/avp/v2/transmit", good[:-1], auth, 400, "bad AVP message: message: expected"),
             ("POST", "/avp/v2/transmit", good[:2] + b"\x02" + good[3:], auth, 400, "version: expected 1, got 2"),
             ("POST", "/avp/v2/handshake", b"[1]", auth, 400, "Invalid handshake: hello: expected a JSON object"),
-            ("POST", "/avp/v2/handshake", b"{}", auth, 400, "expected a model identity"),
             ("POST", "/avp/v2/text", b'{"content": 1}', auth, 400, "text message.content: expected a JSON str"),
             ("POST", "/avp/v2/text", b"x" * (2 << 20), auth, 413, "expected at most 1048576 bytes"),
             ("GET", "/avp/v2/transmit", None, auth, 405, "/avp/v2/transmit takes POST, got GET"),
@@ -181,6 +180,8 @@ async def test_our_server_refuses_with_one_line(ours: str) -> None:
         assert (await http.get("/health")).json() == {"status": "ok"}  # no token needed for liveness
         ok = await http.post("/avp/v2/transmit", content=good, headers=auth)
         assert ok.json()["success"] is True
+        anonymous = (await http.post("/avp/v2/handshake", content=b"{}", headers=auth)).json()
+        assert (anonymous["success"], anonymous["mode"], anonymous["agent_id"]) == (True, "JSON", "ours")
 
 
 async def test_a_body_past_the_limit_is_refused_before_it_is_read(nursery: trio.Nursery) -> None:
