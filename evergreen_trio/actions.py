@@ -2,6 +2,11 @@
 
 GENERATE is a deterministic toy generator unless a handler is given, e.g. an OpenAI-compatible
 backend's (``evergreen_trio.generate.open_backend``: a model server, or the gateway in front of a pool).
+
+``Action.configs`` each action reads: ECHO none (any config is refused, INVALID_ARGUMENT); GENERATE
+the keys of `evergreen_trio.generate.params` (``max_tokens``, ``temperature``, ``top_p``, ``stop``,
+``seed``), all validated; the toy generator uses ``max_tokens`` (its word-sized pieces), the OpenAI
+backend sends them all.
 """
 
 from __future__ import annotations
@@ -11,13 +16,18 @@ import re
 
 import trio
 
-from evergreen_trio.nursery_session import ActionContext, Handler
+from evergreen_trio.dag import ProtocolViolationError
+from evergreen_trio.generate.params import parse_configs
+from evergreen_trio.nursery_session import ActionContext, Handler, describe
 from evergreen_trio.server import Server
 
 
 async def echo(ctx: ActionContext) -> None:
     """Output ``output``: an inner node whose children are leaves carrying the flattened input's
-    chunks in order, each with the same metadata and bytes, streamed as they arrive."""
+    chunks in order, each with the same metadata and bytes, streamed as they arrive. Takes no configs."""
+    if ctx.action.configs:
+        got = ctx.action.configs[0].type_url
+        raise ProtocolViolationError(f"{describe(ctx.action)}: ECHO takes no configs, got {got!r}")
     output = ctx.output("output")
     async for chunk in ctx.input("input"):
         leaf = await output.child()
@@ -39,10 +49,12 @@ def toy_answer(prompt: str) -> list[str]:
 
 
 async def generate(ctx: ActionContext) -> None:
-    """Input ``prompt`` (or ``text``), output ``response`` (or ``text``): streamed in several fragments."""
+    """Input ``prompt`` (or ``text``), output ``response`` (or ``text``): streamed in several fragments,
+    at most ``max_tokens`` of them when the configs say so."""
+    params = parse_configs(ctx.action.configs, where=describe(ctx.action))
     prompt = await ctx.input("prompt", "text").read_text()
     response = ctx.output("response", "text")
-    pieces = toy_answer(prompt)
+    pieces = toy_answer(prompt)[: params.max_tokens]
     for index, piece in enumerate(pieces):
         await response.write(piece, last=index == len(pieces) - 1)
         await trio.lowlevel.checkpoint()

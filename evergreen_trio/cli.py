@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "evergreen_trio.gateway",
     "evergreen_trio.ipc.cli",
     "evergreen_trio.picker.cli",
+    "evergreen_trio.avp.cli",
 )
 
 

@@ -17,7 +17,7 @@ from evergreen_trio._grpc.bridge import ClientOptions, MessageStream, RpcAbortEr
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Action, ChunkMetadata, NamedParameter, SessionMessage
 from evergreen_trio._wire import START_SESSION
 from evergreen_trio.dag import FragmentBuilder, SessionAbortedError, SessionError, SessionLimits, StatusCode
-from evergreen_trio.nodes import Inner, Leaf, NodeLike, NodeRef, RefURI
+from evergreen_trio.nodes import CLIENT_ROLE, Inner, Leaf, NodeLike, NodeRef, RefURI
 from evergreen_trio.nursery_session import (
     InputStream,
     Outbound,
@@ -52,6 +52,8 @@ class Output(InputStream):
 class ClientSession(Session):
     """Builds and sends nodes and actions, and reads what the server produces."""
 
+    default_role = CLIENT_ROLE
+
     def __init__(self, stream: MessageStream[Outbound], options: SessionOptions) -> None:
         super().__init__(stream, options)
         self._prefix = secrets.token_hex(4)
@@ -67,7 +69,7 @@ class ClientSession(Session):
         node_id = node.id or self.new_id()
         builder = FragmentBuilder(node_id, fragment_bytes=self.options.fragment_bytes)
         if isinstance(node, Leaf):
-            metadata = ChunkMetadata(mimetype=node.mimetype)
+            metadata = ChunkMetadata(mimetype=node.mimetype, role=node.role or self.default_role)
             last = len(node.parts) - 1
             for index, part in enumerate(node.parts):
                 meta = metadata if index == 0 else None
@@ -123,7 +125,7 @@ def _with_id(node: Leaf | Inner, node_id: str) -> Leaf | Inner:
     if node.id == node_id:
         return node
     if isinstance(node, Leaf):
-        return Leaf(node.parts, node.mimetype, node_id)
+        return Leaf(node.parts, node.mimetype, node_id, node.role)
     return Inner(node.children, node_id)
 
 

@@ -10,6 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+CLIENT_ROLE = "user"
+"""The ``role`` a client's chunk carries when its builder named none (the upstream proto: an unset role
+must get a suitable default before it is sent)."""
+SERVER_ROLE = "assistant"
+"""The ``role`` of a chunk a server's action writes with ``mimetype=`` only (no ChunkMetadata of its own)."""
+
 
 @dataclass(frozen=True)
 class NodeRef:
@@ -25,6 +31,8 @@ class Leaf:
     parts: tuple[bytes | RefURI, ...]
     mimetype: str
     id: str | None = None
+    role: str = ""
+    """Empty: sent as `CLIENT_ROLE`."""
 
 
 @dataclass(frozen=True)
@@ -43,23 +51,30 @@ class Inner:
 NodeLike = Leaf | Inner | NodeRef
 
 
-def text(value: str, *, mimetype: str = "text/plain", id: str | None = None) -> Leaf:
-    """A leaf of one UTF-8 fragment (``text/plain`` unless ``mimetype`` says otherwise)."""
-    return Leaf((value.encode(),), mimetype, id)
+def text(value: str, *, mimetype: str = "text/plain", id: str | None = None, role: str = "") -> Leaf:
+    """A leaf of one UTF-8 fragment (``text/plain`` unless ``mimetype`` says otherwise); ``role``
+    as :class:`Leaf` says (empty: the sending side's default)."""
+    return Leaf((value.encode(),), mimetype, id, role)
 
 
 def blob(
-    data: bytes | Sequence[bytes], *, mimetype: str = "application/octet-stream", id: str | None = None
+    data: bytes | Sequence[bytes],
+    *,
+    mimetype: str = "application/octet-stream",
+    id: str | None = None,
+    role: str = "",
 ) -> Leaf:
     """Bytes; a sequence of byte strings is sent as that many fragments."""
     parts = (data,) if isinstance(data, bytes | bytearray | memoryview) else tuple(data)
-    return Leaf(tuple(bytes(p) for p in parts), mimetype, id)
+    return Leaf(tuple(bytes(p) for p in parts), mimetype, id, role)
 
 
-def ref(uri: str | Sequence[str], *, mimetype: str = "application/octet-stream", id: str | None = None) -> Leaf:
+def ref(
+    uri: str | Sequence[str], *, mimetype: str = "application/octet-stream", id: str | None = None, role: str = ""
+) -> Leaf:
     """External content by URI; several URIs are concatenated in order (the spec's video parts)."""
     uris = (uri,) if isinstance(uri, str) else tuple(uri)
-    return Leaf(tuple(RefURI(u) for u in uris), mimetype, id)
+    return Leaf(tuple(RefURI(u) for u in uris), mimetype, id, role)
 
 
 def inner(*children: NodeLike, id: str | None = None) -> Inner:

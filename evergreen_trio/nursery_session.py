@@ -37,6 +37,7 @@ from evergreen_trio.dag import (
 )
 from evergreen_trio.errors import leaf_exceptions
 from evergreen_trio.metrics import SessionMetrics, abort_reason
+from evergreen_trio.nodes import SERVER_ROLE
 from evergreen_trio.refs import RefResolver
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,9 @@ class SessionOptions:
 
 class Session:
     """State shared by both ends of a session: the graph, the barriers, the outbound stream."""
+
+    default_role = SERVER_ROLE
+    """The role of chunks written with ``mimetype=`` only (the client's side overrides it)."""
 
     def __init__(self, stream: MessageStream[Outbound], options: SessionOptions) -> None:
         self.stream = stream
@@ -295,7 +299,7 @@ class OutputNode:
 
     def _metadata(self, mimetype: str | None, metadata: ChunkMetadata | None) -> ChunkMetadata | None:
         if metadata is None and mimetype is not None:
-            metadata = ChunkMetadata(mimetype=mimetype)
+            metadata = ChunkMetadata(mimetype=mimetype, role=self._session.default_role)
         return metadata
 
     async def write(
@@ -474,11 +478,15 @@ class ServerSession(Session):
                 raise ProtocolViolationError(f"{where}: unknown input {param.name!r} (accepts {sorted(spec.inputs)})")
             if not param.id:
                 raise ProtocolViolationError(f"{where}: input {param.name!r} names no node")
+            if param.name in inputs:
+                raise ProtocolViolationError(f"{where}: input {param.name!r} given twice (each name once per action)")
             inputs[param.name] = self.input(param.id)
         outputs: dict[str, OutputNode] = {}
         for param in action.outputs:
             if param.name not in spec.outputs:
                 raise ProtocolViolationError(f"{where}: unknown output {param.name!r} (offers {sorted(spec.outputs)})")
+            if param.name in outputs:
+                raise ProtocolViolationError(f"{where}: output {param.name!r} given twice (each name once per action)")
             self.graph.reserve_output(param.id, where, local=True)
             outputs[param.name] = self.output(param.id)
         return ActionContext(action.name, action, self, inputs, outputs, self.principal), spec

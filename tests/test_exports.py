@@ -34,11 +34,12 @@ PINNED = {
         "UnknownActionError", "UnknownTargetError", "Wait",
     },
     "evergreen_trio.generate": {
-        "APIS", "Api", "BackendConfigError", "BackendError", "BackendSettings", "OpenAIBackend", "PromptPart",
+        "APIS", "Api", "BackendConfigError", "BackendError", "BackendSettings", "GenerateConfigError",
+        "GenerateParams", "OpenAIBackend", "PromptPart",
         "PromptTooLargeError", "ResponseTooLargeError", "SSEDecoder", "SSEError", "SSEEvent",
         "StreamFormatError", "StreamParser", "UpstreamStatusError", "UpstreamTimeoutError",
         "UpstreamUnavailableError", "open_backend", "read_prompt", "request_body", "response_metadata",
-        "served_by", "status_code",
+        "served_by", "status_code", "generate_config", "parse_configs",
     },
     "evergreen_trio.ipc": {
         "BodyMismatchError", "BufferPool", "Catalog", "ConnectionLostError", "DEFAULT_LIMITS",

@@ -1,6 +1,7 @@
 """AVP (Agent Vector Protocol): a sans-IO, zero-copy, hardened codec for latent payloads, and its session binding."""
 
 from evergreen_trio.avp.codec import decode, encode, encode_buffers, encode_into
+from evergreen_trio.avp.dtypes import DataType
 from evergreen_trio.avp.errors import (
     AVPChecksumError,
     AVPCompressionError,
@@ -27,7 +28,6 @@ from evergreen_trio.avp.message import (
     AVPMessage,
     AVPMetadata,
     CommunicationMode,
-    DataType,
     PayloadType,
 )
 from evergreen_trio.avp.stream import avp_fragments

@@ -23,6 +23,7 @@ from isal.isal_zlib import crc32
 
 from evergreen_trio._proto.avp import avp_pb2 as pb2
 from evergreen_trio._proto.avp.avp_pb2 import Metadata
+from evergreen_trio.avp.dtypes import DTYPE_BY_NAME, ITEMSIZE, KV_HEADER_SIZE, DataType, require_cupy
 from evergreen_trio.avp.errors import (
     AVPChecksumError,
     AVPCompressionError,
@@ -36,15 +37,13 @@ from evergreen_trio.avp.errors import (
     AVPTruncatedError,
     AVPVersionError,
 )
+from evergreen_trio.avp.kv import read_kv_header
 from evergreen_trio.avp.message import (
     DEFAULT_LIMITS,
-    DTYPE_BY_NAME,
     FLAG_COMPRESSED,
     FLAG_HAS_MAP,
     FLAG_KV_CACHE,
     HEADER_SIZE,
-    ITEMSIZE,
-    KV_HEADER_SIZE,
     MAGIC,
     PROTOCOL_VERSION,
     RESERVED_FLAGS,
@@ -53,10 +52,8 @@ from evergreen_trio.avp.message import (
     AVPMessage,
     AVPMetadata,
     CommunicationMode,
-    DataType,
     PayloadType,
     implied_payload_size,
-    require_cupy,
 )
 
 HEADER = struct.Struct("<2sBBII")
@@ -518,8 +515,6 @@ def finish_payload(
     if metadata.payload_checksum is not None and crc32(payload) != metadata.payload_checksum:
         _checksum_error(metadata.payload_checksum, payload)
     if metadata.payload_type is PayloadType.KV_CACHE:
-        from evergreen_trio.avp.kv import read_kv_header
-
         kv = read_kv_header(payload)
         if strict and kv.dtype is not metadata.dtype:
             raise AVPInconsistentError(

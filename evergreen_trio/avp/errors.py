@@ -66,3 +66,24 @@ class AVPDeviceError(AVPError):
 
 class AVPHandshakeError(AVPError):
     """A HelloMessage is malformed."""
+
+
+class AVPTextError(AVPError):
+    """A JSON fallback message (``JSONMessage``) is malformed."""
+
+
+class AVPTransportError(AVPError):
+    """An AVP HTTP request failed: no answer, an error status (``status_code``), or an unreadable answer."""
+
+    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class AVPRequestError(AVPError):
+    """An AVP HTTP request the server refuses: the HTTP ``status`` and a one-line ``message``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message

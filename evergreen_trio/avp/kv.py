@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from evergreen_trio.avp.errors import AVPEncodeError, AVPFormatError, AVPInconsistentError
-from evergreen_trio.avp.message import (
+from evergreen_trio.avp.dtypes import (
     DTYPE_BY_NAME,
     ITEMSIZE,
     KV_HEADER_SIZE,
@@ -22,6 +21,7 @@ from evergreen_trio.avp.message import (
     DataType,
     to_device,
 )
+from evergreen_trio.avp.errors import AVPEncodeError, AVPFormatError, AVPInconsistentError
 
 KV_HEADER = struct.Struct("<IIIIB")
 # The KV header's dtype byte uses DataType's values for the three float types; INT8 has none.

@@ -7,10 +7,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import ml_dtypes
 import numpy as np
 
-from evergreen_trio.avp.errors import AVPDeviceError, AVPInconsistentError
+from evergreen_trio.avp.dtypes import ITEMSIZE, KV_HEADER_SIZE, NUMPY_DTYPES, DataType, to_device
+from evergreen_trio.avp.errors import AVPInconsistentError
+from evergreen_trio.avp.kv import kv_block
 from evergreen_trio.limits import check_limits
 
 MAGIC = b"AV"
@@ -20,7 +21,6 @@ FLAG_COMPRESSED = 0x01
 FLAG_HAS_MAP = 0x02
 FLAG_KV_CACHE = 0x04
 RESERVED_FLAGS = 0xF8
-KV_HEADER_SIZE = 17
 MiB = 1 << 20
 
 
@@ -32,31 +32,12 @@ class PayloadType(enum.IntEnum):
     EMBEDDING = 2
 
 
-class DataType(enum.IntEnum):
-    """The tensor's element type (``avp.DataType``)."""
-
-    FLOAT32 = 0
-    FLOAT16 = 1
-    BFLOAT16 = 2
-    INT8 = 3
-
-
 class CommunicationMode(enum.IntEnum):
     """Latent (tensors) or JSON messages (``avp.CommunicationMode``)."""
 
     LATENT = 0
     JSON_MODE = 1
 
-
-
-NUMPY_DTYPES: dict[DataType, np.dtype[Any]] = {
-    DataType.FLOAT32: np.dtype("<f4"),
-    DataType.FLOAT16: np.dtype("<f2"),
-    DataType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
-    DataType.INT8: np.dtype("i1"),
-}
-ITEMSIZE = {dtype: np_dtype.itemsize for dtype, np_dtype in NUMPY_DTYPES.items()}
-DTYPE_BY_NAME = {np_dtype.name: dtype for dtype, np_dtype in NUMPY_DTYPES.items()}
 
 
 @dataclass(slots=True)
@@ -140,29 +121,6 @@ def implied_payload_size(metadata: AVPMetadata) -> int | None:
     return size
 
 
-def require_cupy() -> Any:
-    """The CuPy module, if it imports and sees a CUDA device."""
-    try:
-        import cupy
-    except ImportError as exc:
-        raise AVPDeviceError(f"a GPU array was asked for, but CuPy is not importable: {exc}") from None
-    try:
-        cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        raise AVPDeviceError(f"a GPU array was asked for, but no CUDA device is usable: {exc}") from None
-    return cupy
-
-
-def to_device(array: np.ndarray[Any, Any]) -> Any:
-    """Copy a host array onto the current CUDA device as a CuPy array."""
-    if array.dtype == NUMPY_DTYPES[DataType.BFLOAT16]:
-        raise AVPDeviceError(
-            "a GPU array was asked for with dtype bfloat16, which CuPy lacks; "
-            "use as_array() and view it as uint16 on the device"
-        )
-    return require_cupy().asarray(array)
-
-
 @dataclass(slots=True)
 class AVPMessage:
     """A decoded message. ``payload`` is the tensor bytes: a view into the input when it was not compressed."""
@@ -179,8 +137,6 @@ class AVPMessage:
         """
         meta = self.metadata
         if meta.payload_type == PayloadType.KV_CACHE:
-            from evergreen_trio.avp.kv import kv_block
-
             array = kv_block(self.payload)
         else:
             np_dtype = NUMPY_DTYPES[meta.dtype]

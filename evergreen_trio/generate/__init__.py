@@ -10,6 +10,7 @@ from evergreen_trio.generate.config import APIS, Api, BackendSettings
 from evergreen_trio.generate.errors import (
     BackendConfigError,
     BackendError,
+    GenerateConfigError,
     PromptTooLargeError,
     ResponseTooLargeError,
     SSEError,
@@ -19,6 +20,7 @@ from evergreen_trio.generate.errors import (
     UpstreamUnavailableError,
 )
 from evergreen_trio.generate.openai import PromptPart, StreamParser, request_body, status_code
+from evergreen_trio.generate.params import GenerateParams, generate_config, parse_configs
 from evergreen_trio.generate.sse import SSEDecoder, SSEEvent
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     "BackendConfigError",
     "BackendError",
     "BackendSettings",
+    "GenerateConfigError",
+    "GenerateParams",
     "OpenAIBackend",
     "PromptPart",
     "PromptTooLargeError",
@@ -39,7 +43,9 @@ __all__ = [
     "UpstreamStatusError",
     "UpstreamTimeoutError",
     "UpstreamUnavailableError",
+    "generate_config",
     "open_backend",
+    "parse_configs",
     "read_prompt",
     "request_body",
     "response_metadata",

@@ -30,11 +30,13 @@ from evergreen_trio.generate.errors import (
     UpstreamUnavailableError,
 )
 from evergreen_trio.generate.openai import PromptPart, StreamParser, request_body, upstream_error
+from evergreen_trio.generate.params import parse_configs
+from evergreen_trio.nodes import SERVER_ROLE
 from evergreen_trio.nursery_session import ActionContext, InputStream, OutputNode, describe
 
 log = logging.getLogger(__name__)
 
-RESPONSE_ROLE = "assistant"
+RESPONSE_ROLE = SERVER_ROLE
 """The ``role`` of GENERATE's output chunk: a later chat prompt that reuses it sends it as such."""
 
 
@@ -119,8 +121,9 @@ class OpenAIBackend:
     async def generate(self, ctx: ActionContext) -> None:
         """Input ``prompt`` (or ``text``), output ``response`` (or ``text``), streamed token by token."""
         where = describe(ctx.action)
+        params = parse_configs(ctx.action.configs, where=where)
         parts, skipped = await read_prompt(ctx.input("prompt", "text"), self.settings.max_prompt_bytes, where=where)
-        body = request_body(self.settings, parts)
+        body = request_body(self.settings, parts, params)
         log.debug("generate.request endpoint=%s model=%s parts=%d skipped_chunks=%d",
                   self.settings.endpoint, self.settings.model, len(parts), skipped)
         attempt = _Attempt(trio.current_time())

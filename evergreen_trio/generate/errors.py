@@ -60,3 +60,10 @@ class UpstreamTimeoutError(BackendError):
     """The upstream was too slow: no bytes within the read timeout, or no ``[DONE]`` within the total."""
 
     code = StatusCode.DEADLINE_EXCEEDED
+
+
+class GenerateConfigError(SessionError):
+    """An ``Action.configs`` entry GENERATE cannot take: an unknown key or config type, a wrong type, out of
+    range; the message names the key."""
+
+    code = StatusCode.INVALID_ARGUMENT

@@ -25,6 +25,7 @@ from typing import Any
 from evergreen_trio.dag.errors import StatusCode
 from evergreen_trio.generate.config import BackendSettings
 from evergreen_trio.generate.errors import ResponseTooLargeError, SSEError, StreamFormatError, UpstreamStatusError
+from evergreen_trio.generate.params import GenerateParams
 from evergreen_trio.generate.sse import SSEDecoder
 
 DONE = "[DONE]"
@@ -52,9 +53,11 @@ def chat_messages(parts: list[PromptPart]) -> list[dict[str, str]]:
     return messages or [{"role": "user", "content": ""}]
 
 
-def request_body(settings: BackendSettings, parts: list[PromptPart]) -> dict[str, Any]:
+def request_body(
+    settings: BackendSettings, parts: list[PromptPart], params: GenerateParams | None = None
+) -> dict[str, Any]:
     """The streaming request for ``settings.endpoint``: the prompt's parts as one string (completions,
-    concatenated as they are) or as chat messages."""
+    concatenated as they are) or as chat messages, and the call's ``params`` (its ``max_tokens`` wins)."""
     body: dict[str, Any] = {"model": settings.model, "stream": True}
     if settings.api == "chat":
         body["messages"] = chat_messages(parts)
@@ -62,6 +65,8 @@ def request_body(settings: BackendSettings, parts: list[PromptPart]) -> dict[str
         body["prompt"] = "".join(part.text for part in parts)
     if settings.max_tokens is not None:
         body["max_tokens"] = settings.max_tokens
+    if params is not None:
+        body.update(params.openai_fields())
     if settings.include_usage:
         body["stream_options"] = {"include_usage": True}
     return body

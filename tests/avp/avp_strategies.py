@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from evergreen_trio.avp import AVPMetadata, CommunicationMode, DataType, PayloadType, pack_kv
-from evergreen_trio.avp.message import NUMPY_DTYPES
+from evergreen_trio.avp.dtypes import NUMPY_DTYPES
 
 UINT32 = st.integers(0, 2**32 - 1)
 TEXT = st.text(max_size=24)

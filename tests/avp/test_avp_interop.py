@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from evergreen_trio._proto.avp import avp_pb2
 from evergreen_trio.avp import AVPLimitError, AVPMetadata, DataType, PayloadType, decode, encode, pack_kv
-from evergreen_trio.avp.handshake import HelloMessage, ModelIdentity, hello_from_json, hello_to_json, resolve_mode
+from evergreen_trio.avp.handshake import HelloMessage, ModelIdentity, hello_from_json, hello_to_json
 
 REFERENCE_LEVELS = {
     None: reference.CompressionLevel.NONE,
@@ -136,14 +136,6 @@ IDENTITIES = st.builds(
 
 def _reference_identity(identity: ModelIdentity) -> Any:
     return reference.ModelIdentity.from_dict(json.loads(hello_to_json(HelloMessage(identity=identity)))["identity"])
-
-
-@given(IDENTITIES, IDENTITIES)
-def test_mode_resolution_matches_reference(local: ModelIdentity, remote: ModelIdentity) -> None:
-    ours = resolve_mode(local, remote)
-    theirs = reference.CompatibilityResolver.resolve(_reference_identity(local), _reference_identity(remote))
-    assert int(ours.mode) == int(theirs.mode)
-    assert ours.path == theirs.resolution_path
 
 
 @given(IDENTITIES, st.text(max_size=8))

@@ -130,7 +130,8 @@ async def scripted_upstream(scope: dict[str, Any], receive: Any, send: Any) -> N
     ``json`` a 200 that ignores ``stream``; ``empty`` no tokens, just ``[DONE]``; ``garbage`` SSE
     data that is not JSON; ``bad-utf8`` bytes that are not UTF-8; ``truncated`` two tokens and no
     ``[DONE]``; ``stream-error`` a token then vLLM's in-stream error object; ``hang`` a token then
-    silence; anything else two tokens and ``[DONE]`` in an odd split (CRLF line ends, a comment,
+    silence; ``echo-request`` one token, the request's JSON without ``prompt``/``messages``; anything else
+    two tokens and ``[DONE]`` in an odd split (CRLF line ends, a comment,
     a chunk boundary mid-line).
     """
     if scope["type"] == "lifespan":
@@ -144,7 +145,8 @@ async def scripted_upstream(scope: dict[str, Any], receive: Any, send: Any) -> N
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
-    model = json.loads(body)["model"]
+    request = json.loads(body)
+    model = request["model"]
 
     async def start(status: int, content_type: str = "text/event-stream") -> None:
         headers = [(b"content-type", content_type.encode()), (b"x-served-by", SERVED_BY.encode())]
@@ -178,6 +180,10 @@ async def scripted_upstream(scope: dict[str, Any], receive: Any, send: Any) -> N
     elif model == "stream-error":
         await start(200)
         await chunk(_token("one") + _sse({"error": {"message": "scripted overload", "code": 503}}), False)
+    elif model == "echo-request":
+        await start(200)
+        fields = {key: value for key, value in request.items() if key not in ("prompt", "messages")}
+        await chunk(_token(json.dumps(fields, sort_keys=True)) + _sse("[DONE]"), False)
     elif model == "hang":
         await start(200)
         await chunk(_token("one"))

@@ -65,7 +65,7 @@ async def test_spec_two_turn_example_with_file_refs(nursery: trio.Nursery, tmp_p
 def echo_metadata() -> object:
     from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import ChunkMetadata
 
-    return ChunkMetadata(mimetype="text/plain")
+    return ChunkMetadata(mimetype="text/plain", role="user")
 
 
 def prompt_ref(node_id: str) -> object:

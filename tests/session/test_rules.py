@@ -1,0 +1,115 @@
+"""Evergreen rules over real sessions: default roles on the wire, one use per parameter name, and a
+failing action cancelling its siblings."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from evergreen_trio import ActionContext, NodeRef, Server, SessionAbortedError, StatusCode, connect, inner, text
+from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
+    Action,
+    Chunk,
+    ChunkMetadata,
+    NamedParameter,
+    NodeFragment,
+    SessionMessage,
+)
+from evergreen_trio.actions import register_builtin_actions
+from evergreen_trio.nodes import CLIENT_ROLE, SERVER_ROLE
+from evergreen_trio.testing.wire import SyncClient
+
+
+async def _serve(nursery: trio.Nursery, server: Server) -> str:
+    port = await nursery.start(server.serve, "127.0.0.1", 0)
+    return f"127.0.0.1:{port}"
+
+
+def _leaf(node_id: str, data: bytes, role: str = "") -> NodeFragment:
+    return NodeFragment(id=node_id, chunk_fragment=Chunk(metadata=ChunkMetadata(mimetype="text/plain", role=role),
+                                                         data=data))
+
+
+async def test_unset_roles_get_defaults_on_the_wire(nursery: trio.Nursery) -> None:
+    """Our client sends ``user`` for a leaf with no role; the server's outputs carry ``assistant``."""
+    seen: list[str] = []
+    server = Server()
+    register_builtin_actions(server)
+
+    @server.action("ROLES", inputs=["input"], outputs=["output"])
+    async def roles(ctx: ActionContext) -> None:
+        async for chunk in ctx.input("input"):
+            seen.append(chunk.metadata.role)
+            await chunk.read()
+        await ctx.output("output").write("ok", last=True)
+
+    address = await _serve(nursery, server)
+    async with connect(address) as session:
+        leaf = session.open_leaf()
+        prompt = inner(text("a"), text("b", role="system"), NodeRef(leaf.id))
+        call = await session.run("ROLES", {"input": prompt}, ["output"])
+        await leaf.write("c", last=True)
+        chunks = await call["output"].read_chunks()
+    assert seen == [CLIENT_ROLE, "system", CLIENT_ROLE] == ["user", "system", "user"]
+    assert [meta.role for meta, _ in chunks] == [SERVER_ROLE] == ["assistant"]
+
+    # The raw view: what the server itself put on the wire for GENERATE's output.
+    action = Action(name="GENERATE", inputs=[NamedParameter(name="prompt", id="p")],
+                    outputs=[NamedParameter(name="response", id="r")])
+    messages = [SessionMessage(actions=[action], node_fragments=[_leaf("p", b"hi", role="user")])]
+    with SyncClient(address) as client:
+        outcome = await trio.to_thread.run_sync(client.run, messages)
+    assert outcome.ok, outcome.describe()
+    first = [f for m in outcome.received for f in m.node_fragments if f.id == "r" and f.seq == 0]
+    assert first[0].chunk_fragment.metadata.role == "assistant"
+
+
+@pytest.mark.parametrize("side", ["inputs", "outputs"])
+async def test_a_parameter_name_given_twice_aborts_naming_it(nursery: trio.Nursery, side: str) -> None:
+    server = Server()
+    register_builtin_actions(server)
+    address = await _serve(nursery, server)
+    action = Action(name="ECHO", inputs=[NamedParameter(name="input", id="a")],
+                    outputs=[NamedParameter(name="output", id="o1")])
+    getattr(action, side).append(NamedParameter(name=side[:-1], id="b" if side == "inputs" else "o2"))
+    messages = [SessionMessage(actions=[action], node_fragments=[_leaf("a", b"x"), _leaf("b", b"y")])]
+    with SyncClient(address) as client:
+        outcome = await trio.to_thread.run_sync(client.run, messages)
+    assert outcome.code == StatusCode.INVALID_ARGUMENT
+    assert f"{side[:-1]} '{side[:-1]}' given twice" in outcome.details
+    # The server keeps serving.
+    async with connect(address) as session:
+        call = await session.run("ECHO", {"input": text("still here")}, ["output"])
+        assert await call["output"].read_text() == "still here"
+
+
+async def test_a_failing_action_cancels_its_siblings(nursery: trio.Nursery) -> None:
+    """The sibling's handler sees trio.Cancelled (not only the session's end), and its cleanup runs."""
+    started, cancelled = trio.Event(), trio.Event()
+    server = Server()
+
+    @server.action("WAIT", inputs=[], outputs=["output"])
+    async def wait(ctx: ActionContext) -> None:
+        started.set()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            cancelled.set()
+            raise
+
+    @server.action("FAIL", inputs=[], outputs=["output"])
+    async def fail(ctx: ActionContext) -> None:
+        await started.wait()
+        raise RuntimeError("boom")
+
+    address = await _serve(nursery, server)
+    with pytest.raises(SessionAbortedError) as caught:
+        async with connect(address) as session:
+            await session.run("WAIT", {}, ["output"])
+            await session.run("FAIL", {}, ["output"])
+            with trio.fail_after(30):
+                await trio.sleep_forever()
+    assert caught.value.code == StatusCode.INTERNAL
+    assert "action FAIL" in caught.value.message and "boom" in caught.value.message
+    with trio.fail_after(30):
+        await cancelled.wait()
