@@ -12,7 +12,7 @@ import trio
 
 from evergreen_trio.ipc.errors import IpcError
 from evergreen_trio.ipc.service import Catalog, fetch, serve
-from evergreen_trio.ipc.session import Role, ServeOptions
+from evergreen_trio.ipc.transports.base import Role, ServeOptions
 from evergreen_trio.ipc.uri import IpcUri
 from evergreen_trio.signals import cancel_on_signals
 

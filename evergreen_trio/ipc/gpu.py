@@ -26,7 +26,6 @@ from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
 from evergreen_trio.ipc.errors import IpcError, UriError
 from evergreen_trio.ipc.flatbuf import MessageHeader
 from evergreen_trio.ipc.pool import BufferPool
-from evergreen_trio.ipc.reassembly import ReadyMessage
 from evergreen_trio.ipc.session import IpcStream
 from evergreen_trio.ipc.uri import IpcUri, parse_uri
 
@@ -96,12 +95,16 @@ async def fetch_device(
     def allocate(nbytes: int) -> Any:
         return cupy.empty(nbytes, cupy.uint8)
 
-    def to_host(ready: ReadyMessage) -> pa.Buffer:
-        received.append(DeviceMessage(ready.seq, ready.flatbuffer, ready.header, ready.body))
-        return pa.py_buffer(cupy.asnumpy(ready.body))
+    class ToHost:
+        def resolve(self, body: object, header: MessageHeader, *, copy: bool) -> pa.Buffer:
+            received.append(DeviceMessage(len(received), b"", header, body))
+            return pa.py_buffer(cupy.asnumpy(body))
+
+        def take_freed(self) -> list[int]:
+            return []
 
     key = ticket.encode() if isinstance(ticket, str) else bytes(ticket)
     async with connect_ucx(parsed, limits, BufferPool(limits.pool_bytes), device=allocate) as channel:
         await channel.send_request(parsed.want_data, key)
-        table = await IpcStream(channel, free_data=None, limits=limits, to_host=to_host).read_all()
+        table = await IpcStream(channel, free_data=None, limits=limits, bodies=ToHost()).read_all()
     return received, table

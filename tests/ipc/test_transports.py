@@ -18,7 +18,7 @@ import trio
 import trio.testing
 from ipc_helpers import sample_messages, sample_table
 
-from evergreen_trio.ipc import Catalog, ServeOptions, fetch, fetch_table, serve
+from evergreen_trio.ipc import Catalog, Role, ServeOptions, fetch, fetch_table, serve
 from evergreen_trio.ipc.arrow import OutgoingMessage
 from evergreen_trio.ipc.config import IpcLimits
 from evergreen_trio.ipc.errors import BodyMismatchError, ConnectionLostError, IpcError, TransportError
@@ -30,7 +30,6 @@ from evergreen_trio.ipc.framing import (
     encode_metadata,
     make_tag,
 )
-from evergreen_trio.ipc.session import Role
 from evergreen_trio.ipc.transports.tcp import FramedSocket
 
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None
