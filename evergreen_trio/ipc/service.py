@@ -50,6 +50,10 @@ class Catalog:
         """Serve an Arrow IPC file or stream, memory-mapped; the ticket defaults to its base name."""
         return self.add_messages(ticket if ticket is not None else Path(path).name, messages_from_file(path))
 
+    def remove(self, ticket: bytes | str) -> None:
+        """Stop serving ``ticket`` (streams already started finish); unknown tickets are ignored."""
+        self._streams.pop(_ticket(ticket), None)
+
     def lookup(self, ticket: bytes) -> Sequence[OutgoingMessage]:
         try:
             return self._streams[ticket]
