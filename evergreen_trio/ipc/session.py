@@ -12,6 +12,7 @@ import collections
 import contextlib
 import logging
 from collections.abc import Sequence
+from typing import Generic, TypeVar
 
 import pyarrow as pa
 import trio
@@ -48,6 +49,8 @@ from evergreen_trio.ipc.transports.base import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _METADATA_BATCH = 256
 """Metadata messages handed to the transport at once (it coalesces them into few sends)."""
@@ -225,15 +228,11 @@ class MergedChannel:
         return self._receive.statistics().tasks_waiting_send > 0
 
 
-class IpcStream:
-    """The client side of one stream: an async iterator of ``pyarrow.RecordBatch``.
+class MessagePump(Generic[T]):
+    """The client side of one stream: reassembles messages and turns each into items of ``T``.
 
-    Batches over shared memory are built on the mapped segment; their memory goes back
-    to the server (``free_data``) once pyarrow releases them. Pass ``copy=True`` to
-    hold many batches at once (the server keeps at most ``max_unacked_bodies`` of them
-    alive per stream and waits for the rest). ``bodies`` is the connection's one resolve
-    step (its transport picks it: host buffers as they are by default, shared memory,
-    device memory).
+    Subclasses say what a complete message becomes (:meth:`_deliver`); the pump owns the
+    receive loop, ordering, the end of the stream and ``free_data``.
     """
 
     def __init__(
@@ -243,29 +242,27 @@ class IpcStream:
         free_data: int | None,
         bodies: BodyResolver | None = None,
         limits: IpcLimits = DEFAULT_LIMITS,
-        copy: bool = False,
     ) -> None:
         self._channel = channel
         self._free_data = free_data
         self._bodies: BodyResolver = bodies if bodies is not None else HostBodies()
         self._limits = limits
-        self._copy = copy
         self._reassembler = Reassembler(limits)
         self._decoder = BatchDecoder()
-        self._batches: collections.deque[pa.RecordBatch] = collections.deque()
+        self._items: collections.deque[T] = collections.deque()
         self._done = False
 
     @property
     def schema(self) -> pa.Schema | None:
         return self._decoder.schema
 
-    def __aiter__(self) -> IpcStream:
+    def __aiter__(self) -> MessagePump[T]:
         return self
 
-    async def __anext__(self) -> pa.RecordBatch:
+    async def __anext__(self) -> T:
         while True:
-            if self._batches:
-                return self._batches.popleft()
+            if self._items:
+                return self._items.popleft()
             if self._done:
                 # Everything arrived; a server already gone has freed its memory itself.
                 with contextlib.suppress(ConnectionLostError):
@@ -273,23 +270,17 @@ class IpcStream:
                 raise StopAsyncIteration
             await self._step()
 
-    async def read_all(self) -> pa.Table:
-        """Every remaining batch as one table (shared-memory bodies are copied out)."""
-        self._copy = True
-        batches = [batch async for batch in self]
-        if self._decoder.schema is None:
-            raise IpcError("stream: expected a schema, got none")
-        return pa.Table.from_batches(batches, schema=self._decoder.schema)
+    def _deliver(self, ready: ReadyMessage) -> None:
+        """Turn one complete message (in sequence order) into items, appended to ``_items``."""
+        raise NotImplementedError
 
     async def _step(self) -> None:
         for ready in self._reassembler.pop_ready():
-            batch = self._decoder.feed(ready.flatbuffer, ready.header, self._resolve(ready))
-            if batch is not None:
-                self._batches.append(batch)
+            self._deliver(ready)
         if self._reassembler.finished:
             self._done = True
             return
-        if self._batches:
+        if self._items:
             return
         try:
             if not self._channel.ready():
@@ -307,14 +298,6 @@ class IpcStream:
         else:
             self._reassembler.on_body(incoming)
 
-    def _resolve(self, ready: ReadyMessage) -> pa.Buffer | None:
-        if ready.body is None:
-            return None
-        # pyarrow's reader keeps dictionaries for the whole stream: copy them out so
-        # their shared memory goes back at once instead of pinning the window.
-        copy = self._copy or ready.header.kind is MessageKind.DICTIONARY_BATCH
-        return self._bodies.resolve(ready.body, ready.header, copy=copy)
-
     async def flush_frees(self) -> None:
         """Send one coalesced free_data message for every released shared-memory body."""
         if self._free_data is None:
@@ -323,3 +306,47 @@ class IpcStream:
         for start in range(0, len(offsets), self._limits.max_free_data_offsets):
             chunk = offsets[start : start + self._limits.max_free_data_offsets]
             await self._channel.send_request(self._free_data, encode_free_data(chunk))
+
+
+class IpcStream(MessagePump[pa.RecordBatch]):
+    """An async iterator of ``pyarrow.RecordBatch`` built by pyarrow's reader on host bodies.
+
+    Batches over shared memory are built on the mapped segment; their memory goes back
+    to the server (``free_data``) once pyarrow releases them. Pass ``copy=True`` to
+    hold many batches at once (the server keeps at most ``max_unacked_bodies`` of them
+    alive per stream and waits for the rest). ``bodies`` is the connection's one resolve
+    step (its transport picks it: host buffers as they are by default, or shared memory).
+    """
+
+    def __init__(
+        self,
+        channel: ClientChannel,
+        *,
+        free_data: int | None,
+        bodies: BodyResolver | None = None,
+        limits: IpcLimits = DEFAULT_LIMITS,
+        copy: bool = False,
+    ) -> None:
+        super().__init__(channel, free_data=free_data, bodies=bodies, limits=limits)
+        self._copy = copy
+
+    async def read_all(self) -> pa.Table:
+        """Every remaining batch as one table (shared-memory bodies are copied out)."""
+        self._copy = True
+        batches = [batch async for batch in self]
+        if self._decoder.schema is None:
+            raise IpcError("stream: expected a schema, got none")
+        return pa.Table.from_batches(batches, schema=self._decoder.schema)
+
+    def _deliver(self, ready: ReadyMessage) -> None:
+        batch = self._decoder.feed(ready.flatbuffer, ready.header, self._resolve(ready))
+        if batch is not None:
+            self._items.append(batch)
+
+    def _resolve(self, ready: ReadyMessage) -> pa.Buffer | None:
+        if ready.body is None:
+            return None
+        # pyarrow's reader keeps dictionaries for the whole stream: copy them out so
+        # their shared memory goes back at once instead of pinning the window.
+        copy = self._copy or ready.header.kind is MessageKind.DICTIONARY_BATCH
+        return self._bodies.resolve(ready.body, ready.header, copy=copy)
