@@ -64,7 +64,7 @@ def device_nbytes(part: Any, dtype: DataType | None = None) -> int:
             step *= extent
         if tuple(strides) != tuple(reversed(expected)) and math.prod(shape) > 1:
             raise AVPEncodeError("device payload: expected a C-contiguous array, got strided")
-    return math.prod(shape) * np_dtype.itemsize
+    return int(math.prod(shape)) * np_dtype.itemsize
 
 
 def encode_device(payload: Any, metadata: AVPMetadata) -> list[Any]:
