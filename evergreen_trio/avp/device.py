@@ -50,21 +50,22 @@ def device_nbytes(part: Any, dtype: DataType | None = None) -> int:
     Reads only ``__cuda_array_interface__``. Raises AVPEncodeError naming what is wrong.
     """
     interface = part.__cuda_array_interface__
-    np_dtype = np.dtype(interface["typestr"])
+    np_dtype: np.dtype[Any] = np.dtype(interface["typestr"])
     if dtype is not None and DTYPE_BY_NAME.get(np_dtype.name) != dtype and np_dtype != np.uint8:
         raise AVPEncodeError(f"device payload: expected dtype {dtype.name.lower()} (metadata.dtype), got {np_dtype}")
     if np_dtype.byteorder == ">":
         raise AVPEncodeError(f"device payload: expected little-endian data, got {np_dtype.str}")
-    shape = tuple(interface["shape"])
+    shape: tuple[int, ...] = tuple(int(extent) for extent in interface["shape"])
     strides = interface.get("strides")
     if strides is not None:
-        expected, step = [], np_dtype.itemsize
+        expected: list[int] = []
+        step = int(np_dtype.itemsize)
         for extent in reversed(shape):
             expected.append(step)
             step *= extent
         if tuple(strides) != tuple(reversed(expected)) and math.prod(shape) > 1:
             raise AVPEncodeError("device payload: expected a C-contiguous array, got strided")
-    return int(math.prod(shape)) * np_dtype.itemsize
+    return math.prod(shape) * int(np_dtype.itemsize)
 
 
 def encode_device(payload: Any, metadata: AVPMetadata) -> list[Any]:
