@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlsplit
+from urllib.parse import quote, unquote_to_bytes, urlsplit
 
 import pyarrow as pa
 import pyarrow.ipc
@@ -53,15 +53,15 @@ def arrow_ref(uri: IpcUri | str, ticket: bytes | str) -> str:
     return f"{text}{'&' if '?' in text else '?'}ticket={quote(key, safe='')}"
 
 
-def _ticket(uri: str) -> bytes:
-    query = urlsplit(uri).query
-    tickets = [value for key, value in parse_qsl(query, keep_blank_values=True, encoding="latin-1") if key == "ticket"]
+def _ticket(query: str, uri: str) -> bytes:
+    tickets = [
+        unquote_to_bytes(value) for key, _, value in (p.partition("=") for p in query.split("&")) if key == "ticket"
+    ]
     if len(tickets) != 1 or not tickets[0]:
-        raise RefRejected(f"ref {uri!r}: expected exactly one non-empty ticket= parameter")
-    key = tickets[0].encode("latin-1")
-    if len(key) > _MAX_TICKET:
-        raise RefRejected(f"ref {uri[:80]!r}...: expected a ticket <= {_MAX_TICKET} bytes, got {len(key)}")
-    return key
+        raise RefRejected(f"ref {uri[:200]!r}: expected exactly one non-empty ticket= parameter")
+    if len(tickets[0]) > _MAX_TICKET:
+        raise RefRejected(f"ref {uri[:80]!r}...: expected a ticket <= {_MAX_TICKET} bytes, got {len(tickets[0])}")
+    return tickets[0]
 
 
 class ArrowRefResolver:
@@ -93,18 +93,24 @@ class ArrowRefResolver:
 
     def _parse(self, uri: str) -> tuple[IpcUri | str, bytes]:
         """(IPC URI or Flight location, ticket); RefRejected saying why ``uri`` is refused."""
-        parts = urlsplit(uri)
+        try:
+            parts = urlsplit(uri)
+            host, port = parts.hostname, parts.port
+        except ValueError as exc:
+            raise RefRejected(f"ref {uri[:200]!r}: expected scheme://host:port?...&ticket=..., got {exc}") from None
         if parts.scheme.lower() != self.scheme:
-            raise RefRejected(f"ref {uri!r}: expected a {self.scheme}:// URI")
-        ticket = _ticket(uri)
+            raise RefRejected(f"ref {uri[:200]!r}: expected a {self.scheme}:// URI")
+        ticket = _ticket(parts.query, uri)
         if self.scheme == "grpc":
-            if parts.hostname not in self.allow_hosts or not parts.port:
-                raise RefRejected(f"ref {uri!r}: host not allowed", code=StatusCode.PERMISSION_DENIED)
+            if not port:
+                raise RefRejected(f"ref {uri[:200]!r}: expected grpc://host:port")
+            if host not in self.allow_hosts:
+                raise RefRejected(f"ref {uri[:200]!r}: host not allowed", code=StatusCode.PERMISSION_DENIED)
             return f"grpc://{parts.netloc}", ticket
         try:
             parsed = parse_uri(uri)
         except UriError as exc:
-            raise RefRejected(f"ref {uri!r}: {exc}") from None
+            raise RefRejected(f"ref {uri[:200]!r}: {exc}") from None
         if parsed.scheme == "shm":
             real = Path(os.path.realpath(parsed.path))
             if not any(root in real.parents for root in self.allow_socket_dirs):

@@ -11,6 +11,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from evergreen_trio import Server, blob, connect, ref
 from evergreen_trio.arrow_refs import (
@@ -168,6 +170,17 @@ def test_malformed_refs_are_invalid_argument(uri: str) -> None:
     with pytest.raises(RefRejected) as caught:
         resolver.check(uri)
     assert caught.value.code in (StatusCode.INVALID_ARGUMENT, StatusCode.PERMISSION_DENIED)
+
+
+@pytest.mark.fuzz
+@given(st.sampled_from(["tcp", "shm", "ucx", "grpc"]), st.text(max_size=120))
+def test_fuzz_any_ref_text_is_accepted_or_refused_with_a_status(scheme: str, tail: str) -> None:
+    resolver = ArrowRefResolver(scheme)
+    for uri in (tail, f"{scheme}://{tail}", f"{scheme}://127.0.0.1:9?want_data=1&ticket={tail}"):
+        try:
+            resolver.check(uri)
+        except RefRejected as refused:
+            assert refused.code in (StatusCode.INVALID_ARGUMENT, StatusCode.PERMISSION_DENIED)
 
 
 async def test_a_ticket_the_server_does_not_know_is_a_clear_error() -> None:
