@@ -9,7 +9,6 @@ batches of about 64 KiB.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
@@ -41,8 +40,6 @@ from evergreen_trio.ipc.transports.base import (
     ServeOptions,
 )
 from evergreen_trio.ipc.uri import IpcUri
-
-log = logging.getLogger("evergreen_trio.ipc.tcp")
 
 _CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _COALESCE_BYTES = 64 * 1024

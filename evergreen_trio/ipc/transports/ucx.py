@@ -60,7 +60,7 @@ from evergreen_trio.ipc.transports.ucx_bridge import (
 )
 from evergreen_trio.ipc.uri import IpcUri
 
-log = logging.getLogger("evergreen_trio.ipc.ucx")
+log = logging.getLogger(__name__)
 
 MAX_ADDRESS_BYTES = 1 << 16
 RECEIVE_DEPTH = 4

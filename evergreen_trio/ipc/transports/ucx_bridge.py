@@ -36,7 +36,7 @@ from ucxx._lib.arr import Array
 from evergreen_trio.ipc._nursery import open_quiet_nursery
 from evergreen_trio.ipc.errors import ConnectionLostError, TransportError
 
-log = logging.getLogger("evergreen_trio.ipc.ucx")
+log = logging.getLogger(__name__)
 
 DEFAULT_TLS = "tcp,self,cma"
 """Transports used when ``UCX_TLS`` is unset: what works on a CPU-only host."""
