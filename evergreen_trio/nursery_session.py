@@ -38,7 +38,7 @@ from evergreen_trio.dag import (
 from evergreen_trio.errors import leaf_exceptions
 from evergreen_trio.metrics import SessionMetrics, abort_reason
 from evergreen_trio.nodes import SERVER_ROLE
-from evergreen_trio.refs import RefResolver
+from evergreen_trio.refs import ExternalRef, RefResolver
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,10 @@ class ChunkReader:
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._stream._leaf_bytes(self)
 
+    def parts(self) -> AsyncIterator[bytes | ExternalRef]:
+        """The chunk's inline bytes and its refs (with the resolver of each) as they arrive, unresolved."""
+        return self._stream._leaf_parts(self)
+
     async def read(self) -> bytes:
         return b"".join([piece async for piece in self])
 
@@ -233,7 +237,7 @@ class InputStream:
                 return event
             await self._session.wait_for(event.node_id)
 
-    async def _leaf_bytes(self, reader: ChunkReader) -> AsyncIterator[bytes]:
+    async def _leaf_parts(self, reader: ChunkReader) -> AsyncIterator[bytes | ExternalRef]:
         while not reader.done and reader is self._current:
             event = await self._next()
             if not isinstance(event, LeafBytes):
@@ -244,9 +248,15 @@ class InputStream:
                 if part.data:
                     yield part.data
             else:
-                resolver = self._session.options.resolvers[part.ref.partition(":")[0].lower()]
-                async for block in resolver.open(part.ref):
+                yield ExternalRef(part.ref, self._session.options.resolvers[part.ref.partition(":")[0].lower()])
+
+    async def _leaf_bytes(self, reader: ChunkReader) -> AsyncIterator[bytes]:
+        async for part in self._leaf_parts(reader):
+            if isinstance(part, ExternalRef):
+                async for block in part.resolver.open(part.uri):
                     yield block
+            else:
+                yield part
 
     def __aiter__(self) -> AsyncIterator[ChunkReader]:
         return self._chunks()

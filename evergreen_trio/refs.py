@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
@@ -22,6 +23,14 @@ class RefResolver(Protocol):
         """Raise RefRejectedError when ``uri`` can never be resolved here (checked when the ref arrives)."""
 
     def open(self, uri: str) -> AsyncIterator[bytes]: ...
+
+
+@dataclass(frozen=True)
+class ExternalRef:
+    """A chunk's ref as a reader sees it: the URI and the resolver this side enabled for it."""
+
+    uri: str
+    resolver: RefResolver
 
 
 class FileResolver:

@@ -118,6 +118,7 @@ def _byte_view(part: Any, dtype: DataType) -> memoryview:
     if isinstance(part, np.ndarray):
         return _array_view(part, dtype)
     if hasattr(part, "__cuda_array_interface__"):
+        # Bytes out means host bytes: the copy is what was asked for (avp.device keeps it on the GPU).
         return _array_view(require_cupy().asnumpy(part), dtype)
     try:
         view = memoryview(part)
@@ -256,17 +257,22 @@ def encode_buffers(
             stream = compressor.compressobj(size=size)
             body.append(b"".join([*(stream.compress(view) for view in views), stream.flush()]))
         size = len(body[0])
-    meta = _metadata_bytes(metadata, compression is not None, crc)
-    payload_length = len(meta) + size
+    body.insert(0, frame_prefix(metadata, compression is not None, crc, size))
+    return body
+
+
+def frame_prefix(metadata: AVPMetadata, compressed: bool, checksum: int | None, tensor_bytes: int) -> bytes:
+    """The 12-byte header and the metadata that precede a tensor section of ``tensor_bytes``."""
+    meta = _metadata_bytes(metadata, compressed, checksum)
+    payload_length = len(meta) + tensor_bytes
     if payload_length > _UINT32_MAX:
         raise AVPEncodeError(f"payload_length: expected at most {_UINT32_MAX} bytes (uint32), got {payload_length}")
-    flags = FLAG_COMPRESSED if compression is not None else 0
+    flags = FLAG_COMPRESSED if compressed else 0
     if metadata.avp_map_id:
         flags |= FLAG_HAS_MAP
     if metadata.payload_type == PayloadType.KV_CACHE:
         flags |= FLAG_KV_CACHE
-    body.insert(0, HEADER.pack(MAGIC, PROTOCOL_VERSION, flags, payload_length, len(meta)) + meta)
-    return body
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, flags, payload_length, len(meta)) + meta
 
 
 def encode(

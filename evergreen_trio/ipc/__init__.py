@@ -21,7 +21,8 @@ from evergreen_trio.ipc.errors import (
 )
 from evergreen_trio.ipc.pool import BufferPool
 from evergreen_trio.ipc.service import Catalog, fetch, fetch_table, serve
-from evergreen_trio.ipc.session import IpcStream, Role, ServeOptions
+from evergreen_trio.ipc.session import IpcStream
+from evergreen_trio.ipc.transports.base import Role, ServeOptions
 from evergreen_trio.ipc.uri import IpcUri, parse_uri
 
 __all__ = [

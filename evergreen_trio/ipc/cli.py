@@ -13,7 +13,7 @@ import trio
 from evergreen_trio._cli import UsageError, new_file, serve_until_signal
 from evergreen_trio.ipc.errors import IpcError
 from evergreen_trio.ipc.service import Catalog, fetch, serve
-from evergreen_trio.ipc.session import Role, ServeOptions
+from evergreen_trio.ipc.transports.base import Role, ServeOptions
 from evergreen_trio.ipc.uri import IpcUri
 
 PROGRESS_AFTER_S = 0.5

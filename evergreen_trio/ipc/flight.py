@@ -56,18 +56,30 @@ class ControlPlane(flight.FlightServerBase):  # type: ignore[misc]
         return flight.RecordBatchStream(pa.Table.from_batches(batches, schema=schema))
 
 
-async def fetch_through_flight(flight_location: str, ticket: bytes | str) -> pa.Table:
-    """Ask a Flight server where ``ticket`` lives, then fetch it over the dissociated transport."""
+async def locate(flight_location: str, ticket: bytes | str) -> tuple[str, bytes]:
+    """Ask a Flight server where ``ticket`` lives: its Dissociated IPC URI and the ticket to send there.
+
+    Raises UnknownTicketError when the server knows no such flight or offers no IPC location.
+    """
     key = ticket.encode() if isinstance(ticket, str) else ticket
 
     def info() -> flight.FlightInfo:
         with flight.connect(flight_location) as client:
             return client.get_flight_info(flight.FlightDescriptor.for_path(key))
 
-    flight_info = await trio.to_thread.run_sync(info)
+    try:
+        flight_info = await trio.to_thread.run_sync(info)
+    except flight.FlightError as exc:
+        raise UnknownTicketError(f"Flight info for {key[:64]!r} at {flight_location}: {exc}") from None
     for endpoint in flight_info.endpoints:
         for location in endpoint.locations:
             uri = location.uri.decode()
             if uri.split(":", 1)[0] in SCHEMES:
-                return await fetch_table(uri, endpoint.ticket.ticket)
-    raise UnknownTicketError(f"Flight info for {key!r}: expected a {SCHEMES} location, got none")
+                return uri, endpoint.ticket.ticket
+    raise UnknownTicketError(f"Flight info for {key[:64]!r}: expected a {SCHEMES} location, got none")
+
+
+async def fetch_through_flight(flight_location: str, ticket: bytes | str) -> pa.Table:
+    """Ask a Flight server where ``ticket`` lives, then fetch it over the dissociated transport."""
+    uri, data_ticket = await locate(flight_location, ticket)
+    return await fetch_table(uri, data_ticket)

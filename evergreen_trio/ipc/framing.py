@@ -155,6 +155,56 @@ def parse_body_tag(tag: int) -> BodyTag:
     return BodyTag(tag & SEQ_MASK, body_type)
 
 
+@dataclass(frozen=True)
+class BodyIn:
+    """A body as received, its tag parsed and its size checked once by the transport.
+
+    ``body`` is the received memory for a raw body (a host ``pa.Buffer`` or a device
+    array) and the decoded :class:`BodyDescriptor` for a shared-memory body; ``nbytes``
+    is the body length it stands for (the descriptor's total).
+    """
+
+    tag: BodyTag
+    body: object
+    nbytes: int
+
+
+def max_descriptor_bytes(limits: IpcLimits) -> int:
+    """The largest descriptor ``limits`` allow: total, count and one (offset, length) per buffer."""
+    return 16 + 16 * limits.max_buffers_per_body
+
+
+def classify_body(tag: int, nbytes: int, limits: IpcLimits, accepts: BodyType) -> BodyTag:
+    """Parse a body tag announced with ``nbytes`` and check it before anything is received.
+
+    Raises FramingError for reserved bits, an unknown body type or a body type this
+    connection does not carry (``accepts``), LimitExceededError for a body or descriptor
+    larger than ``limits`` allow.
+    """
+    parsed = parse_body_tag(tag)
+    if parsed.body_type is not accepts:
+        wanted = "an inline body" if accepts is BodyType.RAW else "a shared-memory descriptor"
+        got = "an inline body" if parsed.body_type is BodyType.RAW else "a shared-memory descriptor"
+        raise FramingError(f"body {parsed.seq}: expected {wanted}, got {got}")
+    if accepts is BodyType.DESCRIPTOR:
+        if nbytes > max_descriptor_bytes(limits):
+            raise LimitExceededError(f"body descriptor: expected <= {max_descriptor_bytes(limits)} bytes, got {nbytes}")
+    elif nbytes > limits.max_body_bytes:
+        raise LimitExceededError(f"body {parsed.seq}: expected <= {limits.max_body_bytes} bytes, got {nbytes}")
+    return parsed
+
+
+def body_in(tag: BodyTag, payload: object, nbytes: int, limits: IpcLimits) -> BodyIn:
+    """The typed body for a classified tag: descriptors are decoded here, raw bodies kept.
+
+    Raises FramingError / LimitExceededError for a malformed descriptor.
+    """
+    if tag.body_type is BodyType.DESCRIPTOR:
+        descriptor = decode_descriptor(memoryview(payload), limits)  # type: ignore[arg-type]
+        return BodyIn(tag, descriptor, descriptor.total)
+    return BodyIn(tag, payload, nbytes)
+
+
 def encode_descriptor(descriptor: BodyDescriptor) -> bytes:
     """Serialize a type-1 body: total, count, then (offset, length) pairs, all uint64 LE."""
     flat = [descriptor.total, len(descriptor.buffers)]

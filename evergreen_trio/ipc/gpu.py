@@ -1,33 +1,42 @@
-"""GPU bodies over UCX: bodies live in CuPy device memory on both ends.
+"""GPU bodies over UCX: bodies stay in device memory end to end.
 
 The server sends device buffers as the protocol's raw (type 0) bodies, so the tagged
 message goes device to device through UCX (``cuda_copy``/``cuda_ipc``, part of the
-default ``UCX_TLS`` on a host with an NVIDIA driver). The client receives each body straight into a CuPy buffer of the
-announced length (limits checked first) through the same channel and stream code as
-host bodies, keeps the device buffers for GPU consumers and builds host batches from
-them for pyarrow. Device catalogs are served over ``ucx://`` only.
+default ``UCX_TLS`` on a host with an NVIDIA driver). The client receives each body
+straight into a device buffer of the announced length (limits checked first) and hands
+it on as a :class:`DeviceBatch`: the whole body plus one zero-copy device view per IPC
+buffer (validity, offsets, data, in the schema's depth-first order), each a CuPy array
+that also exports DLPack (``torch.from_dlpack(view)``). Nothing is copied to the host
+unless asked: ``host=True`` also builds a ``pyarrow.RecordBatch`` from a host copy.
+Only the schema (it has no body) is decoded on the host. Device catalogs are served over
+``ucx://`` only.
 
 UCX must find a current CUDA context when it creates its context, and that context is
-shared by the whole process: call :func:`init_cuda` (both functions here do) before
-anything in the process uses UCX. Needs CuPy and a CUDA device; nothing here is
-imported otherwise.
+shared by the whole process: call :func:`init_cuda` (:func:`cupy_memory` does) before
+anything in the process uses UCX. CuPy is imported only here, only when used. A
+:class:`DeviceMemory` other than CuPy's (NumPy's, in the tests) runs the same code on a
+host without a GPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from evergreen_trio.ipc.arrow import OutgoingMessage, messages_from_table
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
 from evergreen_trio.ipc.errors import IpcError, UriError
-from evergreen_trio.ipc.flatbuf import MessageHeader
+from evergreen_trio.ipc.flatbuf import MessageHeader, MessageKind
 from evergreen_trio.ipc.pool import BufferPool
 from evergreen_trio.ipc.reassembly import ReadyMessage
-from evergreen_trio.ipc.session import IpcStream
+from evergreen_trio.ipc.session import MessagePump
+from evergreen_trio.ipc.transports.base import ClientChannel
 from evergreen_trio.ipc.uri import IpcUri, parse_uri
 
 
@@ -43,7 +52,7 @@ def init_cuda() -> Any:
     """Create (or make current) the CUDA context of the current device; return ``cupy``.
 
     ``cudaFree(0)`` is the usual way to force the primary context into existence
-    without allocating.
+    without allocating. Raises IpcError without CuPy or a usable device.
     """
     cupy = _cupy()
     try:
@@ -53,55 +62,158 @@ def init_cuda() -> Any:
     return cupy
 
 
-def device_catalog_entry(table: pa.Table, max_chunksize: int | None = None) -> list[OutgoingMessage]:
-    """A table's messages with every body copied once to the current CUDA device.
+@dataclass(frozen=True)
+class DeviceMemory:
+    """How device buffers are made, filled from the host, and (only when asked) copied back."""
 
-    The bodies are CuPy ``uint8`` arrays (where :class:`OutgoingMessage` normally holds a
-    ``pyarrow.Buffer``); the copies are finished before this returns, so UCX never
-    reads a buffer that a stream is still writing.
-    """
+    allocate: Callable[[int], Any]
+    """A 1-D ``uint8`` device array of that many bytes (UCX receives into it)."""
+    from_host: Callable[[npt.NDArray[np.uint8]], Any]
+    to_host: Callable[[Any], npt.NDArray[np.uint8]]
+    synchronize: Callable[[], None]
+    """Wait for copies issued so far (before UCX reads a buffer a stream may still write)."""
+
+
+def cupy_memory() -> DeviceMemory:
+    """CuPy's device memory on the current device (the CUDA context is created first)."""
     cupy = init_cuda()
+    return DeviceMemory(
+        allocate=lambda nbytes: cupy.empty(nbytes, cupy.uint8),
+        from_host=cupy.asarray,
+        to_host=cupy.asnumpy,
+        synchronize=lambda: cupy.cuda.get_current_stream().synchronize(),
+    )
+
+
+def device_catalog_entry(
+    table: pa.Table, max_chunksize: int | None = None, memory: DeviceMemory | None = None
+) -> list[OutgoingMessage]:
+    """A table's messages with every body copied once to the device (CuPy's by default).
+
+    The bodies are device ``uint8`` arrays (where :class:`OutgoingMessage` normally holds a
+    ``pyarrow.Buffer``); the copies are finished before this returns, so UCX never reads
+    a buffer that a stream is still writing.
+    """
+    memory = memory if memory is not None else cupy_memory()
     out = []
     for message in messages_from_table(table, max_chunksize):
         if message.body is None or not message.body.size:
             out.append(message)
         else:
-            out.append(replace(message, body=cupy.asarray(np.frombuffer(message.body, np.uint8))))
-    cupy.cuda.get_current_stream().synchronize()
+            out.append(replace(message, body=memory.from_host(np.frombuffer(message.body, np.uint8))))
+    memory.synchronize()
     return out
 
 
 @dataclass(frozen=True)
-class DeviceMessage:
-    """One received message with a body: its header and its body in device memory."""
+class DeviceBatch:
+    """One received message with a body, its body in device memory.
+
+    ``kind`` is RECORD_BATCH or DICTIONARY_BATCH (device consumers need dictionaries too).
+    ``host`` is the pyarrow batch built from a host copy, only for record batches of a
+    stream opened with ``host=True``.
+    """
 
     seq: int
     flatbuffer: bytes
     header: MessageHeader
     body: Any
+    host: pa.RecordBatch | None = None
+
+    @property
+    def kind(self) -> MessageKind:
+        return self.header.kind
+
+    @property
+    def buffers(self) -> list[Any]:
+        """One zero-copy device view per IPC buffer, in the order of the message's buffer list."""
+        return [self.body[offset : offset + length] for offset, length in self.header.buffers]
 
 
-async def fetch_device(
-    uri: str | IpcUri, ticket: bytes | str, limits: IpcLimits = DEFAULT_LIMITS
-) -> tuple[list[DeviceMessage], pa.Table]:
-    """Fetch over UCX into device memory: the device bodies in order, and the host table."""
-    from evergreen_trio.ipc.transports.ucx import connect_ucx
+class DeviceStream(MessagePump[DeviceBatch]):
+    """An async iterator of :class:`DeviceBatch`: bodies never leave the device unless ``host``.
 
+    The schema is decoded on the host (it has no body); with ``host=True`` every body is
+    also copied to the host once and decoded by pyarrow (dictionaries included).
+    """
+
+    def __init__(
+        self,
+        channel: ClientChannel,
+        memory: DeviceMemory,
+        *,
+        limits: IpcLimits = DEFAULT_LIMITS,
+        host: bool = False,
+    ) -> None:
+        super().__init__(channel, free_data=None, limits=limits)
+        self._memory = memory
+        self._host = host
+
+    def _deliver(self, ready: ReadyMessage) -> None:
+        if ready.body is None:
+            # The schema, or a batch without a body: nothing to keep on the device.
+            empty = self._decoder.feed(ready.flatbuffer, ready.header, None)
+            if ready.header.kind is MessageKind.RECORD_BATCH:
+                body = self._memory.allocate(0)
+                self._items.append(DeviceBatch(ready.seq, ready.flatbuffer, ready.header, body, empty))
+            return
+        host_batch = None
+        if self._host:
+            host_batch = self._decoder.feed(
+                ready.flatbuffer, ready.header, pa.py_buffer(self._memory.to_host(ready.body))
+            )
+        self._items.append(DeviceBatch(ready.seq, ready.flatbuffer, ready.header, ready.body, host_batch))
+
+    async def read_all(self) -> tuple[list[DeviceBatch], pa.Table | None]:
+        """Every remaining device batch, and (with ``host=True``) the host table."""
+        batches = [batch async for batch in self]
+        if not self._host:
+            return batches, None
+        if self._decoder.schema is None:
+            raise IpcError("stream: expected a schema, got none")
+        hosts = [b.host for b in batches if b.host is not None]
+        return batches, pa.Table.from_batches(hosts, schema=self._decoder.schema)
+
+
+def _ucx_uri(uri: str | IpcUri) -> IpcUri:
     parsed = parse_uri(uri) if isinstance(uri, str) else uri
     if parsed.scheme != "ucx":
         raise UriError(f"GPU fetch: expected a ucx:// URI, got {parsed.scheme}://")
-    cupy = init_cuda()
-    received: list[DeviceMessage] = []
+    return parsed
 
-    def allocate(nbytes: int) -> Any:
-        return cupy.empty(nbytes, cupy.uint8)
 
-    def to_host(ready: ReadyMessage) -> pa.Buffer:
-        received.append(DeviceMessage(ready.seq, ready.flatbuffer, ready.header, ready.body))
-        return pa.py_buffer(cupy.asnumpy(ready.body))
+@asynccontextmanager
+async def open_device(
+    uri: str | IpcUri,
+    ticket: bytes | str,
+    *,
+    limits: IpcLimits = DEFAULT_LIMITS,
+    memory: DeviceMemory | None = None,
+    host: bool = False,
+) -> AsyncIterator[DeviceStream]:
+    """Fetch over UCX with every raw body received into device memory; yield the stream.
 
+    Raises UriError for a URI that is not ``ucx://``, IpcError without CuPy / a device
+    (when ``memory`` is not given), and the usual IPC errors while streaming.
+    """
+    from evergreen_trio.ipc.transports.ucx import connect_ucx
+
+    parsed = _ucx_uri(uri)
+    memory = memory if memory is not None else cupy_memory()
     key = ticket.encode() if isinstance(ticket, str) else bytes(ticket)
-    async with connect_ucx(parsed, limits, BufferPool(limits.pool_bytes), device=allocate) as channel:
+    async with connect_ucx(parsed, limits, BufferPool(limits.pool_bytes), device=memory.allocate) as channel:
         await channel.send_request(parsed.want_data, key)
-        table = await IpcStream(channel, free_data=None, limits=limits, to_host=to_host).read_all()
-    return received, table
+        yield DeviceStream(channel, memory, limits=limits, host=host)
+
+
+async def fetch_device(
+    uri: str | IpcUri,
+    ticket: bytes | str,
+    limits: IpcLimits = DEFAULT_LIMITS,
+    *,
+    memory: DeviceMemory | None = None,
+    host: bool = False,
+) -> tuple[list[DeviceBatch], pa.Table | None]:
+    """The whole stream as device batches, and (with ``host=True``) the host table."""
+    async with open_device(uri, ticket, limits=limits, memory=memory, host=host) as stream:
+        return await stream.read_all()

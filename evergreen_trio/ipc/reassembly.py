@@ -17,18 +17,11 @@ from evergreen_trio.ipc.flatbuf import MessageHeader, MessageKind, parse_message
 from evergreen_trio.ipc.framing import (
     UINT32_MAX,
     BodyDescriptor,
+    BodyIn,
     BodyType,
     EndOfStream,
-    decode_descriptor,
     decode_metadata,
-    parse_body_tag,
 )
-
-
-@dataclass(frozen=True)
-class _Raw:
-    body: object
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -54,7 +47,7 @@ class Reassembler:
         self._first = first_seq
         self._next = first_seq
         self._metadata: dict[int, tuple[bytes, MessageHeader]] = {}
-        self._bodies: dict[int, tuple[BodyType, _Raw | BodyDescriptor]] = {}
+        self._bodies: dict[int, BodyIn] = {}
         self._eos: int | None = None
         self.delivered = 0
 
@@ -91,47 +84,34 @@ class Reassembler:
                 f"got {header.body_length}"
             )
         if message.seq in self._bodies:
-            self._check(message.seq, header, *self._bodies[message.seq])
+            self._check(message.seq, header, self._bodies[message.seq])
         self._metadata[message.seq] = (message.flatbuffer, header)
 
-    def on_body(self, tag: int, body: object, nbytes: int) -> None:
-        """Feed one tagged body. A type-1 body must be bytes-like (the descriptor)."""
-        parsed = parse_body_tag(tag)
-        self._offset(parsed.seq, "body")
-        if parsed.seq in self._bodies:
-            raise SequenceError(f"body {parsed.seq}: received twice")
-        payload: _Raw | BodyDescriptor
-        if parsed.body_type is BodyType.DESCRIPTOR:
-            try:
-                view = memoryview(body)  # type: ignore[arg-type]
-            except TypeError:
-                raise BodyMismatchError(f"body {parsed.seq}: expected descriptor bytes in host memory") from None
-            payload = decode_descriptor(view, self._limits)
-        else:
-            if nbytes > self._limits.max_body_bytes:
-                raise LimitExceededError(
-                    f"body {parsed.seq}: expected <= {self._limits.max_body_bytes} bytes, got {nbytes}"
-                )
-            payload = _Raw(body, nbytes)
-        if parsed.seq in self._metadata:
-            self._check(parsed.seq, self._metadata[parsed.seq][1], parsed.body_type, payload)
-        self._bodies[parsed.seq] = (parsed.body_type, payload)
+    def on_body(self, incoming: BodyIn) -> None:
+        """Feed one body, its tag already parsed and its size checked by the transport."""
+        seq = incoming.tag.seq
+        self._offset(seq, "body")
+        if seq in self._bodies:
+            raise SequenceError(f"body {seq}: received twice")
+        if seq in self._metadata:
+            self._check(seq, self._metadata[seq][1], incoming)
+        self._bodies[seq] = incoming
 
-    def _check(self, seq: int, header: MessageHeader, body_type: BodyType, payload: _Raw | BodyDescriptor) -> None:
+    def _check(self, seq: int, header: MessageHeader, incoming: BodyIn) -> None:
         if not header.has_body:
             raise BodyMismatchError(f"body {seq}: expected none for a {header.kind.name} message, got one")
-        if isinstance(payload, BodyDescriptor):
-            lengths = tuple(length for _, length in payload.buffers)
+        if isinstance(incoming.body, BodyDescriptor):
+            lengths = tuple(length for _, length in incoming.body.buffers)
             expected = tuple(length for _, length in header.buffers)
-            if payload.total != header.body_length or lengths != expected:
+            if incoming.nbytes != header.body_length or lengths != expected:
                 raise BodyMismatchError(
                     f"body {seq}: expected {header.body_length} bytes in buffers {list(expected)}, "
-                    f"got {payload.total} bytes in buffers {list(lengths)}"
+                    f"got {incoming.nbytes} bytes in buffers {list(lengths)}"
                 )
             return
-        if payload.nbytes != header.body_length:
+        if incoming.nbytes != header.body_length:
             raise BodyMismatchError(
-                f"body {seq}: expected {header.body_length} bytes (metadata bodyLength), got {payload.nbytes}"
+                f"body {seq}: expected {header.body_length} bytes (metadata bodyLength), got {incoming.nbytes}"
             )
 
     def _on_eos(self, seq: int) -> None:
@@ -158,8 +138,8 @@ class Reassembler:
             body_type: BodyType | None = None
             body: object = None
             if header.has_body:
-                body_type, payload = self._bodies.pop(self._next)
-                body = payload if isinstance(payload, BodyDescriptor) else payload.body
+                incoming = self._bodies.pop(self._next)
+                body_type, body = incoming.tag.body_type, incoming.body
             ready.append(ReadyMessage(self._next, flatbuffer, header, body_type, body))
             self._next = (self._next + 1) & UINT32_MAX
             self.delivered += 1
@@ -183,7 +163,7 @@ class Reassembler:
 
     def pending_bodies(self) -> list[object]:
         """Bodies held but not yet released (the shell frees or recycles them on teardown)."""
-        return [p if isinstance(p, BodyDescriptor) else p.body for _, p in self._bodies.values()]
+        return [incoming.body for incoming in self._bodies.values()]
 
     def expect_finished(self) -> None:
         """Raise :class:`SequenceError` naming what is missing if the stream is incomplete."""

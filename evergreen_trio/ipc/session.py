@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Generic, TypeVar
 
 import pyarrow as pa
 import trio
@@ -30,99 +28,34 @@ from evergreen_trio.ipc.errors import (
 )
 from evergreen_trio.ipc.flatbuf import MessageKind
 from evergreen_trio.ipc.framing import (
-    FREE_DATA_TAG,
     UINT32_MAX,
-    WANT_DATA_TAG,
-    BodyDescriptor,
-    BodyType,
+    BodyIn,
     decode_free_data,
     encode_end_of_stream,
     encode_free_data,
     encode_metadata,
     encode_refusal,
-    make_tag,
 )
 from evergreen_trio.ipc.reassembly import ReadyMessage, Reassembler
 from evergreen_trio.ipc.transports.base import (
-    BodyIn,
     BodyResolver,
+    BodySender,
     ClientChannel,
     Completion,
+    HostBodies,
+    Lookup,
     MetadataIn,
+    Role,
+    ServeOptions,
     ServerChannel,
 )
 
 log = logging.getLogger(__name__)
 
-Lookup = Callable[[bytes], Sequence[OutgoingMessage]]
+T = TypeVar("T")
 
 _METADATA_BATCH = 256
 """Metadata messages handed to the transport at once (it coalesces them into few sends)."""
-
-
-class Role(enum.Enum):
-    """What a server sends for a want_data: the spec lets one process or two serve a stream."""
-
-    BOTH = "both"
-    METADATA = "metadata"
-    DATA = "data"
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """The tags a server advertises, the limits it enforces and the streams it serves."""
-
-    want_data: int = WANT_DATA_TAG
-    free_data: int = FREE_DATA_TAG
-    limits: IpcLimits = DEFAULT_LIMITS
-    role: Role = Role.BOTH
-
-
-class BodySender(Protocol):
-    """How a server places bodies: inline (type 0) or in shared memory (type 1)."""
-
-    async def post(self, channel: ServerChannel, seq: int, message: OutgoingMessage) -> Completion:
-        """Place one body; it may be announced only at the next :meth:`flush`."""
-        ...
-
-    async def flush(self, channel: ServerChannel) -> None:
-        """Announce every body posted so far (called before waiting, and at the end)."""
-        ...
-
-    @property
-    def queued(self) -> int:
-        """Bodies posted but not yet announced to the client."""
-        ...
-
-    def prepare(self, messages: Sequence[OutgoingMessage], window: int) -> None:
-        """Get ready for a stream whose bodies are posted at most ``window`` unacknowledged."""
-        ...
-
-    def on_free(self, offsets: Sequence[int]) -> None: ...
-
-    def release_all(self) -> None: ...
-
-
-class RawBodies:
-    """Body type 0: the packed IPC body itself, sent as soon as it is posted."""
-
-    async def post(self, channel: ServerChannel, seq: int, message: OutgoingMessage) -> Completion:
-        body = message.body if message.body is not None else pa.py_buffer(b"")
-        return await channel.post_body(make_tag(seq, BodyType.RAW), body)
-
-    async def flush(self, channel: ServerChannel) -> None:
-        return None
-
-    queued = 0
-
-    def prepare(self, messages: Sequence[OutgoingMessage], window: int) -> None:
-        return None
-
-    def on_free(self, offsets: Sequence[int]) -> None:
-        raise FramingError(f"free_data: expected none for inline bodies, got {len(offsets)} offsets")
-
-    def release_all(self) -> None:
-        return None
 
 
 class _Pacer:
@@ -301,14 +234,11 @@ class MergedChannel:
         return self._receive.statistics().tasks_waiting_send > 0
 
 
-class IpcStream:
-    """The client side of one stream: an async iterator of ``pyarrow.RecordBatch``.
+class MessagePump(Generic[T]):
+    """The client side of one stream: reassembles messages and turns each into items of ``T``.
 
-    Batches over shared memory are built on the mapped segment; their memory goes back
-    to the server (``free_data``) once pyarrow releases them. Pass ``copy=True`` to
-    hold many batches at once (the server keeps at most ``max_unacked_bodies`` of them
-    alive per stream and waits for the rest). ``to_host`` turns a body that is not host
-    memory (a device buffer) into one; it sees the whole ready message.
+    Subclasses say what a complete message becomes (:meth:`_deliver`); the pump owns the
+    receive loop, ordering, the end of the stream and ``free_data``.
     """
 
     def __init__(
@@ -316,33 +246,29 @@ class IpcStream:
         channel: ClientChannel,
         *,
         free_data: int | None,
-        resolver: BodyResolver | None = None,
+        bodies: BodyResolver | None = None,
         limits: IpcLimits = DEFAULT_LIMITS,
-        copy: bool = False,
-        to_host: Callable[[ReadyMessage], pa.Buffer] | None = None,
     ) -> None:
         self._channel = channel
         self._free_data = free_data
-        self._resolver = resolver
+        self._bodies: BodyResolver = bodies if bodies is not None else HostBodies()
         self._limits = limits
-        self._copy = copy
-        self._to_host = to_host
         self._reassembler = Reassembler(limits)
         self._decoder = BatchDecoder()
-        self._batches: collections.deque[pa.RecordBatch] = collections.deque()
+        self._items: collections.deque[T] = collections.deque()
         self._done = False
 
     @property
     def schema(self) -> pa.Schema | None:
         return self._decoder.schema
 
-    def __aiter__(self) -> IpcStream:
+    def __aiter__(self) -> MessagePump[T]:
         return self
 
-    async def __anext__(self) -> pa.RecordBatch:
+    async def __anext__(self) -> T:
         while True:
-            if self._batches:
-                return self._batches.popleft()
+            if self._items:
+                return self._items.popleft()
             if self._done:
                 # Everything arrived; a server already gone has freed its memory itself.
                 with contextlib.suppress(ConnectionLostError):
@@ -350,23 +276,17 @@ class IpcStream:
                 raise StopAsyncIteration
             await self._step()
 
-    async def read_all(self) -> pa.Table:
-        """Every remaining batch as one table (shared-memory bodies are copied out)."""
-        self._copy = True
-        batches = [batch async for batch in self]
-        if self._decoder.schema is None:
-            raise IpcError("stream: expected a schema, got none")
-        return pa.Table.from_batches(batches, schema=self._decoder.schema)
+    def _deliver(self, ready: ReadyMessage) -> None:
+        """Turn one complete message (in sequence order) into items, appended to ``_items``."""
+        raise NotImplementedError
 
     async def _step(self) -> None:
         for ready in self._reassembler.pop_ready():
-            batch = self._decoder.feed(ready.flatbuffer, ready.header, self._host_body(ready))
-            if batch is not None:
-                self._batches.append(batch)
+            self._deliver(ready)
         if self._reassembler.finished:
             self._done = True
             return
-        if self._batches:
+        if self._items:
             return
         try:
             if not self._channel.ready():
@@ -382,32 +302,57 @@ class IpcStream:
         if isinstance(incoming, MetadataIn):
             self._reassembler.on_metadata(incoming.data)
         else:
-            self._on_body(incoming)
-
-    def _on_body(self, incoming: BodyIn) -> None:
-        self._reassembler.on_body(incoming.tag, incoming.body, incoming.nbytes)
-
-    def _host_body(self, ready: ReadyMessage) -> pa.Buffer | None:
-        if ready.body is None:
-            return None
-        if isinstance(ready.body, BodyDescriptor):
-            if self._resolver is None:
-                raise FramingError(f"body {ready.seq}: expected an inline body, got a shared-memory descriptor")
-            # pyarrow's reader keeps dictionaries for the whole stream: copy them out so
-            # their shared memory goes back at once instead of pinning the window.
-            copy = self._copy or ready.header.kind is MessageKind.DICTIONARY_BATCH
-            return self._resolver.resolve(ready.body, ready.header, copy=copy)
-        if isinstance(ready.body, pa.Buffer):
-            return ready.body
-        if self._to_host is None:
-            raise FramingError(f"body {ready.seq}: expected host memory, got {type(ready.body).__name__}")
-        return self._to_host(ready)
+            self._reassembler.on_body(incoming)
 
     async def flush_frees(self) -> None:
         """Send one coalesced free_data message for every released shared-memory body."""
-        if self._resolver is None or self._free_data is None:
+        if self._free_data is None:
             return
-        offsets = self._resolver.take_freed()
+        offsets = self._bodies.take_freed()
         for start in range(0, len(offsets), self._limits.max_free_data_offsets):
             chunk = offsets[start : start + self._limits.max_free_data_offsets]
             await self._channel.send_request(self._free_data, encode_free_data(chunk))
+
+
+class IpcStream(MessagePump[pa.RecordBatch]):
+    """An async iterator of ``pyarrow.RecordBatch`` built by pyarrow's reader on host bodies.
+
+    Batches over shared memory are built on the mapped segment; their memory goes back
+    to the server (``free_data``) once pyarrow releases them. Pass ``copy=True`` to
+    hold many batches at once (the server keeps at most ``max_unacked_bodies`` of them
+    alive per stream and waits for the rest). ``bodies`` is the connection's one resolve
+    step (its transport picks it: host buffers as they are by default, or shared memory).
+    """
+
+    def __init__(
+        self,
+        channel: ClientChannel,
+        *,
+        free_data: int | None,
+        bodies: BodyResolver | None = None,
+        limits: IpcLimits = DEFAULT_LIMITS,
+        copy: bool = False,
+    ) -> None:
+        super().__init__(channel, free_data=free_data, bodies=bodies, limits=limits)
+        self._copy = copy
+
+    async def read_all(self) -> pa.Table:
+        """Every remaining batch as one table (shared-memory bodies are copied out)."""
+        self._copy = True
+        batches = [batch async for batch in self]
+        if self._decoder.schema is None:
+            raise IpcError("stream: expected a schema, got none")
+        return pa.Table.from_batches(batches, schema=self._decoder.schema)
+
+    def _deliver(self, ready: ReadyMessage) -> None:
+        batch = self._decoder.feed(ready.flatbuffer, ready.header, self._resolve(ready))
+        if batch is not None:
+            self._items.append(batch)
+
+    def _resolve(self, ready: ReadyMessage) -> pa.Buffer | None:
+        if ready.body is None:
+            return None
+        # pyarrow's reader keeps dictionaries for the whole stream: copy them out so
+        # their shared memory goes back at once instead of pinning the window.
+        copy = self._copy or ready.header.kind is MessageKind.DICTIONARY_BATCH
+        return self._bodies.resolve(ready.body, ready.header, copy=copy)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlsplit
 
 from evergreen_trio.ipc.errors import UriError
-from evergreen_trio.ipc.framing import UINT64_MAX
+from evergreen_trio.ipc.framing import UINT64_MAX, WANT_DATA_TAG
 
 SCHEMES = ("ucx", "tcp", "shm")
 
@@ -46,8 +46,13 @@ def _uint64(name: str, text: str) -> int:
     return value
 
 
-def parse_uri(text: str) -> IpcUri:
-    """Parse and validate a URI; ``want_data`` is required."""
+def parse_uri(text: str, *, listen: bool = False) -> IpcUri:
+    """Parse and validate a URI; ``want_data`` is required.
+
+    With ``listen`` (the address a server binds): ``want_data`` may be left out (the
+    server's own tags are advertised), port 0 picks a free port, an ``shm`` path may be
+    left out (a fresh one is made) and the host defaults to 127.0.0.1. Raises UriError.
+    """
     try:
         parts = urlsplit(text)
         port = parts.port or 0
@@ -63,7 +68,7 @@ def parse_uri(text: str) -> IpcUri:
         if key in params:
             raise UriError(f"URI query: parameter {key!r} given twice")
         params[key] = unquote(value)
-    if "want_data" not in params:
+    if "want_data" not in params and not listen:
         raise UriError(f"URI: expected the required want_data parameter, got {sorted(params)}")
     handle = None
     if "remote_handle" in params:
@@ -73,15 +78,16 @@ def parse_uri(text: str) -> IpcUri:
             raise UriError(f"remote_handle: expected base64, got {params['remote_handle']!r}") from None
     free = _uint64("free_data", params["free_data"]) if "free_data" in params else None
     path = unquote(parts.path)
-    if parts.scheme == "shm":
-        if not path:
-            raise UriError(f"shm URI: expected the control socket path, got {text!r}")
-    elif not parts.hostname or not port:
+    host = parts.hostname or ("127.0.0.1" if listen and parts.scheme != "shm" else "")
+    # A listener may leave the path, port or host for the server to choose.
+    if not listen and parts.scheme == "shm" and not path:
+        raise UriError(f"shm URI: expected the control socket path, got {text!r}")
+    if not listen and parts.scheme != "shm" and (not parts.hostname or not port):
         raise UriError(f"{parts.scheme} URI: expected host:port, got {parts.netloc!r}")
     return IpcUri(
         scheme=parts.scheme,
-        want_data=_uint64("want_data", params["want_data"]),
-        host=parts.hostname or "",
+        want_data=_uint64("want_data", params["want_data"]) if "want_data" in params else WANT_DATA_TAG,
+        host=host,
         port=port,
         path=path,
         free_data=free,

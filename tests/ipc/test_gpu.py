@@ -22,7 +22,7 @@ from evergreen_trio.ipc import Catalog, ServeOptions, serve
 from evergreen_trio.ipc.arrow import OutgoingMessage, messages_from_table
 from evergreen_trio.ipc.config import IpcLimits
 from evergreen_trio.ipc.errors import ConnectionLostError, IpcError, LimitExceededError, UriError
-from evergreen_trio.ipc.gpu import fetch_device
+from evergreen_trio.ipc.gpu import DeviceMemory, device_catalog_entry, fetch_device
 
 GUARD_S = 60  # a hang guard, not a timing assertion
 
@@ -48,8 +48,6 @@ def ucx_inflight() -> list[int]:
 
 
 def device_catalog(table: pa.Table, chunk: int) -> Catalog:
-    from evergreen_trio.ipc.gpu import device_catalog_entry
-
     catalog = Catalog()
     catalog.add_messages("t", device_catalog_entry(table, max_chunksize=chunk))
     return catalog
@@ -78,14 +76,15 @@ async def test_device_bodies_arrive_in_device_memory_byte_exact(chunk: int, nurs
     table = sample_table()
     uri = await nursery.start(serve, "ucx://127.0.0.1:0", device_catalog(table, chunk))
     with trio.fail_after(GUARD_S):
-        received, host = await fetch_device(str(uri), "t")
-    assert host.equals(table)
+        received, host = await fetch_device(str(uri), "t", host=True)
+    assert host is not None and host.equals(table)
     expected: Sequence[OutgoingMessage] = [
         m for m in messages_from_table(table, max_chunksize=chunk) if m.body is not None and m.body.size
     ]
     assert [m.header.kind for m in received] == [m.header.kind for m in expected]
     for got, want in zip(received, expected, strict=True):
         assert isinstance(got.body, cupy.ndarray)
+        assert all(isinstance(view, cupy.ndarray) for view in got.buffers)
         assert got.body.nbytes == got.header.body_length
         assert bytes(cupy.asnumpy(got.body)) == want.body.to_pybytes()  # type: ignore[union-attr]
     del received
@@ -121,8 +120,6 @@ class _DyingCatalog(Catalog):
 @pytest.mark.ucx
 @pytest.mark.skipif(not HAVE_CUDA, reason="needs CuPy and a CUDA device")
 async def test_device_server_dying_mid_stream_is_a_clear_error() -> None:
-    from evergreen_trio.ipc.gpu import device_catalog_entry
-
     rows = 4 * 2**20
     table = pa.table({"x": np.arange(rows, dtype=np.float64)})
     scope = trio.CancelScope()
@@ -140,3 +137,79 @@ async def test_device_server_dying_mid_stream_is_a_clear_error() -> None:
             with pytest.raises(ConnectionLostError):
                 await fetch_device(str(uri), "t")
     assert ucx_inflight() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.ucx
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs CuPy and a CUDA device")
+async def test_device_stream_never_copies_to_the_host_unless_asked(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cupy
+
+    table = sample_table()
+    uri = await nursery.start(serve, "ucx://127.0.0.1:0", device_catalog(table, 3_000))
+
+    def forbidden(*args: object, **kwargs: object) -> object:
+        raise AssertionError("a device body was copied to the host")
+
+    with trio.fail_after(GUARD_S):
+        monkeypatch.setattr(cupy, "asnumpy", forbidden)
+        received, host = await fetch_device(str(uri), "t")
+    assert host is None
+    assert received and all(isinstance(view, cupy.ndarray) for b in received for view in b.buffers)
+    nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------- the same code on the CPU: NumPy as "device"
+
+
+class HostAsDevice:
+    """A DeviceMemory on NumPy that counts the copies the stream makes to the host."""
+
+    def __init__(self) -> None:
+        self.to_host_calls = 0
+        self.allocated: list[np.ndarray] = []
+
+    def memory(self) -> DeviceMemory:
+        def allocate(nbytes: int) -> np.ndarray:
+            array = np.empty(nbytes, np.uint8)
+            self.allocated.append(array)
+            return array
+
+        def to_host(array: np.ndarray) -> np.ndarray:
+            self.to_host_calls += 1
+            return np.array(array, copy=True)
+
+        return DeviceMemory(allocate, np.array, to_host, lambda: None)
+
+
+@pytest.mark.ucx
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="needs ucxx")
+@pytest.mark.parametrize("host", [False, True])
+async def test_device_path_with_numpy_stand_in_keeps_bodies_where_they_landed(
+    host: bool, nursery: trio.Nursery
+) -> None:
+    """Real UCX, NumPy arrays standing in for device buffers: each body lands in a buffer the
+    DeviceMemory allocated, its views are slices of it, and the host sees a copy only if asked."""
+    table = sample_table()
+    fake = HostAsDevice()
+    catalog = Catalog()
+    catalog.add_messages("t", device_catalog_entry(table, max_chunksize=3_000, memory=fake.memory()))
+    uri = await nursery.start(serve, "ucx://127.0.0.1:0", catalog)
+    with trio.fail_after(GUARD_S):
+        received, host_table = await fetch_device(str(uri), "t", memory=fake.memory(), host=host)
+    expected = [m for m in messages_from_table(table, max_chunksize=3_000) if m.body is not None and m.body.size]
+    assert [b.kind for b in received] == [m.header.kind for m in expected]
+    for got, want in zip(received, expected, strict=True):
+        assert any(got.body is array for array in fake.allocated)
+        assert got.body.tobytes() == want.body.to_pybytes()  # type: ignore[union-attr]
+        for view, (offset, length) in zip(got.buffers, got.header.buffers, strict=True):
+            assert view.base is got.body and view.nbytes == length
+            assert view.tobytes() == want.body.to_pybytes()[offset : offset + length]  # type: ignore[union-attr]
+    if host:
+        assert host_table is not None and host_table.equals(table)
+        assert fake.to_host_calls == len(received)
+    else:
+        assert host_table is None and fake.to_host_calls == 0
+    nursery.cancel_scope.cancel()

@@ -12,11 +12,13 @@ from ipc_helpers import sample_messages, sample_table
 
 from evergreen_trio.ipc.arena import ALIGN, Arena
 from evergreen_trio.ipc.arrow import BatchDecoder, OutgoingMessage
-from evergreen_trio.ipc.config import IpcLimits
+from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
 from evergreen_trio.ipc.errors import BodyMismatchError, IpcError, SequenceError
 from evergreen_trio.ipc.framing import (
     BodyDescriptor,
     BodyType,
+    body_in,
+    classify_body,
     encode_descriptor,
     encode_end_of_stream,
     encode_metadata,
@@ -39,11 +41,17 @@ def events(messages: list[OutgoingMessage], first: int = 0) -> list[tuple[str, i
     return out
 
 
+def on_body(machine: Reassembler, tag: int, data: object, nbytes: int) -> None:
+    """What a transport does: classify the tag once, decode a descriptor, hand the typed body on."""
+    accepts = BodyType.DESCRIPTOR if tag >> 56 == BodyType.DESCRIPTOR else BodyType.RAW
+    machine.on_body(body_in(classify_body(tag, nbytes, DEFAULT_LIMITS, accepts), data, nbytes, DEFAULT_LIMITS))
+
+
 def feed(machine: Reassembler, event: tuple[str, int, object]) -> None:
     kind, seq, payload = event
     if kind == "body":
         assert isinstance(payload, pa.Buffer)
-        machine.on_body(make_tag(seq, BodyType.RAW), payload, payload.size)
+        on_body(machine, make_tag(seq, BodyType.RAW), payload, payload.size)
     else:
         machine.on_metadata(payload)  # type: ignore[arg-type]
 
@@ -111,11 +119,11 @@ def test_body_length_mismatch_is_rejected(body_first: bool) -> None:
     short = body.slice(0, body.size - 8)
     with pytest.raises(BodyMismatchError, match="bodyLength"):
         if body_first:
-            machine.on_body(make_tag(1, BodyType.RAW), short, short.size)
+            on_body(machine, make_tag(1, BodyType.RAW), short, short.size)
             feed(machine, meta)
         else:
             feed(machine, meta)
-            machine.on_body(make_tag(1, BodyType.RAW), short, short.size)
+            on_body(machine, make_tag(1, BodyType.RAW), short, short.size)
 
 
 def test_descriptor_must_match_the_metadata_buffers() -> None:
@@ -125,12 +133,12 @@ def test_descriptor_must_match_the_metadata_buffers() -> None:
     header = MESSAGES[1].header
     wrong = BodyDescriptor(header.body_length, tuple((o, n + 1) for o, n in header.buffers))
     with pytest.raises(BodyMismatchError):
-        machine.on_body(make_tag(1, BodyType.DESCRIPTOR), encode_descriptor(wrong), 0)
+        on_body(machine, make_tag(1, BodyType.DESCRIPTOR), encode_descriptor(wrong), 0)
 
 
 def test_schema_with_a_body_is_rejected() -> None:
     machine = Reassembler()
-    machine.on_body(make_tag(0, BodyType.RAW), b"12345678", 8)
+    on_body(machine, make_tag(0, BodyType.RAW), b"12345678", 8)
     with pytest.raises(BodyMismatchError, match="SCHEMA"):
         feed(machine, ("meta", 0, encode_metadata(0, MESSAGES[0].flatbuffer.to_pybytes())))
 
@@ -144,7 +152,7 @@ def test_fuzz_arbitrary_events_give_typed_errors(items: list[tuple[bool, int, by
             if is_meta:
                 machine.on_metadata(data)
             else:
-                machine.on_body(tag, data, len(data))
+                on_body(machine, tag, data, len(data))
             machine.pop_ready()
     except IpcError:
         pass

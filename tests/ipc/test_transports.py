@@ -18,15 +18,17 @@ import trio
 import trio.testing
 from ipc_helpers import sample_messages, sample_table
 
-from evergreen_trio.ipc import Catalog, ServeOptions, fetch, fetch_table, serve
+from evergreen_trio.ipc import Catalog, Role, ServeOptions, fetch, fetch_table, serve
 from evergreen_trio.ipc.arrow import OutgoingMessage
 from evergreen_trio.ipc.config import IpcLimits
 from evergreen_trio.ipc.errors import (
     BodyMismatchError,
     ConnectionLostError,
+    FramingError,
     IpcError,
     RequestRefusedError,
     TransportError,
+    UriError,
 )
 from evergreen_trio.ipc.framing import (
     METADATA_TAG,
@@ -36,8 +38,8 @@ from evergreen_trio.ipc.framing import (
     encode_metadata,
     make_tag,
 )
-from evergreen_trio.ipc.session import Role
 from evergreen_trio.ipc.transports.tcp import FramedSocket
+from evergreen_trio.ipc.uri import parse_uri
 
 HAVE_UCX = importlib.util.find_spec("ucxx") is not None
 SCHEMES = [
@@ -165,6 +167,35 @@ async def test_reserved_bits_on_the_wire_are_rejected(nursery: trio.Nursery) -> 
     with trio.fail_after(GUARD_S), pytest.raises(IpcError, match="bits 32-55"):
         await fetch_table(f"tcp://127.0.0.1:{port}?want_data=1", "t")
     nursery.cancel_scope.cancel()
+
+
+async def test_a_descriptor_on_a_tcp_connection_is_rejected_before_it_is_read(nursery: trio.Nursery) -> None:
+    """The transport classifies each body tag once: TCP carries inline bodies only."""
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+
+    async def bad_server(stream: trio.SocketStream) -> None:
+        await stream.send_all(encode_frame_header(make_tag(0, BodyType.DESCRIPTOR), 1 << 30))
+        await trio.sleep_forever()
+
+    nursery.start_soon(trio.serve_listeners, bad_server, [listener])
+    port = listener.socket.getsockname()[1]
+    with trio.fail_after(GUARD_S), pytest.raises(FramingError, match="expected an inline body"):
+        await fetch_table(f"tcp://127.0.0.1:{port}?want_data=1", "t")
+    nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("uri", ["http://127.0.0.1:0", "file:///x", "tcp://[::1"])
+async def test_serve_refuses_a_uri_no_transport_serves(uri: str) -> None:
+    with pytest.raises(UriError):
+        await serve(uri, Catalog())
+
+
+def test_listen_uris_may_leave_port_path_and_want_data_to_the_server() -> None:
+    assert parse_uri("tcp://127.0.0.1:0", listen=True).port == 0
+    assert parse_uri("tcp://:0", listen=True).host == "127.0.0.1"
+    assert parse_uri("shm://", listen=True).path == ""
+    with pytest.raises(UriError, match="want_data"):
+        parse_uri("tcp://127.0.0.1:5")
 
 
 async def test_connection_refused_is_a_transport_error() -> None:

@@ -1,14 +1,53 @@
-"""The small interface every transport implements, and what flows through it."""
+"""The interface every transport implements, and what flows through it.
+
+A transport (``tcp``, ``shm``, ``ucx``) is one object with two methods, chosen by URI
+scheme from :data:`~evergreen_trio.ipc.transports.registry.TRANSPORTS` (the way httpcore
+picks one network backend): :meth:`Transport.serve` accepts connections and hands each
+to a :data:`ConnectionHandler`; :meth:`Transport.connect` opens a client connection that
+has sent ``want_data``. Body tags are parsed once, in the transport
+(:func:`~evergreen_trio.ipc.framing.classify_body`); what reaches the reassembler is a
+typed :class:`~evergreen_trio.ipc.framing.BodyIn`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
 import pyarrow as pa
+import trio
 
+from evergreen_trio.ipc.arrow import OutgoingMessage
+from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
+from evergreen_trio.ipc.errors import FramingError
 from evergreen_trio.ipc.flatbuf import MessageHeader
+from evergreen_trio.ipc.framing import FREE_DATA_TAG, WANT_DATA_TAG, BodyIn, BodyType, make_tag
+from evergreen_trio.ipc.pool import BufferPool
+from evergreen_trio.ipc.uri import IpcUri
+
+Lookup = Callable[[bytes], Sequence[OutgoingMessage]]
+"""Ticket -> the messages of its stream; raises UnknownTicketError."""
+
+
+class Role(enum.Enum):
+    """What a server sends for a want_data: the spec lets one process or two serve a stream."""
+
+    BOTH = "both"
+    METADATA = "metadata"
+    DATA = "data"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The tags a server advertises, the limits it enforces and the streams it serves."""
+
+    want_data: int = WANT_DATA_TAG
+    free_data: int = FREE_DATA_TAG
+    limits: IpcLimits = DEFAULT_LIMITS
+    role: Role = Role.BOTH
 
 
 @dataclass(frozen=True)
@@ -16,15 +55,6 @@ class MetadataIn:
     """A metadata-stream message as received."""
 
     data: bytes
-
-
-@dataclass(frozen=True)
-class BodyIn:
-    """A tagged body as received: host ``pa.Buffer``, descriptor bytes or a device array."""
-
-    tag: int
-    body: object
-    nbytes: int
 
 
 class Completion(Protocol):
@@ -82,10 +112,107 @@ class ClientChannel(Protocol):
 
 
 class BodyResolver(Protocol):
-    """Turns a type-1 body descriptor into host memory (shared-memory transports)."""
+    """The one resolve step of a connection: a received body into the buffer pyarrow reads.
 
-    def resolve(self, descriptor: object, header: MessageHeader, *, copy: bool) -> pa.Buffer: ...
+    Chosen once per connection by its transport (inline host bodies, shared memory, or
+    device memory), never per body.
+    """
+
+    def resolve(self, body: object, header: MessageHeader, *, copy: bool) -> pa.Buffer: ...
 
     def take_freed(self) -> list[int]:
         """Offsets whose batches were released since the last call (to send in free_data)."""
+        ...
+
+
+class HostBodies:
+    """Inline bodies already in host memory (``pa.Buffer``): used as they are."""
+
+    def resolve(self, body: object, header: MessageHeader, *, copy: bool) -> pa.Buffer:
+        assert isinstance(body, pa.Buffer)
+        return body
+
+    def take_freed(self) -> list[int]:
+        return []
+
+
+class BodySender(Protocol):
+    """How a server places bodies: inline (type 0) or in shared memory (type 1)."""
+
+    async def post(self, channel: ServerChannel, seq: int, message: OutgoingMessage) -> Completion:
+        """Place one body; it may be announced only at the next :meth:`flush`."""
+        ...
+
+    async def flush(self, channel: ServerChannel) -> None:
+        """Announce every body posted so far (called before waiting, and at the end)."""
+        ...
+
+    @property
+    def queued(self) -> int:
+        """Bodies posted but not yet announced to the client."""
+        ...
+
+    def prepare(self, messages: Sequence[OutgoingMessage], window: int) -> None:
+        """Get ready for a stream whose bodies are posted at most ``window`` unacknowledged."""
+        ...
+
+    def on_free(self, offsets: Sequence[int]) -> None: ...
+
+    def release_all(self) -> None: ...
+
+
+class RawBodies:
+    """Body type 0: the packed IPC body itself, sent as soon as it is posted."""
+
+    async def post(self, channel: ServerChannel, seq: int, message: OutgoingMessage) -> Completion:
+        body = message.body if message.body is not None else pa.py_buffer(b"")
+        return await channel.post_body(make_tag(seq, BodyType.RAW), body)
+
+    async def flush(self, channel: ServerChannel) -> None:
+        return None
+
+    queued = 0
+
+    def prepare(self, messages: Sequence[OutgoingMessage], window: int) -> None:
+        return None
+
+    def on_free(self, offsets: Sequence[int]) -> None:
+        raise FramingError(f"free_data: expected none for inline bodies, got {len(offsets)} offsets")
+
+    def release_all(self) -> None:
+        return None
+
+
+ConnectionHandler = Callable[[ServerChannel, BodySender, str], Awaitable[None]]
+"""Serves one accepted connection: its channel, how its bodies are placed, a peer name for logs."""
+
+
+@dataclass(frozen=True)
+class Connection:
+    """A client connection that has sent want_data: its channel and its resolve step."""
+
+    channel: ClientChannel
+    bodies: BodyResolver
+
+
+class Transport(Protocol):
+    """One transport: serve connections on a URI, or connect to one."""
+
+    async def serve(
+        self,
+        uri: IpcUri,
+        handler: ConnectionHandler,
+        options: ServeOptions,
+        task_status: trio.TaskStatus[IpcUri],
+    ) -> None:
+        """Listen on ``uri`` (port 0 / no path: pick one), report the full URI, serve until cancelled.
+
+        Raises OSError when the address cannot be bound.
+        """
+        ...
+
+    def connect(
+        self, uri: IpcUri, ticket: bytes, limits: IpcLimits, pool: BufferPool
+    ) -> AbstractAsyncContextManager[Connection]:
+        """Connect, send want_data with ``ticket``; raises TransportError when no server answers."""
         ...

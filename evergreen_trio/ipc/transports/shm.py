@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import heapq
 import mmap
 import os
 import socket
+import tempfile
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,10 +30,22 @@ import trio
 
 from evergreen_trio.ipc.arena import Arena
 from evergreen_trio.ipc.arrow import OutgoingMessage
-from evergreen_trio.ipc.errors import ConnectionLostError, SharedMemoryError
+from evergreen_trio.ipc.config import IpcLimits
+from evergreen_trio.ipc.errors import ConnectionLostError, SharedMemoryError, TransportError
 from evergreen_trio.ipc.flatbuf import MessageHeader
 from evergreen_trio.ipc.framing import BodyDescriptor, BodyType, encode_descriptor, make_tag
-from evergreen_trio.ipc.transports.base import Completion, Done, ServerChannel
+from evergreen_trio.ipc.pool import BufferPool
+from evergreen_trio.ipc.transports.base import (
+    BodyResolver,
+    Completion,
+    Connection,
+    ConnectionHandler,
+    Done,
+    ServeOptions,
+    ServerChannel,
+)
+from evergreen_trio.ipc.transports.tcp import FramedSocket, StreamServerChannel, open_framed_client
+from evergreen_trio.ipc.uri import IpcUri
 
 HANDLE = b"memfd:scm_rights"
 """``remote_handle`` of shm URIs: the segment arrives as a file descriptor on the socket."""
@@ -129,7 +144,7 @@ class _Region:
 
 
 class SharedMemoryBodies:
-    """:class:`~evergreen_trio.ipc.session.BodySender` placing bodies in a segment.
+    """:class:`~evergreen_trio.ipc.transports.base.BodySender` placing bodies in a segment.
 
     Descriptors are announced in groups (one control send per group, not one per body):
     a group ends at ``batch_bytes`` of bodies or ``batch_count`` bodies (half the window,
@@ -308,3 +323,75 @@ class SharedMemoryMapping:
     def take_freed(self) -> list[int]:
         freed, self._freed = self._freed, []
         return freed
+
+
+async def _open_unix(path: str) -> trio.SocketStream:
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    try:
+        await sock.connect(path)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketStream(sock)
+
+
+async def _map_segment(stream: trio.SocketStream) -> BodyResolver:
+    return SharedMemoryMapping(await receive_segment(stream.socket))
+
+
+class ShmTransport:
+    """``shm:///control/socket``: framing on a Unix socket, bodies in a memfd segment."""
+
+    async def serve(
+        self,
+        uri: IpcUri,
+        handler: ConnectionHandler,
+        options: ServeOptions,
+        task_status: trio.TaskStatus[IpcUri],
+    ) -> None:
+        path, workdir = uri.path, None
+        if not path:
+            workdir = tempfile.mkdtemp(prefix="evergreen-ipc-")
+            path = os.path.join(workdir, "control.sock")
+        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        limits = options.limits
+        segments = SegmentPool(limits.shm_segment_bytes, limits.shm_idle_segments)
+        counter = 0
+        try:
+            await sock.bind(path)
+            sock.listen()
+
+            async def handle(stream: trio.SocketStream) -> None:
+                nonlocal counter
+                counter += 1
+                segment = segments.take()
+                bodies = SharedMemoryBodies(
+                    segment, segments, limits.shm_batch_bytes, max(1, limits.max_unacked_bodies // 2)
+                )
+                async with stream:
+                    try:
+                        await send_segment(stream, segment)
+                    except TransportError:
+                        bodies.release_all()
+                        return
+                    await handler(StreamServerChannel(FramedSocket(stream, limits)), bodies, f"shm#{counter}")
+
+            task_status.started(
+                IpcUri("shm", options.want_data, path=path, free_data=options.free_data, remote_handle=HANDLE)
+            )
+            await trio.serve_listeners(handle, [trio.SocketListener(sock)])
+        finally:
+            sock.close()
+            segments.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            if workdir is not None:
+                os.rmdir(workdir)
+
+    def connect(
+        self, uri: IpcUri, ticket: bytes, limits: IpcLimits, pool: BufferPool
+    ) -> AbstractAsyncContextManager[Connection]:
+        async def open_stream() -> trio.SocketStream:
+            return await _open_unix(uri.path)
+
+        return open_framed_client(uri, ticket, limits, pool, open_stream, BodyType.DESCRIPTOR, _map_segment)

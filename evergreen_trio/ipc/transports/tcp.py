@@ -9,27 +9,37 @@ batches of about 64 KiB.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import pyarrow as pa
 import trio
 
 from evergreen_trio.ipc.config import IpcLimits
-from evergreen_trio.ipc.errors import ConnectionLostError, FramingError, LimitExceededError
+from evergreen_trio.ipc.errors import ConnectionLostError, LimitExceededError, TransportError
 from evergreen_trio.ipc.framing import (
     FRAME_HEADER,
     METADATA_TAG,
-    RESERVED_MASK,
+    BodyIn,
     BodyType,
+    body_in,
+    classify_body,
     decode_frame_header,
     encode_frame_header,
-    parse_body_tag,
 )
 from evergreen_trio.ipc.pool import BufferPool
-from evergreen_trio.ipc.transports.base import BodyIn, Completion, Done, MetadataIn
-
-log = logging.getLogger(__name__)
+from evergreen_trio.ipc.transports.base import (
+    BodyResolver,
+    Completion,
+    Connection,
+    ConnectionHandler,
+    Done,
+    HostBodies,
+    MetadataIn,
+    RawBodies,
+    ServeOptions,
+)
+from evergreen_trio.ipc.uri import IpcUri
 
 _CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _COALESCE_BYTES = 64 * 1024
@@ -161,11 +171,15 @@ class StreamServerChannel:
 
 
 class StreamClientChannel:
-    """:class:`ClientChannel` over a framed socket; raw bodies land in pooled buffers."""
+    """:class:`ClientChannel` over a framed socket; raw bodies land in pooled buffers.
 
-    def __init__(self, framed: FramedSocket) -> None:
+    ``accepts`` is the one body type the connection carries (inline on TCP, descriptors
+    on shared memory); each body tag is classified once, here, before its bytes are read.
+    """
+
+    def __init__(self, framed: FramedSocket, accepts: BodyType = BodyType.RAW) -> None:
         self.framed = framed
-        self._max_descriptor = 16 + 16 * framed.limits.max_buffers_per_body
+        self.accepts = accepts
 
     async def send_request(self, tag: int, payload: bytes) -> None:
         await self.framed.send_frame(tag, payload)
@@ -174,22 +188,86 @@ class StreamClientChannel:
         tag, nbytes = await self.framed.receive_header()
         if tag == METADATA_TAG:
             return MetadataIn(await self.framed.receive_bytes(nbytes))
-        if tag & RESERVED_MASK:
-            raise FramingError(f"frame tag {tag:#018x}: expected metadata or a body tag (bits 32-55 zero)")
-        if parse_body_tag(tag).body_type is BodyType.DESCRIPTOR:
-            if nbytes > self._max_descriptor:
-                raise LimitExceededError(f"body descriptor: expected <= {self._max_descriptor} bytes, got {nbytes}")
-            return BodyIn(tag, await self.framed.receive_bytes(nbytes), nbytes)
-        return BodyIn(tag, await self.framed.receive_pooled(nbytes), nbytes)
+        limits = self.framed.limits
+        parsed = classify_body(tag, nbytes, limits, self.accepts)
+        if parsed.body_type is BodyType.DESCRIPTOR:
+            return body_in(parsed, await self.framed.receive_bytes(nbytes), nbytes, limits)
+        return body_in(parsed, await self.framed.receive_pooled(nbytes), nbytes, limits)
 
     def ready(self) -> bool:
         return self.framed.ready()
 
 
-Handler = Callable[[trio.SocketStream], Awaitable[None]]
+def _peer(stream: trio.SocketStream) -> str:
+    try:
+        return str(stream.socket.getpeername())
+    except OSError:
+        return "?"
 
 
-async def open_tcp_listener(host: str, port: int) -> trio.SocketListener:
-    """One TCP listener on ``host:port`` (port 0 picks a free one)."""
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    return listeners[0]
+OpenStream = Callable[[], Awaitable[trio.SocketStream]]
+Handshake = Callable[[trio.SocketStream], Awaitable[BodyResolver]]
+
+
+async def _host_bodies(stream: trio.SocketStream) -> BodyResolver:
+    return HostBodies()
+
+
+@asynccontextmanager
+async def open_framed_client(
+    uri: IpcUri,
+    ticket: bytes,
+    limits: IpcLimits,
+    pool: BufferPool,
+    open_stream: OpenStream,
+    accepts: BodyType = BodyType.RAW,
+    handshake: Handshake = _host_bodies,
+) -> AsyncIterator[Connection]:
+    """Open a socket stream, send want_data, run ``handshake`` (within the connect timeout).
+
+    Raises TransportError when no server answers in ``limits.connect_timeout_s``.
+    """
+    try:
+        with trio.fail_after(limits.connect_timeout_s):
+            socket_stream = await open_stream()
+            channel = StreamClientChannel(FramedSocket(socket_stream, limits, pool), accepts)
+            try:
+                # want_data goes out before any handshake reply comes in: one round trip fewer.
+                await channel.send_request(uri.want_data, ticket)
+                bodies = await handshake(socket_stream)
+            except BaseException:
+                await trio.aclose_forcefully(socket_stream)
+                raise
+    except (OSError, trio.TooSlowError) as exc:
+        raise TransportError(f"connect {uri}: expected a listening server, got {exc!r}") from None
+    async with socket_stream:
+        yield Connection(channel, bodies)
+
+
+class TcpTransport:
+    """``tcp://host:port``: everything framed on one TCP connection, bodies inline."""
+
+    async def serve(
+        self,
+        uri: IpcUri,
+        handler: ConnectionHandler,
+        options: ServeOptions,
+        task_status: trio.TaskStatus[IpcUri],
+    ) -> None:
+        listener = (await trio.open_tcp_listeners(uri.port, host=uri.host))[0]
+
+        async def handle(stream: trio.SocketStream) -> None:
+            async with stream:
+                await handler(StreamServerChannel(FramedSocket(stream, options.limits)), RawBodies(), _peer(stream))
+
+        bound_host, bound_port = listener.socket.getsockname()[:2]
+        task_status.started(IpcUri("tcp", options.want_data, host=bound_host, port=bound_port))
+        await trio.serve_listeners(handle, [listener])
+
+    def connect(
+        self, uri: IpcUri, ticket: bytes, limits: IpcLimits, pool: BufferPool
+    ) -> AbstractAsyncContextManager[Connection]:
+        async def open_stream() -> trio.SocketStream:
+            return await trio.open_tcp_stream(uri.host, uri.port)
+
+        return open_framed_client(uri, ticket, limits, pool, open_stream)

@@ -30,12 +30,21 @@ from evergreen_trio.ipc.framing import (
     METADATA_PREFIX,
     METADATA_TAG,
     RESERVED_MASK,
+    BodyIn,
+    BodyTag,
     BodyType,
-    parse_body_tag,
+    classify_body,
 )
 from evergreen_trio.ipc.pool import BufferPool
-from evergreen_trio.ipc.session import Lookup, RawBodies, ServeOptions, serve_connection
-from evergreen_trio.ipc.transports.base import BodyIn, Completion, MetadataIn
+from evergreen_trio.ipc.transports.base import (
+    Completion,
+    Connection,
+    ConnectionHandler,
+    HostBodies,
+    MetadataIn,
+    RawBodies,
+    ServeOptions,
+)
 from evergreen_trio.ipc.transports.ucx_bridge import (
     FULL_MASK,
     Endpoint,
@@ -102,15 +111,18 @@ class UcxServerChannel:
 
 
 class _Posted:
-    """A message taken off UCX's queue whose receive is posted; ``body`` for raw bodies."""
+    """A message taken off UCX's queue whose receive is posted; ``body`` and ``body_tag`` for bodies."""
 
-    __slots__ = ("body", "nbytes", "request", "tag")
+    __slots__ = ("body", "body_tag", "nbytes", "request", "tag")
 
-    def __init__(self, tag: int, nbytes: int, request: Request, body: object | None = None) -> None:
+    def __init__(
+        self, tag: int, nbytes: int, request: Request, body: object | None = None, body_tag: BodyTag | None = None
+    ) -> None:
         self.tag = tag
         self.nbytes = nbytes
         self.request = request
         self.body = body
+        self.body_tag = body_tag
 
 
 class UcxClientChannel:
@@ -137,7 +149,6 @@ class UcxClientChannel:
         self.limits = limits
         self.pool = pool
         self.device = device
-        self._max_descriptor = 16 + 16 * limits.max_buffers_per_body
         self._posted: collections.deque[_Posted] = collections.deque()
         self._bodies_posted = 0
 
@@ -151,17 +162,15 @@ class UcxClientChannel:
             self._post(probe)
         posted = self._posted.popleft()
         await self.bridge.wait(posted.request)
-        if posted.body is not None:
+        if posted.body_tag is not None:
             self._bodies_posted -= 1
-            return BodyIn(posted.tag, posted.body, posted.nbytes)
+            return BodyIn(posted.body_tag, posted.body, posted.nbytes)
         data = bytes(memoryview(posted.request.buffer))  # type: ignore[arg-type]
         if posted.tag == METADATA_TAG:
             return MetadataIn(data)
         if posted.tag == BYE_TAG:
             raise ConnectionLostError("server closed the connection")
-        if posted.tag & RESERVED_MASK:
-            raise FramingError(f"tag {posted.tag:#018x}: expected metadata or a body tag (bits 32-55 zero)")
-        return BodyIn(posted.tag, data, posted.nbytes)
+        raise FramingError(f"tag {posted.tag:#018x}: expected metadata or a body tag (bits 32-55 zero)")
 
     def ready(self) -> bool:
         return bool(self._posted)
@@ -173,25 +182,21 @@ class UcxClientChannel:
             # Take the message off the wire before judging it: nothing stays queued.
             if nbytes > self.limits.max_metadata_bytes + METADATA_PREFIX:
                 raise LimitExceededError(f"metadata: expected <= {self.limits.max_metadata_bytes} bytes, got {nbytes}")
-        elif parse_body_tag(tag).body_type is BodyType.DESCRIPTOR:
-            if nbytes > self._max_descriptor:
-                raise LimitExceededError(f"body descriptor: expected <= {self._max_descriptor} bytes, got {nbytes}")
-        else:
-            if nbytes > self.limits.max_body_bytes:
-                raise LimitExceededError(f"body: expected <= {self.limits.max_body_bytes} bytes, got {nbytes}")
-            if self.device is not None and nbytes:
-                body = self.device(nbytes)
-                self._posted.append(_Posted(tag, nbytes, self.bridge.post_receive(probe, body), body))
-                self._bodies_posted += 1
-                return
-            buffer, view = self.pool.acquire(nbytes)
-            self._posted.append(_Posted(tag, nbytes, self.bridge.post_receive(probe, view), buffer))
-            self._bodies_posted += 1
+            self._posted.append(_Posted(tag, nbytes, self.bridge.post_receive(probe, bytearray(nbytes))))
             return
-        self._posted.append(_Posted(tag, nbytes, self.bridge.post_receive(probe, bytearray(nbytes))))
+        body_tag = classify_body(tag, nbytes, self.limits, BodyType.RAW)
+        if self.device is not None and nbytes:
+            body = self.device(nbytes)
+            self._posted.append(_Posted(tag, nbytes, self.bridge.post_receive(probe, body), body, body_tag))
+        else:
+            buffer, view = self.pool.acquire(nbytes)
+            self._posted.append(_Posted(tag, nbytes, self.bridge.post_receive(probe, view), buffer, body_tag))
+        self._bodies_posted += 1
 
 
-async def _serve_one(context: object, client_address: bytes, lookup: Lookup, options: ServeOptions, peer: str) -> None:
+async def _serve_one(
+    context: object, client_address: bytes, handler: ConnectionHandler, options: ServeOptions, peer: str
+) -> None:
     async with open_bridge(context) as bridge:
         try:
             endpoint = connect_address(bridge, client_address)
@@ -200,39 +205,52 @@ async def _serve_one(context: object, client_address: bytes, lookup: Lookup, opt
             log.info("ucx.handshake_failed peer=%s error=%s", peer, exc)
             return
         try:
-            await serve_connection(
-                UcxServerChannel(bridge, endpoint, options.limits), lookup, RawBodies(), options, peer
-            )
+            await handler(UcxServerChannel(bridge, endpoint, options.limits), RawBodies(), peer)
         finally:
             await _say_bye(bridge, endpoint)
 
 
-async def serve_ucx(
-    host: str, port: int, lookup: Lookup, options: ServeOptions, task_status: trio.TaskStatus[IpcUri]
-) -> None:
-    """Listen on ``port``; hand every client its own worker."""
-    context = create_context()
-    async with open_bridge(context) as listen_bridge:
-        bootstrap: list[Endpoint] = []
+class UcxTransport:
+    """``ucx://host:port``: a listener for the handshake, then one worker per connection."""
 
-        def on_connect(conn_request: int) -> None:
-            endpoint = accept(listener, conn_request)
-            bootstrap.append(endpoint)
-            listen_bridge.watch(endpoint, on_close=lambda: _drop(endpoint))
+    async def serve(
+        self,
+        uri: IpcUri,
+        handler: ConnectionHandler,
+        options: ServeOptions,
+        task_status: trio.TaskStatus[IpcUri],
+    ) -> None:
+        """Listen on ``uri.port``; hand every client its own worker."""
+        context = create_context()
+        async with open_bridge(context) as listen_bridge:
+            bootstrap: list[Endpoint] = []
 
-        def _drop(endpoint: Endpoint) -> None:
-            if endpoint in bootstrap:
-                bootstrap.remove(endpoint)
-            listen_bridge.forget(endpoint)
+            def on_connect(conn_request: int) -> None:
+                endpoint = accept(listener, conn_request)
+                bootstrap.append(endpoint)
+                listen_bridge.watch(endpoint, on_close=lambda: _drop(endpoint))
 
-        listener = create_listener(listen_bridge, port, on_connect)
-        task_status.started(IpcUri("ucx", options.want_data, host=host, port=int(listener.port)))
-        async with trio.open_nursery() as nursery:
-            count = 0
-            while True:
-                _, address = await _receive_small(listen_bridge, HELLO_TAG, FULL_MASK, MAX_ADDRESS_BYTES, "hello")
-                count += 1
-                nursery.start_soon(_serve_one, context, address, lookup, options, f"ucx#{count}")
+            def _drop(endpoint: Endpoint) -> None:
+                if endpoint in bootstrap:
+                    bootstrap.remove(endpoint)
+                listen_bridge.forget(endpoint)
+
+            listener = create_listener(listen_bridge, uri.port, on_connect)
+            task_status.started(IpcUri("ucx", options.want_data, host=uri.host, port=int(listener.port)))
+            async with trio.open_nursery() as nursery:
+                count = 0
+                while True:
+                    _, address = await _receive_small(listen_bridge, HELLO_TAG, FULL_MASK, MAX_ADDRESS_BYTES, "hello")
+                    count += 1
+                    nursery.start_soon(_serve_one, context, address, handler, options, f"ucx#{count}")
+
+    @asynccontextmanager
+    async def connect(
+        self, uri: IpcUri, ticket: bytes, limits: IpcLimits, pool: BufferPool
+    ) -> AsyncIterator[Connection]:
+        async with connect_ucx(uri, limits, pool) as channel:
+            await channel.send_request(uri.want_data, ticket)
+            yield Connection(channel, HostBodies())
 
 
 @asynccontextmanager
