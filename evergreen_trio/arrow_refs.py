@@ -16,6 +16,10 @@ The table travels out of band over that transport; the session carries only the 
 
 from __future__ import annotations
 
+from evergreen_trio._extras import require_extra
+
+require_extra("ipc", __name__)
+
 import itertools
 import os
 import secrets

@@ -9,6 +9,7 @@ Each area registers its subcommands through ``register(subparsers)`` in the modu
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.metadata
 import logging
@@ -16,16 +17,18 @@ import sys
 from collections.abc import Sequence
 
 from evergreen_trio._cli import Parser, add_global_options, run_command
+from evergreen_trio._extras import MissingExtraError
 
-COMMAND_MODULES = (
-    "evergreen_trio.server_cli",
-    "evergreen_trio.sim.cli",
-    "evergreen_trio.testing.conformance",
-    "evergreen_trio.gateway",
-    "evergreen_trio.ipc.cli",
-    "evergreen_trio.picker.cli",
-    "evergreen_trio.avp.cli",
-)
+COMMAND_MODULES = {
+    "evergreen_trio.server_cli": ("serve",),
+    "evergreen_trio.sim.cli": ("sim",),
+    "evergreen_trio.testing.conformance": ("conformance",),
+    "evergreen_trio.gateway": ("gateway",),
+    "evergreen_trio.ipc.cli": ("ipc",),
+    "evergreen_trio.picker.cli": ("picker", "gateway-config"),
+    "evergreen_trio.avp.cli": ("avp",),
+}
+"""Each module that registers subcommands, and their names (listed for an install without its extra)."""
 
 
 def build_parser() -> Parser:
@@ -35,16 +38,33 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version",
                         version=f"evergreen-trio {importlib.metadata.version('evergreen-trio')}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+    for module, names in COMMAND_MODULES.items():
+        try:
+            importlib.import_module(module).register(subparsers)
+        except MissingExtraError as missing:
+            for name in names:
+                _register_missing(subparsers, name, missing)
     add_global_options(parser)
     return parser
+
+
+def _register_missing(subparsers: argparse._SubParsersAction[Parser], name: str, missing: MissingExtraError) -> None:
+    """``name`` as a command that only says which extra to install (exit 2), whatever its arguments."""
+    parser = subparsers.add_parser(name, help=f"(needs: pip install 'evergreen-trio[{missing.extra}]')",
+                                   add_help=False)
+
+    def refuse(args: argparse.Namespace) -> int:
+        raise missing
+
+    parser.set_defaults(run=refuse, missing_extra=missing)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: the process's), run the subcommand, return its exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not hasattr(args, "missing_extra"):  # a command without its extra takes any arguments
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --workers` starts workers with them
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr

@@ -9,6 +9,10 @@ Envoy (a child process) is terminated with it.
 
 from __future__ import annotations
 
+from evergreen_trio._extras import require_extra
+
+require_extra("gateway", __name__)
+
 import argparse
 import contextvars
 import ipaddress

@@ -25,7 +25,7 @@ from evergreen_trio._cli import StartError, port, serve_until_signal
 from evergreen_trio.actions import generate, register_builtin_actions
 from evergreen_trio.auth import TokenFileAuthorizer
 from evergreen_trio.errors import ConfigurationError
-from evergreen_trio.generate import APIS, BackendConfigError, BackendSettings, open_backend
+from evergreen_trio.generate import APIS, BackendConfigError, BackendSettings
 from evergreen_trio.metrics import serve_metrics
 from evergreen_trio.refs import FileResolver
 from evergreen_trio.server import DRAIN_GRACE_SECONDS, Server
@@ -213,6 +213,8 @@ def run_serve(args: argparse.Namespace) -> int:
         async with AsyncExitStack() as stack:
             handler = generate
             if backend is not None:
+                from evergreen_trio.generate import open_backend  # httpx: the `generate` extra
+
                 handler = (await stack.enter_async_context(open_backend(backend))).generate
             register_builtin_actions(server, generate_handler=handler)
             async with trio.open_nursery() as nursery:

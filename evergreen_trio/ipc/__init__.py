@@ -4,6 +4,10 @@ Serve pyarrow tables or Arrow IPC files over UCX, TCP or shared memory and read 
 back as ``pyarrow.RecordBatch``es. See ``docs/ipc.md``.
 """
 
+from evergreen_trio._extras import require_extra
+
+require_extra("ipc", __name__)
+
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
 from evergreen_trio.ipc.errors import (
     BodyMismatchError,

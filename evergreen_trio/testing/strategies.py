@@ -17,6 +17,10 @@ name the children they produce.
 
 from __future__ import annotations
 
+from evergreen_trio._extras import require_extra
+
+require_extra("testing", __name__)
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 

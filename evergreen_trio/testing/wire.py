@@ -7,6 +7,10 @@ the sessions one after another.
 
 from __future__ import annotations
 
+from evergreen_trio._extras import require_extra
+
+require_extra("testing", __name__)
+
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass

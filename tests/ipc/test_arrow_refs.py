@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from dataclasses import dataclass
 
@@ -27,12 +26,11 @@ from evergreen_trio.dag import RefRejectedError, SessionAbortedError, StatusCode
 from evergreen_trio.ipc import Catalog, IpcLimits, serve
 from evergreen_trio.nursery_session import ActionContext
 
-HAVE_UCX = importlib.util.find_spec("ucxx") is not None
 GUARD_S = 120
 SCHEMES = [
     "tcp://127.0.0.1:0",
     "shm://",
-    pytest.param("ucx://127.0.0.1:0", marks=[pytest.mark.ucx, pytest.mark.skipif(not HAVE_UCX, reason="needs ucxx")]),
+    pytest.param("ucx://127.0.0.1:0", marks=pytest.mark.ucx),
 ]
 
 

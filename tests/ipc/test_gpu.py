@@ -185,7 +185,6 @@ class HostAsDevice:
 
 
 @pytest.mark.ucx
-@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="needs ucxx")
 @pytest.mark.parametrize("host", [False, True])
 async def test_device_path_with_numpy_stand_in_keeps_bodies_where_they_landed(
     host: bool, nursery: trio.Nursery

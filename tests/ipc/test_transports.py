@@ -45,7 +45,7 @@ HAVE_UCX = importlib.util.find_spec("ucxx") is not None
 SCHEMES = [
     "tcp://127.0.0.1:0",
     "shm://",
-    pytest.param("ucx://127.0.0.1:0", marks=[pytest.mark.ucx, pytest.mark.skipif(not HAVE_UCX, reason="ucxx missing")]),
+    pytest.param("ucx://127.0.0.1:0", marks=pytest.mark.ucx),
 ]
 GUARD_S = 30  # a hang guard, not a timing assertion
 
@@ -392,7 +392,7 @@ SPLITS = [
     pytest.param(
         "ucx://127.0.0.1:0",
         "ucx://127.0.0.1:0",
-        marks=[pytest.mark.ucx, pytest.mark.skipif(not HAVE_UCX, reason="ucxx missing")],
+        marks=pytest.mark.ucx,
     ),
 ]
 

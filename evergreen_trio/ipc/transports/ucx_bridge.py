@@ -14,6 +14,10 @@ and reaps whatever is still in flight.
 
 from __future__ import annotations
 
+from evergreen_trio._extras import require_extra
+
+require_extra("ucx", __name__)
+
 import functools
 import logging
 import os

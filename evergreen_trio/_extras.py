@@ -1,0 +1,45 @@
+"""The optional parts and the extra each needs: importing a part without its extra fails in one line.
+
+``pip install evergreen-trio`` is Evergreen sessions alone (server, client, DAG, refs, built-in
+actions). Each protocol package checks its extra's modules when it is imported, so a missing
+one is a :class:`MissingExtraError` naming the extra to install, not a ``ModuleNotFoundError``
+from deep inside. ``tests/test_extras.py`` keeps this table in step with pyproject's extras.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from evergreen_trio.errors import ConfigurationError
+
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "picker": ("yaml", "xxhash", "httpx", "envoy.service.ext_proc.v3.external_processor_pb2"),
+    "avp": ("numpy", "ml_dtypes", "zstandard", "isal", "hypercorn", "httpx"),
+    "ipc": ("pyarrow", "numpy"),
+    "ucx": ("ucxx",),
+    "gpu": ("cupy",),
+    "generate": ("httpx",),
+    "sim": ("hypercorn", "xxhash"),
+    "testing": ("hypothesis", "grpc"),
+    "gateway": ("yaml", "xxhash", "httpx", "hypercorn", "envoy.service.ext_proc.v3.external_processor_pb2"),
+}
+"""The modules each extra brings that its part imports (what :func:`require_extra` checks)."""
+
+
+class MissingExtraError(ConfigurationError, ImportError):
+    """A part of evergreen-trio was imported without the extra it needs; the message names the extra."""
+
+    def __init__(self, part: str, extra: str, missing: str) -> None:
+        super().__init__(
+            f"{part} needs the {extra!r} extra: pip install 'evergreen-trio[{extra}]' (missing: {missing})"
+        )
+        self.part, self.extra, self.missing = part, extra, missing
+
+
+def require_extra(extra: str, part: str) -> None:
+    """Import ``extra``'s modules; the first that fails raises :class:`MissingExtraError` for ``part``."""
+    for module in EXTRA_MODULES[extra]:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise MissingExtraError(part, extra, module.split(".")[0]) from None
