@@ -5,6 +5,8 @@ The Evergreen session API lives here; the other protocols are subpackages:
 ``evergreen_trio.ipc`` (Arrow Dissociated IPC).
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from evergreen_trio.client import Call, ClientSession, Output, connect
 from evergreen_trio.dag import (
     LimitExceededError,
@@ -19,6 +21,12 @@ from evergreen_trio.nodes import NodeRef, blob, inner, ref, text
 from evergreen_trio.nursery_session import ActionContext, ChunkReader, InputStream, OutputNode
 from evergreen_trio.refs import FileResolver, RefResolver
 from evergreen_trio.server import Server
+
+try:
+    __version__ = version("evergreen-trio")
+    """The installed distribution's version (pyproject's ``[project] version``)."""
+except PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ActionContext",

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import logging
 import sys
 from collections.abc import Sequence
 
+from evergreen_trio import __version__
 from evergreen_trio._cli import Parser, add_global_options, run_command
 from evergreen_trio._extras import MissingExtraError
 
@@ -36,7 +36,7 @@ def build_parser() -> Parser:
     tool, commands, _ = (__doc__ or "").split("\n\n", 2)
     parser = Parser(prog="evergreen-trio", description=f"{tool} {commands}")
     parser.add_argument("--version", action="version",
-                        version=f"evergreen-trio {importlib.metadata.version('evergreen-trio')}")
+                        version=f"evergreen-trio {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module, names in COMMAND_MODULES.items():
         try:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import evergreen_trio
 from evergreen_trio._extras import EXTRA_MODULES
 
 ROOT = Path(__file__).parents[1]
@@ -29,6 +30,7 @@ PARTS = [
     ("evergreen_trio.generate.backend", "generate"),
     ("evergreen_trio.testing.strategies", "testing"),
     ("evergreen_trio.testing.wire", "testing"),
+    ("evergreen_trio.testing.conformance", "testing"),
 ]
 CORE_MODULES = ("evergreen_trio", "evergreen_trio.server", "evergreen_trio.client", "evergreen_trio.actions",
                 "evergreen_trio.refs", "evergreen_trio.generate", "evergreen_trio.testing.pytest_plugin")
@@ -96,3 +98,11 @@ def test_a_command_without_its_extra_is_one_line_and_exit_2() -> None:
                   "from evergreen_trio.cli import main\n"
                   "sys.exit(main(['--help']))")
     assert done.returncode == 0 and "(needs: pip install 'evergreen-trio[picker]')" in done.stdout
+
+
+def test_version_is_pyprojects() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert evergreen_trio.__version__ == project["version"] == importlib.metadata.version("evergreen-trio")
+    done = subprocess.run([sys.executable, "-m", "evergreen_trio.cli", "--version"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0 and done.stdout == f"evergreen-trio {project['version']}\n"

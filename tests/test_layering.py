@@ -41,7 +41,7 @@ IO_ALLOWED = frozenset({"grpclib.const"})
 """grpclib's status enum is a plain constant table."""
 
 PROTOCOL_PACKAGES = ("avp", "ipc", "picker", "sim", "generate")
-BASE_MODULES = ("errors.py", "limits.py", "_wire.py")
+BASE_MODULES = ("errors.py", "limits.py", "_wire.py", "_extras.py")
 
 FACE_EXCEPTIONS = {
     # Baselines that talk raw grpclib need the generated wire messages.

@@ -8,6 +8,10 @@ The specification names no status codes, so any non-OK status counts as an abort
 
 from __future__ import annotations
 
+from evergreen_trio._extras import require_extra
+
+require_extra("testing", __name__)
+
 import argparse
 import sys
 from collections.abc import Callable, Sequence
