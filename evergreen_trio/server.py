@@ -139,7 +139,8 @@ class Server:
         them finish. Raises ``OSError`` when the address cannot be bound.
         """
         acceptor: SessionAcceptor[SessionMessage, Outbound] = SessionAcceptor(
-            START_SESSION, SessionMessage, SessionMessage, pack_messages, limits=self.transport_limits
+            START_SESSION, SessionMessage, SessionMessage, pack_messages, limits=self.transport_limits,
+            on_limit=self.metrics.limit_hit,
         )
         grpc = partial(
             serve_grpclib, limits=self.transport_limits, tls=self.tls, reuse_port=reuse_port,

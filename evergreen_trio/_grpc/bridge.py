@@ -636,8 +636,9 @@ async def _pump_out(stream: Any, session: MessageStream[Any]) -> None:
 class SessionAcceptor(Generic[Req, T]):
     """Serves one bidirectional method by handing each new stream to a Trio acceptor task.
 
-    Past ``limits.max_streams`` open streams a new one is answered RESOURCE_EXHAUSTED at once;
-    inbound messages over ``limits.max_message_bytes`` end their stream with RESOURCE_EXHAUSTED.
+    Past ``limits.max_streams`` open streams a new one is answered RESOURCE_EXHAUSTED at once
+    (and ``on_limit("max_sessions")`` is called, for metrics); inbound messages over
+    ``limits.max_message_bytes`` end their stream with RESOURCE_EXHAUSTED.
     """
 
     def __init__(
@@ -649,12 +650,14 @@ class SessionAcceptor(Generic[Req, T]):
         *,
         limits: TransportLimits | None = None,
         backlog: int = 1024,
+        on_limit: Callable[[str], object] | None = None,
     ) -> None:
         self.path = path
         self.request_type = request_type
         self.reply_type = reply_type
         self.limits = limits or TransportLimits()
         self._pack = pack
+        self._on_limit = on_limit
         self.accepted: Handoff[MessageStream[T]] = Handoff(backlog)
         self.open_streams = 0
         self._saturated = False
@@ -671,6 +674,8 @@ class SessionAcceptor(Generic[Req, T]):
         if not self._saturated:  # once per episode: a flood must not flood the log too
             self._saturated = True
             log.warning("grpc.session_cap_reached open=%d peer=%s", self.open_streams, stream.peer.addr())
+        if self._on_limit is not None:
+            self._on_limit("max_sessions")
         raise GRPCError(Status.RESOURCE_EXHAUSTED, f"the server has {cap} sessions open, its limit")
 
     async def _handle(self, stream: Stream[Any, Any]) -> None:

@@ -30,7 +30,7 @@ from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.grpc_server import SSLContextSource, serve_sync_bidi
-from evergreen_trio.picker.grpc_wire import RpcStatusError, SyncBidiMethod
+from evergreen_trio.picker.grpc_wire import RpcStatusError, SyncBidiMethod, WireLimits
 from evergreen_trio.picker.processor import Picker, StreamReport
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
@@ -189,6 +189,14 @@ class Readiness:
             self.ready.set(ready)
 
 
+def wire_limits(config: PickerConfig) -> WireLimits:
+    """The ext_proc port's limits for ``config``: a message holds at most one whole body (BUFFERED
+    sends it in one) plus 64 KiB of headers and framing, so the body caps bound each message."""
+    body = max(config.ext_proc.max_request_body_bytes, config.ext_proc.max_response_body_bytes)
+    message = body + 64 * 1024
+    return WireLimits(max_message_bytes=message, max_buffered_bytes=max(WireLimits.max_buffered_bytes, 2 * message))
+
+
 async def run_picker(
     config: PickerConfig,
     *,
@@ -240,7 +248,8 @@ async def run_picker(
                 readiness.update(snapshot)
 
             nursery.start_soon(leader_election, on_leader)
-        grpc_bound = await nursery.start(partial(serve_sync_bidi, [method], host, grpc_port, ssl_context=ssl_context))
+        grpc_bound = await nursery.start(partial(
+            serve_sync_bidi, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context))
         health_bound = await nursery.start(serve_grpclib, [readiness.health], host, health_port)
         metrics_bound = await nursery.start(serve_metrics, metrics.registry, host, metrics_port)
         ports = PickerPorts(grpc_bound, health_bound, metrics_bound)

@@ -13,8 +13,10 @@ from pathlib import Path
 import grpc
 import trio
 import trustme
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from frames import ECHO, grpcio_echo
 
+from evergreen_trio.picker import parse_config, run_picker
 from evergreen_trio.picker.grpc_server import WireTimeouts, serve_sync_bidi
 
 HERE = Path(__file__).parent
@@ -86,3 +88,27 @@ def test_descriptor_exhaustion_backs_off_with_one_line_and_recovers() -> None:
         _, stderr = server.communicate(timeout=10)
     assert stderr.count("grpc_wire.accept_failed") == 1, stderr[-2000:]
     assert "Traceback" not in stderr.split("KeyboardInterrupt")[0]
+
+
+async def test_the_pickers_message_limit_follows_its_body_caps(nursery: trio.Nursery) -> None:
+    """``maxRequestBodyBytes: 1024`` makes the ext_proc port refuse a 200 KiB message with
+    RESOURCE_EXHAUSTED (not buffer up to the 16 MiB default), and answer a small one."""
+    config = parse_config("pool:\n  endpoints: ['127.0.0.1:1']\n"
+                          "extProc:\n  maxRequestBodyBytes: 1024\n  maxResponseBodyBytes: 1024\n")
+    ports = await nursery.start(partial(run_picker, config, grpc_port=0, health_port=0, metrics_port=0))
+
+    def call(body: bytes) -> grpc.StatusCode:
+        with grpc.insecure_channel(f"127.0.0.1:{ports.grpc}") as channel:
+            process = channel.stream_stream("/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+                                            request_serializer=ep.ProcessingRequest.SerializeToString,
+                                            response_deserializer=ep.ProcessingResponse.FromString)
+            request = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+            try:
+                for _ in process(iter([request]), timeout=10):
+                    pass
+            except grpc.RpcError as error:
+                return error.code()  # type: ignore[no-any-return]
+            return grpc.StatusCode.OK
+
+    assert await trio.to_thread.run_sync(call, b"x" * 200 * 1024) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert await trio.to_thread.run_sync(call, b"x" * 100) != grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -153,6 +153,8 @@ async def test_item11_past_the_server_cap_a_new_session_gets_resource_exhausted(
     await second.until(lambda c: len(c.statuses) >= 3, 10)
     assert sorted(status.split()[0] for status in second.statuses.values()) == ["8", "8", "8"]
     assert first.statuses == {}  # the sessions already open are untouched
+    hits = server.metrics.registry.get_sample_value("evergreen_limit_hits_total", {"limit": "max_sessions"})
+    assert hits == 3
     for client in (first, second):
         await client.aclose()
     await wait_for(lambda: server.open_sessions == 0, "the held sessions ended with their connections")

@@ -65,6 +65,8 @@ async def test_token_file_accepts_its_tokens_and_refuses_the_rest(tokens: Path, 
         aborted = await refused(port, metadata)
         assert aborted.code is StatusCode.UNAUTHENTICATED, metadata
     assert recorder.runs == 2  # no handler ran for a refused session
+    aborts = recorder.server.metrics.registry.get_sample_value
+    assert aborts("evergreen_session_aborts_total", {"reason": "unauthenticated"}) == 5
 
 
 async def test_async_authorizer_permission_denied_and_its_bugs(nursery: trio.Nursery) -> None:
