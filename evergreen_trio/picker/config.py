@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from evergreen_trio.picker.checks import integer, mapping, number, sequence, string
 from evergreen_trio.picker.epp_config import is_endpoint_picker_config, scheduler_values
 from evergreen_trio.picker.errors import ConfigError
 
@@ -163,34 +164,9 @@ def parse_duration(value: object, path: str) -> float:
     raise ConfigError(path, "a positive duration like '50ms' or '2s'", value)
 
 
-def _mapping(value: object, path: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise ConfigError(path, "a mapping", value)
-    return value
 
 
-def _sequence(value: object, path: str) -> Sequence[Any]:
-    if not isinstance(value, list):
-        raise ConfigError(path, "a list", value)
-    return value
 
-
-def _string(value: object, path: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(path, "a non-empty string", value)
-    return value
-
-
-def _int(value: object, path: str, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-        raise ConfigError(path, "an integer" + ("" if minimum is None else f" >= {minimum}"), value)
-    return value
-
-
-def _number(value: object, path: str, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (positive and value == 0):
-        raise ConfigError(path, "a positive number" if positive else "a number >= 0", value)
-    return float(value)
 
 
 def _no_unknown(doc: Mapping[str, Any], allowed: set[str], path: str) -> None:
@@ -202,7 +178,7 @@ def _no_unknown(doc: Mapping[str, Any], allowed: set[str], path: str) -> None:
 
 def parse_address(value: object, path: str, *, default_port: int | None = None) -> tuple[str, int]:
     """``ip:port`` (``[v6]:port``) -> (host, port); a bare host takes ``default_port``."""
-    text = _string(value, path)
+    text = string(value, path)
     host, port_text = text, ""
     if text.startswith("["):
         end = text.find("]")
@@ -226,7 +202,7 @@ def parse_address(value: object, path: str, *, default_port: int | None = None) 
 
 def _criticality(spec: Mapping[str, Any], path: str) -> int:
     if "priority" in spec:
-        return _int(spec["priority"], f"{path}.priority")
+        return integer(spec["priority"], f"{path}.priority")
     if "criticality" in spec:
         value = spec["criticality"]
         if value not in CRITICALITY_PRIORITY:
@@ -237,17 +213,17 @@ def _criticality(spec: Mapping[str, Any], path: str) -> int:
 
 def _target_models(value: object, path: str) -> tuple[TargetModel, ...]:
     targets = []
-    for i, item in enumerate(_sequence(value, path)):
-        entry = _mapping(item, f"{path}[{i}]")
+    for i, item in enumerate(sequence(value, path)):
+        entry = mapping(item, f"{path}[{i}]")
         _no_unknown(entry, {"name", "weight"}, f"{path}[{i}]")
-        name = _string(entry.get("name"), f"{path}[{i}].name")
-        weight = _int(entry.get("weight", 1), f"{path}[{i}].weight", minimum=0)
+        name = string(entry.get("name"), f"{path}[{i}].name")
+        weight = integer(entry.get("weight", 1), f"{path}[{i}].weight", minimum=0)
         targets.append(TargetModel(name, weight))
     return tuple(targets)
 
 
 def _model(doc: Mapping[str, Any], path: str, name_key: str) -> ModelConfig:
-    name = _string(doc.get(name_key), f"{path}.{name_key}")
+    name = string(doc.get(name_key), f"{path}.{name_key}")
     targets = _target_models(doc["targetModels"], f"{path}.targetModels") if "targetModels" in doc else ()
     return ModelConfig(name, _criticality(doc, path), targets)
 
@@ -260,18 +236,18 @@ def _pool(
         {"name", "endpoints", "refreshMetricsInterval", "metricsStalenessThreshold", "scrapeTimeout", "metricsPath"},
         "pool",
     )
-    pool_name = name if name is not None else _string(doc.get("name", "default"), "pool.name")
+    pool_name = name if name is not None else string(doc.get("name", "default"), "pool.name")
     if name is not None and "name" in doc and doc["name"] != name:
         raise ConfigError("pool.name", f"the InferencePool's name {name!r}", doc["name"])
     endpoints: list[Endpoint] = []
     if discovered and "endpoints" in doc:
         raise ConfigError("pool.endpoints", "no static endpoints with --pool-name (they are discovered)", "a list")
-    raw = [] if discovered else _sequence(doc.get("endpoints"), "pool.endpoints")
+    raw = [] if discovered else sequence(doc.get("endpoints"), "pool.endpoints")
     if not raw and not discovered:
         raise ConfigError("pool.endpoints", "at least one endpoint", raw)
     for i, item in enumerate(raw):
         path = f"pool.endpoints[{i}]"
-        entry = {"address": item} if isinstance(item, str) else _mapping(item, path)
+        entry = {"address": item} if isinstance(item, str) else mapping(item, path)
         _no_unknown(entry, {"address", "engine"}, path)
         host, port = parse_address(entry.get("address"), f"{path}.address", default_port=default_port)
         engine = entry.get("engine", "vllm")
@@ -281,7 +257,7 @@ def _pool(
         if any(e.address == endpoint.address for e in endpoints):
             raise ConfigError(f"{path}.address", "an address not listed before", endpoint.address)
         endpoints.append(endpoint)
-    metrics_path = _string(doc.get("metricsPath", "/metrics"), "pool.metricsPath")
+    metrics_path = string(doc.get("metricsPath", "/metrics"), "pool.metricsPath")
     if not metrics_path.startswith("/"):
         raise ConfigError("pool.metricsPath", "a path starting with '/'", metrics_path)
     return PoolConfig(
@@ -303,19 +279,19 @@ def _scheduler(doc: Mapping[str, Any]) -> SchedulerConfig:
     )
     values: dict[str, Any] = {}
     if "weights" in doc:
-        weights = _mapping(doc["weights"], "scheduler.weights")
+        weights = mapping(doc["weights"], "scheduler.weights")
         _no_unknown(weights, set(SCORER_KEYS), "scheduler.weights")
-        values = {SCORER_KEYS[k]: _number(v, f"scheduler.weights.{k}") for k, v in weights.items()}
+        values = {SCORER_KEYS[k]: number(v, f"scheduler.weights.{k}") for k, v in weights.items()}
         if not any(values.get(k, getattr(SchedulerConfig, k)) for k in SCORER_KEYS.values()):
             raise ConfigError("scheduler.weights", "at least one weight > 0", dict(weights))
     ints = {"prefixBlockTokens": "prefix_block_tokens", "charsPerToken": "chars_per_token",
             "prefixCacheCapacity": "prefix_cache_capacity", "maxPrefixBlocks": "max_prefix_blocks"}
     for key, attr in ints.items():
         if key in doc:
-            values[attr] = _int(doc[key], f"scheduler.{key}", minimum=1)
+            values[attr] = integer(doc[key], f"scheduler.{key}", minimum=1)
     for key, attr in {"queueThreshold": "queue_threshold", "kvCacheThreshold": "kv_cache_threshold"}.items():
         if key in doc:
-            values[attr] = _number(doc[key], f"scheduler.{key}", positive=True)
+            values[attr] = number(doc[key], f"scheduler.{key}", positive=True)
     return SchedulerConfig(**values)
 
 
@@ -340,7 +316,7 @@ def _ext_proc(doc: Mapping[str, Any]) -> ExtProcConfig:
             "maxResponseBodyBytes": "max_response_body_bytes", "streamedChunkBytes": "streamed_chunk_bytes"}
     for key, attr in ints.items():
         if key in doc:
-            values[attr] = _int(doc[key], f"extProc.{key}", minimum=2 if key == "maxEndpointsInList" else 1)
+            values[attr] = integer(doc[key], f"extProc.{key}", minimum=2 if key == "maxEndpointsInList" else 1)
     if values.get("streamed_chunk_bytes", 0) > 62_000:
         raise ConfigError("extProc.streamedChunkBytes", "at most 62000 (Envoy's limit)", doc["streamedChunkBytes"])
     return ExtProcConfig(**values)
@@ -349,7 +325,7 @@ def _ext_proc(doc: Mapping[str, Any]) -> ExtProcConfig:
 def _manifest_pool_ref(spec: Mapping[str, Any], path: str) -> str | None:
     if "poolRef" not in spec:
         return None
-    return _string(_mapping(spec["poolRef"], f"{path}.poolRef").get("name"), f"{path}.poolRef.name")
+    return string(mapping(spec["poolRef"], f"{path}.poolRef").get("name"), f"{path}.poolRef.name")
 
 
 def config_from_documents(documents: Sequence[object], *, cluster_pool: str | None = None) -> PickerConfig:
@@ -368,7 +344,7 @@ def config_from_documents(documents: Sequence[object], *, cluster_pool: str | No
     for index, raw in enumerate(documents):
         if raw is None:
             continue
-        doc = _mapping(raw, f"document[{index}]")
+        doc = mapping(raw, f"document[{index}]")
         if "kind" not in doc:
             if plain is not None:
                 raise ConfigError(f"document[{index}]", "one plain config document", "a second one")
@@ -380,8 +356,8 @@ def config_from_documents(documents: Sequence[object], *, cluster_pool: str | No
             picker_config = doc
             continue
         kind, where = doc["kind"], f"{doc['kind']}"
-        spec = _mapping(doc.get("spec"), f"{where}.spec")
-        name = _string(_mapping(doc.get("metadata"), f"{where}.metadata").get("name"), f"{where}.metadata.name")
+        spec = mapping(doc.get("spec"), f"{where}.spec")
+        name = string(mapping(doc.get("metadata"), f"{where}.metadata").get("name"), f"{where}.metadata.name")
         if kind == "InferencePool":
             if cluster_pool is not None:
                 continue  # the live pool is watched; a manifest beside the config is documentation
@@ -389,11 +365,11 @@ def config_from_documents(documents: Sequence[object], *, cluster_pool: str | No
                 raise ConfigError(f"document[{index}]", "one InferencePool", "a second one")
             pool_name = name
             if "targetPorts" in spec:
-                ports = _sequence(spec["targetPorts"], "InferencePool.spec.targetPorts")
-                first = _mapping(ports[0] if ports else None, "InferencePool.spec.targetPorts[0]")
-                default_port = _int(first.get("number"), "InferencePool.spec.targetPorts[0].number", minimum=1)
+                ports = sequence(spec["targetPorts"], "InferencePool.spec.targetPorts")
+                first = mapping(ports[0] if ports else None, "InferencePool.spec.targetPorts[0]")
+                default_port = integer(first.get("number"), "InferencePool.spec.targetPorts[0].number", minimum=1)
             elif "targetPortNumber" in spec:
-                default_port = _int(spec["targetPortNumber"], "InferencePool.spec.targetPortNumber", minimum=1)
+                default_port = integer(spec["targetPortNumber"], "InferencePool.spec.targetPortNumber", minimum=1)
         elif kind == "InferenceModel":
             path = f"InferenceModel {name}.spec"
             manifest_models.append((_manifest_pool_ref(spec, path), _model(spec, path, "modelName")))
@@ -408,10 +384,10 @@ def config_from_documents(documents: Sequence[object], *, cluster_pool: str | No
     if plain is None or ("pool" not in plain and cluster_pool is None):
         raise ConfigError("pool", "a 'pool' section with static endpoints", None)
     _no_unknown(plain, {"pool", "models", "objectives", "scheduler", "extProc"}, "")
-    pool = _pool(_mapping(plain.get("pool", {}), "pool"), name=pool_name, default_port=default_port,
+    pool = _pool(mapping(plain.get("pool", {}), "pool"), name=pool_name, default_port=default_port,
                  discovered=cluster_pool is not None)
-    for i, item in enumerate(_sequence(plain.get("models", []), "models")):
-        entry = _mapping(item, f"models[{i}]")
+    for i, item in enumerate(sequence(plain.get("models", []), "models")):
+        entry = mapping(item, f"models[{i}]")
         _no_unknown(entry, {"name", "criticality", "priority", "targetModels"}, f"models[{i}]")
         models.append(_model(entry, f"models[{i}]", "name"))
     models.extend(model for ref, model in manifest_models if ref in (None, pool.name))
@@ -420,21 +396,21 @@ def config_from_documents(documents: Sequence[object], *, cluster_pool: str | No
         if model.name in seen:
             raise ConfigError(f"models[{i}].name", "a model name not configured before", model.name)
         seen.add(model.name)
-    for i, item in enumerate(_sequence(plain.get("objectives", []), "objectives")):
-        entry = _mapping(item, f"objectives[{i}]")
+    for i, item in enumerate(sequence(plain.get("objectives", []), "objectives")):
+        entry = mapping(item, f"objectives[{i}]")
         _no_unknown(entry, {"name", "priority", "criticality"}, f"objectives[{i}]")
-        objectives[_string(entry.get("name"), f"objectives[{i}].name")] = _criticality(entry, f"objectives[{i}]")
+        objectives[string(entry.get("name"), f"objectives[{i}].name")] = _criticality(entry, f"objectives[{i}]")
     objectives.update({name: prio for ref, name, prio in manifest_objectives if ref in (None, pool.name)})
     if picker_config is not None and "scheduler" in plain:
         raise ConfigError("scheduler", "either a 'scheduler' section or an EndpointPickerConfig", "both")
     scheduler = (SchedulerConfig(**scheduler_values(picker_config)) if picker_config is not None
-                 else _scheduler(_mapping(plain.get("scheduler", {}), "scheduler")))
+                 else _scheduler(mapping(plain.get("scheduler", {}), "scheduler")))
     return PickerConfig(
         pool=pool,
         models=tuple(models),
         objectives=objectives,
         scheduler=scheduler,
-        ext_proc=_ext_proc(_mapping(plain.get("extProc", {}), "extProc")),
+        ext_proc=_ext_proc(mapping(plain.get("extProc", {}), "extProc")),
     )
 
 

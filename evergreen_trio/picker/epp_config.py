@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from evergreen_trio.picker.checks import integer, mapping, sequence
 from evergreen_trio.picker.errors import ConfigError
 
 API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha1",)
@@ -45,31 +46,13 @@ _PREFIX_PARAMETERS = {"maxPrefixBlocksToMatch": "max_prefix_blocks", "lruCapacit
 _SATURATION = {"queueDepthThreshold": "queue_threshold", "kvCacheUtilThreshold": "kv_cache_threshold"}
 
 
-def _mapping(value: object, path: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise ConfigError(path, "a mapping", value)
-    return value
-
-
-def _list(value: object, path: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise ConfigError(path, "a list", value)
-    return value
-
-
-def _positive_int(value: object, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(path, "an integer >= 1", value)
-    return value
-
-
 def _plugins(doc: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
     """The declared plugins by name -> type, and the scheduler values their parameters set."""
     names: dict[str, str] = {}
     values: dict[str, Any] = {}
-    for i, item in enumerate(_list(doc.get("plugins", []), f"{KIND}.plugins")):
+    for i, item in enumerate(sequence(doc.get("plugins", []), f"{KIND}.plugins")):
         path = f"{KIND}.plugins[{i}]"
-        plugin = _mapping(item, path)
+        plugin = mapping(item, path)
         unknown = set(plugin) - {"type", "name", "parameters"}
         if unknown:
             first = sorted(unknown)[0]
@@ -81,14 +64,14 @@ def _plugins(doc: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
         if not isinstance(name, str) or not name or name in names:
             raise ConfigError(f"{path}.name", "a plugin name not declared before", name)
         names[name] = kind
-        parameters = _mapping(plugin.get("parameters") or {}, f"{path}.parameters")
+        parameters = mapping(plugin.get("parameters") or {}, f"{path}.parameters")
         if kind == "prefix-cache-scorer":
             for key, value in parameters.items():
                 if key == "hashBlockSize":
-                    values["prefix_block_tokens"] = _positive_int(value, f"{path}.parameters.{key}")
+                    values["prefix_block_tokens"] = integer(value, f"{path}.parameters.{key}", minimum=1)
                     values["chars_per_token"] = 1
                 elif key in _PREFIX_PARAMETERS:
-                    values[_PREFIX_PARAMETERS[key]] = _positive_int(value, f"{path}.parameters.{key}")
+                    values[_PREFIX_PARAMETERS[key]] = integer(value, f"{path}.parameters.{key}", minimum=1)
                 else:
                     expected = f"one of {sorted(['hashBlockSize', *_PREFIX_PARAMETERS])}"
                     raise ConfigError(f"{path}.parameters.{key}", expected, key)
@@ -96,18 +79,18 @@ def _plugins(doc: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
 
 
 def _weights(doc: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, float]:
-    profiles = _list(doc.get("schedulingProfiles", []), f"{KIND}.schedulingProfiles")
+    profiles = sequence(doc.get("schedulingProfiles", []), f"{KIND}.schedulingProfiles")
     if not profiles:  # the reference's default: one profile with every declared plugin, weight 1
         return {SCORERS[kind]: 1.0 for kind in names.values() if kind in SCORERS}
     if len(profiles) > 1:
         raise ConfigError(f"{KIND}.schedulingProfiles", "one profile (the single-profile-handler)",
                           f"{len(profiles)} profiles")
     path = f"{KIND}.schedulingProfiles[0]"
-    profile = _mapping(profiles[0], path)
+    profile = mapping(profiles[0], path)
     weights: dict[str, float] = {}
-    for i, item in enumerate(_list(profile.get("plugins", []), f"{path}.plugins")):
+    for i, item in enumerate(sequence(profile.get("plugins", []), f"{path}.plugins")):
         ref_path = f"{path}.plugins[{i}]"
-        ref = _mapping(item, ref_path)
+        ref = mapping(item, ref_path)
         name = ref.get("pluginRef")
         if not isinstance(name, str) or name not in names:
             raise ConfigError(f"{ref_path}.pluginRef", f"a declared plugin name ({', '.join(names)})", name)
@@ -140,7 +123,7 @@ def scheduler_values(doc: Mapping[str, Any]) -> dict[str, Any]:
     if not any(weights.values()):
         raise ConfigError(f"{KIND}.schedulingProfiles", "at least one scorer with a weight > 0", weights)
     values.update({field: weights.get(field, 0.0) for field in SCORERS.values()})
-    saturation = _mapping(doc.get("saturationDetector") or {}, f"{KIND}.saturationDetector")
+    saturation = mapping(doc.get("saturationDetector") or {}, f"{KIND}.saturationDetector")
     for key, value in saturation.items():
         path = f"{KIND}.saturationDetector.{key}"
         if key in _SATURATION:
