@@ -93,3 +93,22 @@ class SyncClient:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def health_status(address: str, service: str = "", timeout: float = 10.0) -> str:
+    """``grpc.health.v1.Health/Check`` for ``service`` at ``host:port``, asked with grpcio: the
+    serving status's name (``SERVING``, ``NOT_SERVING``) or the call's status code's
+    (``NOT_FOUND``, ``UNAVAILABLE``, ...)."""
+    from grpclib.health.v1 import health_pb2
+
+    with grpc.insecure_channel(address) as channel:
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        try:
+            reply = check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as exc:
+            return str(exc.code().name)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import trio
 
+from evergreen_trio.testing.wire import health_status
+
 ROOT = Path(__file__).parents[2]
 PICKER = [sys.executable, "-m", "evergreen_trio.cli", "picker"]
 EPHEMERAL_PORTS = ["--grpc-port", "0", "--grpc-health-port", "0", "--metrics-port", "0"]
@@ -66,25 +68,12 @@ async def picker_process(args: Sequence[str], env: Mapping[str, str] | None = No
         await process.wait()
 
 
-def health(host: str, port: int, service: str) -> str:
-    """The picker's gRPC health answer for ``service`` at ``host:port``, asked with grpcio."""
-    import grpc
-    from grpclib.health.v1 import health_pb2
-
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
-        check = channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString,
-        )
-        try:
-            reply = check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-        except grpc.RpcError as exc:
-            return str(exc.code().name)
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
-
-
 async def wait_health(host: str, port: int, service: str, want: str = "SERVING", timeout_s: float = 30.0) -> None:
     with trio.fail_after(timeout_s):
         while await trio.to_thread.run_sync(health, host, port, service) != want:  # noqa: ASYNC110 (a peer's state)
             await trio.sleep(0.1)
+
+
+def health(host: str, port: int, service: str) -> str:
+    """The picker's gRPC health answer for ``service`` at ``host:port``, asked with grpcio."""
+    return health_status(f"{host}:{port}", service, timeout=5)

@@ -9,15 +9,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import httpx
 import trio
-from grpclib.health.v1 import health_pb2
 
 from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
 from evergreen_trio.picker.engine_metrics import EndpointMetrics, render_metrics
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.envoy_process import ENVOY_ARGS, find_envoy
+from evergreen_trio.testing.wire import health_status
 
 USAGE = {"prompt_tokens": 11, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 3}}
 
@@ -117,24 +116,11 @@ def stop_envoy(gateway: Gateway) -> None:
         gateway.process.wait()
 
 
-def health_status(port: int, service: str) -> str:
-    """Ask the picker's gRPC health service with grpcio (a real peer), synchronously."""
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        check = channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString,
-        )
-        try:
-            reply = check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-        except grpc.RpcError as exc:
-            return str(exc.code().name)
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
 async def wait_serving(health_port: int, timeout_s: float = 10.0) -> None:
     with trio.fail_after(timeout_s):
         while True:
-            if await trio.to_thread.run_sync(health_status, health_port, "readiness") == "SERVING":
+            if await trio.to_thread.run_sync(health_status, f"127.0.0.1:{health_port}", "readiness") == "SERVING":
                 return
             await trio.sleep(0.05)

@@ -10,11 +10,12 @@ import httpx
 import pytest
 import trio
 from conftest import Ports
-from picker_fakes import FakeModelServer, Gateway, health_status, wait_serving
+from picker_fakes import FakeModelServer, Gateway, wait_serving
 from prometheus_client.parser import text_string_to_metric_families
 
 from evergreen_trio.picker import PickerPorts, parse_config, run_picker
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
+from evergreen_trio.testing.wire import health_status
 
 pytestmark = pytest.mark.envoy
 
@@ -238,7 +239,7 @@ async def test_health_and_readiness(
     backends[1].metrics_delay_s = 0.8  # under the 1 s scrape timeout
     bound: PickerPorts = await nursery.start(partial(
         run_picker, parse_config(config_text(ports.pool)), grpc_port=ports.picker, health_port=0, metrics_port=0))
-    status = partial(trio.to_thread.run_sync, health_status, bound.health)
+    status = partial(trio.to_thread.run_sync, health_status, f"127.0.0.1:{bound.health}")
     assert await status("liveness") == "SERVING"
     assert await status("readiness") == "NOT_SERVING"
     assert await status("") == "NOT_SERVING"

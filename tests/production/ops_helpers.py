@@ -13,30 +13,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc  # type: ignore[import-untyped]
 import httpx
 import trio
-from grpclib.health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from evergreen_trio import NodeRef, SessionAbortedError, connect
+from evergreen_trio.testing.wire import health_status
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def health_status(address: str, service: str = "") -> str:
-    """Ask ``grpc.health.v1.Health/Check`` with grpcio (a real peer), synchronously."""
-    with grpc.insecure_channel(address) as channel:
-        check = channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString,
-        )
-        try:
-            reply = check(health_pb2.HealthCheckRequest(service=service), timeout=10)
-        except grpc.RpcError as exc:
-            return str(exc.code().name)
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
 async def health(address: str, service: str = "") -> str:

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from ops_helpers import health_status
 
 from evergreen_trio.server import SERVICE
+from evergreen_trio.testing.wire import health_status
 
 
 @pytest.fixture(scope="module")
