@@ -10,6 +10,7 @@ version. Cases of an optional extra are skipped when the extra is not installed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import inspect
@@ -74,7 +75,7 @@ class ClassAttr:
     def problem(self, owner: Any, attr: str) -> str | None:
         value = inspect.getattr_static(owner, attr)
         if not isinstance(value, self.kind):
-            return f"is a {type(value).__name__}, no longer a {self.kind.__name__}"
+            return f"is a {type(value).__name__}, no longer an instance of {self.kind.__name__}"
         return None
 
 
@@ -86,7 +87,7 @@ class SetsInstanceAttr:
         package = owner.__module__.split(".")[0]
         assignment = re.compile(rf"self\.{re.escape(attr)}\s*(:[^=\n]+)?=(?!=)")
         for cls in owner.__mro__:
-            if cls.__module__.split(".")[0] == package and assignment.search(inspect.getsource(cls)):
+            if cls.__module__.split(".")[0] == package and assignment.search(_source(cls)):
                 return None
         return "is no longer set on its instances"
 
@@ -98,7 +99,7 @@ class Mentions:
     text: str
 
     def problem(self, owner: Any, attr: str) -> str | None:
-        if self.text not in inspect.getsource(getattr(owner, attr)):
+        if self.text not in _source(inspect.getattr_static(owner, attr)):
             return f"no longer contains {self.text!r} (the behaviour we rely on changed)"
         return None
 
@@ -113,6 +114,25 @@ class HoldsFile:
         if not (Path(owner.__file__).parent / attr / self.relative).is_file():
             return f"no longer holds {self.relative}"
         return None
+
+
+def _function(value: Any) -> Any:
+    """The function behind a property, classmethod or staticmethod (else ``value`` itself)."""
+    if isinstance(value, property):
+        return value.fget
+    return getattr(value, "__func__", value)
+
+
+def _source(value: Any) -> str:
+    """The source of a function, or of a class's own functions (``getsource`` of a class fails
+    where the package re-exports it under another ``__module__``, as trio-asyncio does)."""
+    if inspect.isclass(value):
+        sources = []
+        for member in vars(value).values():
+            with contextlib.suppress(OSError, TypeError):  # one without source (built at run time)
+                sources.append(inspect.getsource(_function(member)))
+        return "\n".join(sources)
+    return inspect.getsource(_function(value))
 
 
 Shape = Module | Calls | ClassAttr | SetsInstanceAttr | Mentions | HoldsFile
