@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,13 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 
-pytestmark = pytest.mark.skipif(
+needs_docs_extra = pytest.mark.skipif(
     not all(importlib.util.find_spec(module) for module in ("sphinx", "myst_parser")),
     reason="the docs build needs the docs extra: pip install -e '.[docs]'",
 )
 
 
+@needs_docs_extra
 def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
@@ -35,3 +37,16 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
     assert guides <= {p.stem for p in html.glob("*.html")}, "a guide in docs/ is not part of the site"
     reference = (html / "api" / "evergreen_trio.html").read_text()
     assert 'id="evergreen_trio.Server"' in reference and 'id="evergreen_trio.connect"' in reference
+
+
+def test_every_package_face_has_a_reference_page() -> None:
+    """A module that declares ``__all__`` (outside private packages) is a face: docs/api must document it."""
+    package = ROOT / "evergreen_trio"
+    faces = set()
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if any(part.startswith("_") for part in parts[1:-1]) or not re.search(r"^__all__\b", path.read_text(), re.M):
+            continue
+        faces.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    pages = {p.stem for p in (ROOT / "docs" / "api").glob("*.rst")}
+    assert faces == pages, f"faces without a page: {sorted(faces - pages)}; pages of no face: {sorted(pages - faces)}"
