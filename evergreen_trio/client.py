@@ -46,6 +46,7 @@ class Output(InputStream):
 
     @property
     def ref(self) -> NodeRef:
+        """A reference to this output node, to pass as another action's input."""
         return NodeRef(self.node_id)
 
 
@@ -60,6 +61,7 @@ class ClientSession(Session):
         self._ids = itertools.count(1)
 
     def new_id(self, hint: str = "n") -> str:
+        """A node id unique to this session: ``{hint}-{random prefix}-{counter}``."""
         return f"{hint}-{self._prefix}-{next(self._ids)}"
 
     async def send(self, node: NodeLike) -> NodeRef:

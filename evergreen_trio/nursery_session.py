@@ -208,6 +208,7 @@ class ChunkReader:
 
     @property
     def mimetype(self) -> str:
+        """The chunk's mimetype (from its metadata; empty when it has none)."""
         return self.metadata.mimetype
 
     def __aiter__(self) -> AsyncIterator[bytes]:
@@ -218,6 +219,9 @@ class ChunkReader:
         return self._stream._leaf_parts(self)
 
     async def read(self) -> bytes:
+        """The whole chunk, refs resolved. Raises what its resolver raises (RefRejectedError)
+        or SessionError when the session aborts.
+        """
         return b"".join([piece async for piece in self])
 
 
@@ -278,6 +282,7 @@ class InputStream:
         return [(chunk.metadata, await chunk.read()) async for chunk in self]
 
     async def read_bytes(self) -> bytes:
+        """Every chunk's bytes joined in flattening order, refs resolved (raises as ``ChunkReader.read``)."""
         return b"".join([data for _, data in await self.read_chunks()])
 
     async def read_text(self, *, mimetype_prefix: str = "text/") -> str:
@@ -327,6 +332,7 @@ class OutputNode:
             await self._session.emit(self._builder.data(data, self._metadata(mimetype, metadata), last=last))
 
     async def write_ref(self, uri: str, *, mimetype: str | None = None, last: bool = False) -> None:
+        """Append a chunk that names ``uri`` instead of carrying bytes (the reader's resolver fetches it)."""
         if self.requested:
             await self._session.emit([self._builder.ref(uri, self._metadata(mimetype, None), last=last)])
 

@@ -22,7 +22,8 @@ class RefResolver(Protocol):
     def check(self, uri: str) -> None:
         """Raise RefRejectedError when ``uri`` can never be resolved here (checked when the ref arrives)."""
 
-    def open(self, uri: str) -> AsyncIterator[bytes]: ...
+    def open(self, uri: str) -> AsyncIterator[bytes]:
+        """The bytes ``uri`` names, in blocks; RefRejectedError when they cannot be had."""
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,11 @@ class FileResolver:
         return real
 
     def check(self, uri: str) -> None:
+        """Raise RefRejectedError when ``uri`` is not a file:// path under ``roots`` (see ``path``)."""
         self.path(uri)
 
     async def open(self, uri: str) -> AsyncIterator[bytes]:
+        """The file's bytes in blocks of ``read_bytes``; RefRejectedError when refused or unreadable."""
         path = self.path(uri)
         try:
             async with await trio.open_file(path, "rb") as handle:

@@ -101,6 +101,7 @@ class Server:
         self._session_closed: trio.Event | None = None
 
     def add_action(self, name: str, handler: Handler, *, inputs: Iterable[str], outputs: Iterable[str]) -> None:
+        """Register ``handler`` as action ``name`` with its parameter names; ValueError if ``name`` is taken."""
         if name in self.actions:
             raise ValueError(f"action {name!r} is already registered")
         self.actions[name] = ActionSpec(name, handler, frozenset(inputs), frozenset(outputs))
@@ -118,10 +119,12 @@ class Server:
 
     @property
     def open_sessions(self) -> int:
+        """Sessions being served now."""
         return len(self._open)
 
     @property
     def draining(self) -> bool:
+        """True once ``drain`` began: new sessions are refused, open ones finish."""
         return self._draining
 
     async def serve(

@@ -36,6 +36,7 @@ class AVPDecoder:
 
     @property
     def bytes_received(self) -> int:
+        """Bytes fed so far."""
         return len(self._prefix) + self._filled
 
     @property
@@ -44,6 +45,11 @@ class AVPDecoder:
         return self._message
 
     def feed(self, data: Any) -> AVPMessage | None:
+        """Take the next piece (any buffer); the message once complete, else None.
+
+        Raises an AVPError subclass for a bad header, metadata, length or checksum, and
+        AVPLengthError for bytes past the message's end.
+        """
         view = memoryview(data).cast("B")
         while view:
             if self._message is not None:

@@ -39,10 +39,12 @@ class KVCacheHeader:
     dtype: DataType = DataType.FLOAT16
 
     def to_bytes(self) -> bytes:
+        """The 17 header bytes (little endian)."""
         return KV_HEADER.pack(self.num_layers, self.num_kv_heads, self.head_dim, self.seq_len, self.dtype)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> KVCacheHeader:
+        """Parse the header at the start of ``data``; AVPFormatError when short or of an unknown dtype."""
         if len(data) < KV_HEADER_SIZE:
             raise AVPFormatError(f"KV-cache header: expected {KV_HEADER_SIZE} bytes, got {len(data)}")
         layers, heads, head_dim, seq_len, dtype_byte = KV_HEADER.unpack_from(data)

@@ -73,14 +73,17 @@ class AVPHeader(NamedTuple):
 
     @property
     def compressed(self) -> bool:
+        """The payload is zstd-compressed."""
         return bool(self.flags & FLAG_COMPRESSED)
 
     @property
     def has_map(self) -> bool:
+        """The message carries a vocabulary map."""
         return bool(self.flags & FLAG_HAS_MAP)
 
     @property
     def is_kv_cache(self) -> bool:
+        """The payload is a KV cache (a KVCacheHeader leads it)."""
         return bool(self.flags & FLAG_KV_CACHE)
 
     @property
@@ -108,6 +111,7 @@ class AVPLimits:
 
 
 DEFAULT_LIMITS = AVPLimits()
+"""The limits decoding uses when given none."""
 
 
 def implied_payload_size(metadata: AVPMetadata) -> int | None:

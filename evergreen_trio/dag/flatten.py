@@ -47,6 +47,7 @@ class Wait:
 
 
 FlattenEvent = LeafStart | LeafBytes | LeafEnd | Wait
+"""What ``FlattenCursor.next`` returns while a walk is not done."""
 
 _EMPTY_METADATA = ChunkMetadata()
 
@@ -74,6 +75,11 @@ class FlattenCursor:
         self._stack = [_Frame(root)]
 
     def next(self) -> FlattenEvent | None:
+        """The next event, a Wait when the next part has not arrived, or None when done.
+
+        Raises LimitExceededError past ``max_depth`` and ProtocolViolationError when the part
+        waited for can no longer arrive.
+        """
         graph, stack = self._graph, self._stack
         while stack:
             frame = stack[-1]

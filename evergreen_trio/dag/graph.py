@@ -51,10 +51,12 @@ class Node:
 
     @property
     def complete(self) -> bool:
+        """Every part up to the final one has arrived."""
         return self.final_seq is not None and len(self.parts) == self.final_seq + 1
 
     @property
     def mimetype(self) -> str:
+        """The leaf's mimetype, empty for an inner node or before its metadata arrives."""
         return self.metadata.mimetype if self.metadata is not None else ""
 
 
@@ -76,6 +78,7 @@ class SessionGraph:
         self._outputs: dict[str, tuple[bool, str]] = {}
 
     def get(self, node_id: str) -> Node | None:
+        """The node ``node_id``, or None when no fragment of it has arrived."""
         return self.nodes.get(node_id)
 
     def reserve_output(self, node_id: str, owner: str, *, local: bool) -> None:
@@ -98,6 +101,11 @@ class SessionGraph:
         return local or not self.peer_closed
 
     def add_fragment(self, fragment: NodeFragment, *, local: bool = False) -> bool:
+        """Add one fragment (``local``: produced on this side); True when it changed the graph.
+
+        Raises ProtocolViolationError for a fragment breaking the spec's rules,
+        LimitExceededError past ``limits`` and RefRejectedError for a ref of a disabled scheme.
+        """
         node_id, seq = fragment.id, fragment.seq
         where = f"node {node_id!r} seq {seq}"
         if not node_id:

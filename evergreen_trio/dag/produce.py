@@ -62,6 +62,8 @@ class FragmentBuilder:
         return fragment
 
     def children(self, child_ids: Iterable[str], *, last: bool = False) -> NodeFragment:
+        """The next fragment of an inner node, naming ``child_ids``; ProtocolViolationError if the node
+        is a leaf or already closed."""
         self._kind(False)
         fragment = self._next(last)
         fragment.child_ids.extend(child_ids)

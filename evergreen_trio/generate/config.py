@@ -10,7 +10,9 @@ from urllib.parse import urlsplit
 from evergreen_trio.generate.errors import BackendConfigError
 
 Api = Literal["completions", "chat"]
+"""The OpenAI API a backend speaks: ``/completions`` or ``/chat/completions``."""
 APIS: tuple[Api, ...] = ("completions", "chat")
+"""Every ``Api`` value, for validation and help texts."""
 
 
 @dataclass(frozen=True)
@@ -81,4 +83,5 @@ class BackendSettings:
 
     @property
     def endpoint(self) -> str:
+        """The URL requests go to: ``base_url`` + ``/chat/completions`` or ``/completions``."""
         return f"{self.base_url}/{'chat/completions' if self.api == 'chat' else 'completions'}"

@@ -139,6 +139,7 @@ class StreamParser:
         self.finish_reason: str | None = None
 
     def feed(self, data: bytes) -> list[str]:
+        """The text deltas completed by ``data`` (nothing after ``[DONE]``); raises as the class says."""
         if self.done:
             return []
         self.received += len(data)

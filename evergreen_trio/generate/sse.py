@@ -48,6 +48,7 @@ class SSEDecoder:
         self._last_id = ""
 
     def feed(self, data: bytes) -> list[SSEEvent]:
+        """The events ``data`` completes; raises SSEError or ResponseTooLargeError as the class says."""
         buffer = self._buffer
         if self._skip_lf and data:
             self._skip_lf = False

@@ -40,3 +40,4 @@ class IpcLimits:
 
 
 DEFAULT_LIMITS = IpcLimits()
+"""The limits transports use when given none."""

@@ -64,5 +64,6 @@ class BufferPool:
             self.idle_bytes += array.nbytes
 
     def clear(self) -> None:
+        """Drop every idle buffer (leased ones return to the pool as usual)."""
         self._idle.clear()
         self.idle_bytes = 0

@@ -39,11 +39,13 @@ class Catalog:
         self._streams: dict[bytes, Sequence[OutgoingMessage]] = {}
 
     def add_messages(self, ticket: bytes | str, messages: Sequence[OutgoingMessage]) -> bytes:
+        """Serve ``messages`` under ``ticket`` (replacing what it named); return the ticket as bytes."""
         key = _ticket(ticket)
         self._streams[key] = messages
         return key
 
     def add_table(self, ticket: bytes | str, table: pa.Table, max_chunksize: int | None = None) -> bytes:
+        """Serve ``table`` under ``ticket`` in batches of at most ``max_chunksize`` rows; return the ticket."""
         return self.add_messages(ticket, messages_from_table(table, max_chunksize))
 
     def add_file(self, path: str | os.PathLike[str], ticket: bytes | str | None = None) -> bytes:
@@ -55,6 +57,7 @@ class Catalog:
         self._streams.pop(_ticket(ticket), None)
 
     def lookup(self, ticket: bytes) -> Sequence[OutgoingMessage]:
+        """The messages ``ticket`` names; UnknownTicketError when it names none."""
         try:
             return self._streams[ticket]
         except KeyError:
@@ -64,6 +67,7 @@ class Catalog:
 
     @property
     def tickets(self) -> list[bytes]:
+        """The tickets served now."""
         return list(self._streams)
 
 

@@ -140,6 +140,7 @@ class PickerConfig:
     ext_proc: ExtProcConfig = ExtProcConfig()
 
     def model(self, name: str) -> ModelConfig | None:
+        """The configured model ``name``, or None when it is not configured."""
         for model in self.models:
             if model.name == name:
                 return model

@@ -98,6 +98,7 @@ class Picker:
             mode, config.ext_proc.max_endpoints_in_list)
 
     def new_stream(self) -> ExtProcStream:
+        """The sans-IO state of one ext_proc stream (one HTTP request through Envoy)."""
         return ExtProcStream(self)
 
     def route(self, path: str, headers: Mapping[str, str], body: bytes | None,

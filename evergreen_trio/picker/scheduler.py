@@ -43,12 +43,14 @@ class PoolSnapshot:
         self.states = {e.address: self.states.get(e.address) or EndpointState(e) for e in endpoints}
 
     def update(self, address: str, metrics: EndpointMetrics) -> None:
+        """Record a scrape of ``address`` (ready and fresh as of now); unknown addresses are ignored."""
         state = self.states.get(address)
         if state is None:  # removed by discovery while its scrape was answered
             return
         state.metrics, state.updated_at, state.ready, state.scraped = metrics, self.clock(), True, True
 
     def mark_failed(self, address: str) -> None:
+        """Record a failed scrape of ``address``: not ready until a scrape succeeds."""
         state = self.states.get(address)
         if state is not None:
             state.ready, state.scraped = False, True
@@ -59,9 +61,11 @@ class PoolSnapshot:
         return all(s.scraped for s in self.states.values())
 
     def is_fresh(self, state: EndpointState, now: float) -> bool:
+        """Ready and scraped within ``staleness_s`` of ``now``."""
         return state.ready and now - state.updated_at <= self.staleness_s
 
     def ready_states(self) -> list[EndpointState]:
+        """The endpoints whose last scrape succeeded."""
         return [s for s in self.states.values() if s.ready]
 
 

@@ -52,6 +52,7 @@ MIMETYPES = (
     "application/json",
     "application/x-protobuf; type=EndOfTurn",
 )
+"""The mimetypes generated leaves carry."""
 
 _ID_TEXT = st.text(
     alphabet=st.characters(codec="utf-8", exclude_characters="/", exclude_categories=["Cs", "Cc"]),
@@ -88,10 +89,13 @@ class DagShape:
 
 
 DEFAULT_SHAPE = DagShape()
+"""The DagShape ``dags`` draws with when given none."""
 
 
 @dataclass(frozen=True)
 class Dag:
+    """A generated session DAG: its nodes by id and the id of the root."""
+
     nodes: dict[str, NodeSpec]
     root: str
 
@@ -144,6 +148,7 @@ class Delivery:
 
 
 DEFAULT_DELIVERY = Delivery()
+"""The Delivery the exchange strategies use when given none."""
 
 
 def _cuts(draw: st.DrawFn, length: int, *, allow_empty: bool, enabled: bool) -> list[int]:
