@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
 import tracemalloc
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import avp as reference
 import numpy as np
 
-from benchmarks._harness import Row, print_table, write_results
+from benchmarks._harness import Row, print_table, timed, write_results
 from evergreen_trio.avp import (
     AVPDecoder,
     AVPLimits,
@@ -45,20 +45,11 @@ COMMON = {
 }
 
 
-def _seconds_per_call(fn: Callable[[], object], calls: int) -> Callable[[], float]:
-    def measure() -> float:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - start) / calls
-
-    return measure
-
 
 def _pair(case: str, ours: Callable[[], object], theirs: Callable[[], object], calls: int, runs: int) -> Row:
     """Median seconds per call of each side; the runs alternate so load on the machine hits both alike."""
     ours(), theirs()
-    measure_ours, measure_theirs = _seconds_per_call(ours, calls), _seconds_per_call(theirs, calls)
+    measure_ours, measure_theirs = partial(timed, ours, calls), partial(timed, theirs, calls)
     samples = [(measure_ours(), measure_theirs()) for _ in range(runs)]
     mine = statistics.median(sample[0] for sample in samples)
     peer = statistics.median(sample[1] for sample in samples)

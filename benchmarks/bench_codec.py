@@ -28,9 +28,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 from types import ModuleType
@@ -42,7 +42,7 @@ from google.protobuf import any_pb2, descriptor_pb2, struct_pb2
 from google.protobuf.descriptor import FileDescriptor
 from google.protobuf.message import Message
 
-from benchmarks._harness import Row, print_table, write_results
+from benchmarks._harness import Row, print_table, timed, write_results
 from evergreen_trio._proto.evergreen.v2 import evergreen_pb2 as ev
 from evergreen_trio.picker.processor import DESTINATION, LB_NAMESPACE
 
@@ -198,21 +198,12 @@ def cases() -> list[Case]:
     ]
 
 
-def _per_call(fn: Callable[[], object], calls: int) -> Callable[[], float]:
-    def measure() -> float:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - start) / calls
-
-    return measure
-
 
 def _pair(label: str, upb: Callable[[], object], peer: Callable[[], object], calls: int, runs: int,
           size: int) -> Row:
     """Median microseconds per call of each side; runs alternate so machine load hits both alike."""
     upb(), peer()
-    measure_upb, measure_peer = _per_call(upb, calls), _per_call(peer, calls)
+    measure_upb, measure_peer = partial(timed, upb, calls), partial(timed, peer, calls)
     samples = [(measure_upb(), measure_peer()) for _ in range(runs)]
     mine = statistics.median(s[0] for s in samples) * 1e6
     theirs = statistics.median(s[1] for s in samples) * 1e6
