@@ -10,6 +10,7 @@ frames queue much output is written in slices (the connection pauses between the
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -20,13 +21,14 @@ from typing import Any
 
 import trio
 
-from evergreen_trio.picker.grpc_wire import GrpcWireConnection, SyncBidiMethod, WireLimits
+from evergreen_trio.picker.grpc_wire import GrpcWireConnection, SyncBidiMethod, WireLimits, refusal
 
 log = logging.getLogger(__name__)
 RECEIVE_BYTES = 256 * 1024
 # accept() failures that mean "out of descriptors or memory": back off instead of spinning.
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _MAX_BACKOFF_S = 1.0
+_REFUSAL_SEND_S = 0.1
 
 SSLContextSource = ssl.SSLContext | Callable[[], ssl.SSLContext]
 
@@ -85,13 +87,23 @@ class _Server:
                     log.warning("grpc_wire.connection_refused active=%d cap=%d: refusing new connections",
                                 self.active, self.limits.max_connections)
                 self.refused += 1
-                await trio.aclose_forcefully(stream)
+                await self._refuse(stream)
                 continue
             if self.refused:
                 log.info("grpc_wire.accepting_again refused=%d", self.refused)
                 self.refused = 0
             self.active += 1
             nursery.start_soon(self.serve_connection, stream)
+
+    async def _refuse(self, stream: trio.SocketStream) -> None:
+        """Close a connection past the cap; a plaintext one first gets GOAWAY ENHANCE_YOUR_CALM
+        (a TLS one cannot be told before its handshake, which the cap exists to avoid)."""
+        if self.ssl_context is None:
+            message = refusal(f"over the limit of {self.limits.max_connections} connections")
+            # A new socket's buffer takes it at once; a peer already gone does not matter.
+            with trio.move_on_after(_REFUSAL_SEND_S), contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(message)
+        await trio.aclose_forcefully(stream)
 
     async def serve_connection(self, raw: trio.SocketStream) -> None:
         handshake_deadline = trio.current_time() + self.timeouts.handshake_s

@@ -131,6 +131,14 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes | bytearray = b
     return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
 
 
+def refusal(message: str) -> bytes:
+    """What a server sends a connection it will not serve (past its connection cap): an empty
+    SETTINGS (its preface) and GOAWAY ENHANCE_YOUR_CALM with last stream 0, so the client knows
+    no request was processed and backs off before it retries."""
+    payload = (0).to_bytes(4, "big") + ENHANCE_YOUR_CALM.to_bytes(4, "big") + message.encode()[:256]
+    return _frame(SETTINGS, 0, 0) + _frame(GOAWAY, 0, 0, payload)
+
+
 def _header_frames(stream_id: int, flags: int, block: bytes, max_frame: int) -> bytes:
     """HEADERS with ``flags`` (END_HEADERS added), split into CONTINUATION frames past ``max_frame``."""
     if len(block) <= max_frame:

@@ -388,19 +388,23 @@ async def non_reader(port: int, scale: float) -> Outcome:
 
 
 async def connection_flood(port: int, scale: float) -> Outcome:
-    """6. ``3000 * scale`` idle connections: those past the server's cap are closed at once."""
+    """6. ``3000 * scale`` idle connections: those past the server's cap are told GOAWAY
+    ENHANCE_YOUR_CALM and closed at once (``goaway`` is that code when the last one read it)."""
     clients: list[RawClient] = []
-    refused = 0
+    refused, told = 0, ""
     try:
         for _ in range(max(1, int(3000 * scale))):
-            clients.append(await RawClient.connect(port))
-        for client in clients:
-            if not await client.read_until(lambda f: f.kind == SETTINGS, 2.0) and client.outcome.closed:
+            clients.append(await RawClient.connect(port, preface=False))
+        for client in clients:  # a refused one gets GOAWAY right behind the server's SETTINGS
+            if await client.read_until(lambda f: f.kind == SETTINGS, 2.0):
+                await client.read_until(lambda f: f.kind == GOAWAY, 0.2)
+            if client.outcome.goaway == "ENHANCE_YOUR_CALM" or (client.outcome.closed and not client.outcome.goaway):
                 refused += 1
+                told = client.outcome.goaway or told
     finally:
         for client in clients:
             await client.aclose()
-    return Outcome(counted=refused, note=f"{refused} of {len(clients)} refused")
+    return Outcome(counted=refused, goaway=told, note=f"{refused} of {len(clients)} refused")
 
 
 async def rapid_reset(port: int, scale: float) -> Outcome:

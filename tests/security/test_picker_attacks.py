@@ -149,6 +149,7 @@ async def test_connections_past_the_cap_are_closed_and_logged_once(
     # The cap is full of attackers here, so the legitimate call comes after (idle ones time out).
     outcome = await connection_flood(port, 40 / 3000)
     assert outcome.counted >= 40 - LIMITS.max_connections - 1  # the fixture's call may still hold one
+    assert outcome.goaway == "ENHANCE_YOUR_CALM"  # refused politely: no request was processed
     assert sum("connection_refused" in r.message for r in caplog.records) == 1
     assert await trio.to_thread.run_sync(grpcio_call, port) == b"legit"
 
