@@ -1,7 +1,6 @@
 """Hostile peers (issue 11): each attack against a running server, with a legitimate client measuring the stall.
 
-Rows come from ``benchmarks/security_picker.py`` and, when present, ``benchmarks/security_session.py``
-(each exposes ``attacks(quick: bool) -> list[dict[str, object]]``). Row keys:
+Rows come from ``benchmarks/security_picker.py`` and ``benchmarks/security_session.py`` (each exposes ``attacks(quick: bool) -> list[dict[str, object]]``). Row keys:
 
 - ``server``: ``picker`` or ``session``.
 - ``attack``: the issue item number and what the attacker sends.
@@ -18,12 +17,10 @@ attacking connection. Writes ``benchmarks/results/security.json``.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import platform
 
-from benchmarks import security_picker
+from benchmarks import security_picker, security_session
 from benchmarks._harness import RESULTS_DIR
 
 COLUMNS = ("server", "attack", "expected", "observed", "idle_p50_ms", "p50_ms", "max_ms", "rss_growth_mib")
@@ -36,9 +33,7 @@ def _cell(value: object) -> str:
 
 
 def run(quick: bool = False) -> None:
-    rows = security_picker.attacks(quick)
-    if importlib.util.find_spec("benchmarks.security_session") is not None:
-        rows += importlib.import_module("benchmarks.security_session").attacks(quick)
+    rows = security_picker.attacks(quick) + security_session.attacks(quick)
     print("\n## Hostile peers: a legitimate call during each attack\n")
     print("| " + " | ".join(COLUMNS) + " | targets met |")
     print("|" + "---|" * (len(COLUMNS) + 1))
