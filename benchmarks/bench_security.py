@@ -1,6 +1,7 @@
 """Hostile peers (issue 11): each attack against a running server, with a legitimate client measuring the stall.
 
-Rows come from ``benchmarks/security_picker.py`` and ``benchmarks/security_session.py`` (each exposes ``attacks(quick: bool) -> list[dict[str, object]]``). Row keys:
+Rows come from ``benchmarks/security_picker.py`` and ``benchmarks/security_session.py`` (each exposes
+``attacks(quick: bool) -> list[dict[str, object]]``). Row keys:
 
 - ``server``: ``picker`` or ``session``.
 - ``attack``: the issue item number and what the attacker sends.
