@@ -15,6 +15,7 @@ A face whose extra is not installed is skipped, naming the extra.
 from __future__ import annotations
 
 import ast
+import gc
 import importlib
 import importlib.util
 import inspect
@@ -39,9 +40,19 @@ def _public_modules() -> list[str]:
     return names
 
 
+def parse(path: Path) -> ast.Module:
+    """``ast.parse`` with the collector off: CPython 3.11.7 raises "AST constructor recursion depth
+    mismatch" when a collection during the parse runs a finalizer (gh-106905)."""
+    gc.disable()
+    try:
+        return ast.parse(path.read_text(encoding="utf-8"))
+    finally:
+        gc.enable()
+
+
 def _assigned_names(path: Path) -> set[str]:
     names = set()
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+    for node in parse(path).body:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
             node, ast.AnnAssign) else []
         names |= {target.id for target in targets if isinstance(target, ast.Name)}
@@ -76,7 +87,7 @@ def _attribute_documented(name: str) -> bool:
     for path in PACKAGE.rglob("*.py"):
         if "_proto" in path.parts:
             continue
-        body = ast.parse(path.read_text(encoding="utf-8")).body
+        body = parse(path).body
         for node, following in itertools.pairwise(body):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
                 node, ast.AnnAssign) else []

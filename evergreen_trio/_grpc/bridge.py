@@ -602,6 +602,9 @@ async def _client_pump_in(stream: Any, session: MessageStream[Any], message_type
     except RpcAbortError as abort:
         inbound.close(abort)
         return
+    except TimeoutError:  # grpclib's deadline fired in this read: said here, or the task's error goes unread
+        inbound.close(RpcAbortError(Status.DEADLINE_EXCEEDED, "the call's deadline passed"))
+        return
     except (StreamTerminatedError, ConnectionError):
         pass
     except HandoffClosedError:
