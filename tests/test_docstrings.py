@@ -15,7 +15,6 @@ A face whose extra is not installed is skipped, naming the extra.
 from __future__ import annotations
 
 import ast
-import gc
 import importlib
 import importlib.util
 import inspect
@@ -25,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from sources import parse
 
 import evergreen_trio
 from evergreen_trio._extras import MissingExtraError
@@ -39,15 +39,6 @@ def _public_modules() -> list[str]:
             names.append(info.name)
     return names
 
-
-def parse(path: Path) -> ast.Module:
-    """``ast.parse`` with the collector off: CPython 3.11.7 raises "AST constructor recursion depth
-    mismatch" when a collection during the parse runs a finalizer (gh-106905)."""
-    gc.disable()
-    try:
-        return ast.parse(path.read_text(encoding="utf-8"))
-    finally:
-        gc.enable()
 
 
 def _assigned_names(path: Path) -> set[str]:

@@ -11,12 +11,12 @@
 from __future__ import annotations
 
 import ast
-import gc
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sources import parse
 
 ROOT = Path(__file__).parents[1]
 PACKAGE = ROOT / "evergreen_trio"
@@ -56,15 +56,6 @@ FACE_EXCEPTIONS = {
                                   "evergreen_trio.picker.processor"},
 }
 
-
-def parse(path: Path) -> ast.Module:
-    """``ast.parse`` with the collector off: CPython 3.11.7 raises "AST constructor recursion depth
-    mismatch" when a collection during the parse runs a finalizer (gh-106905)."""
-    gc.disable()
-    try:
-        return ast.parse(path.read_text(encoding="utf-8"))
-    finally:
-        gc.enable()
 
 
 def imports(path: Path) -> Iterator[str]:
