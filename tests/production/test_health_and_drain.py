@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 
-import pytest
 import trio
 from ops_helpers import health, held_echo, serve, wait_health
 
@@ -105,19 +102,6 @@ async def test_a_second_signal_ends_a_long_drain_at_once() -> None:
             server.signal(signal.SIGINT)
             assert await server.process.wait() == 0
     assert result == ["UNAVAILABLE"]
-
-
-@pytest.mark.parametrize(("flag", "bad", "expected"), [
-    ("--drain-grace", "-1", "seconds >= 0"),
-    ("--drain-grace", "soon", "invalid _seconds value"),
-    ("--workers", "0", "integer >= 1"),
-    ("--metrics-port", "x", "expected a port"),
-])
-def test_bad_operations_flags_exit_2_naming_the_flag(flag: str, bad: str, expected: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "evergreen_trio.cli", "serve", flag, bad],
-                          capture_output=True, text=True, timeout=HANG_GUARD)
-    assert done.returncode == 2
-    assert flag in done.stderr and expected in done.stderr
 
 
 async def test_a_draining_server_that_is_cancelled_ends_its_sessions_with_unavailable() -> None:
