@@ -27,12 +27,13 @@ demo: $(DEMO_STAMP)
 	$(BIN)/python -m evergreen_trio.demo
 
 # The sdist and wheel as users get them; the wheel alone (no extras) in a fresh venv: --version,
-# a serve + connect round trip, and the missing-extra message (.ci/wheel_smoke.py).
+# a serve + connect round trip, the missing-extra message, and pytest with our plugin loaded
+# (pytest is the one thing added: a user's pytest loads the plugin whatever extras they have).
 wheel-smoke: $(STAMP)
 	rm -rf $(SMOKE) && mkdir -p $(SMOKE)
 	$(BIN)/python -m build -q --outdir $(SMOKE)/dist .
 	$(PYTHON) -m venv $(SMOKE)/venv
-	$(SMOKE)/venv/bin/python -m pip install -q $(SMOKE)/dist/*.whl
+	$(SMOKE)/venv/bin/python -m pip install -q $(SMOKE)/dist/*.whl pytest
 	cd $(SMOKE) && venv/bin/python $(CURDIR)/.ci/wheel_smoke.py
 
 lint: $(STAMP)

@@ -2,7 +2,8 @@
 
 Run with that venv's python: ``--version`` agrees with ``evergreen_trio.__version__`` and the
 wheel's version, ``evergreen-trio serve`` answers an ECHO session from ``connect``, and a part
-whose extra is missing (the picker, IPC) fails in one line naming the extra.
+whose extra is missing (the picker, IPC) fails in one line naming the extra. pytest (installed
+beside the wheel) runs a test with our plugin (entry point ``evergreen_trio``) loaded.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import trio
@@ -64,6 +66,12 @@ def main() -> None:
                           check=False)
     check(done.returncode == 1 and "MissingExtraError" in done.stderr and "evergreen-trio[ipc]" in done.stderr,
           "import evergreen_trio.ipc names the ipc extra")
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "test_plain.py").write_text("def test_plain():\n    assert True\n")
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", folder],
+                              capture_output=True, text=True, timeout=120, check=False)
+    check(done.returncode == 0 and "1 passed" in done.stdout, "pytest runs with our plugin autoloaded")
 
 
 if __name__ == "__main__":
