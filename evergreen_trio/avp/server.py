@@ -18,6 +18,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
+from evergreen_trio._asgi import BodyTooLargeError, ClientGoneError, Receive, Scope, Send, lifespan, read_body
 from evergreen_trio.avp import binding
 from evergreen_trio.avp.codec import decode, zstd_bound
 from evergreen_trio.avp.errors import AVPError, AVPRequestError
@@ -34,9 +35,6 @@ from evergreen_trio.avp.message import DEFAULT_LIMITS, HEADER_SIZE, AVPLimits, A
 
 log = logging.getLogger(__name__)
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 MessageHandler = Callable[[AVPMessage], Awaitable[dict[str, Any]]]
 TextHandler = Callable[[JSONMessage], Awaitable[dict[str, Any]]]
 
@@ -74,10 +72,6 @@ class AVPServerOptions:
         return HEADER_SIZE + self.limits.max_metadata_bytes + zstd_bound(self.limits.max_payload_bytes)
 
 
-class _ClientGoneError(Exception):
-    """The client hung up before its request body was in."""
-
-
 class AVPApp:
     """The ASGI app: routes, token, bounded bodies, strict decoding, then the handlers."""
 
@@ -95,9 +89,7 @@ class AVPApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -118,7 +110,7 @@ class AVPApp:
             log.info("avp.http.refused path=%s agent=%s status=%d reason=%s", path[:100], agent, refusal.status,
                      refusal.message)
             status, document = refusal.status, {"success": False, "message": refusal.message}
-        except _ClientGoneError:
+        except ClientGoneError:
             log.info("avp.http.abort path=%s agent=%s reason=client-gone-before-body", path[:100], agent)
             return
         await send({"type": "http.response.start", "status": status, "headers": [
@@ -170,24 +162,13 @@ class AVPApp:
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             got = declared[:20].decode("latin-1")
             raise AVPRequestError(413, f"request body: expected at most {limit} bytes, got Content-Length {got}")
-        parts: list[bytes] = []
-        size = 0
-        with trio.move_on_after(self.options.body_timeout_s) as deadline:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise _ClientGoneError
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise AVPRequestError(413, f"request body: expected at most {limit} bytes, got more")
-                parts.append(chunk)
-                if not message.get("more_body", False):
-                    break
-        if deadline.cancelled_caught:
-            seconds = self.options.body_timeout_s
-            raise AVPRequestError(408, f"request body: expected it within {seconds}s, got {size} bytes by then")
-        return b"".join(parts)
+        with trio.move_on_after(self.options.body_timeout_s):
+            try:
+                return await read_body(receive, limit)
+            except BodyTooLargeError:
+                raise AVPRequestError(413, f"request body: expected at most {limit} bytes, got more") from None
+        seconds = self.options.body_timeout_s
+        raise AVPRequestError(408, f"request body: expected it within {seconds}s, got part of it by then")
 
 
 async def serve_avp(

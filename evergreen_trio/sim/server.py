@@ -13,12 +13,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
+from evergreen_trio._asgi import BodyTooLargeError, ClientGoneError, Receive, Scope, Send, lifespan, read_body
 from evergreen_trio.sim import api
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.errors import SimRequestError
@@ -27,15 +27,8 @@ from evergreen_trio.sim.model import Emission, Engine, SimRequest
 
 logger = logging.getLogger(__name__)
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _Handler = Callable[[str, Receive, Send], Awaitable[None]]
-
-
-class _ClientGoneError(Exception):
-    """The client hung up before its request body was in."""
 
 
 SERVED_BY_HEADER = "x-served-by"
@@ -83,7 +76,7 @@ class SimServer:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI entry point."""
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -99,7 +92,7 @@ class SimServer:
         except SimRequestError as error:
             logger.info("sim.reject path=%s status=%d reason=%s", path, error.status, error.message)
             await self._respond(send, error.status, api.error_body(error.status, error.message, error.error_type))
-        except _ClientGoneError:
+        except ClientGoneError:
             logger.info("sim.abort path=%s reason=client-gone-before-body", path)
 
     async def _respond(
@@ -122,20 +115,11 @@ class SimServer:
 
     async def _read_body(self, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
-        parts: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGoneError
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise SimRequestError(413, f"request body is larger than the limit of {limit} bytes",
-                                      error_type="PayloadTooLarge")
-            parts.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(parts)
+        try:
+            return await read_body(receive, limit)
+        except BodyTooLargeError:
+            raise SimRequestError(413, f"request body is larger than the limit of {limit} bytes",
+                                  error_type="PayloadTooLarge") from None
 
     async def _completion(self, path: str, receive: Receive, send: Send) -> None:
         request = api.parse_request(path, await self._read_body(receive), self.config)
@@ -194,15 +178,6 @@ async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> No
         pass
     scope.cancel()
 
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 
 
 async def run_sim(
