@@ -14,6 +14,7 @@ import os
 import ssl
 import sys
 import tempfile
+from collections.abc import Callable
 from contextlib import AsyncExitStack, ExitStack
 from functools import partial
 from typing import Any
@@ -179,18 +180,19 @@ def run_serve(args: argparse.Namespace) -> int:
     ServeConfigError (exit 2)."""
     backend = backend_from_args(args)
     security = security_from_args(args)
+    scheme = " TLS" if "tls" in security else ""
     target = f" (GENERATE -> {backend.endpoint} model {backend.model})" if backend else ""
+
+    def serving(port: int) -> str:
+        return f"evergreen-trio serving{scheme} on {args.host}:{port}{target}"
+
     if args.workers > 1 and args.supervised_by is None:
-        return run_workers(args, target)
+        return run_workers(args, serving)
     server = Server(resolvers=[FileResolver(args.allow_file_root)] if args.allow_file_root else (), **security)
     supervised = args.supervised_by is not None
-    scheme = " TLS" if "tls" in security else ""
 
     def announce(ports: tuple[int, int | None]) -> None:
-        # The first line says it is ready: everything it announces is already listening.
-        print(f"evergreen-trio serving{scheme} on {args.host}:{ports[0]}{target}", flush=True)
-        if ports[1] is not None:
-            print(f"evergreen-trio metrics on http://{args.host}:{ports[1]}/metrics", flush=True)
+        _announce(serving(ports[0]), args.host, ports[1])
 
     async def serve(*, task_status: trio.TaskStatus[tuple[int, int | None]] = trio.TASK_STATUS_IGNORED) -> None:
         async with AsyncExitStack() as stack:
@@ -216,8 +218,18 @@ def run_serve(args: argparse.Namespace) -> int:
     return status
 
 
-def run_workers(args: argparse.Namespace, target: str) -> int:
-    """The supervisor of ``serve --workers N``: holds the port, runs and restarts the workers."""
+def _announce(serving: str, host: str, metrics_port: int | None, *more: str) -> None:
+    # The first line says it is ready: everything it announces is already listening.
+    for line in (serving, *more):
+        print(line, flush=True)
+    if metrics_port is not None:
+        print(f"evergreen-trio metrics on http://{host}:{metrics_port}/metrics", flush=True)
+
+
+def run_workers(args: argparse.Namespace, serving: Callable[[int], str]) -> int:
+    """The supervisor of ``serve --workers N``: holds the port, runs and restarts the workers.
+
+    ``serving(port)`` is the ready line for the port it holds."""
     try:
         reserved = reserve_port(args.host, args.port)
     except OSError as error:
@@ -237,10 +249,8 @@ def run_workers(args: argparse.Namespace, target: str) -> int:
                 registry = multiprocess_registry(metrics_dir)
                 metrics = await nursery.start(serve_metrics, registry, args.host, args.metrics_port)
             pids = await nursery.start(supervisor.run)
-            print(f"evergreen-trio serving on {args.host}:{port}{target}", flush=True)
-            print(f"evergreen-trio workers: {len(pids)} (pids {' '.join(map(str, pids))})", flush=True)
-            if metrics is not None:
-                print(f"evergreen-trio metrics on http://{args.host}:{metrics}/metrics", flush=True)
+            _announce(serving(port), args.host, metrics,
+                      f"evergreen-trio workers: {len(pids)} (pids {' '.join(map(str, pids))})")
 
     failed = False
     with reserved, ExitStack() as stack:
