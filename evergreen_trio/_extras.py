@@ -21,9 +21,10 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "generate": ("httpx",),
     "sim": ("hypercorn", "xxhash"),
     "testing": ("hypothesis", "grpc"),
-    "gateway": ("yaml", "xxhash", "httpx", "hypercorn", "envoy.service.ext_proc.v3.external_processor_pb2"),
 }
 """The modules each extra brings that its part imports (what :func:`require_extra` checks)."""
+# `gateway` is the picker and the simulator (with Envoy's binary, which find_envoy looks for).
+EXTRA_MODULES["gateway"] = tuple(dict.fromkeys(EXTRA_MODULES["picker"] + EXTRA_MODULES["sim"]))
 
 
 class MissingExtraError(ConfigurationError, ImportError):
