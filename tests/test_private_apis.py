@@ -221,7 +221,7 @@ CASES = [
     Case("grpclib", "grpclib.client.Stream", "_process_grpc_status", Mentions("return status, message, details"),
          f"{BRIDGE} (_client_pump_in unpacks three values)"),
     Case("grpclib", "grpclib.health.check.ServiceStatus", "__status__", Calls(),
-         "evergreen_trio/_grpc/health.py (ServerHealth.ready), evergreen_trio/picker/runtime.py"),
+         "evergreen_trio/_grpc/health.py (ServerHealth.ready, which the picker's Readiness reads)"),
     # h2: the stream cap that refuses one stream instead of failing the connection.
     Case("h2", "h2.connection.H2Connection", "open_inbound_streams", ClassAttr(property),
          f"{BRIDGE} (_GuardedH2Connection overrides it; prune() calls its getter)"),

@@ -19,11 +19,9 @@ from functools import partial
 import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpclib.const import Status
-from grpclib.health.check import ServiceStatus
-from grpclib.health.service import OVERALL, Health
 
 from evergreen_trio._grpc.bridge import serve_grpclib
-from evergreen_trio._grpc.health import HealthName
+from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._http import HttpGetError, KeepAliveGetter
 from evergreen_trio.metrics import serve_metrics
 from evergreen_trio.picker.config import Endpoint, PickerConfig
@@ -170,23 +168,20 @@ class Readiness:
 
     def __init__(self, pool: str, *, discovered: bool, elected: bool) -> None:
         self.pool = pool
-        self.live, self.ready = ServiceStatus(), ServiceStatus()
-        self.live.set(True)
-        self.ready.set(False)
         self.synced = not discovered
         self.leader = not elected
         self.scraped = False
-        self.health = Health({OVERALL: [self.ready], HealthName("liveness"): [self.live],
-                              **{HealthName(name): [self.ready] for name in READINESS_NAMES}})
+        self.health = ServerHealth(("", *READINESS_NAMES))
+        self.health.set(ready=False, live=True)
 
     def update(self, snapshot: PoolSnapshot) -> None:
         # Latched: a pod added later is scraped within a refresh interval, and readiness must not
         # flap on every scale-up while it is.
         self.scraped = self.scraped or (self.synced and snapshot.first_scrape_done)
         ready = self.scraped and self.leader
-        if ready != bool(self.ready.__status__()):
+        if ready != self.health.ready:
             log.info("picker.%s pool=%s", "ready" if ready else "not_ready", self.pool)
-            self.ready.set(ready)
+            self.health.set(ready=ready, live=True)
 
 
 def wire_limits(config: PickerConfig) -> WireLimits:
@@ -250,7 +245,7 @@ async def run_picker(
             nursery.start_soon(leader_election, on_leader)
         grpc_bound = await nursery.start(partial(
             serve_sync_bidi, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context))
-        health_bound = await nursery.start(serve_grpclib, [readiness.health], host, health_port)
+        health_bound = await nursery.start(serve_grpclib, [readiness.health.servable], host, health_port)
         metrics_bound = await nursery.start(serve_metrics, metrics.registry, host, metrics_port)
         ports = PickerPorts(grpc_bound, health_bound, metrics_bound)
         log.info("picker.serving pool=%s grpc=%d health=%d metrics=%d tls=%s", config.pool.name,
