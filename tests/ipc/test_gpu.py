@@ -27,20 +27,6 @@ from evergreen_trio.ipc.gpu import DeviceMemory, device_catalog_entry, fetch_dev
 GUARD_S = 60  # a hang guard, not a timing assertion
 
 
-def _cuda_available() -> bool:
-    if importlib.util.find_spec("cupy") is None:
-        return False
-    import cupy
-
-    try:
-        return bool(cupy.cuda.runtime.getDeviceCount())
-    except cupy.cuda.runtime.CUDARuntimeError:
-        return False
-
-
-HAVE_CUDA = _cuda_available()
-
-
 def ucx_inflight() -> list[int]:
     from evergreen_trio.ipc.transports.ucx_bridge import open_bridges
 
@@ -66,7 +52,6 @@ async def test_gpu_fetch_without_cupy_is_a_typed_error() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.ucx
-@pytest.mark.skipif(not HAVE_CUDA, reason="needs CuPy and a CUDA device")
 @pytest.mark.parametrize("chunk", [3_000, 20_000])
 async def test_device_bodies_arrive_in_device_memory_byte_exact(chunk: int, nursery: trio.Nursery) -> None:
     """Dictionaries included: the host table equals the source, and each device body
@@ -94,7 +79,6 @@ async def test_device_bodies_arrive_in_device_memory_byte_exact(chunk: int, nurs
 
 @pytest.mark.gpu
 @pytest.mark.ucx
-@pytest.mark.skipif(not HAVE_CUDA, reason="needs CuPy and a CUDA device")
 async def test_device_body_over_the_limit_is_rejected_before_allocation(nursery: trio.Nursery) -> None:
     rows = 2**20
     table = pa.table({"x": np.arange(rows, dtype=np.float64)})
@@ -118,7 +102,6 @@ class _DyingCatalog(Catalog):
 
 @pytest.mark.gpu
 @pytest.mark.ucx
-@pytest.mark.skipif(not HAVE_CUDA, reason="needs CuPy and a CUDA device")
 async def test_device_server_dying_mid_stream_is_a_clear_error() -> None:
     rows = 4 * 2**20
     table = pa.table({"x": np.arange(rows, dtype=np.float64)})
@@ -141,7 +124,6 @@ async def test_device_server_dying_mid_stream_is_a_clear_error() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.ucx
-@pytest.mark.skipif(not HAVE_CUDA, reason="needs CuPy and a CUDA device")
 async def test_device_stream_never_copies_to_the_host_unless_asked(
     nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
