@@ -276,5 +276,5 @@ class Server:
         """Before grpclib cancels what is left, let each open stream send its final status."""
         with trio.move_on_after(SHUTDOWN_GRACE_SECONDS):
             for stream in list(self._open):
-                stream.finish(14, "the server is shutting down")
+                stream.finish(StatusCode.UNAVAILABLE, "the server is shutting down")
                 await stream.wait_closed()
