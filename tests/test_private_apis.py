@@ -173,6 +173,9 @@ CASES = [
          f"{BRIDGE} (_CancelledTimerPurge re-heapifies _timers, so it must stay a heapq heap)"),
     Case("python", "asyncio.events.TimerHandle", "cancel", Mentions("_timer_handle_cancelled(self)"),
          f"{BRIDGE} (_CancelledTimerPurge learns of cancelled timers through it)"),
+    # grpclib: its module-level reference to asyncio.current_task, re-pointed at trio-asyncio's.
+    Case("grpclib", "grpclib.utils.Wrapper", "__enter__", Mentions("_current_task()"),
+         f"{BRIDGE} (sets grpclib.utils._current_task for CPython 3.12+)"),
     # grpclib: the guarded server (its own protocol, handler and start).
     Case("grpclib", "grpclib.config", "Configuration", Calls(0, ("_keepalive_time", "_keepalive_timeout")),
          f"{BRIDGE} (_GuardedServer.__init__)"),

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import grpclib.server
+import grpclib.utils
 import h2.connection
 import h2.events
 import h2.exceptions
@@ -44,6 +45,12 @@ from h2.errors import ErrorCodes
 
 from evergreen_trio._grpc.limits import ResetBudget, TransportLimits
 from evergreen_trio.errors import EvergreenTrioError
+
+# On CPython 3.12+ ``asyncio.current_task`` is C code that knows nothing of trio-asyncio's loop;
+# trio-asyncio replaces ``asyncio.current_task`` with a version that does, but grpclib took its own
+# reference at import time, and if grpclib was imported first that is the original: every grpclib
+# call then fails with "no running event loop". Point grpclib at the patched function.
+grpclib.utils._current_task = asyncio.current_task
 
 log = logging.getLogger(__name__)
 
