@@ -15,7 +15,7 @@ import time
 
 from benchmarks._harness import Row, print_table, write_results
 from evergreen_trio.testing.checks import check_valid
-from evergreen_trio.testing.model import InnerSpec, LeafSpec, Meta, NodeSpec, Plan, echo, fragments_of
+from evergreen_trio.testing.model import Call, InnerSpec, LeafSpec, Meta, NodeSpec, Plan, echo, fragments_of
 from evergreen_trio.testing.subprocess_server import spawn_server
 from evergreen_trio.testing.wire import SyncClient
 
@@ -31,7 +31,7 @@ def soak_plan() -> Plan:
         "c:turn": InnerSpec(("c:q", "c:img")),
         "c:prompt": InnerSpec(("c:turn", "c:turn", "c:eot")),
     }
-    return Plan(nodes, (("c:prompt", "o:0"),), (echo("c:prompt", "o:0"), *fragments_of(nodes)))
+    return Plan(nodes, (Call(("c:prompt",), ("o:0",)),), (echo("c:prompt", "o:0"), *fragments_of(nodes)))
 
 
 def run(quick: bool = False) -> None:

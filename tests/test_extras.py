@@ -106,3 +106,9 @@ def test_version_is_pyprojects() -> None:
     done = subprocess.run([sys.executable, "-m", "evergreen_trio.cli", "--version"], capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 0 and done.stdout == f"evergreen-trio {project['version']}\n"
+
+
+def test_the_testing_extra_brings_what_the_plugins_fixtures_run_on() -> None:
+    """The plugin's async fixtures need pytest-trio; a user installing the kit gets it."""
+    names = {re.split(r"[<>=!~ ;\[]", requirement, maxsplit=1)[0] for requirement in OPTIONAL["testing"]}
+    assert {"pytest", "pytest-trio", "hypothesis", "grpcio"} <= names

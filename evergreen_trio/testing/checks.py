@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from evergreen_trio.errors import EvergreenTrioError
 from evergreen_trio.testing.model import (
+    ECHO,
+    ActionUnderTest,
+    Call,
     FlatChunk,
     InnerSpec,
     Item,
@@ -12,7 +15,6 @@ from evergreen_trio.testing.model import (
     ModelError,
     NodeSpec,
     Plan,
-    echo,
     flatten,
     iter_frags,
     reassemble,
@@ -31,8 +33,9 @@ def _show(chunks: list[FlatChunk], full: bool) -> str:
 
 
 def check_valid(plan: Plan, outcome: Outcome, *, full_metadata: bool = False) -> None:
-    """A valid session ends OK, and each ECHO output is an inner node of leaves whose
-    flattening equals the input's (mimetypes and bytes; all metadata with ``full_metadata``)."""
+    """A valid session ends OK, and each output flattens as the action's reference says
+    (mimetypes and bytes; all metadata with ``full_metadata``); for ECHO (``leaves_only``) each
+    output is also an inner node of leaves."""
     if not outcome.ok:
         raise RuleBrokenError(f"a valid session must end OK, got {outcome.describe()}")
     try:
@@ -44,8 +47,10 @@ def check_valid(plan: Plan, outcome: Outcome, *, full_metadata: bool = False) ->
         root = produced.get(out)
         if root is None:
             raise RuleBrokenError(f"output {out!r} was never produced (produced: {sorted(produced)[:10]})")
-        if not isinstance(root, InnerSpec) or not all(isinstance(model.get(c), LeafSpec) for c in root.children):
-            raise RuleBrokenError(f"ECHO output {out!r} must be an inner node of leaves, got {root!r}")
+        if plan.action.leaves_only and (
+            not isinstance(root, InnerSpec) or not all(isinstance(model.get(c), LeafSpec) for c in root.children)
+        ):
+            raise RuleBrokenError(f"{plan.action.name} output {out!r} must be an inner node of leaves, got {root!r}")
         try:
             got = flatten(model, out)
         except ModelError as error:
@@ -73,16 +78,17 @@ def check_abort(plan: Plan, outcome: Outcome, *, strict_codes: bool = False) -> 
         )
 
 
-def probe_plan() -> Plan:
-    """A one-leaf ECHO: the smallest session that shows a server still serves."""
+def probe_plan(action: ActionUnderTest = ECHO) -> Plan:
+    """One call of ``action`` on one leaf: the smallest session that shows a server still serves."""
     leaf = LeafSpec(Meta("text/plain"), b"still serving?")
-    items: tuple[Item, ...] = (echo("c:probe", "o:probe"), *split_leaf("c:probe", leaf))
-    return Plan({"c:probe": leaf}, (("c:probe", "o:probe"),), items)
+    call = Call(("c:probe",) * len(action.inputs), tuple(f"o:probe{k}" for k in range(len(action.outputs))))
+    items: tuple[Item, ...] = (action.act(call), *split_leaf("c:probe", leaf))
+    return Plan({"c:probe": leaf}, (call,), items, action=action)
 
 
-def check_still_serving(client: SyncClient) -> None:
-    """After an abort the server serves the next session."""
-    plan = probe_plan()
+def check_still_serving(client: SyncClient, action: ActionUnderTest = ECHO) -> None:
+    """After an abort the server serves the next session (one call of ``action``)."""
+    plan = probe_plan(action)
     try:
         check_valid(plan, client.run(plan.messages()))
     except RuleBrokenError as error:

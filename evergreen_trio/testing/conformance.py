@@ -3,7 +3,9 @@
 Each rule is a hypothesis property played over the wire with a grpcio client; a rule that
 fails is reported with its shrunk counterexample (the smallest session that still breaks it).
 The specification names no status codes, so any non-OK status counts as an abort unless
-``--strict-codes`` asks for ours. Server-specific limits are out of scope.
+``--strict-codes`` asks for ours. Server-specific limits are out of scope. From Python,
+:func:`run_conformance` checks the same rules through any action with a reference function
+(:class:`~evergreen_trio.testing.model.ActionUnderTest`).
 """
 
 from __future__ import annotations
@@ -26,22 +28,23 @@ from hypothesis.stateful import run_state_machine_as_test
 from evergreen_trio._cli import UsageError
 from evergreen_trio.testing.checks import check_still_serving
 from evergreen_trio.testing.machine import machine_for, play_session
-from evergreen_trio.testing.model import InnerSpec, Plan, Violation, depth
+from evergreen_trio.testing.model import ECHO, ActionUnderTest, InnerSpec, Plan, Violation, depth
 from evergreen_trio.testing.strategies import DEFAULT_SHAPE, Delivery, invalid_sessions, sessions
-from evergreen_trio.testing.wire import SyncClient
+from evergreen_trio.testing.wire import SyncClient, parse_header, split_target
 
 _PLAIN = Delivery(reorder=False, split=False, duplicates=False, max_calls=1, reuse_outputs=False)
 
 
 def _reuses(plan: Plan) -> bool:
-    outputs = {out for _, out in plan.calls}
-    return any(inp in outputs for inp, _ in plan.calls) or any(
+    outputs = {out for call in plan.calls for out in call.outputs}
+    return any(outputs.intersection(call.inputs) for call in plan.calls) or any(
         isinstance(node, InnerSpec) and outputs.intersection(node.children) for node in plan.nodes.values()
     )
 
 
 def _deep(plan: Plan) -> bool:
-    return any(depth(plan.model(), inp) >= 8 for inp, _ in plan.calls)
+    model = plan.model()
+    return any(depth(model, inp) >= 8 for call in plan.calls for inp in call.inputs)
 
 
 def _shared(plan: Plan) -> bool:
@@ -60,39 +63,50 @@ class Rule:
     """None: the stateful machine (every rule at once, session after session)."""
 
 
-RULES: tuple[Rule, ...] = (
-    Rule("round-trip", "a DAG sent in order round-trips through ECHO: flattened order, mimetypes, bytes",
-         sessions(delivery=_PLAIN)),
-    Rule("fragment-splitting", "leaf bytes and child lists split over many seqs concatenate in seq order",
-         sessions(delivery=replace(_PLAIN, split=True))),
-    Rule("any-order", "fragments of one node and of different nodes may arrive in any order; "
-         "a node may name children not yet received; actions may come before or after their inputs",
-         sessions(delivery=replace(_PLAIN, split=True, reorder=True))),
-    Rule("retries-ignored", "a repeated (id, seq) is ignored silently, never an error",
-         sessions(delivery=replace(_PLAIN, split=True, reorder=True, duplicates=True, divergent_duplicates=False))),
-    Rule("first-fragment-wins", "of fragments with the same (id, seq), the first received is accepted",
-         sessions(delivery=replace(_PLAIN, split=True, duplicates=True, divergent_duplicates=True))),
-    Rule("shared-nodes", "a node may be the child of several nodes and the input of several actions; "
-         "flattening repeats it wherever it appears",
-         sessions(delivery=Delivery(divergent_duplicates=False, reuse_outputs=False)).filter(_shared)),
-    Rule("output-reuse", "outputs of earlier actions are inputs later without being sent again",
-         sessions(delivery=Delivery(divergent_duplicates=False)).filter(_reuses)),
-    Rule("deep-chains", "deep nesting (8 to 16 levels here) flattens depth-first",
-         sessions(replace(DEFAULT_SHAPE, max_inner=0), replace(_PLAIN, split=True, reorder=True)).filter(_deep)),
-    *(
-        Rule(f"abort-{violation.label.replace(' ', '-')}", f"a session with a {violation.label} is aborted, "
-             "and the server serves the next session", invalid_sessions([violation]))
-        for violation in (
-            Violation.CYCLE,
-            Violation.SEQ_PAST_FINAL,
-            Violation.CHANGED_METADATA,
-            Violation.LEAF_AND_INNER,
-            Violation.REUSED_OUTPUT_ID,
-        )
-    ),
-    Rule("stateful", "all of the above, session after session on one connection, with replays of "
-         "earlier sessions (ids belong to their session)", None),
-)
+def rules_for(action: ActionUnderTest = ECHO) -> tuple[Rule, ...]:
+    """Every rule, its sessions calling ``action`` and judged by its reference function."""
+    name = action.name
+    return (
+        Rule("round-trip", f"a DAG sent in order round-trips through {name}: flattened order, mimetypes, bytes",
+             sessions(delivery=_PLAIN, action=action)),
+        Rule("fragment-splitting", "leaf bytes and child lists split over many seqs concatenate in seq order",
+             sessions(delivery=replace(_PLAIN, split=True), action=action)),
+        Rule("any-order", "fragments of one node and of different nodes may arrive in any order; "
+             "a node may name children not yet received; actions may come before or after their inputs",
+             sessions(delivery=replace(_PLAIN, split=True, reorder=True), action=action)),
+        Rule("retries-ignored", "a repeated (id, seq) is ignored silently, never an error",
+             sessions(delivery=replace(_PLAIN, split=True, reorder=True, duplicates=True,
+                                       divergent_duplicates=False), action=action)),
+        Rule("first-fragment-wins", "of fragments with the same (id, seq), the first received is accepted",
+             sessions(delivery=replace(_PLAIN, split=True, duplicates=True, divergent_duplicates=True),
+                      action=action)),
+        Rule("shared-nodes", "a node may be the child of several nodes and the input of several actions; "
+             "flattening repeats it wherever it appears",
+             sessions(delivery=Delivery(divergent_duplicates=False, reuse_outputs=False), action=action)
+             .filter(_shared)),
+        Rule("output-reuse", "outputs of earlier actions are inputs later without being sent again",
+             sessions(delivery=Delivery(divergent_duplicates=False), action=action).filter(_reuses)),
+        Rule("deep-chains", "deep nesting (8 to 16 levels here) flattens depth-first",
+             sessions(replace(DEFAULT_SHAPE, max_inner=0), replace(_PLAIN, split=True, reorder=True),
+                      action=action).filter(_deep)),
+        *(
+            Rule(f"abort-{violation.label.replace(' ', '-')}", f"a session with a {violation.label} is aborted, "
+                 "and the server serves the next session", invalid_sessions([violation], action=action))
+            for violation in (
+                Violation.CYCLE,
+                Violation.SEQ_PAST_FINAL,
+                Violation.CHANGED_METADATA,
+                Violation.LEAF_AND_INNER,
+                Violation.REUSED_OUTPUT_ID,
+            )
+        ),
+        Rule("stateful", "all of the above, session after session on one connection, with replays of "
+             "earlier sessions (ids belong to their session)", None),
+    )
+
+
+RULES: tuple[Rule, ...] = rules_for(ECHO)
+"""The rules for ECHO, as ``evergreen-trio conformance`` checks them."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +118,13 @@ class RuleResult:
 
 
 def check_rule(
-    client: SyncClient, rule: Rule, *, examples: int, strict_codes: bool = False, derandomize: bool = False
+    client: SyncClient,
+    rule: Rule,
+    *,
+    examples: int,
+    strict_codes: bool = False,
+    derandomize: bool = False,
+    action: ActionUnderTest = ECHO,
 ) -> RuleResult:
     """Run one rule's property; on failure keep hypothesis's shrunk counterexample."""
     config = settings(
@@ -120,7 +140,7 @@ def check_rule(
     failures: list[tuple[str, str]] = []
     reported: list[str] = []
 
-    machine = machine_for(client, strict_codes=strict_codes, failures=failures)
+    machine = machine_for(client, strict_codes=strict_codes, failures=failures, action=action)
     test: Callable[[], None]
     if rule.plans is None:
 
@@ -152,21 +172,29 @@ def run_conformance(
     derandomize: bool = False,
     only: Sequence[str] = (),
     out: TextIO | None = None,
+    action: ActionUnderTest = ECHO,
+    tls_ca: bytes | None = None,
+    headers: Sequence[tuple[str, str]] = (),
 ) -> list[RuleResult]:
-    """Check every rule (or those named in ``only``) against ``target``; print a report to ``out`` (stdout)."""
+    """Check every rule (or those named in ``only``) against ``target`` through ``action``; print
+    a report to ``out`` (stdout). ``tls_ca`` (PEM) connects with TLS; ``headers`` go with every
+    session (a bearer token, say). Raises :class:`~evergreen_trio.testing.wire.UnreachableError`
+    when nothing answers at ``target``."""
     out = out or sys.stdout
-    rules = [r for r in RULES if not only or r.name in only]
+    rules = [r for r in rules_for(action) if not only or r.name in only]
     mode = "strict status codes" if strict_codes else "any non-OK status is an abort"
-    print(f"Evergreen conformance of {target}: {examples} examples per rule, {mode}", file=out)
+    print(f"Evergreen conformance of {target} ({action.name}): {examples} examples per rule, {mode}", file=out)
     results: list[RuleResult] = []
-    with SyncClient(target, timeout=timeout) as client:
+    with SyncClient(target, timeout=timeout, tls_ca=tls_ca, headers=headers) as client:
+        client.wait_ready()
         try:
-            check_still_serving(client)
+            check_still_serving(client, action)
         except AssertionError as error:
-            print(f"  the server does not serve a one-leaf ECHO session: {error}", file=out)
-            return [RuleResult(r, False, "", "server unreachable or without ECHO") for r in rules]
+            print(f"  the server does not serve a one-leaf {action.name} session: {error}", file=out)
+            return [RuleResult(r, False, "", f"the server does not serve {action.name}") for r in rules]
         for rule in rules:
-            result = check_rule(client, rule, examples=examples, strict_codes=strict_codes, derandomize=derandomize)
+            result = check_rule(client, rule, examples=examples, strict_codes=strict_codes, derandomize=derandomize,
+                                action=action)
             results.append(result)
             print(f"  {'PASS' if result.holds else 'FAIL'}  {rule.name:<28} {rule.text}", file=out, flush=True)
             if not result.holds:
@@ -193,14 +221,25 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--derandomize", action="store_true", help="the same sessions on every run")
     parser.add_argument("--rule", action="append", default=[], choices=[r.name for r in RULES],
                         help="check only this rule (repeatable)")
+    parser.add_argument("--tls-ca", metavar="FILE", help="connect with TLS, trusting the CA certificates in FILE (PEM)")
+    parser.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'", type=parse_header,
+                        help="send this header with every session, e.g. 'authorization: Bearer T' (repeatable)")
     parser.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.examples < 1:
         raise UsageError(f"argument --examples: expected at least 1, got {args.examples}")
+    split_target(args.target)
+    tls_ca = None
+    if args.tls_ca is not None:
+        try:
+            with open(args.tls_ca, "rb") as file:
+                tls_ca = file.read()
+        except OSError as error:
+            raise UsageError(f"--tls-ca {args.tls_ca}: {error.strerror or error}") from None
     results = run_conformance(
         args.target, examples=args.examples, strict_codes=args.strict_codes, timeout=args.timeout,
-        derandomize=args.derandomize, only=args.rule,
+        derandomize=args.derandomize, only=args.rule, tls_ca=tls_ca, headers=args.header,
     )
     return 0 if results and all(r.holds for r in results) else 1

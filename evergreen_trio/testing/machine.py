@@ -1,6 +1,7 @@
-"""A hypothesis state machine that plays a client against any Evergreen server offering ECHO.
+"""A hypothesis state machine that plays a client against any Evergreen server offering ECHO
+(or any action, given as an :class:`~evergreen_trio.testing.model.ActionUnderTest`).
 
-Each step is one session: a valid one (every DAG round-trips through ECHO exactly, however it
+Each step is one session: a valid one (every DAG round-trips through the action exactly, however it
 is split, reordered, retried and interleaved), a replay of an earlier valid one in a new
 session (ids belong to a session; nothing crosses sessions), or an invalid one (it must abort,
 and the next session must be served). ``machine_for`` binds it to a server and returns a
@@ -15,7 +16,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, rule
 
 from evergreen_trio.dag.limits import SessionLimits
 from evergreen_trio.testing.checks import check_abort, check_still_serving, check_valid
-from evergreen_trio.testing.model import Plan, Violation
+from evergreen_trio.testing.model import ECHO, ActionUnderTest, Plan, Violation
 from evergreen_trio.testing.strategies import (
     DEFAULT_DELIVERY,
     DEFAULT_SHAPE,
@@ -45,7 +46,7 @@ def play_session(
             check_valid(plan, outcome, full_metadata=full_metadata)
         else:
             check_abort(plan, outcome, strict_codes=strict_codes)
-            check_still_serving(client)
+            check_still_serving(client, plan.action)
         if after_session is not None:
             after_session()
     except AssertionError as error:
@@ -64,8 +65,9 @@ def machine_for(
     delivery: Delivery = DEFAULT_DELIVERY,
     after_session: Callable[[], None] | None = None,
     failures: list[tuple[str, str]] | None = None,
+    action: ActionUnderTest = ECHO,
 ) -> type[RuleBasedStateMachine]:
-    """A state machine class playing sessions through ``client``.
+    """A state machine class playing sessions of ``action`` calls (ECHO unless given) through ``client``.
 
     With the server's ``limits``, over-limit sessions join the invalid ones (they must end
     RESOURCE_EXHAUSTED under ``strict_codes``). ``after_session`` runs after every session,
@@ -83,7 +85,7 @@ def machine_for(
     class SessionMachine(RuleBasedStateMachine):
         played = Bundle("played")
 
-        @rule(target=played, plan=sessions(shape, delivery))
+        @rule(target=played, plan=sessions(shape, delivery, action))
         def valid_session(self, plan: Plan) -> Plan:
             play(plan)
             return plan
@@ -92,7 +94,7 @@ def machine_for(
         def replay_in_new_session(self, plan: Plan) -> None:
             play(plan)
 
-        @rule(plan=invalid_sessions(violations, limits=limits, shape=shape, delivery=delivery))
+        @rule(plan=invalid_sessions(violations, limits=limits, shape=shape, delivery=delivery, action=action))
         def invalid_session(self, plan: Plan) -> None:
             play(plan)
 

@@ -1,5 +1,6 @@
 """A plain-Python model of Evergreen sessions, independent of any server: what a client sends,
-what ECHO must answer, and a strict reading of what a server sent back.
+what the action under test (ECHO, or any action with a reference function) must answer, and a
+strict reading of what a server sent back.
 
 Everything here is pure (no I/O, no event loop), so a test can state the expected result of a
 session before running it, and a conformance run can judge a server with code that shares
@@ -8,7 +9,7 @@ nothing with the server under test.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import pairwise
@@ -65,16 +66,6 @@ class InnerSpec:
 
 
 @dataclass(frozen=True)
-class EchoOf:
-    """A node the server produces: ECHO's output for input ``input_id`` (it flattens the same)."""
-
-    input_id: str
-
-
-NodeSpec = LeafSpec | InnerSpec | EchoOf
-
-
-@dataclass(frozen=True)
 class FlatChunk:
     """One chunk of a flattened node."""
 
@@ -83,6 +74,16 @@ class FlatChunk:
 
     def __repr__(self) -> str:
         return f"({self.meta.mimetype!r}, {self.data!r})"
+
+
+@dataclass(frozen=True)
+class Produced:
+    """A node the server produces, known by its expected flattening (the action's reference)."""
+
+    chunks: tuple[FlatChunk, ...]
+
+
+NodeSpec = LeafSpec | InnerSpec | Produced
 
 
 def flatten(nodes: Mapping[str, NodeSpec], root: str, *, limit: int = 1 << 20) -> list[FlatChunk]:
@@ -98,14 +99,14 @@ def flatten(nodes: Mapping[str, NodeSpec], root: str, *, limit: int = 1 << 20) -
         node = nodes.get(node_id)
         if node is None:
             raise ModelError(f"node {node_id!r} is named but not in the model")
-        if isinstance(node, LeafSpec):
-            if len(out) >= limit:
+        if isinstance(node, Produced | LeafSpec):
+            chunks = node.chunks if isinstance(node, Produced) else (FlatChunk(node.meta, node.data),)
+            if len(out) + len(chunks) > limit:
                 raise ModelError(f"flattening has more than {limit} chunks")
-            out.append(FlatChunk(node.meta, node.data))
+            out.extend(chunks)
             return
         path.append(node_id)
-        children = node.children if isinstance(node, InnerSpec) else (node.input_id,)
-        for child in children:
+        for child in node.children:
             walk(child)
         path.pop()
 
@@ -122,9 +123,10 @@ def depth(nodes: Mapping[str, NodeSpec], root: str) -> int:
             node = nodes[node_id]
             if isinstance(node, LeafSpec):
                 memo[node_id] = 0
+            elif isinstance(node, Produced):
+                memo[node_id] = 1  # an inner node of leaves, as ECHO answers
             else:
-                children = node.children if isinstance(node, InnerSpec) else (node.input_id,)
-                memo[node_id] = 1 + max((walk(c) for c in children), default=0)
+                memo[node_id] = 1 + max((walk(c) for c in node.children), default=0)
         return memo[node_id]
 
     return walk(root)
@@ -190,7 +192,60 @@ Item = Frag | Act
 
 
 def echo(input_id: str, output_id: str) -> Act:
-    return Act("ECHO", (("input", input_id),), (("output", output_id),))
+    """An ECHO action from ``input_id`` to ``output_id``."""
+    return ECHO.act(Call((input_id,), (output_id,)))
+
+
+Reference = Callable[[Mapping[str, list[FlatChunk]]], Mapping[str, Sequence[FlatChunk]]]
+"""Given each input parameter's flattened chunks, the expected flattening of each output."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of the action under test: node ids for its inputs and its outputs, in the order
+    of :attr:`ActionUnderTest.inputs` and :attr:`ActionUnderTest.outputs`."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ActionUnderTest:
+    """An action a server offers, as the kit drives it: its name, input and output parameter
+    names, and ``reference``, a pure function giving the expected outputs for given inputs.
+
+    ``leaves_only`` also requires each output to be an inner node whose children are leaves
+    (ECHO's shape); otherwise only an output's flattening is compared.
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    reference: Reference
+    leaves_only: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.inputs or not self.outputs:
+            raise ModelError(f"action {self.name!r}: the kit needs at least one input and one output")
+        if len(set(self.inputs)) != len(self.inputs) or len(set(self.outputs)) != len(self.outputs):
+            raise ModelError(f"action {self.name!r}: parameter names repeat")
+
+    def act(self, call: Call) -> Act:
+        """The wire Action for ``call``."""
+        return Act(self.name, tuple(zip(self.inputs, call.inputs, strict=True)),
+                   tuple(zip(self.outputs, call.outputs, strict=True)))
+
+    def expect(self, flattened: Mapping[str, list[FlatChunk]]) -> dict[str, tuple[FlatChunk, ...]]:
+        """The reference's outputs for ``flattened`` inputs, checked to name every output."""
+        got = self.reference(flattened)
+        missing = set(self.outputs) - set(got)
+        if missing:
+            raise ModelError(f"the reference of {self.name!r} gave no {sorted(missing)}")
+        return {name: tuple(got[name]) for name in self.outputs}
+
+
+ECHO = ActionUnderTest("ECHO", ("input",), ("output",), lambda inputs: {"output": inputs["input"]}, leaves_only=True)
+"""The spec's ECHO: its output flattens exactly as its input, as an inner node of leaves."""
 
 
 def split_leaf(node_id: str, leaf: LeafSpec, cuts: Sequence[int] = (), *, repeat_meta: bool = False) -> list[Frag]:
@@ -270,27 +325,39 @@ class Violation(Enum):
 
 @dataclass(frozen=True)
 class Plan:
-    """One session: the client's nodes, the ECHO calls (input id -> output id), the items in
-    delivery order, and where messages split. ``violation`` is None for a valid session."""
+    """One session: the client's nodes, the calls of ``action`` (ECHO unless another is given),
+    the items in delivery order, and where messages split. ``violation`` is None for a valid
+    session."""
 
     nodes: Mapping[str, NodeSpec]
-    calls: tuple[tuple[str, str], ...]
+    calls: tuple[Call, ...]
     items: tuple[Item, ...]
     groups: tuple[int, ...] = ()
     violation: Violation | None = None
     note: str = ""
+    action: ActionUnderTest = ECHO
 
     def messages(self) -> list[SessionMessage]:
         return to_messages(self.items, self.groups)
 
     def model(self) -> dict[str, NodeSpec]:
-        """Client nodes plus the ECHO outputs, for :func:`flatten`."""
-        return {**self.nodes, **{out: EchoOf(inp) for inp, out in self.calls}}
+        """Client nodes plus every call's outputs (as their expected flattening), for :func:`flatten`.
+
+        Calls are resolved in order: a call may read an earlier call's outputs.
+        """
+        model: dict[str, NodeSpec] = dict(self.nodes)
+        for call in self.calls:
+            inputs = {name: flatten(model, node_id) for name, node_id in zip(self.action.inputs, call.inputs,
+                                                                              strict=True)}
+            expected = self.action.expect(inputs)
+            for name, node_id in zip(self.action.outputs, call.outputs, strict=True):
+                model[node_id] = Produced(expected[name])
+        return model
 
     def expected(self) -> dict[str, list[FlatChunk]]:
         """Each output id's expected flattening."""
         model = self.model()
-        return {out: flatten(model, inp) for inp, out in self.calls}
+        return {out: flatten(model, out) for call in self.calls for out in call.outputs}
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         """Hypothesis (and IPython) print counterexamples through this: one item per line."""

@@ -2,8 +2,9 @@
 them, and invalid sessions labelled with the rule they break.
 
 ``dags()`` builds DAGs of leaves with several mimetypes, shared children and deep chains.
-``sessions()`` turns one into a :class:`~evergreen_trio.testing.model.Plan`: one or more ECHO
-calls (some reusing earlier outputs without resending them), every node split into fragments
+``sessions()`` turns one into a :class:`~evergreen_trio.testing.model.Plan`: one or more calls
+of the action under test (ECHO unless an :class:`~evergreen_trio.testing.model.ActionUnderTest`
+is given; some reusing earlier outputs without resending them), every node split into fragments
 at arbitrary points, fragments reordered and interleaved across nodes and actions, (id, seq)
 retries duplicated, actions sent before or after their inputs, and messages split anywhere.
 ``invalid_sessions()`` mutates such a plan so it breaks exactly one rule
@@ -28,7 +29,10 @@ from hypothesis import strategies as st
 
 from evergreen_trio.dag.limits import SessionLimits
 from evergreen_trio.testing.model import (
+    ECHO,
     Act,
+    ActionUnderTest,
+    Call,
     Frag,
     InnerSpec,
     Item,
@@ -37,8 +41,6 @@ from evergreen_trio.testing.model import (
     NodeSpec,
     Plan,
     Violation,
-    echo,
-    flatten,
     split_inner,
     split_leaf,
 )
@@ -100,34 +102,56 @@ class Dag:
     root: str
 
 
+def _fresh(name: str, used: dict[str, NodeSpec]) -> str:
+    """``c:NAME``, made unique with a suffix when an earlier node drew the same name."""
+    node_id, k = f"c:{name}", 1
+    while node_id in used:
+        node_id, k = f"c:{name}~{k}", k + 1
+    return node_id
+
+
+_PICK = st.integers(0, 1 << 16)
+"""A child choice, taken modulo the nodes built so far: it shrinks towards the first node."""
+
+
 @st.composite
 def dags(draw: st.DrawFn, shape: DagShape = DEFAULT_SHAPE) -> Dag:
     """A DAG of client nodes: leaves (several mimetypes, possibly empty), inner nodes picking
     earlier nodes as children (so children are shared, even twice in one parent), or a deep
-    chain. The root is the last node built; a few nodes may be unreachable from it."""
-    n_leaves = draw(st.integers(1, shape.max_leaves))
+    chain. The root is the last node built; a few nodes may be unreachable from it.
+
+    Every node is one element of a drawn list, so hypothesis shrinks a failing DAG by deleting
+    nodes (a chain by dropping levels) instead of redrawing everything after a changed count.
+    """
     chain = draw(st.booleans())
-    n_inner = draw(st.integers(1, shape.max_chain)) if chain else draw(st.integers(0, shape.max_inner))
-    names = draw(st.lists(_ID_TEXT, min_size=n_leaves + n_inner, max_size=n_leaves + n_inner, unique=True))
-    ids = [f"c:{name}" for name in names]
+    leaves = draw(st.lists(st.tuples(_ID_TEXT, metas(full=shape.full_metadata), st.binary(max_size=shape.max_data)),
+                           min_size=1, max_size=shape.max_leaves))
+    if chain:
+        levels = draw(st.lists(st.tuples(_ID_TEXT, st.booleans(), st.lists(_PICK, max_size=1)),
+                               min_size=1, max_size=shape.max_chain))
+        inner = [(name, [*extra, -1] if before else [-1, *extra]) for name, before, extra in levels]
+    else:
+        inner = draw(st.lists(st.tuples(_ID_TEXT, st.lists(_PICK, min_size=1, max_size=shape.max_children)),
+                              max_size=shape.max_inner))
     nodes: dict[str, NodeSpec] = {}
+    ids: list[str] = []
     flat: list[int] = []
-    for node_id in ids[:n_leaves]:
-        nodes[node_id] = LeafSpec(draw(metas(full=shape.full_metadata)), draw(st.binary(max_size=shape.max_data)))
+    for name, meta, data in leaves:
+        ids.append(_fresh(name, nodes))
+        nodes[ids[-1]] = LeafSpec(meta, data)
         flat.append(1)
-    for k, node_id in enumerate(ids[n_leaves:]):
-        built = n_leaves + k
-        if chain:
-            extra = draw(st.lists(st.integers(0, n_leaves - 1), max_size=1))
-            picks = [built - 1, *extra] if draw(st.booleans()) else [*extra, built - 1]
-        else:
-            picks = draw(st.lists(st.integers(0, built - 1), min_size=1, max_size=shape.max_children))
+    n_leaves = len(leaves)
+    for name, picks in inner:
+        built = len(ids)
+        # In a chain, -1 is the level below and the other picks are leaves; elsewhere any earlier node.
+        indexes = [built - 1 if p < 0 else p % (n_leaves if chain else built) for p in picks]
         children: list[int] = []
-        for pick in picks:
+        for pick in indexes:
             if children and sum(flat[c] for c in children) + flat[pick] > shape.max_flat:
                 break
             children.append(pick)
-        nodes[node_id] = InnerSpec(tuple(ids[c] for c in children))
+        ids.append(_fresh(name, nodes))
+        nodes[ids[-1]] = InnerSpec(tuple(ids[c] for c in children))
         flat.append(sum(flat[c] for c in children))
     return Dag(nodes, ids[-1])
 
@@ -228,33 +252,40 @@ def _first_ref(items: Sequence[Item], node_ids: set[str]) -> int | None:
 
 @dataclass
 class _Draft:
+    action: ActionUnderTest
     nodes: dict[str, NodeSpec]
-    calls: list[tuple[str, str]]
+    calls: list[Call]
     frags: dict[str, list[Frag]]
 
 
+def _output_ids(action: ActionUnderTest, index: int | str) -> tuple[str, ...]:
+    return tuple(f"o:{index}" if k == 0 else f"o:{index}.{k}" for k in range(len(action.outputs)))
+
+
 @st.composite
-def _drafts(draw: st.DrawFn, shape: DagShape, delivery: Delivery) -> _Draft:
+def _drafts(draw: st.DrawFn, shape: DagShape, delivery: Delivery, action: ActionUnderTest) -> _Draft:
     dag = draw(dags(shape))
     nodes = dict(dag.nodes)
     pool = list(nodes)
-    calls: list[tuple[str, str]] = []
+    calls: list[Call] = []
     n_calls = draw(st.integers(1, delivery.max_calls))
     for index in range(n_calls):
-        out = f"o:{index}"
-        mode = draw(st.sampled_from(["root", "pool", "reuse", "nest"])) if delivery.reuse_outputs else "root"
-        if index == 0 or mode == "root":
-            inp = dag.root
-        elif mode == "pool":
-            inp = draw(st.sampled_from(pool))
-        elif mode == "reuse":
-            inp = calls[draw(st.integers(0, index - 1))][1]
-        else:
-            earlier = calls[draw(st.integers(0, index - 1))][1]
-            inp = f"c:nest{index}"
-            nodes[inp] = InnerSpec((earlier, draw(st.sampled_from(pool))))
-        calls.append((inp, out))
-    return _Draft(nodes, calls, _node_fragments(draw, nodes, delivery))
+        earlier = [out for call in calls for out in call.outputs]
+        inputs: list[str] = []
+        for k in range(len(action.inputs)):
+            mode = draw(st.sampled_from(["root", "pool", "reuse", "nest"])) if delivery.reuse_outputs else "root"
+            if not earlier or mode == "root":
+                inp = dag.root
+            elif mode == "pool":
+                inp = draw(st.sampled_from(pool))
+            elif mode == "reuse":
+                inp = draw(st.sampled_from(earlier))
+            else:
+                inp = f"c:nest{index}" + (f".{k}" if k else "")
+                nodes[inp] = InnerSpec((draw(st.sampled_from(earlier)), draw(st.sampled_from(pool))))
+            inputs.append(inp)
+        calls.append(Call(tuple(inputs), _output_ids(action, index)))
+    return _Draft(action, nodes, calls, _node_fragments(draw, nodes, delivery))
 
 
 def _order(draw: st.DrawFn, draft: _Draft, delivery: Delivery) -> _Order:
@@ -272,20 +303,26 @@ def _order(draw: st.DrawFn, draft: _Draft, delivery: Delivery) -> _Order:
             else:
                 _place_after(draw, frags, original, None)
     actions: list[tuple[Act, int, int | None]] = []
-    outputs = [out for _, out in draft.calls]
-    for index, (inp, out) in enumerate(draft.calls):
-        # An action goes before any fragment naming its output or a later one's: a node may
+    for index, call in enumerate(draft.calls):
+        # An action goes before any fragment naming its outputs or a later one's: a node may
         # name a child that has not arrived, but the output must be claimed by then.
-        actions.append((echo(inp, out), 0, _first_ref(frags, set(outputs[index:]))))
+        later = {out for later_call in draft.calls[index:] for out in later_call.outputs}
+        actions.append((draft.action.act(call), 0, _first_ref(frags, later)))
     return _Order(frags, actions)
 
 
 @st.composite
-def sessions(draw: st.DrawFn, shape: DagShape = DEFAULT_SHAPE, delivery: Delivery = DEFAULT_DELIVERY) -> Plan:
-    """A valid session: ECHO calls over a generated DAG, delivered with drawn disorder."""
-    draft = draw(_drafts(shape, delivery))
+def sessions(
+    draw: st.DrawFn,
+    shape: DagShape = DEFAULT_SHAPE,
+    delivery: Delivery = DEFAULT_DELIVERY,
+    action: ActionUnderTest = ECHO,
+) -> Plan:
+    """A valid session: calls of ``action`` (ECHO by default) over a generated DAG, delivered
+    with drawn disorder; ``plan.expected()`` gives each output by the action's reference."""
+    draft = draw(_drafts(shape, delivery, action))
     items, groups = _deliver(draw, _order(draw, draft, delivery), delivery)
-    return Plan(draft.nodes, tuple(draft.calls), items, groups)
+    return Plan(draft.nodes, tuple(draft.calls), items, groups, action=action)
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,15 +342,21 @@ def _reachable(nodes: dict[str, NodeSpec], root: str) -> list[list[str]]:
     return list(paths.values())
 
 
+def _rewire_first_input(draft: _Draft, node_id: str) -> None:
+    """The first call reads ``node_id`` as its first input."""
+    first = draft.calls[0]
+    draft.calls[0] = Call((node_id, *first.inputs[1:]), first.outputs)
+
+
 def _with_inner(draft: _Draft) -> str:
-    """The first call's input, made an inner node if it was not (wrapping the old input)."""
-    inp, out = draft.calls[0]
+    """The first call's first input, made an inner node if it was not (wrapping the old input)."""
+    inp = draft.calls[0].inputs[0]
     if isinstance(draft.nodes.get(inp), InnerSpec):
         return inp
     wrapper = "c:wrap"
     draft.nodes[wrapper] = InnerSpec((inp,))
     draft.frags[wrapper] = split_inner(wrapper, InnerSpec((inp,)))
-    draft.calls[0] = (wrapper, out)
+    _rewire_first_input(draft, wrapper)
     return wrapper
 
 
@@ -388,7 +431,7 @@ def _mutate_mixed(draw: st.DrawFn, draft: _Draft) -> tuple[str, list[tuple[Frag,
 def _over_limit(draw: st.DrawFn, draft: _Draft, limits: SessionLimits) -> str:
     """Add a node (and rewire the first call to include it) that crosses one limit."""
     which = draw(st.sampled_from(["fragment bytes", "buffered bytes", "nodes", "depth", "children per fragment"]))
-    inp, out = draft.calls[0]
+    inp = draft.calls[0].inputs[0]
     big = "c:big"
     if which == "fragment bytes":
         leaf = LeafSpec(Meta("application/octet-stream"), b"x" * (limits.max_fragment_bytes + 1))
@@ -425,7 +468,7 @@ def _over_limit(draw: st.DrawFn, draft: _Draft, limits: SessionLimits) -> str:
     wrapper = "c:top"
     draft.nodes[wrapper] = InnerSpec((big, inp))
     draft.frags[wrapper] = split_inner(wrapper, InnerSpec((big, inp)))
-    draft.calls[0] = (wrapper, out)
+    _rewire_first_input(draft, wrapper)
     return which
 
 
@@ -454,16 +497,18 @@ def invalid_sessions(
     limits: SessionLimits | None = None,
     shape: DagShape = DEFAULT_SHAPE,
     delivery: Delivery = DEFAULT_DELIVERY,
+    action: ActionUnderTest = ECHO,
 ) -> Plan:
-    """A session that breaks exactly one rule, drawn from ``violations``. OVER_LIMIT needs the
-    server's ``limits`` (keep them small: a plan may carry ``max_buffered_bytes`` of data)."""
+    """A session of ``action`` calls that breaks exactly one rule, drawn from ``violations``.
+    OVER_LIMIT needs the server's ``limits`` (keep them small: a plan may carry
+    ``max_buffered_bytes`` of data)."""
     violation = draw(st.sampled_from(list(violations)))
     if violation is Violation.OVER_LIMIT:
         if limits is None:
             raise ValueError("OVER_LIMIT plans need the server's limits")
         if draw(st.integers(0, 5)) == 0:
-            return concurrent_actions_session(limits)
-    draft = draw(_drafts(shape, replace(delivery, divergent_duplicates=False)))
+            return concurrent_actions_session(limits, action)
+    draft = draw(_drafts(shape, replace(delivery, divergent_duplicates=False), action))
     late: list[tuple[Frag, Frag | None]] = []
     if violation is Violation.REUSED_OUTPUT_ID:
         note = _reuse_output(draw, draft)
@@ -478,18 +523,18 @@ def invalid_sessions(
     if violation is Violation.REUSED_OUTPUT_ID:
         _anchor_reuse(order, draft)
     items, groups = _deliver(draw, order, delivery)
-    return Plan(draft.nodes, tuple(draft.calls), items, groups, violation, note)
+    return Plan(draft.nodes, tuple(draft.calls), items, groups, violation, note, action)
 
 
 def _reuse_output(draw: st.DrawFn, draft: _Draft) -> str:
-    """Name as an output either a node the client sent or an earlier call's output."""
-    inp = draft.calls[0][0]
+    """Name as an output (the first) either a node the client sent or an earlier call's output."""
+    fresh = _output_ids(draft.action, "reuse")[1:]
     if draw(st.booleans()):
         sent = draw(st.sampled_from(sorted(draft.frags)))
-        draft.calls.append((inp, sent))
+        draft.calls.append(Call(draft.calls[0].inputs, (sent, *fresh)))
         return f"output {sent!r} is a node the client sent"
-    earlier = draw(st.sampled_from(draft.calls))[1]
-    draft.calls.append((inp, earlier))
+    earlier = draw(st.sampled_from([out for call in draft.calls for out in call.outputs]))
+    draft.calls.append(Call(draft.calls[0].inputs, (earlier, *fresh)))
     return f"output {earlier!r} is an earlier action's output"
 
 
@@ -504,18 +549,19 @@ def _anchor_reuse(order: _Order, draft: _Draft) -> None:
         order.actions[-1] = (act, 0, None)
 
 
-def concurrent_actions_session(limits: SessionLimits) -> Plan:
-    """``max_concurrent_actions + 1`` ECHO calls sent before any input: the last one is over the limit."""
+def concurrent_actions_session(limits: SessionLimits, action: ActionUnderTest = ECHO) -> Plan:
+    """``max_concurrent_actions + 1`` calls sent before any input: the last one is over the limit."""
     leaf = LeafSpec(Meta("text/plain"), b"hi")
     nodes: dict[str, NodeSpec] = {"c:in": leaf}
-    calls = tuple(("c:in", f"o:{i}") for i in range(limits.max_concurrent_actions + 1))
-    items: tuple[Item, ...] = (*(echo(i, o) for i, o in calls), *split_leaf("c:in", leaf))
-    return Plan(nodes, calls, items, (), Violation.OVER_LIMIT, "concurrent actions")
+    inputs = ("c:in",) * len(action.inputs)
+    calls = tuple(Call(inputs, _output_ids(action, i)) for i in range(limits.max_concurrent_actions + 1))
+    items: tuple[Item, ...] = (*(action.act(call) for call in calls), *split_leaf("c:in", leaf))
+    return Plan(nodes, calls, items, (), Violation.OVER_LIMIT, "concurrent actions", action)
 
 
 def expected_outputs(plan: Plan) -> dict[str, list[tuple[str, bytes]]]:
     """Each output's expected flattening as (mimetype, bytes) pairs: a convenience for tests."""
-    return {out: [(c.meta.mimetype, c.data) for c in flatten(plan.model(), inp)] for inp, out in plan.calls}
+    return {out: [(c.meta.mimetype, c.data) for c in chunks] for out, chunks in plan.expected().items()}
 
 
 __all__ = [

@@ -11,6 +11,7 @@ from evergreen_trio._extras import require_extra
 
 require_extra("testing", __name__)
 
+import argparse
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,11 +19,34 @@ from types import TracebackType
 
 import grpc  # type: ignore[import-untyped]
 
+from evergreen_trio._cli import UsageError
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import START_SESSION
 from evergreen_trio.dag.errors import StatusCode
+from evergreen_trio.errors import EvergreenTrioError
 
 MAX_MESSAGE_BYTES = 64 << 20
+
+
+class UnreachableError(EvergreenTrioError):
+    """Nothing answers at the target: refused, no route, or no TLS handshake in time."""
+
+
+def split_target(target: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as its parts; no port, or a bad one, is a UsageError."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"target {target!r}: expected HOST:PORT with a port in 1..65535")
+    return host.strip("[]"), int(port)
+
+
+def parse_header(text: str) -> tuple[str, str]:
+    """argparse type: ``'name: value'`` as a lower-case gRPC metadata pair."""
+    name, sep, value = text.partition(":")
+    name = name.strip().lower()
+    if not sep or not name or not all(c.isalnum() or c in "-_." for c in name) or name.startswith(":"):
+        raise argparse.ArgumentTypeError(f"expected 'name: value', got {text!r}")
+    return name, value.strip()
 
 
 @dataclass(frozen=True)
@@ -51,18 +75,32 @@ class Outcome:
 
 
 class SyncClient:
-    """Sessions against ``host:port``, one at a time, each bounded by ``timeout`` seconds."""
+    """Sessions against ``host:port``, one at a time, each bounded by ``timeout`` seconds.
 
-    def __init__(self, target: str, *, timeout: float = 10.0) -> None:
+    ``tls_ca`` (PEM bytes) connects with TLS trusting those CAs; ``headers`` go with every session.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = 10.0,
+        tls_ca: bytes | None = None,
+        headers: Sequence[tuple[str, str]] = (),
+    ) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+        self.tls = tls_ca is not None
+        self._metadata = tuple(headers)
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        if tls_ca is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
         self._start = self._channel.stream_stream(
             START_SESSION,
             request_serializer=SessionMessage.SerializeToString,
@@ -74,7 +112,8 @@ class SyncClient:
         received: list[SessionMessage] = []
         started = time.monotonic()
         try:
-            for reply in self._start(iter(messages), timeout=self.timeout, wait_for_ready=False):
+            replies = self._start(iter(messages), timeout=self.timeout, wait_for_ready=False, metadata=self._metadata)
+            for reply in replies:
                 received.append(reply)
         except grpc.RpcError as error:
             code = error.code()
@@ -82,6 +121,17 @@ class SyncClient:
             hung = code == grpc.StatusCode.DEADLINE_EXCEEDED and elapsed >= self.timeout * 0.99
             return Outcome(code.value[0], error.details() or "", tuple(received), hung, elapsed)
         return Outcome(StatusCode.OK, "", tuple(received), False, time.monotonic() - started)
+
+    def wait_ready(self) -> None:
+        """Connect (and finish the TLS handshake) within ``timeout``, or raise UnreachableError."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=self.timeout)
+        except grpc.FutureTimeoutError:
+            how = "with TLS " if self.tls else "in plaintext "
+            raise UnreachableError(
+                f"nothing answers {how}at {self.target} within {self.timeout:g} s "
+                "(is the server up, on this port, and speaking TLS only if --tls-ca is given?)"
+            ) from None
 
     def close(self) -> None:
         self._channel.close()

@@ -86,6 +86,9 @@ def pool_yaml(tmp_path: Path) -> Path:
         (["sim", "--max-batch", "0"], ["max_batch", "0"]),
         (["serve", "--model", "m"], ["--model", "--generate-backend"]),
         (["conformance", "127.0.0.1:1", "--examples", "0"], ["--examples"]),
+        (["conformance", "127.0.0.1"], ["'127.0.0.1'", "HOST:PORT"]),
+        (["conformance", "127.0.0.1:1", "--header", "no-colon"], ["--header", "'no-colon'"]),
+        (["conformance", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"], ["--tls-ca", "/nonexistent/ca.pem"]),
         (["gateway", "--simulate", "99"], ["simulate", "99"]),
         (["gateway", "--simulate", "1", "--listen", "localhost:80"], ["listen", "localhost:80"]),
         (["gateway-config", "--picker", "nowhere"], ["picker", "nowhere"]),
@@ -159,6 +162,14 @@ def test_ipc_get_from_a_server_that_is_gone_is_one_line() -> None:
         free = probe.getsockname()[1]
     result = run("ipc", "get", f"tcp://127.0.0.1:{free}?want_data=1", "t", "--out", os.devnull)
     assert_one_line(result, 1, f"127.0.0.1:{free}")
+
+
+def test_conformance_against_nothing_says_nothing_answers() -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    result = run("conformance", f"127.0.0.1:{free}", "--timeout", "2")
+    assert_one_line(result, 1, "nothing answers in plaintext", f"127.0.0.1:{free}")
 
 
 @pytest.fixture

@@ -4,15 +4,21 @@ reported with a shrunk counterexample."""
 from __future__ import annotations
 
 import io
+import sys
 from contextlib import redirect_stdout
+from pathlib import Path
 
+import pytest
 import trio
+import trustme
 
 from evergreen_trio import Server
 from evergreen_trio.cli import main
 from evergreen_trio.nursery_session import ActionContext
 from evergreen_trio.testing.conformance import RULES, run_conformance
-from evergreen_trio.testing.subprocess_server import ServerProcess
+from evergreen_trio.testing.model import ActionUnderTest
+from evergreen_trio.testing.subprocess_server import ServerProcess, serve_command
+from evergreen_trio.testing.wire import UnreachableError
 
 
 def _cli(*argv: str) -> tuple[int, str]:
@@ -35,11 +41,45 @@ def test_output_reuse_holds_on_our_server_over_many_schedules(small_server: Serv
     assert code == 0, report
 
 
-def test_an_unreachable_server_fails_every_rule() -> None:
+def test_an_unreachable_server_is_said_plainly() -> None:
+    with pytest.raises(UnreachableError, match=r"nothing answers in plaintext at 127\.0\.0\.1:1 within 2 s"):
+        run_conformance("127.0.0.1:1", examples=1, timeout=2, out=io.StringIO())
+
+
+def test_a_server_without_echo_fails_every_rule(evergreen_server_process: ServerProcess) -> None:
     out = io.StringIO()
-    results = run_conformance("127.0.0.1:1", examples=1, timeout=2, out=out)
+    upper = ActionUnderTest("UPPER", ("input",), ("output",), lambda inputs: {"output": inputs["input"]})
+    results = run_conformance(evergreen_server_process.address, examples=1, out=out, action=upper)
     assert results and not any(r.holds for r in results)
-    assert "does not serve" in out.getvalue()
+    assert "does not serve a one-leaf UPPER session" in out.getvalue() and "unknown action" in out.getvalue()
+
+
+async def test_conformance_over_tls_with_a_token_as_a_user_types_it(tmp_path: Path) -> None:
+    """``serve`` with TLS and a token file, checked by ``conformance --tls-ca --header``; without
+    the token every session is refused, and the report says so."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(tmp_path / "server.pem")
+    cert.private_key_pem.write_to_path(tmp_path / "server.key")
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    (tmp_path / "tokens").write_text("conformance-token\n")
+    serve_args = ("--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key"),
+                  "--auth-token-file", str(tmp_path / "tokens"))
+    async with serve_command(*serve_args) as line:
+        address = line.split()[-1]
+        check = [sys.executable, "-m", "evergreen_trio.cli", "conformance", address,
+                 "--tls-ca", str(tmp_path / "ca.pem"),
+                 "--examples", "3", "--rule", "round-trip", "--rule", "abort-cycle", "--derandomize"]
+        allowed = await trio.run_process([*check, "--header", "Authorization: Bearer conformance-token"],
+                                         capture_stdout=True, capture_stderr=True, check=False)
+        assert allowed.returncode == 0, allowed.stdout.decode() + allowed.stderr.decode()
+        refused = await trio.run_process(check, capture_stdout=True, capture_stderr=True, check=False)
+        assert refused.returncode == 1
+        assert b"UNAUTHENTICATED" in refused.stdout, refused.stdout.decode()
+        plaintext = await trio.run_process([*check[:5], "--timeout", "2"], capture_stdout=True, capture_stderr=True,
+                                           check=False)
+        assert plaintext.returncode == 1
+        assert b"nothing answers in plaintext" in plaintext.stderr or b"UNAVAILABLE" in plaintext.stdout
 
 
 async def _reversed_echo(ctx: ActionContext) -> None:

@@ -9,7 +9,7 @@ from hypothesis import assume, given
 from evergreen_trio.dag import FlattenCursor, LeafBytes, LeafStart, SessionError, SessionGraph, SessionLimits, Wait
 from evergreen_trio.testing.model import (
     Act,
-    EchoOf,
+    Call,
     FlatChunk,
     Frag,
     InnerSpec,
@@ -18,6 +18,7 @@ from evergreen_trio.testing.model import (
     ModelError,
     NodeSpec,
     Plan,
+    Produced,
     Violation,
     echo,
     flatten,
@@ -52,7 +53,7 @@ def test_flatten_is_depth_first_and_repeats_shared_nodes() -> None:
         b"Write a summary of this video: ", b"part1part2", b"It is a translation of an F1 race. ",
         b"Who's winning?", b"Write a summary of this video: ",
     ]
-    assert flatten({**nodes, "out": EchoOf("prompt_1")}, "out") == flatten(nodes, "prompt_1")
+    assert flatten({**nodes, "out": Produced(tuple(flatten(nodes, "prompt_1")))}, "out") == flatten(nodes, "prompt_1")
 
 
 def test_flatten_rejects_cycles_and_missing_nodes() -> None:
@@ -106,9 +107,10 @@ def _feed(plan: Plan, limits: SessionLimits | None = None) -> dict[str, list[Fla
         for fragment in message.node_fragments:
             graph.add_fragment(fragment)
     graph.peer_closed = True
-    outputs = {out for _, out in plan.calls}
+    outputs = {out for call in plan.calls for out in call.outputs}
     flattened: dict[str, list[FlatChunk]] = {}
-    for inp, out in plan.calls:
+    for call in plan.calls:
+        (inp,), (out,) = call.inputs, call.outputs
         chunks: list[FlatChunk] = []
         cursor = FlattenCursor(graph, inp)
         while (event := cursor.next()) is not None:
@@ -155,7 +157,8 @@ def test_graph_and_cursor_agree_on_max_depth() -> None:
     for level in range(1, limits.max_depth + 1):
         nodes[f"n{level}"] = InnerSpec((f"n{level - 1}",))
     root = f"n{limits.max_depth}"
-    plan = Plan(nodes, ((root, "o"),), (echo(root, "o"), *[f for k, v in nodes.items() for f in _frags(k, v)]))
+    frags = [f for k, v in nodes.items() for f in _frags(k, v)]
+    plan = Plan(nodes, (Call((root,), ("o",)),), (echo(root, "o"), *frags))
     assert _feed(plan, limits)["o"] == [FlatChunk(TEXT, b"x")]
 
 
