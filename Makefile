@@ -4,6 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
+DOCS_STAMP := $(VENV)/.installed-docs
 SMOKE  := build/wheel-smoke
 
 .PHONY: demo test lint typecheck proto bench docs fuzz-deep wheel-smoke clean
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[all,test,bench,docs]'
-	touch $(STAMP) $(DEMO_STAMP)
+	touch $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP)
 
 demo: $(DEMO_STAMP)
 	$(BIN)/python -m evergreen_trio.demo
@@ -50,7 +51,14 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 # The guides and the API reference (Sphinx, warnings are errors); open build/docs/html/index.html.
-docs: $(STAMP)
+# Only the docs extra is installed for it (Sphinx, MyST and the parts it documents).
+$(DOCS_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
 	$(BIN)/python -m sphinx -W --keep-going -q -b html docs build/docs/html
 
 fuzz-deep: $(STAMP)

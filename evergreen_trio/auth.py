@@ -106,3 +106,12 @@ class TokenFileAuthorizer:
         if not matched:
             raise UnauthenticatedError(f"the bearer token from {peer.address} is not accepted")
         return "token:" + digest.hex()[:12]
+
+
+__all__ = [
+    "Authorizer",
+    "Peer",
+    "PermissionDeniedError",
+    "TokenFileAuthorizer",
+    "UnauthenticatedError",
+]

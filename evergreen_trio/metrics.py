@@ -57,6 +57,7 @@ class SessionMetrics:
         self._bytes_in, self._bytes_out = fragment_bytes.labels("in"), fragment_bytes.labels("out")
 
     def session_started(self) -> None:
+        """Count a session that began (started and active)."""
         self.sessions_started.inc()
         self.sessions_active.inc()
 
@@ -66,6 +67,7 @@ class SessionMetrics:
         self.sessions_ended.labels(code).inc()
 
     def aborted(self, reason: str) -> None:
+        """Count a session that ended abnormally, by ``reason`` (a fixed set: :func:`abort_reason`)."""
         self.aborts.labels(reason).inc()
 
     def limit_hit(self, limit: str) -> None:
@@ -73,13 +75,16 @@ class SessionMetrics:
         self.limit_hits.labels(limit).inc()
 
     def action_finished(self, name: str, code: StatusCode, seconds: float) -> None:
+        """Record one action's duration under its name and final status."""
         self.action_seconds.labels(name, code.name).observe(seconds)
 
     def received(self, fragments: int, nbytes: int) -> None:
+        """Count fragments and bytes a session received."""
         self._fragments_in.inc(fragments)
         self._bytes_in.inc(nbytes)
 
     def sent(self, fragments: int, nbytes: int) -> None:
+        """Count fragments and bytes a session sent."""
         self._fragments_out.inc(fragments)
         self._bytes_out.inc(nbytes)
 
@@ -102,3 +107,12 @@ async def serve_metrics(
         return HttpResponse(200, [("content-type", CONTENT_TYPE_LATEST)], generate_latest(registry))
 
     await serve_http(handle, host, port, max_body=MAX_REQUEST_BODY, task_status=task_status)
+
+
+__all__ = [
+    "ACTION_BUCKETS",
+    "MAX_REQUEST_BODY",
+    "SessionMetrics",
+    "abort_reason",
+    "serve_metrics",
+]

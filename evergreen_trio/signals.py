@@ -94,3 +94,10 @@ async def _stop_on_second_signal(signals: AsyncIterator[int], stop_now: Callable
     async for signum in signals:
         log.info("stopping signal=%s", signal.Signals(signum).name)
         stop_now()
+
+
+__all__ = [
+    "cancel_on_signals",
+    "drain_on_signals",
+    "run_until_signal",
+]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ssl
 
 ALPN = ["h2"]
+"""The ALPN protocols offered: gRPC is HTTP/2 only (grpcio refuses TLS without ``h2``)."""
 
 
 def server_context(cert_file: str, key_file: str, *, client_ca_file: str | None = None) -> ssl.SSLContext:
@@ -39,3 +40,10 @@ def client_context(
     elif key_file is not None:
         raise ValueError("key_file needs cert_file")
     return context
+
+
+__all__ = [
+    "ALPN",
+    "client_context",
+    "server_context",
+]

@@ -93,3 +93,12 @@ def check_still_serving(client: SyncClient, action: ActionUnderTest = ECHO) -> N
         check_valid(plan, client.run(plan.messages()))
     except RuleBrokenError as error:
         raise RuleBrokenError(f"after the abort, the next session failed: {error}") from None
+
+
+__all__ = [
+    "RuleBrokenError",
+    "check_abort",
+    "check_still_serving",
+    "check_valid",
+    "probe_plan",
+]

@@ -111,6 +111,8 @@ RULES: tuple[Rule, ...] = rules_for(ECHO)
 
 @dataclass(frozen=True)
 class RuleResult:
+    """One rule's verdict: whether it holds, else the shrunk counterexample and what went wrong."""
+
     rule: Rule
     holds: bool
     counterexample: str = ""
@@ -243,3 +245,13 @@ def _run(args: argparse.Namespace) -> int:
         derandomize=args.derandomize, only=args.rule, tls_ca=tls_ca, headers=args.header,
     )
     return 0 if results and all(r.holds for r in results) else 1
+
+
+__all__ = [
+    "RULES",
+    "Rule",
+    "RuleResult",
+    "check_rule",
+    "rules_for",
+    "run_conformance",
+]

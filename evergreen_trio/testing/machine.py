@@ -99,3 +99,9 @@ def machine_for(
             play(plan)
 
     return SessionMachine
+
+
+__all__ = [
+    "machine_for",
+    "play_session",
+]

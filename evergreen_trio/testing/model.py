@@ -43,10 +43,12 @@ class Meta:
     original_file_name: str = ""
 
     def proto(self) -> ChunkMetadata:
+        """As the protobuf message."""
         return ChunkMetadata(mimetype=self.mimetype, role=self.role, original_file_name=self.original_file_name)
 
     @classmethod
     def of(cls, metadata: ChunkMetadata) -> Meta:
+        """From the protobuf message."""
         return cls(metadata.mimetype, metadata.role, metadata.original_file_name)
 
 
@@ -84,6 +86,7 @@ class Produced:
 
 
 NodeSpec = LeafSpec | InnerSpec | Produced
+"""A node of the model: a leaf, an inner node, or one a server produces."""
 
 
 def flatten(nodes: Mapping[str, NodeSpec], root: str, *, limit: int = 1 << 20) -> list[FlatChunk]:
@@ -147,6 +150,7 @@ class Frag:
     chunk: tuple[Meta | None, bytes] | None = None
 
     def proto(self) -> NodeFragment:
+        """As the protobuf message."""
         fragment = NodeFragment(id=self.id, seq=self.seq, continued=self.continued, child_ids=self.children)
         if self.chunk is not None:
             meta, data = self.chunk
@@ -176,6 +180,7 @@ class Act:
     outputs: tuple[tuple[str, str], ...]
 
     def proto(self) -> Action:
+        """As the protobuf message."""
         return Action(
             name=self.name,
             inputs=[NamedParameter(name=n, id=i) for n, i in self.inputs],
@@ -189,6 +194,7 @@ class Act:
 
 
 Item = Frag | Act
+"""One thing a client sends: a fragment or an action."""
 
 
 def echo(input_id: str, output_id: str) -> Act:
@@ -338,6 +344,7 @@ class Plan:
     action: ActionUnderTest = ECHO
 
     def messages(self) -> list[SessionMessage]:
+        """The plan's items packed into SessionMessages, split where ``groups`` says."""
         return to_messages(self.items, self.groups)
 
     def model(self) -> dict[str, NodeSpec]:
@@ -432,6 +439,37 @@ def frag_of(fragment: NodeFragment) -> Frag:
 
 
 def iter_frags(messages: Iterable[SessionMessage]) -> Iterator[Frag]:
+    """Every fragment of ``messages``, in order, as the model reads it."""
     for message in messages:
         for fragment in message.node_fragments:
             yield frag_of(fragment)
+
+
+__all__ = [
+    "ECHO",
+    "Act",
+    "ActionUnderTest",
+    "Call",
+    "FlatChunk",
+    "Frag",
+    "InnerSpec",
+    "Item",
+    "LeafSpec",
+    "Meta",
+    "ModelError",
+    "NodeSpec",
+    "Plan",
+    "Produced",
+    "Reference",
+    "Violation",
+    "depth",
+    "echo",
+    "flatten",
+    "frag_of",
+    "fragments_of",
+    "iter_frags",
+    "reassemble",
+    "split_inner",
+    "split_leaf",
+    "to_messages",
+]

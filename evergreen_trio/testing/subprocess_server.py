@@ -35,11 +35,14 @@ class ServerProcessError(EvergreenTrioError):
 
 @dataclass
 class ServerProcess:
+    """A server in a child process: the ``Popen`` and the ``host:port`` it listens on."""
+
     process: subprocess.Popen[str]
     address: str
 
     @property
     def pid(self) -> int:
+        """The child's process id."""
         return self.process.pid
 
     def rss_bytes(self, field: str = "VmRSS") -> int:
@@ -110,3 +113,10 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     main(sys.argv[1:])
 
+
+__all__ = [
+    "ServerProcess",
+    "ServerProcessError",
+    "serve_command",
+    "spawn_server",
+]

@@ -26,6 +26,7 @@ from evergreen_trio.dag.errors import StatusCode
 from evergreen_trio.errors import EvergreenTrioError
 
 MAX_MESSAGE_BYTES = 64 << 20
+"""The largest message the client sends or accepts."""
 
 
 class UnreachableError(EvergreenTrioError):
@@ -62,9 +63,11 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
+        """The session ended OK, in time."""
         return self.code == StatusCode.OK and not self.hung
 
     def describe(self) -> str:
+        """The outcome in words: the status name and message, or the hang."""
         if self.hung:
             return f"no final status after {self.seconds:.1f} s (the server hung)"
         try:
@@ -134,6 +137,7 @@ class SyncClient:
             ) from None
 
     def close(self) -> None:
+        """Close the channel (its one HTTP/2 connection)."""
         self._channel.close()
 
     def __enter__(self) -> SyncClient:
@@ -162,3 +166,14 @@ def health_status(address: str, service: str = "", timeout: float = 10.0) -> str
         except grpc.RpcError as exc:
             return str(exc.code().name)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "Outcome",
+    "SyncClient",
+    "UnreachableError",
+    "health_status",
+    "parse_header",
+    "split_target",
+]
