@@ -12,8 +12,8 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 from functools import partial
+from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
