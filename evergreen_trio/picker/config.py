@@ -28,7 +28,7 @@ from evergreen_trio.picker.checks import integer, mapping, number, sequence, str
 from evergreen_trio.picker.engine_metrics import ENGINE_ALIASES, ENGINE_METRICS, EngineConfig
 from evergreen_trio.picker.epp_config import EppConfig, is_endpoint_picker_config, read_endpoint_picker_config
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.plugins import DisaggHandler, Plugin, Profile, WeightedScorer
+from evergreen_trio.picker.plugins import DisaggHandler, Plugin, Profile, WeightedScorer, deferred_deprecations
 
 ENGINES = (*ENGINE_METRICS, *ENGINE_ALIASES)
 CRITICALITY_PRIORITY = {"Critical": 1, "Standard": 0, "Sheddable": -1}
@@ -384,7 +384,13 @@ def config_from_documents(documents: Sequence[object], *, cluster_pool: str | No
     """Build the config from parsed YAML documents (one plain document plus any manifests).
 
     ``cluster_pool`` (cluster mode) names the InferencePool whose pods are the endpoints.
+    Deprecated spellings are logged once the whole config has loaded.
     """
+    with deferred_deprecations():
+        return _config_from_documents(documents, cluster_pool)
+
+
+def _config_from_documents(documents: Sequence[object], cluster_pool: str | None) -> PickerConfig:
     plain: Mapping[str, Any] | None = None
     picker_config: Mapping[str, Any] | None = None
     pool_name: str | None = cluster_pool
