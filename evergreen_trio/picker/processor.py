@@ -116,6 +116,7 @@ class Picker:
             priority = 0
             hashes: Sequence[int] = ()
             prompt_bytes = 0
+            block_bytes, max_blocks = self.scheduler.prefix_geometry()
             new_body: bytes | None = None
             if body is not None:
                 request = parse_body(path, body)
@@ -130,7 +131,6 @@ class Picker:
                 if target != request.model:
                     new_body = rewrite_model(request.body, target)
                 if self.config.scheduler.uses_prefix:
-                    block_bytes, max_blocks = self.scheduler.prefix_geometry()
                     hashes = prefix_hashes(target, request.prompt, self.config.scheduler, block_bytes, max_blocks)
                     prompt_bytes = len(request.prompt.encode())
             objective = headers.get(OBJECTIVE)
@@ -146,8 +146,8 @@ class Picker:
         report.scheduling_s = time.perf_counter() - started
         report.scorer_s = dict(self.scheduler.scorer_seconds)
         if hashes:
-            block = self.scheduler.prefix_geometry()[0]
-            report.prefix_match = (self.scheduler.prefix_matches.get(endpoints[0], 0) * block, len(hashes) * block)
+            matched = self.scheduler.prefix_matches.get(endpoints[0], 0)
+            report.prefix_match = (matched * block_bytes, len(hashes) * block_bytes)
             for address in {a for a in (endpoints[0], schedule.prefill) if a is not None}:
                 self.scheduler.prefix.add(address, hashes)
         return Route(endpoints, client_model, target, hashes, new_body, prefill=schedule.prefill)
