@@ -340,10 +340,7 @@ def pd_scenario(quick: bool = False) -> list[Row]:
     tokens are uncached on the decode pod); later ones find the system prompt cached there and
     stay on the decode pod when the uncached rest is under 16 tokens. The cost is microseconds
     per routing decision against the chart's one-profile default on the same pods."""
-    from evergreen_trio.picker.config import parse_config
-    from evergreen_trio.picker.engine_metrics import EndpointMetrics
-    from evergreen_trio.picker.processor import Picker
-    from evergreen_trio.picker.scheduler import PoolSnapshot
+    from evergreen_trio.picker import Picker, PoolSnapshot, parse_config, parse_engine_metrics
 
     rounds, repeats = (4, 1) if quick else (12, 3)
     rng = random.Random(11)
@@ -355,7 +352,9 @@ def pd_scenario(quick: bool = False) -> list[Row]:
         config = parse_config(PD_CONFIG % epp)
         snapshot = PoolSnapshot(config.pool.endpoints, 2.0, time.monotonic)
         for i, endpoint in enumerate(config.pool.endpoints):
-            snapshot.update(endpoint.address, EndpointMetrics(waiting=i % 3, block_size=16, num_blocks=4096))
+            snapshot.update(endpoint.address, parse_engine_metrics("vllm", (
+                f"vllm:num_requests_waiting {i % 3}\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.1\n"
+                'vllm:cache_config_info{block_size="16",num_gpu_blocks="4096"} 1\n')))
         picker = Picker(config, snapshot, rng=random.Random(3))
         seen: set[int] = set()
         outcomes: Counter[str] = Counter()
