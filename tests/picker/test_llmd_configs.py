@@ -34,6 +34,7 @@ EXPECTED = {
     "dp-epp-config.yaml": "data-parallel-profile-handler",
     "epp-burst-prefix-cache-config.yaml": "token-producer",
     "epp-config.yaml": None,
+    "gie-v1.5.0-default-plugins.yaml": None,
     "epp-estimate-prefix-cache-config.yaml": "load-aware-scorer",
     "epp-mm-embeddings-cache-config.yaml": "token-producer",
     "epp-precise-prefix-cache-config.yaml": "token-producer",
