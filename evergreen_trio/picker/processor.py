@@ -40,8 +40,10 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 OBJECTIVE = "x-gateway-inference-objective"
 FAIRNESS_ID = "x-gateway-inference-fairness-id"
 MODEL_REWRITE = "x-gateway-model-name-rewrite"
+# P/D: the prefill pod (ip:port) for llm-d's routing sidecar beside the decode pod.
+PREFILLER = "x-prefiller-host-port"
 # Client-supplied routing headers never go upstream; DESTINATION is always overwritten instead.
-STRIPPED_HEADERS = (OBJECTIVE, FAIRNESS_ID, MODEL_REWRITE, FALLBACK, SERVED, SUBSET)
+STRIPPED_HEADERS = (OBJECTIVE, FAIRNESS_ID, MODEL_REWRITE, FALLBACK, SERVED, SUBSET, PREFILLER)
 
 _Mode = processing_mode_pb2.ProcessingMode
 NONE, BUFFERED, BUFFERED_PARTIAL = _Mode.NONE, _Mode.BUFFERED, _Mode.BUFFERED_PARTIAL
@@ -75,7 +77,8 @@ class StreamReport:
 
 @dataclass
 class Route:
-    """A routing decision: endpoints best first, the model names, the prompt hashes, a new body."""
+    """A routing decision: endpoints best first, the model names, the prompt hashes, a new body,
+    and the prefill endpoint when P/D disaggregates the request."""
 
     endpoints: list[str]
     client_model: str | None = None
@@ -83,6 +86,7 @@ class Route:
     hashes: Sequence[int] = ()
     body: bytes | None = None
     served: list[str] = field(default_factory=list)
+    prefill: str | None = None
 
 
 class Picker:
@@ -111,6 +115,8 @@ class Picker:
         try:
             priority = 0
             hashes: Sequence[int] = ()
+            prompt_bytes = 0
+            block_bytes, max_blocks = self.scheduler.prefix_geometry()
             new_body: bytes | None = None
             if body is not None:
                 request = parse_body(path, body)
@@ -124,12 +130,15 @@ class Picker:
                     choose_target(model, self.rng) if model is not None else request.model)
                 if target != request.model:
                     new_body = rewrite_model(request.body, target)
-                if self.config.scheduler.prefix_cache:
-                    hashes = prefix_hashes(target, request.prompt, self.config.scheduler)
+                if self.config.scheduler.uses_prefix:
+                    hashes = prefix_hashes(target, request.prompt, self.config.scheduler, block_bytes, max_blocks)
+                    prompt_bytes = len(request.prompt.encode())
             objective = headers.get(OBJECTIVE)
             if objective is not None and objective in self.config.objectives:
                 priority = self.config.objectives[objective]
-            endpoints = self.scheduler.pick(PickRequest(target, priority, hashes, subset), self.pick_count)
+            schedule = self.scheduler.schedule(PickRequest(target, priority, hashes, subset, prompt_bytes),
+                                               self.pick_count)
+            endpoints = schedule.endpoints
         except RequestError as exc:
             report.client_model, report.target_model, report.error = client_model or "", target or "", exc.status
             raise
@@ -137,10 +146,11 @@ class Picker:
         report.scheduling_s = time.perf_counter() - started
         report.scorer_s = dict(self.scheduler.scorer_seconds)
         if hashes:
-            block = self.config.scheduler.prefix_block_bytes
-            report.prefix_match = (self.scheduler.prefix_matches.get(endpoints[0], 0) * block, len(hashes) * block)
-            self.scheduler.prefix.add(endpoints[0], hashes)
-        return Route(endpoints, client_model, target, hashes, new_body)
+            matched = self.scheduler.prefix_matches.get(endpoints[0], 0)
+            report.prefix_match = (matched * block_bytes, len(hashes) * block_bytes)
+            for address in {a for a in (endpoints[0], schedule.prefill) if a is not None}:
+                self.scheduler.prefix.add(address, hashes)
+        return Route(endpoints, client_model, target, hashes, new_body, prefill=schedule.prefill)
 
     def record_served(self, route: Route, served: str) -> None:
         """Envoy reported the endpoint that served: note it and teach the prefix index."""
@@ -303,8 +313,10 @@ class ExtProcStream:
             lb[FALLBACK] = route.endpoints[1]
         if route.body is not None and "content-length" in self.headers:
             set_headers.append(_header_option("content-length", str(len(route.body))))
-        mutation = ep.HeaderMutation(
-            set_headers=set_headers, remove_headers=[h for h in STRIPPED_HEADERS if h in self.headers])
+        if route.prefill is not None:
+            set_headers.append(_header_option(PREFILLER, route.prefill))
+        removed = [h for h in STRIPPED_HEADERS if h in self.headers and not (h == PREFILLER and route.prefill)]
+        mutation = ep.HeaderMutation(set_headers=set_headers, remove_headers=removed)
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: lb})
         if phase == "headers":
