@@ -23,9 +23,11 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
+from contextvars import Context, copy_context
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import grpclib.client
 import grpclib.server
 import grpclib.utils
 import h2.connection
@@ -207,10 +209,10 @@ class _CancelledTimerPurge:
 
 
 @asynccontextmanager
-async def _open_loop() -> AsyncIterator[None]:
+async def _open_loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
     async with trio_asyncio.open_loop() as loop:
         loop._timer_handle_cancelled = _CancelledTimerPurge(loop)
-        yield
+        yield loop
 
 
 def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
@@ -754,6 +756,155 @@ class ClientOptions:
     max_message_bytes: int = TransportLimits().max_message_bytes
 
 
+class _ClientProtocol(H2Protocol):
+    """grpclib's client protocol, noting whether the server said anything before the connection ended.
+
+    Every HTTP/2 server starts with its SETTINGS frame; a server that closes without a byte is,
+    most often, a TLS server that got a plaintext client's preface.
+    """
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.spoke = False
+        self.settled = asyncio.Event()
+
+    def data_received(self, data: bytes) -> None:
+        self.spoke = True
+        self.settled.set()
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.settled.set()
+        super().connection_lost(exc)
+
+
+class _Channel(Channel):
+    """grpclib's channel with :class:`_ClientProtocol` connections."""
+
+    def _protocol_factory(self) -> H2Protocol:
+        return _ClientProtocol(grpclib.client.Handler(), self._config, self._h2_config)
+
+
+def _tls_failed(target: str, error: ssl.SSLError) -> str:
+    hint = ""
+    if error.reason in {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"}:
+        hint = " (the server answered in plaintext: is it serving without TLS? then connect without tls=)"
+    return f"TLS handshake with {target} failed: {error}{hint}"
+
+
+class ConnectFailedError(RpcAbortError):
+    """The connection could not be made; ``retryable`` when a later try may succeed (refused, no answer)."""
+
+    def __init__(self, message: str, *, retryable: bool, timed_out: bool = False) -> None:
+        super().__init__(Status.UNAVAILABLE, message)
+        self.retryable = retryable
+        self.timed_out = timed_out
+
+
+async def _aio_connect(host: str, port: int, tls: bool | ssl.SSLContext | None, seconds: float) -> _Channel:
+    """Open the channel's connection now and wait for the server's first bytes (its HTTP/2 SETTINGS)."""
+    target = f"{host}:{port}"
+    channel = _Channel(host, port, ssl=tls or None)
+    try:
+        async with asyncio.timeout(seconds):
+            protocol = await channel.__connect__()
+            assert isinstance(protocol, _ClientProtocol)
+            await protocol.settled.wait()
+    except TimeoutError:
+        channel.close()
+        why = f"{target} did not answer within {seconds:g} s"
+        raise ConnectFailedError(why, retryable=True, timed_out=True) from None
+    except ssl.SSLError as error:
+        channel.close()
+        raise ConnectFailedError(_tls_failed(target, error), retryable=False) from None
+    except OSError as error:
+        channel.close()
+        raise ConnectFailedError(f"cannot reach {target}: {error}", retryable=True) from None
+    if not protocol.spoke:
+        channel.close()
+        hint = "" if tls else " (is it serving TLS? then connect with tls=True or tls=client_context(...))"
+        raise ConnectFailedError(f"{target} closed the connection without a word of HTTP/2{hint}", retryable=False)
+    return channel
+
+
+class ClientChannel:
+    """One HTTP/2 connection to a server, on this Trio run's trio-asyncio loop, carrying many streams.
+
+    grpclib reconnects by itself when the connection drops; a stream that then cannot connect ends
+    with UNAVAILABLE. Open with :func:`open_client_channel`.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, channel: _Channel, target: str, context: Context) -> None:
+        self._loop = loop
+        self._channel = channel
+        self.target = target
+        self._context = context
+
+    @asynccontextmanager
+    async def open_stream(
+        self,
+        path: str,
+        request_type: type[Message],
+        reply_type: type[Message],
+        pack: Callable[[list[T]], Iterable[Message]],
+        *,
+        options: ClientOptions | None = None,
+    ) -> AsyncIterator[MessageStream[T]]:
+        """Open a bidirectional stream on this connection and hand it to Trio until the block exits.
+
+        At exit the stream is half-closed (or reset, when :meth:`MessageStream.finish` was given a
+        non-OK status) and the block waits for the server's trailers. No Trio task is started: the
+        stream's asyncio task is created on the loop directly (one crossing fewer per stream).
+        """
+        session: MessageStream[T] = MessageStream(pack)
+        session.peer = self.target
+        # The stream's task runs in the context the channel was opened in (trio-asyncio's current
+        # loop is a context variable), whichever Trio task opens the stream.
+        work = _client_stream(self._channel, self.target, path, request_type, reply_type, session,
+                              options or ClientOptions())
+        task = self._loop.create_task(work, context=self._context.copy())
+        task.add_done_callback(_log_task_error)
+        try:
+            yield session
+        finally:
+            session.finish()
+            with trio.CancelScope(shield=True):
+                await session.wait_closed()
+
+
+@asynccontextmanager
+async def open_client_channel(
+    host: str,
+    port: int,
+    *,
+    tls: bool | ssl.SSLContext | None = None,
+    connect_timeout: float = 10.0,
+    retries: int = 0,
+    backoff: float = 0.2,
+) -> AsyncIterator[ClientChannel]:
+    """Connect to ``host:port`` (on a trio-asyncio loop of its own) and yield the channel until the block exits.
+
+    Raises :class:`ConnectFailedError` when the connection cannot be made, after ``retries`` more
+    tries ``backoff`` seconds apart (doubling, at most 5 s) for the failures worth retrying.
+    """
+    async with _open_loop() as loop:
+        attempt = 0
+        while True:
+            try:
+                channel = await trio_asyncio.aio_as_trio(_aio_connect)(host, port, tls, connect_timeout)
+                break
+            except ConnectFailedError as error:
+                if not error.retryable or attempt >= retries:
+                    raise
+                log.info("grpc.connect_retry target=%s:%d attempt=%d error=%s", host, port, attempt + 1, error.message)
+                await trio.sleep(min(backoff * 2**attempt, 5.0))
+                attempt += 1
+        try:
+            yield ClientChannel(loop, channel, f"{host}:{port}", copy_context())
+        finally:
+            channel.close()
+
+
 @asynccontextmanager
 async def open_client_stream(
     host: str,
@@ -765,36 +916,23 @@ async def open_client_stream(
     *,
     options: ClientOptions | None = None,
 ) -> AsyncIterator[MessageStream[T]]:
-    """Open a bidirectional stream to ``host:port`` and hand it to Trio until the block exits.
-
-    At exit the stream is half-closed (or reset, when :meth:`MessageStream.finish` was given a
-    non-OK status) and the block waits for the server's trailers.
-    """
-    session: MessageStream[T] = MessageStream(pack)
-    session.peer = f"{host}:{port}"
-    async with _open_loop(), trio.open_nursery() as nursery:
-        nursery.start_soon(
-            trio_asyncio.aio_as_trio(_client_main),
-            host, port, path, request_type, reply_type, session, options or ClientOptions(),
-        )
-        try:
-            yield session
-        finally:
-            session.finish()
-            with trio.CancelScope(shield=True):
-                await session.wait_closed()
+    """One stream on a connection of its own (see :meth:`ClientChannel.open_stream`)."""
+    tls = options.tls if options is not None else None
+    async with open_client_channel(host, port, tls=tls) as channel, channel.open_stream(
+        path, request_type, reply_type, pack, options=options
+    ) as stream:
+        yield stream
 
 
-async def _client_main(
-    host: str,
-    port: int,
+async def _client_stream(
+    channel: Channel,
+    target: str,
     path: str,
     request_type: type[Message],
     reply_type: type[Message],
     session: MessageStream[Any],
     options: ClientOptions,
 ) -> None:
-    channel = Channel(host, port, ssl=options.tls or None)
     try:
         async with channel.request(
             path, Cardinality.STREAM_STREAM, request_type, reply_type,
@@ -820,12 +958,13 @@ async def _client_main(
                 await asyncio.shield(reader)
     except TimeoutError:  # grpclib's own deadline timer fired inside one of its calls
         session.inbound.close(RpcAbortError(Status.DEADLINE_EXCEEDED, f"no answer within {options.timeout:g} s"))
+    except ssl.SSLError as exc:
+        session.inbound.close(RpcAbortError(Status.UNAVAILABLE, _tls_failed(target, exc)))
     except (OSError, StreamTerminatedError, GRPCError, ProtocolError) as exc:
         status = exc.status if isinstance(exc, GRPCError) else Status.UNAVAILABLE
-        session.inbound.close(RpcAbortError(status, f"cannot reach {host}:{port}: {exc}"))
+        session.inbound.close(RpcAbortError(status, f"cannot reach {target}: {exc}"))
     finally:
         session.outbound.close()
-        channel.close()
         session._mark_closed()
 
 
