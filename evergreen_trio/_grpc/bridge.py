@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from contextvars import Context, copy_context
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 import grpclib.client
@@ -312,7 +313,8 @@ class _GuardedProtocol(H2Protocol):
         try:
             events = self.connection.feed(data)
         except h2.exceptions.ProtocolError as error:
-            log.info("grpc.protocol_error peer=%s error=%s", self._peer(), error)
+            hint = " (a TLS client on a plaintext port?)" if not self._settled and data[:2] == b"\x16\x03" else ""
+            log.info("grpc.protocol_error peer=%s error=%s%s", self._peer(), error, hint)
             self.connection.flush()  # h2 queued a GOAWAY naming the error: send it before closing
             self.processor.close("Protocol error")
             return False
@@ -476,12 +478,73 @@ async def serve_grpclib(
 
 
 async def _start(server: _GuardedServer, sock: socket.socket, tls: ssl.SSLContext | None, handshake: float) -> None:
-    """grpclib's ``Server.start`` with a TLS handshake deadline (grpclib leaves asyncio's 60 s)."""
+    """grpclib's ``Server.start``, TLS (if any) through :class:`_TlsGate`."""
     loop = asyncio.get_running_loop()
-    server._server = await loop.create_server(
-        server._protocol_factory, sock=sock, ssl=tls, ssl_handshake_timeout=handshake if tls else None
-    )
+    factory: Callable[[], asyncio.BaseProtocol] = server._protocol_factory
+    if tls is not None:
+        factory = partial(_TlsGate, server._protocol_factory, tls, handshake)
+    server._server = await loop.create_server(factory, sock=sock)
     server._server_closed_fut = loop.create_future()
+
+
+class _TlsGate(asyncio.Protocol):
+    """Serves TLS on one accepted connection: a handshake (with a deadline; grpclib leaves asyncio's
+    60 s) by ``loop.start_tls``, then grpclib's protocol on the TLS transport.
+
+    asyncio's own TLS server drops a failed handshake without a word; here it is one log line naming
+    the peer and why (most often a plaintext client, or a client that does not trust our certificate).
+    The gate is the TLS transport's protocol until grpclib's takes over, keeping what arrives in between
+    (a client's first HTTP/2 bytes can come with its last handshake message).
+    """
+
+    def __init__(self, make_protocol: Callable[[], H2Protocol], tls: ssl.SSLContext, handshake: float) -> None:
+        self._make_protocol = make_protocol
+        self._tls = tls
+        self._handshake = handshake
+        self._task: asyncio.Task[None] | None = None
+        self._early: list[bytes] = []
+        self._closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()  # the first bytes are the handshake's: start_tls reads them
+        self._task = asyncio.ensure_future(self._upgrade(transport))
+        self._task.add_done_callback(_log_task_error)
+
+    def data_received(self, data: bytes) -> None:
+        self._early.append(data)
+
+    def eof_received(self) -> bool | None:
+        self._closed = True
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+
+    async def _upgrade(self, transport: asyncio.Transport) -> None:
+        peer = _address(transport.get_extra_info("peername"))
+        try:
+            secure = await asyncio.get_running_loop().start_tls(
+                transport, self, self._tls, server_side=True, ssl_handshake_timeout=self._handshake
+            )
+        except (OSError, TimeoutError) as error:  # ssl.SSLError is an OSError
+            hint = " (a plaintext client?)" if getattr(error, "reason", None) in _NOT_TLS else ""
+            log.info("grpc.tls_handshake_failed peer=%s error=%s%s", peer, str(error) or type(error).__name__, hint)
+            transport.close()
+            return
+        if secure is None or self._closed:  # the peer went away during the handshake
+            transport.close()
+            return
+        protocol = self._make_protocol()
+        secure.set_protocol(protocol)
+        protocol.connection_made(secure)
+        for data in self._early:
+            protocol.data_received(data)
+        self._early.clear()
+
+
+_NOT_TLS = frozenset({"HTTP_REQUEST", "WRONG_VERSION_NUMBER", "UNSUPPORTED_PROTOCOL", "RECORD_LAYER_FAILURE",
+                      "UNKNOWN_PROTOCOL", "PACKET_LENGTH_TOO_LONG"})
 
 
 # ---------------------------------------------------------------------------------------------
