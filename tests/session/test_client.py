@@ -131,7 +131,7 @@ async def test_non_nodes_as_inputs_raise_type_errors_naming_the_input(nursery: t
         with pytest.raises(ArgumentTypeError, match=r"input 'input'.*NodeRef\(leaf.id\)") as raised:
             await session.run("ECHO", {"input": leaf}, ["output"])  # type: ignore[dict-item]
         assert isinstance(raised.value, TypeError) and isinstance(raised.value, EvergreenTrioError)
-        with pytest.raises(TypeError, match="input 'input' must be a node.*got str"):
+        with pytest.raises(TypeError, match=r"input 'input' must be a node.*got str"):
             await session.run("ECHO", {"input": "plain text"}, ["output"])  # type: ignore[dict-item]
         with pytest.raises(TypeError, match="outputs must be a list"):
             await session.run("ECHO", {"input": text("x")}, "output")
