@@ -209,10 +209,32 @@ class _CancelledTimerPurge:
             self._cancelled = 0
 
 
+READY_BATCH = 64
+"""At most this many ready asyncio callbacks run in one Trio scheduling pass (see :func:`_run_ready`)."""
+
+
+async def _run_ready(loop: Any, no_wait: bool = False) -> None:
+    """trio-asyncio's loop step, then the asyncio callbacks already queued, up to ``READY_BATCH``.
+
+    trio-asyncio runs one callback per step and takes a Trio checkpoint (a scheduling pass, and a
+    cancel scope) before each; asyncio's own loop runs every ready callback per iteration. A message
+    crossing the bridge queues several callbacks at once (a future's wakeup, a transport's read, the
+    read's ``synchronize``), so draining them together saves a pass for each of them.
+    """
+    step = type(loop)._main_loop_one
+    await step(loop, no_wait)
+    for _ in range(READY_BATCH):
+        try:
+            await step(loop, True)  # no_wait: raises WouldBlock once nothing is queued
+        except trio.WouldBlock:
+            return
+
+
 @asynccontextmanager
 async def _open_loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
     async with trio_asyncio.open_loop() as loop:
         loop._timer_handle_cancelled = _CancelledTimerPurge(loop)
+        loop._main_loop_one = partial(_run_ready, loop)  # read by the running _main_loop at each step
         yield loop
 
 
