@@ -11,6 +11,7 @@ connection each (``connect()``); plus the server-side memory per live node for 1
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -63,6 +64,8 @@ class Ours:
     round_trips: list[float] = field(default_factory=list)
     sessions: list[float] = field(default_factory=list)
     one_shot: list[float] = field(default_factory=list)
+    round_trip_cpu: float = 0.0
+    session_cpu: float = 0.0
 
 
 async def one_echo(session: ClientSession, payload: str) -> None:
@@ -84,15 +87,19 @@ async def ours(leaves: int, round_trips: int, sessions: int) -> Ours:
                 received = len(await call["output"].read_bytes()) // LEAF_BYTES
                 measured.rate = 2 * leaves / (time.perf_counter() - start)
                 assert received == leaves
+                cpu = time.process_time()
                 for _ in range(round_trips):
                     t = time.perf_counter()
                     await one_echo(session, payload)
                     measured.round_trips.append(time.perf_counter() - t)
+                measured.round_trip_cpu = (time.process_time() - cpu) / round_trips
+            cpu = time.process_time()
             for _ in range(sessions):
                 t = time.perf_counter()
                 async with client.session() as session:
                     await one_echo(session, payload)
                 measured.sessions.append(time.perf_counter() - t)
+            measured.session_cpu = (time.process_time() - cpu) / sessions
         for _ in range(max(sessions // 10, 5)):
             t = time.perf_counter()
             async with connect(f"127.0.0.1:{port}") as session:
@@ -121,12 +128,14 @@ def run(quick: bool = False) -> None:
     raw_rates: list[float] = []
     raw_rtts: list[float] = []
     raw_calls: list[float] = []
+    raw_cpu: list[tuple[float, float]] = []
     runs_ours: list[Ours] = []
 
     def one_raw() -> float:
         result = raw_grpclib(2 * leaves, round_trips, sessions)
         raw_rtts.extend(result["round_trips_s"])  # type: ignore[arg-type]
         raw_calls.extend(result["calls_s"])  # type: ignore[arg-type]
+        raw_cpu.append((float(result["round_trip_cpu_s"]), float(result["call_cpu_s"])))  # type: ignore[arg-type]
         rate = float(result["messages_per_s"])  # type: ignore[arg-type]
         raw_rates.append(rate)
         return rate
@@ -148,6 +157,12 @@ def run(quick: bool = False) -> None:
     raw_p50, raw_p99 = us(raw_rtts, 50), us(raw_rtts, 99)
     our_p50, our_p99 = us(our_rtts, 50), us(our_rtts, 99)
     raw_call_p50, our_session_p50 = us(raw_calls, 50), us(our_sessions, 50)
+    # CPU time per operation (both ends run in the one process, in both cases): on a loaded machine
+    # wall-clock percentiles also measure preemption, which hits a longer operation more often.
+    raw_rt_cpu = statistics.median(c[0] for c in raw_cpu) * 1e6
+    raw_call_cpu = statistics.median(c[1] for c in raw_cpu) * 1e6
+    our_rt_cpu = statistics.median(m.round_trip_cpu for m in runs_ours) * 1e6
+    our_session_cpu = statistics.median(m.session_cpu for m in runs_ours) * 1e6
     per_node = memory_per_node(10_000 if quick else 100_000)
     rows = [
         Row("raw grpclib echo (asyncio), messages", raw_rate, "msg/s"),
@@ -159,9 +174,16 @@ def run(quick: bool = False) -> None:
         Row("session one-chunk ECHO round trip p99", our_p99, "us", "raw grpclib p99", our_p99 / raw_p99),
         Row("raw grpclib whole bidi call on an open channel p50", raw_call_p50, "us"),
         Row("whole one-ECHO session, reused connection (Client.session) p50", our_session_p50, "us",
-            "raw grpclib call p50", our_session_p50 / raw_call_p50),
+            "raw grpclib call p50", our_session_p50 / raw_call_p50,
+            {"mean_us": statistics.mean(our_sessions) * 1e6, "raw_mean_us": statistics.mean(raw_calls) * 1e6}),
         Row("whole one-ECHO session, own connection (connect) p50", us(one_shot, 50), "us",
             "raw grpclib call p50", us(one_shot, 50) / raw_call_p50),
+        Row("raw grpclib round trip, CPU per op", raw_rt_cpu, "us"),
+        Row("session one-chunk ECHO round trip, CPU per op", our_rt_cpu, "us", "raw grpclib CPU",
+            our_rt_cpu / raw_rt_cpu),
+        Row("raw grpclib whole bidi call, CPU per op", raw_call_cpu, "us"),
+        Row("whole one-ECHO session, reused connection, CPU per op", our_session_cpu, "us", "raw grpclib call CPU",
+            our_session_cpu / raw_call_cpu),
         Row("server memory per live node (16-byte leaves)", per_node, "bytes"),
     ]
     print_table("Evergreen sessions vs raw grpclib (loopback, median of runs)", rows)

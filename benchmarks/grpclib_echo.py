@@ -2,7 +2,8 @@
 
 Run as a script; prints one JSON object: messages/s for a stream of N one-fragment messages
 echoed back, per-message round-trip latencies on that open stream, and the latencies of whole
-bidirectional calls (open, one message each way, end, trailers) on the open channel.
+bidirectional calls (open, one message each way, end, trailers) on the open channel; and the
+process's CPU time per round trip and per call (both ends run in this one process).
 """
 
 from __future__ import annotations
@@ -55,13 +56,16 @@ async def main(count: int, size: int, round_trips: int, calls: int) -> dict[str,
         elapsed = time.perf_counter() - start
         await sender
         latencies = []
+        cpu = time.process_time()
         for i in range(round_trips):
             t = time.perf_counter()
             await stream.send_message(messages[i % count])
             await stream.recv_message()
             latencies.append(time.perf_counter() - t)
+        round_trip_cpu = (time.process_time() - cpu) / max(round_trips, 1)
         await stream.end()
     call_latencies = []
+    cpu = time.process_time()
     for i in range(calls):
         t = time.perf_counter()
         async with channel.request(PATH, Cardinality.STREAM_STREAM, SessionMessage, SessionMessage) as stream:
@@ -71,10 +75,12 @@ async def main(count: int, size: int, round_trips: int, calls: int) -> dict[str,
             async for _ in stream:  # to the server's trailers
                 pass
         call_latencies.append(time.perf_counter() - t)
+    call_cpu = (time.process_time() - cpu) / max(calls, 1)
     channel.close()
     server.close()
     await server.wait_closed()
-    return {"messages_per_s": count / elapsed, "round_trips_s": latencies, "calls_s": call_latencies}
+    return {"messages_per_s": count / elapsed, "round_trips_s": latencies, "calls_s": call_latencies,
+            "round_trip_cpu_s": round_trip_cpu, "call_cpu_s": call_cpu}
 
 
 if __name__ == "__main__":
