@@ -226,3 +226,26 @@ async def test_a_tls_client_of_a_plaintext_server_is_told_so_and_the_server_logs
     assert refused.value.code is StatusCode.UNAVAILABLE
     lines = [r.getMessage() for r in caplog.records if "protocol_error" in r.getMessage()]
     assert len(lines) == 1 and "peer=" in lines[0] and "TLS client" in lines[0], lines
+
+
+async def test_tasks_started_before_the_client_opened_can_use_it(nursery: trio.Nursery) -> None:
+    """The stream's asyncio task runs in the context the Client was opened in, whoever opens it."""
+    address = await start(nursery)
+    opened = trio.Event()
+    answers: list[str] = []
+    client = Client(address)
+
+    async def early_task() -> None:
+        await opened.wait()
+        async with client.session() as session:
+            call = await session.run("ECHO", {"input": text("early")}, ["output"])
+            answers.append(await call["output"].read_text())
+
+    async with trio.open_nursery() as tasks:
+        tasks.start_soon(early_task)
+        async with client:
+            opened.set()
+            with trio.fail_after(10):
+                while not answers:  # noqa: ASYNC110 - the task reports by appending
+                    await trio.sleep(0.01)
+    assert answers == ["early"]
