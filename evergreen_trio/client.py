@@ -31,7 +31,7 @@ from evergreen_trio._grpc.bridge import (
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Action, ChunkMetadata, NamedParameter, SessionMessage
 from evergreen_trio._wire import START_SESSION
 from evergreen_trio.dag import FragmentBuilder, SessionAbortedError, SessionError, SessionLimits, StatusCode
-from evergreen_trio.errors import ArgumentTypeError, ConfigurationError, plain_errors
+from evergreen_trio.errors import ArgumentTypeError, ConfigurationError, EvergreenTrioError, plain_errors
 from evergreen_trio.nodes import CLIENT_ROLE, Inner, Leaf, NodeLike, NodeRef, RefURI
 from evergreen_trio.nursery_session import (
     InputStream,
@@ -198,6 +198,10 @@ def parse_target(target: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+class ClientStateError(EvergreenTrioError, RuntimeError):
+    """A :class:`Client` used while not open (or opened twice)."""
+
+
 class Client:
     """One HTTP/2 connection to an Evergreen server, for many sessions: ``async with Client(target) as client``.
 
@@ -249,7 +253,7 @@ class Client:
 
     async def __aenter__(self) -> Client:
         if self._exit is not None:
-            raise RuntimeError("this Client is already open")
+            raise ClientStateError(f"Client({self.target!r}) is already open")
         stack = contextlib.AsyncExitStack()
         try:
             self._channel = await stack.enter_async_context(self._connect())
@@ -295,7 +299,7 @@ class Client:
         ``metadata`` is added to the client's; ``timeout`` replaces the client's for this session.
         """
         if self._channel is None:
-            raise RuntimeError("open the Client first: async with Client(target) as client")
+            raise ClientStateError(f"Client({self.target!r}) is not open (async with Client(target) as client)")
         seconds = self.timeout if timeout is None else timeout
         wire = ClientOptions(tls=self.tls, metadata={**self.metadata, **(metadata or {})}, timeout=seconds)
         with plain_errors():

@@ -26,7 +26,7 @@ from evergreen_trio import (
     text,
 )
 from evergreen_trio.actions import register_builtin_actions
-from evergreen_trio.client import UnknownNodeError
+from evergreen_trio.client import ClientStateError, UnknownNodeError
 from evergreen_trio.errors import ArgumentTypeError
 from evergreen_trio.tls import client_context, server_context
 
@@ -80,7 +80,13 @@ async def test_sessions_in_turn_and_at_once_share_one_connection(nursery: trio.N
 
 async def test_a_session_after_the_client_closed_is_refused(nursery: trio.Nursery) -> None:
     client = Client(await start(nursery))
-    with pytest.raises(RuntimeError, match="open the Client first"):
+    with pytest.raises(ClientStateError, match="is not open"):
+        async with client.session():
+            pass
+    async with client:
+        with pytest.raises(ClientStateError, match="already open"):
+            await client.__aenter__()
+    with pytest.raises(ClientStateError, match="is not open"):
         async with client.session():
             pass
 
