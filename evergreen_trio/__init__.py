@@ -7,7 +7,7 @@ The Evergreen session API lives here; the other protocols are subpackages:
 
 from importlib.metadata import PackageNotFoundError, version
 
-from evergreen_trio.client import Call, ClientSession, Output, connect
+from evergreen_trio.client import Call, Client, ClientSession, Output, connect
 from evergreen_trio.dag import (
     LimitExceededError,
     ProtocolViolationError,
@@ -32,6 +32,7 @@ __all__ = [
     "ActionContext",
     "Call",
     "ChunkReader",
+    "Client",
     "ClientSession",
     "ConfigurationError",
     "EvergreenTrioError",

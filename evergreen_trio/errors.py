@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class EvergreenTrioError(Exception):
@@ -21,6 +22,10 @@ class ConfigurationError(EvergreenTrioError, ValueError):
     """
 
 
+class ArgumentTypeError(EvergreenTrioError, TypeError):
+    """A function of ours got an argument of the wrong kind; the message names the argument and what it takes."""
+
+
 def leaf_exceptions(error: BaseException) -> Iterator[BaseException]:
     """The exceptions inside ``error``, depth first, with every (nested) exception group opened."""
     if isinstance(error, BaseExceptionGroup):
@@ -28,3 +33,29 @@ def leaf_exceptions(error: BaseException) -> Iterator[BaseException]:
             yield from leaf_exceptions(inner)
     else:
         yield error
+
+
+def single_error(group: BaseExceptionGroup) -> BaseException:
+    """The one exception that explains ``group``: KeyboardInterrupt or SystemExit first, then an error
+    of ours, then any other error, then the first leaf (a cancellation)."""
+    leaves = list(leaf_exceptions(group))
+    for wanted in ((KeyboardInterrupt, SystemExit), EvergreenTrioError, Exception):
+        for leaf in leaves:
+            if isinstance(leaf, wanted):
+                return leaf
+    return leaves[0] if leaves else group
+
+
+@contextmanager
+def plain_errors() -> Iterator[None]:
+    """Let no exception group made by the nurseries inside leave: raise :func:`single_error` of it.
+
+    Trio's rule for a library's nurseries: a caller writes ``except SessionAbortedError``, not
+    ``except*``, and Ctrl-C ends a script with a plain KeyboardInterrupt.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        error = single_error(group)
+        # Raised with its own cause and without the group as context, so a traceback shows it alone.
+        raise error from error.__cause__

@@ -13,7 +13,7 @@ import pytest
 
 PINNED = {
     "evergreen_trio": {
-        "ActionContext", "Call", "ChunkReader", "ClientSession", "ConfigurationError", "EvergreenTrioError",
+        "ActionContext", "Call", "ChunkReader", "Client", "ClientSession", "ConfigurationError", "EvergreenTrioError",
         "FileResolver", "InputStream", "LimitExceededError", "NodeRef", "Output", "OutputNode",
         "ProtocolViolationError", "RefResolver", "Server", "SessionAbortedError", "SessionError",
         "SessionLimits", "StatusCode", "blob", "connect", "inner", "ref", "text",

@@ -173,6 +173,19 @@ CASES = [
          f"{BRIDGE} (_CancelledTimerPurge re-heapifies _timers, so it must stay a heapq heap)"),
     Case("python", "asyncio.events.TimerHandle", "cancel", Mentions("_timer_handle_cancelled(self)"),
          f"{BRIDGE} (_CancelledTimerPurge learns of cancelled timers through it)"),
+    # trio-asyncio: the loop step that _run_ready calls, then repeats without waiting.
+    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "_main_loop_one", Calls(0, ("no_wait",)),
+         f"{BRIDGE} (_open_loop replaces it on the loop with _run_ready, which calls it)"),
+    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "_main_loop_one", Mentions("self._q_recv.receive_nowait()"),
+         f"{BRIDGE} (_run_ready: with no_wait, an empty queue raises WouldBlock instead of waiting)"),
+    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "_main_loop", Mentions("await self._main_loop_one()"),
+         f"{BRIDGE} (_run_ready, set on the loop instance, is what the running loop calls at each step)"),
+    # grpclib: the client channel's connection (opened eagerly) and its protocol.
+    Case("grpclib", "grpclib.client.Channel", "__connect__", Calls(), f"{BRIDGE} (_aio_connect)"),
+    Case("grpclib", "grpclib.client.Channel", "_protocol_factory", Calls(), f"{BRIDGE} (_Channel overrides it)"),
+    *[Case("grpclib", "grpclib.client.Channel", name, SetsInstanceAttr(), f"{BRIDGE} (_Channel._protocol_factory)")
+      for name in ("_config", "_h2_config")],
+    Case("grpclib", "grpclib.client", "Handler", Calls(), f"{BRIDGE} (_Channel._protocol_factory)"),
     # grpclib: its module-level reference to asyncio.current_task, re-pointed at trio-asyncio's.
     Case("grpclib", "grpclib.utils.Wrapper", "__enter__", Mentions("_current_task()"),
          f"{BRIDGE} (sets grpclib.utils._current_task for CPython 3.12+)"),

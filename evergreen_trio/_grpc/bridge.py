@@ -23,9 +23,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
+from contextvars import Context, copy_context
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, TypeVar
 
+import grpclib.client
 import grpclib.server
 import grpclib.utils
 import h2.connection
@@ -206,11 +209,33 @@ class _CancelledTimerPurge:
             self._cancelled = 0
 
 
+READY_BATCH = 64
+"""At most this many ready asyncio callbacks run in one Trio scheduling pass (see :func:`_run_ready`)."""
+
+
+async def _run_ready(loop: Any, no_wait: bool = False) -> None:
+    """trio-asyncio's loop step, then the asyncio callbacks already queued, up to ``READY_BATCH``.
+
+    trio-asyncio runs one callback per step and takes a Trio checkpoint (a scheduling pass, and a
+    cancel scope) before each; asyncio's own loop runs every ready callback per iteration. A message
+    crossing the bridge queues several callbacks at once (a future's wakeup, a transport's read, the
+    read's ``synchronize``), so draining them together saves a pass for each of them.
+    """
+    step = type(loop)._main_loop_one
+    await step(loop, no_wait)
+    for _ in range(READY_BATCH):
+        try:
+            await step(loop, True)  # no_wait: raises WouldBlock once nothing is queued
+        except trio.WouldBlock:
+            return
+
+
 @asynccontextmanager
-async def _open_loop() -> AsyncIterator[None]:
+async def _open_loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
     async with trio_asyncio.open_loop() as loop:
         loop._timer_handle_cancelled = _CancelledTimerPurge(loop)
-        yield
+        loop._main_loop_one = partial(_run_ready, loop)  # read by the running _main_loop at each step
+        yield loop
 
 
 def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
@@ -310,7 +335,8 @@ class _GuardedProtocol(H2Protocol):
         try:
             events = self.connection.feed(data)
         except h2.exceptions.ProtocolError as error:
-            log.info("grpc.protocol_error peer=%s error=%s", self._peer(), error)
+            hint = " (a TLS client on a plaintext port?)" if not self._settled and data[:2] == b"\x16\x03" else ""
+            log.info("grpc.protocol_error peer=%s error=%s%s", self._peer(), error, hint)
             self.connection.flush()  # h2 queued a GOAWAY naming the error: send it before closing
             self.processor.close("Protocol error")
             return False
@@ -474,12 +500,73 @@ async def serve_grpclib(
 
 
 async def _start(server: _GuardedServer, sock: socket.socket, tls: ssl.SSLContext | None, handshake: float) -> None:
-    """grpclib's ``Server.start`` with a TLS handshake deadline (grpclib leaves asyncio's 60 s)."""
+    """grpclib's ``Server.start``, TLS (if any) through :class:`_TlsGate`."""
     loop = asyncio.get_running_loop()
-    server._server = await loop.create_server(
-        server._protocol_factory, sock=sock, ssl=tls, ssl_handshake_timeout=handshake if tls else None
-    )
+    factory: Callable[[], asyncio.BaseProtocol] = server._protocol_factory
+    if tls is not None:
+        factory = partial(_TlsGate, server._protocol_factory, tls, handshake)
+    server._server = await loop.create_server(factory, sock=sock)
     server._server_closed_fut = loop.create_future()
+
+
+class _TlsGate(asyncio.Protocol):
+    """Serves TLS on one accepted connection: a handshake (with a deadline; grpclib leaves asyncio's
+    60 s) by ``loop.start_tls``, then grpclib's protocol on the TLS transport.
+
+    asyncio's own TLS server drops a failed handshake without a word; here it is one log line naming
+    the peer and why (most often a plaintext client, or a client that does not trust our certificate).
+    The gate is the TLS transport's protocol until grpclib's takes over, keeping what arrives in between
+    (a client's first HTTP/2 bytes can come with its last handshake message).
+    """
+
+    def __init__(self, make_protocol: Callable[[], H2Protocol], tls: ssl.SSLContext, handshake: float) -> None:
+        self._make_protocol = make_protocol
+        self._tls = tls
+        self._handshake = handshake
+        self._task: asyncio.Task[None] | None = None
+        self._early: list[bytes] = []
+        self._closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()  # the first bytes are the handshake's: start_tls reads them
+        self._task = asyncio.ensure_future(self._upgrade(transport))
+        self._task.add_done_callback(_log_task_error)
+
+    def data_received(self, data: bytes) -> None:
+        self._early.append(data)
+
+    def eof_received(self) -> bool | None:
+        self._closed = True
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+
+    async def _upgrade(self, transport: asyncio.Transport) -> None:
+        peer = _address(transport.get_extra_info("peername"))
+        try:
+            secure = await asyncio.get_running_loop().start_tls(
+                transport, self, self._tls, server_side=True, ssl_handshake_timeout=self._handshake
+            )
+        except (OSError, TimeoutError) as error:  # ssl.SSLError is an OSError
+            hint = " (a plaintext client?)" if getattr(error, "reason", None) in _NOT_TLS else ""
+            log.info("grpc.tls_handshake_failed peer=%s error=%s%s", peer, str(error) or type(error).__name__, hint)
+            transport.close()
+            return
+        if secure is None or self._closed:  # the peer went away during the handshake
+            transport.close()
+            return
+        protocol = self._make_protocol()
+        secure.set_protocol(protocol)
+        protocol.connection_made(secure)
+        for data in self._early:
+            protocol.data_received(data)
+        self._early.clear()
+
+
+_NOT_TLS = frozenset({"HTTP_REQUEST", "WRONG_VERSION_NUMBER", "UNSUPPORTED_PROTOCOL", "RECORD_LAYER_FAILURE",
+                      "UNKNOWN_PROTOCOL", "PACKET_LENGTH_TOO_LONG"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -754,6 +841,155 @@ class ClientOptions:
     max_message_bytes: int = TransportLimits().max_message_bytes
 
 
+class _ClientProtocol(H2Protocol):
+    """grpclib's client protocol, noting whether the server said anything before the connection ended.
+
+    Every HTTP/2 server starts with its SETTINGS frame; a server that closes without a byte is,
+    most often, a TLS server that got a plaintext client's preface.
+    """
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.spoke = False
+        self.settled = asyncio.Event()
+
+    def data_received(self, data: bytes) -> None:
+        self.spoke = True
+        self.settled.set()
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.settled.set()
+        super().connection_lost(exc)
+
+
+class _Channel(Channel):
+    """grpclib's channel with :class:`_ClientProtocol` connections."""
+
+    def _protocol_factory(self) -> H2Protocol:
+        return _ClientProtocol(grpclib.client.Handler(), self._config, self._h2_config)
+
+
+def _tls_failed(target: str, error: ssl.SSLError) -> str:
+    hint = ""
+    if error.reason in {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"}:
+        hint = " (the server answered in plaintext: is it serving without TLS? then connect without tls=)"
+    return f"TLS handshake with {target} failed: {error}{hint}"
+
+
+class ConnectFailedError(RpcAbortError):
+    """The connection could not be made; ``retryable`` when a later try may succeed (refused, no answer)."""
+
+    def __init__(self, message: str, *, retryable: bool, timed_out: bool = False) -> None:
+        super().__init__(Status.UNAVAILABLE, message)
+        self.retryable = retryable
+        self.timed_out = timed_out
+
+
+async def _aio_connect(host: str, port: int, tls: bool | ssl.SSLContext | None, seconds: float) -> _Channel:
+    """Open the channel's connection now and wait for the server's first bytes (its HTTP/2 SETTINGS)."""
+    target = f"{host}:{port}"
+    channel = _Channel(host, port, ssl=tls or None)
+    try:
+        async with asyncio.timeout(seconds):
+            protocol = await channel.__connect__()
+            assert isinstance(protocol, _ClientProtocol)
+            await protocol.settled.wait()
+    except TimeoutError:
+        channel.close()
+        why = f"{target} did not answer within {seconds:g} s"
+        raise ConnectFailedError(why, retryable=True, timed_out=True) from None
+    except ssl.SSLError as error:
+        channel.close()
+        raise ConnectFailedError(_tls_failed(target, error), retryable=False) from None
+    except OSError as error:
+        channel.close()
+        raise ConnectFailedError(f"cannot reach {target}: {error}", retryable=True) from None
+    if not protocol.spoke:
+        channel.close()
+        hint = "" if tls else " (is it serving TLS? then connect with tls=True or tls=client_context(...))"
+        raise ConnectFailedError(f"{target} closed the connection without a word of HTTP/2{hint}", retryable=False)
+    return channel
+
+
+class ClientChannel:
+    """One HTTP/2 connection to a server, on this Trio run's trio-asyncio loop, carrying many streams.
+
+    grpclib reconnects by itself when the connection drops; a stream that then cannot connect ends
+    with UNAVAILABLE. Open with :func:`open_client_channel`.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, channel: _Channel, target: str, context: Context) -> None:
+        self._loop = loop
+        self._channel = channel
+        self.target = target
+        self._context = context
+
+    @asynccontextmanager
+    async def open_stream(
+        self,
+        path: str,
+        request_type: type[Message],
+        reply_type: type[Message],
+        pack: Callable[[list[T]], Iterable[Message]],
+        *,
+        options: ClientOptions | None = None,
+    ) -> AsyncIterator[MessageStream[T]]:
+        """Open a bidirectional stream on this connection and hand it to Trio until the block exits.
+
+        At exit the stream is half-closed (or reset, when :meth:`MessageStream.finish` was given a
+        non-OK status) and the block waits for the server's trailers. No Trio task is started: the
+        stream's asyncio task is created on the loop directly (one crossing fewer per stream).
+        """
+        session: MessageStream[T] = MessageStream(pack)
+        session.peer = self.target
+        # The stream's task runs in the context the channel was opened in (trio-asyncio's current
+        # loop is a context variable), whichever Trio task opens the stream.
+        work = _client_stream(self._channel, self.target, path, request_type, reply_type, session,
+                              options or ClientOptions())
+        task = self._loop.create_task(work, context=self._context.copy())
+        task.add_done_callback(_log_task_error)
+        try:
+            yield session
+        finally:
+            session.finish()
+            with trio.CancelScope(shield=True):
+                await session.wait_closed()
+
+
+@asynccontextmanager
+async def open_client_channel(
+    host: str,
+    port: int,
+    *,
+    tls: bool | ssl.SSLContext | None = None,
+    connect_timeout: float = 10.0,
+    retries: int = 0,
+    backoff: float = 0.2,
+) -> AsyncIterator[ClientChannel]:
+    """Connect to ``host:port`` (on a trio-asyncio loop of its own) and yield the channel until the block exits.
+
+    Raises :class:`ConnectFailedError` when the connection cannot be made, after ``retries`` more
+    tries ``backoff`` seconds apart (doubling, at most 5 s) for the failures worth retrying.
+    """
+    async with _open_loop() as loop:
+        attempt = 0
+        while True:
+            try:
+                channel = await trio_asyncio.aio_as_trio(_aio_connect)(host, port, tls, connect_timeout)
+                break
+            except ConnectFailedError as error:
+                if not error.retryable or attempt >= retries:
+                    raise
+                log.info("grpc.connect_retry target=%s:%d attempt=%d error=%s", host, port, attempt + 1, error.message)
+                await trio.sleep(min(backoff * 2**attempt, 5.0))
+                attempt += 1
+        try:
+            yield ClientChannel(loop, channel, f"{host}:{port}", copy_context())
+        finally:
+            channel.close()
+
+
 @asynccontextmanager
 async def open_client_stream(
     host: str,
@@ -765,36 +1001,23 @@ async def open_client_stream(
     *,
     options: ClientOptions | None = None,
 ) -> AsyncIterator[MessageStream[T]]:
-    """Open a bidirectional stream to ``host:port`` and hand it to Trio until the block exits.
-
-    At exit the stream is half-closed (or reset, when :meth:`MessageStream.finish` was given a
-    non-OK status) and the block waits for the server's trailers.
-    """
-    session: MessageStream[T] = MessageStream(pack)
-    session.peer = f"{host}:{port}"
-    async with _open_loop(), trio.open_nursery() as nursery:
-        nursery.start_soon(
-            trio_asyncio.aio_as_trio(_client_main),
-            host, port, path, request_type, reply_type, session, options or ClientOptions(),
-        )
-        try:
-            yield session
-        finally:
-            session.finish()
-            with trio.CancelScope(shield=True):
-                await session.wait_closed()
+    """One stream on a connection of its own (see :meth:`ClientChannel.open_stream`)."""
+    tls = options.tls if options is not None else None
+    async with open_client_channel(host, port, tls=tls) as channel, channel.open_stream(
+        path, request_type, reply_type, pack, options=options
+    ) as stream:
+        yield stream
 
 
-async def _client_main(
-    host: str,
-    port: int,
+async def _client_stream(
+    channel: Channel,
+    target: str,
     path: str,
     request_type: type[Message],
     reply_type: type[Message],
     session: MessageStream[Any],
     options: ClientOptions,
 ) -> None:
-    channel = Channel(host, port, ssl=options.tls or None)
     try:
         async with channel.request(
             path, Cardinality.STREAM_STREAM, request_type, reply_type,
@@ -820,12 +1043,13 @@ async def _client_main(
                 await asyncio.shield(reader)
     except TimeoutError:  # grpclib's own deadline timer fired inside one of its calls
         session.inbound.close(RpcAbortError(Status.DEADLINE_EXCEEDED, f"no answer within {options.timeout:g} s"))
+    except ssl.SSLError as exc:
+        session.inbound.close(RpcAbortError(Status.UNAVAILABLE, _tls_failed(target, exc)))
     except (OSError, StreamTerminatedError, GRPCError, ProtocolError) as exc:
         status = exc.status if isinstance(exc, GRPCError) else Status.UNAVAILABLE
-        session.inbound.close(RpcAbortError(status, f"cannot reach {host}:{port}: {exc}"))
+        session.inbound.close(RpcAbortError(status, f"cannot reach {target}: {exc}"))
     finally:
         session.outbound.close()
-        channel.close()
         session._mark_closed()
 
 

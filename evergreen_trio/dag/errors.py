@@ -85,4 +85,10 @@ class RefRejectedError(SessionError):
 
 
 class SessionAbortedError(SessionError):
-    """The session ended with a non-OK status; raised on the side that did not choose to abort."""
+    """The session ended with a non-OK status; raised on the side that did not choose to abort.
+
+    Its text names the status: ``DEADLINE_EXCEEDED: no answer within the 5 s timeout``.
+    """
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
