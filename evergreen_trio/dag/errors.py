@@ -86,3 +86,13 @@ class RefRejectedError(SessionError):
 
 class SessionAbortedError(SessionError):
     """The session ended with a non-OK status; raised on the side that did not choose to abort."""
+
+
+class NotTextError(SessionError):
+    """``read_text()`` met a chunk whose mimetype is not text; ``mimetype`` is the chunk's."""
+
+    code = StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str, *, mimetype: str, code: StatusCode | None = None) -> None:
+        super().__init__(message, code=code)
+        self.mimetype = mimetype
