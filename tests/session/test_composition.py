@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from test_tls import Pki, pki  # noqa: F401 - the fixture
+from test_tls import Pki
 
 from evergreen_trio import (
     ActionContext,
@@ -24,6 +24,11 @@ from evergreen_trio import (
 from evergreen_trio.auth import TokenFileAuthorizer
 from evergreen_trio.dag import ActionFailedError, UnknownActionError
 from evergreen_trio.tls import client_context, server_context
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return Pki(tmp_path)
 
 
 def agent_server(**options: object) -> tuple[Server, list[str | None]]:

@@ -35,7 +35,8 @@ async def test_bytes_default_to_octet_stream_and_read_text_names_what_is_not_tex
     # A handler's read_text of a non-text input aborts with INVALID_ARGUMENT naming the mimetype.
     with pytest.raises(SessionAbortedError) as aborted:
         async with connect(f"127.0.0.1:{port}", timeout=30) as session:
-            call = await session.run("TEXT", {"input": inner(text("a"), blob(b"\x89PNG", mimetype="image/png"))}, ["output"])
+            image = blob(b"\x89PNG", mimetype="image/png")
+            call = await session.run("TEXT", {"input": inner(text("a"), image)}, ["output"])
             await call["output"].read_text()
     assert aborted.value.code is StatusCode.INVALID_ARGUMENT
     assert "image/png" in str(aborted.value)
