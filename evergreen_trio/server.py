@@ -14,6 +14,7 @@ import trio
 from evergreen_trio._grpc.bridge import MessageStream, SessionAcceptor, serve_grpclib
 from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.limits import TransportLimits
+from evergreen_trio._grpc.reflection import with_reflection
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import SERVICE, START_SESSION
 from evergreen_trio.auth import Authorizer, Peer
@@ -62,6 +63,8 @@ class Server(ActionRegistry):
       peer packs fragments into, plus 64 KiB).
     - ``error_details``: send a failed handler's exception text to the client. By default the
       client gets the status and ``(error id ...)``, an id the server's log line also has.
+    - ``reflection``: answer gRPC server reflection (v1 and v1alpha) on the port, so grpcurl and
+      similar tools list and describe ``evergreen.v2.EvergreenService`` and ``grpc.health.v1.Health``.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class Server(ActionRegistry):
         idle_timeout: float | None = 300.0,
         max_message_bytes: int | None = None,
         error_details: bool = False,
+        reflection: bool = True,
     ) -> None:
         limits = limits or SessionLimits()
         self.metrics = SessionMetrics()
@@ -99,6 +103,7 @@ class Server(ActionRegistry):
             idle_timeout=idle_timeout,
         )
         self.actions: dict[str, ActionSpec] = {}
+        self.reflection = reflection
         self.health = ServerHealth(("", SERVICE))
         self._open: set[MessageStream[Outbound]] = set()
         self._draining = False
@@ -138,7 +143,10 @@ class Server(ActionRegistry):
         )
         try:
             async with trio.open_nursery() as nursery:
-                bound = await nursery.start(grpc, [acceptor, self.health.servable], host, port)
+                servables = [acceptor, self.health.servable]
+                if self.reflection:
+                    servables = with_reflection(servables)
+                bound = await nursery.start(grpc, servables, host, port)
                 nursery.start_soon(self._accept, acceptor)
                 self.health.set(ready=not self._draining, live=True)
                 task_status.started(bound)
