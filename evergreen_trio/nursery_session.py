@@ -372,20 +372,21 @@ class Session:
     async def _call(
         self,
         caller: ActionContext,
-        tasks: trio.Nursery,
         name: str,
         inputs: Mapping[str, NodeLike | Output],
         outputs: Sequence[str] | Mapping[str, str],
         configs: Iterable[AnyProto],
         target: str,
     ) -> Call:
-        """Run this side's action ``name`` in-process, as a task of ``tasks`` (the caller's); its nodes stay here."""
+        """Run this side's action ``name`` in-process, as a task of the session; its nodes stay here."""
+        if self._nursery is None:
+            raise RuntimeError(f"action {caller.name}: ctx.call needs the session to be running")
         action, new = self._new_action(name, inputs, outputs, configs, target)
         context, spec = self._accept(action, private=True)
         context.principal = caller.principal
         for node_id, node in new.items():
             await self._send(node, node_id, private=True)
-        self._start(spec, context, tasks)
+        self._start(spec, context, self._nursery)
         return Call(action, {p.name: Output(self, p.id) for p in action.outputs})
 
     def input(self, node_id: str) -> InputStream:
@@ -440,18 +441,9 @@ class Session:
         started = time.perf_counter()
         code = StatusCode.CANCELLED  # unless it ends otherwise: cancelled with its session
         try:
-            try:
-                # The handler's in-process calls (ctx.call) run in this nursery: one that fails
-                # fails this action, with its status.
-                async with trio.open_nursery() as tasks:
-                    context._tasks = tasks
-                    await spec.handler(context)
-                    for output in context.outputs.values():
-                        await output.close()
-            except BaseExceptionGroup as group:
-                raise _first_failure(group) from None
-            finally:
-                context._tasks = None
+            await spec.handler(context)
+            for output in context.outputs.values():
+                await output.close()
             code = StatusCode.OK
         except SessionError as error:
             code = error.code
@@ -466,14 +458,6 @@ class Session:
                 self._idle.set()
             if self.options.metrics is not None:
                 self.options.metrics.action_finished(spec.name, code, time.perf_counter() - started)
-
-
-def _first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """A nursery's one failure: its first leaf that is not a cancellation (the group when all are)."""
-    for leaf in leaf_exceptions(group):
-        if not isinstance(leaf, trio.Cancelled):
-            return leaf
-    return group
 
 
 # ----------------------------------------------------------------------------------------
@@ -623,7 +607,7 @@ class OutputNode:
         self._children = 0
 
     def _metadata(self, mimetype: str | None, metadata: ChunkMetadata | None) -> ChunkMetadata | None:
-        if metadata is None:
+        if metadata is None and not self._builder.started:  # only seq 0 carries metadata
             metadata = ChunkMetadata(mimetype=mimetype or OCTET_STREAM, role=self._session.default_role)
         return metadata
 
@@ -702,7 +686,6 @@ class ActionContext:
     outputs: dict[str, OutputNode]
     principal: str | None = None
     """Who opened the session, as the server's ``authorize`` named them (``None`` without one)."""
-    _tasks: trio.Nursery | None = field(default=None, repr=False, compare=False)
 
     def input(self, *names: str) -> InputStream:
         """The first of ``names`` the caller gave (aliases, e.g. "prompt", "text")."""
@@ -729,12 +712,11 @@ class ActionContext:
     ) -> Call:
         """Run action ``name`` of this side in-process, with no connection: same arguments and result
         as :meth:`Session.run` (new nodes, or ``NodeRef(ctx.input("input").node_id)`` of nodes in the
-        session). It runs as a task of this action, with its principal; if it fails, this action fails
-        with its status. Its input and output nodes stay on this side (not sent to the peer).
+        session). It runs as a task of the session, with this action's principal; if it fails, the
+        session aborts with its status, cancelling this action. Its input and output nodes stay on
+        this side (not sent to the peer).
         """
-        if self._tasks is None:
-            raise RuntimeError(f"action {self.name}: ctx.call works only while the handler runs")
-        return await self.session._call(self, self._tasks, name, inputs, outputs, configs, target)
+        return await self.session._call(self, name, inputs, outputs, configs, target)
 
 
 Handler = Callable[[ActionContext], Awaitable[None]]
