@@ -19,36 +19,12 @@ import pytest
 import trio
 import trustme
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from user_app import APP
 
 from evergreen_trio import SessionAbortedError, StatusCode, connect, text
 from evergreen_trio.tls import client_context
 
 ROOT = Path(__file__).parents[2]
-APP = '''
-from evergreen_trio import ActionContext, Server
-
-def make_server() -> Server:
-    server = Server()
-
-    @server.action("UPPER", inputs=["input"], outputs=["output"])
-    async def upper(ctx: ActionContext) -> None:
-        await ctx.output("output").write((await ctx.input("input").read_text()).upper(), last=True)
-
-    @server.action("BOOM", inputs=["input"], outputs=["output"])
-    async def boom(ctx: ActionContext) -> None:
-        raise ValueError("db password is hunter2")
-
-    return server
-
-server = make_server()
-NOT_A_SERVER = 42
-
-def raising() -> Server:
-    raise RuntimeError("no config file")
-
-async def async_factory() -> Server:
-    return Server()
-'''
 
 
 @pytest.fixture

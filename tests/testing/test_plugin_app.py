@@ -9,20 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from user_app import APP
+
 ROOT = Path(__file__).parents[2]
-
-APP = '''
-from evergreen_trio import ActionContext, Server
-
-def make_server() -> Server:
-    server = Server()
-
-    @server.action("UPPER", inputs=["input"], outputs=["output"])
-    async def upper(ctx: ActionContext) -> None:
-        await ctx.output("output").write((await ctx.input("input").read_text()).upper(), last=True)
-
-    return server
-'''
 
 CONFTEST = '''
 import pytest
