@@ -359,6 +359,10 @@ class Session:
         (pipelining). ``inputs`` are new nodes (``text()``, ``inner()``, ...) or NodeRefs of nodes in
         the session; ``outputs`` names the outputs wanted (ids chosen here), or maps them to ids."""
         action, new = self._new_action(name, inputs, outputs, configs, target)
+        if self.graph.peer_closed and action.outputs:
+            peer = "client" if self.side == "server" else "server"
+            raise SessionError(f"{describe(action)}: the {peer} ended its side of the stream, so it can send "
+                               "no outputs", code=StatusCode.FAILED_PRECONDITION)
         if self._private:
             self._check_public((p.id for p in action.inputs if p.id not in new), describe(action))
         for param in action.outputs:

@@ -196,3 +196,26 @@ async def test_handler_exception_text_reaches_the_client_only_when_the_operator_
     error_id = message.split("error id ")[1][:8]
     logged = [r for r in caplog.records if r.getMessage().startswith("action.failed")]
     assert any(error_id in r.getMessage() and r.exc_info for r in logged)
+
+
+async def test_a_tool_call_after_the_client_half_closed_says_so(nursery: trio.Nursery) -> None:
+    """A client without handlers half-closes at once; the server's late tool call names why it cannot work."""
+    server = Server()
+    errors: list[SessionError] = []
+
+    @server.action("LATE", inputs=[], outputs=["output"])
+    async def late(ctx: ActionContext) -> None:
+        await ctx.session.barrier.wait("no-such-node")  # woken when the client ends its stream
+        assert ctx.session.graph.peer_closed
+        try:
+            await ctx.session.run("LOOKUP", {}, ["result"])
+        except SessionError as error:
+            errors.append(error)
+            raise
+
+    port = await nursery.start(server.serve, "127.0.0.1", 0)
+    with pytest.raises(SessionAbortedError) as aborted:
+        async with connect(f"127.0.0.1:{port}", timeout=30) as session:
+            await session.run("LATE", {}, ["output"])
+    assert aborted.value.code is StatusCode.FAILED_PRECONDITION and "ended its side" in aborted.value.message
+    assert errors and "the client" in errors[0].message
