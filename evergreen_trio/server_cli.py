@@ -187,8 +187,8 @@ class ServeConfigError(ConfigurationError):
 def server_from_args(args: argparse.Namespace, security: dict[str, Any]) -> Server:
     """The Server to serve: ours (actions registered later), or ``--app``'s rebuilt with the options.
 
-    The app keeps its actions, limits, ref resolvers and targets, and its TLS context and
-    ``authorize`` unless an option replaces them; the server limits are the options' (whose
+    The app keeps its actions, limits, ref resolvers, targets and reflection setting, and its TLS
+    context and ``authorize`` unless an option replaces them; the server limits are the options' (whose
     defaults are Server's own). Raises AppImportError or ServeConfigError (exit 2).
     """
     resolvers = [FileResolver(args.allow_file_root)] if args.allow_file_root else []
@@ -205,7 +205,8 @@ def server_from_args(args: argparse.Namespace, security: dict[str, Any]) -> Serv
             security[option] = getattr(app, option)
     server = Server(
         limits=app.options.limits, resolvers=[*app.options.resolvers.values(), *resolvers], targets=app.targets,
-        fragment_bytes=app.options.fragment_bytes, error_details=details or app.options.error_details, **security,
+        fragment_bytes=app.options.fragment_bytes, error_details=details or app.options.error_details,
+        reflection=app.reflection, **security,
     )
     server.actions.update(app.actions)
     return server
