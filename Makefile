@@ -38,8 +38,8 @@ wheel-smoke: $(STAMP)
 	cd $(SMOKE) && venv/bin/python $(CURDIR)/.ci/wheel_smoke.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check evergreen_trio tests benchmarks
-	$(BIN)/mypy evergreen_trio
+	$(BIN)/ruff check evergreen_trio tests benchmarks examples
+	$(BIN)/mypy evergreen_trio examples
 
 test: lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

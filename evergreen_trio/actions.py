@@ -50,9 +50,14 @@ def toy_answer(prompt: str) -> list[str]:
 
 async def generate(ctx: ActionContext) -> None:
     """Input ``prompt`` (or ``text``), output ``response`` (or ``text``): streamed in several fragments,
-    at most ``max_tokens`` of them when the configs say so."""
+    at most ``max_tokens`` of them when the configs say so. The toy model reads the prompt's text
+    chunks only (it sees no images or video)."""
     params = parse_configs(ctx.action.configs, where=describe(ctx.action))
-    prompt = await ctx.input("prompt", "text").read_text()
+    words = []
+    async for chunk in ctx.input("prompt", "text"):
+        if chunk.mimetype.startswith("text/"):
+            words.append((await chunk.read()).decode("utf-8", errors="replace"))
+    prompt = "".join(words)
     response = ctx.output("response", "text")
     pieces = toy_answer(prompt)[: params.max_tokens]
     for index, piece in enumerate(pieces):

@@ -8,190 +8,75 @@ session on it (as many, one after another or at once, as the server allows per c
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
-import secrets
 import ssl
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import replace
 from types import TracebackType
 
 import trio
-from google.protobuf.any_pb2 import Any as AnyProto
 
 from evergreen_trio._grpc.bridge import (
     ClientChannel,
     ClientOptions,
     ConnectFailedError,
     MessageStream,
-    RpcAbortError,
     open_client_channel,
 )
-from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Action, ChunkMetadata, NamedParameter, SessionMessage
+from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import START_SESSION
-from evergreen_trio.dag import FragmentBuilder, SessionAbortedError, SessionError, SessionLimits, StatusCode
+from evergreen_trio.dag import SessionAbortedError, SessionError, SessionLimits, StatusCode
 from evergreen_trio.errors import ArgumentTypeError, ConfigurationError, EvergreenTrioError, plain_errors
-from evergreen_trio.nodes import CLIENT_ROLE, Inner, Leaf, NodeLike, NodeRef, RefURI
+from evergreen_trio.nodes import CLIENT_ROLE
 from evergreen_trio.nursery_session import (
-    InputStream,
+    ActionRegistry,
     Outbound,
-    OutputNode,
     Session,
     SessionOptions,
-    describe,
+    describe_kind,
     pack_messages,
 )
+from evergreen_trio.nursery_session import Call as Call  # re-exported: run()'s result, defined with it
+from evergreen_trio.nursery_session import Output as Output
+from evergreen_trio.nursery_session import UnknownNodeError as UnknownNodeError
 from evergreen_trio.refs import RefResolver, resolver_map
 
 
-@dataclass
-class Call:
-    """A running action: its outputs by parameter name, each readable as a stream and reusable as a node."""
+class ClientSession(Session, ActionRegistry):
+    """Builds and sends nodes and actions (:meth:`run`), reads what the server produces, and serves
+    the actions the server sends (tool calls) to the handlers registered with :meth:`action`.
 
-    action: Action
-    outputs: dict[str, Output]
-
-    def __getitem__(self, name: str) -> Output:
-        return self.outputs[name]
-
-
-class Output(InputStream):
-    """An action's output as this side sees it: a stream to read and a node to reuse by reference."""
-
-    @property
-    def ref(self) -> NodeRef:
-        """A reference to this output node, to pass as another action's input."""
-        return NodeRef(self.node_id)
-
-
-class ClientSession(Session):
-    """Builds and sends nodes and actions, and reads what the server produces."""
+    Without a handler for it, an action from the server aborts the session with UNIMPLEMENTED.
+    """
 
     default_role = CLIENT_ROLE
+    side = "client"
 
     def __init__(self, stream: MessageStream[Outbound], options: SessionOptions) -> None:
-        super().__init__(stream, options)
-        self._prefix = secrets.token_hex(4)
-        self._ids = itertools.count(1)
+        # A failed handler's text stays on this side (a client cannot send a status): it is the user's own.
+        super().__init__(stream, replace(options, error_details=True))
 
-    def new_id(self, hint: str = "n") -> str:
-        """A node id unique to this session: ``{hint}-{random prefix}-{counter}``."""
-        return f"{hint}-{self._prefix}-{next(self._ids)}"
-
-    async def send(self, node: NodeLike) -> NodeRef:
-        """Send a node (and its children, parents first); return a reference to reuse it."""
-        if isinstance(node, NodeRef):
-            return node
-        if not isinstance(node, Leaf | Inner):
-            what = "text(), blob(), ref(), inner() or a NodeRef"
-            raise ArgumentTypeError(f"send: expected a node ({what}), got {_kind(node)}")
-        node_id = node.id or self.new_id()
-        builder = FragmentBuilder(node_id, fragment_bytes=self.options.fragment_bytes)
-        if isinstance(node, Leaf):
-            metadata = ChunkMetadata(mimetype=node.mimetype, role=node.role or self.default_role)
-            last = len(node.parts) - 1
-            for index, part in enumerate(node.parts):
-                meta = metadata if index == 0 else None
-                if isinstance(part, RefURI):
-                    await self.emit([builder.ref(part.uri, meta, last=index == last)])
-                else:
-                    await self.emit(builder.data(part, meta, last=index == last))
-            if not node.parts:
-                await self.emit(builder.data(b"", metadata, last=True))
-            return NodeRef(node_id)
-        children = [c if isinstance(c, NodeRef) else NodeRef(c.id or self.new_id()) for c in node.children]
-        await self.emit([builder.children([c.id for c in children], last=True)])
-        for child, ref in zip(node.children, children, strict=True):
-            if not isinstance(child, NodeRef):
-                await self.send(_with_id(child, ref.id))
-        return NodeRef(node_id)
-
-    def open_leaf(self, *, id: str | None = None) -> OutputNode:
-        """A leaf to stream into with ``write`` (and ``close``); ``NodeRef(leaf.id)`` names it in inputs."""
-        node_id = id or self.new_id("leaf")
-        # Claimed now, so that a NodeRef to it is known to this session before its first write.
-        self.graph.reserve_output(node_id, "open_leaf", local=True)
-        return self.output(node_id)
-
-    async def run(
-        self,
-        name: str,
-        inputs: Mapping[str, NodeLike | Output],
-        outputs: Sequence[str] | Mapping[str, str],
-        *,
-        configs: Iterable[AnyProto] = (),
-        target: str = "",
-    ) -> Call:
-        """Start action ``name``: the action goes out first, then its input nodes (pipelining).
-
-        ``inputs`` maps each input name to a node (``text()``, ``blob()``, ``ref()``, ``inner()``), a
-        ``NodeRef`` to a node of this session, or an earlier call's output; ``outputs`` names the
-        outputs wanted (their node ids are made up) or maps them to node ids. Raises
-        :class:`ArgumentTypeError` for anything else, and :class:`UnknownNodeError` (NOT_FOUND) for a
-        ``NodeRef`` that names no node this session sent, received, opened or expects as an output.
-        """
-        if isinstance(outputs, str) or not isinstance(outputs, Sequence | Mapping):
-            raise ArgumentTypeError(f"run({name!r}): outputs must be a list of output names or a mapping of "
-                                    f"name to node id, got {_kind(outputs)}")
-        named = dict(outputs) if isinstance(outputs, Mapping) else {o: self.new_id(o) for o in outputs}
-        resolved = {k: self._input(name, k, v) for k, v in inputs.items()}
-        input_ids = {k: (v.id if isinstance(v, NodeRef) else v.id or self.new_id(k)) for k, v in resolved.items()}
-        action = Action(
-            name=name,
-            inputs=[NamedParameter(name=k, id=v) for k, v in input_ids.items()],
-            outputs=[NamedParameter(name=k, id=v) for k, v in named.items()],
-            configs=list(configs),
-        )
-        action.target_spec.id = target
-        for node_id in named.values():
-            self.graph.reserve_output(node_id, describe(action), local=False)
-        await self.send_action(action)
-        for key, node in resolved.items():
-            if not isinstance(node, NodeRef):
-                await self.send(_with_id(node, input_ids[key]))
-        return Call(action, {k: Output(self, v) for k, v in named.items()})
-
-
-    def _input(self, action: str, key: str, value: object) -> NodeLike:
-        if isinstance(value, Output):
-            return value.ref
-        if isinstance(value, NodeRef):
-            if self.graph.is_new(value.id):
-                raise UnknownNodeError(f"run({action!r}): input {key!r} is NodeRef({value.id!r}), a node this session "
-                                       "has neither sent nor received nor expects")
-            return value
-        if isinstance(value, Leaf | Inner):
-            return value
-        hint = ""
-        if isinstance(value, OutputNode):
-            hint = f"; for an open_leaf(), pass NodeRef(leaf.id) (here {value.id!r})"
-        raise ArgumentTypeError(f"run({action!r}): input {key!r} must be a node (text(), blob(), ref(), inner()), "
-                                f"a NodeRef or a call's output, got {_kind(value)}{hint}")
-
-
-class UnknownNodeError(SessionError):
-    """A ``NodeRef`` given as an input names no node of this session (NOT_FOUND); raised before anything is sent."""
-
-    code = StatusCode.NOT_FOUND
-
-
-def _kind(value: object) -> str:
-    return f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
-
-
-def _with_id(node: Leaf | Inner, node_id: str) -> Leaf | Inner:
-    if node.id == node_id:
-        return node
-    if isinstance(node, Leaf):
-        return Leaf(node.parts, node.mimetype, node_id, node.role)
-    return Inner(node.children, node_id)
+    async def _settle(self) -> None:
+        """With handlers registered, before half-closing: keep serving the server's actions until
+        the outputs of every action this side ran are complete and no handler runs."""
+        if not self.actions:
+            return
+        for node_id in self._ran:
+            while self.error is None and self.graph.can_arrive(node_id):
+                node = self.graph.get(node_id)
+                if node is not None and node.complete:
+                    break
+                await self.barrier.wait(node_id)
+        while self.error is None and self._running:
+            self._idle = trio.Event()
+            await self._idle.wait()
 
 
 def parse_target(target: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` too) as a pair; raises :class:`ConfigurationError` naming ``target``."""
     if not isinstance(target, str):
-        raise ArgumentTypeError(f"target: expected 'host:port', got {_kind(target)}")
+        raise ArgumentTypeError(f"target: expected 'host:port', got {describe_kind(target)}")
     host, sep, port = target.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536 or host.endswith(":"):
         raise ConfigurationError(f"target {target!r}: expected host:port (e.g. 127.0.0.1:50051)")
@@ -311,6 +196,7 @@ class Client:
                     nursery.start_soon(_receive, session, nursery.cancel_scope, seconds)
                     try:
                         yield session
+                        await session._settle()
                     except SessionError as error:
                         session.fail(error)
                         stream.finish(error.code, error.message)
@@ -354,9 +240,7 @@ async def _receive(session: ClientSession, scope: trio.CancelScope, seconds: flo
     # The client's side of the deadline: a server that does not answer in time is not waited for.
     with trio.move_on_after(math.inf if seconds is None else seconds) as timer:
         try:
-            await session.receive_loop(_no_actions)
-        except RpcAbortError as abort:
-            _abort(session, scope, SessionAbortedError(abort.message, code=StatusCode(abort.status.value)))
+            await session.serve()
         except SessionError as error:
             _abort(session, scope, error)
     if timer.cancelled_caught:
@@ -369,6 +253,3 @@ def _abort(session: ClientSession, scope: trio.CancelScope, error: SessionError)
     session.stream.finish(error.code, error.message)
     scope.cancel()
 
-
-def _no_actions(actions: Sequence[Action]) -> None:
-    raise SessionError(f"{describe(actions[0])}: this client serves no actions", code=StatusCode.UNIMPLEMENTED)

@@ -8,15 +8,24 @@ without polling. Any failure cancels the session's scope, which aborts the sessi
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import trio
+from google.protobuf.any_pb2 import Any as AnyProto
 
 from evergreen_trio._grpc.bridge import HandoffClosedError, MessageStream, RpcAbortError
-from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Action, ChunkMetadata, NodeFragment, SessionMessage
+from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
+    Action,
+    ChunkMetadata,
+    NamedParameter,
+    NodeFragment,
+    SessionMessage,
+)
 from evergreen_trio.dag import (
     ActionFailedError,
     FlattenCursor,
@@ -25,6 +34,7 @@ from evergreen_trio.dag import (
     LeafEnd,
     LeafStart,
     LimitExceededError,
+    NotTextError,
     ProtocolViolationError,
     SessionAbortedError,
     SessionError,
@@ -35,9 +45,9 @@ from evergreen_trio.dag import (
     UnknownTargetError,
     Wait,
 )
-from evergreen_trio.errors import leaf_exceptions
+from evergreen_trio.errors import ArgumentTypeError, leaf_exceptions
 from evergreen_trio.metrics import SessionMetrics, abort_reason
-from evergreen_trio.nodes import SERVER_ROLE
+from evergreen_trio.nodes import SERVER_ROLE, Inner, Leaf, NodeLike, NodeRef, RefURI
 from evergreen_trio.refs import ExternalRef, RefResolver
 
 log = logging.getLogger(__name__)
@@ -92,22 +102,42 @@ class Barrier:
         await event.wait()
 
 
+OCTET_STREAM = "application/octet-stream"
+"""The mimetype of bytes written without one."""
+
+
 @dataclass(frozen=True)
 class SessionOptions:
     """How a session behaves: its limits, the ref resolvers it offers, the fragment size it writes,
-    and where it records metrics (None: nowhere)."""
+    where it records metrics (None: nowhere), and whether a failed handler's exception text goes to
+    the peer (``error_details``; by default the peer gets the status and an error id the log also has)."""
 
     limits: SessionLimits = field(default_factory=SessionLimits)
     resolvers: Mapping[str, RefResolver] = field(default_factory=dict)
     fragment_bytes: int = 256 * 1024
     metrics: SessionMetrics | None = None
+    error_details: bool = False
+
+
+@dataclass
+class Call:
+    """A running action: its outputs by parameter name, each readable as a stream and reusable as a node."""
+
+    action: Action
+    outputs: dict[str, Output]
+
+    def __getitem__(self, name: str) -> Output:
+        return self.outputs[name]
 
 
 class Session:
-    """State shared by both ends of a session: the graph, the barriers, the outbound stream."""
+    """State shared by both ends of a session: the graph, the barriers, the outbound stream, the
+    actions this side serves (``actions``, run as the peer sends them) and the ones it sends (:meth:`run`)."""
 
     default_role = SERVER_ROLE
     """The role of chunks written with ``mimetype=`` only (the client's side overrides it)."""
+    side = "server"
+    """This end, as messages name it."""
 
     def __init__(self, stream: MessageStream[Outbound], options: SessionOptions) -> None:
         self.stream = stream
@@ -115,8 +145,42 @@ class Session:
         self.graph = SessionGraph(options.limits, ref_schemes=frozenset(options.resolvers))
         self.barrier = Barrier()
         self.error: SessionError | None = None
+        self.actions: dict[str, ActionSpec] = {}
+        self.targets: frozenset[str] = frozenset({""})
+        self.principal: str | None = None
+        self._prefix = secrets.token_hex(4)
+        self._ids = itertools.count(1)
+        self._private: set[str] = set()
+        self._ran: list[str] = []
+        self._running = 0
+        self._nursery: trio.Nursery | None = None
+        self._idle: trio.Event | None = None
+
+    @property
+    def running_actions(self) -> int:
+        """Actions of this side running now (the peer's requests and in-process calls)."""
+        return self._running
 
     # -- receiving ------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Receive until the peer ends its stream, running the actions it sends as tasks of one nursery.
+
+        Raises the one :class:`SessionError` that ends the session (a transport abort becomes
+        :class:`SessionAbortedError`); cancellation passes through.
+        """
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await self.receive_loop(self._start_actions)
+        except BaseException as exc:  # the nursery's group
+            error = self._session_error(exc)
+            if error is None:
+                raise
+            raise error from None
+        finally:
+            self._nursery = None
+            self.barrier.notify_all()
 
     async def receive_loop(self, on_actions: Callable[[Sequence[Action]], None]) -> None:
         """Feed every received message into the graph until the peer ends its stream."""
@@ -151,6 +215,8 @@ class Session:
         if self.error is None:
             self.error = error
         self.barrier.notify_all()
+        if self._idle is not None:
+            self._idle.set()
 
     async def wait_for(self, node_id: str) -> None:
         if self.error is not None:
@@ -159,16 +225,43 @@ class Session:
         if self.error is not None:
             raise self.error
 
+    def _session_error(self, exc: BaseException) -> SessionError | None:
+        """The error that explains a session's end, out of a (nested) exception group; None for cancellation."""
+        for leaf in leaf_exceptions(exc):
+            if isinstance(leaf, SessionError):
+                return leaf
+            if isinstance(leaf, RpcAbortError):
+                return SessionAbortedError(leaf.message, code=StatusCode(leaf.status.value))
+        for leaf in leaf_exceptions(exc):
+            if isinstance(leaf, Exception):
+                return SessionError(self._failure_text("internal error", leaf, event="session.failed"),
+                                    code=StatusCode.INTERNAL)
+        return None
+
+    def _failure_text(self, what: str, exc: Exception, *, event: str) -> str:
+        """``what`` and the exception's text when ``error_details`` allows it, else an error id; either way
+        the exception is logged (``event``) with that id."""
+        error_id = secrets.token_hex(4)
+        log.error("%s side=%s error_id=%s what=%r", event, self.side, error_id, what, exc_info=exc)
+        if self.options.error_details:
+            return f"{what}: {type(exc).__name__}: {exc} (error id {error_id})"
+        return f"{what} (error id {error_id}: the {self.side}'s log has the details)"
+
     # -- sending --------------------------------------------------------------------------
 
-    async def emit(self, fragments: Iterable[NodeFragment]) -> None:
-        """Record produced fragments in the graph (later actions may read them) and send them."""
+    async def emit(self, fragments: Iterable[NodeFragment], *, private: bool = False) -> None:
+        """Record produced fragments in the graph (later actions may read them) and send them;
+        ``private`` ones (an in-process call's) stay on this side."""
         metrics = self.options.metrics
         count = nbytes = 0
         try:
             for fragment in fragments:
+                if fragment.child_ids and not private and self._private:
+                    self._check_public(fragment.child_ids, f"node {fragment.id!r}")
                 if self.graph.add_fragment(fragment, local=True):
                     self.barrier.notify(fragment.id)
+                if private:
+                    continue
                 await self._put(fragment)
                 if metrics is not None:
                     count += 1
@@ -176,6 +269,13 @@ class Session:
         finally:
             if metrics is not None and count:
                 metrics.sent(count, nbytes)
+
+    def _check_public(self, node_ids: Iterable[str], where: str) -> None:
+        for node_id in node_ids:
+            if node_id in self._private:
+                raise SessionError(
+                    f"{where}: node {node_id!r} was made by ctx.call and stays on this side; "
+                    "read it and write its content to send it", code=StatusCode.FAILED_PRECONDITION)
 
     async def send_action(self, action: Action) -> None:
         await self._put(action)
@@ -186,22 +286,271 @@ class Session:
         except HandoffClosedError:
             raise self.error or SessionAbortedError("the session has ended", code=StatusCode.CANCELLED) from None
 
+    def new_id(self, hint: str = "n") -> str:
+        """A node id unique to this session: ``{hint}-{random prefix}-{counter}``."""
+        return f"{hint}-{self._prefix}-{next(self._ids)}"
+
+    async def send(self, node: NodeLike) -> NodeRef:
+        """Send a node (and its children, parents first); return a reference to reuse it."""
+        if not isinstance(node, Leaf | Inner | NodeRef):
+            what = "text(), blob(), ref(), inner() or a NodeRef"
+            raise ArgumentTypeError(f"send: expected a node ({what}), got {describe_kind(node)}")
+        return await self._send(node, node.id or self.new_id(), private=False)
+
+    async def _send(self, node: NodeLike, node_id: str, *, private: bool) -> NodeRef:
+        if isinstance(node, NodeRef):
+            return node
+        builder = FragmentBuilder(node_id, fragment_bytes=self.options.fragment_bytes)
+        if private:
+            self._private.add(node_id)
+        if isinstance(node, Leaf):
+            metadata = ChunkMetadata(mimetype=node.mimetype, role=node.role or self.default_role)
+            last = len(node.parts) - 1
+            for index, part in enumerate(node.parts):
+                meta = metadata if index == 0 else None
+                if isinstance(part, RefURI):
+                    await self.emit([builder.ref(part.uri, meta, last=index == last)], private=private)
+                else:
+                    await self.emit(builder.data(part, meta, last=index == last), private=private)
+            if not node.parts:
+                await self.emit(builder.data(b"", metadata, last=True), private=private)
+            return NodeRef(node_id)
+        assert isinstance(node, Inner)
+        children = [c if isinstance(c, NodeRef) else NodeRef(c.id or self.new_id()) for c in node.children]
+        await self.emit([builder.children([c.id for c in children], last=True)], private=private)
+        for child, ref in zip(node.children, children, strict=True):
+            if not isinstance(child, NodeRef):
+                await self._send(child, ref.id, private=private)
+        return NodeRef(node_id)
+
+    def open_leaf(self, *, id: str | None = None) -> OutputNode:
+        """A leaf to stream into with ``write`` (and ``close``); ``NodeRef(leaf.id)`` names it in inputs."""
+        node_id = id or self.new_id("leaf")
+        # Claimed now, so that a NodeRef to it is known to this session before its first write.
+        self.graph.reserve_output(node_id, "open_leaf", local=True)
+        return self.output(node_id)
+
+    def _new_action(
+        self,
+        name: str,
+        inputs: Mapping[str, NodeLike | Output],
+        outputs: Sequence[str] | Mapping[str, str],
+        configs: Iterable[AnyProto],
+        target: str,
+    ) -> tuple[Action, dict[str, Leaf | Inner]]:
+        """The Action message ``run`` and ``ctx.call`` build, and the new input nodes by id.
+
+        Raises :class:`ArgumentTypeError` for an input that is not a node (an ``open_leaf()`` writer
+        included) or outputs that are not names, and :class:`UnknownNodeError` for a ``NodeRef`` to
+        no node of this session.
+        """
+        if isinstance(outputs, str) or not isinstance(outputs, Sequence | Mapping):
+            raise ArgumentTypeError(f"run({name!r}): outputs must be a list of output names or a mapping of "
+                                    f"name to node id, got {describe_kind(outputs)}")
+        named = dict(outputs) if isinstance(outputs, Mapping) else {o: self.new_id(o) for o in outputs}
+        resolved = {k: self._input(name, k, v) for k, v in inputs.items()}
+        input_ids = {k: (v.id if isinstance(v, NodeRef) else v.id or self.new_id(k)) for k, v in resolved.items()}
+        action = Action(
+            name=name,
+            inputs=[NamedParameter(name=k, id=v) for k, v in input_ids.items()],
+            outputs=[NamedParameter(name=k, id=v) for k, v in named.items()],
+            configs=list(configs),
+        )
+        action.target_spec.id = target
+        new = {input_ids[k]: v for k, v in resolved.items() if not isinstance(v, NodeRef)}
+        return action, new
+
+    def _input(self, action: str, key: str, value: object) -> NodeLike:
+        if isinstance(value, Output):
+            return value.ref
+        if isinstance(value, NodeRef):
+            if self.graph.is_new(value.id):
+                raise UnknownNodeError(f"run({action!r}): input {key!r} is NodeRef({value.id!r}), a node this session "
+                                       "has neither sent nor received nor expects")
+            return value
+        if isinstance(value, Leaf | Inner):
+            return value
+        hint = ""
+        if isinstance(value, OutputNode):
+            hint = f"; for an open_leaf(), pass NodeRef(leaf.id) (here {value.id!r})"
+        raise ArgumentTypeError(f"run({action!r}): input {key!r} must be a node (text(), blob(), ref(), inner()), "
+                                f"a NodeRef or a call's output, got {describe_kind(value)}{hint}")
+
+    async def run(
+        self,
+        name: str,
+        inputs: Mapping[str, NodeLike | Output],
+        outputs: Sequence[str] | Mapping[str, str],
+        *,
+        configs: Iterable[AnyProto] = (),
+        target: str = "",
+    ) -> Call:
+        """Ask the peer to run action ``name``: the action goes out first, then its new input nodes
+        (pipelining). ``inputs`` are new nodes (``text()``, ``inner()``, ...) or NodeRefs of nodes in
+        the session; ``outputs`` names the outputs wanted (ids chosen here), or maps them to ids."""
+        action, new = self._new_action(name, inputs, outputs, configs, target)
+        if self.graph.peer_closed and action.outputs:
+            peer = "client" if self.side == "server" else "server"
+            raise SessionError(f"{describe(action)}: the {peer} ended its side of the stream, so it can send "
+                               "no outputs", code=StatusCode.FAILED_PRECONDITION)
+        if self._private:
+            self._check_public((p.id for p in action.inputs if p.id not in new), describe(action))
+        for param in action.outputs:
+            self.graph.reserve_output(param.id, describe(action), local=False)
+            self._ran.append(param.id)
+        await self.send_action(action)
+        for node_id, node in new.items():
+            await self._send(node, node_id, private=False)
+        return Call(action, {p.name: Output(self, p.id) for p in action.outputs})
+
+    async def _call(
+        self,
+        caller: ActionContext,
+        name: str,
+        inputs: Mapping[str, NodeLike | Output],
+        outputs: Sequence[str] | Mapping[str, str],
+        configs: Iterable[AnyProto],
+        target: str,
+    ) -> Call:
+        """Run this side's action ``name`` in-process, as a task of the session; its nodes stay here."""
+        if self._nursery is None:
+            raise RuntimeError(f"action {caller.name}: ctx.call needs the session to be running")
+        action, new = self._new_action(name, inputs, outputs, configs, target)
+        context, spec = self._accept(action, private=True)
+        context.principal = caller.principal
+        for node_id, node in new.items():
+            await self._send(node, node_id, private=True)
+        self._start(spec, context, self._nursery)
+        return Call(action, {p.name: Output(self, p.id) for p in action.outputs})
+
     def input(self, node_id: str) -> InputStream:
         return InputStream(self, node_id)
 
-    def output(self, node_id: str, *, requested: bool = True) -> OutputNode:
-        return OutputNode(self, node_id, requested=requested)
+    def output(self, node_id: str, *, requested: bool = True, private: bool = False) -> OutputNode:
+        return OutputNode(self, node_id, requested=requested, private=private)
+
+    # -- running actions ------------------------------------------------------------------
+
+    def _start_actions(self, actions: Sequence[Action]) -> None:
+        assert self._nursery is not None
+        for action in actions:
+            context, spec = self._accept(action)
+            self._start(spec, context, self._nursery)
+
+    def _start(self, spec: ActionSpec, context: ActionContext, nursery: trio.Nursery) -> None:
+        if self._running >= self.options.limits.max_concurrent_actions:
+            raise LimitExceededError(f"{describe(context.action)}: {self._running} actions already running, the limit",
+                                     limit="max_concurrent_actions")
+        self._running += 1
+        nursery.start_soon(self._run_action, spec, context, name=f"evergreen.action.{spec.name}")
+
+    def _accept(self, action: Action, *, private: bool = False) -> tuple[ActionContext, ActionSpec]:
+        where = describe(action)
+        spec = self.actions.get(action.name)
+        if spec is None:
+            offered = ", ".join(sorted(self.actions)) or "none"
+            raise UnknownActionError(f"{where}: unknown action (this {self.side} offers: {offered})")
+        if action.target_spec.id not in self.targets:
+            raise UnknownTargetError(f"{where}: unknown target {action.target_spec.id!r}")
+        inputs: dict[str, InputStream] = {}
+        for param in action.inputs:
+            if param.name not in spec.inputs:
+                raise ProtocolViolationError(f"{where}: unknown input {param.name!r} (accepts {sorted(spec.inputs)})")
+            if not param.id:
+                raise ProtocolViolationError(f"{where}: input {param.name!r} names no node")
+            if param.name in inputs:
+                raise ProtocolViolationError(f"{where}: input {param.name!r} given twice (each name once per action)")
+            inputs[param.name] = self.input(param.id)
+        outputs: dict[str, OutputNode] = {}
+        for param in action.outputs:
+            if param.name not in spec.outputs:
+                raise ProtocolViolationError(f"{where}: unknown output {param.name!r} (offers {sorted(spec.outputs)})")
+            if param.name in outputs:
+                raise ProtocolViolationError(f"{where}: output {param.name!r} given twice (each name once per action)")
+            self.graph.reserve_output(param.id, where, local=True)
+            outputs[param.name] = self.output(param.id, private=private)
+        return ActionContext(action.name, action, self, inputs, outputs, self.principal), spec
+
+    async def _run_action(self, spec: ActionSpec, context: ActionContext) -> None:
+        started = time.perf_counter()
+        code = StatusCode.CANCELLED  # unless it ends otherwise: cancelled with its session
+        try:
+            await spec.handler(context)
+            for output in context.outputs.values():
+                await output.close()
+            code = StatusCode.OK
+        except SessionError as error:
+            code = error.code
+            raise
+        except Exception as exc:
+            code = StatusCode.INTERNAL
+            raise ActionFailedError(
+                self._failure_text(f"{describe(context.action)} failed", exc, event="action.failed")) from exc
+        finally:
+            self._running -= 1
+            if self._running == 0 and self._idle is not None:
+                self._idle.set()
+            if self.options.metrics is not None:
+                self.options.metrics.action_finished(spec.name, code, time.perf_counter() - started)
 
 
 # ----------------------------------------------------------------------------------------
 # Reading
 
 
+class _Walk:
+    """One read of a node's flattened content from its start: the cursor and the chunk being read."""
+
+    def __init__(self, session: Session, node_id: str) -> None:
+        self._session = session
+        self._cursor = FlattenCursor(session.graph, node_id)
+        self.current: ChunkReader | None = None
+
+    async def next(self) -> LeafStart | LeafBytes | LeafEnd | None:
+        while True:
+            event = self._cursor.next()
+            if not isinstance(event, Wait):
+                return event
+            await self._session.wait_for(event.node_id)
+
+    async def leaf_parts(self, reader: ChunkReader) -> AsyncIterator[bytes | ExternalRef]:
+        while not reader.done and reader is self.current:
+            event = await self.next()
+            if not isinstance(event, LeafBytes):
+                reader.done, self.current = True, None
+                return
+            part = event.part
+            if part.ref is None:
+                if part.data:
+                    yield part.data
+            else:
+                yield ExternalRef(part.ref, self._session.options.resolvers[part.ref.partition(":")[0].lower()])
+
+    async def leaf_bytes(self, reader: ChunkReader) -> AsyncIterator[bytes]:
+        async for part in self.leaf_parts(reader):
+            if isinstance(part, ExternalRef):
+                async for block in part.resolver.open(part.uri):
+                    yield block
+            else:
+                yield part
+
+
+class UnknownNodeError(SessionError):
+    """A ``NodeRef`` given as an input names no node of this session (NOT_FOUND); raised before anything is sent."""
+
+    code = StatusCode.NOT_FOUND
+
+
+def describe_kind(value: object) -> str:
+    """A value's type as an error message names it (``int``, ``evergreen_trio.nodes.Leaf``)."""
+    return f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+
+
 class ChunkReader:
     """One flattened chunk (one leaf): its metadata, and its bytes as they arrive."""
 
-    def __init__(self, stream: InputStream, node_id: str, metadata: ChunkMetadata) -> None:
-        self._stream = stream
+    def __init__(self, walk: _Walk, node_id: str, metadata: ChunkMetadata) -> None:
+        self._walk = walk
         self.node_id = node_id
         self.metadata = metadata
         self.done = False
@@ -212,11 +561,11 @@ class ChunkReader:
         return self.metadata.mimetype
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._stream._leaf_bytes(self)
+        return self._walk.leaf_bytes(self)
 
     def parts(self) -> AsyncIterator[bytes | ExternalRef]:
         """The chunk's inline bytes and its refs (with the resolver of each) as they arrive, unresolved."""
-        return self._stream._leaf_parts(self)
+        return self._walk.leaf_parts(self)
 
     async def read(self) -> bytes:
         """The whole chunk, refs resolved. Raises what its resolver raises (RefRejectedError)
@@ -226,56 +575,30 @@ class ChunkReader:
 
 
 class InputStream:
-    """A node's flattened content: chunks in depth-first order, each streamed as it arrives."""
+    """A node's flattened content: chunks in depth-first order, each streamed as it arrives.
+
+    Each iteration (and each ``read_*``) reads the node from its start: nodes live for the session.
+    """
 
     def __init__(self, session: Session, node_id: str) -> None:
         self._session = session
         self.node_id = node_id
-        self._cursor = FlattenCursor(session.graph, node_id)
-        self._current: ChunkReader | None = None
-
-    async def _next(self) -> LeafStart | LeafBytes | LeafEnd | None:
-        while True:
-            event = self._cursor.next()
-            if not isinstance(event, Wait):
-                return event
-            await self._session.wait_for(event.node_id)
-
-    async def _leaf_parts(self, reader: ChunkReader) -> AsyncIterator[bytes | ExternalRef]:
-        while not reader.done and reader is self._current:
-            event = await self._next()
-            if not isinstance(event, LeafBytes):
-                reader.done, self._current = True, None
-                return
-            part = event.part
-            if part.ref is None:
-                if part.data:
-                    yield part.data
-            else:
-                yield ExternalRef(part.ref, self._session.options.resolvers[part.ref.partition(":")[0].lower()])
-
-    async def _leaf_bytes(self, reader: ChunkReader) -> AsyncIterator[bytes]:
-        async for part in self._leaf_parts(reader):
-            if isinstance(part, ExternalRef):
-                async for block in part.resolver.open(part.uri):
-                    yield block
-            else:
-                yield part
 
     def __aiter__(self) -> AsyncIterator[ChunkReader]:
         return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[ChunkReader]:
+        walk = _Walk(self._session, self.node_id)
         while True:
-            if self._current is not None:
-                async for _ in self._current:
+            if walk.current is not None:
+                async for _ in walk.current:
                     pass
-            event = await self._next()
+            event = await walk.next()
             if event is None:
                 return
             if isinstance(event, LeafStart):
-                self._current = ChunkReader(self, event.node_id, event.metadata)
-                yield self._current
+                walk.current = ChunkReader(walk, event.node_id, event.metadata)
+                yield walk.current
 
     async def read_chunks(self) -> list[tuple[ChunkMetadata, bytes]]:
         """Every chunk with its bytes, in flattening order."""
@@ -286,13 +609,25 @@ class InputStream:
         return b"".join([data for _, data in await self.read_chunks()])
 
     async def read_text(self, *, mimetype_prefix: str = "text/") -> str:
-        """The UTF-8 text of the chunks whose mimetype starts with ``mimetype_prefix``."""
+        """The UTF-8 text of every chunk, which must all have a mimetype starting with ``mimetype_prefix``
+        (``""``: any); :class:`~evergreen_trio.dag.NotTextError` names the first chunk that does not."""
         parts = []
         async for chunk in self:
-            data = await chunk.read()
-            if chunk.mimetype.startswith(mimetype_prefix):
-                parts.append(data.decode("utf-8", errors="replace"))
+            if not chunk.mimetype.startswith(mimetype_prefix):
+                raise NotTextError(
+                    f"node {self.node_id!r}: chunk {chunk.node_id!r} has mimetype {chunk.mimetype!r}, "
+                    f"not {mimetype_prefix}*", mimetype=chunk.mimetype)
+            parts.append((await chunk.read()).decode("utf-8", errors="replace"))
         return "".join(parts)
+
+
+class Output(InputStream):
+    """An action's output as this side sees it: a stream to read and a node to reuse by reference."""
+
+    @property
+    def ref(self) -> NodeRef:
+        """A reference to this output node, to pass as another action's input."""
+        return NodeRef(self.node_id)
 
 
 # ----------------------------------------------------------------------------------------
@@ -302,20 +637,27 @@ class InputStream:
 class OutputNode:
     """A node this side produces: a leaf written in pieces, or an inner node whose children are added.
 
-    An output the peer did not name is not produced: writes to it are dropped.
+    An output the peer did not name is not produced: writes to it are dropped. A ``private`` one
+    (an output of ``ctx.call``) stays on this side.
     """
 
-    def __init__(self, session: Session, node_id: str, *, requested: bool = True) -> None:
+    def __init__(self, session: Session, node_id: str, *, requested: bool = True, private: bool = False) -> None:
         self._session = session
         self.id = node_id
         self.requested = requested
+        self.private = private
+        if private:
+            session._private.add(node_id)
         self._builder = FragmentBuilder(node_id, fragment_bytes=session.options.fragment_bytes)
         self._children = 0
 
     def _metadata(self, mimetype: str | None, metadata: ChunkMetadata | None) -> ChunkMetadata | None:
-        if metadata is None and mimetype is not None:
-            metadata = ChunkMetadata(mimetype=mimetype, role=self._session.default_role)
+        if metadata is None and not self._builder.started:  # only seq 0 carries metadata
+            metadata = ChunkMetadata(mimetype=mimetype or OCTET_STREAM, role=self._session.default_role)
         return metadata
+
+    async def _emit(self, fragments: Iterable[NodeFragment]) -> None:
+        await self._session.emit(fragments, private=self.private)
 
     async def write(
         self,
@@ -325,21 +667,22 @@ class OutputNode:
         metadata: ChunkMetadata | None = None,
         last: bool = False,
     ) -> None:
-        """Append bytes (str is UTF-8 encoded, default mimetype text/plain) to this leaf."""
+        """Append bytes to this leaf: str is UTF-8 encoded (default mimetype text/plain), bytes default
+        to application/octet-stream. The first write's mimetype or metadata is the chunk's."""
         if isinstance(data, str):
             data, mimetype = data.encode(), mimetype or "text/plain"
         if self.requested:
-            await self._session.emit(self._builder.data(data, self._metadata(mimetype, metadata), last=last))
+            await self._emit(self._builder.data(data, self._metadata(mimetype, metadata), last=last))
 
     async def write_ref(self, uri: str, *, mimetype: str | None = None, last: bool = False) -> None:
         """Append a chunk that names ``uri`` instead of carrying bytes (the reader's resolver fetches it)."""
         if self.requested:
-            await self._session.emit([self._builder.ref(uri, self._metadata(mimetype, None), last=last)])
+            await self._emit([self._builder.ref(uri, self._metadata(mimetype, None), last=last)])
 
     async def add_children(self, child_ids: Sequence[str], *, last: bool = False) -> None:
         """Name existing (or future) nodes as the next children of this inner node."""
         if self.requested:
-            await self._session.emit([self._builder.children(child_ids, last=last)])
+            await self._emit([self._builder.children(child_ids, last=last)])
 
     async def child(self) -> OutputNode:
         """A new leaf or inner node appended as this node's next child."""
@@ -353,15 +696,16 @@ class OutputNode:
             # Claimed before it is named: a reader of this node that reaches the child before its
             # first fragment must know it is produced here, not awaited from the peer.
             graph.reserve_output(child_id, f"output {self.id!r}", local=True)
+        child = OutputNode(self._session, child_id, requested=self.requested, private=self.private)
         await self.add_children([child_id])
-        return OutputNode(self._session, child_id, requested=self.requested)
+        return child
 
     async def close(self) -> None:
         """Send the final fragment unless one was already sent."""
         if self.requested:
             fragment = self._builder.close()
             if fragment is not None:
-                await self._session.emit([fragment])
+                await self._emit([fragment])
 
     async def __aenter__(self) -> OutputNode:
         return self
@@ -377,7 +721,8 @@ class OutputNode:
 
 @dataclass
 class ActionContext:
-    """What an action handler gets: its inputs as streams, its outputs as writers."""
+    """What an action handler gets: its inputs as streams, its outputs as writers, and the session
+    (``ctx.session.run(...)`` asks the peer to run an action, e.g. a tool call to the client)."""
 
     name: str
     action: Action
@@ -401,6 +746,23 @@ class ActionContext:
                 return self.outputs[name]
         return self.session.output(f"<unrequested {names[0]}>", requested=False)
 
+    async def call(
+        self,
+        name: str,
+        inputs: Mapping[str, NodeLike | Output],
+        outputs: Sequence[str] | Mapping[str, str],
+        *,
+        configs: Iterable[AnyProto] = (),
+        target: str = "",
+    ) -> Call:
+        """Run action ``name`` of this side in-process, with no connection: same arguments and result
+        as :meth:`Session.run` (new nodes, or ``NodeRef(ctx.input("input").node_id)`` of nodes in the
+        session). It runs as a task of the session, with this action's principal; if it fails, the
+        session aborts with its status, cancelling this action. Its input and output nodes stay on
+        this side (not sent to the peer).
+        """
+        return await self.session._call(self, name, inputs, outputs, configs, target)
+
 
 Handler = Callable[[ActionContext], Awaitable[None]]
 
@@ -415,6 +777,30 @@ class ActionSpec:
     outputs: frozenset[str]
 
 
+class ActionRegistry:
+    """Handlers by action name, registered with ``add_action`` or the ``action`` decorator
+    (:class:`~evergreen_trio.Server` and :class:`~evergreen_trio.ClientSession` both are one)."""
+
+    actions: dict[str, ActionSpec]
+
+    def add_action(self, name: str, handler: Handler, *, inputs: Iterable[str], outputs: Iterable[str]) -> None:
+        """Register ``handler`` as action ``name`` with its parameter names; ValueError if ``name`` is taken."""
+        if name in self.actions:
+            raise ValueError(f"action {name!r} is already registered")
+        self.actions[name] = ActionSpec(name, handler, frozenset(inputs), frozenset(outputs))
+
+    def action(
+        self, name: str, *, inputs: Iterable[str] = (), outputs: Iterable[str] = ()
+    ) -> Callable[[Handler], Handler]:
+        """Register the decorated coroutine function as action ``name``."""
+
+        def register(handler: Handler) -> Handler:
+            self.add_action(name, handler, inputs=inputs, outputs=outputs)
+            return handler
+
+        return register
+
+
 def describe(action: Action) -> str:
     outputs = ", ".join(f"{p.name}={p.id}" for p in action.outputs)
     return f"action {action.name}" + (f" (outputs {outputs})" if outputs else "")
@@ -427,115 +813,33 @@ class ServerSession(Session):
         self,
         stream: MessageStream[Outbound],
         options: SessionOptions,
-        actions: Mapping[str, ActionSpec],
+        actions: dict[str, ActionSpec],
         targets: frozenset[str],
         *,
         principal: str | None = None,
     ) -> None:
         super().__init__(stream, options)
         self.principal = principal
-        self._actions = actions
-        self._targets = targets
-        self._running = 0
-        self._nursery: trio.Nursery | None = None
+        self.actions = actions
+        self.targets = targets
 
-    @property
-    def running_actions(self) -> int:
-        return self._running
-
-    async def run(self) -> None:
+    async def run_session(self) -> None:
         """Serve the session to its end and send the final status (OK, or why it aborted)."""
         status, message = StatusCode.OK, None
         try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                await self.receive_loop(self._start_actions)
-        except BaseException as exc:  # the nursery's group, or cancellation from a shutting-down server
-            error = _session_error(exc)
-            if error is None:
-                self.stream.finish(StatusCode.UNAVAILABLE, "the server is shutting down")
-                self._record_abort("shutdown")
-                raise
+            await self.serve()
+        except SessionError as error:
             status, message = error.code, error.message
             log.info("session.abort peer=%s code=%s reason=%s", self.stream.peer, status.name, message)
             self._record_abort(abort_reason(error))
             if isinstance(error, LimitExceededError) and self.options.metrics is not None:
                 self.options.metrics.limit_hit(error.limit)
-        finally:
-            self._nursery = None
-            self.barrier.notify_all()
+        except BaseException:  # cancellation from a shutting-down server
+            self.stream.finish(StatusCode.UNAVAILABLE, "the server is shutting down")
+            self._record_abort("shutdown")
+            raise
         self.stream.finish(status, message)
 
     def _record_abort(self, reason: str) -> None:
         if self.options.metrics is not None:
             self.options.metrics.aborted(reason)
-
-    def _start_actions(self, actions: Sequence[Action]) -> None:
-        assert self._nursery is not None
-        for action in actions:
-            context, spec = self._accept(action)
-            if self._running >= self.options.limits.max_concurrent_actions:
-                raise LimitExceededError(f"{describe(action)}: {self._running} actions already running, the limit",
-                                    limit="max_concurrent_actions")
-            self._running += 1
-            self._nursery.start_soon(self._run_action, spec, context, name=f"evergreen.action.{action.name}")
-
-    def _accept(self, action: Action) -> tuple[ActionContext, ActionSpec]:
-        where = describe(action)
-        spec = self._actions.get(action.name)
-        if spec is None:
-            offered = ", ".join(sorted(self._actions)) or "none"
-            raise UnknownActionError(f"{where}: unknown action (this server offers: {offered})")
-        if action.target_spec.id not in self._targets:
-            raise UnknownTargetError(f"{where}: unknown target {action.target_spec.id!r}")
-        inputs: dict[str, InputStream] = {}
-        for param in action.inputs:
-            if param.name not in spec.inputs:
-                raise ProtocolViolationError(f"{where}: unknown input {param.name!r} (accepts {sorted(spec.inputs)})")
-            if not param.id:
-                raise ProtocolViolationError(f"{where}: input {param.name!r} names no node")
-            if param.name in inputs:
-                raise ProtocolViolationError(f"{where}: input {param.name!r} given twice (each name once per action)")
-            inputs[param.name] = self.input(param.id)
-        outputs: dict[str, OutputNode] = {}
-        for param in action.outputs:
-            if param.name not in spec.outputs:
-                raise ProtocolViolationError(f"{where}: unknown output {param.name!r} (offers {sorted(spec.outputs)})")
-            if param.name in outputs:
-                raise ProtocolViolationError(f"{where}: output {param.name!r} given twice (each name once per action)")
-            self.graph.reserve_output(param.id, where, local=True)
-            outputs[param.name] = self.output(param.id)
-        return ActionContext(action.name, action, self, inputs, outputs, self.principal), spec
-
-    async def _run_action(self, spec: ActionSpec, context: ActionContext) -> None:
-        started = time.perf_counter()
-        code = StatusCode.CANCELLED  # unless it ends otherwise: cancelled with its session
-        try:
-            await spec.handler(context)
-            for output in context.outputs.values():
-                await output.close()
-            code = StatusCode.OK
-        except SessionError as error:
-            code = error.code
-            raise
-        except Exception as exc:
-            code = StatusCode.INTERNAL
-            log.exception("action.failed name=%s", spec.name)
-            raise ActionFailedError(f"{describe(context.action)} failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            self._running -= 1
-            if self.options.metrics is not None:
-                self.options.metrics.action_finished(spec.name, code, time.perf_counter() - started)
-
-
-def _session_error(exc: BaseException) -> SessionError | None:
-    """The error that explains a session's end, out of a (nested) exception group."""
-    for leaf in leaf_exceptions(exc):
-        if isinstance(leaf, SessionError):
-            return leaf
-        if isinstance(leaf, RpcAbortError):
-            return SessionAbortedError(leaf.message, code=StatusCode(leaf.status.value))
-    for leaf in leaf_exceptions(exc):
-        if isinstance(leaf, Exception):
-            return SessionError(f"internal error: {type(leaf).__name__}: {leaf}", code=StatusCode.INTERNAL)
-    return None

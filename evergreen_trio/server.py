@@ -6,7 +6,7 @@ import inspect
 import logging
 import random
 import ssl
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from functools import partial
 
 import trio
@@ -14,6 +14,7 @@ import trio
 from evergreen_trio._grpc.bridge import MessageStream, SessionAcceptor, serve_grpclib
 from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.limits import TransportLimits
+from evergreen_trio._grpc.reflection import with_reflection
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import SERVICE, START_SESSION
 from evergreen_trio.auth import Authorizer, Peer
@@ -21,8 +22,8 @@ from evergreen_trio.dag import SessionError, SessionLimits, StatusCode
 from evergreen_trio.metrics import SessionMetrics
 from evergreen_trio.nursery_session import (
     PACK_BYTES,
+    ActionRegistry,
     ActionSpec,
-    Handler,
     Outbound,
     ServerSession,
     SessionOptions,
@@ -39,7 +40,7 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 """How long a stopping server waits for open sessions to receive their UNAVAILABLE status."""
 
 
-class Server:
+class Server(ActionRegistry):
     """Serves ``EvergreenService.StartSession``.
 
     >>> server = Server()
@@ -60,6 +61,10 @@ class Server:
     - ``max_message_bytes``: an inbound gRPC message claiming more is refused on its 5-byte
       prefix with RESOURCE_EXHAUSTED (default: ``limits.max_fragment_bytes`` plus the 1 MiB a
       peer packs fragments into, plus 64 KiB).
+    - ``error_details``: send a failed handler's exception text to the client. By default the
+      client gets the status and ``(error id ...)``, an id the server's log line also has.
+    - ``reflection``: answer gRPC server reflection (v1 and v1alpha) on the port, so grpcurl and
+      similar tools list and describe ``evergreen.v2.EvergreenService`` and ``grpc.health.v1.Health``.
     """
 
     def __init__(
@@ -76,11 +81,14 @@ class Server:
         first_message_timeout: float = 30.0,
         idle_timeout: float | None = 300.0,
         max_message_bytes: int | None = None,
+        error_details: bool = False,
+        reflection: bool = True,
     ) -> None:
         limits = limits or SessionLimits()
         self.metrics = SessionMetrics()
         self.options = SessionOptions(
-            limits=limits, resolvers=resolver_map(resolvers), fragment_bytes=fragment_bytes, metrics=self.metrics
+            limits=limits, resolvers=resolver_map(resolvers), fragment_bytes=fragment_bytes, metrics=self.metrics,
+            error_details=error_details,
         )
         self.targets = frozenset(targets)
         self.tls = tls
@@ -95,27 +103,11 @@ class Server:
             idle_timeout=idle_timeout,
         )
         self.actions: dict[str, ActionSpec] = {}
+        self.reflection = reflection
         self.health = ServerHealth(("", SERVICE))
         self._open: set[MessageStream[Outbound]] = set()
         self._draining = False
         self._session_closed: trio.Event | None = None
-
-    def add_action(self, name: str, handler: Handler, *, inputs: Iterable[str], outputs: Iterable[str]) -> None:
-        """Register ``handler`` as action ``name`` with its parameter names; ValueError if ``name`` is taken."""
-        if name in self.actions:
-            raise ValueError(f"action {name!r} is already registered")
-        self.actions[name] = ActionSpec(name, handler, frozenset(inputs), frozenset(outputs))
-
-    def action(
-        self, name: str, *, inputs: Iterable[str] = (), outputs: Iterable[str] = ()
-    ) -> Callable[[Handler], Handler]:
-        """Register the decorated coroutine function as action ``name``."""
-
-        def register(handler: Handler) -> Handler:
-            self.add_action(name, handler, inputs=inputs, outputs=outputs)
-            return handler
-
-        return register
 
     @property
     def open_sessions(self) -> int:
@@ -151,7 +143,10 @@ class Server:
         )
         try:
             async with trio.open_nursery() as nursery:
-                bound = await nursery.start(grpc, [acceptor, self.health.servable], host, port)
+                servables = [acceptor, self.health.servable]
+                if self.reflection:
+                    servables = with_reflection(servables)
+                bound = await nursery.start(grpc, servables, host, port)
                 nursery.start_soon(self._accept, acceptor)
                 self.health.set(ready=not self._draining, live=True)
                 task_status.started(bound)
@@ -203,7 +198,7 @@ class Server:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._expire, stream, session, scope)
                     if await self._authorized(stream, session):
-                        await session.run()
+                        await session.run_session()
                     nursery.cancel_scope.cancel()
         finally:
             self.metrics.session_ended(stream.final.status.name if stream.final else StatusCode.UNAVAILABLE.name)

@@ -1,9 +1,11 @@
-"""`evergreen-trio serve`: an Evergreen server with the built-in actions.
+"""`evergreen-trio serve`: an Evergreen server with the built-in actions, or your own (``--app``).
 
-GENERATE is the toy generator, or with ``--generate-backend URL --model NAME`` any
-OpenAI-compatible endpoint (see docs/generate.md). SIGTERM/SIGINT drain it (``--drain-grace``);
-``--workers N`` runs N of it on one port under a supervisor; ``--metrics-port`` exports
-Prometheus metrics (docs/production.md).
+``--app MODULE:FACTORY`` serves the :class:`Server` FACTORY gives (its actions, limits, resolvers
+and targets) with every serve option applied: TLS, tokens, the server limits, metrics, health,
+drain, workers (each worker imports it). GENERATE is the toy generator, or with
+``--generate-backend URL --model NAME`` any OpenAI-compatible endpoint (see docs/generate.md).
+SIGTERM/SIGINT drain it (``--drain-grace``); ``--workers N`` runs N of it on one port under a
+supervisor; ``--metrics-port`` exports Prometheus metrics (docs/production.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import trio
 from evergreen_trio import tls
 from evergreen_trio._cli import StartError, port, positive_int, seconds, serve_until_signal
 from evergreen_trio.actions import generate, register_builtin_actions
+from evergreen_trio.app_import import load_app
 from evergreen_trio.auth import TokenFileAuthorizer
 from evergreen_trio.errors import ConfigurationError
 from evergreen_trio.generate import APIS, BackendConfigError, BackendSettings
@@ -104,7 +107,10 @@ def add_operations_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    serve = subparsers.add_parser("serve", help="serve Evergreen sessions (ECHO, GENERATE)")
+    serve = subparsers.add_parser("serve", help="serve Evergreen sessions (ECHO, GENERATE, or your --app)")
+    serve.add_argument("--app", metavar="MODULE:FACTORY", default=None,
+                       help="serve your Server: FACTORY is a Server, or a callable returning one, in MODULE "
+                            "(imported from the current directory, in every worker); default: ECHO and GENERATE")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     serve.add_argument("--port", type=port, default=50051, help="port to bind, 0 for any (default: %(default)s)")
     serve.add_argument(
@@ -137,6 +143,9 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--idle-timeout", type=seconds, default=300.0, metavar="S",
                        help="a session silent both ways with no action running, or a connection with "
                             "no session, is ended after S seconds; 0: never (default: %(default)s)")
+    group.add_argument("--send-error-details", action="store_true",
+                       help="send a failed handler's exception text to the client (default: the status and "
+                            "an error id, which the server's log line also has)")
 
 
 def security_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -175,20 +184,50 @@ class ServeConfigError(ConfigurationError):
     """A serve option that cannot work (names the option)."""
 
 
+def server_from_args(args: argparse.Namespace, security: dict[str, Any]) -> Server:
+    """The Server to serve: ours (actions registered later), or ``--app``'s rebuilt with the options.
+
+    The app keeps its actions, limits, ref resolvers, targets and reflection setting, and its TLS
+    context and ``authorize`` unless an option replaces them; the server limits are the options' (whose
+    defaults are Server's own). Raises AppImportError or ServeConfigError (exit 2).
+    """
+    resolvers = [FileResolver(args.allow_file_root)] if args.allow_file_root else []
+    details = args.send_error_details
+    if args.app is None:
+        return Server(resolvers=resolvers, error_details=details, **security)
+    if args.generate_backend is not None:
+        raise ServeConfigError("--generate-backend configures the built-in GENERATE; an --app serves its own actions")
+    app = load_app(args.app)
+    if resolvers and "file" in app.options.resolvers:
+        raise ServeConfigError(f"--allow-file-root: the app {args.app} already resolves file:// refs")
+    for option in ("tls", "authorize"):
+        if option not in security and getattr(app, option) is not None:
+            security[option] = getattr(app, option)
+    server = Server(
+        limits=app.options.limits, resolvers=[*app.options.resolvers.values(), *resolvers], targets=app.targets,
+        fragment_bytes=app.options.fragment_bytes, error_details=details or app.options.error_details,
+        reflection=app.reflection, **security,
+    )
+    server.actions.update(app.actions)
+    return server
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM (which drain first); bad options raise BackendConfigError or
     ServeConfigError (exit 2)."""
     backend = backend_from_args(args)
     security = security_from_args(args)
-    scheme = " TLS" if "tls" in security else ""
+    server = server_from_args(args, security)
+    scheme = " TLS" if server.tls is not None else ""
     target = f" (GENERATE -> {backend.endpoint} model {backend.model})" if backend else ""
+    if args.app is not None:
+        target = f" (app {args.app}: {', '.join(sorted(server.actions)) or 'no actions'})"
 
     def serving(port: int) -> str:
         return f"evergreen-trio serving{scheme} on {args.host}:{port}{target}"
 
     if args.workers > 1 and args.supervised_by is None:
         return run_workers(args, serving)
-    server = Server(resolvers=[FileResolver(args.allow_file_root)] if args.allow_file_root else (), **security)
     supervised = args.supervised_by is not None
 
     def announce(ports: tuple[int, int | None]) -> None:
@@ -201,7 +240,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 from evergreen_trio.generate import open_backend  # httpx: the `generate` extra
 
                 handler = (await stack.enter_async_context(open_backend(backend))).generate
-            register_builtin_actions(server, generate_handler=handler)
+            if args.app is None:
+                register_builtin_actions(server, generate_handler=handler)
             async with trio.open_nursery() as nursery:
                 if supervised:
                     nursery.start_soon(signal_self_when_gone, args.supervised_by)

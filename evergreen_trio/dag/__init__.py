@@ -3,6 +3,7 @@
 from evergreen_trio.dag.errors import (
     ActionFailedError,
     LimitExceededError,
+    NotTextError,
     ProtocolViolationError,
     RefRejectedError,
     SessionAbortedError,
@@ -28,6 +29,7 @@ __all__ = [
     "LimitExceededError",
     "Node",
     "NodeKind",
+    "NotTextError",
     "ProtocolViolationError",
     "RefRejectedError",
     "SessionAbortedError",

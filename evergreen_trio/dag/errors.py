@@ -92,3 +92,13 @@ class SessionAbortedError(SessionError):
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
+
+
+class NotTextError(SessionError):
+    """``read_text()`` met a chunk whose mimetype is not text; ``mimetype`` is the chunk's."""
+
+    code = StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str, *, mimetype: str, code: StatusCode | None = None) -> None:
+        super().__init__(message, code=code)
+        self.mimetype = mimetype

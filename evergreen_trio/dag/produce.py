@@ -23,6 +23,11 @@ class FragmentBuilder:
         self._leaf: bool | None = None
         self.closed = False
 
+    @property
+    def started(self) -> bool:
+        """A fragment was built already (so the metadata, which goes on seq 0, is settled)."""
+        return self._seq > 0
+
     def _next(self, last: bool) -> NodeFragment:
         if self.closed:
             raise ProtocolViolationError(f"node {self.node_id!r}: written after its final fragment")

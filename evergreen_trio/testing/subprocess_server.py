@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,13 +63,32 @@ def spawn_server(
     args = [sys.executable, "-m", "evergreen_trio.testing.subprocess_server"]
     if limits is not None:
         args.append(json.dumps(asdict(limits)))
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline().strip()
+    with _child(args, start_timeout) as (process, line):
         if not line.startswith("port="):
             raise ServerProcessError(f"the server process printed {line!r} instead of its port")
         yield ServerProcess(process, f"127.0.0.1:{int(line.removeprefix('port='))}")
+
+
+@contextmanager
+def spawn_app(spec: str, *args: str, start_timeout: float = 60.0) -> Iterator[ServerProcess]:
+    """``evergreen-trio serve --app SPEC --port 0 ARGS...`` in a child process (your Server, see
+    :func:`evergreen_trio.app_import.load_app`); at exit interrupt it (SIGINT) and wait."""
+    command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--app", spec, "--port", "0", *args]
+    with _child(command, start_timeout) as (process, line):
+        found = re.search(r" on (\S+)", line)
+        if not line.startswith("evergreen-trio serving") or found is None:
+            raise ServerProcessError(f"serve --app {spec} printed {line!r} instead of its address")
+        yield ServerProcess(process, found.group(1))
+
+
+@contextmanager
+def _child(command: list[str], start_timeout: float) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Start ``command`` and yield it with its first line; at exit SIGINT it and wait (then kill)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert process.stdout is not None
+        yield process, process.stdout.readline().strip()
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)

@@ -1,0 +1,1 @@
+"""Runnable examples (docs/agents.md): ``python -m examples.agent_server`` and friends."""
