@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio.avp.errors import AVPFormatError, AVPHandshakeError
 from evergreen_trio.avp.handshake import MAX_HELLO_BYTES, HelloMessage, hello_from_json, hello_to_json, resolve_mode
 from evergreen_trio.avp.message import DEFAULT_LIMITS, AVPLimits, AVPMessage
@@ -80,7 +81,7 @@ def register_avp_actions(server: Server, hello: HelloMessage) -> None:
         remote = await _read_hello(ctx.input("hello"))
         if hello.identity is not None and remote.identity is not None:
             resolution = resolve_mode(hello.identity, remote.identity)
-            log.info("avp.handshake remote_agent=%s mode=%s", remote.agent_id, resolution.mode.name)
+            log.info("avp.handshake remote_agent=%s mode=%s", peer_text(remote.agent_id), resolution.mode.name)
         await ctx.output("hello").write(hello_to_json(hello), mimetype=JSON_MIMETYPE, last=True)
 
     server.add_action(AVP_HANDSHAKE, handshake, inputs=["hello"], outputs=["hello"])
