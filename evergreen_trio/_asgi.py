@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
@@ -104,6 +105,13 @@ class HttpServerLimits:
         check_limits(self)
 
 
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
+
+
 class _Connection:
     """One HTTP/1.1 connection: requests one after another, each handed to the app."""
 
@@ -127,9 +135,21 @@ class _Connection:
                 return
             if not await self._handle(request):
                 return
+            self._drain_buffered()
             if self.conn.our_state is not h11.DONE or self.conn.their_state is not h11.DONE:
                 return
             self.conn.start_next_cycle()
+
+    def _drain_buffered(self) -> None:
+        """Consume the rest of a request the app did not read, as far as it is already buffered
+        (an empty body's end, typically); a body still on the wire closes the connection instead."""
+        try:
+            while self.conn.their_state is h11.SEND_BODY:
+                event = self.conn.next_event()
+                if event is h11.NEED_DATA or event is h11.PAUSED:
+                    return
+        except h11.RemoteProtocolError:
+            return
 
     async def _read_head(self) -> h11.Request | None:
         """The next request's head; None when the peer closed or sent garbage (answered 4xx)."""
@@ -156,7 +176,7 @@ class _Connection:
         log.info("http.refused peer=%s status=%d reason=%s", self.client[0], status, peer_text(reason))
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             body = f"{reason}\n".encode()
-            await self._write(h11.Response(status_code=status, headers=[
+            await self._write(h11.Response(status_code=status, reason=_reason(status), headers=[
                 ("content-type", "text/plain"), ("content-length", str(len(body))), ("connection", "close")]))
             await self._write(h11.Data(data=body))
             await self._write(h11.EndOfMessage())
@@ -175,6 +195,9 @@ class _Connection:
 
     async def _handle(self, request: h11.Request) -> bool:
         """Run the app for ``request``; False when the connection must close."""
+        if request.http_version not in (b"1.0", b"1.1"):  # e.g. the h2c preface, "PRI * HTTP/2.0"
+            await self._refuse(505, "this server speaks HTTP/1.1 only (no cleartext HTTP/2)")
+            return False
         target = request.target
         raw_path, _, query = target.partition(b"?")
         try:
@@ -248,7 +271,9 @@ class _Connection:
         if self.gone:
             raise ClientGoneError("the client closed the connection")
         if message["type"] == "http.response.start":
-            self.response = h11.Response(status_code=message["status"], headers=list(message.get("headers", ())))
+            status = message["status"]
+            self.response = h11.Response(status_code=status, reason=_reason(status),
+                                         headers=list(message.get("headers", ())))
             return
         if message["type"] != "http.response.body" or self.response is None or self.response_done:
             raise RuntimeError(f"unexpected ASGI message {message['type']!r} in this state")
@@ -257,7 +282,7 @@ class _Connection:
         if self.conn.our_state is h11.SEND_RESPONSE:
             response = self.response
             if not more and not any(name.lower() == b"content-length" for name, _ in response.headers):
-                response = h11.Response(status_code=response.status_code,
+                response = h11.Response(status_code=response.status_code, reason=response.reason,
                                         headers=[*response.headers, (b"content-length", str(len(body)).encode())])
             await self._write(response)
         if body:
@@ -265,6 +290,23 @@ class _Connection:
         if not more:
             await self._write(h11.EndOfMessage())
             self.response_done = True
+
+
+LINGER_S = 1.0
+"""After its last response, a connection's unread input is read and dropped for up to this long
+(and 1 MiB), so that closing does not reset the connection before the client has read the answer."""
+
+
+async def _linger_close(stream: trio.SocketStream) -> None:
+    with trio.move_on_after(LINGER_S):
+        try:
+            await stream.send_eof()
+            dropped = 0
+            while dropped < 1 << 20 and (data := await stream.receive_some(65536)):
+                dropped += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+    await stream.aclose()
 
 
 async def serve_asgi(
@@ -314,8 +356,8 @@ async def serve_asgi(
             per_peer[peer] -= 1
             if not per_peer[peer]:
                 del per_peer[peer]
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                await stream.aclose()
+            with trio.CancelScope(shield=True):
+                await _linger_close(stream)
 
     async with trio.open_nursery() as nursery:
         task_status.started(bound)

@@ -86,8 +86,8 @@ class AVPServerOptions:
     max_requests_per_peer: int = 64
     """Of those, from one client address; past it, 503 at once."""
     max_inflight_body_bytes: int = 256 * 1024 * 1024
-    """Request bodies held at once, all requests together, with what compressed tensors inflate to
-    (exceeded by at most ``decode_threads`` messages being inflated); past it, 503."""
+    """Request body bytes received and held at once, all requests together, with what compressed
+    tensors inflate to (exceeded by at most ``decode_threads`` messages being inflated); past it, 503."""
     decode_threads: int = 2
     """Worker threads decoding messages that are compressed or larger than ``decode_inline_bytes``."""
     decode_inline_bytes: int = 1024 * 1024
@@ -265,10 +265,10 @@ class AVPApp:
                     raise ClientGoneError
                 budget.take_slot(peer)
                 slot = True
-                budget.charge(held, int(declared) if declared is not None else len(first.get("body", b"")))
                 chunks = [first.get("body", b"")]
                 more = first.get("more_body", False)
                 size = len(chunks[0])
+                budget.charge(held, size)
                 while more:
                     message = await receive()
                     if message["type"] == "http.disconnect":
@@ -277,8 +277,7 @@ class AVPApp:
                     size += len(chunk)
                     if size > limit:
                         raise BodyTooLargeError(limit)
-                    if size > held[0]:
-                        budget.charge(held, size - held[0])
+                    budget.charge(held, len(chunk))
                     chunks.append(chunk)
                     more = message.get("more_body", False)
                 if size > limit:
