@@ -11,6 +11,7 @@ RSS growth. The attack clients are plain functions of the port, shared with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import statistics
@@ -20,13 +21,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import h2.config
+import h2.connection
 import h11
-import hpack
 import trio
-from hyperframe.frame import HeadersFrame, PriorityFrame, SettingsFrame
 
 ROOT = Path(__file__).parent.parent
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 CHILD_OPTIONS = {"body_timeout_s": 2.0, "write_timeout_s": 2.0}
 """The benchmark servers' deadlines: short, so the timeout attacks end within seconds."""
 
@@ -59,27 +59,30 @@ trio.run(main)
 # ------------------------------------------------------------------ clients
 
 
+async def read_until_closed(stream: trio.SocketStream, seconds: float) -> tuple[bytes, bool]:
+    """What the server sends within ``seconds``, and whether it closed the connection by then."""
+    reply = b""
+    with trio.move_on_after(seconds):
+        while True:
+            try:
+                chunk = await stream.receive_some(65536)
+            except trio.BrokenResourceError:
+                chunk = b""
+            if not chunk:
+                return reply, True
+            reply += chunk
+    return reply, False
+
+
 async def exchange(port: int, data: bytes, seconds: float = 5.0) -> tuple[bytes, bool]:
     """Send ``data`` on a new connection; (what came back within ``seconds``, whether the server closed)."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)
-    reply = b""
-    closed = False
     async with stream:
         try:
             await stream.send_all(data)
         except trio.BrokenResourceError:
-            return reply, True
-        with trio.move_on_after(seconds):
-            while True:
-                try:
-                    chunk = await stream.receive_some(65536)
-                except trio.BrokenResourceError:
-                    chunk = b""
-                if not chunk:
-                    closed = True
-                    break
-                reply += chunk
-    return reply, closed
+            return b"", True
+        return await read_until_closed(stream, seconds)
 
 
 def status_line(reply: bytes) -> str:
@@ -159,14 +162,27 @@ LEGIT_BODY = b""  # set on first use (numpy import kept out of module import)
 # ------------------------------------------------------------------ attacks
 
 
+def _h2_client(validate: bool = True) -> h2.connection.H2Connection:
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(
+        client_side=True, validate_outbound_headers=validate, normalize_outbound_headers=validate))
+    conn.initiate_connection()  # the preface and SETTINGS
+    return conn
+
+
 def h2c_headers(path: bytes = b"/\xff\xfe", method: bytes = b"GET") -> bytes:
-    """The h2c preface, SETTINGS and one HEADERS frame (95 bytes with the default path)."""
-    block = hpack.Encoder().encode([(b":method", method), (b":scheme", b"http"), (b":path", path),
-                                    (b":authority", b"x")])
-    frame = HeadersFrame(1, block)
-    frame.flags.add("END_HEADERS")
-    frame.flags.add("END_STREAM")
-    return PREFACE + SettingsFrame(0).serialize() + frame.serialize()
+    """An h2c client's preface, SETTINGS and one HEADERS frame with ``path`` (99 bytes with the default)."""
+    conn = _h2_client(validate=False)
+    conn.send_headers(1, [(b":method", method), (b":scheme", b"http"), (b":path", path), (b":authority", b"x")],
+                      end_stream=True)
+    return conn.data_to_send()
+
+
+def h2c_priorities(count: int = 1001) -> bytes:
+    """An h2c client's preface, SETTINGS and ``count`` PRIORITY frames on idle streams."""
+    conn = _h2_client()
+    for index in range(count):
+        conn.prioritize(2 * index + 1)
+    return conn.data_to_send()
 
 
 async def h2c_bad_path(port: int, scale: float) -> str:
@@ -177,8 +193,7 @@ async def h2c_bad_path(port: int, scale: float) -> str:
 
 async def h2c_priority_flood(port: int, scale: float) -> str:
     """Item 1: the h2c preface, then 1,001 PRIORITY frames on idle streams."""
-    frames = b"".join(PriorityFrame(2 * i + 1, depends_on=0).serialize() for i in range(1001))
-    reply, closed = await exchange(port, PREFACE + SettingsFrame(0).serialize() + frames)
+    reply, closed = await exchange(port, h2c_priorities())
     return f"{status_line(reply)}, {'closed' if closed else 'open'}"
 
 
@@ -204,21 +219,12 @@ async def header_only_requests(port: int, scale: float) -> str:
     for _ in range(count):
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         streams.append(stream)
-        try:
+        with contextlib.suppress(trio.BrokenResourceError):
             await stream.send_all(head)
-        except trio.BrokenResourceError:
-            pass
     answers: dict[str, int] = {}
 
     async def wait(stream: trio.SocketStream) -> None:
-        reply = b""
-        with trio.move_on_after(10):
-            try:
-                while chunk := await stream.receive_some(4096):
-                    reply += chunk
-            except trio.BrokenResourceError:
-                pass
-        key = status_line(reply)
+        key = status_line((await read_until_closed(stream, 10))[0])
         answers[key] = answers.get(key, 0) + 1
 
     async with trio.open_nursery() as nursery:
@@ -235,22 +241,10 @@ async def big_bodies(port: int, scale: float) -> str:
     answers: dict[str, int] = {}
 
     async def one() -> None:
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        async with stream:
-            try:
-                await stream.send_all(b"POST /avp/v2/transmit HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n"
-                                      % (64 << 20) + b"AV" + b"\0" * sent)
-            except trio.BrokenResourceError:
-                pass
-            reply = b""
-            with trio.move_on_after(10):
-                try:
-                    while chunk := await stream.receive_some(4096):
-                        reply += chunk
-                except trio.BrokenResourceError:
-                    pass
-            key = status_line(reply)
-            answers[key] = answers.get(key, 0) + 1
+        head = b"POST /avp/v2/transmit HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % (64 << 20)
+        reply, _ = await exchange(port, head + b"AV" + b"\0" * sent, 10)
+        key = status_line(reply)
+        answers[key] = answers.get(key, 0) + 1
 
     async with trio.open_nursery() as nursery:
         for _ in range(count):
@@ -317,6 +311,8 @@ class HttpAttack:
     servers: tuple[str, ...]
     expected: str
     run: Callable[[int, float], Awaitable[str]]
+    connections: int = 1
+    """Attacking connections at once (the RSS target is per connection)."""
 
 
 ATTACKS = (
@@ -326,10 +322,11 @@ ATTACKS = (
     HttpAttack("1", "non-ASCII method, non-UTF-8 path", ("avp", "sim"), "400 Bad Request; 400 Bad Request",
                non_ascii_request_line),
     HttpAttack("13", "260 header-only transmits", ("avp",), "held, 408 at body_timeout_s; no 503 for others",
-               header_only_requests),
+               header_only_requests, connections=260),
     HttpAttack("14", "16 x 64 MiB bodies, 8 MiB sent", ("avp",), "408 at body_timeout_s (503 past the byte cap)",
-               big_bodies),
-    HttpAttack("14", "2 KB zstd -> 64 MiB, x20", ("avp",), "200, inflated off the event loop", zstd_bombs),
+               big_bodies, connections=16),
+    HttpAttack("14", "2 KB zstd -> 64 MiB, x20", ("avp",), "200, inflated off the event loop", zstd_bombs,
+               connections=2),
     HttpAttack("14", "pipelined GETs, never read", ("avp",), "closed at write_timeout_s", non_reader),
     HttpAttack("16", "model_id with a newline", ("avp",), "200; one escaped log line", newline_model_id),
 )
@@ -406,7 +403,8 @@ async def _measure(server: str, attack: HttpAttack, quick: bool) -> dict[str, ob
         "server": server, "attack": f"{attack.item}. {attack.name}", "expected": attack.expected,
         "observed": result, "idle_p50_ms": round(statistics.median(idle), 3),
         "p50_ms": round(statistics.median(during), 3), "max_ms": round(max(during), 3),
-        "rss_growth_mib": round(peak - base, 1), "legit_calls": len(during), "scale": scale,
+        "rss_growth_mib": round(peak - base, 1), "connections": attack.connections, "legit_calls": len(during),
+        "scale": scale,
         "legit_statuses": {str(k): v for k, v in sorted(statuses.items())},
     }
 
