@@ -214,7 +214,7 @@ async def test_item14_a_zstd_bomb_is_inflated_off_the_event_loop(
     nursery_: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     threads: list[int] = []
-    decode = avp_server.decode
+    decode = avp_server.decode  # type: ignore[attr-defined]
 
     def spy(body: bytes, **kwargs: Any) -> Any:
         threads.append(threading.get_ident())
