@@ -274,3 +274,53 @@ async def test_item16_refusals_escape_the_path_and_agent(
 def test_avp_server_options_are_checked() -> None:
     with pytest.raises(AVPServerOptionsError, match=r"AVPServerOptions\.max_requests_per_peer: expected an int"):
         AVPServerOptions(max_requests_per_peer=0)
+
+
+# ------------------------------------------------------------------ item 1: the gateway outlives a failing sim
+
+
+async def test_item1_a_failing_sim_is_restarted_on_its_port_not_fatal(nursery_: trio.Nursery) -> None:
+    from evergreen_trio.gateway import _sim_part
+
+    ports: list[int] = []
+
+    async def flaky(config: SimConfig, *, host: str, port: int, task_status: Any) -> None:
+        ports.append(port)
+        task_status.started(port or 4242)
+        if len(ports) < 3:
+            raise RuntimeError("sim crashed\nFORGED line")  # what a crash inside a sim looks like
+        await trio.sleep_forever()
+
+    assert await nursery_.start(partial(_sim_part, "sim-1", SimConfig(), run=flaky)) == 4242
+    with trio.fail_after(LEGIT_CEILING_S):
+        while len(ports) < 3:  # noqa: ASYNC110 - the fake's counter has no event
+            await trio.sleep(0.05)
+    assert ports == [0, 4242, 4242]  # restarted twice, each time on the port the pool knows
+
+
+async def test_item1_a_sim_that_cannot_start_fails_the_gateway() -> None:
+    from evergreen_trio.gateway import _sim_part
+
+    async def broken(config: SimConfig, *, host: str, port: int, task_status: Any) -> None:
+        raise OSError("address in use")
+
+    with pytest.raises(BaseExceptionGroup) as caught, trio.fail_after(LEGIT_CEILING_S):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(_sim_part, "sim-1", SimConfig(), run=broken))
+    assert caught.group_contains(OSError, match="address in use")
+
+
+@pytest.mark.envoy
+async def test_item1_h2c_frames_at_a_gateway_sim_leave_the_gateway_serving(nursery_: trio.Nursery) -> None:
+    import httpx
+
+    from evergreen_trio.gateway import GatewaySettings, run_gateway
+
+    info = await nursery_.start(run_gateway, GatewaySettings(listen="127.0.0.1:0", simulate=1))
+    port = int(info.endpoints[0].rsplit(":", 1)[1])
+    assert await h2c_bad_path(port, 1.0) == "505 HTTP Version Not Supported, closed"
+    assert await h2c_priority_flood(port, 1.0) == "505 HTTP Version Not Supported, closed"
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(f"{info.url}/v1/completions", json={"model": "sim-model", "prompt": "hi",
+                                                                        "max_tokens": 2})
+    assert response.status_code == 200
