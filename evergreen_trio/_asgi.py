@@ -154,17 +154,20 @@ class _Connection:
     async def _read_head(self) -> h11.Request | None:
         """The next request's head; None when the peer closed or sent garbage (answered 4xx)."""
         try:
-            while True:
-                event = self.conn.next_event()
-                if event is h11.NEED_DATA:
-                    self.conn.receive_data(await self._receive())
-                elif isinstance(event, h11.Request):
-                    return event
-                else:
-                    return None  # ConnectionClosed (or PAUSED, which cannot happen here)
+            event = await self._next_event()
+            # else ConnectionClosed (PAUSED cannot happen at the start of a cycle)
+            return event if isinstance(event, h11.Request) else None
         except h11.RemoteProtocolError as error:
             await self._refuse(error.error_status_hint, str(error))
             return None
+
+    async def _next_event(self) -> object:
+        """h11's next event, reading from the socket as it needs (a closed socket: ConnectionClosed)."""
+        while True:
+            event = self.conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            self.conn.receive_data(await self._receive())
 
     async def _receive(self) -> bytes:
         try:
@@ -238,17 +241,13 @@ class _Connection:
             return await self._wait_for_disconnect()
         with trio.move_on_at(self.body_deadline):
             try:
-                while True:
-                    event = self.conn.next_event()
-                    if event is h11.NEED_DATA:
-                        self.conn.receive_data(await self._receive())
-                    elif isinstance(event, h11.Data):
-                        return {"type": "http.request", "body": bytes(event.data), "more_body": True}
-                    elif isinstance(event, h11.EndOfMessage):
-                        self.body_done = True
-                        return {"type": "http.request", "body": b"", "more_body": False}
-                    else:
-                        break  # the client closed mid-body
+                event = await self._next_event()
+                if isinstance(event, h11.Data):
+                    return {"type": "http.request", "body": bytes(event.data), "more_body": True}
+                if isinstance(event, h11.EndOfMessage):
+                    self.body_done = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
+                # else the client closed mid-body
             except h11.RemoteProtocolError as error:
                 log.info("http.bad_body peer=%s reason=%s", self.client[0], peer_text(str(error)))
         self.gone = True

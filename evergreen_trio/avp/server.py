@@ -88,7 +88,7 @@ class AVPServerOptions:
     max_inflight_body_bytes: int = 256 * 1024 * 1024
     """Request body bytes received and held at once, all requests together, with what compressed
     tensors inflate to (exceeded by at most ``decode_threads`` messages being inflated); past it, 503."""
-    decode_threads: int = 2
+    decode_threads: int = 1
     """Worker threads decoding messages that are compressed or larger than ``decode_inline_bytes``."""
     decode_inline_bytes: int = 1024 * 1024
     """Uncompressed messages up to this size are decoded on the event loop (cheaper than a thread hop)."""

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
-from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
@@ -30,7 +28,6 @@ from benchmarks.security_http import (
     non_ascii_request_line,
     non_reader,
     read_until_closed,
-    rss_mib,
     small_message,
     status_line,
     zstd_bomb,
@@ -40,23 +37,9 @@ from evergreen_trio.avp import server as avp_server
 from evergreen_trio.avp.server import AVPApp, AVPServerOptions, AVPServerOptionsError, serve_avp
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.server import run_sim
+from tests.security.test_session_attacks import LEGIT_CEILING_S, MEMORY_CEILING_MIB, nursery_, rss
 
-MEMORY_CEILING_MIB = 64
-"""RSS growth allowed per attacking connection (issue 22's target)."""
-
-LEGIT_CEILING_S = 5.0
-"""A legitimate request during an attack must complete within this (a hang guard, not a timing claim)."""
-
-
-def rss() -> float:
-    return rss_mib(os.getpid())
-
-
-@pytest.fixture
-async def nursery_() -> AsyncIterator[trio.Nursery]:
-    async with trio.open_nursery() as nursery:
-        yield nursery
-        nursery.cancel_scope.cancel()
+__all__ = ["nursery_"]  # the fixture, shared with the session attacks
 
 
 async def start_avp(nursery: trio.Nursery, app: AVPApp | None = None, **options: Any) -> int:
