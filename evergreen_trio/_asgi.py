@@ -11,6 +11,7 @@ peer address, and a connection's failure, whatever it is, closes that connection
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -326,6 +327,7 @@ async def serve_asgi(
     bound: int = listeners[0].socket.getsockname()[1]
     open_total = 0
     per_peer: dict[str, int] = {}
+    refused, last_report = 0, -math.inf
 
     async def connection(stream: trio.SocketStream) -> None:
         nonlocal open_total
@@ -337,8 +339,12 @@ async def serve_asgi(
             return
         peer = client[0]
         if open_total >= limits.max_connections or per_peer.get(peer, 0) >= limits.max_connections_per_peer:
-            log.info("%s.refused peer=%s open=%d from_peer=%d (max_connections, max_connections_per_peer)",
-                     name, peer, open_total, per_peer.get(peer, 0))
+            nonlocal refused, last_report
+            refused += 1
+            if trio.current_time() - last_report >= 1.0:  # one line per second of a flood, not one per connection
+                log.warning("%s.refused peer=%s open=%d from_peer=%d refused=%d (max_connections, "
+                            "max_connections_per_peer)", name, peer, open_total, per_peer.get(peer, 0), refused)
+                last_report, refused = trio.current_time(), 0
             await stream.aclose()
             return
         open_total += 1

@@ -20,6 +20,7 @@ import trio
 from evergreen_trio._asgi import (
     BodyTooLargeError,
     ClientGoneError,
+    HttpServerLimits,
     Receive,
     Scope,
     Send,
@@ -42,6 +43,9 @@ _Handler = Callable[[str, Receive, Send], Awaitable[None]]
 
 BODY_TIMEOUT_S = 30.0
 """A request body must be in this soon after its headers (else 408)."""
+
+SIM_HTTP_LIMITS = HttpServerLimits(max_connections_per_peer=HttpServerLimits().max_connections)
+"""The simulator's HTTP limits: the defaults, but no per-address share, as its one client is often Envoy."""
 
 SERVED_BY_HEADER = "x-served-by"
 """Response header naming the simulated server (``host:port``) that answered."""
@@ -205,7 +209,7 @@ async def run_sim(
     """Serve one simulated server until cancelled; ``started`` reports the bound port (useful with port 0)."""
     server = SimServer(config)
     async with trio.open_nursery() as nursery:
-        bound: int = await nursery.start(partial(serve_asgi, server, host, port, name="sim.http"))
+        bound: int = await nursery.start(partial(serve_asgi, server, host, port, SIM_HTTP_LIMITS, name="sim.http"))
         server.name = f"{host}:{bound}"
         nursery.start_soon(server.run_scheduler)
         logger.info("sim.ready address=%s model=%s adapters=%s", server.name, config.model,

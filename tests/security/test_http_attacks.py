@@ -104,14 +104,19 @@ async def test_item1_an_app_error_ends_its_connection_not_the_server(nursery_: t
     assert await client.request("GET", "/") == (200, b"fine")
 
 
-async def test_item1_connections_are_capped_per_peer(nursery_: trio.Nursery) -> None:
+async def test_item1_connections_are_capped_per_peer(
+    nursery_: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
     limits = HttpServerLimits(max_connections_per_peer=3)
     port = await start_avp(nursery_, http=limits)
     clients = [await KeepAlive.open(port) for _ in range(3)]
     for client in clients:
         await legit(client, "avp")
-    reply, closed = await exchange(port, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
-    assert (reply, closed) == (b"", True)  # the fourth from this address: closed at once
+    with caplog.at_level(logging.INFO):
+        for _ in range(5):
+            reply, closed = await exchange(port, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert (reply, closed) == (b"", True)  # past three from this address: closed at once
+    assert sum("avp.http.refused peer=127.0.0.1" in r.getMessage() for r in caplog.records) == 1  # not one each
     await legit(clients[0], "avp")
 
 
