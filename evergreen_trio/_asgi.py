@@ -126,6 +126,7 @@ class _Connection:
         self.gone = False  # the client closed, or broke a rule mid-request: close when the app is done
         self.response: h11.Response | None = None
         self.response_done = False
+        self.head = False
 
     async def run(self) -> None:
         while True:
@@ -219,6 +220,7 @@ class _Connection:
         self.body_deadline = trio.current_time() + self.limits.body_timeout_s
         self.body_done = False
         self.response, self.response_done = None, False
+        self.head = request.method == b"HEAD"
         try:
             await self.app(scope, self._app_receive, self._app_send)
         except ClientGoneError:
@@ -285,7 +287,7 @@ class _Connection:
                 response = h11.Response(status_code=response.status_code, reason=response.reason,
                                         headers=[*response.headers, (b"content-length", str(len(body)).encode())])
             await self._write(response)
-        if body:
+        if body and not self.head:  # a HEAD response carries the headers only
             await self._write(h11.Data(data=body))
         if not more:
             await self._write(h11.EndOfMessage())

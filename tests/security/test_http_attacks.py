@@ -90,6 +90,19 @@ async def test_item1_bad_request_lines_get_400_and_upgrade_is_ignored(nursery_: 
     await legit(client, kind)
 
 
+async def test_item1_head_and_pipelined_requests_are_answered_in_order(
+    nursery_: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = await start_avp(nursery_)
+    with caplog.at_level(logging.INFO):
+        reply, closed = await exchange(port, b"HEAD /health HTTP/1.1\r\nhost: x\r\n\r\n"
+                                             b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n", 1.0)
+    first, second = reply.split(b"\r\n\r\n", 1)
+    assert first.startswith(b"HTTP/1.1 405 ") and b"content-length: 57" in first  # headers only
+    assert second.startswith(b"HTTP/1.1 200 OK") and second.endswith(b'{"status":"ok"}') and not closed
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 async def test_item1_an_app_error_ends_its_connection_not_the_server(nursery_: trio.Nursery) -> None:
     async def broken(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["path"] == "/boom":
