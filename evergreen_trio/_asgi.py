@@ -106,6 +106,13 @@ class HttpServerLimits:
         check_limits(self)
 
 
+def _client_gone(error: BaseException) -> bool:
+    """Whether ``error`` is :class:`ClientGoneError`, or a group of nothing else."""
+    if isinstance(error, BaseExceptionGroup):
+        return error.split(ClientGoneError)[1] is None
+    return isinstance(error, ClientGoneError)
+
+
 def _reason(status: int) -> bytes:
     try:
         return HTTPStatus(status).phrase.encode()
@@ -223,9 +230,10 @@ class _Connection:
         self.head = request.method == b"HEAD"
         try:
             await self.app(scope, self._app_receive, self._app_send)
-        except ClientGoneError:
-            return False
-        except Exception as error:  # the app's bug: this connection ends, the server goes on
+        except Exception as error:
+            if _client_gone(error):  # raised by our send, perhaps through the app's nursery
+                return False
+            # the app's bug: this connection ends, the server goes on
             log.error("http.app_error peer=%s path=%s error=%s: %s", self.client[0], peer_text(path),
                       type(error).__name__, peer_text(str(error)))
             if self.response is None:
@@ -353,11 +361,10 @@ async def serve_asgi(
         per_peer[peer] = per_peer.get(peer, 0) + 1
         try:
             await _Connection(app, limits, stream, client, local).run()
-        except ClientGoneError:
-            pass
         except Exception as error:  # never the whole server for one connection's trouble
-            log.error("%s.connection_error peer=%s error=%s: %s", name, peer, type(error).__name__,
-                      peer_text(str(error)))
+            if not _client_gone(error):
+                log.error("%s.connection_error peer=%s error=%s: %s", name, peer, type(error).__name__,
+                          peer_text(str(error)))
         finally:
             open_total -= 1
             per_peer[peer] -= 1

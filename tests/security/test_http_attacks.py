@@ -32,7 +32,7 @@ from benchmarks.security_http import (
     status_line,
     zstd_bomb,
 )
-from evergreen_trio._asgi import HttpServerLimits, serve_asgi
+from evergreen_trio._asgi import ClientGoneError, HttpServerLimits, serve_asgi
 from evergreen_trio.avp import server as avp_server
 from evergreen_trio.avp.server import AVPApp, AVPServerOptions, AVPServerOptionsError, serve_avp
 from evergreen_trio.sim.config import SimConfig
@@ -101,6 +101,19 @@ async def test_item1_head_and_pipelined_requests_are_answered_in_order(
     assert first.startswith(b"HTTP/1.1 405 ") and b"content-length: 57" in first  # headers only
     assert second.startswith(b"HTTP/1.1 200 OK") and second.endswith(b'{"status":"ok"}') and not closed
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_item1_a_client_gone_inside_the_apps_nursery_is_no_error(
+    nursery_: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def streaming(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        async with trio.open_nursery():  # as the simulator streams: our send's error arrives grouped
+            raise ClientGoneError("the client closed the connection")
+
+    port = await nursery_.start(serve_asgi, streaming, "127.0.0.1", 0)
+    with caplog.at_level(logging.INFO):
+        assert await exchange(port, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n") == (b"", True)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_item1_an_app_error_ends_its_connection_not_the_server(nursery_: trio.Nursery) -> None:
