@@ -14,12 +14,12 @@ from evergreen_trio.errors import ConfigurationError
 
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "picker": ("yaml", "xxhash", "httpx", "envoy.service.ext_proc.v3.external_processor_pb2"),
-    "avp": ("numpy", "ml_dtypes", "zstandard", "isal", "hypercorn", "httpx"),
+    "avp": ("numpy", "ml_dtypes", "zstandard", "isal", "httpx"),
     "ipc": ("pyarrow", "numpy"),
     "ucx": ("ucxx",),
     "gpu": ("cupy",),
     "generate": ("httpx",),
-    "sim": ("hypercorn", "xxhash"),
+    "sim": ("xxhash",),
     "testing": ("hypothesis", "grpc"),
 }
 """The modules each extra brings that its part imports (what :func:`require_extra` checks)."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evergreen_trio.dag import SessionError, StatusCode
+from evergreen_trio.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +50,19 @@ class PermissionDeniedError(SessionError):
     code = StatusCode.PERMISSION_DENIED
 
 
-class TokenFileAuthorizer:
-    """Accepts ``authorization: Bearer TOKEN`` where TOKEN is a line of ``path``.
+class TokenFile:
+    """The bearer tokens of a token file, the one format and loader of every command that takes one
+    (``serve --auth-token-file``, ``avp serve --token-file``).
 
-    The file holds one token per line; blank lines and ``#`` comments are ignored. Tokens are
-    compared in constant time (every token, by SHA-256 digest, so neither a token's content nor its
-    length leaks through timing). The file is re-read when its mtime, size or inode changes,
-    checked at most every ``check_interval`` seconds when a session opens (no background task); a
-    file that disappears or cannot be read revokes every token until it is back (fail closed).
-    The principal is ``token:`` and the first 12 hex digits of the token's SHA-256.
+    The file holds one token per line; blank lines and ``#`` comments (whole-line or trailing) are
+    ignored, and surrounding whitespace is stripped. Tokens are kept as SHA-256 digests and compared
+    in constant time (every token, so neither a token's content nor its length leaks through timing).
+    The file is re-read when its mtime, size or inode changes, checked at most every
+    ``check_interval`` seconds when a token is checked (no background task); a file that disappears
+    or cannot be read revokes every token until it is back (fail closed).
 
-    Raises ``OSError`` at construction when the file cannot be read.
+    Raises ``OSError`` or ``UnicodeDecodeError`` at construction when the file cannot be read, and
+    :class:`~evergreen_trio.errors.ConfigurationError` when it holds no token.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, check_interval: float = 1.0) -> None:
@@ -67,6 +70,9 @@ class TokenFileAuthorizer:
         self.check_interval = check_interval
         self._stamp = self._stat()
         self._digests = self._load()
+        if not self._digests:
+            raise ConfigurationError(
+                f"{self.path}: expected at least one token (one per line; blank lines and # comments are ignored)")
         self._checked = time.monotonic()
 
     def _stat(self) -> tuple[int, int, int]:
@@ -93,25 +99,47 @@ class TokenFileAuthorizer:
                 log.error("auth.tokens_unreadable path=%s error=%s (refusing every token)", self.path, error)
             self._digests, self._stamp = [], (0, 0, 0)
 
-    def __call__(self, metadata: Mapping[str, str], peer: Peer) -> str:
-        """The principal for a valid bearer token; raises :class:`UnauthenticatedError` otherwise."""
+    def principal(self, token: str | bytes) -> str | None:
+        """``token:`` and 12 hex digits of the token's SHA-256 when the file (re-read if it changed)
+        holds ``token`` (surrounding whitespace ignored); None otherwise."""
         self._refresh()
-        scheme, _, token = metadata.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise UnauthenticatedError("expected metadata 'authorization: Bearer <token>'")
-        digest = hashlib.sha256(token.strip().encode()).digest()
+        raw = token.strip() if isinstance(token, bytes) else token.strip().encode()
+        if not raw:
+            return None
+        digest = hashlib.sha256(raw).digest()
         matched = False
         for known in self._digests:
             matched |= hmac.compare_digest(digest, known)
-        if not matched:
+        return "token:" + digest.hex()[:12] if matched else None
+
+
+class TokenFileAuthorizer:
+    """Accepts ``authorization: Bearer TOKEN`` where TOKEN is a line of ``path`` (a :class:`TokenFile`).
+
+    The principal is ``token:`` and the first 12 hex digits of the token's SHA-256.
+    Raises what :class:`TokenFile` raises at construction.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, check_interval: float = 1.0) -> None:
+        self.tokens = TokenFile(path, check_interval=check_interval)
+        self.path = self.tokens.path
+
+    def __call__(self, metadata: Mapping[str, str], peer: Peer) -> str:
+        """The principal for a valid bearer token; raises :class:`UnauthenticatedError` otherwise."""
+        scheme, _, token = metadata.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise UnauthenticatedError("expected metadata 'authorization: Bearer <token>'")
+        principal = self.tokens.principal(token)
+        if principal is None:
             raise UnauthenticatedError(f"the bearer token from {peer.address} is not accepted")
-        return "token:" + digest.hex()[:12]
+        return principal
 
 
 __all__ = [
     "Authorizer",
     "Peer",
     "PermissionDeniedError",
+    "TokenFile",
     "TokenFileAuthorizer",
     "UnauthenticatedError",
 ]

@@ -3,8 +3,9 @@
 ``run_gateway`` starts, in order, the simulated servers (``simulate`` > 0: their addresses
 define the pool's endpoints), the picker on the pool, and Envoy on the config ``gateway_config``
 writes; it reports a :class:`GatewayInfo` once a request through Envoy reaches a model server.
-Everything lives in one nursery: Ctrl-C, or any part failing or stopping, cancels the rest, and
-Envoy (a child process) is terminated with it.
+Everything lives in one nursery: Ctrl-C, or the picker or Envoy failing or stopping, cancels the
+rest, and Envoy (a child process) is terminated with it. A simulated server that fails once running
+is logged and restarted on its port; it never stops the others.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import httpx
 import trio
 
 from evergreen_trio._cli import add_dataclass_options, dataclass_options, port, serve_until_signal
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio.errors import ConfigurationError, EvergreenTrioError
 from evergreen_trio.picker.config import PickerConfig, config_from_documents, read_documents
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
@@ -159,6 +161,42 @@ async def _part(
     raise GatewayError(f"{name} stopped on its own; stopping the gateway")
 
 
+SIM_RESTART_MAX_DELAY_S = 30.0
+"""A simulated server that fails is restarted on its port after 0.5 s, doubling up to this."""
+
+
+async def _sim_part(
+    name: str,
+    config: SimConfig,
+    *,
+    run: Callable[..., Awaitable[None]] = run_sim,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run one simulated server under its log prefix, restarting it on the same port whenever it
+    fails or stops, so that one sim's trouble never stops the picker or Envoy beside it. Only a
+    failure before it first listens is the gateway's (raised)."""
+    _component.set(name)
+    port = 0
+    started = False
+    delay = 0.5
+    while True:
+        try:
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(partial(run, config, host="127.0.0.1", port=port))
+                if not started:
+                    task_status.started(port)
+                    started = True
+                delay = 0.5
+            reason = "stopped on its own"
+        except Exception as error:
+            if not started:
+                raise
+            reason = f"{type(error).__name__}: {peer_text(str(error))}"
+        logger.error("gateway.sim_failed name=%s port=%d reason=%s; restarting in %.1fs", name, port, reason, delay)
+        await trio.sleep(delay)
+        delay = min(delay * 2, SIM_RESTART_MAX_DELAY_S)
+
+
 def split_listen(listen: str) -> tuple[str, int]:
     """``ip:port`` or ``[v6]:port`` -> (ip, port); port 0 means any free port."""
     host, _, port = listen.rpartition(":")
@@ -254,8 +292,7 @@ async def run_gateway(
             if simulated:
                 ports = []
                 for index in range(settings.simulate):
-                    run = partial(run_sim, sim_config, host="127.0.0.1", port=0)
-                    ports.append(await nursery.start(_part, f"sim-{index + 1}", run))
+                    ports.append(await nursery.start(partial(_sim_part, f"sim-{index + 1}", sim_config)))
                 config = pool_config(documents, [f"127.0.0.1:{port}" for port in ports])
             endpoints = tuple(endpoint.address for endpoint in config.pool.endpoints)
             ssl_context = None

@@ -175,7 +175,7 @@ def security_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.auth_token_file is not None:
         try:
             options["authorize"] = TokenFileAuthorizer(args.auth_token_file)
-        except (OSError, UnicodeDecodeError) as error:
+        except (OSError, UnicodeDecodeError, ConfigurationError) as error:
             raise ServeConfigError(f"--auth-token-file: {error}") from None
     return options
 

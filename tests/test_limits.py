@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 from evergreen_trio import ConfigurationError, SessionLimits
+from evergreen_trio._asgi import HttpServerLimits
 from evergreen_trio.avp import AVPLimits
 from evergreen_trio.ipc import IpcLimits
 from evergreen_trio.limits import check_limits
 from evergreen_trio.picker.grpc_wire import WireLimits
 
-LIMIT_CLASSES = [SessionLimits, IpcLimits, AVPLimits, WireLimits]
+LIMIT_CLASSES = [SessionLimits, IpcLimits, AVPLimits, WireLimits, HttpServerLimits]
 
 
 @pytest.mark.parametrize("cls", LIMIT_CLASSES, ids=lambda c: c.__name__)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from evergreen_trio.avp.errors import AVPFormatError, AVPHandshakeError
+from evergreen_trio._logsafe import peer_text
+from evergreen_trio.avp.errors import AVPError, AVPFormatError, AVPHandshakeError
 from evergreen_trio.avp.handshake import MAX_HELLO_BYTES, HelloMessage, hello_from_json, hello_to_json, resolve_mode
 from evergreen_trio.avp.message import DEFAULT_LIMITS, AVPLimits, AVPMessage
 from evergreen_trio.avp.stream import AVP_MIMETYPE, avp_fragments, read_avp
@@ -28,17 +29,24 @@ DEFAULT_FRAGMENT_BYTES = 256 * 1024
 async def read_avp_input(
     stream: InputStream, *, limits: AVPLimits = DEFAULT_LIMITS, strict: bool = True
 ) -> AVPMessage:
-    """Decode the input's single ``application/avp+binary`` chunk incrementally, as its bytes arrive."""
+    """Decode the input's single ``application/avp+binary`` chunk incrementally, as its bytes arrive.
+
+    An input that is not one valid AVP message is the peer's error: :class:`ProtocolViolationError`
+    (INVALID_ARGUMENT, its text sent to the peer) naming the input, the :class:`AVPError` as its cause.
+    """
     message: AVPMessage | None = None
-    async for chunk in stream:
-        if chunk.mimetype != AVP_MIMETYPE or message is not None:
-            raise AVPFormatError(
-                f"input {stream.node_id}: expected one chunk of {AVP_MIMETYPE}, got "
-                f"{'a second chunk' if message is not None else repr(chunk.mimetype)}"
-            )
-        message = await read_avp(chunk, limits=limits, strict=strict)
-    if message is None:
-        raise AVPFormatError(f"input {stream.node_id}: expected one chunk of {AVP_MIMETYPE}, got none")
+    try:
+        async for chunk in stream:
+            if chunk.mimetype != AVP_MIMETYPE or message is not None:
+                raise AVPFormatError(
+                    f"expected one chunk of {AVP_MIMETYPE}, got "
+                    f"{'a second chunk' if message is not None else repr(chunk.mimetype)}"
+                )
+            message = await read_avp(chunk, limits=limits, strict=strict)
+        if message is None:
+            raise AVPFormatError(f"expected one chunk of {AVP_MIMETYPE}, got none")
+    except AVPError as error:
+        raise ProtocolViolationError(f"input {stream.node_id}: {error}") from error
     return message
 
 
@@ -80,7 +88,7 @@ def register_avp_actions(server: Server, hello: HelloMessage) -> None:
         remote = await _read_hello(ctx.input("hello"))
         if hello.identity is not None and remote.identity is not None:
             resolution = resolve_mode(hello.identity, remote.identity)
-            log.info("avp.handshake remote_agent=%s mode=%s", remote.agent_id, resolution.mode.name)
+            log.info("avp.handshake remote_agent=%s mode=%s", peer_text(remote.agent_id), resolution.mode.name)
         await ctx.output("hello").write(hello_to_json(hello), mimetype=JSON_MIMETYPE, last=True)
 
     server.add_action(AVP_HANDSHAKE, handshake, inputs=["hello"], outputs=["hello"])

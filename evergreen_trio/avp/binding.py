@@ -12,6 +12,7 @@ import hmac
 import json
 from typing import Any
 
+from evergreen_trio.auth import TokenFile
 from evergreen_trio.avp.errors import AVPRequestError
 from evergreen_trio.avp.handshake import HelloMessage, Resolution, identity_dict
 from evergreen_trio.avp.message import AVPMessage
@@ -42,12 +43,20 @@ def check_route(path: str, method: str) -> AVPRequestError | None:
     return None
 
 
-def check_token(authorization: bytes | None, token: bytes | None) -> AVPRequestError | None:
-    """None when no token is configured or ``Authorization: Bearer <token>`` matches (constant time)."""
-    if token is None:
+def check_token(
+    authorization: bytes | None, token: bytes | None, tokens: TokenFile | None = None
+) -> AVPRequestError | None:
+    """None when no token is configured or ``Authorization: Bearer <token>`` matches ``token`` or a
+    line of ``tokens`` (constant time); else the 401 refusal."""
+    if token is None and tokens is None:
         return None
     scheme, _, given = (authorization or b"").partition(b" ")
-    if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), token):
+    given = given.strip()
+    accepted = scheme.lower() == b"bearer" and (
+        (token is not None and hmac.compare_digest(given, token))
+        | (tokens is not None and tokens.principal(given) is not None)
+    )
+    if not accepted:
         return AVPRequestError(401, "expected Authorization: Bearer <token> with the server's token")
     return None
 

@@ -7,8 +7,10 @@ from functools import partial
 from pathlib import Path
 
 from evergreen_trio._cli import UsageError, port, serve_until_signal
+from evergreen_trio.auth import TokenFile
 from evergreen_trio.avp.maps import find_maps
 from evergreen_trio.avp.server import AVPApp, AVPServerOptions, serve_avp
+from evergreen_trio.errors import ConfigurationError
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -20,25 +22,27 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve_parser.add_argument("--port", type=port, default=8765, help="port (default 8765; 0: any free port)")
     serve_parser.add_argument(
-        "--token-file", type=Path, help="require 'Authorization: Bearer <the file's first line>' (401 otherwise)"
+        "--token-file", type=Path,
+        help="require 'Authorization: Bearer TOKEN', TOKEN a line of this file (401 otherwise); one token per "
+             "line, blank lines and # comments ignored, re-read when it changes (as serve --auth-token-file)",
     )
     serve_parser.set_defaults(run=run_serve)
 
 
-def _read_token(path: Path) -> bytes:
+def _token_file(path: Path) -> TokenFile:
     try:
-        token = path.read_bytes().strip().split(b"\n", 1)[0].strip()
-    except OSError as exc:
-        raise UsageError(f"argument --token-file: cannot read {path}: {exc.strerror or exc}") from None
-    if not token:
-        raise UsageError(f"argument --token-file: expected a token on the first line of {path}, got an empty file")
-    return token
+        return TokenFile(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise UsageError(f"argument --token-file: cannot read {path}: {reason}") from None
+    except ConfigurationError as exc:
+        raise UsageError(f"argument --token-file: {exc}") from None
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until SIGINT or SIGTERM; an unreadable or empty token file raises UsageError (exit 2)."""
-    token = _read_token(args.token_file) if args.token_file else None
-    app = AVPApp(AVPServerOptions(token=token, maps=find_maps()))
+    """Serve until SIGINT or SIGTERM; an unreadable token file, or one without a token, raises UsageError (exit 2)."""
+    tokens = _token_file(args.token_file) if args.token_file else None
+    app = AVPApp(AVPServerOptions(token_file=tokens, maps=find_maps()))
 
     def announce(bound: int) -> None:
         print(f"avp http://{args.host}:{bound}", flush=True)

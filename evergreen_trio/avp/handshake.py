@@ -23,6 +23,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio.avp.errors import AVPHandshakeError
 from evergreen_trio.avp.jsonfields import load_object, typed
 from evergreen_trio.avp.message import CommunicationMode
@@ -125,9 +126,9 @@ def resolve_mode(
         "avp.handshake resolved path=%s mode=%s avp_map_id=%s local_model=%s remote_model=%s",
         path,
         mode.name,
-        avp_map or "-",
-        local.model_id,
-        remote.model_id,
+        peer_text(avp_map or "-"),
+        peer_text(local.model_id),
+        peer_text(remote.model_id),
     )
     return resolution
 

@@ -1,4 +1,5 @@
-"""The Trio shell of the simulator: a hypercorn (Trio worker) ASGI app and the engine's step loop.
+"""The Trio shell of the simulator: an ASGI app under our HTTP/1.1 server (`evergreen_trio._asgi`) and
+the engine's step loop.
 
 One scheduler task drives the sans-IO engine: it starts a step, sleeps for the step's
 simulated duration, then hands each request's new token to that request's memory channel.
@@ -16,10 +17,19 @@ from functools import partial
 from typing import Any
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve
 
-from evergreen_trio._asgi import BodyTooLargeError, ClientGoneError, Receive, Scope, Send, lifespan, read_body
+from evergreen_trio._asgi import (
+    BodyTooLargeError,
+    ClientGoneError,
+    HttpServerLimits,
+    Receive,
+    Scope,
+    Send,
+    lifespan,
+    read_body,
+    serve_asgi,
+)
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio.sim import api
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.errors import SimRequestError
@@ -31,6 +41,12 @@ logger = logging.getLogger(__name__)
 
 _Handler = Callable[[str, Receive, Send], Awaitable[None]]
 
+
+BODY_TIMEOUT_S = 30.0
+"""A request body must be in this soon after its headers (else 408)."""
+
+SIM_HTTP_LIMITS = HttpServerLimits(max_connections_per_peer=HttpServerLimits().max_connections)
+"""The simulator's HTTP limits: the defaults, but no per-address share, as its one client is often Envoy."""
 
 SERVED_BY_HEADER = "x-served-by"
 """Response header naming the simulated server (``host:port``) that answered."""
@@ -107,10 +123,11 @@ class SimServer:
                 raise SimRequestError(405, f"{path} takes {route[0]}, got {method}", error_type="MethodNotAllowed")
             await route[1](path, receive, send)
         except SimRequestError as error:
-            logger.info("sim.reject path=%s status=%d reason=%s", path, error.status, error.message)
+            logger.info("sim.reject path=%s status=%d reason=%s", peer_text(path, 100), error.status,
+                        peer_text(error.message))
             await self._respond(send, error.status, api.error_body(error.status, error.message, error.error_type))
         except ClientGoneError:
-            logger.info("sim.abort path=%s reason=client-gone-before-body", path)
+            logger.info("sim.abort path=%s reason=client-gone-before-body", peer_text(path, 100))
 
     async def _respond(
         self, send: Send, status: int, body: bytes, content_type: str = "application/json"
@@ -132,11 +149,13 @@ class SimServer:
 
     async def _read_body(self, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
-        try:
-            return await read_body(receive, limit)
-        except BodyTooLargeError:
-            raise SimRequestError(413, f"request body is larger than the limit of {limit} bytes",
-                                  error_type="PayloadTooLarge") from None
+        with trio.move_on_after(BODY_TIMEOUT_S):
+            try:
+                return await read_body(receive, limit)
+            except BodyTooLargeError:
+                raise SimRequestError(413, f"request body is larger than the limit of {limit} bytes",
+                                      error_type="PayloadTooLarge") from None
+        raise SimRequestError(408, f"request body: expected it within {BODY_TIMEOUT_S}s", error_type="RequestTimeout")
 
     async def _completion(self, path: str, receive: Receive, send: Send) -> None:
         request = api.parse_request(path, await self._read_body(receive), self.config)
@@ -145,7 +164,7 @@ class SimServer:
         self.engine.add(SimRequest(request_id, request.prompt, request.max_tokens, request.lora), trio.current_time())
         self._streams[request_id] = sender
         self._wake.set()
-        logger.debug("sim.accept id=%s model=%s max_tokens=%d stream=%s", request_id, request.model,
+        logger.debug("sim.accept id=%s model=%s max_tokens=%d stream=%s", request_id, peer_text(request.model),
                      request.max_tokens, request.stream)
         try:
             async with trio.open_nursery() as nursery:
@@ -205,14 +224,9 @@ async def run_sim(
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve one simulated server until cancelled; ``started`` reports the bound port (useful with port 0)."""
-    http_config = HypercornConfig()
-    http_config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    http_config.errorlog = logging.getLogger(f"{__name__}.http")
-    http_config.graceful_timeout = 0.5
     server = SimServer(config)
     async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(partial(serve, server, http_config))  # type: ignore[arg-type]
-        bound = int(binds[0].rsplit(":", 1)[1])
+        bound: int = await nursery.start(partial(serve_asgi, server, host, port, SIM_HTTP_LIMITS, name="sim.http"))
         server.name = f"{host}:{bound}"
         nursery.start_soon(server.run_scheduler)
         logger.info("sim.ready address=%s model=%s adapters=%s", server.name, config.model,
