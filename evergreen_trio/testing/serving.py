@@ -32,3 +32,9 @@ async def open_session(server: Server, *, timeout: float | None = 60.0) -> Async
     """Serve ``server`` (:func:`serving`) and yield a session connected to it (``timeout`` as ``connect``'s)."""
     async with serving(server) as address, connect(address, timeout=timeout) as session:
         yield session
+
+
+__all__ = [
+    "open_session",
+    "serving",
+]

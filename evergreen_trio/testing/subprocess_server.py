@@ -138,5 +138,6 @@ __all__ = [
     "ServerProcess",
     "ServerProcessError",
     "serve_command",
+    "spawn_app",
     "spawn_server",
 ]
