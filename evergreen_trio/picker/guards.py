@@ -1,0 +1,123 @@
+"""What one client request may cost the picker, and what it may choose: bounded JSON work, rewrite
+targets the configuration allows, and metric labels from a bounded set. Sans-IO.
+
+Model names come from clients, so they never become label values unchecked: a configured name
+(a model or one of its target models) is its own series; when no models are configured the first
+:data:`MAX_UNLISTED_MODEL_LABELS` names of at most :data:`MAX_MODEL_LABEL_CHARS` characters are
+too; every other name folds into :data:`OTHER_MODEL`, and at most :data:`MAX_MODEL_LABEL_PAIRS`
+(model, target model) pairs get series of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+from evergreen_trio.picker.config import ModelConfig, PickerConfig
+from evergreen_trio.picker.errors import RequestError
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_JSON_ITEMS = 262_144
+"""Strings plus commas, ``[`` and ``{`` outside strings that a request body may hold (about its
+JSON values); past it the body is answered 413 before it is parsed. A 128k-token prompt of token
+ids is about 128k items; 262,144 empty objects parse in about 30 ms."""
+
+MAX_UNLISTED_MODEL_LABELS = 32
+"""Model names that get a metric series of their own when no models are configured (first seen)."""
+
+MAX_MODEL_LABEL_CHARS = 128
+"""A longer model name is never a label value: it folds into :data:`OTHER_MODEL`."""
+
+MAX_MODEL_LABEL_PAIRS = 64
+"""(model, target model) label pairs with series of their own; later pairs fold into ``other``."""
+
+OTHER_MODEL = "other"
+"""The label value every unlisted or surplus model name folds into."""
+
+_STRUCTURE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[,\[{]')
+
+
+def check_json_cost(body: bytes, limit: int = MAX_BODY_JSON_ITEMS) -> None:
+    """Raise RequestError(413) when ``body`` holds more than ``limit`` JSON items (see
+    :data:`MAX_BODY_JSON_ITEMS`), before any parsing.
+
+    Counting ``,``, ``[`` and ``{`` bytes is a few ms for 16 MiB; only a body over the limit by
+    that count (commas inside strings count too) is scanned item by item, and the scan stops at
+    the limit, so its cost is bounded whatever the body.
+    """
+    if body.count(b",") + body.count(b"[") + body.count(b"{") <= limit:
+        return
+    items = 0
+    for _ in _STRUCTURE.finditer(body):
+        items += 1
+        if items > limit:
+            raise RequestError(413, f"request body has more than {limit} JSON values")
+
+
+def rewrite_allowed(config: PickerConfig, model: ModelConfig | None, target: str) -> bool:
+    """Whether a client's ``x-gateway-model-name-rewrite`` to ``target`` may be honoured.
+
+    With no models configured every name is accepted anyway; otherwise only the requested model
+    itself or one of its configured target models.
+    """
+    if not config.models:
+        return True
+    return model is not None and (target == model.name or any(t.name == target for t in model.target_models))
+
+
+def utf8(text: str, what: str) -> bytes:
+    """``text`` as UTF-8; a lone surrogate (``"\\ud800"`` in the JSON) is a 400 and one log line."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:
+        log.info("picker.request_refused status=400 reason=lone surrogate in the %s at character %d", what, exc.start)
+        raise RequestError(400, f"request {what} holds a lone surrogate at character {exc.start}") from None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class ModelLabels:
+    """Folds client-chosen model names into a bounded set of metric label values."""
+
+    def __init__(self, listed: Iterable[str] = (), *, unlisted: int = MAX_UNLISTED_MODEL_LABELS,
+                 pairs: int = MAX_MODEL_LABEL_PAIRS) -> None:
+        self._listed = frozenset(listed)
+        # A configured list is the allow-list: names outside it never get a series.
+        self._unlisted_cap = 0 if self._listed else unlisted
+        self._unlisted: set[str] = set()
+        self._pairs_cap = pairs
+        self._pairs: set[tuple[str, str]] = set()
+
+    @classmethod
+    def for_config(cls, config: PickerConfig) -> ModelLabels:
+        """Configured model names and their target models are listed."""
+        names = [m.name for m in config.models] + [t.name for m in config.models for t in m.target_models]
+        return cls(names)
+
+    def name(self, model: str) -> str:
+        """``model`` itself, or :data:`OTHER_MODEL`. A name once given a series keeps it."""
+        if model in self._listed or model in self._unlisted:
+            return model
+        if (len(model) <= MAX_MODEL_LABEL_CHARS and len(self._unlisted) < self._unlisted_cap
+                and model.isprintable() and _encodes(model)):
+            self._unlisted.add(model)
+            return model
+        return OTHER_MODEL
+
+    def pair(self, model: str, target: str) -> tuple[str, str]:
+        """The (model, target model) label values, folded; surplus pairs become (other, other)."""
+        labels = (self.name(model), self.name(target))
+        if labels in self._pairs:
+            return labels
+        if len(self._pairs) < self._pairs_cap:
+            self._pairs.add(labels)
+            return labels
+        return OTHER_MODEL, OTHER_MODEL
