@@ -11,7 +11,6 @@ too; every other name folds into :data:`OTHER_MODEL`, and at most :data:`MAX_MOD
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 
 from evergreen_trio.picker.config import ModelConfig, PickerConfig
@@ -20,9 +19,9 @@ from evergreen_trio.picker.errors import RequestError
 log = logging.getLogger(__name__)
 
 MAX_BODY_JSON_ITEMS = 262_144
-"""Strings plus commas, ``[`` and ``{`` outside strings that a request body may hold (about its
-JSON values); past it the body is answered 413 before it is parsed. A 128k-token prompt of token
-ids is about 128k items; 262,144 empty objects parse in about 30 ms."""
+"""``,``, ``:``, ``[`` and ``{`` outside strings that a request body may hold (every JSON value
+but the first follows one of them); past it the body is answered 413 before it is parsed. A
+prompt of 200k token ids fits."""
 
 MAX_UNLISTED_MODEL_LABELS = 32
 """Model names that get a metric series of their own when no models are configured (first seen)."""
@@ -36,24 +35,29 @@ MAX_MODEL_LABEL_PAIRS = 64
 OTHER_MODEL = "other"
 """The label value every unlisted or surplus model name folds into."""
 
-_STRUCTURE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[,\[{]')
-
 
 def check_json_cost(body: bytes, limit: int = MAX_BODY_JSON_ITEMS) -> None:
     """Raise RequestError(413) when ``body`` holds more than ``limit`` JSON items (see
     :data:`MAX_BODY_JSON_ITEMS`), before any parsing.
 
-    Counting ``,``, ``[`` and ``{`` bytes is a few ms for 16 MiB; only a body over the limit by
-    that count (commas inside strings count too) is scanned item by item, and the scan stops at
-    the limit, so its cost is bounded whatever the body.
+    Every step is a C-speed pass over the bytes. A body of at most ``limit`` bytes, or with at
+    most ``limit`` of those bytes anywhere, passes at once. Otherwise its strings are cut out
+    (escaped backslashes and quotes removed, then split on ``"``; more than ``limit + 1`` strings
+    is too many items anyway, each string but the first follows an item) and the bytes outside
+    them are counted.
     """
-    if body.count(b",") + body.count(b"[") + body.count(b"{") <= limit:
+    if len(body) <= limit or _items(body) <= limit:
         return
-    items = 0
-    for _ in _STRUCTURE.finditer(body):
-        items += 1
-        if items > limit:
-            raise RequestError(413, f"request body has more than {limit} JSON values")
+    if body.count(b'"') // 2 <= limit + 1:
+        if b"\\" in body:
+            body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+        if sum(_items(part) for part in body.split(b'"')[::2]) <= limit:
+            return
+    raise RequestError(413, f"request body has more than {limit} JSON items (MAX_BODY_JSON_ITEMS)")
+
+
+def _items(data: bytes) -> int:
+    return len(data) - len(data.translate(None, b",:[{"))
 
 
 def rewrite_allowed(config: PickerConfig, model: ModelConfig | None, target: str) -> bool:
