@@ -20,8 +20,8 @@ from evergreen_trio.picker.guards import (
 )
 
 
-def items(text: str) -> int:
-    """``,``, ``:``, ``[`` and ``{`` outside strings, by a plain tokenizer."""
+def outside_strings(text: str, chars: str) -> int:
+    """How many of ``chars`` are outside strings, by a plain tokenizer."""
     count, i = 0, 0
     while i < len(text):
         char = text[i]
@@ -29,7 +29,7 @@ def items(text: str) -> int:
             i += 1
             while text[i] != '"':
                 i += 2 if text[i] == "\\" else 1
-        elif char in ",:[{":
+        elif char in chars:
             count += 1
         i += 1
     return count
@@ -42,24 +42,25 @@ json_values = st.recursive(
 )
 
 
-@given(json_values, st.integers(min_value=0, max_value=20))
-def test_the_cost_check_counts_items_outside_strings_exactly(doc: object, limit: int) -> None:
+@given(json_values, st.integers(min_value=0, max_value=20), st.integers(min_value=0, max_value=10))
+def test_the_cost_check_counts_outside_strings_exactly(doc: object, items: int, containers: int) -> None:
     body = json.dumps(doc).encode()
-    if items(body.decode()) <= limit:
-        check_json_cost(body, limit)
+    text = body.decode()
+    if outside_strings(text, ",:[{") <= items and outside_strings(text, "[{") <= containers:
+        check_json_cost(body, items, containers)
     else:
         with pytest.raises(RequestError) as info:
-            check_json_cost(body, limit)
+            check_json_cost(body, items, containers)
         assert info.value.status == 413
 
 
 def test_a_long_prompt_full_of_commas_passes() -> None:
-    check_json_cost(json.dumps({"model": "m", "prompt": "a, b, " * 100_000}).encode(), 1000)
+    check_json_cost(json.dumps({"model": "m", "prompt": "a, [b], {c}: " * 100_000}).encode(), 1000, 10)
 
 
 def test_many_strings_are_refused_without_splitting() -> None:
     with pytest.raises(RequestError, match="more than 10 JSON items"):
-        check_json_cost(json.dumps(["x"] * 50).encode(), 10)
+        check_json_cost(json.dumps(["x"] * 50).encode(), 10, 10)
 
 
 def config(*models: ModelConfig) -> PickerConfig:
