@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import trio
 
-from evergreen_trio.ipc.config import IpcLimits
-from evergreen_trio.ipc.config import MiB
+from evergreen_trio.ipc.config import IpcLimits, MiB
 from evergreen_trio.ipc.framing import encode_frame_header
 from evergreen_trio.ipc.pool import BufferPool
 from evergreen_trio.ipc.session import IpcStream

@@ -41,7 +41,7 @@ async def start(nursery: trio.Nursery, models: str = "") -> PickerPorts:
     ports: PickerPorts = await nursery.start(partial(run_picker, config, grpc_port=0, health_port=0,
                                                      metrics_port=0))
     with trio.fail_after(10):
-        while (await trio.to_thread.run_sync(ext_proc, ports.grpc, LEGIT_BODY)).status == 503:
+        while (await trio.to_thread.run_sync(ext_proc, ports.grpc, LEGIT_BODY)).status == 503:  # noqa: ASYNC110
             await trio.sleep(0.05)  # until the first scrape marks the endpoint ready
     return ports
 
