@@ -54,24 +54,32 @@ class Answer:
     message: str = ""
 
 
-def ext_proc(port: int, body: bytes, headers: dict[str, str] | None = None, *,
+def channel(port: int) -> grpc.Channel:
+    """A grpcio channel to the ext_proc port that may send a 16 MiB body."""
+    return grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 32 * MiB)])
+
+
+def ext_proc(target: int | grpc.Channel, body: bytes, headers: dict[str, str] | None = None, *,
              path: str = "/v1/completions", timeout: float = 30.0) -> Answer:
-    """One buffered request through the ext_proc port (blocking: run it in a thread)."""
+    """One buffered request through the ext_proc port (a port: on its own connection) (blocking:
+    run it in a thread)."""
+    if isinstance(target, int):
+        with channel(target) as own:
+            return ext_proc(own, body, headers, path=path, timeout=timeout)
     pairs = {":path": path, ":method": "POST", "content-type": "application/json", **(headers or {})}
     first = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
         base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])))
     second = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 32 * MiB)]) as channel:
-        call = channel.stream_stream(PROCESS, request_serializer=ep.ProcessingRequest.SerializeToString,
-                                     response_deserializer=ep.ProcessingResponse.FromString)
-        for reply in call(iter([first, second]), timeout=timeout):
-            if reply.HasField("immediate_response"):
-                immediate = reply.immediate_response
-                return Answer(immediate.status.code, message=immediate.body.decode(errors="replace"))
-            if reply.HasField("request_body"):
-                mutation = reply.request_body.response.body_mutation
-                model = json.loads(mutation.body)["model"] if mutation.body else None
-                return Answer(200, model)
+    call = target.stream_stream(PROCESS, request_serializer=ep.ProcessingRequest.SerializeToString,
+                                response_deserializer=ep.ProcessingResponse.FromString)
+    for reply in call(iter([first, second]), timeout=timeout):
+        if reply.HasField("immediate_response"):
+            immediate = reply.immediate_response
+            return Answer(immediate.status.code, message=immediate.body.decode(errors="replace"))
+        if reply.HasField("request_body"):
+            mutation = reply.request_body.response.body_mutation
+            model = json.loads(mutation.body)["model"] if mutation.body else None
+            return Answer(200, model)
     raise AssertionError("the picker ended the stream without answering the body")
 
 
