@@ -228,28 +228,27 @@ class ConnectionCap:
     """A server's open connections, at most ``limit``: one more is closed at accept.
 
     One warning per burst of refusals, one info line when connections are admitted again.
-    ``admit`` lets a transport refuse for its own reason too (shared memory exhausted).
+    ``full`` lets a transport refuse for its own reason too (shared memory exhausted): it returns
+    the reason, or None when a connection may come in.
     """
 
-    def __init__(self, limit: int, scheme: str) -> None:
+    def __init__(self, limit: int, scheme: str, full: Callable[[], str | None] = lambda: None) -> None:
         self.limit = limit
         self.scheme = scheme
+        self.full = full
         self.active = 0
         self.refused = 0
-
-    def refuse(self, reason: str) -> None:
-        """Count one refused connection (the caller closes it)."""
-        if not self.refused:
-            log.warning("ipc.connection_refused scheme=%s active=%d reason=%s: refusing new connections",
-                        self.scheme, self.active, reason)
-        self.refused += 1
 
     def wrap(self, handle: StreamHandler) -> StreamHandler:
         """``handle`` for connections under the cap; the others are closed at once."""
 
         async def capped(stream: trio.SocketStream) -> None:
-            if self.active >= self.limit:
-                self.refuse(f"{self.limit} connections open (max_connections)")
+            reason = f"{self.limit} connections open (max_connections)" if self.active >= self.limit else self.full()
+            if reason is not None:
+                if not self.refused:
+                    log.warning("ipc.connection_refused scheme=%s active=%d reason=%s: refusing new connections",
+                                self.scheme, self.active, reason)
+                self.refused += 1
                 await trio.aclose_forcefully(stream)
                 return
             if self.refused:

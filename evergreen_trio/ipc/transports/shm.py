@@ -46,7 +46,7 @@ from evergreen_trio.ipc.transports.base import (
     ServeOptions,
     ServerChannel,
 )
-from evergreen_trio.ipc.transports.tcp import FramedSocket, StreamServerChannel, open_framed_client
+from evergreen_trio.ipc.transports.tcp import StreamServerChannel, open_framed_client
 from evergreen_trio.ipc.uri import IpcUri
 
 HANDLE = b"memfd:scm_rights"
@@ -116,12 +116,16 @@ class SegmentPool:
         self._idle: list[SharedSegment] = []
         self._count = 0
 
+    def free(self) -> bool:
+        """Whether :meth:`take` would give a segment."""
+        return bool(self._idle) or self.live < self.most
+
     def take(self) -> SharedSegment | None:
         """A segment for a new connection, or None when ``most`` already exist."""
         if self._idle:
             self.live += 1
             return self._idle.pop()
-        if self.live + len(self._idle) >= self.most:
+        if self.live >= self.most:
             return None
         self._count += 1
         segment = SharedSegment(f"evergreen-ipc-{os.getpid()}-{self._count}", self.size)
@@ -374,7 +378,12 @@ class ShmTransport:
         limits = options.limits
         segments = SegmentPool(limits.shm_segment_bytes, limits.shm_idle_segments,
                                limits.shm_max_total_bytes // limits.shm_segment_bytes)
-        cap = ConnectionCap(limits.max_connections, "shm")
+        def full() -> str | None:
+            if segments.free():
+                return None
+            return f"{segments.most} segments of {limits.shm_segment_bytes} bytes in use (shm_max_total_bytes)"
+
+        cap = ConnectionCap(limits.max_connections, "shm", full)
         counter = 0
         try:
             await sock.bind(path)
@@ -384,11 +393,7 @@ class ShmTransport:
                 nonlocal counter
                 counter += 1
                 segment = segments.take()
-                if segment is None:
-                    cap.refuse(f"{segments.most} segments of {limits.shm_segment_bytes} bytes in use "
-                               "(shm_max_total_bytes)")
-                    await trio.aclose_forcefully(stream)
-                    return
+                assert segment is not None  # the cap admits a connection only when one is free
                 bodies = SharedMemoryBodies(
                     segment, segments, limits.shm_batch_bytes, max(1, limits.max_unacked_bodies // 2),
                     limits.idle_timeout_s,
@@ -399,7 +404,7 @@ class ShmTransport:
                     except TransportError:
                         bodies.release_all()
                         return
-                    await handler(StreamServerChannel(FramedSocket(stream, limits)), bodies, f"shm#{counter}")
+                    await handler(StreamServerChannel.accepted(stream, limits), bodies, f"shm#{counter}")
 
             task_status.started(
                 IpcUri("shm", options.want_data, path=path, free_data=options.free_data, remote_handle=HANDLE)

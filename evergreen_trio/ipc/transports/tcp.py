@@ -45,6 +45,7 @@ from evergreen_trio.ipc.uri import IpcUri
 _CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _COALESCE_BYTES = 64 * 1024
 _SEND_PIECE = 1 << 20
+_SERVER_INBOX_BYTES = 4096
 
 
 class FramedSocket:
@@ -55,13 +56,14 @@ class FramedSocket:
     their destination with ``recv_into``. Sends coalesce small frames the same way.
     """
 
-    def __init__(self, stream: trio.SocketStream, limits: IpcLimits, pool: BufferPool | None = None) -> None:
+    def __init__(self, stream: trio.SocketStream, limits: IpcLimits, pool: BufferPool | None = None,
+                 inbox_bytes: int = _COALESCE_BYTES) -> None:
         self.stream = stream
         self.limits = limits
         self.pool = pool
         self._sock = stream.socket
         self._lock = trio.Lock()
-        self._inbox = bytearray(_COALESCE_BYTES)
+        self._inbox = bytearray(inbox_bytes)
         self._start = 0
         self._end = 0
 
@@ -171,12 +173,18 @@ class FramedSocket:
 
 
 class StreamServerChannel:
-    """:class:`ServerChannel` over a framed socket."""
+    """:class:`ServerChannel` over a framed socket (:meth:`accepted` for a new connection)."""
 
     def __init__(self, framed: FramedSocket) -> None:
         self.framed = framed
         limits = framed.limits
         self._max_request = max(limits.max_ticket_bytes, 8 * limits.max_free_data_offsets)
+
+    @classmethod
+    def accepted(cls, stream: trio.SocketStream, limits: IpcLimits) -> StreamServerChannel:
+        """The channel of an accepted connection: its read buffer is small (requests are, and an
+        idle connection should cost little); a larger request is read in pieces as it arrives."""
+        return cls(FramedSocket(stream, limits, inbox_bytes=_SERVER_INBOX_BYTES))
 
     async def receive_request(self) -> tuple[int, bytes]:
         tag, nbytes = await self.framed.receive_header()
@@ -283,7 +291,7 @@ class TcpTransport:
 
         async def handle(stream: trio.SocketStream) -> None:
             async with stream:
-                await handler(StreamServerChannel(FramedSocket(stream, options.limits)), RawBodies(), _peer(stream))
+                await handler(StreamServerChannel.accepted(stream, options.limits), RawBodies(), _peer(stream))
 
         bound_host, bound_port = listener.socket.getsockname()[:2]
         task_status.started(IpcUri("tcp", options.want_data, host=bound_host, port=bound_port))
