@@ -1,9 +1,10 @@
 """Hostile peers (issue 11): each attack against a running server, with a legitimate client measuring the stall.
 
-Rows come from ``benchmarks/security_picker.py`` and ``benchmarks/security_session.py`` (each exposes
+Rows come from ``benchmarks/security_picker.py``, ``security_picker_requests.py`` (issue 22, items
+7-10), ``security_session.py`` and ``security_ipc.py`` (issue 22, items 11-12) (each exposes
 ``attacks(quick: bool) -> list[dict[str, object]]``). Row keys:
 
-- ``server``: ``picker`` or ``session``.
+- ``server``: ``picker``, ``session`` or ``ipc``.
 - ``attack``: the issue item number and what the attacker sends.
 - ``expected``: the answer the server should give the attacking connection.
 - ``observed``: the answer it gave (GOAWAY / RST codes, grpc-status, what was accepted).
@@ -12,8 +13,8 @@ Rows come from ``benchmarks/security_picker.py`` and ``benchmarks/security_sessi
   (on its own connection, opened before the attack); ``max_ms`` is the worst stall.
 - ``rss_growth_mib``: the server's peak RSS during the attack minus its RSS before it.
 
-Targets: ``max_ms`` <= 100 on the picker, <= 250 on the session server; RSS growth <= 64 MiB per
-attacking connection. Writes ``benchmarks/results/security.json``.
+Targets: ``max_ms`` <= 100 on the picker, <= 250 on the session and IPC servers; RSS growth <= 64
+MiB per attacking connection. Writes ``benchmarks/results/security.json``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from __future__ import annotations
 import json
 import platform
 
-from benchmarks import security_picker, security_session
+from benchmarks import security_ipc, security_picker, security_picker_requests, security_session
 from benchmarks._harness import RESULTS_DIR
 
 COLUMNS = ("server", "attack", "expected", "observed", "idle_p50_ms", "p50_ms", "max_ms", "rss_growth_mib")
-TARGET_MAX_MS = {"picker": 100.0, "session": 250.0}
+TARGET_MAX_MS = {"picker": 100.0, "session": 250.0, "ipc": 250.0}
 TARGET_RSS_MIB = 64.0
 
 
@@ -34,7 +35,8 @@ def _cell(value: object) -> str:
 
 
 def run(quick: bool = False) -> None:
-    rows = security_picker.attacks(quick) + security_session.attacks(quick)
+    rows = (security_picker.attacks(quick) + security_picker_requests.attacks(quick)
+            + security_session.attacks(quick) + security_ipc.attacks(quick))
     print("\n## Hostile peers: a legitimate call during each attack\n")
     print("| " + " | ".join(COLUMNS) + " | targets met |")
     print("|" + "---|" * (len(COLUMNS) + 1))

@@ -47,11 +47,10 @@ from tests.security.ipc_attacks import ATTACKS
 outcome = trio.run(ATTACKS[sys.argv[1]][2], parse_uri(sys.argv[2]), float(sys.argv[3]), 60.0)
 print(json.dumps(outcome.describe()))
 """
-# (attack, scheme, scale for a full run, for --quick); item 12 is the silent flood over shm://,
-# where past shm_max_total_bytes // shm_segment_bytes (16) connections are refused at accept.
+# (attack, scheme, scale for a full run, for --quick)
 ROWS = [("partial_request", "tcp", 1.0, 0.25), ("silent_connections", "tcp", 1.0, 0.4),
-        ("want_data_flood", "tcp", 1.0, 1.0), ("partial_request", "shm", 0.05, 0.05),
-        ("silent_connections", "shm", 0.1, 0.05)]
+        ("want_data_flood", "tcp", 1.0, 1.0), ("partial_request", "shm", 0.1, 0.05),
+        ("shm_connections", "shm", 1.0, 1.0)]
 IDLE_CALLS = 100
 
 

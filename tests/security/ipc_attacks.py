@@ -117,6 +117,11 @@ async def want_data_flood(uri: IpcUri, scale: float, wait_s: float = 30.0) -> Ip
     return outcome
 
 
+async def shm_connections(uri: IpcUri, scale: float, wait_s: float = 30.0) -> IpcOutcome:
+    """100 silent shm:// connections: each would take a segment of its own."""
+    return await _many(uri, max(1, int(100 * scale)), b"", wait_s)
+
+
 ATTACKS: dict[str, tuple[str, str, Callable[[IpcUri, float, float], Awaitable[IpcOutcome]]]] = {
     "partial_request": ("11. frame header announcing a 512 KiB request, nothing after (2,000 connections)",
                         "closed at first_request_timeout_s; the announced size is never allocated",
@@ -127,6 +132,9 @@ ATTACKS: dict[str, tuple[str, str, Callable[[IpcUri, float, float], Awaitable[Ip
     "want_data_flood": ("11. 20,000 want_data on one connection that never reads",
                         "closed past max_streams_per_connection (16 streams), sends cut at send_timeout_s",
                         want_data_flood),
+    "shm_connections": ("12. silent shm:// connections, each taking a shared-memory segment (100)",
+                        "16 get a segment (shm_max_total_bytes // shm_segment_bytes), the rest closed at accept",
+                        shm_connections),
 }
 
 
