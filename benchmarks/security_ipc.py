@@ -18,7 +18,6 @@ from pathlib import Path
 import trio
 
 from benchmarks.security_picker import _rss_mib
-from evergreen_trio.ipc.uri import parse_uri
 from tests.security.ipc_attacks import ATTACKS, LegitClient
 
 ROOT = Path(__file__).parent.parent
@@ -42,7 +41,6 @@ trio.run(main)
 """
 ATTACKER = """
 import json, sys, trio
-from evergreen_trio.ipc.uri import parse_uri
 from tests.security.ipc_attacks import ATTACKS
 outcome = trio.run(ATTACKS[sys.argv[1]][2], parse_uri(sys.argv[2]), float(sys.argv[3]), 60.0)
 print(json.dumps(outcome.describe()))
@@ -70,7 +68,7 @@ async def _measure(name: str, scheme: str, scale: float) -> dict[str, object]:
         while not line.endswith(b"\n"):
             line += await server.stdout.receive_some(4096)
         tcp, shm = line.decode().split()
-        legit = await LegitClient.connect(parse_uri(tcp))
+        legit = await LegitClient.connect(tcp)
         idle = [await _timed_call(legit) for _ in range(IDLE_CALLS)]
         base = peak = _rss_mib(server.pid)
         during: list[float] = []

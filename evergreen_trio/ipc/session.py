@@ -12,6 +12,7 @@ import collections
 import contextlib
 import logging
 import math
+import random
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
@@ -172,14 +173,16 @@ async def serve_connection(
 ) -> None:
     """Serve requests on one connection until the client leaves or a deadline passes; never raises IpcError.
 
-    The first request must arrive within ``first_request_timeout_s``; later, with no stream
+    The first request must arrive within ``first_request_timeout_s`` (plus up to 10%); later, with no stream
     running, the next one within ``idle_timeout_s``. More than ``max_streams_per_connection``
     streams running at once close the connection.
     """
     limits = options.limits
     running = 0
-    # Waiting for a request has a deadline only while no stream runs; it moves as streams end.
-    idle = trio.CancelScope(deadline=trio.current_time() + limits.first_request_timeout_s)
+    # Waiting for a request has a deadline only while no stream runs; it moves as streams end. Up
+    # to 10% extra on the first, so that a flood of connections does not expire in one burst.
+    first_s = limits.first_request_timeout_s * (1 + random.random() / 10)
+    idle = trio.CancelScope(deadline=trio.current_time() + first_s)
     why = f"first request in {limits.first_request_timeout_s:g} s"
 
     async def stream(messages: Sequence[OutgoingMessage]) -> None:

@@ -19,7 +19,7 @@ from evergreen_trio.ipc.framing import encode_frame_header
 from evergreen_trio.ipc.pool import BufferPool
 from evergreen_trio.ipc.session import IpcStream
 from evergreen_trio.ipc.transports.tcp import FramedSocket, StreamClientChannel
-from evergreen_trio.ipc.uri import IpcUri
+from evergreen_trio.ipc.uri import IpcUri, parse_uri
 
 KiB = 1 << 10
 LEGIT_TICKET = "small"
@@ -146,7 +146,8 @@ class LegitClient:
         self.uri = uri
 
     @classmethod
-    async def connect(cls, uri: IpcUri) -> LegitClient:
+    async def connect(cls, uri: IpcUri | str) -> LegitClient:
+        uri = parse_uri(uri) if isinstance(uri, str) else uri
         limits = IpcLimits()
         stream = await trio.open_tcp_stream(uri.host, uri.port)
         return cls(FramedSocket(stream, limits, BufferPool(16 * MiB)), uri)
