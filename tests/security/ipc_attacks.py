@@ -80,8 +80,13 @@ async def _many(uri: IpcUri, count: int, first_bytes: bytes, wait_s: float) -> I
     async with trio.open_nursery() as nursery:
         for _ in range(count):
             stream = await open_raw(uri)
-            if first_bytes:
+            try:
                 await stream.send_all(first_bytes)
+            except (trio.BrokenResourceError, OSError):  # refused at accept before we sent
+                outcome.closed += 1
+                outcome.closed_at_once += 1
+                await trio.aclose_forcefully(stream)
+                continue
             nursery.start_soon(_until_closed, stream, trio.current_time(), wait_s, outcome)
     return outcome
 
