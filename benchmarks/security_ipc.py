@@ -41,6 +41,7 @@ trio.run(main)
 """
 ATTACKER = """
 import json, sys, trio
+from evergreen_trio.ipc.uri import parse_uri
 from tests.security.ipc_attacks import ATTACKS
 outcome = trio.run(ATTACKS[sys.argv[1]][2], parse_uri(sys.argv[2]), float(sys.argv[3]), 60.0)
 print(json.dumps(outcome.describe()))
