@@ -80,6 +80,15 @@ def _objects(grpc_port: int, metrics_port: int, quick: bool) -> str:
     return f"{len(answers)} x 16 MiB answered {sorted({a.status for a in answers})}"
 
 
+def _large_prompt(grpc_port: int, metrics_port: int, quick: bool) -> str:
+    from tests.security.picker_requests import MiB
+
+    body = b'{"model":"sim-model","prompt":"' + b"a, b" * (4 * MiB - 16) + b'"}'
+    with channel(grpc_port) as own:
+        answers = [ext_proc(own, body) for _ in range(2 if quick else 5)]
+    return f"{len(answers)} x 16 MiB answered {sorted({a.status for a in answers})}"
+
+
 def _surrogate(grpc_port: int, metrics_port: int, quick: bool) -> str:
     from tests.security.picker_requests import REWRITE, surrogate_body
 
@@ -98,6 +107,8 @@ ATTACKS: dict[str, tuple[str, str, str, Callable[[int, int, bool], str]]] = {
                 LISTED, _rewrite),
     "objects": ("9. 16 MiB body of `{},{},...` (5.6 million objects)",
                 "413 before parsing (MAX_BODY_JSON_CONTAINERS)", "", _objects),
+    "large": ("9. (reference, not an attack) a 16 MiB prompt string", "routed: what any 16 MiB body costs",
+              "", _large_prompt),
     "surrogate": ("10. lone surrogate in the prompt + a model rewrite (200 requests)",
                   "400 and one log line each", LISTED, _surrogate),
 }
