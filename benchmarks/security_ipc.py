@@ -10,15 +10,15 @@ server's VmRSS, sampled between fetches. The attack clients are ``tests/security
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import trio
 
-from benchmarks.security_picker import _rss_mib
+from benchmarks.security_picker import during_attack
 from tests.security.ipc_attacks import ATTACKS, LegitClient
 
 ROOT = Path(__file__).parent.parent
@@ -72,38 +72,16 @@ async def _measure(name: str, scheme: str, scale: float) -> dict[str, object]:
         tcp, shm = line.decode().split()
         legit = await LegitClient.connect(tcp)
         idle = [await _timed_call(legit) for _ in range(IDLE_CALLS)]
-        base = peak = _rss_mib(server.pid)
-        during: list[float] = []
-        done = trio.Event()
-        finished: list[subprocess.CompletedProcess[bytes]] = []
-
-        async def attack_process() -> None:
-            finished.append(await trio.run_process(
-                [sys.executable, "-c", ATTACKER, name, tcp if scheme == "tcp" else shm, str(scale)], cwd=ROOT,
-                capture_stdout=True, check=False))
-            done.set()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(attack_process)
-            while not done.is_set():
-                during.append(await _timed_call(legit))
-                peak = max(peak, _rss_mib(server.pid))
-                await trio.sleep(0.002)
-        output, code = finished[0].stdout, finished[0].returncode
-        observed = json.loads(output.decode()) if code == 0 else f"attacker exited {code}"
+        row = await during_attack(server.pid, [name, tcp if scheme == "tcp" else shm, str(scale)], ATTACKER,
+                                  partial(_timed_call, legit))
         await legit.aclose()
     finally:
         server.terminate()
         await server.wait()
     if scale != 1.0:
         attack += f" (x{scale:g})"
-    return {
-        "server": "ipc", "attack": f"{attack} over {scheme}://", "expected": expected, "observed": observed,
-        "idle_p50_ms": round(statistics.median(idle), 3),
-        "p50_ms": round(statistics.median(during), 3) if during else None,
-        "max_ms": round(max(during), 3) if during else None, "rss_growth_mib": round(peak - base, 1),
-        "legit_calls": len(during), "scale": scale,
-    }
+    return {"server": "ipc", "attack": f"{attack} over {scheme}://", "expected": expected,
+            "idle_p50_ms": round(statistics.median(idle), 3), **row, "scale": scale}
 
 
 def attacks(quick: bool) -> list[dict[str, object]]:

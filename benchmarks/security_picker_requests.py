@@ -8,17 +8,18 @@ picker's VmRSS, sampled between calls. The attack clients are ``tests/security/p
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+import grpc
 import trio
 
-from benchmarks.security_picker import _rss_mib
+from benchmarks.security_picker import during_attack
 from tests.security.picker_requests import LEGIT_BODY, LISTED, channel, ext_proc
 
 ROOT = Path(__file__).parent.parent
@@ -114,9 +115,9 @@ ATTACKS: dict[str, tuple[str, str, str, Callable[[int, int, bool], str]]] = {
 }
 
 
-def _timed_call(own: object) -> float:
+def _timed_call(own: grpc.Channel) -> float:
     start = time.perf_counter()
-    if ext_proc(own, LEGIT_BODY).status != 200:  # type: ignore[arg-type]
+    if ext_proc(own, LEGIT_BODY).status != 200:
         raise RuntimeError("the legitimate request was not routed")
     return (time.perf_counter() - start) * 1000
 
@@ -136,35 +137,14 @@ async def _measure(name: str, quick: bool) -> dict[str, object]:
                 while (await trio.to_thread.run_sync(ext_proc, own, LEGIT_BODY)).status == 503:  # noqa: ASYNC110
                     await trio.sleep(0.05)  # until the first scrape marks the endpoint ready
             idle = [await trio.to_thread.run_sync(_timed_call, own) for _ in range(IDLE_CALLS)]
-            base = peak = _rss_mib(server.pid)
-            during: list[float] = []
-            done = trio.Event()
-            finished: list[subprocess.CompletedProcess[bytes]] = []
-
-            async def attack_process() -> None:
-                finished.append(await trio.run_process(
-                    [sys.executable, "-c", ATTACKER, name, str(grpc_port), str(metrics_port),
-                     "quick" if quick else "full"], cwd=ROOT, capture_stdout=True, check=False))
-                done.set()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(attack_process)
-                while not done.is_set():
-                    during.append(await trio.to_thread.run_sync(_timed_call, own))
-                    peak = max(peak, _rss_mib(server.pid))
-                    await trio.sleep(0.002)
-        output, code = finished[0].stdout, finished[0].returncode
-        observed = json.loads(output.decode()) if code == 0 else f"attacker exited {code}"
+            row = await during_attack(server.pid, [name, str(grpc_port), str(metrics_port),
+                                                   "quick" if quick else "full"], ATTACKER,
+                                      partial(trio.to_thread.run_sync, _timed_call, own))
     finally:
         server.terminate()
         await server.wait()
-    return {
-        "server": "picker", "attack": attack, "expected": expected, "observed": observed,
-        "idle_p50_ms": round(statistics.median(idle), 3),
-        "p50_ms": round(statistics.median(during), 3) if during else None,
-        "max_ms": round(max(during), 3) if during else None, "rss_growth_mib": round(peak - base, 1),
-        "legit_calls": len(during),
-    }
+    return {"server": "picker", "attack": attack, "expected": expected,
+            "idle_p50_ms": round(statistics.median(idle), 3), **row}
 
 
 def attacks(quick: bool) -> list[dict[str, object]]:
