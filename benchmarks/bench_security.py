@@ -1,10 +1,11 @@
 """Hostile peers (issue 11): each attack against a running server, with a legitimate client measuring the stall.
 
-Rows come from ``benchmarks/security_picker.py``, ``benchmarks/security_session.py`` and
-``benchmarks/security_http.py`` (issue 22: ``avp serve`` and ``sim``) (each exposes
-``attacks(quick: bool) -> list[dict[str, object]]``). Row keys:
+Rows come from ``benchmarks/security_picker.py``, ``security_picker_requests.py`` (issue 22, items
+7-10), ``security_session.py``, ``security_http.py`` (issue 22: ``avp serve`` and ``sim``) and
+``security_ipc.py`` (issue 22, items 11-12) (each exposes ``attacks(quick: bool) -> list[dict[str, object]]``).
+Row keys:
 
-- ``server``: ``picker``, ``session``, ``avp`` or ``sim``.
+- ``server``: ``picker``, ``session``, ``avp``, ``sim`` or ``ipc``.
 - ``attack``: the issue item number and what the attacker sends.
 - ``expected``: the answer the server should give the attacking connection.
 - ``observed``: the answer it gave (GOAWAY / RST codes, grpc-status, what was accepted).
@@ -14,8 +15,8 @@ Rows come from ``benchmarks/security_picker.py``, ``benchmarks/security_session.
 - ``rss_growth_mib``: the server's peak RSS during the attack minus its RSS before it.
 - ``connections`` (optional, default 1): attacking connections at once; the RSS target is per connection.
 
-Targets: ``max_ms`` <= 100 on the picker, <= 250 on the session, AVP and simulator servers; RSS growth <= 64 MiB per
-attacking connection. Writes ``benchmarks/results/security.json``.
+Targets: ``max_ms`` <= 100 on the picker, <= 250 on the session, AVP, simulator and IPC servers; RSS
+growth <= 64 MiB per attacking connection. Writes ``benchmarks/results/security.json``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from __future__ import annotations
 import json
 import platform
 
-from benchmarks import security_http, security_picker, security_session
+from benchmarks import security_http, security_ipc, security_picker, security_picker_requests, security_session
 from benchmarks._harness import RESULTS_DIR
 
 COLUMNS = ("server", "attack", "expected", "observed", "idle_p50_ms", "p50_ms", "max_ms", "rss_growth_mib")
-TARGET_MAX_MS = {"picker": 100.0, "session": 250.0, "avp": 250.0, "sim": 250.0}
+TARGET_MAX_MS = {"picker": 100.0, "session": 250.0, "avp": 250.0, "sim": 250.0, "ipc": 250.0}
 TARGET_RSS_MIB = 64.0
 
 
@@ -36,7 +37,8 @@ def _cell(value: object) -> str:
 
 
 def run(quick: bool = False) -> None:
-    rows = security_picker.attacks(quick) + security_session.attacks(quick) + security_http.attacks(quick)
+    rows = (security_picker.attacks(quick) + security_picker_requests.attacks(quick)
+            + security_session.attacks(quick) + security_http.attacks(quick) + security_ipc.attacks(quick))
     print("\n## Hostile peers: a legitimate call during each attack\n")
     print("| " + " | ".join(COLUMNS) + " | targets met |")
     print("|" + "---|" * (len(COLUMNS) + 1))

@@ -13,6 +13,8 @@ import json
 import statistics
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -70,35 +72,42 @@ async def _measure(index: int, attack: Attack, quick: bool) -> dict[str, object]
         legit = await RawClient.connect(port)
         await legit.read_until(lambda f: f.kind == SETTINGS, 5.0)
         idle = [await _timed_call(legit) for _ in range(IDLE_CALLS)]
-        base = peak = _rss_mib(server.pid)
-        during: list[float] = []
-        done = trio.Event()
-        finished: list[subprocess.CompletedProcess[bytes]] = []
-
-        async def attack_process() -> None:
-            finished.append(await trio.run_process(
-                [sys.executable, "-c", ATTACKER, str(index), str(port), str(scale)], cwd=ROOT,
-                capture_stdout=True, check=False))
-            done.set()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(attack_process)
-            while not done.is_set():
-                during.append(await _timed_call(legit))
-                peak = max(peak, _rss_mib(server.pid))
-                await trio.sleep(0.002)
-        output, code = finished[0].stdout, finished[0].returncode
-        observed = json.loads(output.decode()) if code == 0 else f"attacker exited {code}"
+        row = await during_attack(server.pid, [str(index), str(port), str(scale)], ATTACKER,
+                                  partial(_timed_call, legit))
         await legit.aclose()
     finally:
         server.terminate()
         await server.wait()
+    return {"server": "picker", "attack": f"{attack.item}. {attack.name}", "expected": attack.expected,
+            "idle_p50_ms": round(statistics.median(idle), 3), **row, "scale": scale}
+
+
+async def during_attack(pid: int, args: list[str], attacker: str,
+                        call: Callable[[], Awaitable[float]]) -> dict[str, object]:
+    """Run ``python -c attacker *args`` (it prints the observed answer as JSON) while ``call``
+    (a legitimate call, returning its ms) runs back to back; the row's measured keys."""
+    base = peak = _rss_mib(pid)
+    during: list[float] = []
+    done = trio.Event()
+    finished: list[subprocess.CompletedProcess[bytes]] = []
+
+    async def attack_process() -> None:
+        finished.append(await trio.run_process([sys.executable, "-c", attacker, *args], cwd=ROOT,
+                                               capture_stdout=True, check=False))
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(attack_process)
+        while not done.is_set():
+            during.append(await call())
+            peak = max(peak, _rss_mib(pid))
+            await trio.sleep(0.002)
+    output, code = finished[0].stdout, finished[0].returncode
     return {
-        "server": "picker", "attack": f"{attack.item}. {attack.name}", "expected": attack.expected,
-        "observed": observed, "idle_p50_ms": round(statistics.median(idle), 3),
+        "observed": json.loads(output.decode()) if code == 0 else f"attacker exited {code}",
         "p50_ms": round(statistics.median(during), 3) if during else None,
         "max_ms": round(max(during), 3) if during else None, "rss_growth_mib": round(peak - base, 1),
-        "legit_calls": len(during), "scale": scale,
+        "legit_calls": len(during),
     }
 
 

@@ -101,10 +101,15 @@ async def serve_metrics(
     Serves until cancelled; ``started`` gets the bound port (0 picks a free one).
     """
 
+    # Rendering runs in a worker thread, one at a time: a scrape never holds the Trio thread that
+    # routes requests (the GIL is handed back every few ms while it renders).
+    render = trio.CapacityLimiter(1)
+
     async def handle(request: HttpRequest) -> HttpResponse:
         if request.method != "GET":
             return HttpResponse(405, [("allow", "GET")])
-        return HttpResponse(200, [("content-type", CONTENT_TYPE_LATEST)], generate_latest(registry))
+        body = await trio.to_thread.run_sync(generate_latest, registry, limiter=render)
+        return HttpResponse(200, [("content-type", CONTENT_TYPE_LATEST)], body)
 
     await serve_http(handle, host, port, max_body=MAX_REQUEST_BODY, task_status=task_status)
 

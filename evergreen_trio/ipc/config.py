@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from evergreen_trio.errors import ConfigurationError
 from evergreen_trio.limits import check_limits
 
 MiB = 1 << 20
@@ -18,6 +19,15 @@ class IpcLimits:
     written to the socket; shared memory: not yet returned by ``free_data``).
     ``shm_batch_bytes``: a shared-memory server announces bodies in groups of about
     this many bytes (and at most half the window), one control send per group.
+
+    Server side, against hostile clients: ``max_connections`` open at once (more are closed
+    at accept), ``max_streams_per_connection`` want_data streams running on one connection
+    (one more closes it), ``first_request_timeout_s`` from accept to the first complete
+    request, ``idle_timeout_s`` with no request and no stream running, ``send_timeout_s``
+    for each MiB sent (a client that stops reading). ``shm_segment_bytes`` is the shared
+    memory of one connection; ``shm_max_total_bytes`` caps all of a server's segments
+    (live and idle), so a shm:// server takes at most ``shm_max_total_bytes //
+    shm_segment_bytes`` connections.
     """
 
     max_metadata_bytes: int = 1 * MiB
@@ -32,11 +42,20 @@ class IpcLimits:
     shm_batch_bytes: int = 64 * MiB
     pool_bytes: int = 512 * MiB
     connect_timeout_s: float = 10.0
+    max_connections: int = 1024
+    max_streams_per_connection: int = 16
+    first_request_timeout_s: float = 10.0
+    idle_timeout_s: float = 60.0
+    send_timeout_s: float = 30.0
+    shm_max_total_bytes: int = 16 * 1024 * MiB
 
     def __post_init__(self) -> None:
         """Raises ConfigurationError for a field that is not positive (and max_pending_messages >= 2**31,
-        half the sequence space)."""
+        half the sequence space, or shm_max_total_bytes below one segment)."""
         check_limits(self, maximum={"max_pending_messages": (1 << 31) - 1})
+        if self.shm_max_total_bytes < self.shm_segment_bytes:
+            raise ConfigurationError(f"IpcLimits.shm_max_total_bytes: expected at least shm_segment_bytes "
+                                     f"({self.shm_segment_bytes}), got {self.shm_max_total_bytes}")
 
 
 DEFAULT_LIMITS = IpcLimits()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
+import random
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
@@ -135,14 +137,22 @@ async def _send_bodies(
             if not oldest.done:
                 await bodies.flush(channel)
                 announced(i)
-            await oldest.wait()
+            await _acknowledged(oldest, limits.idle_timeout_s)
         window.append(await bodies.post(channel, i & UINT32_MAX, message))
         unannounced.append(i)
         announced(i + 1)
     await bodies.flush(channel)
     announced(len(messages))
     while window:
-        await window.popleft().wait()
+        await _acknowledged(window.popleft(), limits.idle_timeout_s)
+
+
+async def _acknowledged(completion: Completion, seconds: float) -> None:
+    """Wait for the client to take (or free) a body; a client that does not for ``seconds`` is dropped."""
+    with trio.move_on_after(seconds):
+        await completion.wait()
+        return
+    raise ConnectionLostError(f"client took or freed no body for {seconds:g} s (idle_timeout_s)")
 
 
 async def _send_stream(
@@ -161,31 +171,66 @@ async def _send_stream(
 async def serve_connection(
     channel: ServerChannel, lookup: Lookup, bodies: BodySender, options: ServeOptions, peer: str
 ) -> None:
-    """Serve requests on one connection until the client leaves; never raises IpcError."""
+    """Serve requests on one connection until the client leaves or a deadline passes; never raises IpcError.
+
+    The first request must arrive within ``first_request_timeout_s`` (plus up to 10%); later, with no stream
+    running, the next one within ``idle_timeout_s``. More than ``max_streams_per_connection``
+    streams running at once close the connection.
+    """
     limits = options.limits
+    running = 0
+    # Waiting for a request has a deadline only while no stream runs; it moves as streams end. Up
+    # to 10% extra on the first, so that a flood of connections does not expire in one burst.
+    first_s = limits.first_request_timeout_s * (1 + random.random() / 10)
+    idle = trio.CancelScope(deadline=trio.current_time() + first_s)
+    why = f"first request in {limits.first_request_timeout_s:g} s"
+
+    async def stream(messages: Sequence[OutgoingMessage]) -> None:
+        nonlocal running
+        try:
+            await _send_stream(channel, messages, bodies, options)
+        finally:
+            running -= 1
+            if not running:
+                idle.deadline = trio.current_time() + limits.idle_timeout_s
+
     try:
         async with trio.open_nursery() as nursery:
-            while True:
-                tag, payload = await channel.receive_request()
-                if tag == options.want_data:
-                    if len(payload) > limits.max_ticket_bytes:
-                        raise LimitExceededError(
-                            f"want_data: expected a ticket <= {limits.max_ticket_bytes} bytes, got {len(payload)}"
+            with idle:
+                while True:
+                    tag, payload = await channel.receive_request()
+                    why = f"request and no stream running for {limits.idle_timeout_s:g} s"
+                    if tag == options.want_data:
+                        if running >= limits.max_streams_per_connection:
+                            raise LimitExceededError(
+                                f"want_data: expected at most {limits.max_streams_per_connection} streams running "
+                                "on one connection (max_streams_per_connection), got one more"
+                            )
+                        if len(payload) > limits.max_ticket_bytes:
+                            raise LimitExceededError(
+                                f"want_data: expected a ticket <= {limits.max_ticket_bytes} bytes, got {len(payload)}"
+                            )
+                        try:
+                            messages = lookup(payload)
+                        except UnknownTicketError as exc:
+                            await channel.send_metadata([encode_refusal(str(exc))])  # the client says why
+                            raise
+                        log.info("ipc.want_data peer=%s ticket_bytes=%d messages=%d", peer, len(payload),
+                                 len(messages))
+                        running += 1
+                        idle.deadline = math.inf
+                        nursery.start_soon(stream, messages)
+                    elif tag == options.free_data:
+                        bodies.on_free(decode_free_data(payload, limits))
+                    else:
+                        raise FramingError(
+                            f"request tag: expected want_data {options.want_data} or free_data "
+                            f"{options.free_data}, got {tag}"
                         )
-                    try:
-                        messages = lookup(payload)
-                    except UnknownTicketError as exc:
-                        await channel.send_metadata([encode_refusal(str(exc))])  # the client says why
-                        raise
-                    log.info("ipc.want_data peer=%s ticket_bytes=%d messages=%d", peer, len(payload), len(messages))
-                    nursery.start_soon(_send_stream, channel, messages, bodies, options)
-                elif tag == options.free_data:
-                    bodies.on_free(decode_free_data(payload, limits))
-                else:
-                    raise FramingError(
-                        f"request tag: expected want_data {options.want_data} or free_data "
-                        f"{options.free_data}, got {tag}"
-                    )
+                    if not running:
+                        idle.deadline = trio.current_time() + limits.idle_timeout_s
+            log.info("ipc.connection_timeout peer=%s reason=no %s", peer, why)
+            nursery.cancel_scope.cancel()
     except* ConnectionLostError:
         log.info("ipc.client_gone peer=%s", peer)
     except* IpcError as group:

@@ -27,6 +27,7 @@ from google.protobuf import struct_pb2
 
 from evergreen_trio.picker.config import DestinationMode, PickerConfig
 from evergreen_trio.picker.errors import ExtProcError, RequestError
+from evergreen_trio.picker.guards import rewrite_allowed
 from evergreen_trio.picker.request import parse_body, rewrite_model
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
 from evergreen_trio.picker.usage import ResponseBody, Usage
@@ -126,8 +127,11 @@ class Picker:
                     raise RequestError(404, f"model {request.model!r} matches no configured model")
                 if model is not None:
                     priority = model.priority
-                target = headers.get(MODEL_REWRITE) or (
-                    choose_target(model, self.rng) if model is not None else request.model)
+                rewrite = headers.get(MODEL_REWRITE)
+                if rewrite and not rewrite_allowed(self.config, model, rewrite):
+                    raise RequestError(404, f"{MODEL_REWRITE} {rewrite[:64]!r} is not a target model of "
+                                            f"{request.model[:64]!r}")
+                target = rewrite or (choose_target(model, self.rng) if model is not None else request.model)
                 if target != request.model:
                     new_body = rewrite_model(request.body, target)
                 if self.config.scheduler.uses_prefix:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.guards import check_json_cost, utf8
 
 
 class Api(enum.Enum):
@@ -66,6 +67,7 @@ def _prompt(api: Api, body: Mapping[str, Any]) -> str:
 
 def parse_body(path: str, body: bytes) -> InferenceRequest:
     """Parse a request body; a body that is not a JSON object with a string ``model`` is a 400."""
+    check_json_cost(body)
     try:
         doc = json.loads(body)
     except (ValueError, RecursionError) as exc:
@@ -76,9 +78,12 @@ def parse_body(path: str, body: bytes) -> InferenceRequest:
     if not isinstance(model, str) or not model:
         raise RequestError(400, "request body lacks a string 'model' field")
     api = api_for_path(path)
-    return InferenceRequest(api, model, doc.get("stream") is True, _prompt(api, doc), doc)
+    prompt = _prompt(api, doc)
+    utf8(model, "model")
+    utf8(prompt, "prompt")
+    return InferenceRequest(api, model, doc.get("stream") is True, prompt, doc)
 
 
 def rewrite_model(body: Mapping[str, Any], model: str) -> bytes:
-    """The body re-serialized with ``model`` replaced."""
-    return json.dumps({**body, "model": model}, separators=(",", ":"), ensure_ascii=False).encode()
+    """The body re-serialized with ``model`` replaced; RequestError(400) for a lone surrogate in it."""
+    return utf8(json.dumps({**body, "model": model}, separators=(",", ":"), ensure_ascii=False), "body")

@@ -29,6 +29,7 @@ from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.grpc_server import SSLContextSource, serve_sync_bidi
 from evergreen_trio.picker.grpc_wire import RpcStatusError, SyncBidiMethod, WireLimits
+from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.processor import Picker, StreamReport
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
@@ -217,7 +218,7 @@ async def run_picker(
     ``leader_election`` only the leader reports ready. See :class:`Readiness`.
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
-    metrics = PickerMetrics(config.pool.name)
+    metrics = PickerMetrics(config.pool.name, labels=ModelLabels.for_config(config))
     picker = Picker(config, snapshot)
     readiness = Readiness(config.pool.name, discovered=discovery is not None, elected=leader_election is not None)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.processor import StreamReport
 from evergreen_trio.picker.scheduler import PoolSnapshot
 
@@ -35,10 +36,16 @@ def error_code(status: int) -> str:
 
 
 class PickerMetrics:
-    """The reference's metrics plus ours (served endpoints, tokens by kind)."""
+    """The reference's metrics plus ours (served endpoints, tokens by kind).
 
-    def __init__(self, pool: str, registry: CollectorRegistry | None = None) -> None:
+    Model names are folded by ``labels`` (:class:`~evergreen_trio.picker.guards.ModelLabels`:
+    unlisted and surplus names become ``other``), so clients cannot grow the label set.
+    """
+
+    def __init__(self, pool: str, registry: CollectorRegistry | None = None,
+                 labels: ModelLabels | None = None) -> None:
         self.pool = pool
+        self.labels = labels if labels is not None else ModelLabels()
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.requests = Counter("inference_objective_request", "Requests routed, by model and target model",
@@ -101,15 +108,15 @@ class PickerMetrics:
 
     def started(self, report: StreamReport) -> None:
         """The request was routed: it runs until :meth:`record`."""
-        self.running.labels(report.client_model).inc()
+        self.running.labels(self.labels.name(report.client_model)).inc()
 
     def record(self, report: StreamReport, duration_s: float, *, prefix_index_size: int | None = None) -> None:
         """Everything one finished stream did; ``duration_s`` from its first message to its end."""
-        labels = (report.client_model, report.target_model)
+        labels = self.labels.pair(report.client_model, report.target_model)
         if report.error is not None:
             self.errors.labels(*labels, error_code(report.error)).inc()
         if report.routed:
-            self.running.labels(report.client_model).dec()
+            self.running.labels(self.labels.name(report.client_model)).dec()
             self.requests.labels(*labels).inc()
             self.duration.labels(*labels).observe(duration_s)
             self.request_sizes.labels(*labels).observe(report.request_bytes)
@@ -138,4 +145,4 @@ class PickerMetrics:
             for kind, value in (("prompt", usage.prompt_tokens), ("completion", usage.completion_tokens),
                                 ("cached", usage.cached_tokens)):
                 if value:
-                    self.tokens.labels(report.client_model, kind).inc(value)
+                    self.tokens.labels(labels[0], kind).inc(value)

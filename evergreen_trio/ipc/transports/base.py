@@ -12,6 +12,7 @@ typed :class:`~evergreen_trio.ipc.framing.BodyIn`.
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from evergreen_trio.ipc.flatbuf import MessageHeader
 from evergreen_trio.ipc.framing import FREE_DATA_TAG, WANT_DATA_TAG, BodyIn, BodyType, make_tag
 from evergreen_trio.ipc.pool import BufferPool
 from evergreen_trio.ipc.uri import IpcUri
+
+log = logging.getLogger(__name__)
 
 Lookup = Callable[[bytes], Sequence[OutgoingMessage]]
 """Ticket -> the messages of its stream; raises UnknownTicketError."""
@@ -216,3 +219,45 @@ class Transport(Protocol):
     ) -> AbstractAsyncContextManager[Connection]:
         """Connect, send want_data with ``ticket``; raises TransportError when no server answers."""
         ...
+
+
+StreamHandler = Callable[[trio.SocketStream], Awaitable[None]]
+
+
+class ConnectionCap:
+    """A server's open connections, at most ``limit``: one more is closed at accept.
+
+    One warning per burst of refusals, one info line when connections are admitted again.
+    ``full`` lets a transport refuse for its own reason too (shared memory exhausted): it returns
+    the reason, or None when a connection may come in.
+    """
+
+    def __init__(self, limit: int, scheme: str, full: Callable[[], str | None] = lambda: None) -> None:
+        self.limit = limit
+        self.scheme = scheme
+        self.full = full
+        self.active = 0
+        self.refused = 0
+
+    def wrap(self, handle: StreamHandler) -> StreamHandler:
+        """``handle`` for connections under the cap; the others are closed at once."""
+
+        async def capped(stream: trio.SocketStream) -> None:
+            reason = f"{self.limit} connections open (max_connections)" if self.active >= self.limit else self.full()
+            if reason is not None:
+                if not self.refused:
+                    log.warning("ipc.connection_refused scheme=%s active=%d reason=%s: refusing new connections",
+                                self.scheme, self.active, reason)
+                self.refused += 1
+                await trio.aclose_forcefully(stream)
+                return
+            if self.refused:
+                log.info("ipc.accepting_again scheme=%s refused=%d", self.scheme, self.refused)
+                self.refused = 0
+            self.active += 1
+            try:
+                await handle(stream)
+            finally:
+                self.active -= 1
+
+        return capped

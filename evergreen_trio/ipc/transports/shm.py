@@ -15,6 +15,7 @@ import array
 import collections
 import contextlib
 import heapq
+import math
 import mmap
 import os
 import socket
@@ -39,12 +40,13 @@ from evergreen_trio.ipc.transports.base import (
     BodyResolver,
     Completion,
     Connection,
+    ConnectionCap,
     ConnectionHandler,
     Done,
     ServeOptions,
     ServerChannel,
 )
-from evergreen_trio.ipc.transports.tcp import FramedSocket, StreamServerChannel, open_framed_client
+from evergreen_trio.ipc.transports.tcp import StreamServerChannel, open_framed_client
 from evergreen_trio.ipc.uri import IpcUri
 
 HANDLE = b"memfd:scm_rights"
@@ -102,22 +104,36 @@ class SegmentPool:
     with every region returned by ``free_data`` gives its segment back for the next
     one; a connection that ends with regions outstanding (its client may still hold
     batches on them) retires the segment, which then lives on only in that client's
-    mapping. At most ``keep`` idle segments are kept.
+    mapping. At most ``keep`` idle segments are kept, and at most ``most`` exist at once
+    (in use and idle: the server's shared-memory cap divided by the segment size).
     """
 
-    def __init__(self, size: int, keep: int) -> None:
+    def __init__(self, size: int, keep: int, most: int) -> None:
         self.size = size
         self.keep = keep
+        self.most = most
+        self.live = 0
         self._idle: list[SharedSegment] = []
         self._count = 0
 
-    def take(self) -> SharedSegment:
+    def free(self) -> bool:
+        """Whether :meth:`take` would give a segment."""
+        return bool(self._idle) or self.live < self.most
+
+    def take(self) -> SharedSegment | None:
+        """A segment for a new connection, or None when ``most`` already exist."""
         if self._idle:
+            self.live += 1
             return self._idle.pop()
+        if self.live >= self.most:
+            return None
         self._count += 1
-        return SharedSegment(f"evergreen-ipc-{os.getpid()}-{self._count}", self.size)
+        segment = SharedSegment(f"evergreen-ipc-{os.getpid()}-{self._count}", self.size)
+        self.live += 1
+        return segment
 
     def give_back(self, segment: SharedSegment, *, clean: bool) -> None:
+        self.live -= 1
         if clean and len(self._idle) < self.keep:
             self._idle.append(segment)
         else:
@@ -153,9 +169,11 @@ class SharedMemoryBodies:
     """
 
     def __init__(
-        self, segment: SharedSegment, pool: SegmentPool | None = None, batch_bytes: int = 1, batch_count: int = 1
+        self, segment: SharedSegment, pool: SegmentPool | None = None, batch_bytes: int = 1, batch_count: int = 1,
+        wait_s: float = math.inf,
     ) -> None:
         self.segment = segment
+        self.wait_s = wait_s
         self.pool = pool
         self.batch_bytes = batch_bytes
         self.batch_count = batch_count
@@ -170,7 +188,10 @@ class SharedMemoryBodies:
         start = self.arena.allocate(size)
         while start is None:
             await self.flush(channel)
-            await self._space.wait()
+            with trio.move_on_after(self.wait_s) as waited:
+                await self._space.wait()
+            if waited.cancelled_caught:
+                raise ConnectionLostError(f"client freed no shared memory for {self.wait_s:g} s (idle_timeout_s)")
             start = self.arena.allocate(size)
         if message.body is not None and message.body.size:
             self.segment.write(start, message.body)
@@ -355,7 +376,14 @@ class ShmTransport:
             path = os.path.join(workdir, "control.sock")
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
         limits = options.limits
-        segments = SegmentPool(limits.shm_segment_bytes, limits.shm_idle_segments)
+        segments = SegmentPool(limits.shm_segment_bytes, limits.shm_idle_segments,
+                               limits.shm_max_total_bytes // limits.shm_segment_bytes)
+        def full() -> str | None:
+            if segments.free():
+                return None
+            return f"{segments.most} segments of {limits.shm_segment_bytes} bytes in use (shm_max_total_bytes)"
+
+        cap = ConnectionCap(limits.max_connections, "shm", full)
         counter = 0
         try:
             await sock.bind(path)
@@ -365,8 +393,10 @@ class ShmTransport:
                 nonlocal counter
                 counter += 1
                 segment = segments.take()
+                assert segment is not None  # the cap admits a connection only when one is free
                 bodies = SharedMemoryBodies(
-                    segment, segments, limits.shm_batch_bytes, max(1, limits.max_unacked_bodies // 2)
+                    segment, segments, limits.shm_batch_bytes, max(1, limits.max_unacked_bodies // 2),
+                    limits.idle_timeout_s,
                 )
                 async with stream:
                     try:
@@ -374,12 +404,12 @@ class ShmTransport:
                     except TransportError:
                         bodies.release_all()
                         return
-                    await handler(StreamServerChannel(FramedSocket(stream, limits)), bodies, f"shm#{counter}")
+                    await handler(StreamServerChannel.accepted(stream, limits), bodies, f"shm#{counter}")
 
             task_status.started(
                 IpcUri("shm", options.want_data, path=path, free_data=options.free_data, remote_handle=HANDLE)
             )
-            await trio.serve_listeners(handle, [trio.SocketListener(sock)])
+            await trio.serve_listeners(cap.wrap(handle), [trio.SocketListener(sock)])
         finally:
             sock.close()
             segments.close()

@@ -32,6 +32,7 @@ from evergreen_trio.ipc.transports.base import (
     BodyResolver,
     Completion,
     Connection,
+    ConnectionCap,
     ConnectionHandler,
     Done,
     HostBodies,
@@ -43,6 +44,8 @@ from evergreen_trio.ipc.uri import IpcUri
 
 _CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _COALESCE_BYTES = 64 * 1024
+_SEND_PIECE = 1 << 20
+_SERVER_INBOX_BYTES = 4096
 
 
 class FramedSocket:
@@ -53,13 +56,14 @@ class FramedSocket:
     their destination with ``recv_into``. Sends coalesce small frames the same way.
     """
 
-    def __init__(self, stream: trio.SocketStream, limits: IpcLimits, pool: BufferPool | None = None) -> None:
+    def __init__(self, stream: trio.SocketStream, limits: IpcLimits, pool: BufferPool | None = None,
+                 inbox_bytes: int = _COALESCE_BYTES) -> None:
         self.stream = stream
         self.limits = limits
         self.pool = pool
         self._sock = stream.socket
         self._lock = trio.Lock()
-        self._inbox = bytearray(_COALESCE_BYTES)
+        self._inbox = bytearray(inbox_bytes)
         self._start = 0
         self._end = 0
 
@@ -76,14 +80,25 @@ class FramedSocket:
                         if len(pending) < _COALESCE_BYTES:
                             continue
                     else:
-                        await self.stream.send_all(pending)
+                        await self._send_all(pending)
                         pending = view  # type: ignore[assignment]
-                    await self.stream.send_all(pending)
+                    await self._send_all(pending)
                     pending = bytearray()
                 if pending:
-                    await self.stream.send_all(pending)
+                    await self._send_all(pending)
         except _CLOSED as exc:
             raise ConnectionLostError(f"peer closed the connection while we sent {len(frames)} frames: {exc}") from None
+
+    async def _send_all(self, data: bytearray | memoryview) -> None:
+        """Send in pieces of 1 MiB, each within ``send_timeout_s``: a peer that stops reading
+        is dropped, one that reads slowly is not."""
+        view = memoryview(data)
+        for start in range(0, len(view), _SEND_PIECE):
+            with trio.move_on_after(self.limits.send_timeout_s) as scope:
+                await self.stream.send_all(view[start : start + _SEND_PIECE])
+            if scope.cancelled_caught:
+                raise ConnectionLostError(
+                    f"peer read nothing for {self.limits.send_timeout_s:g} s (a 1 MiB send did not complete)")
 
     async def send_frame(self, tag: int, payload: object) -> None:
         await self.send_frames(((tag, payload),))
@@ -131,8 +146,20 @@ class FramedSocket:
         return decode_frame_header(header, self.limits)
 
     async def receive_bytes(self, nbytes: int) -> bytes:
-        data = bytearray(nbytes)
-        await self._receive_into(memoryview(data))
+        """The next ``nbytes``, held only as they arrive: a header announcing a large frame
+        with nothing after it costs the buffer, not the announced size."""
+        if nbytes <= len(self._inbox) // 2:
+            await self._buffer(nbytes)
+            self._start += nbytes
+            return bytes(memoryview(self._inbox)[self._start - nbytes : self._start])
+        data = bytearray()
+        while len(data) < nbytes:
+            if self._start == self._end:
+                self._start = self._end = 0
+                self._end = await self._recv(memoryview(self._inbox))
+            take = min(nbytes - len(data), self._end - self._start)
+            data += self._inbox[self._start : self._start + take]
+            self._start += take
         return bytes(data)
 
     async def receive_pooled(self, nbytes: int) -> pa.Buffer:
@@ -146,12 +173,18 @@ class FramedSocket:
 
 
 class StreamServerChannel:
-    """:class:`ServerChannel` over a framed socket."""
+    """:class:`ServerChannel` over a framed socket (:meth:`accepted` for a new connection)."""
 
     def __init__(self, framed: FramedSocket) -> None:
         self.framed = framed
         limits = framed.limits
         self._max_request = max(limits.max_ticket_bytes, 8 * limits.max_free_data_offsets)
+
+    @classmethod
+    def accepted(cls, stream: trio.SocketStream, limits: IpcLimits) -> StreamServerChannel:
+        """The channel of an accepted connection: its read buffer is small (requests are, and an
+        idle connection should cost little); a larger request is read in pieces as it arrives."""
+        return cls(FramedSocket(stream, limits, inbox_bytes=_SERVER_INBOX_BYTES))
 
     async def receive_request(self) -> tuple[int, bytes]:
         tag, nbytes = await self.framed.receive_header()
@@ -258,11 +291,11 @@ class TcpTransport:
 
         async def handle(stream: trio.SocketStream) -> None:
             async with stream:
-                await handler(StreamServerChannel(FramedSocket(stream, options.limits)), RawBodies(), _peer(stream))
+                await handler(StreamServerChannel.accepted(stream, options.limits), RawBodies(), _peer(stream))
 
         bound_host, bound_port = listener.socket.getsockname()[:2]
         task_status.started(IpcUri("tcp", options.want_data, host=bound_host, port=bound_port))
-        await trio.serve_listeners(handle, [listener])
+        await trio.serve_listeners(ConnectionCap(options.limits.max_connections, "tcp").wrap(handle), [listener])
 
     def connect(
         self, uri: IpcUri, ticket: bytes, limits: IpcLimits, pool: BufferPool
