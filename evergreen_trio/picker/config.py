@@ -26,11 +26,17 @@ import yaml
 from evergreen_trio.picker.checks import integer, mapping, number, sequence, string
 from evergreen_trio.picker.epp_config import is_endpoint_picker_config, scheduler_values
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.inflight import LoadConfig
 
 ENGINES = ("vllm", "sglang", "trtllm")
 CRITICALITY_PRIORITY = {"Critical": 1, "Standard": 0, "Sheddable": -1}
 SCORER_KEYS = {
     "queue": "queue", "kv-cache": "kv_cache", "prefix-cache": "prefix_cache", "lora-affinity": "lora_affinity",
+}
+# The in-flight load scorers' weights (LoadConfig fields, evergreen_trio.picker.inflight).
+LOAD_SCORER_KEYS = {
+    "active-request": "active_request", "token-load": "token_load", "running-requests": "running_requests",
+    "load-aware": "load_aware",
 }
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 
@@ -106,6 +112,7 @@ class SchedulerConfig:
     max_prefix_blocks: int = 256
     queue_threshold: float = 5.0
     kv_cache_threshold: float = 0.8
+    load: LoadConfig = field(default_factory=LoadConfig)  # in-flight load and the load scorers
 
     @property
     def prefix_block_bytes(self) -> int:
@@ -281,9 +288,13 @@ def _scheduler(doc: Mapping[str, Any]) -> SchedulerConfig:
     values: dict[str, Any] = {}
     if "weights" in doc:
         weights = mapping(doc["weights"], "scheduler.weights")
-        _no_unknown(weights, set(SCORER_KEYS), "scheduler.weights")
-        values = {SCORER_KEYS[k]: number(v, f"scheduler.weights.{k}") for k, v in weights.items()}
-        if not any(values.get(k, getattr(SchedulerConfig, k)) for k in SCORER_KEYS.values()):
+        _no_unknown(weights, set(SCORER_KEYS) | set(LOAD_SCORER_KEYS), "scheduler.weights")
+        values = {SCORER_KEYS[k]: number(v, f"scheduler.weights.{k}") for k, v in weights.items() if k in SCORER_KEYS}
+        load: dict[str, Any] = {LOAD_SCORER_KEYS[k]: number(v, f"scheduler.weights.{k}")
+                                for k, v in weights.items() if k in LOAD_SCORER_KEYS}
+        values["load"] = LoadConfig(**load)
+        if not any(values.get(k, getattr(SchedulerConfig, k)) for k in SCORER_KEYS.values()) and not any(
+                getattr(values["load"], k) for k in LOAD_SCORER_KEYS.values()):
             raise ConfigError("scheduler.weights", "at least one weight > 0", dict(weights))
     ints = {"prefixBlockTokens": "prefix_block_tokens", "charsPerToken": "chars_per_token",
             "prefixCacheCapacity": "prefix_cache_capacity", "maxPrefixBlocks": "max_prefix_blocks"}

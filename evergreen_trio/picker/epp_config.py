@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from evergreen_trio.picker import inflight
 from evergreen_trio.picker.checks import integer, mapping, sequence
 from evergreen_trio.picker.errors import ConfigError
 
@@ -39,10 +40,13 @@ SCORERS = {
     "lora-affinity-scorer": "lora_affinity",
 }
 OTHER_PLUGINS = ("max-score-picker", "single-profile-handler")
-KNOWN_TYPES = (*SCORERS, *OTHER_PLUGINS)
+# In-flight load (evergreen_trio.picker.inflight): the producer and its scorers set LoadConfig.
+LOAD_PLUGINS = (inflight.PRODUCER, *inflight.SCORERS)
+KNOWN_TYPES = (*SCORERS, *OTHER_PLUGINS, *LOAD_PLUGINS)
 # prefix-cache-scorer parameters -> SchedulerConfig fields. The reference's hashBlockSize counts
 # characters of the prompt; ours is tokens x charsPerToken, so it lands with charsPerToken 1.
 _PREFIX_PARAMETERS = {"maxPrefixBlocksToMatch": "max_prefix_blocks", "lruCapacityPerServer": "prefix_cache_capacity"}
+_SCORE_FIELDS = {**SCORERS, **inflight.SCORERS}
 _SATURATION = {"queueDepthThreshold": "queue_threshold", "kvCacheUtilThreshold": "kv_cache_threshold"}
 
 
@@ -65,7 +69,9 @@ def _plugins(doc: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
             raise ConfigError(f"{path}.name", "a plugin name not declared before", name)
         names[name] = kind
         parameters = mapping(plugin.get("parameters") or {}, f"{path}.parameters")
-        if kind == "prefix-cache-scorer":
+        if kind in LOAD_PLUGINS:
+            values.setdefault("load", {}).update(inflight.plugin_values(kind, parameters, f"{path}.parameters"))
+        elif kind == "prefix-cache-scorer":
             for key, value in parameters.items():
                 if key == "hashBlockSize":
                     values["prefix_block_tokens"] = integer(value, f"{path}.parameters.{key}", minimum=1)
@@ -81,7 +87,7 @@ def _plugins(doc: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
 def _weights(doc: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, float]:
     profiles = sequence(doc.get("schedulingProfiles", []), f"{KIND}.schedulingProfiles")
     if not profiles:  # the reference's default: one profile with every declared plugin, weight 1
-        return {SCORERS[kind]: 1.0 for kind in names.values() if kind in SCORERS}
+        return {_SCORE_FIELDS[kind]: 1.0 for kind in names.values() if kind in _SCORE_FIELDS}
     if len(profiles) > 1:
         raise ConfigError(f"{KIND}.schedulingProfiles", "one profile (the single-profile-handler)",
                           f"{len(profiles)} profiles")
@@ -97,8 +103,8 @@ def _weights(doc: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, floa
         weight = ref.get("weight", 1)
         if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
             raise ConfigError(f"{ref_path}.weight", "a number >= 0", weight)
-        if names[name] in SCORERS:
-            weights[SCORERS[names[name]]] = float(weight)
+        if names[name] in _SCORE_FIELDS:
+            weights[_SCORE_FIELDS[names[name]]] = float(weight)
     return weights
 
 
@@ -123,6 +129,8 @@ def scheduler_values(doc: Mapping[str, Any]) -> dict[str, Any]:
     if not any(weights.values()):
         raise ConfigError(f"{KIND}.schedulingProfiles", "at least one scorer with a weight > 0", weights)
     values.update({field: weights.get(field, 0.0) for field in SCORERS.values()})
+    load = values.pop("load", {}) | {field: weights.get(field, 0.0) for field in inflight.SCORERS.values()}
+    values["load"] = inflight.LoadConfig(**load)
     saturation = mapping(doc.get("saturationDetector") or {}, f"{KIND}.saturationDetector")
     for key, value in saturation.items():
         path = f"{KIND}.saturationDetector.{key}"

@@ -116,8 +116,11 @@ class _Server:
                 if not await self._tls_handshake(tls, handshake_deadline):
                     return
                 stream = tls
-            await self._converse(stream, GrpcWireConnection(self.methods, self.limits), handshake_deadline,
-                                 _peer(raw))
+            connection = GrpcWireConnection(self.methods, self.limits)
+            try:
+                await self._converse(stream, connection, handshake_deadline, _peer(raw))
+            finally:
+                connection.abort_streams()  # lost, closed or cancelled: release what streams hold
         finally:
             self.active -= 1
             await trio.aclose_forcefully(raw)

@@ -92,7 +92,10 @@ class StreamProcessor(Protocol[ReqIn, RepOut]):
     """Per-stream synchronous logic of a bidirectional method: messages in, replies out.
 
     Once ``finished`` is true after a message, its replies are sent with the OK trailers and
-    the stream ends there: nothing more is delivered and ``on_end`` is not called.
+    the stream ends there: nothing more is delivered and ``on_end`` is not called. A processor
+    may also define ``on_abort()``: it is called once when its stream ends any other way (reset
+    by the peer, failed with a status, its connection closed or lost), so that what it holds
+    (an in-flight count, a queue slot) is released on every path.
     """
 
     @property
@@ -196,6 +199,7 @@ def _status_block(status: Status, message: str | None) -> bytes:
 
 class _Stream:
     __slots__ = (
+        "completed",
         "credit",
         "headers_sent",
         "id",
@@ -221,6 +225,7 @@ class _Stream:
         self.headers_sent = False
         self.remote_closed = False
         self.unacked = 0  # bytes received since the last stream WINDOW_UPDATE
+        self.completed = False  # the processor finished or had on_end: no on_abort
 
 
 _FrameHandler = Callable[["GrpcWireConnection", int, int, bytes], None]
@@ -311,10 +316,18 @@ class GrpcWireConnection:
         if not self.closed:
             self._goaway(NO_ERROR, message)
 
+    def abort_streams(self) -> None:
+        """Tell every open stream's processor its stream is gone (the shell calls this when the
+        connection ends, so nothing a processor holds outlives it)."""
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
+            _abort(stream)
+
     def _goaway(self, code: int, message: str) -> None:
         self._out += _frame(GOAWAY, 0, 0, self._last_stream_id.to_bytes(4, "big")
                             + code.to_bytes(4, "big") + message.encode()[:256])
-        self._streams.clear()
+        self.abort_streams()
         self._blocked_on_stream.clear()
         self._blocked_on_connection.clear()
         self._buffer.clear()
@@ -615,10 +628,12 @@ class GrpcWireConnection:
                 replies.extend(processor.on_message(message))
                 if processor.finished:
                     stream.trailers = _OK_TRAILERS
+                    stream.completed = True
             if end and stream.trailers is None:
                 stream.remote_closed = True
                 if inbound:
                     raise RpcStatusError(Status.INTERNAL, "stream ended inside a message")
+                stream.completed = True
                 replies.extend(processor.on_end())
                 stream.trailers = _OK_TRAILERS
         except RpcStatusError as exc:
@@ -696,11 +711,25 @@ class GrpcWireConnection:
 
     def _remove(self, stream: _Stream) -> None:
         self._streams.pop(stream.id, None)
+        _abort(stream)
         self._unblock(stream)
         if stream.inbound or stream.pending:
             self._buffered -= len(stream.inbound) + len(stream.pending)
             stream.inbound.clear()
             stream.pending.clear()
+
+
+def _abort(stream: _Stream) -> None:
+    """Call the processor's ``on_abort`` once, unless its stream completed; a failure is logged."""
+    if stream.completed or stream.processor is None:
+        return
+    stream.completed = True
+    abort = getattr(stream.processor, "on_abort", None)
+    if abort is not None:
+        try:
+            abort()
+        except Exception:  # a processor bug must not take the connection down
+            log.exception("grpc_wire.abort_failed path=%s", stream.method.path if stream.method else "?")
 
 
 _HANDLERS: dict[int, _FrameHandler] = {

@@ -27,6 +27,14 @@ from google.protobuf import struct_pb2
 
 from evergreen_trio.picker.config import DestinationMode, PickerConfig
 from evergreen_trio.picker.errors import ExtProcError, RequestError
+from evergreen_trio.picker.flow_control.key import (
+    DEFAULT_FAIRNESS_ID,
+    FAIRNESS_HEADERS,
+    OBJECTIVE_HEADERS,
+    fairness_id,
+    objective_name,
+)
+from evergreen_trio.picker.inflight import Ticket, output_cap, prompt_tokens
 from evergreen_trio.picker.request import parse_body, rewrite_model
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
 from evergreen_trio.picker.usage import ResponseBody, Usage
@@ -37,11 +45,9 @@ SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-OBJECTIVE = "x-gateway-inference-objective"
-FAIRNESS_ID = "x-gateway-inference-fairness-id"
 MODEL_REWRITE = "x-gateway-model-name-rewrite"
 # Client-supplied routing headers never go upstream; DESTINATION is always overwritten instead.
-STRIPPED_HEADERS = (OBJECTIVE, FAIRNESS_ID, MODEL_REWRITE, FALLBACK, SERVED, SUBSET)
+STRIPPED_HEADERS = (*OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, MODEL_REWRITE, FALLBACK, SERVED, SUBSET)
 
 _Mode = processing_mode_pb2.ProcessingMode
 NONE, BUFFERED, BUFFERED_PARTIAL = _Mode.NONE, _Mode.BUFFERED, _Mode.BUFFERED_PARTIAL
@@ -83,6 +89,24 @@ class Route:
     hashes: Sequence[int] = ()
     body: bytes | None = None
     served: list[str] = field(default_factory=list)
+    load: Ticket | None = None  # its share of the endpoint's in-flight load, released once
+
+
+@dataclass
+class Admission:
+    """A parsed request waiting for its pick: model names, priority, flow key, prompt estimates."""
+
+    started: float
+    subset: frozenset[str] | None = None
+    fairness_id: str = DEFAULT_FAIRNESS_ID
+    byte_size: int = 0
+    client_model: str | None = None
+    target_model: str | None = None
+    priority: int = 0
+    hashes: Sequence[int] = ()
+    body: bytes | None = None
+    prompt_tokens: int = 0
+    output_cap: int | None = None
 
 
 class Picker:
@@ -105,42 +129,69 @@ class Picker:
               subset: frozenset[str] | None, report: StreamReport | None = None) -> Route:
         """Decide where a request goes, noting it in ``report``; RequestError for 400/404/429/503."""
         report = report if report is not None else StreamReport()
+        return self.pick(self.admit(path, headers, body, subset, report), report)
+
+    def admit(self, path: str, headers: Mapping[str, str], body: bytes | None,
+              subset: frozenset[str] | None, report: StreamReport) -> Admission:
+        """Read what scheduling needs from the request (its flow key too); RequestError for 400/404."""
         started = time.perf_counter()
-        client_model: str | None = None
-        target: str | None = None
+        admission = Admission(started=started, subset=subset, fairness_id=fairness_id(headers),
+                              byte_size=len(body) if body is not None else 0)
         try:
-            priority = 0
-            hashes: Sequence[int] = ()
-            new_body: bytes | None = None
             if body is not None:
                 request = parse_body(path, body)
-                client_model = request.model
+                admission.client_model = request.model
                 model = self.config.model(request.model)
                 if model is None and self.config.models:
                     raise RequestError(404, f"model {request.model!r} matches no configured model")
                 if model is not None:
-                    priority = model.priority
+                    admission.priority = model.priority
                 target = headers.get(MODEL_REWRITE) or (
                     choose_target(model, self.rng) if model is not None else request.model)
+                admission.target_model = target
                 if target != request.model:
-                    new_body = rewrite_model(request.body, target)
-                if self.config.scheduler.prefix_cache:
-                    hashes = prefix_hashes(target, request.prompt, self.config.scheduler)
-            objective = headers.get(OBJECTIVE)
+                    admission.body = rewrite_model(request.body, target)
+                cfg = self.config.scheduler
+                if cfg.prefix_cache:
+                    admission.hashes = prefix_hashes(target, request.prompt, cfg)
+                admission.prompt_tokens = prompt_tokens(len(request.prompt.encode()), cfg.chars_per_token)
+                admission.output_cap = output_cap(request.body)
+            objective = objective_name(headers)
             if objective is not None and objective in self.config.objectives:
-                priority = self.config.objectives[objective]
-            endpoints = self.scheduler.pick(PickRequest(target, priority, hashes, subset), self.pick_count)
+                admission.priority = self.config.objectives[objective]
         except RequestError as exc:
-            report.client_model, report.target_model, report.error = client_model or "", target or "", exc.status
+            self._failed(report, admission, exc)
             raise
-        report.client_model, report.target_model, report.routed = client_model or "", target or "", True
-        report.scheduling_s = time.perf_counter() - started
+        return admission
+
+    def pick(self, admission: Admission, report: StreamReport) -> Route:
+        """Pick endpoints for an admitted request and count it in flight; RequestError for 429/503."""
+        pick = PickRequest(admission.target_model, admission.priority, admission.hashes, admission.subset,
+                           admission.prompt_tokens)
+        try:
+            endpoints = self.scheduler.pick(pick, self.pick_count)
+        except RequestError as exc:
+            self._failed(report, admission, exc)
+            raise
+        report.client_model, report.target_model = admission.client_model or "", admission.target_model or ""
+        report.routed = True
+        report.scheduling_s = time.perf_counter() - admission.started
         report.scorer_s = dict(self.scheduler.scorer_seconds)
-        if hashes:
+        first = endpoints[0]
+        uncached = self.scheduler.uncached_tokens(pick, [first])[first]
+        if admission.hashes:
             block = self.config.scheduler.prefix_block_bytes
-            report.prefix_match = (self.scheduler.prefix_matches.get(endpoints[0], 0) * block, len(hashes) * block)
-            self.scheduler.prefix.add(endpoints[0], hashes)
-        return Route(endpoints, client_model, target, hashes, new_body)
+            report.prefix_match = (self.scheduler.prefix_matches.get(first, 0) * block, len(admission.hashes) * block)
+            self.scheduler.prefix.add(first, admission.hashes)
+        ticket = self.scheduler.inflight.dispatch(first, uncached, prompt_tokens=admission.prompt_tokens,
+                                                  client_output_cap=admission.output_cap)
+        return Route(endpoints, admission.client_model, admission.target_model, admission.hashes, admission.body,
+                     load=ticket)
+
+    @staticmethod
+    def _failed(report: StreamReport, admission: Admission, exc: RequestError) -> None:
+        report.client_model, report.target_model = admission.client_model or "", admission.target_model or ""
+        report.error = exc.status
 
     def record_served(self, route: Route, served: str) -> None:
         """Envoy reported the endpoint that served: note it and teach the prefix index."""
@@ -235,11 +286,25 @@ class ExtProcStream:
         kind = message.WhichOneof("request")
         if kind is None:
             raise ExtProcError("expected a ProcessingRequest with a request oneof, got an empty one")
-        return self._handlers[kind](message)
+        replies = self._handlers[kind](message)
+        load = self.route.load if self.route is not None else None
+        if load is not None:
+            if self.response_ended or self.finished:
+                load.release()
+            elif kind == "response_body" and not self.picker.config.scheduler.load.add_estimated_output_tokens:
+                load.release_prompt()  # the first chunk came: prefill is done
+        return replies
 
     def on_end(self) -> Sequence[ep.ProcessingResponse]:
         self._finish_usage()
+        self.on_abort()
         return ()
+
+    def on_abort(self) -> None:
+        """The stream ended without a response end (client gone, Envoy reset, an error): release the
+        request's in-flight load. Idempotent."""
+        if self.route is not None and self.route.load is not None:
+            self.route.load.release()
 
     # -- request --------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.grpc_server import SSLContextSource, serve_sync_bidi
 from evergreen_trio.picker.grpc_wire import RpcStatusError, SyncBidiMethod, WireLimits
-from evergreen_trio.picker.processor import Picker, StreamReport
+from evergreen_trio.picker.processor import ExtProcStream, Picker
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
 
@@ -53,7 +53,9 @@ class PickerPorts:
     metrics: int
 
 
-def _record_dropped(metrics: PickerMetrics, report: StreamReport, started: float) -> None:
+def _record_dropped(metrics: PickerMetrics, stream: ExtProcStream, started: float) -> None:
+    stream.on_abort()
+    report = stream.report
     if not report.recorded:
         report.recorded = True
         metrics.record(report, time.monotonic() - started)
@@ -71,7 +73,7 @@ class _GrpcStream:
         self._started = time.monotonic()
         self._running = False
         # A stream Envoy resets gets neither on_end nor finished: record it when it is dropped.
-        weakref.finalize(self, _record_dropped, metrics, self._stream.report, self._started)
+        weakref.finalize(self, _record_dropped, metrics, self._stream, self._started)
 
     @property
     def finished(self) -> bool:
@@ -95,6 +97,10 @@ class _GrpcStream:
         replies = self._stream.on_end()
         self._record()
         return replies
+
+    def on_abort(self) -> None:
+        self._stream.on_abort()
+        self._record()
 
     def _record(self) -> None:
         if not self._stream.report.recorded:
@@ -233,6 +239,7 @@ async def run_picker(
             def on_endpoints(endpoints: Sequence[Endpoint]) -> None:
                 readiness.synced = True
                 scrapers.sync(endpoints)
+                picker.scheduler.inflight.forget([e.address for e in endpoints])
                 after_scrape()
 
             nursery.start_soon(discovery, on_endpoints)

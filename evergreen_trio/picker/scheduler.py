@@ -17,6 +17,7 @@ import xxhash
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.inflight import InflightLoad, add_load_scores, uncached_tokens
 
 
 @dataclass
@@ -131,12 +132,16 @@ class PrefixIndex:
 
 @dataclass(frozen=True)
 class PickRequest:
-    """What a pick needs: the target model, its priority, the prompt hashes and an optional subset."""
+    """What a pick needs: the target model, its priority, the prompt hashes and an optional subset.
+
+    ``prompt_tokens`` (estimated) feeds the in-flight token load.
+    """
 
     model: str | None
     priority: int
     hashes: Sequence[int] = ()
     subset: frozenset[str] | None = None
+    prompt_tokens: int = 0
 
 
 def choose_target(model: ModelConfig, rng: random.Random) -> str:
@@ -157,6 +162,7 @@ class Scheduler:
         self.snapshot = snapshot
         self.prefix = PrefixIndex(config.scheduler.prefix_cache_capacity)
         self.rng = rng or random.Random()
+        self.inflight = InflightLoad(config.scheduler.load)
         # Of the last pick, for the stream's report: leading blocks each candidate held, and
         # seconds spent per scorer (keyed by the reference's plugin type names).
         self.prefix_matches: dict[str, int] = {}
@@ -220,7 +226,18 @@ class Scheduler:
             for address, matched in self.prefix_matches.items():
                 result[address] += cfg.prefix_cache * matched / total
             timings["prefix-cache-scorer"] = clock() - started
+        if cfg.load.enabled:
+            tokens = self.uncached_tokens(request, result) if cfg.load.token_load else {}
+            add_load_scores(cfg.load, self.inflight, result, fresh, tokens, timings)
         return result
+
+    def uncached_tokens(self, request: PickRequest, addresses: Iterable[str]) -> dict[str, int]:
+        """The request's prompt tokens each endpoint lacks in its (approximate) prefix cache."""
+        if not self.prefix_matches and request.hashes:
+            self.prefix_matches = self.prefix.matches(request.hashes, addresses)
+        block, total = self.config.prefix_block_tokens, len(request.hashes)
+        return {a: uncached_tokens(request.prompt_tokens, total, self.prefix_matches.get(a, 0), block)
+                for a in addresses}
 
 
 def _lora_score(metrics: EndpointMetrics, model: str) -> float:
