@@ -26,6 +26,7 @@ import yaml
 from evergreen_trio.picker.checks import integer, mapping, number, sequence, string
 from evergreen_trio.picker.epp_config import is_endpoint_picker_config, scheduler_values
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.flow_control.config import FlowControlConfig, flow_control_config
 from evergreen_trio.picker.inflight import LoadConfig
 
 ENGINES = ("vllm", "sglang", "trtllm")
@@ -145,6 +146,7 @@ class PickerConfig:
     objectives: Mapping[str, int] = field(default_factory=dict)
     scheduler: SchedulerConfig = SchedulerConfig()
     ext_proc: ExtProcConfig = ExtProcConfig()
+    flow_control: FlowControlConfig | None = None  # featureGates: [flowControl] in an EndpointPickerConfig
 
     def model(self, name: str) -> ModelConfig | None:
         """The configured model ``name``, or None when it is not configured."""
@@ -423,6 +425,7 @@ def config_from_documents(documents: Sequence[object], *, cluster_pool: str | No
         objectives=objectives,
         scheduler=scheduler,
         ext_proc=_ext_proc(mapping(plain.get("extProc", {}), "extProc")),
+        flow_control=flow_control_config(picker_config) if picker_config is not None else None,
     )
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from evergreen_trio.picker import inflight
 from evergreen_trio.picker.checks import integer, mapping, sequence
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.flow_control import config as flow_control
 
 API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha1",)
 KIND = "EndpointPickerConfig"
@@ -42,7 +43,7 @@ SCORERS = {
 OTHER_PLUGINS = ("max-score-picker", "single-profile-handler")
 # In-flight load (evergreen_trio.picker.inflight): the producer and its scorers set LoadConfig.
 LOAD_PLUGINS = (inflight.PRODUCER, *inflight.SCORERS)
-KNOWN_TYPES = (*SCORERS, *OTHER_PLUGINS, *LOAD_PLUGINS)
+KNOWN_TYPES = (*SCORERS, *OTHER_PLUGINS, *LOAD_PLUGINS, *flow_control.PLUGIN_TYPES)
 # prefix-cache-scorer parameters -> SchedulerConfig fields. The reference's hashBlockSize counts
 # characters of the prompt; ours is tokens x charsPerToken, so it lands with charsPerToken 1.
 _PREFIX_PARAMETERS = {"maxPrefixBlocksToMatch": "max_prefix_blocks", "lruCapacityPerServer": "prefix_cache_capacity"}
@@ -69,7 +70,9 @@ def _plugins(doc: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
             raise ConfigError(f"{path}.name", "a plugin name not declared before", name)
         names[name] = kind
         parameters = mapping(plugin.get("parameters") or {}, f"{path}.parameters")
-        if kind in LOAD_PLUGINS:
+        if kind in flow_control.PLUGIN_TYPES:
+            pass  # validated by flow_control.flow_control_config, with the section that uses them
+        elif kind in LOAD_PLUGINS:
             values.setdefault("load", {}).update(inflight.plugin_values(kind, parameters, f"{path}.parameters"))
         elif kind == "prefix-cache-scorer":
             for key, value in parameters.items():
@@ -120,7 +123,8 @@ def scheduler_values(doc: Mapping[str, Any]) -> dict[str, Any]:
     """
     if doc.get("apiVersion") not in API_VERSIONS:
         raise ConfigError(f"{KIND}.apiVersion", " or ".join(API_VERSIONS), doc.get("apiVersion"))
-    allowed = {"apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector", "featureGates", "data"}
+    allowed = {"apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector", "featureGates", "data",
+               "flowControl"}
     for key in doc:
         if key not in allowed:
             raise ConfigError(f"{KIND}.{key}", f"one of {sorted(allowed)}", key)

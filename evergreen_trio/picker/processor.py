@@ -27,6 +27,7 @@ from google.protobuf import struct_pb2
 
 from evergreen_trio.picker.config import DestinationMode, PickerConfig
 from evergreen_trio.picker.errors import ExtProcError, RequestError
+from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.flow_control.key import (
     DEFAULT_FAIRNESS_ID,
     FAIRNESS_HEADERS,
@@ -34,6 +35,8 @@ from evergreen_trio.picker.flow_control.key import (
     fairness_id,
     objective_name,
 )
+from evergreen_trio.picker.flow_control.queue import DROPPED_REASON, Outcome, QueueItem
+from evergreen_trio.picker.flow_control.queue import message as outcome_message
 from evergreen_trio.picker.inflight import Ticket, output_cap, prompt_tokens
 from evergreen_trio.picker.request import parse_body, rewrite_model
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
@@ -117,6 +120,7 @@ class Picker:
         self.snapshot = snapshot
         self.rng = rng or random.Random()
         self.scheduler = Scheduler(config, snapshot, self.rng)
+        self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight) if config.flow_control else None
         mode = config.ext_proc.destination_mode
         self.pick_count = {DestinationMode.SINGLE: 1, DestinationMode.FALLBACK: 2}.get(
             mode, config.ext_proc.max_endpoints_in_list)
@@ -135,9 +139,10 @@ class Picker:
               subset: frozenset[str] | None, report: StreamReport) -> Admission:
         """Read what scheduling needs from the request (its flow key too); RequestError for 400/404."""
         started = time.perf_counter()
-        admission = Admission(started=started, subset=subset, fairness_id=fairness_id(headers),
-                              byte_size=len(body) if body is not None else 0)
+        admission = Admission(started=started, subset=subset, byte_size=len(body) if body is not None else 0)
         try:
+            if self.flow is not None:
+                admission.fairness_id = fairness_id(headers)
             if body is not None:
                 request = parse_body(path, body)
                 admission.client_model = request.model
@@ -207,12 +212,17 @@ def _header_option(key: str, value: str) -> base_pb2.HeaderValueOption:
         header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
 
 
-def immediate(status: int, message: str) -> ep.ProcessingResponse:
-    """An ImmediateResponse with an OpenAI-style JSON error body."""
+def immediate(status: int, message: str, dropped_reason: str = "") -> ep.ProcessingResponse:
+    """An ImmediateResponse with an OpenAI-style JSON error body (and flow control's
+    ``x-llm-d-request-dropped-reason`` when it dropped the request)."""
     error = {"error": {"message": message, "type": "endpoint_picker", "code": status}}
     body = json.dumps(error, separators=(",", ":")).encode()
+    headers = _JSON_HEADERS
+    if dropped_reason:
+        headers = ep.HeaderMutation(set_headers=[*_JSON_HEADERS.set_headers,
+                                                 _header_option(DROPPED_REASON, dropped_reason)])
     return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status), headers=_JSON_HEADERS, body=body,
+        status=http_status_pb2.HttpStatus(code=status), headers=headers, body=body,
         details=f"endpoint_picker_{status}"))
 
 
@@ -270,6 +280,13 @@ class ExtProcStream:
         self.usage_recorded = False
         # True once the stream needs nothing more from Envoy: the server then ends the RPC.
         self.finished = False
+        # Flow control: while ``parked`` the request waits in the queue as ``item``; its outcome
+        # leaves replies for :meth:`resume` and calls ``on_unpark`` (set by the wire).
+        self.parked = False
+        self.on_unpark: Callable[[], None] | None = None
+        self.item: QueueItem | None = None
+        self._resumed: list[ep.ProcessingResponse] = []
+        self._finish: Callable[[Outcome], list[ep.ProcessingResponse]] | None = None
         self._handlers: dict[str, Callable[[ep.ProcessingRequest], list[ep.ProcessingResponse]]] = {
             "request_headers": self._request_headers,
             "request_body": self._request_body,
@@ -287,13 +304,16 @@ class ExtProcStream:
         if kind is None:
             raise ExtProcError("expected a ProcessingRequest with a request oneof, got an empty one")
         replies = self._handlers[kind](message)
+        self._settle_load(first_chunk=kind == "response_body")
+        return replies
+
+    def _settle_load(self, *, first_chunk: bool = False) -> None:
         load = self.route.load if self.route is not None else None
         if load is not None:
             if self.response_ended or self.finished:
                 load.release()
-            elif kind == "response_body" and not self.picker.config.scheduler.load.add_estimated_output_tokens:
+            elif first_chunk and not self.picker.config.scheduler.load.add_estimated_output_tokens:
                 load.release_prompt()  # the first chunk came: prefill is done
-        return replies
 
     def on_end(self) -> Sequence[ep.ProcessingResponse]:
         self._finish_usage()
@@ -301,10 +321,27 @@ class ExtProcStream:
         return ()
 
     def on_abort(self) -> None:
-        """The stream ended without a response end (client gone, Envoy reset, an error): release the
-        request's in-flight load. Idempotent."""
+        """The stream ended without a response end (client gone, Envoy reset, an error): leave the
+        flow control queue, release the request's in-flight load. Idempotent."""
+        self.on_unpark = None
+        if self.item is not None and self.item.outcome is None and self.picker.flow is not None:
+            self.picker.flow.queue.cancel(self.item)
         if self.route is not None and self.route.load is not None:
             self.route.load.release()
+
+    def resume(self) -> Sequence[ep.ProcessingResponse]:
+        """The replies a parked request's outcome left (the wire calls this once unparked)."""
+        replies, self._resumed = self._resumed, []
+        self._settle_load()
+        return replies
+
+    def _on_outcome(self, outcome: Outcome) -> None:
+        assert self._finish is not None
+        self._resumed = self._finish(outcome)
+        if self.parked:
+            self.parked = False
+            if self.on_unpark is not None:
+                self.on_unpark()
 
     # -- request --------------------------------------------------------------------------------
 
@@ -316,7 +353,7 @@ class ExtProcStream:
         if value is not None:
             self.subset = frozenset(_struct_strings(value))
         if message.request_headers.end_of_stream or self.request_mode == NONE:
-            return [self._decide(None, "headers", end_of_stream=True)]
+            return self._decide(None, "headers")
         if self.request_mode == FULL_DUPLEX:
             return []
         if self.request_mode in (BUFFERED, BUFFERED_PARTIAL):
@@ -333,30 +370,53 @@ class ExtProcStream:
             self.routed = True
             return [self._immediate(413, f"request body larger than {self.limits.max_request_body_bytes} bytes")]
         if self.request_mode == FULL_DUPLEX:
-            return self._duplex_route(trailers=False) if message.request_body.end_of_stream else []
-        return [self._decide(bytes(self.body), "body", end_of_stream=True)]
+            end = message.request_body.end_of_stream
+            return self._decide(bytes(self.body), "headers", duplex_end=True) if end else []
+        return self._decide(bytes(self.body), "body")
 
     def _request_trailers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         trailers = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
         if self.request_mode == FULL_DUPLEX and not self.routed:
-            return [*self._duplex_route(trailers=True), trailers]
+            return self._decide(bytes(self.body), "headers", duplex_end=False, after=[trailers])
         return [trailers]
 
-    def _duplex_route(self, *, trailers: bool) -> list[ep.ProcessingResponse]:
-        first = self._decide(bytes(self.body), "headers", end_of_stream=not trailers)
-        if first.HasField("immediate_response"):
-            return [first]
-        assert self.route is not None
-        body = self.route.body if self.route.body is not None else bytes(self.body)
-        return [first, *_chunks(body, self.limits.streamed_chunk_bytes, not trailers)]
+    def _decide(self, body: bytes | None, phase: str, *, duplex_end: bool | None = None,
+                after: Sequence[ep.ProcessingResponse] = ()) -> list[ep.ProcessingResponse]:
+        """Admit the request, through flow control when on (it may park here), then route it.
 
-    def _decide(self, body: bytes | None, phase: str, *, end_of_stream: bool) -> ep.ProcessingResponse:
-        """Route the request; the response for ``phase`` carrying the decision, or an immediate one."""
+        The replies: the response for ``phase`` carrying the decision (in FULL_DUPLEX_STREAMED
+        followed by the body in chunks, the last with ``duplex_end``), or an immediate one; then ``after``.
+        """
         self.routed = True
         try:
-            route = self.picker.route(self.headers.get(":path", ""), self.headers, body, self.subset, self.report)
+            admission = self.picker.admit(self.headers.get(":path", ""), self.headers, body, self.subset, self.report)
         except RequestError as exc:
-            return self._immediate(exc.status, exc.message)
+            return [self._immediate(exc.status, exc.message), *after]
+
+        def finish(outcome: Outcome) -> list[ep.ProcessingResponse]:
+            if outcome is not Outcome.DISPATCHED:
+                return [self._immediate(outcome.status, outcome_message(outcome), outcome.reason), *after]
+            try:
+                route = self.picker.pick(admission, self.report)
+            except RequestError as exc:
+                return [self._immediate(exc.status, exc.message), *after]
+            first = self._decision(route, phase)
+            if duplex_end is None:
+                return [first, *after]
+            data = route.body if route.body is not None else bytes(self.body)
+            return [first, *_chunks(data, self.limits.streamed_chunk_bytes, duplex_end), *after]
+
+        if self.picker.flow is None:
+            return finish(Outcome.DISPATCHED)
+        self._finish = finish
+        self.item = QueueItem(admission.fairness_id, admission.priority, admission.byte_size, self._on_outcome)
+        self.picker.flow.submit(self.item)
+        if self.item.outcome is None:
+            self.parked = True
+        return list(self.resume())
+
+    def _decision(self, route: Route, phase: str) -> ep.ProcessingResponse:
+        """The response for ``phase`` that sends the request to ``route``."""
         self.route = route
         rewrites_back = route.target_model is not None and route.target_model != route.client_model
         self.finished = not (self.limits.observe_responses or rewrites_back)
@@ -383,11 +443,11 @@ class ExtProcStream:
                 header_mutation=mutation, body_mutation=body_mutation, clear_route_cache=True)),
             dynamic_metadata=metadata)
 
-    def _immediate(self, status: int, message: str) -> ep.ProcessingResponse:
+    def _immediate(self, status: int, message: str, dropped_reason: str = "") -> ep.ProcessingResponse:
         """An ImmediateResponse ends Envoy's processing of the request, so it ends the stream too."""
         self.finished = True
         self.report.error = status
-        return immediate(status, message)
+        return immediate(status, message, dropped_reason)
 
     # -- response -------------------------------------------------------------------------------
 

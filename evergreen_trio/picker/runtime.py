@@ -27,6 +27,7 @@ from evergreen_trio.metrics import serve_metrics
 from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
+from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.grpc_server import SSLContextSource, serve_sync_bidi
 from evergreen_trio.picker.grpc_wire import RpcStatusError, SyncBidiMethod, WireLimits
 from evergreen_trio.picker.processor import ExtProcStream, Picker
@@ -79,6 +80,23 @@ class _GrpcStream:
     def finished(self) -> bool:
         return self._stream.finished
 
+    @property
+    def parked(self) -> bool:
+        return self._stream.parked
+
+    @property
+    def on_unpark(self) -> Callable[[], None] | None:
+        return self._stream.on_unpark
+
+    @on_unpark.setter
+    def on_unpark(self, callback: Callable[[], None] | None) -> None:
+        self._stream.on_unpark = callback
+
+    def resume(self) -> Sequence[ep.ProcessingResponse]:
+        replies = self._stream.resume()
+        self._after()
+        return replies
+
     def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
         try:
             replies = self._stream.on_message(message)
@@ -86,12 +104,15 @@ class _GrpcStream:
             log.warning("picker.stream_aborted error=%s", exc)
             self._record()
             raise RpcStatusError(Status.INVALID_ARGUMENT, str(exc)) from None
+        self._after()
+        return replies
+
+    def _after(self) -> None:
         if self._stream.report.routed and not self._running:
             self._running = True
             self._metrics.started(self._stream.report)
         if self._stream.finished:
             self._record()
-        return replies
 
     def on_end(self) -> Sequence[ep.ProcessingResponse]:
         replies = self._stream.on_end()
@@ -107,6 +128,21 @@ class _GrpcStream:
             self._stream.report.recorded = True
             self._metrics.record(self._stream.report, time.monotonic() - self._started,
                                  prefix_index_size=self._picker.scheduler.prefix.total())
+
+
+async def _flow_control(gate: FlowGate, interval_s: float, wake: trio.Event, new_wake: Callable[[], trio.Event],
+                        ) -> None:
+    """Poll flow control after each scrape (``wake``), at the next TTL deadline and at least every
+    ``interval_s``; on the way out (shutdown) every queued request gets its 503."""
+    try:
+        while True:
+            deadline = min(gate.next_deadline(), trio.current_time() + interval_s)
+            with trio.move_on_at(deadline):
+                await wake.wait()
+            wake = new_wake()
+            gate.poll()
+    finally:
+        gate.queue.shutdown()
 
 
 async def _scrape_forever(
@@ -221,9 +257,16 @@ async def run_picker(
     picker = Picker(config, snapshot)
     readiness = Readiness(config.pool.name, discovered=discovery is not None, elected=leader_election is not None)
 
+    flow_wake = [trio.Event()]
+
+    def new_flow_wake() -> trio.Event:
+        flow_wake[0] = trio.Event()
+        return flow_wake[0]
+
     def after_scrape() -> None:
         metrics.observe_pool(snapshot)
         readiness.update(snapshot)
+        flow_wake[0].set()
 
     method = SyncBidiMethod(
         path=PROCESS_PATH,
@@ -250,6 +293,8 @@ async def run_picker(
                 readiness.update(snapshot)
 
             nursery.start_soon(leader_election, on_leader)
+        if picker.flow is not None:
+            nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0], new_flow_wake)
         grpc_bound = await nursery.start(partial(
             serve_sync_bidi, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context))
         health_bound = await nursery.start(serve_grpclib, [readiness.health.servable], host, health_port)
