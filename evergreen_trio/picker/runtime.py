@@ -265,6 +265,7 @@ async def run_picker(
 
     def after_scrape() -> None:
         metrics.observe_pool(snapshot)
+        metrics.observe_load(snapshot, picker.scheduler.inflight, picker.flow)
         readiness.update(snapshot)
         flow_wake[0].set()
 
