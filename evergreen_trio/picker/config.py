@@ -12,6 +12,7 @@ one :class:`ConfigError` naming the field by its path.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import ipaddress
 import re
@@ -24,12 +25,14 @@ from typing import Any
 import yaml
 
 from evergreen_trio.picker.checks import integer, mapping, number, sequence, string
-from evergreen_trio.picker.epp_config import is_endpoint_picker_config, scheduler_values
+from evergreen_trio.picker.engine_metrics import ENGINE_ALIASES, ENGINE_METRICS, EngineConfig
+from evergreen_trio.picker.epp_config import EppConfig, is_endpoint_picker_config, read_endpoint_picker_config
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.flow_control.config import FlowControlConfig, flow_control_config
-from evergreen_trio.picker.inflight import LoadConfig
+from evergreen_trio.picker.inflight import LoadConfig, producer_config
+from evergreen_trio.picker.plugins import DisaggHandler, Plugin, Profile, WeightedScorer
 
-ENGINES = ("vllm", "sglang", "trtllm")
+ENGINES = (*ENGINE_METRICS, *ENGINE_ALIASES)
 CRITICALITY_PRIORITY = {"Critical": 1, "Standard": 0, "Sheddable": -1}
 SCORER_KEYS = {
     "queue": "queue", "kv-cache": "kv_cache", "prefix-cache": "prefix_cache", "lora-affinity": "lora_affinity",
@@ -57,15 +60,21 @@ class DestinationMode(enum.Enum):
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One model server: ``host:port`` and the engine whose metric names it exports."""
+    """One model server: ``host:port``, the engine whose metric names it exports, its pod labels."""
 
     host: str
     port: int
     engine: str = "vllm"
+    labels: tuple[tuple[str, str], ...] = ()
 
     @cached_property
     def address(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @cached_property
+    def label_map(self) -> Mapping[str, str]:
+        """The pod labels as a mapping (what filters read)."""
+        return dict(self.labels)
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    """The pool: its name, its model servers, and how often and where their metrics are scraped."""
+    """The pool: its name, its model servers, and how often and where their metrics are scraped.
+
+    ``metrics_port`` (a ``metrics-data-source`` port) scrapes that port instead of the serving
+    one; ``engines`` says which metric names each pod's engine exports.
+    """
 
     name: str
     endpoints: tuple[Endpoint, ...]
@@ -97,11 +110,20 @@ class PoolConfig:
     staleness_threshold_s: float = 2.0
     scrape_timeout_s: float = 1.0
     metrics_path: str = "/metrics"
+    metrics_port: int | None = None
+    engines: EngineConfig = field(default_factory=EngineConfig)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Scorer weights (0 disables a scorer) and the prefix-cache and saturation parameters."""
+    """Scorer weights (0 disables a scorer), the prefix-cache and saturation parameters, and the
+    scheduling profiles with their handler.
+
+    ``profiles`` empty means one profile of the four flat weights. ``handler`` None runs the one
+    profile; a :class:`DisaggHandler` runs decode and prefill profiles (P/D). With
+    ``prefix_auto_tune`` the block size is the model servers' scraped one; ``max_prefix_tokens``
+    (when > 0) caps the hashed prefix in tokens, else ``max_prefix_blocks`` caps it in blocks.
+    """
 
     queue: float = 2.0
     kv_cache: float = 2.0
@@ -114,10 +136,30 @@ class SchedulerConfig:
     queue_threshold: float = 5.0
     kv_cache_threshold: float = 0.8
     load: LoadConfig = field(default_factory=LoadConfig)  # in-flight load and the load scorers
+    prefix_auto_tune: bool = False
+    max_prefix_tokens: int = 0
+    profiles: tuple[Profile, ...] = ()
+    handler: DisaggHandler | None = None
 
     @property
     def prefix_block_bytes(self) -> int:
         return self.prefix_block_tokens * self.chars_per_token
+
+    @cached_property
+    def effective_profiles(self) -> tuple[Profile, ...]:
+        """``profiles``, or the one profile the flat weights describe."""
+        if self.profiles:
+            return self.profiles
+        weights = {"queue-scorer": self.queue, "kv-cache-utilization-scorer": self.kv_cache,
+                   "prefix-cache-scorer": self.prefix_cache, "lora-affinity-scorer": self.lora_affinity,
+                   **self.load.weights()}
+        scorers = tuple(WeightedScorer(Plugin(kind, kind), w) for kind, w in weights.items() if w)
+        return (Profile("default", (), scorers),)
+
+    @cached_property
+    def uses_prefix(self) -> bool:
+        """Whether a request's prompt must be hashed: a profile scores the prefix, or P/D decides on it."""
+        return self.handler is not None or any(p.weight("prefix-cache-scorer") for p in self.effective_profiles)
 
 
 @dataclass(frozen=True)
@@ -147,6 +189,7 @@ class PickerConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     ext_proc: ExtProcConfig = ExtProcConfig()
     flow_control: FlowControlConfig | None = None  # featureGates: [flowControl] in an EndpointPickerConfig
+    epp: EppConfig | None = None  # the EndpointPickerConfig as read (plugins by name, feature gates, sections)
 
     def model(self, name: str) -> ModelConfig | None:
         """The configured model ``name``, or None when it is not configured."""
@@ -238,9 +281,16 @@ def _model(doc: Mapping[str, Any], path: str, name_key: str) -> ModelConfig:
     return ModelConfig(name, _criticality(doc, path), targets)
 
 
+def _labels(value: object, path: str) -> tuple[tuple[str, str], ...]:
+    labels = mapping(value, path)
+    return tuple(sorted((string(k, path), string(v, f"{path}.{k}")) for k, v in labels.items()))
+
+
 def _pool(
-    doc: Mapping[str, Any], *, name: str | None, default_port: int | None, discovered: bool = False
+    doc: Mapping[str, Any], *, name: str | None, default_port: int | None, discovered: bool = False,
+    engines: EngineConfig | None = None,
 ) -> PoolConfig:
+    engines = engines or EngineConfig()
     _no_unknown(
         doc,
         {"name", "endpoints", "refreshMetricsInterval", "metricsStalenessThreshold", "scrapeTimeout", "metricsPath"},
@@ -258,12 +308,13 @@ def _pool(
     for i, item in enumerate(raw):
         path = f"pool.endpoints[{i}]"
         entry = {"address": item} if isinstance(item, str) else mapping(item, path)
-        _no_unknown(entry, {"address", "engine"}, path)
+        _no_unknown(entry, {"address", "engine", "labels"}, path)
         host, port = parse_address(entry.get("address"), f"{path}.address", default_port=default_port)
-        engine = entry.get("engine", "vllm")
-        if engine not in ENGINES:
-            raise ConfigError(f"{path}.engine", " | ".join(ENGINES), engine)
-        endpoint = Endpoint(host, port, engine)
+        labels = _labels(entry.get("labels", {}), f"{path}.labels")
+        engine = entry.get("engine", engines.engine_of(dict(labels)))
+        if engine not in (*ENGINES, *engines.engines):
+            raise ConfigError(f"{path}.engine", " | ".join(dict.fromkeys((*ENGINES, *engines.engines))), engine)
+        endpoint = Endpoint(host, port, engine, labels)
         if any(e.address == endpoint.address for e in endpoints):
             raise ConfigError(f"{path}.address", "an address not listed before", endpoint.address)
         endpoints.append(endpoint)
@@ -277,6 +328,7 @@ def _pool(
         parse_duration(doc.get("metricsStalenessThreshold", "2s"), "pool.metricsStalenessThreshold"),
         parse_duration(doc.get("scrapeTimeout", "1s"), "pool.scrapeTimeout"),
         metrics_path,
+        engines=engines,
     )
 
 
@@ -398,8 +450,11 @@ def config_from_documents(documents: Sequence[object], *, cluster_pool: str | No
     if plain is None or ("pool" not in plain and cluster_pool is None):
         raise ConfigError("pool", "a 'pool' section with static endpoints", None)
     _no_unknown(plain, {"pool", "models", "objectives", "scheduler", "extProc"}, "")
+    epp = read_endpoint_picker_config(picker_config) if picker_config is not None else None
+    pool_values = dict(epp.pool) if epp is not None else {}
     pool = _pool(mapping(plain.get("pool", {}), "pool"), name=pool_name, default_port=default_port,
-                 discovered=cluster_pool is not None)
+                 discovered=cluster_pool is not None, engines=pool_values.pop("engines", None))
+    pool = dataclasses.replace(pool, **pool_values)
     for i, item in enumerate(sequence(plain.get("models", []), "models")):
         entry = mapping(item, f"models[{i}]")
         _no_unknown(entry, {"name", "criticality", "priority", "targetModels"}, f"models[{i}]")
@@ -417,7 +472,7 @@ def config_from_documents(documents: Sequence[object], *, cluster_pool: str | No
     objectives.update({name: prio for ref, name, prio in manifest_objectives if ref in (None, pool.name)})
     if picker_config is not None and "scheduler" in plain:
         raise ConfigError("scheduler", "either a 'scheduler' section or an EndpointPickerConfig", "both")
-    scheduler = (SchedulerConfig(**scheduler_values(picker_config)) if picker_config is not None
+    scheduler = (SchedulerConfig(**epp.scheduler, load=producer_config(epp.plugins)) if epp is not None
                  else _scheduler(mapping(plain.get("scheduler", {}), "scheduler")))
     return PickerConfig(
         pool=pool,
@@ -425,7 +480,8 @@ def config_from_documents(documents: Sequence[object], *, cluster_pool: str | No
         objectives=objectives,
         scheduler=scheduler,
         ext_proc=_ext_proc(mapping(plain.get("extProc", {}), "extProc")),
-        flow_control=flow_control_config(picker_config) if picker_config is not None else None,
+        flow_control=flow_control_config(epp) if epp is not None else None,
+        epp=epp,
     )
 
 

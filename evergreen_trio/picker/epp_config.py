@@ -1,13 +1,16 @@
-"""The reference Endpoint Picker's ``EndpointPickerConfig`` -> our :class:`SchedulerConfig`.
+"""The reference Endpoint Picker's ``EndpointPickerConfig`` -> our scheduler and pool settings.
 
-The official ``inferencepool`` Helm chart mounts a plugins file like::
+llm-d-router's chart (and GIE v1.5's before it) mounts a plugins file like::
 
-    apiVersion: inference.networking.x-k8s.io/v1alpha1
+    apiVersion: llm-d.ai/v1alpha1
     kind: EndpointPickerConfig
     plugins:
     - type: queue-scorer
     - type: kv-cache-utilization-scorer
     - type: prefix-cache-scorer
+    - type: metrics-data-source
+      parameters: {scheme: "http", path: "/metrics", insecureSkipVerify: true}
+    - type: core-metrics-extractor
     schedulingProfiles:
     - name: default
       plugins:
@@ -15,126 +18,258 @@ The official ``inferencepool`` Helm chart mounts a plugins file like::
         weight: 2
       ...
 
-Our scheduler is one weighted sum of four scorers followed by a max-score pick, which is exactly
-what one profile of these plugins describes: each scorer's profile weight becomes our weight (a
-scorer the profile leaves out gets 0), the picker and the profile handler name the only behaviour
-we have. An unknown plugin type is one :class:`ConfigError` naming it and listing the known ones.
+Each plugin is read by its registered type (:mod:`evergreen_trio.picker.plugins`), strictly: an
+unknown parameter, an unknown or unimplemented plugin type, a profile naming an undeclared plugin
+is one :class:`ConfigError` naming the field. ``apiVersion`` is ``llm-d.ai/v1alpha1``; the older
+``inference.networking.x-k8s.io/v1alpha1`` still loads and logs a deprecation. Profiles keep their
+filters, weighted scorers and picker; a ``disagg-profile-handler`` (or its deprecated alias
+``pd-profile-handler``) runs the ``decode`` and ``prefill`` profiles (P/D disaggregation).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from evergreen_trio.picker import inflight
-from evergreen_trio.picker.checks import integer, mapping, sequence
+from evergreen_trio.picker.checks import mapping, sequence
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.flow_control import config as flow_control
+from evergreen_trio.picker.plugins import (
+    AlwaysDecider,
+    Category,
+    DisaggHandler,
+    DisaggParams,
+    MetricsSourceParams,
+    Plugin,
+    PrefixDecider,
+    PrefixProducerParams,
+    PrefixScorerParams,
+    Profile,
+    WeightedScorer,
+    read_plugin,
+)
 
-API_VERSIONS = ("inference.networking.x-k8s.io/v1alpha1",)
+log = logging.getLogger(__name__)
+
+API_VERSION = "llm-d.ai/v1alpha1"
+DEPRECATED_API_VERSION = "inference.networking.x-k8s.io/v1alpha1"
+API_VERSIONS = (API_VERSION, DEPRECATED_API_VERSION)
 KIND = "EndpointPickerConfig"
-# Reference plugin type -> our SchedulerConfig weight field (None: accepted, no weight).
+# Reference scorer type -> our SchedulerConfig weight field (the flat weights of the first profile).
 SCORERS = {
     "queue-scorer": "queue",
     "kv-cache-utilization-scorer": "kv_cache",
     "prefix-cache-scorer": "prefix_cache",
     "lora-affinity-scorer": "lora_affinity",
 }
-OTHER_PLUGINS = ("max-score-picker", "single-profile-handler")
-# In-flight load (evergreen_trio.picker.inflight): the producer and its scorers set LoadConfig.
-LOAD_PLUGINS = (inflight.PRODUCER, *inflight.SCORERS)
-KNOWN_TYPES = (*SCORERS, *OTHER_PLUGINS, *LOAD_PLUGINS, *flow_control.PLUGIN_TYPES)
-# prefix-cache-scorer parameters -> SchedulerConfig fields. The reference's hashBlockSize counts
-# characters of the prompt; ours is tokens x charsPerToken, so it lands with charsPerToken 1.
-_PREFIX_PARAMETERS = {"maxPrefixBlocksToMatch": "max_prefix_blocks", "lruCapacityPerServer": "prefix_cache_capacity"}
-_SCORE_FIELDS = {**SCORERS, **inflight.SCORERS}
 _SATURATION = {"queueDepthThreshold": "queue_threshold", "kvCacheUtilThreshold": "kv_cache_threshold"}
+# Top-level sections another module reads: name -> reader(section, path, plugins by name) -> values
+# merged into EppConfig.extra. Registered with register_section.
+SectionReader = Callable[[object, str, Mapping[str, Plugin]], Mapping[str, Any]]
+SECTIONS: dict[str, SectionReader] = {}
+_TOP_LEVEL = ("apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector", "featureGates", "data",
+              "dataLayer", "requestHandler", "parser")
 
 
-def _plugins(doc: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
-    """The declared plugins by name -> type, and the scheduler values their parameters set."""
-    names: dict[str, str] = {}
-    values: dict[str, Any] = {}
-    for i, item in enumerate(sequence(doc.get("plugins", []), f"{KIND}.plugins")):
-        path = f"{KIND}.plugins[{i}]"
-        plugin = mapping(item, path)
-        unknown = set(plugin) - {"type", "name", "parameters"}
-        if unknown:
-            first = sorted(unknown)[0]
-            raise ConfigError(f"{path}.{first}", "one of ['name', 'parameters', 'type']", first)
-        kind = plugin.get("type")
-        if kind not in KNOWN_TYPES:
-            raise ConfigError(f"{path}.type", f"a known plugin type ({', '.join(KNOWN_TYPES)})", kind)
-        name = plugin.get("name", kind)
-        if not isinstance(name, str) or not name or name in names:
-            raise ConfigError(f"{path}.name", "a plugin name not declared before", name)
-        names[name] = kind
-        parameters = mapping(plugin.get("parameters") or {}, f"{path}.parameters")
-        if kind in flow_control.PLUGIN_TYPES:
-            pass  # validated by flow_control.flow_control_config, with the section that uses them
-        elif kind in LOAD_PLUGINS:
-            values.setdefault("load", {}).update(inflight.plugin_values(kind, parameters, f"{path}.parameters"))
-        elif kind == "prefix-cache-scorer":
-            for key, value in parameters.items():
-                if key == "hashBlockSize":
-                    values["prefix_block_tokens"] = integer(value, f"{path}.parameters.{key}", minimum=1)
-                    values["chars_per_token"] = 1
-                elif key in _PREFIX_PARAMETERS:
-                    values[_PREFIX_PARAMETERS[key]] = integer(value, f"{path}.parameters.{key}", minimum=1)
-                else:
-                    expected = f"one of {sorted(['hashBlockSize', *_PREFIX_PARAMETERS])}"
-                    raise ConfigError(f"{path}.parameters.{key}", expected, key)
-    return names, values
+def register_section(name: str, reader: SectionReader) -> None:
+    """Accept the top-level ``name`` section, read by ``reader`` (its values land in ``EppConfig.extra``)."""
+    SECTIONS[name] = reader
 
 
-def _weights(doc: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, float]:
-    profiles = sequence(doc.get("schedulingProfiles", []), f"{KIND}.schedulingProfiles")
-    if not profiles:  # the reference's default: one profile with every declared plugin, weight 1
-        return {_SCORE_FIELDS[kind]: 1.0 for kind in names.values() if kind in _SCORE_FIELDS}
-    if len(profiles) > 1:
-        raise ConfigError(f"{KIND}.schedulingProfiles", "one profile (the single-profile-handler)",
-                          f"{len(profiles)} profiles")
-    path = f"{KIND}.schedulingProfiles[0]"
-    profile = mapping(profiles[0], path)
-    weights: dict[str, float] = {}
-    for i, item in enumerate(sequence(profile.get("plugins", []), f"{path}.plugins")):
-        ref_path = f"{path}.plugins[{i}]"
-        ref = mapping(item, ref_path)
-        name = ref.get("pluginRef")
-        if not isinstance(name, str) or name not in names:
-            raise ConfigError(f"{ref_path}.pluginRef", f"a declared plugin name ({', '.join(names)})", name)
-        weight = ref.get("weight", 1)
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
-            raise ConfigError(f"{ref_path}.weight", "a number >= 0", weight)
-        if names[name] in _SCORE_FIELDS:
-            weights[_SCORE_FIELDS[names[name]]] = float(weight)
-    return weights
+@dataclass(frozen=True)
+class EppConfig:
+    """What one ``EndpointPickerConfig`` sets: scheduler fields, pool overrides, the plugins by name."""
+
+    scheduler: Mapping[str, Any]
+    pool: Mapping[str, Any]
+    plugins: Mapping[str, Plugin]
+    feature_gates: tuple[str, ...] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 def is_endpoint_picker_config(doc: Mapping[str, Any]) -> bool:
     return doc.get("kind") == KIND
 
 
-def scheduler_values(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for :class:`SchedulerConfig` from one ``EndpointPickerConfig`` document.
+def _plugins(doc: Mapping[str, Any]) -> dict[str, Plugin]:
+    plugins: dict[str, Plugin] = {}
+    for i, item in enumerate(sequence(doc.get("plugins") or [], f"{KIND}.plugins")):
+        plugin = read_plugin(item, f"{KIND}.plugins[{i}]")
+        if plugin.name in plugins:
+            raise ConfigError(f"{KIND}.plugins[{i}].name", "a plugin name not declared before", plugin.name)
+        plugins[plugin.name] = plugin
+    return plugins
 
-    Raises :class:`ConfigError` for a wrong apiVersion, an unknown plugin type or field, a profile
-    naming an undeclared plugin, or no scorer with a weight above 0.
-    """
-    if doc.get("apiVersion") not in API_VERSIONS:
-        raise ConfigError(f"{KIND}.apiVersion", " or ".join(API_VERSIONS), doc.get("apiVersion"))
-    allowed = {"apiVersion", "kind", "plugins", "schedulingProfiles", "saturationDetector", "featureGates", "data",
-               "flowControl"}
+
+def _ref(raw: object, path: str, plugins: Mapping[str, Plugin], *categories: Category) -> Plugin:
+    name = raw
+    if not isinstance(name, str) or name not in plugins:
+        raise ConfigError(path, f"a declared plugin name ({', '.join(plugins)})", name)
+    plugin = plugins[name]
+    if categories and plugin.category not in categories:
+        kinds = " or ".join(c.value for c in categories)
+        raise ConfigError(path, f"a {kinds} plugin", f"{name} (a {plugin.category.value})")
+    return plugin
+
+
+def _profile(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Profile:
+    entry = mapping(raw, path)
+    for key in entry:
+        if key not in ("name", "plugins"):
+            raise ConfigError(f"{path}.{key}", "one of ['name', 'plugins']", key)
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{path}.name", "a profile name", name)
+    filters: list[Plugin] = []
+    scorers: list[WeightedScorer] = []
+    random_pick = False
+    for i, item in enumerate(sequence(entry.get("plugins") or [], f"{path}.plugins")):
+        ref_path = f"{path}.plugins[{i}]"
+        ref = mapping(item, ref_path)
+        for key in ref:
+            if key not in ("pluginRef", "weight"):
+                raise ConfigError(f"{ref_path}.{key}", "one of ['pluginRef', 'weight']", key)
+        plugin = _ref(ref.get("pluginRef"), f"{ref_path}.pluginRef", plugins,
+                      Category.FILTER, Category.SCORER, Category.PICKER, Category.PRODUCER)
+        weight = ref.get("weight", 1)
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
+            raise ConfigError(f"{ref_path}.weight", "a number >= 0", weight)
+        if plugin.category is Category.FILTER:
+            filters.append(plugin)
+        elif plugin.category is Category.SCORER:
+            scorers.append(WeightedScorer(plugin, float(weight)))
+        elif plugin.category is Category.PICKER:
+            random_pick = plugin.type == "random-picker"
+    return Profile(name, tuple(filters), tuple(scorers), random_pick)
+
+
+def _default_profile(plugins: Mapping[str, Plugin]) -> Profile:
+    """No ``schedulingProfiles``: the reference's default, one profile with every declared plugin."""
+    chosen = [p for p in plugins.values() if p.category in (Category.FILTER, Category.SCORER)]
+    return Profile("default", tuple(p for p in chosen if p.category is Category.FILTER),
+                   tuple(WeightedScorer(p, 1.0) for p in chosen if p.category is Category.SCORER),
+                   any(p.type == "random-picker" for p in plugins.values()))
+
+
+def _handler(plugins: Mapping[str, Plugin], profiles: Mapping[str, Profile]) -> DisaggHandler | None:
+    handlers = [p for p in plugins.values() if p.category is Category.PROFILE_HANDLER]
+    if len(handlers) > 1:
+        raise ConfigError(f"{KIND}.plugins", "at most one profile handler", [h.name for h in handlers])
+    handler = handlers[0] if handlers else None
+    if handler is None or handler.type == "single-profile-handler":
+        if len(profiles) > 1:
+            raise ConfigError(f"{KIND}.schedulingProfiles", "one profile (the single-profile-handler)",
+                              f"{len(profiles)} profiles")
+        return None
+    assert isinstance(handler.params, DisaggParams)
+    params = handler.params
+    where = f"{KIND}.plugins[{list(plugins).index(handler.name)}].parameters"
+    if params.decode not in profiles:
+        raise ConfigError(f"{where}.profiles.decode", f"a scheduling profile name ({', '.join(profiles)})",
+                          params.decode)
+    if params.encode_decider:
+        raise ConfigError(f"{where}.deciders.encode", "no encode decider (E/PD is not implemented)",
+                          params.encode_decider)
+    decider: PrefixDecider | AlwaysDecider | None = None
+    if params.prefill_decider:
+        chosen = _ref(params.prefill_decider, f"{where}.deciders.prefill", plugins, Category.DECIDER).params
+        assert isinstance(chosen, PrefixDecider | AlwaysDecider)
+        decider = chosen
+    elif params.stage_order == "decode-first":
+        log.info("picker.pd_off handler=%s (no deciders.prefill: decode profile only)", handler.name)
+    return DisaggHandler(params.stage_order, params.decode, params.prefill, params.encode, decider)
+
+
+def _prefix_values(plugins: Mapping[str, Plugin]) -> dict[str, Any]:
+    producers = [p.params for p in plugins.values() if isinstance(p.params, PrefixProducerParams)]
+    legacy = {k: v for p in plugins.values() if isinstance(p.params, PrefixScorerParams) for k, v in p.params.legacy}
+    if legacy and not producers:  # a GIE v1.x config: block size in characters, no tuning
+        values: dict[str, Any] = dict(legacy)
+        if "prefix_block_tokens" in values:
+            values["chars_per_token"] = 1
+        return values
+    producer = producers[0] if producers else PrefixProducerParams()
+    return {"prefix_auto_tune": producer.auto_tune, "prefix_block_tokens": producer.block_size_tokens,
+            "max_prefix_tokens": producer.max_prefix_tokens, "max_prefix_blocks": producer.max_prefix_blocks,
+            "prefix_cache_capacity": producer.lru_capacity_per_server}
+
+
+def _pool_values(plugins: Mapping[str, Plugin]) -> dict[str, Any]:
+    from evergreen_trio.picker.config import parse_duration  # config imports this module
+
+    values: dict[str, Any] = {}
+    for name, plugin in plugins.items():
+        if isinstance(plugin.params, MetricsSourceParams):
+            values["metrics_path"] = plugin.params.path
+            values["metrics_port"] = plugin.params.port
+            if plugin.params.interval is not None:
+                where = f"{KIND}.plugins[{list(plugins).index(name)}].parameters.interval"
+                values["refresh_interval_s"] = parse_duration(plugin.params.interval, where)
+        elif plugin.type == "core-metrics-extractor":
+            values["engines"] = plugin.params
+    return values
+
+
+def _data_layer(doc: Mapping[str, Any], plugins: Mapping[str, Plugin]) -> None:
+    path = f"{KIND}.dataLayer"
+    layer = mapping(doc.get("dataLayer") or {}, path)
+    for key in layer:
+        if key != "sources":
+            raise ConfigError(f"{path}.{key}", "one of ['sources'] (discovery is the InferencePool's)", key)
+    for i, raw in enumerate(sequence(layer.get("sources") or [], f"{path}.sources")):
+        source = mapping(raw, f"{path}.sources[{i}]")
+        for key in source:
+            if key not in ("pluginRef", "extractors"):
+                raise ConfigError(f"{path}.sources[{i}].{key}", "one of ['extractors', 'pluginRef']", key)
+        _ref(source.get("pluginRef"), f"{path}.sources[{i}].pluginRef", plugins, Category.DATA_SOURCE)
+        for j, extractor in enumerate(sequence(source.get("extractors") or [], f"{path}.sources[{i}].extractors")):
+            where = f"{path}.sources[{i}].extractors[{j}]"
+            _ref(mapping(extractor, where).get("pluginRef"), f"{where}.pluginRef", plugins, Category.EXTRACTOR)
+
+
+def _request_handler(doc: Mapping[str, Any], plugins: Mapping[str, Plugin]) -> None:
+    sections = {"requestHandler": mapping(doc.get("requestHandler") or {}, f"{KIND}.requestHandler")}
+    if "parser" in doc:
+        sections["parser"] = {"parsers": [doc["parser"]]}
+    for name, section in sections.items():
+        for key in section:
+            if key != "parsers":
+                raise ConfigError(f"{KIND}.{name}.{key}", "one of ['parsers']", key)
+        for i, raw in enumerate(sequence(section.get("parsers") or [], f"{KIND}.{name}.parsers")):
+            where = f"{KIND}.{name}.parsers[{i}]"
+            _ref(mapping(raw, where).get("pluginRef"), f"{where}.pluginRef", plugins, Category.PARSER)
+
+
+def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
+    """Read one ``EndpointPickerConfig`` document; :class:`ConfigError` for any mistake in it."""
+    version = doc.get("apiVersion")
+    if version not in API_VERSIONS:
+        raise ConfigError(f"{KIND}.apiVersion", " or ".join(API_VERSIONS), version)
+    if version == DEPRECATED_API_VERSION:
+        log.warning("picker.config_deprecated apiVersion=%s (use %s)", version, API_VERSION)
+    allowed = (*_TOP_LEVEL, *SECTIONS)
     for key in doc:
+        if key == "flowControl" and key not in SECTIONS:
+            raise ConfigError(f"{KIND}.{key}", "a section this picker implements", "flowControl (not implemented)")
         if key not in allowed:
             raise ConfigError(f"{KIND}.{key}", f"one of {sorted(allowed)}", key)
-    names, values = _plugins(doc)
-    weights = _weights(doc, names)
-    if not any(weights.values()):
-        raise ConfigError(f"{KIND}.schedulingProfiles", "at least one scorer with a weight > 0", weights)
-    values.update({field: weights.get(field, 0.0) for field in SCORERS.values()})
-    load = values.pop("load", {}) | {field: weights.get(field, 0.0) for field in inflight.SCORERS.values()}
-    values["load"] = inflight.LoadConfig(**load)
+    plugins = _plugins(doc)
+    raw_profiles = sequence(doc.get("schedulingProfiles") or [], f"{KIND}.schedulingProfiles")
+    profiles: dict[str, Profile] = {}
+    for i, raw in enumerate(raw_profiles):
+        profile = _profile(raw, f"{KIND}.schedulingProfiles[{i}]", plugins)
+        if profile.name in profiles:
+            raise ConfigError(f"{KIND}.schedulingProfiles[{i}].name", "a profile name not used before", profile.name)
+        profiles[profile.name] = profile
+    if not profiles:
+        profiles["default"] = _default_profile(plugins)
+    handler = _handler(plugins, profiles)
+    _data_layer(doc, plugins)
+    _request_handler(doc, plugins)
+    first = next(iter(profiles.values()))
+    values: dict[str, Any] = {field: first.weight(kind) for kind, field in SCORERS.items()}
+    values.update(_prefix_values(plugins), profiles=tuple(profiles.values()), handler=handler)
     saturation = mapping(doc.get("saturationDetector") or {}, f"{KIND}.saturationDetector")
     for key, value in saturation.items():
         path = f"{KIND}.saturationDetector.{key}"
@@ -144,4 +279,14 @@ def scheduler_values(doc: Mapping[str, Any]) -> dict[str, Any]:
             values[_SATURATION[key]] = float(value)
         elif key != "metricsStalenessThreshold":  # the pool's, set by --metrics-staleness-threshold
             raise ConfigError(path, f"one of {sorted([*_SATURATION, 'metricsStalenessThreshold'])}", key)
-    return values
+    gates = tuple(str(g) for g in sequence(doc.get("featureGates") or [], f"{KIND}.featureGates"))
+    extra: dict[str, Any] = {}
+    for name, reader in SECTIONS.items():
+        if name in doc:
+            extra.update(reader(doc[name], f"{KIND}.{name}", plugins))
+    return EppConfig(values, _pool_values(plugins), plugins, gates, extra)
+
+
+def scheduler_values(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for :class:`SchedulerConfig` from one ``EndpointPickerConfig`` document."""
+    return dict(read_endpoint_picker_config(doc).scheduler)

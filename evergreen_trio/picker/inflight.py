@@ -9,7 +9,7 @@ request at the response's end of stream or when the stream is aborted (client go
 picker error). A :class:`Ticket` releases each part at most once, and onto the counter it
 incremented, so an endpoint removed and re-added meanwhile is not driven negative.
 
-The scorers (llm-d's semantics, one weight each in :class:`LoadConfig`):
+The scorers (llm-d's semantics; plugin types registered here, run by the scheduler's profiles):
 ``active-request-scorer`` (in-flight requests), ``token-load-scorer`` (in-flight tokens plus this
 request's uncached tokens, against ``queueThresholdTokens``), ``running-requests-size-scorer``
 (the scraped running count) and ``load-aware-scorer`` (the scraped waiting count, 0.5 at most).
@@ -18,115 +18,109 @@ request's uncached tokens, against ``queueThresholdTokens``), ``running-requests
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from evergreen_trio.picker.checks import integer, number
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
-from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, register
+
+if TYPE_CHECKING:
+    from evergreen_trio.picker.scheduler import EndpointState, PickRequest, Scheduler
 
 PRODUCER = "inflight-load-producer"
 ACTIVE_REQUEST = "active-request-scorer"
 TOKEN_LOAD = "token-load-scorer"
 RUNNING_REQUESTS = "running-requests-size-scorer"
 LOAD_AWARE = "load-aware-scorer"
-# Plugin type -> the LoadConfig weight field it sets.
-SCORERS = {ACTIVE_REQUEST: "active_request", TOKEN_LOAD: "token_load", RUNNING_REQUESTS: "running_requests",
-           LOAD_AWARE: "load_aware"}
 # The OpenAI fields that cap a request's output, by API.
 _OUTPUT_CAPS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """The in-flight producer's parameters and the load scorers' weights (0 = off) and parameters."""
+    """The in-flight producer's parameters, and the load scorers' weights in the profile a plain
+    config's flat weights describe (an ``EndpointPickerConfig``'s profiles weigh them instead).
 
-    active_request: float = 2.0  # our default profile counts in-flight requests (docs/picker.md)
+    ``active_request`` is 2 by default: our default profile counts in-flight requests
+    (docs/picker.md, "In-flight load", has the measurement behind it).
+    """
+
+    active_request: float = 2.0
     token_load: float = 0.0
     running_requests: float = 0.0
     load_aware: float = 0.0
-    idle_threshold: int = 0
-    max_busy_score: float = 1.0
-    queue_threshold_tokens: int = 4_194_304
-    load_aware_threshold: int = 128
     add_estimated_output_tokens: bool = False
     output_ratio: float = 1.5
     max_estimated_output_tokens: int | None = None
 
-    @property
-    def enabled(self) -> bool:
-        """Whether any scorer reads the load (the tracker counts regardless: flow control may)."""
-        return bool(self.active_request or self.token_load or self.running_requests or self.load_aware)
+    def weights(self) -> dict[str, float]:
+        """Scorer type -> weight for the flat profile."""
+        return {ACTIVE_REQUEST: self.active_request, TOKEN_LOAD: self.token_load,
+                RUNNING_REQUESTS: self.running_requests, LOAD_AWARE: self.load_aware}
 
 
-def _bool(value: object, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(path, "true or false", value)
-    return value
+@dataclass(frozen=True)
+class ActiveRequestParams:
+    """``active-request-scorer``: at most ``idle_threshold`` in flight scores 1.0."""
+
+    idle_threshold: int = 0
+    max_busy_score: float = 1.0
 
 
-def plugin_values(kind: str, parameters: Mapping[str, Any], path: str) -> dict[str, Any]:
-    """:class:`LoadConfig` fields from one plugin's ``parameters``; unknown keys are a ConfigError.
+@dataclass(frozen=True)
+class TokenLoadParams:
+    """``token-load-scorer``: in-flight tokens at ``queue_threshold_tokens`` score 0."""
 
-    ``path`` names the parameters mapping (``...plugins[2].parameters``).
-    """
-    values: dict[str, Any] = {}
-    allowed: tuple[str, ...] = ()
-    for key, value in parameters.items():
-        where = f"{path}.{key}"
-        if kind == PRODUCER:
-            allowed = ("addEstimatedOutputTokens", "outputRatio", "maxEstimatedOutputTokens",
-                       "prefixMatchInfoProducerName", "syncCrossReplicaState")
-            if key == "addEstimatedOutputTokens":
-                values["add_estimated_output_tokens"] = _bool(value, where)
-            elif key == "outputRatio":
-                values["output_ratio"] = number(value, where)
-            elif key == "maxEstimatedOutputTokens":
-                values["max_estimated_output_tokens"] = integer(value, where, minimum=0)
-            elif key == "syncCrossReplicaState":
-                _bool(value, where)  # one replica here: nothing to synchronize
-            elif key == "prefixMatchInfoProducerName":
-                if not isinstance(value, str):
-                    raise ConfigError(where, "a plugin name", value)
-            else:
-                break
-        elif kind == ACTIVE_REQUEST:
-            allowed = ("idleThreshold", "maxBusyScore", "requestTimeout", "inFlightLoadProducerName")
-            if key == "idleThreshold":
-                values["idle_threshold"] = integer(value, where, minimum=0)
-            elif key == "maxBusyScore":
-                score = number(value, where)
-                if score > 1.0:
-                    raise ConfigError(where, "a number in [0, 1]", value)
-                values["max_busy_score"] = score
-            elif key in ("requestTimeout", "inFlightLoadProducerName"):  # deprecated / one producer here
-                if not isinstance(value, str):
-                    raise ConfigError(where, "a string", value)
-            else:
-                break
-        elif kind == TOKEN_LOAD:
-            allowed = ("queueThresholdTokens", "inFlightLoadProducerName")
-            if key == "queueThresholdTokens":
-                values["queue_threshold_tokens"] = integer(value, where, minimum=1)
-            elif key == "inFlightLoadProducerName":
-                if not isinstance(value, str):
-                    raise ConfigError(where, "a string", value)
-            else:
-                break
-        elif kind == LOAD_AWARE:
-            allowed = ("threshold",)
-            if key != "threshold":
-                break
-            values["load_aware_threshold"] = integer(value, where, minimum=1)
-        else:  # running-requests-size-scorer has no parameters
-            break
-    else:
-        return values
-    unknown = next(k for k in parameters if k not in allowed)
-    expected = f"one of {sorted(allowed)}" if allowed else "no parameters"
-    raise ConfigError(f"{path}.{unknown}", expected, unknown)
+    queue_threshold_tokens: int = 4_194_304
+
+
+@dataclass(frozen=True)
+class LoadAwareParams:
+    """``load-aware-scorer``: ``threshold`` waiting requests score 0."""
+
+    threshold: int = 128
+
+
+def _producer(params: Params) -> LoadConfig:
+    params.text("prefixMatchInfoProducerName", "")
+    params.boolean("syncCrossReplicaState", True)  # one replica here: nothing to synchronize
+    cap = params.integer("maxEstimatedOutputTokens", 0) if params.has("maxEstimatedOutputTokens") else None
+    return LoadConfig(0.0, add_estimated_output_tokens=params.boolean("addEstimatedOutputTokens", False),
+                      output_ratio=params.number("outputRatio", 1.5), max_estimated_output_tokens=cap)
+
+
+def _active_request(params: Params) -> ActiveRequestParams:
+    params.text("requestTimeout", "")  # deprecated and ignored, as in llm-d
+    params.text("inFlightLoadProducerName", "")
+    return ActiveRequestParams(params.integer("idleThreshold", 0), params.number("maxBusyScore", 1.0, maximum=1.0))
+
+
+def _token_load(params: Params) -> TokenLoadParams:
+    params.text("inFlightLoadProducerName", "")
+    return TokenLoadParams(params.integer("queueThresholdTokens", 4_194_304, minimum=1))
+
+
+def _load_aware(params: Params) -> LoadAwareParams:
+    return LoadAwareParams(params.integer("threshold", 128, minimum=1))
+
+
+register(PRODUCER, PluginType(Category.PRODUCER, (
+    "addEstimatedOutputTokens", "outputRatio", "maxEstimatedOutputTokens", "prefixMatchInfoProducerName",
+    "syncCrossReplicaState"), _producer))
+register(ACTIVE_REQUEST, PluginType(Category.SCORER, (
+    "idleThreshold", "maxBusyScore", "requestTimeout", "inFlightLoadProducerName"), _active_request))
+register(TOKEN_LOAD, PluginType(Category.SCORER, ("queueThresholdTokens", "inFlightLoadProducerName"), _token_load))
+register(RUNNING_REQUESTS, PluginType(Category.SCORER))
+register(LOAD_AWARE, PluginType(Category.SCORER, ("threshold",), _load_aware))
+
+
+def producer_config(plugins: Mapping[str, Plugin]) -> LoadConfig:
+    """The producer's parameters from an ``EndpointPickerConfig``'s plugins (weights: its profiles)."""
+    for plugin in plugins.values():
+        if plugin.type == PRODUCER and isinstance(plugin.params, LoadConfig):
+            return plugin.params
+    return LoadConfig(0.0)
 
 
 def output_cap(body: Mapping[str, Any]) -> int | None:
@@ -241,18 +235,18 @@ class InflightLoad:
             del self._counters[address]
 
 
-def active_request_scores(config: LoadConfig, counts: Mapping[str, int]) -> dict[str, float]:
+def active_request_scores(params: ActiveRequestParams, counts: Mapping[str, int]) -> dict[str, float]:
     """Idle (<= ``idleThreshold``) scores 1.0; busier ones (max - n) / max x ``maxBusyScore``."""
     busiest = max(counts.values(), default=0)
-    return {a: 1.0 if n <= config.idle_threshold else (busiest - n) / busiest * config.max_busy_score
+    return {a: 1.0 if n <= params.idle_threshold else (busiest - n) / busiest * params.max_busy_score
             for a, n in counts.items()}
 
 
-def token_load_score(config: LoadConfig, tokens: int) -> float:
+def token_load_score(params: TokenLoadParams, tokens: int) -> float:
     """1 - min(1, tokens / ``queueThresholdTokens``); 1.0 with nothing in flight."""
     if tokens <= 0:
         return 1.0
-    return 1.0 - min(tokens, config.queue_threshold_tokens) / config.queue_threshold_tokens
+    return 1.0 - min(tokens, params.queue_threshold_tokens) / params.queue_threshold_tokens
 
 
 def running_requests_scores(metrics: Mapping[str, EndpointMetrics]) -> dict[str, float]:
@@ -262,42 +256,43 @@ def running_requests_scores(metrics: Mapping[str, EndpointMetrics]) -> dict[str,
     return {a: 1.0 if high == low else (high - r) / (high - low) for a, r in running.items()}
 
 
-def load_aware_score(config: LoadConfig, waiting: float) -> float:
+def load_aware_score(params: LoadAwareParams, waiting: float) -> float:
     """0.5 with an empty queue, falling linearly to 0 at ``threshold`` waiting requests."""
     if waiting <= 0:
         return 0.5
-    return 0.5 * (1.0 - min(waiting, config.load_aware_threshold) / config.load_aware_threshold)
+    return 0.5 * (1.0 - min(waiting, params.threshold) / params.threshold)
 
 
-def add_load_scores(config: LoadConfig, load: InflightLoad, result: dict[str, float],
-                    fresh: Mapping[str, EndpointMetrics], request_tokens: Mapping[str, int],
-                    timings: dict[str, float]) -> None:
-    """Add each enabled load scorer's weighted score to ``result`` (candidate address -> score).
+# Scorer functions as the scheduler calls them: (scheduler, request, candidates, fresh metrics, params).
+# In-flight scorers score every candidate (the counts are the picker's own, never stale); the
+# metric scorers only those with fresh metrics, like the other metric scorers.
+def _active_request_scorer(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
+                           fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
+    config = params if isinstance(params, ActiveRequestParams) else ActiveRequestParams()
+    return active_request_scores(config, {s.endpoint.address: scheduler.inflight.requests(s.endpoint.address)
+                                          for s in candidates})
 
-    In-flight scorers score every candidate (the counts are the picker's own, never stale); the
-    metric scorers only those with fresh metrics, like the other metric scorers.
-    ``request_tokens`` is this request's uncached prompt tokens per candidate; ``timings`` gets
-    seconds per scorer type.
-    """
-    started = time.perf_counter()
-    if config.active_request:
-        scores = active_request_scores(config, {a: load.requests(a) for a in result})
-        for address, score in scores.items():
-            result[address] += config.active_request * score
-        timings[ACTIVE_REQUEST], started = time.perf_counter() - started, time.perf_counter()
-    if config.token_load:
-        for address in result:
-            tokens = load.tokens(address) + request_tokens.get(address, 0)
-            result[address] += config.token_load * token_load_score(config, tokens)
-        timings[TOKEN_LOAD], started = time.perf_counter() - started, time.perf_counter()
-    if config.running_requests and fresh:
-        for address, score in running_requests_scores(fresh).items():
-            result[address] += config.running_requests * score
-        timings[RUNNING_REQUESTS], started = time.perf_counter() - started, time.perf_counter()
-    if config.load_aware:
-        for address, m in fresh.items():
-            result[address] += config.load_aware * load_aware_score(config, m.waiting)
-        timings[LOAD_AWARE] = time.perf_counter() - started
+
+def _token_load_scorer(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
+                       fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
+    config = params if isinstance(params, TokenLoadParams) else TokenLoadParams()
+    own = scheduler.uncached_tokens(request, [s.endpoint.address for s in candidates])
+    return {a: token_load_score(config, scheduler.inflight.tokens(a) + tokens) for a, tokens in own.items()}
+
+
+def _running_requests_scorer(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
+                             fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
+    return running_requests_scores(fresh) if fresh else {}
+
+
+def _load_aware_scorer(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
+                       fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
+    config = params if isinstance(params, LoadAwareParams) else LoadAwareParams()
+    return {a: load_aware_score(config, m.waiting) for a, m in fresh.items()}
+
+
+LOAD_SCORERS = {ACTIVE_REQUEST: _active_request_scorer, TOKEN_LOAD: _token_load_scorer,
+                RUNNING_REQUESTS: _running_requests_scorer, LOAD_AWARE: _load_aware_scorer}
 
 
 def prompt_tokens(prompt_bytes: int, chars_per_token: int) -> int:

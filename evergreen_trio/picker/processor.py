@@ -37,7 +37,7 @@ from evergreen_trio.picker.flow_control.key import (
 )
 from evergreen_trio.picker.flow_control.queue import DROPPED_REASON, Outcome, QueueItem
 from evergreen_trio.picker.flow_control.queue import message as outcome_message
-from evergreen_trio.picker.inflight import Ticket, output_cap, prompt_tokens
+from evergreen_trio.picker.inflight import Ticket, output_cap
 from evergreen_trio.picker.request import parse_body, rewrite_model
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
 from evergreen_trio.picker.usage import ResponseBody, Usage
@@ -49,8 +49,10 @@ SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 MODEL_REWRITE = "x-gateway-model-name-rewrite"
+# P/D: the prefill pod (ip:port) for llm-d's routing sidecar beside the decode pod.
+PREFILLER = "x-prefiller-host-port"
 # Client-supplied routing headers never go upstream; DESTINATION is always overwritten instead.
-STRIPPED_HEADERS = (*OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, MODEL_REWRITE, FALLBACK, SERVED, SUBSET)
+STRIPPED_HEADERS = (*OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, MODEL_REWRITE, FALLBACK, SERVED, SUBSET, PREFILLER)
 
 _Mode = processing_mode_pb2.ProcessingMode
 NONE, BUFFERED, BUFFERED_PARTIAL = _Mode.NONE, _Mode.BUFFERED, _Mode.BUFFERED_PARTIAL
@@ -84,7 +86,8 @@ class StreamReport:
 
 @dataclass
 class Route:
-    """A routing decision: endpoints best first, the model names, the prompt hashes, a new body."""
+    """A routing decision: endpoints best first, the model names, the prompt hashes, a new body,
+    and the prefill endpoint when P/D disaggregates the request."""
 
     endpoints: list[str]
     client_model: str | None = None
@@ -92,7 +95,9 @@ class Route:
     hashes: Sequence[int] = ()
     body: bytes | None = None
     served: list[str] = field(default_factory=list)
+    prefill: str | None = None
     load: Ticket | None = None  # its share of the endpoint's in-flight load, released once
+    prefill_load: Ticket | None = None  # the prefill pod's, released at the first response chunk
 
 
 @dataclass
@@ -108,7 +113,7 @@ class Admission:
     priority: int = 0
     hashes: Sequence[int] = ()
     body: bytes | None = None
-    prompt_tokens: int = 0
+    prompt_bytes: int = 0
     output_cap: int | None = None
 
 
@@ -156,10 +161,11 @@ class Picker:
                 admission.target_model = target
                 if target != request.model:
                     admission.body = rewrite_model(request.body, target)
-                cfg = self.config.scheduler
-                if cfg.prefix_cache:
-                    admission.hashes = prefix_hashes(target, request.prompt, cfg)
-                admission.prompt_tokens = prompt_tokens(len(request.prompt.encode()), cfg.chars_per_token)
+                if self.config.scheduler.uses_prefix:
+                    block_bytes, max_blocks = self.scheduler.prefix_geometry()
+                    admission.hashes = prefix_hashes(target, request.prompt, self.config.scheduler, block_bytes,
+                                                     max_blocks)
+                admission.prompt_bytes = len(request.prompt.encode())
                 admission.output_cap = output_cap(request.body)
             objective = objective_name(headers)
             if objective is not None and objective in self.config.objectives:
@@ -172,9 +178,10 @@ class Picker:
     def pick(self, admission: Admission, report: StreamReport) -> Route:
         """Pick endpoints for an admitted request and count it in flight; RequestError for 429/503."""
         pick = PickRequest(admission.target_model, admission.priority, admission.hashes, admission.subset,
-                           admission.prompt_tokens)
+                           admission.prompt_bytes)
         try:
-            endpoints = self.scheduler.pick(pick, self.pick_count)
+            schedule = self.scheduler.schedule(pick, self.pick_count)
+            endpoints = schedule.endpoints
         except RequestError as exc:
             self._failed(report, admission, exc)
             raise
@@ -185,13 +192,19 @@ class Picker:
         first = endpoints[0]
         uncached = self.scheduler.uncached_tokens(pick, [first])[first]
         if admission.hashes:
-            block = self.config.scheduler.prefix_block_bytes
+            block = self.scheduler.prefix_geometry()[0]
             report.prefix_match = (self.scheduler.prefix_matches.get(first, 0) * block, len(admission.hashes) * block)
-            self.scheduler.prefix.add(first, admission.hashes)
-        ticket = self.scheduler.inflight.dispatch(first, uncached, prompt_tokens=admission.prompt_tokens,
-                                                  client_output_cap=admission.output_cap)
+            for address in {a for a in (first, schedule.prefill) if a is not None}:
+                self.scheduler.prefix.add(address, admission.hashes)
+        inflight = self.scheduler.inflight
+        tokens = self.scheduler.prompt_tokens(pick)
+        ticket = inflight.dispatch(first, uncached, prompt_tokens=tokens, client_output_cap=admission.output_cap)
+        prefill_ticket = None
+        if schedule.prefill is not None:
+            prefill_ticket = inflight.dispatch(
+                schedule.prefill, self.scheduler.uncached_tokens(pick, [schedule.prefill])[schedule.prefill])
         return Route(endpoints, admission.client_model, admission.target_model, admission.hashes, admission.body,
-                     load=ticket)
+                     prefill=schedule.prefill, load=ticket, prefill_load=prefill_ticket)
 
     @staticmethod
     def _failed(report: StreamReport, admission: Admission, exc: RequestError) -> None:
@@ -308,12 +321,16 @@ class ExtProcStream:
         return replies
 
     def _settle_load(self, *, first_chunk: bool = False) -> None:
-        load = self.route.load if self.route is not None else None
-        if load is not None:
+        route = self.route
+        if route is None:
+            return
+        if route.prefill_load is not None and (first_chunk or self.response_ended or self.finished):
+            route.prefill_load.release()  # the first chunk came: the prefill pod handed off
+        if route.load is not None:
             if self.response_ended or self.finished:
-                load.release()
+                route.load.release()
             elif first_chunk and not self.picker.config.scheduler.load.add_estimated_output_tokens:
-                load.release_prompt()  # the first chunk came: prefill is done
+                route.load.release_prompt()  # the first chunk came: prefill is done
 
     def on_end(self) -> Sequence[ep.ProcessingResponse]:
         self._finish_usage()
@@ -326,8 +343,10 @@ class ExtProcStream:
         self.on_unpark = None
         if self.item is not None and self.item.outcome is None and self.picker.flow is not None:
             self.picker.flow.queue.cancel(self.item)
-        if self.route is not None and self.route.load is not None:
-            self.route.load.release()
+        if self.route is not None:
+            for ticket in (self.route.load, self.route.prefill_load):
+                if ticket is not None:
+                    ticket.release()
 
     def resume(self) -> Sequence[ep.ProcessingResponse]:
         """The replies a parked request's outcome left (the wire calls this once unparked)."""
@@ -428,8 +447,10 @@ class ExtProcStream:
             lb[FALLBACK] = route.endpoints[1]
         if route.body is not None and "content-length" in self.headers:
             set_headers.append(_header_option("content-length", str(len(route.body))))
-        mutation = ep.HeaderMutation(
-            set_headers=set_headers, remove_headers=[h for h in STRIPPED_HEADERS if h in self.headers])
+        if route.prefill is not None:
+            set_headers.append(_header_option(PREFILLER, route.prefill))
+        removed = [h for h in STRIPPED_HEADERS if h in self.headers and not (h == PREFILLER and route.prefill)]
+        mutation = ep.HeaderMutation(set_headers=set_headers, remove_headers=removed)
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: lb})
         if phase == "headers":

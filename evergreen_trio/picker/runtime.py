@@ -151,8 +151,10 @@ async def _scrape_forever(
     snapshot: PoolSnapshot,
     after_scrape: Callable[[], None],
 ) -> None:
-    getter = KeepAliveGetter(endpoint.host, endpoint.port, max_body=MAX_METRICS_BYTES)
-    url = f"http://{endpoint.address}{config.pool.metrics_path}"
+    port = config.pool.metrics_port or endpoint.port
+    getter = KeepAliveGetter(endpoint.host, port, max_body=MAX_METRICS_BYTES)
+    url = f"http://{Endpoint(endpoint.host, port).address}{config.pool.metrics_path}"
+    engine = config.pool.engines.spec(endpoint.engine)
     was_ready = False
     try:
         while True:
@@ -162,7 +164,7 @@ async def _scrape_forever(
                 if status != 200:
                     raise MetricsError(f"expected HTTP 200 from {url}, got {status}")
                 text = body.decode("utf-8", "replace")
-                snapshot.update(endpoint.address, parse_engine_metrics(endpoint.engine, text))
+                snapshot.update(endpoint.address, parse_engine_metrics(engine, text))
                 if not was_ready:
                     log.info("picker.endpoint_ready endpoint=%s", endpoint.address)
                 was_ready = True
@@ -183,17 +185,21 @@ class Scrapers:
     def __init__(self, nursery: trio.Nursery, config: PickerConfig, snapshot: PoolSnapshot,
                  after_scrape: Callable[[], None]) -> None:
         self.nursery, self.config, self.snapshot, self.after_scrape = nursery, config, snapshot, after_scrape
-        self._scopes: dict[str, trio.CancelScope] = {}
+        self._scopes: dict[str, tuple[Endpoint, trio.CancelScope]] = {}
 
     def sync(self, endpoints: Iterable[Endpoint]) -> None:
         wanted = {e.address: e for e in endpoints}
         for address in [a for a in self._scopes if a not in wanted]:
-            self._scopes.pop(address).cancel()
+            self._scopes.pop(address)[1].cancel()
             log.info("picker.endpoint_removed endpoint=%s", address)
+        for address, endpoint in wanted.items():  # a pod relabelled to another engine: scrape anew
+            if address in self._scopes and self._scopes[address][0].engine != endpoint.engine:
+                self._scopes.pop(address)[1].cancel()
         self.snapshot.set_endpoints(wanted.values())
         for address, endpoint in wanted.items():
             if address not in self._scopes:
-                scope = self._scopes[address] = trio.CancelScope()
+                scope = trio.CancelScope()
+                self._scopes[address] = (endpoint, scope)
                 self.nursery.start_soon(self._run, endpoint, scope)
 
     async def _run(self, endpoint: Endpoint, scope: trio.CancelScope) -> None:

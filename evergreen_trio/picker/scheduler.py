@@ -9,15 +9,16 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import xxhash
 
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
-from evergreen_trio.picker.inflight import InflightLoad, add_load_scores, uncached_tokens
+from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
+from evergreen_trio.picker.plugins import PrefixScorerParams, Profile
 
 
 @dataclass
@@ -40,8 +41,13 @@ class PoolSnapshot:
         self.clock = clock
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
-        """Follow discovery: keep the state of endpoints still listed, add new ones, drop the rest."""
-        self.states = {e.address: self.states.get(e.address) or EndpointState(e) for e in endpoints}
+        """Follow discovery: keep the state of endpoints still listed (with their new labels), add
+        new ones, drop the rest."""
+        states = {}
+        for endpoint in endpoints:
+            state = states[endpoint.address] = self.states.get(endpoint.address) or EndpointState(endpoint)
+            state.endpoint = endpoint
+        self.states = states
 
     def update(self, address: str, metrics: EndpointMetrics) -> None:
         """Record a scrape of ``address`` (ready and fresh as of now); unknown addresses are ignored."""
@@ -70,15 +76,17 @@ class PoolSnapshot:
         return [s for s in self.states.values() if s.ready]
 
 
-def prefix_hashes(model: str, prompt: str, config: SchedulerConfig) -> list[int]:
+def prefix_hashes(model: str, prompt: str, config: SchedulerConfig, block_bytes: int | None = None,
+                  max_blocks: int | None = None) -> list[int]:
     """The xxhash64 chain over the prompt's full blocks, seeded with the target model name.
 
     Each block hash covers the previous hash (8 bytes, little endian) and the block's bytes, so a
-    hash names the whole prefix up to and including its block.
+    hash names the whole prefix up to and including its block. ``block_bytes`` and ``max_blocks``
+    (what :meth:`Scheduler.prefix_geometry` tunes) default to the config's.
     """
     data = prompt.encode()
-    size = config.prefix_block_bytes
-    count = min(len(data) // size, config.max_prefix_blocks)
+    size = block_bytes or config.prefix_block_bytes
+    count = min(len(data) // size, config.max_prefix_blocks if max_blocks is None else max_blocks)
     previous = xxhash.xxh64_intdigest(model.encode())
     hashes = []
     for i in range(count):
@@ -132,16 +140,84 @@ class PrefixIndex:
 
 @dataclass(frozen=True)
 class PickRequest:
-    """What a pick needs: the target model, its priority, the prompt hashes and an optional subset.
-
-    ``prompt_tokens`` (estimated) feeds the in-flight token load.
-    """
+    """What a pick needs: the target model, its priority, the prompt hashes, an optional subset,
+    and the prompt's length in bytes (P/D deciders estimate its tokens from it)."""
 
     model: str | None
     priority: int
     hashes: Sequence[int] = ()
     subset: frozenset[str] | None = None
-    prompt_tokens: int = 0
+    prompt_bytes: int = 0
+
+
+@dataclass
+class Schedule:
+    """A scheduling result: the primary (decode) profile's endpoints best first, the prefill
+    endpoint when P/D chose one, and every profile's picks by profile name."""
+
+    endpoints: list[str]
+    prefill: str | None = None
+    profiles: dict[str, list[str]] = field(default_factory=dict)
+
+
+# Bytes per token when no tokenizer is configured (what llm-d-router's estimates assume too).
+BYTES_PER_TOKEN = 4
+# A scorer: (scheduler, request, candidates, their fresh metrics by address, plugin params) ->
+# a score in [0, 1] per address it has an opinion on. Other modules add types with register_scorer.
+ScorerFunction = Callable[
+    ["Scheduler", PickRequest, Sequence[EndpointState], Mapping[str, EndpointMetrics], object], Mapping[str, float]]
+
+
+def _queue_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
+                  fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
+    if not fresh:
+        return {}
+    queues = [m.waiting for m in fresh.values()]
+    low, high = min(queues), max(queues)
+    return {a: 1.0 if high == low else (high - m.waiting) / (high - low) for a, m in fresh.items()}
+
+
+def _kv_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
+               fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
+    return {a: min(1.0, max(0.0, 1.0 - m.kv_usage)) for a, m in fresh.items()}
+
+
+def _lora_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
+                 fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
+    if request.model is None:
+        return {}
+    return {a: _lora_score(m, request.model) for a, m in fresh.items()}
+
+
+def _prefix_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
+                   fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
+    if not request.hashes:
+        return {}
+    total = len(request.hashes)
+    weight, scale = 0.0, 1
+    if isinstance(params, PrefixScorerParams):
+        weight, scale = params.match_length_weight, params.match_length_scale_tokens
+    block_tokens = scheduler.prefix_geometry()[0] / BYTES_PER_TOKEN
+    result = {}
+    for state in candidates:
+        matched = scheduler.prefix_matches.get(state.endpoint.address, 0)
+        length = min(1.0, matched * block_tokens / scale) ** 2 if weight else 0.0
+        result[state.endpoint.address] = weight * length + (1.0 - weight) * matched / total
+    return result
+
+
+SCORERS: dict[str, ScorerFunction] = {
+    "queue-scorer": _queue_scores,
+    "kv-cache-utilization-scorer": _kv_scores,
+    "lora-affinity-scorer": _lora_scores,
+    "prefix-cache-scorer": _prefix_scores,
+    **LOAD_SCORERS,  # in-flight and load scorers: evergreen_trio.picker.inflight
+}
+
+
+def register_scorer(scorer_type: str, function: ScorerFunction) -> None:
+    """Run ``function`` for profile scorers of ``scorer_type`` (its plugin type must be registered too)."""
+    SCORERS[scorer_type] = function
 
 
 def choose_target(model: ModelConfig, rng: random.Random) -> str:
@@ -181,8 +257,32 @@ class Scheduler:
                              state.metrics.kv_usage / self.config.kv_cache_threshold)
         return total / len(states) if states else 1.0
 
+    def prefix_geometry(self) -> tuple[int, int]:
+        """(block bytes, max blocks) for hashing prompts now.
+
+        With ``prefix_auto_tune`` the block is the first ready model server's scraped block size
+        (vLLM's ``cache_config_info``), as llm-d-router's approx-prefix-cache-producer tunes it.
+        """
+        cfg = self.config
+        tokens = cfg.prefix_block_tokens
+        if cfg.prefix_auto_tune:
+            tokens = next((s.metrics.block_size for s in self.snapshot.ready_states()
+                           if s.metrics is not None and s.metrics.block_size), tokens)
+        max_blocks = cfg.max_prefix_tokens // tokens if cfg.max_prefix_tokens > 0 else cfg.max_prefix_blocks
+        return tokens * cfg.chars_per_token, max_blocks
+
     def pick(self, request: PickRequest, count: int = 1) -> list[str]:
         """Up to ``count`` endpoint addresses, best first; RequestError 503 or 429 when none."""
+        return self.schedule(request, count).endpoints
+
+    def schedule(self, request: PickRequest, count: int = 1) -> Schedule:
+        """Run the profiles the handler chooses; RequestError 503 or 429 when no endpoint fits.
+
+        Without a handler the one profile picks. With a :class:`DisaggHandler` (decode-first) the
+        decode profile picks, then the decider looks at the prompt's tokens not cached on the
+        decode pick and may run the prefill profile (an empty prefill pick means no P/D);
+        prefill-first runs prefill (when that profile exists) and then decode.
+        """
         candidates = self.snapshot.ready_states()
         if request.subset is not None:
             candidates = [s for s in candidates if s.endpoint.address in request.subset]
@@ -191,53 +291,79 @@ class Scheduler:
             raise RequestError(503, f"no ready endpoint {what}")
         if request.priority < 0 and self.saturation() >= 1.0:
             raise RequestError(429, "pool saturated: sheddable request dropped")
-        scores = self.scores(request, candidates)
+        self.scorer_seconds = {}
+        self.prefix_matches = (self.prefix.matches(request.hashes, (s.endpoint.address for s in candidates))
+                               if request.hashes else {})
+        profiles = {p.name: p for p in self.config.effective_profiles}
+        handler = self.config.handler
+        if handler is None:
+            profile = next(iter(profiles.values()))
+            picked = self.run_profile(profile, request, candidates, count)
+            if not picked:
+                raise RequestError(503, f"no ready endpoint passed profile {profile.name!r}'s filters")
+            return Schedule(picked, None, {profile.name: picked})
+        result: dict[str, list[str]] = {}
+        prefill = profiles.get(handler.prefill)
+        if handler.stage_order == "prefill-first" and prefill is not None:
+            result[prefill.name] = self.run_profile(prefill, request, candidates, 1)
+        decode = self.run_profile(profiles[handler.decode], request, candidates, count)
+        if not decode:
+            raise RequestError(503, f"no ready decode endpoint (profile {handler.decode!r})")
+        result[handler.decode] = decode
+        if handler.stage_order == "decode-first" and prefill is not None and handler.prefill_decider is not None:
+            block_bytes = self.prefix_geometry()[0]
+            cached = self.prefix_matches.get(decode[0], 0) * block_bytes // BYTES_PER_TOKEN
+            if handler.prefill_decider.disaggregate(request.prompt_bytes // BYTES_PER_TOKEN, cached):
+                result[prefill.name] = self.run_profile(prefill, request, candidates, 1)
+        prefill_pick = result.get(handler.prefill)
+        return Schedule(decode, prefill_pick[0] if prefill_pick else None, result)
+
+    def run_profile(self, profile: Profile, request: PickRequest, candidates: Sequence[EndpointState],
+                    count: int) -> list[str]:
+        """Filter, score and pick up to ``count`` addresses by ``profile`` (best first; [] if none passed)."""
+        for plugin in profile.filters:
+            keeps = plugin.params.keeps  # type: ignore[attr-defined]  # every filter type has keeps(labels)
+            candidates = [s for s in candidates if keeps(s.endpoint.label_map)]
+        if not candidates:
+            return []
+        scores = self.scores(request, candidates, profile)
+        if profile.random_pick:
+            return self.rng.sample(list(scores), min(count, len(scores)))
         order = sorted(scores, key=lambda a: (scores[a], self.rng.random()), reverse=True)
         return order[:count]
 
-    def scores(self, request: PickRequest, candidates: Sequence[EndpointState]) -> dict[str, float]:
-        """Weighted sum of the enabled scorers per candidate address."""
-        cfg = self.config
+    def scores(self, request: PickRequest, candidates: Sequence[EndpointState],
+               profile: Profile | None = None) -> dict[str, float]:
+        """Weighted sum of ``profile``'s scorers (default: the first profile) per candidate address.
+
+        The prefix scorer reads :attr:`prefix_matches`, which :meth:`schedule` fills first.
+        """
+        profile = profile or self.config.effective_profiles[0]
         now = self.snapshot.clock()
         fresh = {s.endpoint.address: s.metrics for s in candidates
                  if s.metrics is not None and self.snapshot.is_fresh(s, now)}
         result = dict.fromkeys((s.endpoint.address for s in candidates), 0.0)
-        timings: dict[str, float] = {}
-        self.scorer_seconds, self.prefix_matches = timings, {}
         clock = time.perf_counter
-        started = clock()
-        if cfg.queue and fresh:
-            queues = [m.waiting for m in fresh.values()]
-            low, high = min(queues), max(queues)
-            for address, m in fresh.items():
-                result[address] += cfg.queue * (1.0 if high == low else (high - m.waiting) / (high - low))
-            timings["queue-scorer"], started = clock() - started, clock()
-        if cfg.kv_cache:
-            for address, m in fresh.items():
-                result[address] += cfg.kv_cache * min(1.0, max(0.0, 1.0 - m.kv_usage))
-            timings["kv-cache-utilization-scorer"], started = clock() - started, clock()
-        if cfg.lora_affinity and request.model is not None:
-            for address, m in fresh.items():
-                result[address] += cfg.lora_affinity * _lora_score(m, request.model)
-            timings["lora-affinity-scorer"], started = clock() - started, clock()
-        if cfg.prefix_cache and request.hashes:
-            total = len(request.hashes)
-            self.prefix_matches = self.prefix.matches(request.hashes, result)
-            for address, matched in self.prefix_matches.items():
-                result[address] += cfg.prefix_cache * matched / total
-            timings["prefix-cache-scorer"] = clock() - started
-        if cfg.load.enabled:
-            tokens = self.uncached_tokens(request, result) if cfg.load.token_load else {}
-            add_load_scores(cfg.load, self.inflight, result, fresh, tokens, timings)
+        for scorer in profile.scorers:
+            if not scorer.weight:
+                continue
+            started = clock()
+            for address, score in SCORERS[scorer.plugin.type](self, request, candidates, fresh,
+                                                              scorer.plugin.params).items():
+                result[address] += scorer.weight * score
+            key = scorer.plugin.type
+            self.scorer_seconds[key] = self.scorer_seconds.get(key, 0.0) + clock() - started
         return result
+
+    def prompt_tokens(self, request: PickRequest) -> int:
+        """The request's prompt tokens, estimated from its bytes (no tokenizer here)."""
+        return prompt_tokens(request.prompt_bytes, self.config.chars_per_token)
 
     def uncached_tokens(self, request: PickRequest, addresses: Iterable[str]) -> dict[str, int]:
         """The request's prompt tokens each endpoint lacks in its (approximate) prefix cache."""
-        if not self.prefix_matches and request.hashes:
-            self.prefix_matches = self.prefix.matches(request.hashes, addresses)
-        block, total = self.config.prefix_block_tokens, len(request.hashes)
-        return {a: uncached_tokens(request.prompt_tokens, total, self.prefix_matches.get(a, 0), block)
-                for a in addresses}
+        block_tokens = self.prefix_geometry()[0] // self.config.chars_per_token
+        total, tokens = len(request.hashes), self.prompt_tokens(request)
+        return {a: uncached_tokens(tokens, total, self.prefix_matches.get(a, 0), block_tokens) for a in addresses}
 
 
 def _lora_score(metrics: EndpointMetrics, model: str) -> float:

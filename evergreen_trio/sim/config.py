@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from evergreen_trio.sim.errors import SimConfigError
 
+# The model-server engines whose metric names the simulator can present.
+METRICS_ENGINES = ("vllm", "sglang", "trtllm-serve", "triton-tensorrt-llm")
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -52,6 +55,8 @@ class SimConfig:
     """Seed of the generated reply text (timing does not depend on it)."""
     time_scale: float = 1.0
     """Multiplies every simulated duration."""
+    metrics_engine: str = "vllm"
+    """Whose metric names ``/metrics`` presents: vllm, sglang, trtllm-serve or triton-tensorrt-llm."""
 
     def __post_init__(self) -> None:
         positive_ints = (
@@ -72,6 +77,9 @@ class SimConfig:
             raise SimConfigError(f"time_scale must be a number > 0, got {self.time_scale!r}")
         if not self.model:
             raise SimConfigError("model must be a non-empty name")
+        if self.metrics_engine not in METRICS_ENGINES:
+            raise SimConfigError(f"metrics_engine must be one of {', '.join(METRICS_ENGINES)}, "
+                                 f"got {self.metrics_engine!r}")
         names = [self.model, *self.lora_adapters]
         if len(set(names)) != len(names) or not all(names):
             raise SimConfigError(f"model and lora_adapters must be distinct non-empty names, got {names}")
@@ -106,5 +114,6 @@ OPTION_HELP: Mapping[str, str] = {
     "max_body_bytes": "largest request body (then 413)",
     "seed": "seed of the generated text",
     "time_scale": "multiplies every simulated duration",
+    "metrics_engine": "whose metric names /metrics presents (" + " | ".join(METRICS_ENGINES) + ")",
 }
 """Short help of each knob a command line sets (``evergreen-trio sim``, ``gateway --simulate``)."""

@@ -1,4 +1,5 @@
-"""vLLM's Prometheus metrics for one simulated server, in its own CollectorRegistry.
+"""vLLM's Prometheus metrics for one simulated server, in its own CollectorRegistry (or, with
+``metrics_engine``, the load and cache gauges under another engine's names).
 
 Gauges and token counters are read from the engine at scrape time (never stale); the
 latency histograms are observed as requests finish.
@@ -43,6 +44,9 @@ class _EngineCollector:
             family.add_metric(values, value)
             return family
 
+        if config.metrics_engine != "vllm":
+            yield from _other_engine(engine)
+            return
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", stats.running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_usage)
@@ -73,6 +77,41 @@ class _EngineCollector:
         )
         success.add_metric([*values, "length"], counters.finished)
         yield success
+
+
+def _other_engine(engine: Engine) -> Iterator[Metric]:
+    """The load and cache gauges under SGLang's, trtllm-serve's or Triton TensorRT-LLM's names."""
+    stats, config = engine.stats(), engine.config
+    if config.metrics_engine == "triton-tensorrt-llm":  # one metric per kind, told apart by a label
+        requests = GaugeMetricFamily("nv_trt_llm_request_metrics", "TRT LLM request metrics",
+                                     labels=["model", "request_type", "version"])
+        for kind, count in (("waiting", stats.waiting), ("scheduled", stats.running), ("context", 0),
+                            ("max", config.max_batch)):
+            requests.add_metric([config.model, kind, "1"], count)
+        blocks = GaugeMetricFamily("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics",
+                                   labels=["kv_cache_block_type", "model", "version"])
+        for kind, value in (("fraction", stats.kv_usage), ("tokens_per", config.block_size),
+                            ("max", config.kv_blocks)):
+            blocks.add_metric([kind, config.model, "1"], value)
+        yield requests
+        yield blocks
+        return
+    if config.metrics_engine == "sglang":
+        names = ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage")
+    else:
+        names = ("trtllm_num_requests_waiting", "trtllm_num_requests_running", "trtllm_kv_cache_utilization")
+    for name, gauge in zip(names, (stats.waiting, stats.running, stats.kv_usage), strict=True):
+        family = GaugeMetricFamily(name, name, labels=["model_name"])
+        family.add_metric([config.model], gauge)
+        yield family
+    if config.metrics_engine == "sglang":
+        cache = GaugeMetricFamily("sglang:cache_config_info", "cache config", labels=["num_pages", "page_size"])
+        cache.add_metric([str(config.kv_blocks), str(config.block_size)], 1.0)
+        yield cache
+    else:
+        for name, size in (("trtllm_kv_cache_tokens_per_block", config.block_size),
+                           ("trtllm_kv_cache_max_blocks", config.kv_blocks)):
+            yield GaugeMetricFamily(name, name, value=size)
 
 
 class SimMetrics:

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -33,6 +34,19 @@ _Handler = Callable[[str, Receive, Send], Awaitable[None]]
 
 SERVED_BY_HEADER = "x-served-by"
 """Response header naming the simulated server (``host:port``) that answered."""
+PREFILLER_HEADER = "x-prefiller-host-port"
+PREFILLED_BY_HEADER = "x-prefilled-by"
+"""Response header repeating the request's ``x-prefiller-host-port`` (the prefill pod an llm-d
+routing sidecar beside this decode server would have prefilled on), so P/D is visible end to end."""
+
+
+def _echo_prefiller(send: Send, prefiller: bytes) -> Send:
+    async def wrapped(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message["headers"], (PREFILLED_BY_HEADER.encode(), prefiller)]}
+        await send(message)
+
+    return wrapped
 
 
 class SimServer:
@@ -82,6 +96,9 @@ class SimServer:
             return
         path, method = scope["path"], scope["method"]
         route = self._routes.get(path)
+        prefiller = dict(scope.get("headers") or ()).get(PREFILLER_HEADER.encode())
+        if prefiller is not None:
+            send = _echo_prefiller(send, prefiller)
         try:
             if route is None:
                 raise SimRequestError(404, f"no route for {path}; expected one of {sorted(self._routes)}",

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.envoy
 REASON = "x-llm-d-request-dropped-reason"
 FLOW_CONTROL = """
 ---
-apiVersion: inference.networking.x-k8s.io/v1alpha1
+apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
 featureGates: [flowControl]
 plugins:
@@ -52,9 +52,11 @@ async def test_queue_429_with_reason_then_the_queued_request_succeeds_then_ttl(
     set_metrics(backends, SATURATED)
     bound = await start_picker(nursery, ports, config_text(ports.pool) + FLOW_CONTROL)
     queued: list[httpx.Response] = []
+    answered = trio.Event()
 
     async def send_queued() -> None:
         queued.append(await post(duplex_gateway, "/v1/completions", {"model": "plain", "prompt": "wait"}))
+        answered.set()
 
     nursery.start_soon(send_queued)
     await wait_sample(bound, "llm_d_epp_flow_control_queue_size", 1)
@@ -65,8 +67,7 @@ async def test_queue_429_with_reason_then_the_queued_request_succeeds_then_ttl(
     assert not queued  # still waiting inside its ext_proc stream
     set_metrics(backends, IDLE)
     with trio.fail_after(5):
-        while not queued:
-            await trio.sleep(0.02)
+        await answered.wait()
     assert queued[0].status_code == 200, queued[0].text
     assert REASON not in queued[0].headers
     set_metrics(backends, SATURATED)

@@ -28,10 +28,19 @@ from evergreen_trio.picker.flow_control.queue import FlowQueue, Outcome, QueueIt
 from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.processor import DESTINATION, Picker
 from evergreen_trio.picker.scheduler import PoolSnapshot
-from tests.picker.test_processor import A, B, C, make_picker, request_body, request_headers, response_body, \
-    response_headers, set_headers
+from tests.picker.test_processor import (
+    A,
+    B,
+    C,
+    make_picker,
+    request_body,
+    request_headers,
+    response_body,
+    response_headers,
+    set_headers,
+)
 
-HEADER = "apiVersion: inference.networking.x-k8s.io/v1alpha1"
+HEADER = "apiVersion: llm-d.ai/v1alpha1"
 
 
 def epp(section: str = "", plugins: str = "", gates: str = "[flowControl]") -> str:
@@ -119,12 +128,13 @@ def test_section_loads_with_llm_d_defaults() -> None:
      "EndpointPickerConfig.plugins[1].parameters.maxConcurrency"),
     ("", "- {type: concurrency-detector, parameters: {maxTokenConcurrency: many}}",
      "EndpointPickerConfig.plugins[1].parameters.maxTokenConcurrency"),
-    ("", "- {type: fcfs-ordering-policy, parameters: {strict: true}}", "EndpointPickerConfig.plugins[1].parameters.strict"),
+    ("", "- {type: fcfs-ordering-policy, parameters: {strict: true}}",
+     "EndpointPickerConfig.plugins[1].parameters.strict"),
 ])
 def test_bad_flow_control_config_names_the_field(section: str, plugins: str, field: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(epp(section, plugins))
-    assert info.value.field == field
+    assert info.value.field == (field if field.startswith("EndpointPickerConfig.") else f"EndpointPickerConfig.{field}")
 
 
 def test_bad_feature_gate_and_gate_off_still_validates() -> None:

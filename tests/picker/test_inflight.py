@@ -14,13 +14,15 @@ from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError, ExtProcError
 from evergreen_trio.picker.inflight import (
+    ActiveRequestParams,
     InflightLoad,
+    LoadAwareParams,
     LoadConfig,
+    TokenLoadParams,
     active_request_scores,
     estimated_output,
     load_aware_score,
     output_cap,
-    plugin_values,
     running_requests_scores,
     token_load_score,
     uncached_tokens,
@@ -42,7 +44,7 @@ from tests.picker.test_processor import (
 
 EPP = """
 ---
-apiVersion: inference.networking.x-k8s.io/v1alpha1
+apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
 plugins:
 - type: inflight-load-producer
@@ -100,13 +102,14 @@ def test_counters_never_go_negative_and_return_to_zero(steps: list[tuple[str, in
 
 
 def test_scorers_follow_llm_d() -> None:
-    config = LoadConfig(idle_threshold=1, max_busy_score=0.5, queue_threshold_tokens=1000, load_aware_threshold=10)
-    assert active_request_scores(config, {A: 0, B: 1, C: 4}) == {A: 1.0, B: 1.0, C: 0.0}
-    assert active_request_scores(LoadConfig(), {A: 2, B: 4}) == {A: 0.5, B: 0.0}
-    assert [token_load_score(config, t) for t in (0, 250, 1000, 5000)] == [1.0, 0.75, 0.0, 0.0]
+    idle = ActiveRequestParams(idle_threshold=1, max_busy_score=0.5)
+    assert active_request_scores(idle, {A: 0, B: 1, C: 4}) == {A: 1.0, B: 1.0, C: 0.0}
+    assert active_request_scores(ActiveRequestParams(), {A: 2, B: 4}) == {A: 0.5, B: 0.0}
+    tokens = TokenLoadParams(1000)
+    assert [token_load_score(tokens, t) for t in (0, 250, 1000, 5000)] == [1.0, 0.75, 0.0, 0.0]
     assert running_requests_scores({A: EndpointMetrics(running=2), B: EndpointMetrics(running=6)}) == {A: 1.0, B: 0.0}
     assert running_requests_scores({A: EndpointMetrics(running=3), B: EndpointMetrics(running=3)}) == {A: 1.0, B: 1.0}
-    assert [load_aware_score(config, w) for w in (0, 5, 10, 50)] == [0.5, 0.25, 0.0, 0.0]
+    assert [load_aware_score(LoadAwareParams(10), w) for w in (0, 5, 10, 50)] == [0.5, 0.25, 0.0, 0.0]
     assert uncached_tokens(100, indexed_blocks=4, matched_blocks=3, block_tokens=16) == 16 + 36
     assert estimated_output(LoadConfig(), 100, None) == 150
     assert estimated_output(LoadConfig(max_estimated_output_tokens=40), 100, 60) == 40
@@ -127,7 +130,7 @@ scheduler: {weights: {queue: 0, kv-cache: 0, prefix-cache: 1, token-load: 5}, pr
 """, metrics=[EndpointMetrics()] * 3)
     load = picker.scheduler.inflight
     load.dispatch(A, 4_000_000)
-    request = PickRequest("plain", 0, hashes=(), prompt_tokens=10)
+    request = PickRequest("plain", 0, hashes=(), prompt_bytes=10)
     assert picker.scheduler.uncached_tokens(request, [A, B]) == {A: 10, B: 10}
     assert picker.scheduler.pick(request)[0] != A
 
@@ -248,11 +251,12 @@ def test_wire_calls_on_abort_exactly_once_on_every_other_ending(ending: str, mon
     ("- type: token-load-scorer\n  parameters: {queueThreshold: 10}", "queueThreshold"),
     ("- type: load-aware-scorer\n  parameters: {threshold: zero}", "threshold"),
     ("- type: running-requests-size-scorer\n  parameters: {anything: 1}", "anything"),
+    ("- type: load-aware-scorer\n  parameters: {threshold: 0}", "threshold"),
 ])
 def test_bad_load_plugin_parameters_name_the_field(yaml: str, field: str) -> None:
     text = f"""pool: {{name: t, endpoints: ['{A}']}}
 ---
-apiVersion: inference.networking.x-k8s.io/v1alpha1
+apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
 plugins:
 {yaml}
@@ -270,4 +274,3 @@ def test_plain_weights_and_their_bad_values() -> None:
     assert (load.active_request, load.token_load, load.running_requests, load.load_aware) == (2, 1, 1, 3)
     with pytest.raises(ConfigError, match=r"scheduler\.weights\.active-request"):
         parse_config(f"pool: {{name: t, endpoints: ['{A}']}}\nscheduler: {{weights: {{active-request: -2}}}}")
-    assert plugin_values("load-aware-scorer", {"threshold": 3}, "p") == {"load_aware_threshold": 3}

@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from evergreen_trio.picker.engine_metrics import ENGINE_METRICS, EndpointMetrics, parse_engine_metrics, render_metrics
+from evergreen_trio.picker.engine_metrics import (
+    ENGINE_METRICS,
+    EndpointMetrics,
+    parse_engine_metrics,
+    parse_spec,
+    render_metrics,
+)
 from evergreen_trio.picker.errors import MetricsError, RequestError
 from evergreen_trio.picker.request import Api, api_for_path, parse_body, rewrite_model
 from evergreen_trio.picker.usage import ResponseBody, Usage
@@ -86,8 +92,39 @@ def test_response_body_limits() -> None:
 
 @pytest.mark.parametrize("engine", sorted(ENGINE_METRICS))
 def test_engine_metrics_round_trip(engine: str) -> None:
-    metrics = EndpointMetrics(waiting=3, running=2, kv_usage=0.25)
+    spec = ENGINE_METRICS[engine]
+    geometry = {"block_size": 32, "num_blocks": 900} if spec.cache_info or spec.block_size else {}
+    metrics = EndpointMetrics(waiting=3, running=2, kv_usage=0.25 if spec.kv else 0.0, **geometry)
     assert parse_engine_metrics(engine, render_metrics(engine, metrics)) == metrics
+
+
+def test_each_engine_reads_its_real_metric_names() -> None:
+    triton = """# TYPE nv_trt_llm_request_metrics gauge
+nv_trt_llm_request_metrics{model="m",request_type="waiting",version="1"} 4
+nv_trt_llm_request_metrics{model="m",request_type="scheduled",version="1"} 2
+nv_trt_llm_request_metrics{model="m",request_type="context",version="1"} 99
+# TYPE nv_trt_llm_kv_cache_block_metrics gauge
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="fraction",model="m",version="1"} 0.5
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="tokens_per",model="m",version="1"} 64
+nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type="max",model="m",version="1"} 1000
+"""
+    m = parse_engine_metrics("triton-tensorrt-llm", triton)
+    assert (m.waiting, m.running, m.kv_usage, m.block_size, m.num_blocks) == (4, 2, 0.5, 64, 1000)
+    sglang = "sglang:num_queue_reqs 1\nsglang:num_running_reqs 2\nsglang:token_usage 0.3\n"
+    assert parse_engine_metrics("sglang", sglang) == EndpointMetrics(1, 2, 0.3)
+    trt = "trtllm_num_requests_waiting 5\ntrtllm_num_requests_running 6\ntrtllm_kv_cache_utilization 0.7\n"
+    assert parse_engine_metrics("trtllm-serve", trt) == EndpointMetrics(5, 6, 0.7)
+    assert parse_engine_metrics("trtllm", trt) == EndpointMetrics(5, 6, 0.7)
+    with pytest.raises(MetricsError, match="vllm:num_requests_waiting"):
+        parse_engine_metrics("vllm", sglang)  # an SGLang pod read with vLLM's names is not ready
+    with pytest.raises(MetricsError, match="expected engine"):
+        parse_engine_metrics("tgi", trt)
+
+
+@pytest.mark.parametrize("text", ["", "1abc", "m{a}", "m{a=b", "m{=b}"])
+def test_bad_metric_specs(text: str) -> None:
+    with pytest.raises(ValueError, match="expected"):
+        parse_spec(text)
 
 
 def test_vllm_metrics_as_served() -> None:

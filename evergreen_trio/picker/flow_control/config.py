@@ -20,18 +20,21 @@ A band's ``maxBytes`` and ``maxRequests`` default to 1G and 5000 (0 means the de
 llm-d); the global ones are unlimited unless set. Quantities are Kubernetes quantities (``1Gi``,
 ``500M``, ``2k``), durations Go's (``1m30s``). Policy and detector references name a plugin
 declared in ``plugins`` or a built-in type (each built-in type also answers to its own name).
-Every problem is one :class:`ConfigError` naming the field.
+Every problem is one :class:`ConfigError` naming the field. The plugin types and the section are
+registered with :mod:`evergreen_trio.picker.plugins` and :mod:`evergreen_trio.picker.epp_config` on import.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from evergreen_trio.picker.checks import integer, mapping, sequence, string
+from evergreen_trio.picker.epp_config import EppConfig, register_section
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, register
 
 FEATURE_GATE = "flowControl"
 FCFS, EDF = "fcfs-ordering-policy", "edf-ordering-policy"
@@ -148,84 +151,63 @@ def _known(doc: Mapping[str, Any], allowed: tuple[str, ...], path: str) -> None:
             raise ConfigError(f"{path}.{key}", f"one of {sorted(allowed)}", key)
 
 
-def _fraction(value: object, path: str, *, low_open: bool, high: float | None) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (low_open and value == 0) or (
-            high is not None and value > high):
-        bounds = f"in (0, {high}]" if high is not None else ("> 0" if low_open else ">= 0")
-        raise ConfigError(path, f"a number {bounds}", value)
-    return float(value)
+def _utilization(params: Params) -> UtilizationDetector:
+    staleness = go_duration(params.raw.get("metricsStalenessThreshold", "200ms"),
+                            params.where("metricsStalenessThreshold"))
+    if staleness <= 0:
+        raise ConfigError(params.where("metricsStalenessThreshold"), "a duration > 0",
+                          params.raw["metricsStalenessThreshold"])
+    kv = params.number("kvCacheUtilThreshold", 0.8, maximum=1.0)
+    if kv <= 0:
+        raise ConfigError(params.where("kvCacheUtilThreshold"), "a number in (0, 1]", kv)
+    return UtilizationDetector(params.integer("queueDepthThreshold", 5, minimum=1), kv, staleness,
+                               params.number("headroom", 0.0))
 
 
-def _detector(kind: str, parameters: Mapping[str, Any], path: str) -> UtilizationDetector | ConcurrencyDetector:
-    if kind == UTILIZATION:
-        _known(parameters, ("queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold",
-                            "headroom"), path)
-        staleness = go_duration(parameters.get("metricsStalenessThreshold", "200ms"),
-                                f"{path}.metricsStalenessThreshold")
-        if staleness <= 0:
-            raise ConfigError(f"{path}.metricsStalenessThreshold", "a duration > 0", staleness)
-        return UtilizationDetector(
-            integer(parameters.get("queueDepthThreshold", 5), f"{path}.queueDepthThreshold", minimum=1),
-            _fraction(parameters.get("kvCacheUtilThreshold", 0.8), f"{path}.kvCacheUtilThreshold",
-                      low_open=True, high=1.0),
-            staleness,
-            _fraction(parameters.get("headroom", 0.0), f"{path}.headroom", low_open=False, high=None))
-    _known(parameters, ("concurrencyMode", "maxConcurrency", "maxTokenConcurrency", "headroom",
-                        "inFlightLoadProducerName"), path)
-    mode = parameters.get("concurrencyMode", "requests")
-    if mode not in CONCURRENCY_MODES:
-        raise ConfigError(f"{path}.concurrencyMode", " | ".join(CONCURRENCY_MODES), mode)
-    if not isinstance(parameters.get("inFlightLoadProducerName", ""), str):
-        raise ConfigError(f"{path}.inFlightLoadProducerName", "a plugin name", parameters["inFlightLoadProducerName"])
-    return ConcurrencyDetector(
-        mode,
-        integer(parameters.get("maxConcurrency", 100), f"{path}.maxConcurrency", minimum=1),
-        integer(parameters.get("maxTokenConcurrency", 1_000_000), f"{path}.maxTokenConcurrency", minimum=1),
-        _fraction(parameters.get("headroom", 0.0), f"{path}.headroom", low_open=False, high=None))
+def _concurrency(params: Params) -> ConcurrencyDetector:
+    params.text("inFlightLoadProducerName", "")
+    return ConcurrencyDetector(params.text("concurrencyMode", "requests", choices=CONCURRENCY_MODES),
+                               params.integer("maxConcurrency", 100, minimum=1),
+                               params.integer("maxTokenConcurrency", 1_000_000, minimum=1),
+                               params.number("headroom", 0.0))
 
 
-def _declared(doc: Mapping[str, Any]) -> dict[str, tuple[str, Mapping[str, Any], str]]:
-    """Flow-control plugins by name -> (type, parameters, path); built-in types by their own name."""
-    plugins: dict[str, tuple[str, Mapping[str, Any], str]] = {kind: (kind, {}, kind) for kind in PLUGIN_TYPES}
-    for i, item in enumerate(sequence(doc.get("plugins", []), "EndpointPickerConfig.plugins")):
-        plugin = mapping(item, f"EndpointPickerConfig.plugins[{i}]")
-        kind = plugin.get("type")
-        if kind in PLUGIN_TYPES:
-            path = f"EndpointPickerConfig.plugins[{i}].parameters"
-            name = plugin.get("name", kind)
-            plugins[name] = (kind, mapping(plugin.get("parameters") or {}, path), path)
-            if kind in ORDERING_POLICIES + FAIRNESS_POLICIES + (STATIC_USAGE_LIMIT,):
-                _known(plugins[name][1], (), path)  # llm-d's policies take no parameters
-    return plugins
+for _policy in (*ORDERING_POLICIES, *FAIRNESS_POLICIES, STATIC_USAGE_LIMIT):
+    register(_policy, PluginType(Category.OTHER))  # llm-d's policies take no parameters
+register(UTILIZATION, PluginType(Category.OTHER, (
+    "queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold", "headroom"), _utilization))
+register(CONCURRENCY, PluginType(Category.OTHER, (
+    "concurrencyMode", "maxConcurrency", "maxTokenConcurrency", "headroom", "inFlightLoadProducerName"), _concurrency))
+_BUILT_IN = {UTILIZATION: UtilizationDetector(), CONCURRENCY: ConcurrencyDetector()}
 
 
-def _ref(value: object, plugins: Mapping[str, tuple[str, Mapping[str, Any], str]], kinds: tuple[str, ...],
-         path: str) -> str:
+def _ref(value: object, plugins: Mapping[str, Plugin], kinds: tuple[str, ...], path: str) -> Plugin:
+    """The plugin ``value`` names: a declared one, else a built-in type by its own name."""
     name = string(value, path)
-    if name not in plugins or plugins[name][0] not in kinds:
+    plugin = plugins.get(name) or (Plugin(name, name, _BUILT_IN.get(name)) if name in PLUGIN_TYPES else None)
+    if plugin is None or plugin.type not in kinds:
         raise ConfigError(path, f"a declared plugin of type {' or '.join(kinds)}", name)
-    return plugins[name][0]
+    return plugin
 
 
-def _band(doc: Mapping[str, Any], plugins: Mapping[str, tuple[str, Mapping[str, Any], str]], path: str, *,
-          template: bool) -> BandConfig:
+def _band(doc: Mapping[str, Any], plugins: Mapping[str, Plugin], path: str, *, template: bool) -> BandConfig:
     keys = ("maxBytes", "maxRequests", "fairnessPolicyRef", "orderingPolicyRef")
     _known(doc, keys if template else ("priority", *keys), path)
     priority = 0 if template else integer(doc.get("priority"), f"{path}.priority")
     max_bytes = quantity(doc.get("maxBytes", 0), f"{path}.maxBytes") or DEFAULT_BAND_MAX_BYTES
     max_requests = quantity(doc.get("maxRequests", 0), f"{path}.maxRequests") or DEFAULT_BAND_MAX_REQUESTS
-    fairness = _ref(doc["fairnessPolicyRef"], plugins, FAIRNESS_POLICIES, f"{path}.fairnessPolicyRef") if (
+    fairness = _ref(doc["fairnessPolicyRef"], plugins, FAIRNESS_POLICIES, f"{path}.fairnessPolicyRef").type if (
         "fairnessPolicyRef" in doc) else GLOBAL_STRICT
-    ordering = _ref(doc["orderingPolicyRef"], plugins, ORDERING_POLICIES, f"{path}.orderingPolicyRef") if (
+    ordering = _ref(doc["orderingPolicyRef"], plugins, ORDERING_POLICIES, f"{path}.orderingPolicyRef").type if (
         "orderingPolicyRef" in doc) else FCFS
     return BandConfig(priority, max_bytes, max_requests, fairness, ordering)
 
 
-def gate_enabled(doc: Mapping[str, Any]) -> bool:
+def gate_enabled(gates: Sequence[str]) -> bool:
     """Whether ``featureGates`` turns flow control on (``flowControl``, ``flowControl=true``)."""
     enabled = False
-    for i, gate in enumerate(sequence(doc.get("featureGates", []), "EndpointPickerConfig.featureGates")):
-        name, _, value = string(gate, f"EndpointPickerConfig.featureGates[{i}]").partition("=")
+    for i, gate in enumerate(gates):
+        name, _, value = gate.partition("=")
         if value not in ("", "true", "false"):
             raise ConfigError(f"EndpointPickerConfig.featureGates[{i}]", "'name', 'name=true' or 'name=false'", gate)
         if name == FEATURE_GATE:
@@ -233,54 +215,65 @@ def gate_enabled(doc: Mapping[str, Any]) -> bool:
     return enabled
 
 
-def flow_control_config(doc: Mapping[str, Any]) -> FlowControlConfig | None:
-    """The flow control layer an ``EndpointPickerConfig`` document turns on, or None when its gate is off.
-
-    The section is validated either way (a typo must not wait for the gate to be turned on).
-    """
-    plugins = _declared(doc)
-    section = mapping(doc.get(_SECTION) or {}, _SECTION)
+def read_section(raw: object, path: str, plugins: Mapping[str, Plugin]) -> dict[str, FlowControlConfig]:
+    """The ``flowControl:`` section -> ``{"flow_control": FlowControlConfig}`` (validated whether or
+    not the gate is on: a typo must not wait for the gate to be turned on)."""
+    section = mapping(raw or {}, path)
     _known(section, ("maxBytes", "maxRequests", "defaultRequestTTL", "noEndpointRequestTTL", "priorityBands",
                      "defaultPriorityBand", "defaultNegativePriorityBand", "saturationDetector",
-                     "usageLimitPolicyPluginRef", "enableEviction"), _SECTION)
-    max_bytes = quantity(section["maxBytes"], f"{_SECTION}.maxBytes") or None if "maxBytes" in section else None
-    max_requests = (quantity(section["maxRequests"], f"{_SECTION}.maxRequests") or None
+                     "usageLimitPolicyPluginRef", "enableEviction"), path)
+    max_bytes = (quantity(section["maxBytes"], f"{path}.maxBytes") or None) if "maxBytes" in section else None
+    max_requests = (quantity(section["maxRequests"], f"{path}.maxRequests") or None
                     if "maxRequests" in section else None)
-    ttl = go_duration(section["defaultRequestTTL"], f"{_SECTION}.defaultRequestTTL") if (
+    ttl = go_duration(section["defaultRequestTTL"], f"{path}.defaultRequestTTL") if (
         "defaultRequestTTL" in section) else DEFAULT_TTL_S
-    no_endpoint_ttl = go_duration(section["noEndpointRequestTTL"], f"{_SECTION}.noEndpointRequestTTL") if (
+    no_endpoint_ttl = go_duration(section["noEndpointRequestTTL"], f"{path}.noEndpointRequestTTL") if (
         "noEndpointRequestTTL" in section) else ttl
     bands: list[BandConfig] = []
-    for i, item in enumerate(sequence(section.get("priorityBands", []), f"{_SECTION}.priorityBands")):
-        path = f"{_SECTION}.priorityBands[{i}]"
-        band = _band(mapping(item, path), plugins, path, template=False)
+    for i, item in enumerate(sequence(section.get("priorityBands", []), f"{path}.priorityBands")):
+        where = f"{path}.priorityBands[{i}]"
+        band = _band(mapping(item, where), plugins, where, template=False)
         if any(b.priority == band.priority for b in bands):
-            raise ConfigError(f"{path}.priority", "a priority no band listed before", band.priority)
+            raise ConfigError(f"{where}.priority", "a priority no band listed before", band.priority)
         bands.append(band)
-    default = _band(mapping(section.get("defaultPriorityBand") or {}, f"{_SECTION}.defaultPriorityBand"),
-                    plugins, f"{_SECTION}.defaultPriorityBand", template=True)
+    default = _band(mapping(section.get("defaultPriorityBand") or {}, f"{path}.defaultPriorityBand"),
+                    plugins, f"{path}.defaultPriorityBand", template=True)
     negative = None
     if section.get("defaultNegativePriorityBand") is not None:
-        negative = _band(mapping(section["defaultNegativePriorityBand"], f"{_SECTION}.defaultNegativePriorityBand"),
-                         plugins, f"{_SECTION}.defaultNegativePriorityBand", template=True)
+        negative = _band(mapping(section["defaultNegativePriorityBand"], f"{path}.defaultNegativePriorityBand"),
+                         plugins, f"{path}.defaultNegativePriorityBand", template=True)
     detector_ref = UTILIZATION
     if section.get("saturationDetector") is not None:
-        path = f"{_SECTION}.saturationDetector"
-        detector_doc = mapping(section["saturationDetector"], path)
-        _known(detector_doc, ("pluginRef",), path)
-        detector_ref = string(detector_doc.get("pluginRef", UTILIZATION), f"{path}.pluginRef")
-        _ref(detector_ref, plugins, DETECTORS, f"{path}.pluginRef")
+        where = f"{path}.saturationDetector"
+        detector_doc = mapping(section["saturationDetector"], where)
+        _known(detector_doc, ("pluginRef",), where)
+        detector_ref = string(detector_doc.get("pluginRef", UTILIZATION), f"{where}.pluginRef")
+        _ref(detector_ref, plugins, DETECTORS, f"{where}.pluginRef")
     if "usageLimitPolicyPluginRef" in section:
-        _ref(section["usageLimitPolicyPluginRef"], plugins, (STATIC_USAGE_LIMIT,),
-             f"{_SECTION}.usageLimitPolicyPluginRef")
+        _ref(section["usageLimitPolicyPluginRef"], plugins, (STATIC_USAGE_LIMIT,), f"{path}.usageLimitPolicyPluginRef")
     if section.get("enableEviction", False) is not False:
-        raise ConfigError(f"{_SECTION}.enableEviction", "false (in-flight eviction is not supported)",
+        raise ConfigError(f"{path}.enableEviction", "false (in-flight eviction is not supported)",
                           section["enableEviction"])
-    kind, parameters, path = plugins[detector_ref]
-    detector = _detector(kind, parameters, path)
-    for name, (other_kind, other_parameters, other_path) in plugins.items():
-        if other_kind in DETECTORS and name != detector_ref:
-            _detector(other_kind, other_parameters, other_path)  # validated even when unused
-    if not gate_enabled(doc):
+    detector = _detector(plugins, detector_ref)
+    return {"flow_control": FlowControlConfig(max_bytes, max_requests, ttl, no_endpoint_ttl, tuple(bands), default,
+                                              negative, detector)}
+
+
+def _detector(plugins: Mapping[str, Plugin], name: str) -> UtilizationDetector | ConcurrencyDetector:
+    plugin = _ref(name, plugins, DETECTORS, "flowControl.saturationDetector.pluginRef")
+    params = plugin.params
+    assert isinstance(params, UtilizationDetector | ConcurrencyDetector)
+    return params
+
+
+register_section("flowControl", read_section)
+
+
+def flow_control_config(epp: EppConfig) -> FlowControlConfig | None:
+    """The flow control layer an ``EndpointPickerConfig`` turns on, or None when its gate is off."""
+    if not gate_enabled(epp.feature_gates):
         return None
-    return FlowControlConfig(max_bytes, max_requests, ttl, no_endpoint_ttl, tuple(bands), default, negative, detector)
+    config = epp.extra.get("flow_control")
+    if isinstance(config, FlowControlConfig):
+        return config
+    return FlowControlConfig(detector=_detector(epp.plugins, UTILIZATION))

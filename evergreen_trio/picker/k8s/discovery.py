@@ -236,12 +236,13 @@ async def pool_discovery(
     """Follow ``ref``'s Ready pods until cancelled, calling ``on_endpoints`` with each new set.
 
     The first call comes once the pool and its pods have been listed (the picker's readiness
-    waits for it). ``pool`` is the picker's pool config (its name is logged).
+    waits for it). ``pool`` is the picker's pool config (its name is logged; its ``engines``
+    read each pod's engine from its labels).
     """
     client = access.client()
     try:
         async with trio.open_nursery() as nursery:
-            sync = _Sync(on_endpoints, PoolState())
+            sync = _Sync(on_endpoints, PoolState(engines=pool.engines))
             pods = _PodWatcher(nursery, client, ref.namespace, sync, max_backoff_s)
             log.info("picker.discovery pool=%s namespace=%s group=%s", pool.name, ref.namespace, ref.group)
             if ref.selector:

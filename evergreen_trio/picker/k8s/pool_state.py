@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from evergreen_trio.picker.config import Endpoint
+from evergreen_trio.picker.engine_metrics import EngineConfig
 from evergreen_trio.picker.errors import PickerError
 
 
@@ -81,29 +82,38 @@ def pod_address(pod: Mapping[str, Any]) -> str | None:
     return ip
 
 
-class PoolState:
-    """The pool's spec and its pods' addresses; :meth:`endpoints` is what the picker serves."""
+def pod_labels(pod: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The pod's string labels, sorted (what role filters and the engine label read)."""
+    labels = _map(_map(pod.get("metadata")).get("labels"))
+    return tuple(sorted((k, v) for k, v in labels.items() if isinstance(k, str) and isinstance(v, str)))
 
-    def __init__(self, spec: PoolSpec | None = None) -> None:
+
+class PoolState:
+    """The pool's spec and its pods' addresses and labels; :meth:`endpoints` is what the picker
+    serves, each pod's engine read from its labels by ``engines``."""
+
+    def __init__(self, spec: PoolSpec | None = None, engines: EngineConfig | None = None) -> None:
         self.spec = spec
-        self.pods: dict[str, str | None] = {}
+        self.engines = engines or EngineConfig()
+        self.pods: dict[str, tuple[str | None, tuple[tuple[str, str], ...]]] = {}
 
     def replace_pods(self, pods: Sequence[Mapping[str, Any]]) -> None:
         """A fresh list: forget every pod not in it."""
-        self.pods = {_name(p): pod_address(p) for p in pods}
+        self.pods = {_name(p): (pod_address(p), pod_labels(p)) for p in pods}
 
     def apply(self, event_type: str, pod: Mapping[str, Any]) -> None:
         """One watch event (ADDED, MODIFIED, DELETED; BOOKMARK carries no pod)."""
         if event_type == "DELETED":
             self.pods.pop(_name(pod), None)
         elif event_type in ("ADDED", "MODIFIED"):
-            self.pods[_name(pod)] = pod_address(pod)
+            self.pods[_name(pod)] = (pod_address(pod), pod_labels(pod))
 
     def endpoints(self) -> tuple[Endpoint, ...]:
         if self.spec is None:
             return ()
-        ips = sorted({ip for ip in self.pods.values() if ip is not None})
-        return tuple(Endpoint(ip, port) for ip in ips for port in self.spec.ports)
+        pods = sorted({ip: labels for ip, labels in self.pods.values() if ip is not None}.items())
+        return tuple(Endpoint(ip, port, self.engines.engine_of(dict(labels)), labels)
+                     for ip, labels in pods for port in self.spec.ports)
 
 
 def _name(pod: Mapping[str, Any]) -> str:

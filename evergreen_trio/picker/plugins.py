@@ -1,0 +1,580 @@
+"""The ``EndpointPickerConfig`` plugin registry: each plugin type we run, its strict parameters.
+
+A plugin entry (``{type, name, parameters}``) is read by its :class:`PluginType`: the parameter
+names it knows (any other name is one :class:`ConfigError` naming it, as llm-d-router's strict
+decoder fails startup) and a parser turning them into a frozen value. Other modules add types
+with :func:`register`. The llm-d-router types we know but do not run are listed in
+:data:`NOT_IMPLEMENTED`, so such a config fails with a line saying so rather than "unknown".
+
+The scheduling shapes built from a config live here too: a :class:`Profile` (filters, weighted
+scorers, a picker) and the :class:`DisaggHandler` that runs the ``decode``/``prefill`` profiles.
+Everything is plain data and pure functions (no I/O).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from evergreen_trio.picker.checks import mapping, sequence, string
+from evergreen_trio.picker.engine_metrics import (
+    ENGINE_ALIASES,
+    ENGINE_LABEL,
+    ENGINE_METRICS,
+    EngineConfig,
+    EngineSpec,
+    parse_spec,
+)
+from evergreen_trio.picker.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ROLE_LABEL = "llm-d.ai/role"
+
+
+class Category(enum.Enum):
+    """Where a plugin type plugs in."""
+
+    SCORER = "scorer"
+    FILTER = "filter"
+    PICKER = "picker"
+    PROFILE_HANDLER = "profile-handler"
+    DECIDER = "decider"
+    PRODUCER = "producer"
+    DATA_SOURCE = "data-source"
+    EXTRACTOR = "extractor"
+    PARSER = "parser"
+    OTHER = "other"
+
+
+class Params:
+    """One plugin's ``parameters`` mapping, checked against the names its type knows.
+
+    The typed getters return the default when a key is absent and raise :class:`ConfigError`
+    naming ``<path>.<key>`` when a value is wrong.
+    """
+
+    def __init__(self, raw: object, path: str, plugin_type: str, known: Sequence[str]) -> None:
+        self.path = path
+        self.raw: Mapping[str, Any] = mapping(raw if raw is not None else {}, path)
+        for key in self.raw:
+            if key not in known:
+                names = ", ".join(sorted(known)) or "none"
+                raise ConfigError(f"{path}.{key}", f"a {plugin_type} parameter ({names})", key)
+
+    def where(self, key: str) -> str:
+        return f"{self.path}.{key}"
+
+    def has(self, key: str) -> bool:
+        return key in self.raw
+
+    def integer(self, key: str, default: int, *, minimum: int = 0, maximum: int | None = None) -> int:
+        value = self.raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
+                maximum is not None and value > maximum):
+            bound = f"an integer in {minimum}..{maximum}" if maximum is not None else f"an integer >= {minimum}"
+            raise ConfigError(self.where(key), bound, value)
+        return value
+
+    def number(self, key: str, default: float, *, minimum: float = 0.0, maximum: float | None = None) -> float:
+        value = self.raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum or (
+                maximum is not None and value > maximum):
+            bound = f"a number in {minimum}..{maximum}" if maximum is not None else f"a number >= {minimum}"
+            raise ConfigError(self.where(key), bound, value)
+        return float(value)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.raw.get(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(self.where(key), "true or false", value)
+        return value
+
+    def text(self, key: str, default: str, *, choices: Sequence[str] = ()) -> str:
+        value = self.raw.get(key, default)
+        if not isinstance(value, str) or (choices and value not in choices):
+            raise ConfigError(self.where(key), " | ".join(choices) if choices else "a string", value)
+        return value
+
+    def section(self, key: str, known: Sequence[str]) -> Params:
+        """A nested mapping parameter, checked the same way."""
+        return Params(self.raw.get(key), self.where(key), key, known)
+
+
+def deprecated(what: str, replacement: str) -> None:
+    """Log one deprecation line (the config still loads)."""
+    log.warning("picker.config_deprecated %s (use %s)", what, replacement)
+
+
+@dataclass(frozen=True)
+class PluginType:
+    """How to read one plugin type: its category, parameter names and parser.
+
+    ``parse`` gets the checked :class:`Params` and returns the plugin's frozen parameters.
+    ``replaced_by`` marks a deprecated alias (its use logs a line).
+    """
+
+    category: Category
+    parameters: tuple[str, ...] = ()
+    parse: Callable[[Params], object] = lambda params: None
+    replaced_by: str | None = None
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """One declared plugin: its name, its type and its parsed parameters."""
+
+    name: str
+    type: str
+    params: object = None
+
+    @property
+    def category(self) -> Category:
+        return PLUGIN_TYPES[self.type].category
+
+
+PLUGIN_TYPES: dict[str, PluginType] = {}
+
+
+def register(type_name: str, plugin_type: PluginType) -> None:
+    """Make ``type_name`` a plugin type configs may declare (a second registration replaces it)."""
+    PLUGIN_TYPES[type_name] = plugin_type
+
+
+def read_plugin(raw: object, path: str) -> Plugin:
+    """One ``plugins[]`` entry -> :class:`Plugin`; ConfigError for an unknown or unimplemented type."""
+    entry = mapping(raw, path)
+    for key in entry:
+        if key not in ("type", "name", "parameters"):
+            raise ConfigError(f"{path}.{key}", "one of ['name', 'parameters', 'type']", key)
+    kind = entry.get("type")
+    if isinstance(kind, str) and kind in NOT_IMPLEMENTED:
+        raise ConfigError(f"{path}.type", "a plugin type this picker implements (see docs/picker.md)",
+                          f"{kind} (an llm-d-router plugin we do not implement)")
+    if not isinstance(kind, str) or kind not in PLUGIN_TYPES:
+        raise ConfigError(f"{path}.type", f"a known plugin type ({', '.join(sorted(PLUGIN_TYPES))})", kind)
+    name = entry.get("name", kind)
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{path}.name", "a non-empty plugin name", name)
+    plugin_type = PLUGIN_TYPES[kind]
+    if plugin_type.replaced_by is not None:
+        deprecated(f"plugin type {kind!r}", repr(plugin_type.replaced_by))
+    params = Params(entry.get("parameters"), f"{path}.parameters", kind, plugin_type.parameters)
+    return Plugin(name, kind, plugin_type.parse(params))
+
+
+# -- filters ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LabelFilter:
+    """Keeps pods whose ``label`` has one of ``values`` (and unlabelled ones when ``allow_missing``)."""
+
+    label: str
+    values: frozenset[str]
+    allow_missing: bool = False
+
+    def keeps(self, labels: Mapping[str, str]) -> bool:
+        value = labels.get(self.label)
+        return (value is None and self.allow_missing) or value in self.values
+
+
+# llm-d-router's role filters (filter/bylabel/roles.go): decode keeps unlabelled pods.
+DECODE_FILTER = LabelFilter(ROLE_LABEL, frozenset({"decode", "prefill-decode", "both", "encode-prefill-decode"}), True)
+PREFILL_FILTER = LabelFilter(
+    ROLE_LABEL, frozenset({"prefill", "encode-prefill", "prefill-decode", "both", "encode-prefill-decode"}))
+ENCODE_FILTER = LabelFilter(ROLE_LABEL, frozenset({"encode", "encode-prefill", "encode-prefill-decode"}))
+
+_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+
+
+@dataclass(frozen=True)
+class LabelSelector:
+    """A Kubernetes ``LabelSelector``: ``matchLabels`` and ``matchExpressions``, all must hold."""
+
+    match_labels: tuple[tuple[str, str], ...] = ()
+    expressions: tuple[tuple[str, str, frozenset[str]], ...] = ()
+
+    def keeps(self, labels: Mapping[str, str]) -> bool:
+        if any(labels.get(key) != value for key, value in self.match_labels):
+            return False
+        for key, operator, values in self.expressions:
+            present = key in labels
+            if operator == "In" and not (present and labels[key] in values):
+                return False
+            if operator == "NotIn" and present and labels[key] in values:
+                return False
+            if (operator == "Exists") != present and operator in ("Exists", "DoesNotExist"):
+                return False
+        return True
+
+
+def _label_selector(params: Params) -> LabelSelector:
+    labels = mapping(params.raw.get("matchLabels", {}), params.where("matchLabels"))
+    pairs = tuple(sorted((string(k, params.where("matchLabels")), string(v, params.where(f"matchLabels.{k}")))
+                         for k, v in labels.items()))
+    expressions = []
+    for i, raw in enumerate(sequence(params.raw.get("matchExpressions", []), params.where("matchExpressions"))):
+        term = Params(raw, params.where(f"matchExpressions[{i}]"), "matchExpressions", ("key", "operator", "values"))
+        key = term.text("key", "")
+        operator = term.text("operator", "", choices=_OPERATORS)
+        values = sequence(term.raw.get("values", []), term.where("values"))
+        if not key or (operator in ("In", "NotIn")) != bool(values):
+            raise ConfigError(term.path, "a key, and values exactly for In/NotIn", dict(term.raw))
+        expressions.append((key, operator, frozenset(string(v, term.where("values")) for v in values)))
+    return LabelSelector(pairs, tuple(expressions))
+
+
+def _by_label(params: Params) -> LabelFilter:
+    label = params.text("label", "")
+    values = frozenset(string(v, params.where("validValues"))
+                       for v in sequence(params.raw.get("validValues", []), params.where("validValues")))
+    allow = params.boolean("allowsNoLabel", False)
+    if not label or not (values or allow):
+        raise ConfigError(params.path, "a label, and validValues or allowsNoLabel: true", dict(params.raw))
+    return LabelFilter(label, values, allow)
+
+
+# -- scorers, pickers, producers ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefixScorerParams:
+    """``prefix-cache-scorer``: score = w * min(1, matched tokens / scale)^2 + (1 - w) * match ratio."""
+
+    match_length_weight: float = 0.0
+    match_length_scale_tokens: int = 8192
+    # GIE v1.x parameters (the scorer then also held the index): SchedulerConfig field -> value.
+    legacy: tuple[tuple[str, int], ...] = ()
+
+
+def _prefix_scorer(params: Params) -> PrefixScorerParams:
+    weight = params.number("matchLengthWeight", 0.0, maximum=1.0)
+    scale = params.integer("matchLengthScaleTokens", 8192, minimum=0)
+    if weight > 0 and scale <= 0:
+        raise ConfigError(params.where("matchLengthScaleTokens"), "> 0 when matchLengthWeight > 0", scale)
+    if params.text("prefixMatchInfoProducerName", "approx-prefix-cache-producer") != "approx-prefix-cache-producer":
+        raise ConfigError(params.where("prefixMatchInfoProducerName"), "approx-prefix-cache-producer (the one we run)",
+                          params.raw["prefixMatchInfoProducerName"])
+    legacy = []
+    for key, field in (("hashBlockSize", "prefix_block_tokens"), ("maxPrefixBlocksToMatch", "max_prefix_blocks"),
+                       ("lruCapacityPerServer", "prefix_cache_capacity")):
+        if params.has(key):
+            deprecated(f"{params.where(key)}", "approx-prefix-cache-producer's parameters")
+            legacy.append((field, params.integer(key, 1, minimum=1)))
+    return PrefixScorerParams(weight, scale, tuple(legacy))
+
+
+@dataclass(frozen=True)
+class PrefixProducerParams:
+    """``approx-prefix-cache-producer``: the block size (scraped when ``auto_tune``), match and LRU caps."""
+
+    auto_tune: bool = True
+    block_size_tokens: int = 16
+    max_prefix_tokens: int = 131_072
+    max_prefix_blocks: int = 2048
+    lru_capacity_per_server: int = 31_250
+
+
+def _prefix_producer(params: Params) -> PrefixProducerParams:
+    auto_tune = params.boolean("autoTune", True)
+    block = params.integer("blockSizeTokens", 16, minimum=0)
+    if params.has("blockSize"):
+        deprecated(params.where("blockSize"), "blockSizeTokens")
+        block = params.integer("blockSize", 16, minimum=1) if not params.has("blockSizeTokens") else block
+    if block <= 0 and not auto_tune:
+        raise ConfigError(params.where("blockSizeTokens"), "> 0 when autoTune is false", block)
+    if params.has("maxPrefixBlocksToMatch"):
+        deprecated(params.where("maxPrefixBlocksToMatch"), "maxPrefixTokensToMatch")
+    return PrefixProducerParams(
+        auto_tune, block or 16, params.integer("maxPrefixTokensToMatch", 131_072),
+        params.integer("maxPrefixBlocksToMatch", 2048), params.integer("lruCapacityPerServer", 31_250, minimum=1))
+
+
+@dataclass(frozen=True)
+class PickerParams:
+    """``max-score-picker`` / ``random-picker``: how many endpoints the profile returns (1 by default)."""
+
+    max_endpoints: int = 1
+
+
+def _picker(params: Params) -> PickerParams:
+    return PickerParams(params.integer("maxNumOfEndpoints", 1, minimum=1))
+
+
+# -- P/D: deciders and the disaggregation profile handler ---------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefixDecider:
+    """``prefix-based-pd-decider``: disaggregate when the prompt's tokens not cached on the chosen
+    decode pod reach ``non_cached_tokens`` (0 = never), for prompts of ``prompt_tokens`` or more."""
+
+    non_cached_tokens: int = 0
+    prompt_tokens: int = 0
+
+    def disaggregate(self, prompt_tokens: int, cached_tokens: int) -> bool:
+        if self.non_cached_tokens == 0 or prompt_tokens < self.prompt_tokens:
+            return False
+        return prompt_tokens >= self.non_cached_tokens and prompt_tokens - cached_tokens >= self.non_cached_tokens
+
+
+@dataclass(frozen=True)
+class AlwaysDecider:
+    """``always-disagg-pd-decider``: every request runs the prefill profile too."""
+
+    def disaggregate(self, prompt_tokens: int, cached_tokens: int) -> bool:
+        return True
+
+
+def _prefix_decider(params: Params) -> PrefixDecider:
+    decider = PrefixDecider(params.integer("nonCachedTokens", 0), params.integer("promptTokens", 0))
+    if decider.non_cached_tokens == 0:
+        log.info("picker.pd_decider_off plugin=prefix-based-pd-decider (nonCachedTokens=0)")
+    return decider
+
+
+STAGE_ORDERS = ("decode-first", "prefill-first")
+
+
+@dataclass(frozen=True)
+class DisaggParams:
+    """The handler's parameters as written: profile names and decider plugin *names*."""
+
+    stage_order: str = "decode-first"
+    decode: str = "decode"
+    prefill: str = "prefill"
+    encode: str = "encode"
+    prefill_decider: str = ""
+    encode_decider: str = ""
+
+
+@dataclass(frozen=True)
+class DisaggHandler:
+    """``disagg-profile-handler`` resolved: profile names and the prefill decider itself.
+
+    No decider means no P/D (with decode-first order): only the decode profile runs.
+    """
+
+    stage_order: str = "decode-first"
+    decode: str = "decode"
+    prefill: str = "prefill"
+    encode: str = "encode"
+    prefill_decider: PrefixDecider | AlwaysDecider | None = None
+
+
+def _stage_order(value: str, where: str) -> str:
+    folded = value.lower().replace("-", "").replace("_", "")
+    if folded in ("", "decodefirst", "decode"):
+        return "decode-first"
+    if folded in ("prefillfirst", "prefill"):
+        return "prefill-first"
+    raise ConfigError(where, " | ".join(STAGE_ORDERS), value)
+
+
+_DISAGG_LEGACY = {"decodeProfile": "profiles.decode", "prefillProfile": "profiles.prefill",
+                  "encodeProfile": "profiles.encode", "prefillDeciderPluginName": "deciders.prefill",
+                  "deciderPluginName": "deciders.prefill", "encodeDeciderPluginName": "deciders.encode"}
+
+
+def _disagg(params: Params) -> DisaggParams:
+    order = _stage_order(params.text("stageOrder", ""), params.where("stageOrder"))
+    legacy = [key for key in _DISAGG_LEGACY if params.has(key)]
+    nested = [key for key in ("profiles", "deciders") if params.has(key)]
+    if legacy and nested:
+        raise ConfigError(params.where(legacy[0]), "either nested profiles/deciders or the deprecated flat fields",
+                          "both")
+    for key in legacy:
+        deprecated(params.where(key), _DISAGG_LEGACY[key])
+    profiles = params.section("profiles", ("decode", "prefill", "encode"))
+    deciders = params.section("deciders", ("prefill", "encode"))
+    prefill_decider = deciders.text("prefill", params.text(
+        "prefillDeciderPluginName", params.text("deciderPluginName", "")))
+    result = DisaggParams(
+        order,
+        profiles.text("decode", params.text("decodeProfile", "")) or "decode",
+        profiles.text("prefill", params.text("prefillProfile", "")) or "prefill",
+        profiles.text("encode", params.text("encodeProfile", "")) or "encode",
+        prefill_decider,
+        deciders.text("encode", params.text("encodeDeciderPluginName", "")),
+    )
+    if order == "prefill-first" and result.prefill_decider:
+        raise ConfigError(deciders.where("prefill"), "no prefill decider with stageOrder prefill-first",
+                          result.prefill_decider)
+    return result
+
+
+def _pd_handler(params: Params) -> DisaggParams:
+    if params.integer("primaryPort", 0, maximum=65535) != 0:
+        raise ConfigError(params.where("primaryPort"), "0 (data-parallel port rewriting is not implemented)",
+                          params.raw["primaryPort"])
+    for key in ("prefixPluginType", "prefixPluginName", "prefixMatchInfoProducerName"):
+        params.text(key, "")
+    return DisaggParams(decode=params.text("decodeProfile", "decode") or "decode",
+                        prefill=params.text("prefillProfile", "prefill") or "prefill",
+                        prefill_decider=params.text("deciderPluginName", "prefix-based-pd-decider"))
+
+
+# -- data layer ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MetricsSourceParams:
+    """``metrics-data-source``: where the model servers' metrics are scraped (http only here)."""
+
+    path: str = "/metrics"
+    port: int | None = None
+    interval: str | None = None
+
+
+def _metrics_source(params: Params) -> MetricsSourceParams:
+    params.text("scheme", "http", choices=("http",))
+    params.boolean("insecureSkipVerify", True)
+    for key in ("caCertPath", "clientCertPath", "clientKeyPath"):
+        if params.text(key, ""):
+            raise ConfigError(params.where(key), "empty (metrics are scraped over http)", params.raw[key])
+    path = params.text("path", "/metrics")
+    if not path.startswith("/"):
+        raise ConfigError(params.where("path"), "a path starting with '/'", path)
+    port = params.integer("port", 1, minimum=1, maximum=65535) if params.has("port") else None
+    interval = params.text("interval", "") or None
+    return MetricsSourceParams(path, port, interval)
+
+
+_ENGINE_KEYS = ("name", "queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec", "cacheInfoSpec",
+                "cacheBlockSizeLabelName", "cacheNumBlocksLabelName", "cacheBlockSizeSpec", "cacheNumBlocksSpec",
+                "customMetrics")
+
+
+def _engine(params: Params) -> EngineSpec:
+    name = params.text("name", "")
+    if not name or name == "default":
+        raise ConfigError(params.where("name"), "an engine name (not 'default', which is reserved)", name)
+    if sequence(params.raw.get("customMetrics", []), params.where("customMetrics")):
+        raise ConfigError(params.where("customMetrics"), "none (custom metrics are not implemented)", "a list")
+
+    def spec(key: str) -> Any:
+        text = params.text(key, "")
+        try:
+            return parse_spec(text) if text else None
+        except ValueError as exc:
+            raise ConfigError(params.where(key), "a metric spec like 'name' or 'name{label=value}'", text) from exc
+
+    kv = spec("kvUsageSpec")
+    return EngineSpec(name, spec("queuedRequestsSpec"), spec("runningRequestsSpec"), (kv,) if kv else (),
+                      spec("loraSpec"), spec("cacheInfoSpec"), params.text("cacheBlockSizeLabelName", "block_size"),
+                      params.text("cacheNumBlocksLabelName", "num_gpu_blocks"), spec("cacheBlockSizeSpec"),
+                      spec("cacheNumBlocksSpec"))
+
+
+def _core_extractor(params: Params) -> EngineConfig:
+    engines = dict(ENGINE_METRICS)
+    for i, raw in enumerate(sequence(params.raw.get("engineConfigs", []), params.where("engineConfigs"))):
+        engine = _engine(Params(raw, params.where(f"engineConfigs[{i}]"), "engineConfigs", _ENGINE_KEYS))
+        engines[engine.name] = engine
+    default = params.text("defaultEngine", "") or "vllm"
+    if ENGINE_ALIASES.get(default, default) not in engines:
+        raise ConfigError(params.where("defaultEngine"), f"a known engine ({', '.join(engines)})", default)
+    return EngineConfig(params.text("engineLabelKey", "") or ENGINE_LABEL, default, engines)
+
+
+register("queue-scorer", PluginType(Category.SCORER))
+register("kv-cache-utilization-scorer", PluginType(Category.SCORER))
+register("lora-affinity-scorer", PluginType(Category.SCORER))
+register("prefix-cache-scorer", PluginType(
+    Category.SCORER, ("matchLengthWeight", "matchLengthScaleTokens", "prefixMatchInfoProducerName",
+                      "hashBlockSize", "maxPrefixBlocksToMatch", "lruCapacityPerServer"), _prefix_scorer))
+register("approx-prefix-cache-producer", PluginType(
+    Category.PRODUCER, ("autoTune", "blockSizeTokens", "blockSize", "maxPrefixBlocksToMatch", "maxPrefixTokensToMatch",
+                        "lruCapacityPerServer"), _prefix_producer))
+register("max-score-picker", PluginType(Category.PICKER, ("maxNumOfEndpoints",), _picker))
+register("random-picker", PluginType(Category.PICKER, ("maxNumOfEndpoints",), _picker))
+register("single-profile-handler", PluginType(Category.PROFILE_HANDLER))
+register("disagg-profile-handler", PluginType(
+    Category.PROFILE_HANDLER, ("stageOrder", "profiles", "deciders", *_DISAGG_LEGACY), _disagg))
+register("pd-profile-handler", PluginType(
+    Category.PROFILE_HANDLER, ("decodeProfile", "prefillProfile", "prefixPluginType", "prefixPluginName", "primaryPort",
+                               "deciderPluginName", "prefixMatchInfoProducerName"), _pd_handler,
+    replaced_by="disagg-profile-handler"))
+register("prefix-based-pd-decider", PluginType(Category.DECIDER, ("nonCachedTokens", "promptTokens"), _prefix_decider))
+register("always-disagg-pd-decider", PluginType(Category.DECIDER, (), lambda params: AlwaysDecider()))
+register("decode-filter", PluginType(Category.FILTER, (), lambda params: DECODE_FILTER))
+register("prefill-filter", PluginType(Category.FILTER, (), lambda params: PREFILL_FILTER))
+register("encode-filter", PluginType(Category.FILTER, (), lambda params: ENCODE_FILTER))
+register("label-selector-filter", PluginType(Category.FILTER, ("matchLabels", "matchExpressions"), _label_selector))
+register("by-label-selector", PluginType(Category.FILTER, ("matchLabels", "matchExpressions"), _label_selector,
+                                         replaced_by="label-selector-filter"))
+register("by-label", PluginType(Category.FILTER, ("label", "validValues", "allowsNoLabel"), _by_label,
+                                replaced_by="label-selector-filter"))
+register("metrics-data-source", PluginType(
+    Category.DATA_SOURCE, ("scheme", "path", "port", "insecureSkipVerify", "caCertPath", "clientCertPath",
+                           "clientKeyPath", "interval"), _metrics_source))
+register("core-metrics-extractor", PluginType(
+    Category.EXTRACTOR, ("engineLabelKey", "defaultEngine", "engineConfigs"), _core_extractor))
+register("openai-parser", PluginType(Category.PARSER))
+
+# llm-d-router (ebab68792) plugin types this picker does not run: a config naming one fails at
+# startup with a line saying so. Types another module registers are taken off at lookup.
+NOT_IMPLEMENTED_LIST = (
+    "active-request-scorer", "agent-identity", "always-disagg-multimodal-decider", "anthropic-parser",
+    "burst-prefix-cache-producer", "concurrency-detector", "context-length-aware", "data-parallel-profile-handler",
+    "dcgm-data-source", "dcgm-extractor", "destination-endpoint-served-verifier", "disagg-headers-handler",
+    "disaggregatedset-rollout-pod-extractor", "disaggregatedset-rollout-screener", "edf-ordering-policy",
+    "endpoint-attribute-filter", "endpoint-attribute-scorer", "endpoint-notification-source", "fcfs-ordering-policy",
+    "file-discovery", "global-strict-fairness-policy", "header-based-testing-filter", "header-label-affinity-scorer",
+    "header-profile-handler", "inflight-load-producer", "k8s-notification-source", "latency-scorer",
+    "latency-slo-admitter", "load-aware-scorer", "local-syncer", "mm-embeddings-cache-producer",
+    "mm-embeddings-cache-scorer", "models-data-extractor", "models-data-source",
+    "multicluster-approx-prefix-cache-producer",
+    "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
+    "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
+    "multicluster-session-affinity-filter", "no-hit-lru-scorer", "p2p-source-producer", "passthrough-parser",
+    "precise-prefix-cache-producer", "precise-prefix-cache-scorer", "predicted-latency-producer",
+    "prefill-header-handler", "prefix-cache-affinity-filter", "priority-holdback-policy",
+    "priority-then-time-eviction-order-policy", "probabilistic-admitter", "program-aware-fairness",
+    "request-attribute-reporter", "round-robin-fairness-policy", "running-requests-size-scorer",
+    "session-affinity-filter", "session-affinity-scorer", "session-id-producer", "sglanghttp-parser",
+    "sheddable-eviction-filter", "slo-deadline-ordering-policy", "slo-headroom-tier-filter",
+    "soft-reflective-ceiling-policy", "static-usage-limit-policy", "token-load-scorer", "token-producer",
+    "tokenizer", "topology-affinity-filter", "topology-affinity-scorer", "topology-extractor", "utilization-detector",
+    "utilization-filter", "vertexai-parser", "vllmgrpc-parser", "vllmhttp-parser", "weighted-random-picker",
+)
+
+
+class _NotImplemented:
+    """The not-implemented list minus whatever has been registered since (by another module)."""
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in NOT_IMPLEMENTED_LIST and kind not in PLUGIN_TYPES
+
+
+NOT_IMPLEMENTED = _NotImplemented()
+
+
+# -- scheduling profiles ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightedScorer:
+    """A scorer in a profile with its weight."""
+
+    plugin: Plugin
+    weight: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One scheduling profile: filters in order, weighted scorers, and whether the pick is random
+    (``random-picker``) rather than the best score (``max-score-picker``, the default)."""
+
+    name: str
+    filters: tuple[Plugin, ...] = ()
+    scorers: tuple[WeightedScorer, ...] = ()
+    random_pick: bool = False
+
+    def weight(self, scorer_type: str) -> float:
+        """The summed weight of this profile's scorers of ``scorer_type``."""
+        return sum(s.weight for s in self.scorers if s.plugin.type == scorer_type)
