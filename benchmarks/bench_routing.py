@@ -76,7 +76,7 @@ POOL_YAML = pool_yaml()
 BURST = 100
 BURST_REFRESH = "500ms"
 # Burst variants: name -> scheduler weights.
-BURST_POLICIES = {"scraped only": WEIGHTS, "in-flight": WEIGHTS + ", active-request: 2"}
+BURST_POLICIES = {"scraped only": WEIGHTS + ", active-request: 0", "in-flight": WEIGHTS + ", active-request: 2"}
 _WORDS = ("alpha", "river", "stone", "green", "cloud", "tree", "light", "quiet", "model", "route", "token")
 
 

@@ -26,6 +26,7 @@ from evergreen_trio.picker.config import PickerConfig, load_config, parse_config
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.epp_flags import add_reference_flags, apply_reference_flags, go_bool
 from evergreen_trio.picker.errors import ConfigError, PickerError
+from evergreen_trio.picker.flow_control.config import go_duration
 from evergreen_trio.picker.grpc_server import SSLContextSource
 from evergreen_trio.picker.runtime import Discovery, LeaderElection, PickerPorts, run_picker
 
@@ -81,6 +82,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         choices=["BUFFERED", "FULL_DUPLEX_STREAMED"])
     config.add_argument("--response-body-mode", default="FULL_DUPLEX_STREAMED",
                         choices=["NONE", "BUFFERED", "FULL_DUPLEX_STREAMED"])
+    config.add_argument("--queue-wait", metavar="DURATION",
+                        help="the picker's flow control defaultRequestTTL (e.g. 60s; 0s = no limit): Envoy's "
+                             "message_timeout then lets a queued request wait that long")
     config.add_argument("--output", "-o", default="-", metavar="FILE", help="file (.json or .yaml); '-' = stdout")
     add_front_arguments(config)
     config.set_defaults(run=run_gateway_config)
@@ -205,7 +209,8 @@ def run_gateway_config(args: argparse.Namespace) -> int:
         bootstrap = front_from_args(args) if args.evergreen else gateway_config(
             args.picker, args.listener_port, admin_port=args.admin_port, pool_endpoints=args.pool_endpoint,
             picker_tls=args.picker_tls,
-            request_body_mode=args.request_body_mode, response_body_mode=args.response_body_mode)
+            request_body_mode=args.request_body_mode, response_body_mode=args.response_body_mode,
+            queue_wait_s=go_duration(args.queue_wait, "--queue-wait") if args.queue_wait is not None else None)
     except ValueError as exc:  # ConfigError is one too
         raise UsageError(str(exc)) from None
     if args.output == "-":

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf.wrappers_pb2 import BytesValue
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,9 +26,11 @@ from evergreen_trio.picker.flow_control.config import (
 )
 from evergreen_trio.picker.flow_control.detectors import concurrency, utilization
 from evergreen_trio.picker.flow_control.queue import FlowQueue, Outcome, QueueItem
+from evergreen_trio.picker.grpc_wire import SyncBidiMethod
 from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.processor import DESTINATION, Picker
 from evergreen_trio.picker.scheduler import PoolSnapshot
+from tests.picker.test_grpc_wire import PATH, Peer
 from tests.picker.test_processor import (
     A,
     B,
@@ -412,3 +415,99 @@ def test_flow_key_headers_and_their_bad_values() -> None:
     for bad in ("x" * 257, "two words", "caf\u00e9"):
         _, replies = start(picker, extra=(("x-llm-d-inference-fairness-id", bad),))
         assert replies[0].immediate_response.status.code == 400
+
+
+# -- wire ------------------------------------------------------------------------------------------
+
+
+class Parking:
+    """Parks on b"wait" until :meth:`release`; echoes everything else; counts aborts."""
+
+    instances: list[Parking] = []
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.parked = False
+        self.on_unpark: Callable[[], None] | None = None
+        self.aborted = 0
+        self.ended = False
+        Parking.instances.append(self)
+
+    def on_message(self, message: BytesValue) -> list[BytesValue]:
+        if message.value == b"wait":
+            self.parked = True
+            return []
+        return [message]
+
+    def release(self) -> None:
+        self.parked = False
+        assert self.on_unpark is not None
+        self.on_unpark()
+
+    def resume(self) -> list[BytesValue]:
+        return [BytesValue(value=b"dispatched")]
+
+    def on_end(self) -> list[BytesValue]:
+        self.ended = True
+        return [BytesValue(value=b"end")]
+
+    def on_abort(self) -> None:
+        self.aborted += 1
+
+
+def parking_peer(monkeypatch: pytest.MonkeyPatch) -> tuple[Peer, list[int]]:
+    monkeypatch.setattr(Parking, "instances", [])
+    peer = Peer()
+    peer.server.methods = {PATH: SyncBidiMethod(PATH, BytesValue, Parking)}
+    wakes: list[int] = []
+    peer.server.on_wake = lambda: wakes.append(1)
+    return peer, wakes
+
+
+def test_parked_stream_holds_its_input_until_resumed(monkeypatch: pytest.MonkeyPatch) -> None:
+    peer, wakes = parking_peer(monkeypatch)
+    stream = peer.open()
+    peer.send(stream, b"wait", b"after", end=True)
+    assert peer.replies(stream) == [] and not peer.server.has_unparked
+    (processor,) = Parking.instances
+    processor.release()
+    assert wakes == [1] and peer.server.has_unparked
+    peer.server.resume_unparked()
+    peer.pump()
+    assert peer.replies(stream) == [b"dispatched", b"after", b"end"]
+    assert peer.trailers(stream)["grpc-status"] == "0" and processor.aborted == 0
+
+
+def test_a_parked_stream_reset_or_its_connection_lost_is_aborted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    peer, _ = parking_peer(monkeypatch)
+    reset, lost = peer.open(), peer.open()
+    peer.send(reset, b"wait")
+    peer.send(lost, b"wait")
+    first, second = Parking.instances
+    peer.client.reset_stream(reset)
+    peer.pump()
+    assert first.aborted == 1
+    first.release()  # its outcome came anyway: nothing is sent on a gone stream
+    peer.server.resume_unparked()
+    peer.server.abort_streams()
+    assert (first.aborted, second.aborted) == (1, 1)
+
+
+def test_gateway_message_timeout_covers_the_queue_wait() -> None:
+    from evergreen_trio.picker.envoy_config import gateway_config
+    from evergreen_trio.picker.flow_control.config import queue_wait
+
+    def timeout(**options: object) -> str:
+        config = gateway_config("127.0.0.1:9002", 8080, admin_port=9901, **options)  # type: ignore[arg-type]
+        (listener,) = config["static_resources"]["listeners"]
+        filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+        return str(next(f for f in filters if f["name"] == "envoy.filters.http.ext_proc")["typed_config"][
+            "message_timeout"])
+
+    assert timeout() == "5.0s"
+    assert timeout(queue_wait_s=60.0) == "65.0s" and timeout(queue_wait_s=0.0) == "3600.0s"
+    with pytest.raises(ValueError, match="queue wait"):
+        timeout(queue_wait_s=-1.0)
+    assert queue_wait(None) is None and queue_wait(FlowControlConfig()) == 60.0
+    assert queue_wait(FlowControlConfig(ttl_s=10.0, no_endpoint_ttl_s=300.0)) == 300.0
+    assert queue_wait(FlowControlConfig(ttl_s=0.0)) == 0.0

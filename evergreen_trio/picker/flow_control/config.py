@@ -107,6 +107,16 @@ class FlowControlConfig:
         return BandConfig(priority, template.max_bytes, template.max_requests, template.fairness, template.ordering)
 
 
+def queue_wait(config: FlowControlConfig | None) -> float | None:
+    """The longest a request may wait in the queue (0: no limit; None: no flow control), for
+    the gateway's Envoy ``message_timeout``."""
+    if config is None:
+        return None
+    if not config.ttl_s or not config.no_endpoint_ttl_s:
+        return 0.0
+    return max(config.ttl_s, config.no_endpoint_ttl_s)
+
+
 _GO_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
