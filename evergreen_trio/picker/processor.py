@@ -126,9 +126,15 @@ class Picker:
         self.rng = rng or random.Random()
         self.scheduler = Scheduler(config, snapshot, self.rng)
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight) if config.flow_control else None
+        # InferenceObjective name -> priority: the config's, and in cluster mode the watched CRDs' over them.
+        self.objectives: Mapping[str, int] = dict(config.objectives)
         mode = config.ext_proc.destination_mode
         self.pick_count = {DestinationMode.SINGLE: 1, DestinationMode.FALLBACK: 2}.get(
             mode, config.ext_proc.max_endpoints_in_list)
+
+    def set_cluster_objectives(self, objectives: Mapping[str, int]) -> None:
+        """The InferenceObjectives watched in the cluster (they win over the config's of the same name)."""
+        self.objectives = {**self.config.objectives, **objectives}
 
     def new_stream(self) -> ExtProcStream:
         """The sans-IO state of one ext_proc stream (one HTTP request through Envoy)."""
@@ -168,8 +174,8 @@ class Picker:
                 admission.prompt_bytes = len(request.prompt.encode())
                 admission.output_cap = output_cap(request.body)
             objective = objective_name(headers)
-            if objective is not None and objective in self.config.objectives:
-                admission.priority = self.config.objectives[objective]
+            if objective is not None and objective in self.objectives:
+                admission.priority = self.objectives[objective]
         except RequestError as exc:
             self._failed(report, admission, exc)
             raise

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -41,6 +41,8 @@ PROCESS_PATH = f"/{EXT_PROC_SERVICE}/Process"
 READINESS_NAMES = ("inference-extension", EXT_PROC_SERVICE, "readiness")
 # Discovery: called with ``on_endpoints``, which it calls with the whole set on every change.
 Discovery = Callable[[Callable[[Sequence[Endpoint]], None]], Awaitable[None]]
+# InferenceObjectives: called with a callback it calls with the name -> priority map on every change.
+ObjectiveWatch = Callable[[Callable[[Mapping[str, int]], None]], Awaitable[None]]
 # Leader election: called with ``on_leader``, which it calls with True/False as leadership changes.
 LeaderElection = Callable[[Callable[[bool], None]], Awaitable[None]]
 
@@ -250,13 +252,15 @@ async def run_picker(
     ssl_context: SSLContextSource | None = None,
     discovery: Discovery | None = None,
     leader_election: LeaderElection | None = None,
+    objectives: ObjectiveWatch | None = None,
     task_status: trio.TaskStatus[PickerPorts] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the Endpoint Picker until cancelled; ``started`` gets the bound :class:`PickerPorts`.
 
     Port 0 picks a free port. ``ssl_context`` serves ext_proc over TLS (a callable is asked per
     connection, for reloading). ``discovery`` replaces the static endpoint list; with
-    ``leader_election`` only the leader reports ready. See :class:`Readiness`.
+    ``leader_election`` only the leader reports ready. See :class:`Readiness`. ``objectives``
+    follows the cluster's InferenceObjectives (:mod:`evergreen_trio.picker.k8s.objectives`).
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = PickerMetrics(config.pool.name)
@@ -300,6 +304,8 @@ async def run_picker(
                 readiness.update(snapshot)
 
             nursery.start_soon(leader_election, on_leader)
+        if objectives is not None:
+            nursery.start_soon(objectives, picker.set_cluster_objectives)
         if picker.flow is not None:
             nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0], new_flow_wake)
         grpc_bound = await nursery.start(partial(
