@@ -10,8 +10,17 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from kube_fakes import NAMESPACE, PODS, POOLS_V1, KubeApiServer, eventually, free_port_on, pod, pool_v1, \
-    write_kubeconfig
+from kube_fakes import (
+    NAMESPACE,
+    PODS,
+    POOLS_V1,
+    KubeApiServer,
+    eventually,
+    free_port_on,
+    pod,
+    pool_v1,
+    write_kubeconfig,
+)
 from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
 from picker_fakes import free_port
 
