@@ -394,8 +394,126 @@ def median_result(runs: list[Result]) -> Result:
     return merged
 
 
+PD_CONFIG = """pool:
+  name: pd
+  endpoints:
+  - {address: '10.0.0.1:8000', labels: {llm-d.ai/role: prefill}}
+  - {address: '10.0.0.2:8000', labels: {llm-d.ai/role: prefill}}
+  - {address: '10.0.0.3:8000', labels: {llm-d.ai/role: decode}}
+  - {address: '10.0.0.4:8000', labels: {llm-d.ai/role: decode}}
+---
+%s"""
+# llm-d-router's deploy/config/pd-epp-config.yaml (ebab68792) and, for the baseline, its chart default.
+PD_EPP = """apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- {type: approx-prefix-cache-producer, parameters: {maxPrefixTokensToMatch: 16384, lruCapacityPerServer: 31250}}
+- {type: prefix-cache-scorer}
+- {type: queue-scorer}
+- {type: prefill-filter}
+- {type: decode-filter}
+- {type: max-score-picker}
+- {type: disagg-profile-handler, parameters: {deciders: {prefill: prefix-based-pd-decider}}}
+- {type: prefix-based-pd-decider, parameters: {nonCachedTokens: 16}}
+schedulingProfiles:
+- name: prefill
+  plugins: [{pluginRef: prefill-filter}, {pluginRef: max-score-picker}, {pluginRef: prefix-cache-scorer, weight: 2},
+            {pluginRef: queue-scorer, weight: 1}]
+- name: decode
+  plugins: [{pluginRef: decode-filter}, {pluginRef: max-score-picker}, {pluginRef: prefix-cache-scorer, weight: 2},
+            {pluginRef: queue-scorer, weight: 1}]
+"""
+SINGLE_EPP = """apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins: [{type: queue-scorer}, {type: kv-cache-utilization-scorer}, {type: prefix-cache-scorer}]
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: queue-scorer, weight: 2}, {pluginRef: kv-cache-utilization-scorer, weight: 2},
+            {pluginRef: prefix-cache-scorer, weight: 3}]
+"""
+
+
+def pd_scenario(quick: bool = False) -> list[Row]:
+    """P/D decisions and their cost, in process (the picker's sans-IO core, no servers): llm-d's
+    pd-epp-config.yaml over 2 prefill and 2 decode pods, 16 apps with a ~1200-token system
+    prompt and a short fresh user message. An app's first request is disaggregated (all its
+    tokens are uncached on the decode pod); later ones find the system prompt cached there and
+    stay on the decode pod when the uncached rest is under 16 tokens. The cost is microseconds
+    per routing decision against the chart's one-profile default on the same pods."""
+    from evergreen_trio.picker import Picker, PoolSnapshot, parse_config, parse_engine_metrics
+
+    rounds, repeats = (4, 1) if quick else (12, 3)
+    rng = random.Random(11)
+    prompts = [_text(rng, SYSTEM_PROMPT_CHARS) for _ in range(APPS)]
+    requests = [(app, json.dumps({"model": BASE_MODEL, "prompt": prompts[app] + " " + _text(rng, chars)}).encode())
+                for _ in range(rounds) for app in range(APPS) for chars in (rng.choice((20, 40, 200, 400)),)]
+
+    def measure(epp: str) -> tuple[float, Counter[str]]:
+        config = parse_config(PD_CONFIG % epp)
+        snapshot = PoolSnapshot(config.pool.endpoints, 2.0, time.monotonic)
+        for i, endpoint in enumerate(config.pool.endpoints):
+            snapshot.update(endpoint.address, parse_engine_metrics("vllm", (
+                f"vllm:num_requests_waiting {i % 3}\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.1\n"
+                'vllm:cache_config_info{block_size="16",num_gpu_blocks="4096"} 1\n')))
+        picker = Picker(config, snapshot, rng=random.Random(3))
+        seen: set[int] = set()
+        outcomes: Counter[str] = Counter()
+        started = time.perf_counter()
+        for app, body in requests:
+            route = picker.route("/v1/completions", {}, body, None)
+            kind = "first" if app not in seen else "repeat"
+            seen.add(app)
+            outcomes[f"{kind} {'P/D' if route.prefill else 'decode only'}"] += 1
+        return (time.perf_counter() - started) / len(requests) * 1e6, outcomes
+
+    pd_runs, single_runs = [], []
+    for _ in range(repeats):  # interleaved, so load on the machine hits both alike
+        pd_runs.append(measure(PD_EPP))
+        single_runs.append(measure(SINGLE_EPP))
+    pd_us = statistics.median(us for us, _ in pd_runs)
+    single_us = statistics.median(us for us, _ in single_runs)
+    outcomes = pd_runs[0][1]
+    firsts = outcomes["first P/D"] + outcomes["first decode only"]
+    repeats_total = outcomes["repeat P/D"] + outcomes["repeat decode only"]
+    rows = [
+        Row("P/D route decision", pd_us, "us", "one profile", pd_us / single_us, extra={"one_profile_us": single_us}),
+        Row("P/D: first request of an app disaggregated", outcomes["first P/D"] / firsts, "fraction"),
+        Row("P/D: repeat request disaggregated", outcomes["repeat P/D"] / repeats_total, "fraction"),
+    ]
+    print_table("routing P/D (llm-d pd-epp-config.yaml, in process; ratio: P/D / one-profile cost)", rows)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    png = RESULTS_DIR / f"{AREA}_pd.png"
+    _plot_pd(outcomes, png)
+    write_results(f"{AREA}_pd", rows, quick=quick, repeats=repeats, requests=len(requests),
+                  outcomes=dict(outcomes), plot=png.name, generated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    return rows
+
+
+def _plot_pd(outcomes: Counter[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    kinds = ("first", "repeat")
+    pd = [outcomes[f"{k} P/D"] for k in kinds]
+    alone = [outcomes[f"{k} decode only"] for k in kinds]
+    axes.bar(kinds, pd, label="prefill pod + decode pod (x-prefiller-host-port)")
+    axes.bar(kinds, alone, bottom=pd, label="decode pod only")
+    axes.set_xlabel("request of an app (1200-token system prompt)")
+    axes.set_ylabel("requests")
+    axes.set_title("P/D decisions, prefix-based-pd-decider (nonCachedTokens 16)")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def run(quick: bool = False, *, only_burst: bool = False) -> None:
-    """The load sweep, then the burst comparison (``only_burst``: the burst alone, results apart)."""
+    """The P/D scenario, the load sweep, then the burst comparison (``only_burst``: the burst alone)."""
+    if not only_burst:
+        pd_scenario(quick)
     # The first `warmup` requests (3 per app) fill the caches and are not measured.
     repeats, warmup, measured, drain = (1, 32, 64, 20.0) if quick else (3, 48, 112, 60.0)
     saturation_s, saturation_warmup = (8.0, 3.0) if quick else (20.0, 5.0)

@@ -30,7 +30,7 @@ from evergreen_trio.picker.epp_config import EppConfig, is_endpoint_picker_confi
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.flow_control.config import FlowControlConfig, flow_control_config
 from evergreen_trio.picker.inflight import LoadConfig, producer_config
-from evergreen_trio.picker.plugins import DisaggHandler, Plugin, Profile, WeightedScorer
+from evergreen_trio.picker.plugins import DisaggHandler, Plugin, Profile, WeightedScorer, deferred_deprecations
 
 ENGINES = (*ENGINE_METRICS, *ENGINE_ALIASES)
 CRITICALITY_PRIORITY = {"Critical": 1, "Standard": 0, "Sheddable": -1}
@@ -398,7 +398,13 @@ def config_from_documents(documents: Sequence[object], *, cluster_pool: str | No
     """Build the config from parsed YAML documents (one plain document plus any manifests).
 
     ``cluster_pool`` (cluster mode) names the InferencePool whose pods are the endpoints.
+    Deprecated spellings are logged once the whole config has loaded.
     """
+    with deferred_deprecations():
+        return _config_from_documents(documents, cluster_pool)
+
+
+def _config_from_documents(documents: Sequence[object], cluster_pool: str | None) -> PickerConfig:
     plain: Mapping[str, Any] | None = None
     picker_config: Mapping[str, Any] | None = None
     pool_name: str | None = cluster_pool

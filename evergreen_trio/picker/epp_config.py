@@ -47,6 +47,7 @@ from evergreen_trio.picker.plugins import (
     PrefixScorerParams,
     Profile,
     WeightedScorer,
+    deprecated,
     read_plugin,
 )
 
@@ -247,7 +248,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
     if version not in API_VERSIONS:
         raise ConfigError(f"{KIND}.apiVersion", " or ".join(API_VERSIONS), version)
     if version == DEPRECATED_API_VERSION:
-        log.warning("picker.config_deprecated apiVersion=%s (use %s)", version, API_VERSION)
+        deprecated(f"apiVersion={version}", API_VERSION)
     allowed = (*_TOP_LEVEL, *SECTIONS)
     for key in doc:
         if key == "flowControl" and key not in SECTIONS:

@@ -13,9 +13,11 @@ Everything is plain data and pure functions (no I/O).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,9 +106,32 @@ class Params:
         return Params(self.raw.get(key), self.where(key), key, known)
 
 
+_DEFERRED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("deferred_deprecations", default=None)
+
+
 def deprecated(what: str, replacement: str) -> None:
-    """Log one deprecation line (the config still loads)."""
-    log.warning("picker.config_deprecated %s (use %s)", what, replacement)
+    """Log one deprecation line (the config still loads); inside :func:`deferred_deprecations`,
+    only once the whole config has loaded."""
+    message = f"{what} (use {replacement})"
+    pending = _DEFERRED.get()
+    if pending is None:
+        log.warning("picker.config_deprecated %s", message)
+    elif message not in pending:
+        pending.append(message)
+
+
+@contextlib.contextmanager
+def deferred_deprecations() -> Iterator[None]:
+    """Hold deprecation lines until the block ends without an error (a config that fails to load
+    is then one error line, not warnings about a config that is not used)."""
+    pending: list[str] = []
+    token = _DEFERRED.set(pending)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+    for message in pending:
+        log.warning("picker.config_deprecated %s", message)
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,7 @@ class Admission:
     hashes: Sequence[int] = ()
     body: bytes | None = None
     prompt_bytes: int = 0
+    block_bytes: int = 0
     output_cap: int | None = None
 
 
@@ -168,9 +169,9 @@ class Picker:
                 if target != request.model:
                     admission.body = rewrite_model(request.body, target)
                 if self.config.scheduler.uses_prefix:
-                    block_bytes, max_blocks = self.scheduler.prefix_geometry()
-                    admission.hashes = prefix_hashes(target, request.prompt, self.config.scheduler, block_bytes,
-                                                     max_blocks)
+                    admission.block_bytes, max_blocks = self.scheduler.prefix_geometry()
+                    admission.hashes = prefix_hashes(target, request.prompt, self.config.scheduler,
+                                                     admission.block_bytes, max_blocks)
                 admission.prompt_bytes = len(request.prompt.encode())
                 admission.output_cap = output_cap(request.body)
             objective = objective_name(headers)
@@ -198,7 +199,7 @@ class Picker:
         first = endpoints[0]
         uncached = self.scheduler.uncached_tokens(pick, [first])[first]
         if admission.hashes:
-            block = self.scheduler.prefix_geometry()[0]
+            block = admission.block_bytes  # the geometry the prompt was hashed with
             report.prefix_match = (self.scheduler.prefix_matches.get(first, 0) * block, len(admission.hashes) * block)
             for address in {a for a in (first, schedule.prefill) if a is not None}:
                 self.scheduler.prefix.add(address, admission.hashes)

@@ -39,6 +39,7 @@ class PoolSnapshot:
         self.states = {e.address: EndpointState(e) for e in endpoints}
         self.staleness_s = staleness_s
         self.clock = clock
+        self.block_size: int | None = None  # the KV block size (tokens) the last scrape reported
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
         """Follow discovery: keep the state of endpoints still listed (with their new labels), add
@@ -55,6 +56,8 @@ class PoolSnapshot:
         if state is None:  # removed by discovery while its scrape was answered
             return
         state.metrics, state.updated_at, state.ready, state.scraped = metrics, self.clock(), True, True
+        if metrics.block_size:
+            self.block_size = metrics.block_size
 
     def mark_failed(self, address: str) -> None:
         """Record a failed scrape of ``address``: not ready until a scrape succeeds."""
@@ -260,14 +263,13 @@ class Scheduler:
     def prefix_geometry(self) -> tuple[int, int]:
         """(block bytes, max blocks) for hashing prompts now.
 
-        With ``prefix_auto_tune`` the block is the first ready model server's scraped block size
-        (vLLM's ``cache_config_info``), as llm-d-router's approx-prefix-cache-producer tunes it.
+        With ``prefix_auto_tune`` the block is the model servers' scraped block size (vLLM's
+        ``cache_config_info``), as llm-d-router's approx-prefix-cache-producer tunes it.
         """
         cfg = self.config
         tokens = cfg.prefix_block_tokens
-        if cfg.prefix_auto_tune:
-            tokens = next((s.metrics.block_size for s in self.snapshot.ready_states()
-                           if s.metrics is not None and s.metrics.block_size), tokens)
+        if cfg.prefix_auto_tune and self.snapshot.block_size:
+            tokens = self.snapshot.block_size
         max_blocks = cfg.max_prefix_tokens // tokens if cfg.max_prefix_tokens > 0 else cfg.max_prefix_blocks
         return tokens * cfg.chars_per_token, max_blocks
 

@@ -4,15 +4,25 @@ the prefix producer and scorer, profiles and the P/D handler; each bad value nam
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from evergreen_trio.picker.config import load_config, parse_config
+from evergreen_trio.picker.config import config_from_documents, load_config, parse_config
 from evergreen_trio.picker.engine_metrics import EngineConfig
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.plugins import DECODE_FILTER, PREFILL_FILTER, AlwaysDecider, LabelSelector, PrefixDecider
+from evergreen_trio.picker.plugins import (
+    DECODE_FILTER,
+    PLUGIN_TYPES,
+    PREFILL_FILTER,
+    AlwaysDecider,
+    LabelSelector,
+    PrefixDecider,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llm-d-router"
 HEAD = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -24,6 +34,7 @@ EXPECTED = {
     "dp-epp-config.yaml": "data-parallel-profile-handler",
     "epp-burst-prefix-cache-config.yaml": "token-producer",
     "epp-config.yaml": None,
+    "gie-v1.5.0-default-plugins.yaml": None,
     "epp-estimate-prefix-cache-config.yaml": None,
     "epp-mm-embeddings-cache-config.yaml": "token-producer",
     "epp-precise-prefix-cache-config.yaml": "token-producer",
@@ -294,3 +305,26 @@ def test_static_endpoints_with_labels_and_engines() -> None:
         with pytest.raises(ConfigError) as caught:
             parse_config(f"pool: {{endpoints: [{bad}]}}")
         assert caught.value.field == field
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 200_000) | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner, max_size=3),
+    max_leaves=12)
+
+
+@st.composite
+def _plugin(draw: st.DrawFn) -> dict[str, object]:
+    kind = draw(st.sampled_from(sorted(PLUGIN_TYPES)))
+    known = PLUGIN_TYPES[kind].parameters
+    keys = st.sampled_from(known) if known else st.text(max_size=6)
+    return {"type": kind, "parameters": draw(st.dictionaries(keys, _values, max_size=3))}
+
+
+@pytest.mark.fuzz
+@given(st.lists(_plugin(), max_size=5), st.lists(st.sampled_from(sorted(PLUGIN_TYPES)), max_size=4))
+def test_fuzz_plugins_and_profiles_only_raise_config_error(plugins: list[dict[str, object]], refs: list[str]) -> None:
+    doc = {"apiVersion": "llm-d.ai/v1alpha1", "kind": "EndpointPickerConfig", "plugins": plugins,
+           "schedulingProfiles": [{"name": "decode", "plugins": [{"pluginRef": r} for r in refs]}]}
+    with contextlib.suppress(ConfigError):
+        config_from_documents([doc], cluster_pool="p")

@@ -8,14 +8,19 @@ import random
 from collections.abc import Sequence
 
 import pytest
+import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from kube_fakes import eventually
+from picker_fakes import FakeModelServer, free_port
+from test_processor import lb_metadata, request_body, request_headers, set_headers
 
-from evergreen_trio.picker.config import PickerConfig, parse_config
-from evergreen_trio.picker.engine_metrics import EndpointMetrics
+from evergreen_trio.picker.config import Endpoint, PickerConfig, parse_config
+from evergreen_trio.picker.engine_metrics import EndpointMetrics, EngineConfig
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.k8s.pool_state import PoolState, pool_spec
 from evergreen_trio.picker.processor import DESTINATION, PREFILLER, Picker
+from evergreen_trio.picker.runtime import Scrapers
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, prefix_hashes
-from tests.picker.test_processor import lb_metadata, request_body, request_headers, set_headers
 
 PREFILL_1, PREFILL_2, DECODE_1, DECODE_2, BOTH = (f"10.0.1.{i}:8000" for i in range(1, 6))
 HEAD = "---\napiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -119,7 +124,7 @@ def test_prefill_first_runs_prefill_then_decode() -> None:
 
 
 def test_subset_hint_applies_to_both_profiles() -> None:
-    config, scheduler = make(handler="{deciders: {prefill: always-disagg-pd-decider}}")
+    _, scheduler = make(handler="{deciders: {prefill: always-disagg-pd-decider}}")
     subset = frozenset({PREFILL_2, DECODE_2})
     result = scheduler.schedule(PickRequest("m", 0, (), subset, 400))
     assert (result.endpoints, result.prefill) == ([DECODE_2], PREFILL_2)
@@ -175,3 +180,38 @@ def test_prefill_pod_learns_the_prefix_too() -> None:
     hashes = prefix_hashes("m", "v" * 400, config.scheduler, *picker.scheduler.prefix_geometry())
     matches = picker.scheduler.prefix.matches(hashes, [headers[DESTINATION], headers[PREFILLER]])
     assert set(matches.values()) == {len(hashes)}
+
+
+def test_pool_state_reads_roles_and_engines_from_pod_labels() -> None:
+    def pod(name: str, ip: str, labels: dict[str, object]) -> dict[str, object]:
+        return {"metadata": {"name": name, "labels": labels},
+                "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    state = PoolState(pool_spec({"selector": {"matchLabels": {"app": "m"}}, "targetPorts": [{"number": 8000}]}),
+                      EngineConfig(default_engine="sglang"))
+    state.replace_pods([
+        pod("a", "10.0.0.1", {"llm-d.ai/role": "prefill", "llm-d.ai/engine-type": "vllm"}),
+        pod("b", "10.0.0.2", {"inference.networking.k8s.io/engine-type": "trtllm-serve", "bad": 3}),
+        pod("c", "10.0.0.3", {}),
+    ])
+    a, b, c = state.endpoints()
+    assert (a.engine, b.engine, c.engine) == ("vllm", "trtllm-serve", "sglang")
+    assert a.label_map["llm-d.ai/role"] == "prefill" and "bad" not in b.label_map
+    state.apply("MODIFIED", pod("a", "10.0.0.1", {"llm-d.ai/role": "decode"}))
+    assert state.endpoints()[0].label_map == {"llm-d.ai/role": "decode"} and state.endpoints()[0].engine == "sglang"
+
+
+async def test_scrapers_follow_a_pod_relabelled_to_another_engine(nursery: trio.Nursery) -> None:
+    server = FakeModelServer(free_port(), engine="sglang", metrics=EndpointMetrics(waiting=2))
+    await nursery.start(server.serve)
+    config = parse_config(f"pool: {{endpoints: ['{server.address}'], refreshMetricsInterval: 10ms}}")
+    snapshot = PoolSnapshot((), 2.0, trio.current_time)
+    scrapers = Scrapers(nursery, config, snapshot, lambda: None)
+    scrapers.sync([Endpoint("127.0.0.1", server.port, "vllm")])
+    await eventually(lambda: snapshot.first_scrape_done)
+    assert not snapshot.ready_states()  # SGLang's names read as vLLM's: not ready
+    scrapers.sync([Endpoint("127.0.0.1", server.port, "sglang", (("llm-d.ai/engine-type", "sglang"),))])
+    await eventually(lambda: bool(snapshot.ready_states()))
+    state = snapshot.ready_states()[0]
+    assert state.metrics is not None and state.metrics.waiting == 2 and state.endpoint.engine == "sglang"
+    server.cancel.cancel()

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from evergreen_trio.sim import SERVED_BY_HEADER, SimConfig, SimConfigError, run_sim
 from evergreen_trio.sim.cli import config_from_args, register
+from evergreen_trio.sim.server import PREFILLED_BY_HEADER, PREFILLER_HEADER
 
 FAST = SimConfig(lora_adapters=("food-review",), decode_ms_per_token=1.0, prefill_us_per_token=1.0,
                  max_body_bytes=64 * 1024)
@@ -186,7 +187,8 @@ def test_cli_options_build_the_config() -> None:
 
 
 def test_the_sim_command_serves_until_ctrl_c() -> None:
-    command = [sys.executable, "-m", "evergreen_trio.cli", "sim", "--port", "0", "--max-batch", "2"]
+    command = [sys.executable, "-m", "evergreen_trio.cli", "sim", "--port", "0", "--max-batch", "2",
+               "--metrics-engine", "sglang"]
     with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as process:
         assert process.stderr is not None
         address = ""
@@ -195,5 +197,20 @@ def test_the_sim_command_serves_until_ctrl_c() -> None:
                 address = line.split("sim.ready address=")[1].split()[0]
                 break
         assert httpx.get(f"http://{address}/health").status_code == 200
+        metrics = httpx.get(f"http://{address}/metrics").text
+        assert "sglang:num_queue_reqs" in metrics and "vllm:num_requests_waiting" not in metrics
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm-serve", "triton-tensorrt-llm"])
+async def test_metrics_in_each_engines_names_and_the_prefiller_echo(nursery: trio.Nursery, engine: str) -> None:
+    port = await nursery.start(partial(run_sim, SimConfig(metrics_engine=engine), port=0))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        families = {f.name for f in text_string_to_metric_families((await client.get("/metrics")).text)}
+        plain = await client.get("/health")
+        told = await client.get("/health", headers={PREFILLER_HEADER: "10.0.0.9:8000"})
+    names = {"vllm": "vllm:num_requests_waiting", "sglang": "sglang:num_queue_reqs",
+             "trtllm-serve": "trtllm_num_requests_waiting", "triton-tensorrt-llm": "nv_trt_llm_request_metrics"}
+    assert names[engine] in families and all(n not in families for e, n in names.items() if e != engine)
+    assert PREFILLED_BY_HEADER not in plain.headers and told.headers[PREFILLED_BY_HEADER] == "10.0.0.9:8000"
