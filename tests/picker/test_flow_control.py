@@ -511,3 +511,14 @@ def test_gateway_message_timeout_covers_the_queue_wait() -> None:
     assert queue_wait(None) is None and queue_wait(FlowControlConfig()) == 60.0
     assert queue_wait(FlowControlConfig(ttl_s=10.0, no_endpoint_ttl_s=300.0)) == 300.0
     assert queue_wait(FlowControlConfig(ttl_s=0.0)) == 0.0
+
+
+def test_the_docs_flow_control_example_loads() -> None:
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "picker.md").read_text()
+    (example,) = [b for b in re.findall(r"^```yaml\n(.*?)^```", doc, re.M | re.S) if "featureGates: [flowControl]" in b]
+    config = parse_config(f"pool: {{name: t, endpoints: ['{A}']}}\n---\n{example}")
+    assert config.flow_control is not None and config.flow_control.band(10).ordering == "edf-ordering-policy"
+    assert config.flow_control.detector == ConcurrencyDetector(max_concurrency=8)
