@@ -131,6 +131,14 @@ def test_section_loads_with_llm_d_defaults() -> None:
      "EndpointPickerConfig.plugins[1].parameters.maxConcurrency"),
     ("", "- {type: concurrency-detector, parameters: {maxTokenConcurrency: many}}",
      "EndpointPickerConfig.plugins[1].parameters.maxTokenConcurrency"),
+    ("", "- {type: concurrency-detector, parameters: {headroom: lots}}",
+     "EndpointPickerConfig.plugins[1].parameters.headroom"),
+    ("", "- {type: concurrency-detector, parameters: {inFlightLoadProducerName: 3}}",
+     "EndpointPickerConfig.plugins[1].parameters.inFlightLoadProducerName"),
+    ("  priorityBands: [{priority: one}]", "", "flowControl.priorityBands[0].priority"),
+    ("  priorityBands: [{priority: 1, maxRequests: many}]", "", "flowControl.priorityBands[0].maxRequests"),
+    ("  defaultPriorityBand: {fairnessPolicyRef: 7}", "", "flowControl.defaultPriorityBand.fairnessPolicyRef"),
+    ("  saturationDetector: {pluginRef: fcfs-ordering-policy}", "", "flowControl.saturationDetector.pluginRef"),
     ("", "- {type: fcfs-ordering-policy, parameters: {strict: true}}",
      "EndpointPickerConfig.plugins[1].parameters.strict"),
 ])
@@ -413,8 +421,79 @@ def test_flow_key_headers_and_their_bad_values() -> None:
     start(picker)
     assert [(i.fairness_id, i.priority) for i in seen] == [("tenant-a", 5), ("tenant-b", 5), ("default-flow", 0)]
     for bad in ("x" * 257, "two words", "caf\u00e9"):
-        _, replies = start(picker, extra=(("x-llm-d-inference-fairness-id", bad),))
-        assert replies[0].immediate_response.status.code == 400
+        for header in ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id"):
+            _, replies = start(picker, extra=((header, bad),))
+            assert replies[0].immediate_response.status.code == 400
+    seen.clear()
+    for unknown in ("no-such-objective", "", "x" * 5000):  # an unknown objective sets no priority
+        start(picker, extra=(("x-llm-d-inference-objective", unknown), ("x-llm-d-inference-fairness-id", " ")))
+    assert [(i.fairness_id, i.priority) for i in seen] == [("default-flow", 0)] * 3
+
+
+def test_objectives_from_files_in_both_groups() -> None:
+    config = parse_config(f"""pool: {{name: pool, endpoints: ['{A}']}}
+---
+apiVersion: llm-d.ai/v1alpha2
+kind: InferenceObjective
+metadata: {{name: critical}}
+spec: {{priority: 10, poolRef: {{group: inference.networking.k8s.io, name: pool}}}}
+---
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceObjective
+metadata: {{name: batch}}
+spec: {{priority: -1, poolRef: {{name: pool}}}}
+---
+apiVersion: llm-d.ai/v1alpha2
+kind: InferenceObjective
+metadata: {{name: elsewhere}}
+spec: {{priority: 3, poolRef: {{name: other-pool}}}}
+""")
+    assert dict(config.objectives) == {"critical": 10, "batch": -1}
+    with pytest.raises(ConfigError, match="priority"):
+        parse_config(f"pool: {{name: pool, endpoints: ['{A}']}}\n---\napiVersion: llm-d.ai/v1alpha2\n"
+                     "kind: InferenceObjective\nmetadata: {name: x}\nspec: {priority: high}\n")
+
+
+async def test_the_shell_polls_each_interval_and_after_scrapes_and_sheds_on_shutdown(
+        autojump_clock: object) -> None:
+    import trio
+    import trio.testing
+
+    from evergreen_trio.picker.runtime import _flow_control
+
+    picker = concurrency_picker()
+    gate = picker.flow
+    assert gate is not None
+    gate.queue.clock = trio.current_time
+    for _ in range(3):
+        start(picker)
+    waiting, _ = start(picker)
+    polls: list[float] = []
+    poll = gate.poll
+    gate.poll = lambda: (polls.append(trio.current_time()), poll())[1]  # type: ignore[method-assign]
+    wake = [trio.Event()]
+
+    def new_wake() -> trio.Event:
+        wake[0] = trio.Event()
+        return wake[0]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_flow_control, gate, 0.05, wake[0], new_wake)
+        await trio.sleep(0.5)
+        assert 9 <= len(polls) <= 11  # one per scrape interval
+        counters = picker.scheduler.inflight._counters
+        for counter in counters.values():
+            counter.requests = 0  # the pool's requests finished (as if their streams ended)
+        wake[0].set()  # a scrape
+        await trio.testing.wait_all_tasks_blocked()
+        assert waiting.item.outcome is Outcome.DISPATCHED  # type: ignore[attr-defined]
+        for address in (A, B, C):
+            picker.scheduler.inflight.dispatch(address, 0)  # the pool is full again
+        last, replies = start(picker)
+        assert not replies
+        nursery.cancel_scope.cancel()
+    assert dropped(list(last.resume())) == (503, "rejected-shutting-down")  # type: ignore[attr-defined]
+    assert gate.queue.closed and len(gate.queue) == 0
 
 
 # -- wire ------------------------------------------------------------------------------------------

@@ -244,6 +244,10 @@ def test_wire_calls_on_abort_exactly_once_on_every_other_ending(ending: str, mon
     ("- type: inflight-load-producer\n  parameters: {outputRatio: -1}", "outputRatio"),
     ("- type: inflight-load-producer\n  parameters: {maxEstimatedOutputTokens: -5}", "maxEstimatedOutputTokens"),
     ("- type: inflight-load-producer\n  parameters: {outputRatioo: 1}", "outputRatioo"),
+    ("- type: inflight-load-producer\n  parameters: {prefixMatchInfoProducerName: 3}", "prefixMatchInfoProducerName"),
+    ("- type: inflight-load-producer\n  parameters: {syncCrossReplicaState: sometimes}", "syncCrossReplicaState"),
+    ("- type: active-request-scorer\n  parameters: {inFlightLoadProducerName: [a]}", "inFlightLoadProducerName"),
+    ("- type: token-load-scorer\n  parameters: {inFlightLoadProducerName: 1}", "inFlightLoadProducerName"),
     ("- type: active-request-scorer\n  parameters: {idleThreshold: -1}", "idleThreshold"),
     ("- type: active-request-scorer\n  parameters: {maxBusyScore: 1.5}", "maxBusyScore"),
     ("- type: active-request-scorer\n  parameters: {requestTimeout: 5}", "requestTimeout"),
@@ -272,5 +276,8 @@ def test_plain_weights_and_their_bad_values() -> None:
     config = parse_config(f"pool: {{name: t, endpoints: ['{A}']}}\nscheduler: {{weights: {{{weights}}}}}")
     load = config.scheduler.load
     assert (load.active_request, load.token_load, load.running_requests, load.load_aware) == (2, 1, 1, 3)
-    with pytest.raises(ConfigError, match=r"scheduler\.weights\.active-request"):
-        parse_config(f"pool: {{name: t, endpoints: ['{A}']}}\nscheduler: {{weights: {{active-request: -2}}}}")
+    for key in ("active-request", "token-load", "running-requests", "load-aware"):
+        with pytest.raises(ConfigError, match=rf"scheduler\.weights\.{key}"):
+            parse_config(f"pool: {{name: t, endpoints: ['{A}']}}\nscheduler: {{weights: {{{key}: -2}}}}")
+        with pytest.raises(ConfigError, match=rf"scheduler\.weights\.{key}"):
+            parse_config(f"pool: {{name: t, endpoints: ['{A}']}}\nscheduler: {{weights: {{{key}: high}}}}")
