@@ -184,7 +184,9 @@ class Picker:
 
     def pick(self, admission: Admission, report: StreamReport) -> Route:
         """Pick endpoints for an admitted request and count it in flight; RequestError for 429/503."""
-        pick = PickRequest(admission.target_model, admission.priority, admission.hashes, admission.subset,
+        # Flow control admitted it: the legacy shedding of sheddable requests at saturation no longer applies.
+        priority = max(admission.priority, 0) if self.flow is not None else admission.priority
+        pick = PickRequest(admission.target_model, priority, admission.hashes, admission.subset,
                            admission.prompt_bytes)
         try:
             schedule = self.scheduler.schedule(pick, self.pick_count)

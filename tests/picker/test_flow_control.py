@@ -601,3 +601,17 @@ def test_the_docs_flow_control_example_loads() -> None:
     config = parse_config(f"pool: {{name: t, endpoints: ['{A}']}}\n---\n{example}")
     assert config.flow_control is not None and config.flow_control.band(10).ordering == "edf-ordering-policy"
     assert config.flow_control.detector == ConcurrencyDetector(max_concurrency=8)
+
+
+def test_a_sheddable_request_queues_instead_of_the_legacy_429() -> None:
+    picker = make_picker("---" + epp().split("---", 1)[1], metrics=[EndpointMetrics(waiting=10)] * 3)
+    assert picker.flow is not None and picker.scheduler.saturation() >= 1.0
+    stream, replies = start(picker, {"model": "batch", "prompt": "later"})
+    assert replies == [] and stream.item.priority == -1  # type: ignore[attr-defined]
+    for address in (A, B, C):
+        picker.snapshot.update(address, EndpointMetrics(waiting=9))  # still saturated for the legacy check
+    picker.flow.config = picker.flow.queue.config = FlowControlConfig(
+        detector=UtilizationDetector(queue_depth_threshold=100))
+    picker.flow.poll()
+    (decision, *_) = stream.resume()  # type: ignore[attr-defined]
+    assert decision.HasField("request_headers")
