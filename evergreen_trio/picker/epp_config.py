@@ -73,6 +73,16 @@ _TOP_LEVEL = ("apiVersion", "kind", "plugins", "schedulingProfiles", "saturation
               "dataLayer", "requestHandler", "parser")
 
 
+# llm-d-router's feature gates -> whether this picker implements it (register_feature_gate adds).
+# haPopulateNonLeaderDatastore: non-leaders keep their endpoint state, which ours always do.
+FEATURE_GATES: dict[str, bool] = {"flowControl": False, "haPopulateNonLeaderDatastore": True}
+
+
+def register_feature_gate(name: str) -> None:
+    """Accept ``featureGates: [name]`` (the module that implements the gate calls this)."""
+    FEATURE_GATES[name] = True
+
+
 def register_section(name: str, reader: SectionReader) -> None:
     """Accept the top-level ``name`` section, read by ``reader`` (its values land in ``EppConfig.extra``)."""
     SECTIONS[name] = reader
@@ -280,7 +290,16 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
             values[_SATURATION[key]] = float(value)
         elif key != "metricsStalenessThreshold":  # the pool's, set by --metrics-staleness-threshold
             raise ConfigError(path, f"one of {sorted([*_SATURATION, 'metricsStalenessThreshold'])}", key)
-    gates = tuple(str(g) for g in sequence(doc.get("featureGates") or [], f"{KIND}.featureGates"))
+    raw_gates = sequence(doc.get("featureGates") or [], f"{KIND}.featureGates")
+    for i, gate in enumerate(raw_gates):
+        # A gate is "name", "name=true" or "name=false", as llm-d's parser takes them.
+        name, _, value = gate.partition("=") if isinstance(gate, str) else ("", "", "")
+        if FEATURE_GATES.get(name) and value in ("", "true", "false"):
+            continue
+        got = f"{gate} (not implemented)" if name in FEATURE_GATES and not FEATURE_GATES[name] else gate
+        raise ConfigError(f"{KIND}.featureGates[{i}]", f"a feature gate this picker implements "
+                          f"({', '.join(g for g, on in FEATURE_GATES.items() if on)})", got)
+    gates = tuple(str(g) for g in raw_gates)
     extra: dict[str, Any] = {}
     for name, reader in SECTIONS.items():
         if name in doc:

@@ -278,6 +278,9 @@ BAD_DOCS = [
     (HEAD + "plugins: [{type: queue-scorer}, {type: queue-scorer}]", "EndpointPickerConfig.plugins[1].name"),
     (HEAD + "plugins: [{type: token-producer}]", "EndpointPickerConfig.plugins[0].type"),
     (HEAD + "flowControl: {maxRequest: 3}", "EndpointPickerConfig.flowControl.maxRequest"),
+    (HEAD + "featureGates: [haPopulateNonLeaderDatastore, warpDrive]", "EndpointPickerConfig.featureGates[1]"),
+    (HEAD + "featureGates: [[1]]", "EndpointPickerConfig.featureGates[0]"),
+    (HEAD + "featureGates: ['flowControl=maybe']", "EndpointPickerConfig.featureGates[0]"),
 ]
 
 

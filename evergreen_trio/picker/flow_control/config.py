@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evergreen_trio.picker.checks import integer, mapping, sequence, string
-from evergreen_trio.picker.epp_config import EppConfig, register_section
+from evergreen_trio.picker.epp_config import EppConfig, register_feature_gate, register_section
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, register
 
@@ -277,6 +277,7 @@ def _detector(plugins: Mapping[str, Plugin], name: str) -> UtilizationDetector |
 
 
 register_section("flowControl", read_section)
+register_feature_gate(FEATURE_GATE)
 
 
 def flow_control_config(epp: EppConfig) -> FlowControlConfig | None:
