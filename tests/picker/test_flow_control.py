@@ -615,3 +615,13 @@ def test_a_sheddable_request_queues_instead_of_the_legacy_429() -> None:
     picker.flow.poll()
     (decision, *_) = stream.resume()  # type: ignore[attr-defined]
     assert decision.HasField("request_headers")
+
+
+def test_gateway_config_queue_wait_as_a_subprocess() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "evergreen_trio.cli", "gateway-config", "--queue-wait", "1m30s",
+                           "--request-body-mode", "BUFFERED"], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert '"message_timeout": "95.0s"' in done.stdout
