@@ -10,6 +10,12 @@ round robin (the capacity of the pool without smart routing). Each run sends 48 
 warm the caches (3 per app) and 112 measured ones; each (policy, load) runs 3 times with the same
 arrivals for both policies, and the table shows each metric's median.
 
+The burst comparison sends 100 requests at once (all arrive between two metric scrapes: the
+pool is scraped every 500 ms there) to a cold pool, through the picker scoring scraped metrics
+only, then through the picker that also counts its own in-flight requests
+(``active-request-scorer``, weight 2): with scraped metrics only, every pick of the burst sees the
+same numbers.
+
 The simulated servers model a GPU (50 us per uncached prompt token, 5 ms per decode step, a
 KV cache of 512 blocks) slowed down 8x (``time_scale``), so Python's own per-request cost on a
 small machine stays small beside the simulated work.
@@ -52,13 +58,25 @@ SIM_ARGS = (
     "--sim-decode-ms-per-token", "5", "--sim-decode-batch-factor", "0.03", "--sim-max-loras", "2",
     "--sim-lora-load-ms", "25", "--sim-time-scale", "8",
 )
-POOL_YAML = "\n".join([
-    "pool: {name: bench, endpoints: [127.0.0.1:1]}",
-    "models:",
-    *(f"  - {{name: {name}, criticality: Standard}}" for name in (BASE_MODEL, *ADAPTERS)),
-    "scheduler: {weights: {queue: 2, kv-cache: 2, prefix-cache: 3, lora-affinity: 1}}",
-    "",
-])
+WEIGHTS = "queue: 2, kv-cache: 2, prefix-cache: 3, lora-affinity: 1"
+
+
+def pool_yaml(weights: str = WEIGHTS, refresh: str = "50ms") -> str:
+    """The gateway's picker config: the models, ``weights`` and the scrape interval."""
+    return "\n".join([
+        f"pool: {{name: bench, endpoints: [127.0.0.1:1], refreshMetricsInterval: {refresh}}}",
+        "models:",
+        *(f"  - {{name: {name}, criticality: Standard}}" for name in (BASE_MODEL, *ADAPTERS)),
+        f"scheduler: {{weights: {{{weights}}}}}",
+        "",
+    ])
+
+
+POOL_YAML = pool_yaml()
+BURST = 100
+BURST_REFRESH = "500ms"
+# Burst variants: name -> scheduler weights.
+BURST_POLICIES = {"scraped only": WEIGHTS + ", active-request: 0", "in-flight": WEIGHTS + ", active-request: 2"}
 _WORDS = ("alpha", "river", "stone", "green", "cloud", "tree", "light", "quiet", "model", "route", "token")
 
 
@@ -173,6 +191,88 @@ async def open_loop(url: str, rate: float, count: int, drain: float, seed: int) 
             nursery.start_soon(_one, client, endpoint, workload.body(index), outcome, start)
         nursery.cancel_scope.deadline = start + at + drain
     return outcomes
+
+
+async def burst(url: str, count: int, drain: float, seed: int) -> list[Outcome]:
+    """``count`` requests sent at once, then up to ``drain`` s for them to finish."""
+    workload = Workload(seed)
+    outcomes = [Outcome(sent=0.0) for _ in range(count)]
+    endpoint = f"{url}/v1/chat/completions"
+    async with _client() as client, trio.open_nursery() as nursery:
+        start = trio.current_time()
+        for index, outcome in enumerate(outcomes):
+            nursery.start_soon(_one, client, endpoint, workload.body(index), outcome, start)
+        nursery.cancel_scope.deadline = start + drain
+    return outcomes
+
+
+@dataclass
+class BurstResult:
+    policy: str
+    requests: int
+    ok: int
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    last_done_ms: float
+    busiest_server_share: float
+    per_server: list[int]
+    """Requests each server got, most first."""
+
+
+def summarize_burst(policy: str, outcomes: list[Outcome]) -> BurstResult:
+    ok = [o for o in outcomes if o.status == 200 and o.done is not None]
+    ttft = [(o.first_token or 0.0) - o.sent for o in ok]
+    counts = sorted(Counter(o.served_by for o in ok).values(), reverse=True)
+    return BurstResult(policy, len(outcomes), len(ok), 1000 * percentile(ttft, 50), 1000 * percentile(ttft, 90),
+                       1000 * max((o.done or 0.0 for o in ok), default=0.0),
+                       counts[0] / max(len(ok), 1) if counts else 0.0, counts)
+
+
+def plot_burst(results: list[BurstResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (share, latency) = plt.subplots(1, 2, figsize=(9, 4))
+    names = [r.policy for r in results]
+    for rank in range(SERVERS):
+        bottoms = [sum(r.per_server[:rank]) for r in results]
+        heights = [r.per_server[rank] if rank < len(r.per_server) else 0 for r in results]
+        share.bar(names, heights, bottom=bottoms, label=f"server #{rank + 1} (busiest first)")
+    share.set_ylabel("requests served")
+    share.set_title(f"{BURST} requests between two scrapes")
+    share.legend(fontsize=7)
+    x = range(len(results))
+    latency.bar([i - 0.2 for i in x], [r.ttft_p50_ms for r in results], 0.4, label="TTFT p50")
+    latency.bar([i + 0.2 for i in x], [r.ttft_p90_ms for r in results], 0.4, label="TTFT p90")
+    latency.set_xticks(list(x), names)
+    latency.set_ylabel("ms")
+    latency.set_title("burst latency")
+    latency.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def run_burst(workdir: Path, repeats: int) -> list[BurstResult]:
+    """Each burst policy ``repeats`` times on a fresh gateway; the run with the median TTFT p90."""
+    results = []
+    for policy, weights in BURST_POLICIES.items():
+        config = workdir / f"burst-{len(results)}.yaml"
+        config.write_text(pool_yaml(weights, BURST_REFRESH))
+        runs = []
+        for repeat in range(repeats):
+            gateway = Gateway(config)
+            try:
+                outcomes = trio.run(partial(burst, gateway.picker_url, BURST, 120.0, seed=11 + repeat))
+            finally:
+                gateway.close()
+            runs.append(summarize_burst(policy, outcomes))
+            print(f"  burst {policy:12} served {runs[-1].per_server} TTFT p90 {runs[-1].ttft_p90_ms:.0f} ms",
+                  flush=True)
+        results.append(sorted(runs, key=lambda r: r.ttft_p90_ms)[len(runs) // 2])
+    return results
 
 
 async def closed_loop(url: str, concurrency: int, duration: float, warmup: float, seed: int) -> float:
@@ -410,12 +510,18 @@ def _plot_pd(outcomes: Counter[str], path: Path) -> None:
     plt.close(figure)
 
 
-def run(quick: bool = False) -> None:
-    pd_scenario(quick)
+def run(quick: bool = False, *, only_burst: bool = False) -> None:
+    """The P/D scenario, the load sweep, then the burst comparison (``only_burst``: the burst alone)."""
+    if not only_burst:
+        pd_scenario(quick)
     # The first `warmup` requests (3 per app) fill the caches and are not measured.
     repeats, warmup, measured, drain = (1, 32, 64, 20.0) if quick else (3, 48, 112, 60.0)
     saturation_s, saturation_warmup = (8.0, 3.0) if quick else (20.0, 5.0)
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as workdir:
+        bursts = run_burst(Path(workdir), repeats)
+        if only_burst:
+            _report_burst(bursts, quick, repeats)
+            return
         config = Path(workdir) / "pool.yaml"
         config.write_text(POOL_YAML)
 
@@ -444,10 +550,32 @@ def run(quick: bool = False) -> None:
                           f"TTFT p90 {result.ttft_p90_ms:.0f} ms hit {result.prefix_hit_rate:.0%} "
                           f"errors {result.errors}", flush=True)
             results += [median_result(policy_runs) for policy_runs in runs.values()]
-    _report(results, saturation, quick, repeats)
+    _report(results, saturation, quick, repeats, bursts)
 
 
-def _report(results: list[Result], saturation: float, quick: bool, repeats: int) -> None:
+def _burst_table(bursts: list[BurstResult]) -> None:
+    print(f"\n## Burst: {BURST} requests at once to a cold pool, scraped every {BURST_REFRESH}\n")
+    print("| picker | ok | TTFT p50 ms | TTFT p90 ms | last done ms | busiest server | per server |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for b in bursts:
+        print(f"| {b.policy} | {b.ok}/{b.requests} | {b.ttft_p50_ms:.0f} | {b.ttft_p90_ms:.0f} | {b.last_done_ms:.0f} "
+              f"| {b.busiest_server_share:.0%} | {b.per_server} |")
+
+
+def _report_burst(bursts: list[BurstResult], quick: bool, repeats: int) -> None:
+    _burst_table(bursts)
+    png = RESULTS_DIR / f"{AREA}_burst.png"
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    plot_burst(bursts, png)
+    path = write_results(f"{AREA}_burst", [], quick=quick, repeats=repeats, servers=SERVERS, burst=BURST,
+                         refresh=BURST_REFRESH, sim_args=list(SIM_ARGS), bursts=[asdict(b) for b in bursts],
+                         plot=png.name, load_average=os.getloadavg(), cpus=os.cpu_count(),
+                         generated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    print(f"wrote {path} and {png}")
+
+
+def _report(results: list[Result], saturation: float, quick: bool, repeats: int,
+            bursts: list[BurstResult]) -> None:
     print(f"\n## Routing: picker vs round robin, {SERVERS} simulated servers (saturation {saturation:.2f} req/s, "
           f"median of {repeats} runs)\n")
     print("| policy | load | offered req/s | completed req/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms "
@@ -478,12 +606,14 @@ def _report(results: list[Result], saturation: float, quick: bool, repeats: int)
         for load in (1.0, 1.2)
     }
     print("\ntargets:", ", ".join(f"{name}={'met' if met else 'MISSED'}" for name, met in targets.items()))
+    _burst_table(bursts)
     png = RESULTS_DIR / f"{AREA}.png"
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     plot(results, png)
+    plot_burst(bursts, RESULTS_DIR / f"{AREA}_burst.png")
     path = write_results(
         AREA, rows, quick=quick, repeats=repeats, saturation_req_per_s=saturation, servers=SERVERS,
-        sim_args=list(SIM_ARGS),
+        sim_args=list(SIM_ARGS), bursts=[asdict(b) for b in bursts], burst_plot=f"{AREA}_burst.png",
         results=[asdict(r) for r in results], targets=targets, plot=png.name,
         load_average=os.getloadavg(), cpus=os.cpu_count(), generated=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )

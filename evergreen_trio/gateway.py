@@ -37,6 +37,7 @@ from evergreen_trio.picker.config import PickerConfig, config_from_documents, re
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.envoy_process import run_envoy
 from evergreen_trio.picker.epp_flags import go_bool
+from evergreen_trio.picker.flow_control.config import queue_wait
 from evergreen_trio.picker.runtime import PickerPorts, run_picker
 from evergreen_trio.sim.config import OPTION_HELP, SimConfig
 from evergreen_trio.sim.server import run_sim
@@ -310,6 +311,7 @@ async def run_gateway(
                 listen_host=listen_host,
                 round_robin_endpoints=endpoints if settings.round_robin_port is not None else (),
                 round_robin_port=settings.round_robin_port, picker_tls=settings.secure_picker,
+                queue_wait_s=queue_wait(config.flow_control),
             ))
             await nursery.start(_part, "envoy", partial(
                 run_envoy, envoy_config, admin_port=admin_port, extra_args=("--log-format", ENVOY_LOG_FORMAT),

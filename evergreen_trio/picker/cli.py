@@ -26,8 +26,9 @@ from evergreen_trio.picker.config import PickerConfig, load_config, parse_config
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.epp_flags import add_reference_flags, apply_reference_flags, go_bool
 from evergreen_trio.picker.errors import ConfigError, PickerError
+from evergreen_trio.picker.flow_control.config import go_duration
 from evergreen_trio.picker.grpc_server import SSLContextSource
-from evergreen_trio.picker.runtime import Discovery, LeaderElection, PickerPorts, run_picker
+from evergreen_trio.picker.runtime import Discovery, LeaderElection, ObjectiveWatch, PickerPorts, run_picker
 
 log = logging.getLogger(__name__)
 REFERENCE_POOL_GROUP = "inference.networking.k8s.io"
@@ -81,6 +82,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         choices=["BUFFERED", "FULL_DUPLEX_STREAMED"])
     config.add_argument("--response-body-mode", default="FULL_DUPLEX_STREAMED",
                         choices=["NONE", "BUFFERED", "FULL_DUPLEX_STREAMED"])
+    config.add_argument("--queue-wait", metavar="DURATION",
+                        help="the picker's flow control defaultRequestTTL (e.g. 60s; 0s = no limit): Envoy's "
+                             "message_timeout then lets a queued request wait that long")
     config.add_argument("--output", "-o", default="-", metavar="FILE", help="file (.json or .yaml); '-' = stdout")
     add_front_arguments(config)
     config.set_defaults(run=run_gateway_config)
@@ -95,6 +99,7 @@ class PickerSettings:
     ssl_context: SSLContextSource | None
     discovery: Discovery | None
     leader_election: LeaderElection | None
+    objectives: ObjectiveWatch | None = None
 
 
 def _pool_overrides(config: PickerConfig, args: argparse.Namespace) -> PickerConfig:
@@ -112,7 +117,8 @@ def _pool_overrides(config: PickerConfig, args: argparse.Namespace) -> PickerCon
     return dataclasses.replace(config, pool=pool)
 
 
-def _cluster_parts(args: argparse.Namespace, config: PickerConfig) -> tuple[Discovery, LeaderElection | None]:
+def _cluster_parts(args: argparse.Namespace,
+                   config: PickerConfig) -> tuple[Discovery, LeaderElection | None, ObjectiveWatch]:
     # Imported here: the static mode needs no Kubernetes client.
     from evergreen_trio.picker.k8s import ClusterAccess, PoolRef, lease_election, parse_selector, pool_discovery
     from evergreen_trio.picker.k8s.discovery import pool_resource
@@ -133,7 +139,9 @@ def _cluster_parts(args: argparse.Namespace, config: PickerConfig) -> tuple[Disc
     if args.ha_enable_leader_election:
         identity = os.environ.get("EPP_NAME") or os.environ.get("HOSTNAME") or f"picker-{os.getpid()}"
         election = partial(lease_election, access, namespace, f"epp-{args.pool_name}", identity)
-    return discovery, election
+    from evergreen_trio.picker.k8s.objectives import objective_watch
+
+    return discovery, election, partial(objective_watch, access, namespace, config.pool.name)
 
 
 def config_source(args: argparse.Namespace) -> str:
@@ -166,10 +174,10 @@ def picker_settings(args: argparse.Namespace, config: PickerConfig) -> PickerSet
     if args.cert_path and not Path(args.cert_path).is_dir():
         raise ConfigError("--cert-path", "a directory with tls.crt and tls.key", args.cert_path)
     host = args.host or ("0.0.0.0" if cluster else "127.0.0.1")
-    discovery, election = _cluster_parts(args, config) if cluster else (None, None)
+    discovery, election, objectives = _cluster_parts(args, config) if cluster else (None, None, None)
     from evergreen_trio.picker.tls import ext_proc_context  # cryptography: the `picker` extra
 
-    return PickerSettings(config, host, ext_proc_context(secure, args.cert_path), discovery, election)
+    return PickerSettings(config, host, ext_proc_context(secure, args.cert_path), discovery, election, objectives)
 
 
 def run_picker_command(args: argparse.Namespace) -> int:
@@ -196,7 +204,8 @@ def run_picker_command(args: argparse.Namespace) -> int:
     return serve_until_signal(partial(
         run_picker, settings.config, host=settings.host, grpc_port=args.grpc_port,
         health_port=args.grpc_health_port, metrics_port=args.metrics_port, ssl_context=settings.ssl_context,
-        discovery=settings.discovery, leader_election=settings.leader_election), started=announce,
+        discovery=settings.discovery, leader_election=settings.leader_election, objectives=settings.objectives),
+        started=announce,
         address=f"{settings.host} (ports {args.grpc_port}, {args.grpc_health_port}, {args.metrics_port})")
 
 
@@ -205,7 +214,8 @@ def run_gateway_config(args: argparse.Namespace) -> int:
         bootstrap = front_from_args(args) if args.evergreen else gateway_config(
             args.picker, args.listener_port, admin_port=args.admin_port, pool_endpoints=args.pool_endpoint,
             picker_tls=args.picker_tls,
-            request_body_mode=args.request_body_mode, response_body_mode=args.response_body_mode)
+            request_body_mode=args.request_body_mode, response_body_mode=args.response_body_mode,
+            queue_wait_s=go_duration(args.queue_wait, "--queue-wait") if args.queue_wait is not None else None)
     except ValueError as exc:  # ConfigError is one too
         raise UsageError(str(exc)) from None
     if args.output == "-":

@@ -28,12 +28,19 @@ from evergreen_trio.picker.checks import integer, mapping, number, sequence, str
 from evergreen_trio.picker.engine_metrics import ENGINE_ALIASES, ENGINE_METRICS, EngineConfig
 from evergreen_trio.picker.epp_config import EppConfig, is_endpoint_picker_config, read_endpoint_picker_config
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.flow_control.config import FlowControlConfig, flow_control_config
+from evergreen_trio.picker.inflight import LoadConfig, producer_config
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, Profile, WeightedScorer, deferred_deprecations
 
 ENGINES = (*ENGINE_METRICS, *ENGINE_ALIASES)
 CRITICALITY_PRIORITY = {"Critical": 1, "Standard": 0, "Sheddable": -1}
 SCORER_KEYS = {
     "queue": "queue", "kv-cache": "kv_cache", "prefix-cache": "prefix_cache", "lora-affinity": "lora_affinity",
+}
+# The in-flight load scorers' weights (LoadConfig fields, evergreen_trio.picker.inflight).
+LOAD_SCORER_KEYS = {
+    "active-request": "active_request", "token-load": "token_load", "running-requests": "running_requests",
+    "load-aware": "load_aware",
 }
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 
@@ -128,6 +135,7 @@ class SchedulerConfig:
     max_prefix_blocks: int = 256
     queue_threshold: float = 5.0
     kv_cache_threshold: float = 0.8
+    load: LoadConfig = field(default_factory=LoadConfig)  # in-flight load and the load scorers
     prefix_auto_tune: bool = False
     max_prefix_tokens: int = 0
     profiles: tuple[Profile, ...] = ()
@@ -143,7 +151,8 @@ class SchedulerConfig:
         if self.profiles:
             return self.profiles
         weights = {"queue-scorer": self.queue, "kv-cache-utilization-scorer": self.kv_cache,
-                   "prefix-cache-scorer": self.prefix_cache, "lora-affinity-scorer": self.lora_affinity}
+                   "prefix-cache-scorer": self.prefix_cache, "lora-affinity-scorer": self.lora_affinity,
+                   **self.load.weights()}
         scorers = tuple(WeightedScorer(Plugin(kind, kind), w) for kind, w in weights.items() if w)
         return (Profile("default", (), scorers),)
 
@@ -179,6 +188,7 @@ class PickerConfig:
     objectives: Mapping[str, int] = field(default_factory=dict)
     scheduler: SchedulerConfig = SchedulerConfig()
     ext_proc: ExtProcConfig = ExtProcConfig()
+    flow_control: FlowControlConfig | None = None  # featureGates: [flowControl] in an EndpointPickerConfig
     epp: EppConfig | None = None  # the EndpointPickerConfig as read (plugins by name, feature gates, sections)
 
     def model(self, name: str) -> ModelConfig | None:
@@ -332,9 +342,13 @@ def _scheduler(doc: Mapping[str, Any]) -> SchedulerConfig:
     values: dict[str, Any] = {}
     if "weights" in doc:
         weights = mapping(doc["weights"], "scheduler.weights")
-        _no_unknown(weights, set(SCORER_KEYS), "scheduler.weights")
-        values = {SCORER_KEYS[k]: number(v, f"scheduler.weights.{k}") for k, v in weights.items()}
-        if not any(values.get(k, getattr(SchedulerConfig, k)) for k in SCORER_KEYS.values()):
+        _no_unknown(weights, set(SCORER_KEYS) | set(LOAD_SCORER_KEYS), "scheduler.weights")
+        values = {SCORER_KEYS[k]: number(v, f"scheduler.weights.{k}") for k, v in weights.items() if k in SCORER_KEYS}
+        load: dict[str, Any] = {LOAD_SCORER_KEYS[k]: number(v, f"scheduler.weights.{k}")
+                                for k, v in weights.items() if k in LOAD_SCORER_KEYS}
+        values["load"] = LoadConfig(**load)
+        if not any(values.get(k, getattr(SchedulerConfig, k)) for k in SCORER_KEYS.values()) and not any(
+                getattr(values["load"], k) for k in LOAD_SCORER_KEYS.values()):
             raise ConfigError("scheduler.weights", "at least one weight > 0", dict(weights))
     ints = {"prefixBlockTokens": "prefix_block_tokens", "charsPerToken": "chars_per_token",
             "prefixCacheCapacity": "prefix_cache_capacity", "maxPrefixBlocks": "max_prefix_blocks"}
@@ -464,7 +478,7 @@ def _config_from_documents(documents: Sequence[object], cluster_pool: str | None
     objectives.update({name: prio for ref, name, prio in manifest_objectives if ref in (None, pool.name)})
     if picker_config is not None and "scheduler" in plain:
         raise ConfigError("scheduler", "either a 'scheduler' section or an EndpointPickerConfig", "both")
-    scheduler = (SchedulerConfig(**epp.scheduler) if epp is not None
+    scheduler = (SchedulerConfig(**epp.scheduler, load=producer_config(epp.plugins)) if epp is not None
                  else _scheduler(mapping(plain.get("scheduler", {}), "scheduler")))
     return PickerConfig(
         pool=pool,
@@ -472,6 +486,7 @@ def _config_from_documents(documents: Sequence[object], cluster_pool: str | None
         objectives=objectives,
         scheduler=scheduler,
         ext_proc=_ext_proc(mapping(plain.get("extProc", {}), "extProc")),
+        flow_control=flow_control_config(epp) if epp is not None else None,
         epp=epp,
     )
 

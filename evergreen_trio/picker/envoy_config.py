@@ -209,6 +209,12 @@ def _overload_manager(max_downstream_connections: int) -> dict[str, Any]:
     }]}
 
 
+# A queued request's message_timeout: its queue wait plus this margin (dispatch, the pick, the
+# round trip); with no queue-wait limit (TTL 0s), this cap.
+QUEUE_MARGIN_S = 5.0
+MAX_QUEUE_WAIT_S = 3600.0
+
+
 def gateway_config(
     picker_address: str,
     listener_port: int,
@@ -222,6 +228,7 @@ def gateway_config(
     response_body_mode: str = "FULL_DUPLEX_STREAMED",
     subset_hint_header: str | None = None,
     message_timeout_s: float = 5.0,
+    queue_wait_s: float | None = None,
     upstream_timeout_s: float = 300.0,
     retries: int = 2,
     max_downstream_connections: int = 50_000,
@@ -232,9 +239,17 @@ def gateway_config(
     ``subset_hint_header`` (tests) copies that request header into the ``envoy.lb.subset_hint``
     metadata, the way a gateway would inject a subset. ``max_downstream_connections`` bounds the
     client connections Envoy accepts at once (its overload manager refuses the rest).
-    ``picker_tls`` speaks TLS to the picker (one run with ``--secure-serving``). ValueError
-    for a bad body mode or connection bound, ConfigError for a bad address.
+    ``picker_tls`` speaks TLS to the picker (one run with ``--secure-serving``).
+    ``queue_wait_s``: the longest a request may wait in the picker's flow control queue (its
+    ``defaultRequestTTL``; 0 = no limit): ``message_timeout`` then covers it, since a queued
+    request's answer comes only when it is dispatched (Envoy applies the timeout in BUFFERED
+    mode; FULL_DUPLEX_STREAMED does not time the request phase out). ValueError for a bad body
+    mode, connection bound or wait, ConfigError for a bad address.
     """
+    if queue_wait_s is not None:
+        if queue_wait_s < 0:
+            raise ValueError(f"expected a queue wait >= 0 s, got {queue_wait_s}")
+        message_timeout_s = max(message_timeout_s, queue_wait_s + QUEUE_MARGIN_S if queue_wait_s else MAX_QUEUE_WAIT_S)
     for mode in (request_body_mode, response_body_mode):
         if mode not in _BODY_MODES:
             raise ValueError(f"expected a body mode in {_BODY_MODES}, got {mode!r}")

@@ -292,9 +292,11 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
             raise ConfigError(path, f"one of {sorted([*_SATURATION, 'metricsStalenessThreshold'])}", key)
     raw_gates = sequence(doc.get("featureGates") or [], f"{KIND}.featureGates")
     for i, gate in enumerate(raw_gates):
-        if isinstance(gate, str) and FEATURE_GATES.get(gate):
+        # A gate is "name", "name=true" or "name=false", as llm-d's parser takes them.
+        name, _, value = gate.partition("=") if isinstance(gate, str) else ("", "", "")
+        if FEATURE_GATES.get(name) and value in ("", "true", "false"):
             continue
-        got = f"{gate} (not implemented)" if isinstance(gate, str) and gate in FEATURE_GATES else gate
+        got = f"{gate} (not implemented)" if name in FEATURE_GATES and not FEATURE_GATES[name] else gate
         raise ConfigError(f"{KIND}.featureGates[{i}]", f"a feature gate this picker implements "
                           f"({', '.join(g for g, on in FEATURE_GATES.items() if on)})", got)
     gates = tuple(str(g) for g in raw_gates)

@@ -116,8 +116,16 @@ class _Server:
                 if not await self._tls_handshake(tls, handshake_deadline):
                     return
                 stream = tls
-            await self._converse(stream, GrpcWireConnection(self.methods, self.limits), handshake_deadline,
-                                 _peer(raw))
+            connection = GrpcWireConnection(self.methods, self.limits)
+            lot, lock = trio.lowlevel.ParkingLot(), trio.StrictFIFOLock()
+            connection.on_wake = lot.unpark_all
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._resume_parked, stream, connection, lot, lock)
+                    await self._converse(stream, connection, handshake_deadline, _peer(raw), lock)
+                    nursery.cancel_scope.cancel()
+            finally:
+                connection.abort_streams()  # lost, closed or cancelled: release what streams hold
         finally:
             self.active -= 1
             await trio.aclose_forcefully(raw)
@@ -134,10 +142,10 @@ class _Server:
         return False
 
     async def _converse(self, stream: trio.abc.Stream, connection: GrpcWireConnection,
-                        handshake_deadline: float, peer: str) -> None:
+                        handshake_deadline: float, peer: str, lock: trio.StrictFIFOLock) -> None:
         timeouts = self.timeouts
         try:
-            await self._send(stream, connection)
+            await self._send(stream, connection, lock)
             while not connection.closed:
                 if not connection.handshake_complete:
                     deadline, why = handshake_deadline, "no preface and SETTINGS in time"
@@ -151,27 +159,49 @@ class _Server:
                 if data is None:
                     log.info("grpc_wire.connection_timeout peer=%s reason=%s", peer, why)
                     connection.close(why)
-                    await self._send(stream, connection)
+                    await self._send(stream, connection, lock)
                     return
                 if not data:
                     return
                 connection.receive_data(data)
-                await self._send(stream, connection)
+                await self._send(stream, connection, lock)
                 while connection.paused:  # a bounded slice at a time, letting other tasks run between
                     await trio.lowlevel.checkpoint()
                     connection.resume()
-                    await self._send(stream, connection)
+                    await self._send(stream, connection, lock)
         except trio.TooSlowError:
             log.info("grpc_wire.connection_timeout peer=%s reason=peer took no data for %g s",
                      peer, timeouts.send_s)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("grpc_wire.connection_lost peer=%s error=%r", peer, exc)
 
-    async def _send(self, stream: trio.abc.Stream, connection: GrpcWireConnection) -> None:
-        out = connection.data_to_send()
-        if out:
-            with trio.fail_after(self.timeouts.send_s):
-                await stream.send_all(out)
+    async def _resume_parked(self, stream: trio.abc.Stream, connection: GrpcWireConnection,
+                             lot: trio.lowlevel.ParkingLot, lock: trio.StrictFIFOLock) -> None:
+        """Send what parked streams (requests waiting in flow control) have once they are ready."""
+        with contextlib.suppress(trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError):
+            while not connection.closed:
+                if not connection.has_unparked:
+                    await lot.park()
+                connection.resume_unparked()
+                await self._send(stream, connection, lock)
+
+    async def _send(self, stream: trio.abc.Stream, connection: GrpcWireConnection,
+                    lock: trio.StrictFIFOLock) -> None:
+        # Two tasks write (the reader's replies, the parked streams'): one send_all at a time. The
+        # lock is taken without a checkpoint when free (the common case costs nothing more).
+        if lock.locked():
+            await lock.acquire()
+        else:
+            lock.acquire_nowait()
+        try:
+            out = connection.data_to_send()
+            if out:
+                with trio.fail_after(self.timeouts.send_s):
+                    await stream.send_all(out)
+        finally:
+            lock.release()
+
+
 
 
 async def serve_sync_bidi(

@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 import hpack
@@ -92,7 +93,16 @@ class StreamProcessor(Protocol[ReqIn, RepOut]):
     """Per-stream synchronous logic of a bidirectional method: messages in, replies out.
 
     Once ``finished`` is true after a message, its replies are sent with the OK trailers and
-    the stream ends there: nothing more is delivered and ``on_end`` is not called.
+    the stream ends there: nothing more is delivered and ``on_end`` is not called. A processor
+    may also define ``on_abort()``: it is called once when its stream ends any other way (reset
+    by the peer, failed with a status, its connection closed or lost), so that what it holds
+    (an in-flight count, a queue slot) is released on every path.
+
+    A processor may park its stream (flow control: the request waits in a queue): ``parked``
+    true after ``on_message`` stops delivery (further input stays buffered, unacknowledged), and
+    the connection sets ``on_unpark``; the processor calls it once it has its replies, and the
+    connection's :meth:`GrpcWireConnection.resume_unparked` then sends ``resume()``'s replies
+    and delivers the rest.
     """
 
     @property
@@ -196,11 +206,13 @@ def _status_block(status: Status, message: str | None) -> bytes:
 
 class _Stream:
     __slots__ = (
+        "completed",
         "credit",
         "headers_sent",
         "id",
         "inbound",
         "method",
+        "parked",
         "pending",
         "processor",
         "remote_closed",
@@ -221,6 +233,8 @@ class _Stream:
         self.headers_sent = False
         self.remote_closed = False
         self.unacked = 0  # bytes received since the last stream WINDOW_UPDATE
+        self.completed = False  # the processor finished or had on_end: no on_abort
+        self.parked = False  # the processor waits (flow control): nothing is delivered
 
 
 _FrameHandler = Callable[["GrpcWireConnection", int, int, bytes], None]
@@ -261,6 +275,9 @@ class GrpcWireConnection:
         self._peer_stream_window = DEFAULT_WINDOW
         self._peer_frame_size = DEFAULT_FRAME_SIZE
         self._unacked = 0
+        self._unparked: list[int] = []  # parked streams whose processor has its replies
+        # Called when a parked stream becomes ready: the shell then calls resume_unparked and writes.
+        self.on_wake: Callable[[], object] = lambda: None
         self._strikes = 0
         self._strike_second = 0
         window = self.limits.window_bytes
@@ -311,10 +328,39 @@ class GrpcWireConnection:
         if not self.closed:
             self._goaway(NO_ERROR, message)
 
+    @property
+    def has_unparked(self) -> bool:
+        """Whether :meth:`resume_unparked` has work."""
+        return bool(self._unparked)
+
+    def resume_unparked(self) -> None:
+        """Send the replies of parked streams that became ready and deliver their buffered input."""
+        ready, self._unparked = self._unparked, []
+        for stream_id in ready:
+            stream = self._streams.get(stream_id)
+            if stream is None or not stream.parked or self.closed:
+                continue  # reset or aborted meanwhile
+            stream.parked = False
+            processor = stream.processor
+            assert processor is not None
+            self._deliver(stream, end=stream.remote_closed, first=processor.resume())  # type: ignore[attr-defined]
+
+    def _unpark(self, stream_id: int) -> None:
+        self._unparked.append(stream_id)
+        self.on_wake()
+
+    def abort_streams(self) -> None:
+        """Tell every open stream's processor its stream is gone (the shell calls this when the
+        connection ends, so nothing a processor holds outlives it)."""
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
+            _abort(stream)
+
     def _goaway(self, code: int, message: str) -> None:
         self._out += _frame(GOAWAY, 0, 0, self._last_stream_id.to_bytes(4, "big")
                             + code.to_bytes(4, "big") + message.encode()[:256])
-        self._streams.clear()
+        self.abort_streams()
         self._blocked_on_stream.clear()
         self._blocked_on_connection.clear()
         self._buffer.clear()
@@ -587,16 +633,22 @@ class GrpcWireConnection:
 
     # -- gRPC -----------------------------------------------------------------------------------
 
-    def _deliver(self, stream: _Stream, *, end: bool) -> None:
-        """Hand complete messages to the processor; queue its replies (and trailers when done)."""
+    def _deliver(self, stream: _Stream, *, end: bool, first: Sequence[Message] = ()) -> None:
+        """Hand complete messages to the processor; queue its replies (and trailers when done).
+
+        ``first``: replies of a stream just unparked, queued before anything else.
+        """
         processor, method = stream.processor, stream.method
         assert processor is not None and method is not None
         inbound = stream.inbound
         before = len(inbound)
         failed = False
         try:
-            replies: list[Message] = []
-            while len(inbound) >= 5 and stream.trailers is None:
+            replies: list[Message] = list(first)
+            if first and processor.finished:
+                stream.trailers = _OK_TRAILERS
+                stream.completed = True
+            while len(inbound) >= 5 and stream.trailers is None and not stream.parked:
                 size = int.from_bytes(inbound[1:5], "big")
                 if inbound[0] != 0:
                     raise RpcStatusError(Status.UNIMPLEMENTED, "expected uncompressed messages")
@@ -615,10 +667,15 @@ class GrpcWireConnection:
                 replies.extend(processor.on_message(message))
                 if processor.finished:
                     stream.trailers = _OK_TRAILERS
-            if end and stream.trailers is None:
+                    stream.completed = True
+                elif getattr(processor, "parked", False):
+                    stream.parked = True
+                    processor.on_unpark = partial(self._unpark, stream.id)  # type: ignore[attr-defined]
+            if end and stream.trailers is None and not stream.parked:
                 stream.remote_closed = True
                 if inbound:
                     raise RpcStatusError(Status.INTERNAL, "stream ended inside a message")
+                stream.completed = True
                 replies.extend(processor.on_end())
                 stream.trailers = _OK_TRAILERS
         except RpcStatusError as exc:
@@ -696,11 +753,25 @@ class GrpcWireConnection:
 
     def _remove(self, stream: _Stream) -> None:
         self._streams.pop(stream.id, None)
+        _abort(stream)
         self._unblock(stream)
         if stream.inbound or stream.pending:
             self._buffered -= len(stream.inbound) + len(stream.pending)
             stream.inbound.clear()
             stream.pending.clear()
+
+
+def _abort(stream: _Stream) -> None:
+    """Call the processor's ``on_abort`` once, unless its stream completed; a failure is logged."""
+    if stream.completed or stream.processor is None:
+        return
+    stream.completed = True
+    abort = getattr(stream.processor, "on_abort", None)
+    if abort is not None:
+        try:
+            abort()
+        except Exception:  # a processor bug must not take the connection down
+            log.exception("grpc_wire.abort_failed path=%s", stream.method.path if stream.method else "?")
 
 
 _HANDLERS: dict[int, _FrameHandler] = {

@@ -27,7 +27,18 @@ from google.protobuf import struct_pb2
 
 from evergreen_trio.picker.config import DestinationMode, PickerConfig
 from evergreen_trio.picker.errors import ExtProcError, RequestError
+from evergreen_trio.picker.flow_control.gate import FlowGate
+from evergreen_trio.picker.flow_control.key import (
+    DEFAULT_FAIRNESS_ID,
+    FAIRNESS_HEADERS,
+    OBJECTIVE_HEADERS,
+    fairness_id,
+    objective_name,
+)
+from evergreen_trio.picker.flow_control.queue import DROPPED_REASON, Outcome, QueueItem
+from evergreen_trio.picker.flow_control.queue import message as outcome_message
 from evergreen_trio.picker.guards import rewrite_allowed
+from evergreen_trio.picker.inflight import Ticket, output_cap
 from evergreen_trio.picker.request import parse_body, rewrite_model
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
 from evergreen_trio.picker.usage import ResponseBody, Usage
@@ -38,13 +49,11 @@ SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-OBJECTIVE = "x-gateway-inference-objective"
-FAIRNESS_ID = "x-gateway-inference-fairness-id"
 MODEL_REWRITE = "x-gateway-model-name-rewrite"
 # P/D: the prefill pod (ip:port) for llm-d's routing sidecar beside the decode pod.
 PREFILLER = "x-prefiller-host-port"
 # Client-supplied routing headers never go upstream; DESTINATION is always overwritten instead.
-STRIPPED_HEADERS = (OBJECTIVE, FAIRNESS_ID, MODEL_REWRITE, FALLBACK, SERVED, SUBSET, PREFILLER)
+STRIPPED_HEADERS = (*OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, MODEL_REWRITE, FALLBACK, SERVED, SUBSET, PREFILLER)
 
 _Mode = processing_mode_pb2.ProcessingMode
 NONE, BUFFERED, BUFFERED_PARTIAL = _Mode.NONE, _Mode.BUFFERED, _Mode.BUFFERED_PARTIAL
@@ -88,6 +97,26 @@ class Route:
     body: bytes | None = None
     served: list[str] = field(default_factory=list)
     prefill: str | None = None
+    load: Ticket | None = None  # its share of the endpoint's in-flight load, released once
+    prefill_load: Ticket | None = None  # the prefill pod's, released at the first response chunk
+
+
+@dataclass
+class Admission:
+    """A parsed request waiting for its pick: model names, priority, flow key, prompt estimates."""
+
+    started: float
+    subset: frozenset[str] | None = None
+    fairness_id: str = DEFAULT_FAIRNESS_ID
+    byte_size: int = 0
+    client_model: str | None = None
+    target_model: str | None = None
+    priority: int = 0
+    hashes: Sequence[int] = ()
+    body: bytes | None = None
+    prompt_bytes: int = 0
+    block_bytes: int = 0
+    output_cap: int | None = None
 
 
 class Picker:
@@ -98,9 +127,16 @@ class Picker:
         self.snapshot = snapshot
         self.rng = rng or random.Random()
         self.scheduler = Scheduler(config, snapshot, self.rng)
+        self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight) if config.flow_control else None
+        # InferenceObjective name -> priority: the config's, and in cluster mode the watched CRDs' over them.
+        self.objectives: Mapping[str, int] = dict(config.objectives)
         mode = config.ext_proc.destination_mode
         self.pick_count = {DestinationMode.SINGLE: 1, DestinationMode.FALLBACK: 2}.get(
             mode, config.ext_proc.max_endpoints_in_list)
+
+    def set_cluster_objectives(self, objectives: Mapping[str, int]) -> None:
+        """The InferenceObjectives watched in the cluster (they win over the config's of the same name)."""
+        self.objectives = {**self.config.objectives, **objectives}
 
     def new_stream(self) -> ExtProcStream:
         """The sans-IO state of one ext_proc stream (one HTTP request through Envoy)."""
@@ -110,51 +146,83 @@ class Picker:
               subset: frozenset[str] | None, report: StreamReport | None = None) -> Route:
         """Decide where a request goes, noting it in ``report``; RequestError for 400/404/429/503."""
         report = report if report is not None else StreamReport()
+        return self.pick(self.admit(path, headers, body, subset, report), report)
+
+    def admit(self, path: str, headers: Mapping[str, str], body: bytes | None,
+              subset: frozenset[str] | None, report: StreamReport) -> Admission:
+        """Read what scheduling needs from the request (its flow key too); RequestError for 400/404."""
         started = time.perf_counter()
-        client_model: str | None = None
-        target: str | None = None
+        admission = Admission(started=started, subset=subset, byte_size=len(body) if body is not None else 0)
         try:
-            priority = 0
-            hashes: Sequence[int] = ()
-            prompt_bytes = 0
-            block_bytes, max_blocks = self.scheduler.prefix_geometry()
-            new_body: bytes | None = None
+            if self.flow is not None:
+                admission.fairness_id = fairness_id(headers)
             if body is not None:
                 request = parse_body(path, body)
-                client_model = request.model
+                admission.client_model = request.model
                 model = self.config.model(request.model)
                 if model is None and self.config.models:
                     raise RequestError(404, f"model {request.model!r} matches no configured model")
                 if model is not None:
-                    priority = model.priority
+                    admission.priority = model.priority
                 rewrite = headers.get(MODEL_REWRITE)
                 if rewrite and not rewrite_allowed(self.config, model, rewrite):
                     raise RequestError(404, f"{MODEL_REWRITE} {rewrite[:64]!r} is not a target model of "
                                             f"{request.model[:64]!r}")
                 target = rewrite or (choose_target(model, self.rng) if model is not None else request.model)
+                admission.target_model = target
                 if target != request.model:
-                    new_body = rewrite_model(request.body, target)
+                    admission.body = rewrite_model(request.body, target)
                 if self.config.scheduler.uses_prefix:
-                    hashes = prefix_hashes(target, request.prompt, self.config.scheduler, block_bytes, max_blocks)
-                    prompt_bytes = len(request.prompt.encode())
-            objective = headers.get(OBJECTIVE)
-            if objective is not None and objective in self.config.objectives:
-                priority = self.config.objectives[objective]
-            schedule = self.scheduler.schedule(PickRequest(target, priority, hashes, subset, prompt_bytes),
-                                               self.pick_count)
+                    admission.block_bytes, max_blocks = self.scheduler.prefix_geometry()
+                    admission.hashes = prefix_hashes(target, request.prompt, self.config.scheduler,
+                                                     admission.block_bytes, max_blocks)
+                admission.prompt_bytes = len(request.prompt.encode())
+                admission.output_cap = output_cap(request.body)
+            objective = objective_name(headers)
+            if objective is not None and objective in self.objectives:
+                admission.priority = self.objectives[objective]
+        except RequestError as exc:
+            self._failed(report, admission, exc)
+            raise
+        return admission
+
+    def pick(self, admission: Admission, report: StreamReport) -> Route:
+        """Pick endpoints for an admitted request and count it in flight; RequestError for 429/503."""
+        # Flow control admitted it: the legacy shedding of sheddable requests at saturation no longer applies.
+        priority = max(admission.priority, 0) if self.flow is not None else admission.priority
+        pick = PickRequest(admission.target_model, priority, admission.hashes, admission.subset,
+                           admission.prompt_bytes)
+        try:
+            schedule = self.scheduler.schedule(pick, self.pick_count)
             endpoints = schedule.endpoints
         except RequestError as exc:
-            report.client_model, report.target_model, report.error = client_model or "", target or "", exc.status
+            self._failed(report, admission, exc)
             raise
-        report.client_model, report.target_model, report.routed = client_model or "", target or "", True
-        report.scheduling_s = time.perf_counter() - started
+        report.client_model, report.target_model = admission.client_model or "", admission.target_model or ""
+        report.routed = True
+        report.scheduling_s = time.perf_counter() - admission.started
         report.scorer_s = dict(self.scheduler.scorer_seconds)
-        if hashes:
-            matched = self.scheduler.prefix_matches.get(endpoints[0], 0)
-            report.prefix_match = (matched * block_bytes, len(hashes) * block_bytes)
-            for address in {a for a in (endpoints[0], schedule.prefill) if a is not None}:
-                self.scheduler.prefix.add(address, hashes)
-        return Route(endpoints, client_model, target, hashes, new_body, prefill=schedule.prefill)
+        first = endpoints[0]
+        uncached = self.scheduler.uncached_tokens(pick, [first])[first]
+        if admission.hashes:
+            block = admission.block_bytes  # the geometry the prompt was hashed with
+            report.prefix_match = (self.scheduler.prefix_matches.get(first, 0) * block, len(admission.hashes) * block)
+            for address in {a for a in (first, schedule.prefill) if a is not None}:
+                self.scheduler.prefix.add(address, admission.hashes)
+        inflight = self.scheduler.inflight
+        tokens = self.scheduler.prompt_tokens(pick)
+        ticket = inflight.dispatch(first, uncached, prompt_tokens=tokens, client_output_cap=admission.output_cap)
+        prefill_ticket = None
+        if schedule.prefill is not None:
+            prefill_ticket = inflight.dispatch(
+                schedule.prefill, self.scheduler.uncached_tokens(pick, [schedule.prefill])[schedule.prefill])
+        return Route(endpoints, admission.client_model, admission.target_model, admission.hashes, admission.body,
+                     prefill=schedule.prefill, load=ticket, prefill_load=prefill_ticket)
+
+    @staticmethod
+    def _failed(report: StreamReport, admission: Admission, exc: RequestError) -> None:
+        report.client_model, report.target_model = admission.client_model or "", admission.target_model or ""
+        report.error = exc.status
 
     def record_served(self, route: Route, served: str) -> None:
         """Envoy reported the endpoint that served: note it and teach the prefix index."""
@@ -170,12 +238,17 @@ def _header_option(key: str, value: str) -> base_pb2.HeaderValueOption:
         header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
 
 
-def immediate(status: int, message: str) -> ep.ProcessingResponse:
-    """An ImmediateResponse with an OpenAI-style JSON error body."""
+def immediate(status: int, message: str, dropped_reason: str = "") -> ep.ProcessingResponse:
+    """An ImmediateResponse with an OpenAI-style JSON error body (and flow control's
+    ``x-llm-d-request-dropped-reason`` when it dropped the request)."""
     error = {"error": {"message": message, "type": "endpoint_picker", "code": status}}
     body = json.dumps(error, separators=(",", ":")).encode()
+    headers = _JSON_HEADERS
+    if dropped_reason:
+        headers = ep.HeaderMutation(set_headers=[*_JSON_HEADERS.set_headers,
+                                                 _header_option(DROPPED_REASON, dropped_reason)])
     return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status), headers=_JSON_HEADERS, body=body,
+        status=http_status_pb2.HttpStatus(code=status), headers=headers, body=body,
         details=f"endpoint_picker_{status}"))
 
 
@@ -233,6 +306,13 @@ class ExtProcStream:
         self.usage_recorded = False
         # True once the stream needs nothing more from Envoy: the server then ends the RPC.
         self.finished = False
+        # Flow control: while ``parked`` the request waits in the queue as ``item``; its outcome
+        # leaves replies for :meth:`resume` and calls ``on_unpark`` (set by the wire).
+        self.parked = False
+        self.on_unpark: Callable[[], None] | None = None
+        self.item: QueueItem | None = None
+        self._resumed: list[ep.ProcessingResponse] = []
+        self._finish: Callable[[Outcome], list[ep.ProcessingResponse]] | None = None
         self._handlers: dict[str, Callable[[ep.ProcessingRequest], list[ep.ProcessingResponse]]] = {
             "request_headers": self._request_headers,
             "request_body": self._request_body,
@@ -249,11 +329,51 @@ class ExtProcStream:
         kind = message.WhichOneof("request")
         if kind is None:
             raise ExtProcError("expected a ProcessingRequest with a request oneof, got an empty one")
-        return self._handlers[kind](message)
+        replies = self._handlers[kind](message)
+        self._settle_load(first_chunk=kind == "response_body")
+        return replies
+
+    def _settle_load(self, *, first_chunk: bool = False) -> None:
+        route = self.route
+        if route is None:
+            return
+        if route.prefill_load is not None and (first_chunk or self.response_ended or self.finished):
+            route.prefill_load.release()  # the first chunk came: the prefill pod handed off
+        if route.load is not None:
+            if self.response_ended or self.finished:
+                route.load.release()
+            elif first_chunk and not self.picker.config.scheduler.load.add_estimated_output_tokens:
+                route.load.release_prompt()  # the first chunk came: prefill is done
 
     def on_end(self) -> Sequence[ep.ProcessingResponse]:
         self._finish_usage()
+        self.on_abort()
         return ()
+
+    def on_abort(self) -> None:
+        """The stream ended without a response end (client gone, Envoy reset, an error): leave the
+        flow control queue, release the request's in-flight load. Idempotent."""
+        self.on_unpark = None
+        if self.item is not None and self.item.outcome is None and self.picker.flow is not None:
+            self.picker.flow.queue.cancel(self.item)
+        if self.route is not None:
+            for ticket in (self.route.load, self.route.prefill_load):
+                if ticket is not None:
+                    ticket.release()
+
+    def resume(self) -> Sequence[ep.ProcessingResponse]:
+        """The replies a parked request's outcome left (the wire calls this once unparked)."""
+        replies, self._resumed = self._resumed, []
+        self._settle_load()
+        return replies
+
+    def _on_outcome(self, outcome: Outcome) -> None:
+        assert self._finish is not None
+        self._resumed = self._finish(outcome)
+        if self.parked:
+            self.parked = False
+            if self.on_unpark is not None:
+                self.on_unpark()
 
     # -- request --------------------------------------------------------------------------------
 
@@ -265,7 +385,7 @@ class ExtProcStream:
         if value is not None:
             self.subset = frozenset(_struct_strings(value))
         if message.request_headers.end_of_stream or self.request_mode == NONE:
-            return [self._decide(None, "headers", end_of_stream=True)]
+            return self._decide(None, "headers")
         if self.request_mode == FULL_DUPLEX:
             return []
         if self.request_mode in (BUFFERED, BUFFERED_PARTIAL):
@@ -282,30 +402,53 @@ class ExtProcStream:
             self.routed = True
             return [self._immediate(413, f"request body larger than {self.limits.max_request_body_bytes} bytes")]
         if self.request_mode == FULL_DUPLEX:
-            return self._duplex_route(trailers=False) if message.request_body.end_of_stream else []
-        return [self._decide(bytes(self.body), "body", end_of_stream=True)]
+            end = message.request_body.end_of_stream
+            return self._decide(bytes(self.body), "headers", duplex_end=True) if end else []
+        return self._decide(bytes(self.body), "body")
 
     def _request_trailers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         trailers = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
         if self.request_mode == FULL_DUPLEX and not self.routed:
-            return [*self._duplex_route(trailers=True), trailers]
+            return self._decide(bytes(self.body), "headers", duplex_end=False, after=[trailers])
         return [trailers]
 
-    def _duplex_route(self, *, trailers: bool) -> list[ep.ProcessingResponse]:
-        first = self._decide(bytes(self.body), "headers", end_of_stream=not trailers)
-        if first.HasField("immediate_response"):
-            return [first]
-        assert self.route is not None
-        body = self.route.body if self.route.body is not None else bytes(self.body)
-        return [first, *_chunks(body, self.limits.streamed_chunk_bytes, not trailers)]
+    def _decide(self, body: bytes | None, phase: str, *, duplex_end: bool | None = None,
+                after: Sequence[ep.ProcessingResponse] = ()) -> list[ep.ProcessingResponse]:
+        """Admit the request, through flow control when on (it may park here), then route it.
 
-    def _decide(self, body: bytes | None, phase: str, *, end_of_stream: bool) -> ep.ProcessingResponse:
-        """Route the request; the response for ``phase`` carrying the decision, or an immediate one."""
+        The replies: the response for ``phase`` carrying the decision (in FULL_DUPLEX_STREAMED
+        followed by the body in chunks, the last with ``duplex_end``), or an immediate one; then ``after``.
+        """
         self.routed = True
         try:
-            route = self.picker.route(self.headers.get(":path", ""), self.headers, body, self.subset, self.report)
+            admission = self.picker.admit(self.headers.get(":path", ""), self.headers, body, self.subset, self.report)
         except RequestError as exc:
-            return self._immediate(exc.status, exc.message)
+            return [self._immediate(exc.status, exc.message), *after]
+
+        def finish(outcome: Outcome) -> list[ep.ProcessingResponse]:
+            if outcome is not Outcome.DISPATCHED:
+                return [self._immediate(outcome.status, outcome_message(outcome), outcome.reason), *after]
+            try:
+                route = self.picker.pick(admission, self.report)
+            except RequestError as exc:
+                return [self._immediate(exc.status, exc.message), *after]
+            first = self._decision(route, phase)
+            if duplex_end is None:
+                return [first, *after]
+            data = route.body if route.body is not None else bytes(self.body)
+            return [first, *_chunks(data, self.limits.streamed_chunk_bytes, duplex_end), *after]
+
+        if self.picker.flow is None:
+            return finish(Outcome.DISPATCHED)
+        self._finish = finish
+        self.item = QueueItem(admission.fairness_id, admission.priority, admission.byte_size, self._on_outcome)
+        self.picker.flow.submit(self.item)
+        if self.item.outcome is None:
+            self.parked = True
+        return list(self.resume())
+
+    def _decision(self, route: Route, phase: str) -> ep.ProcessingResponse:
+        """The response for ``phase`` that sends the request to ``route``."""
         self.route = route
         rewrites_back = route.target_model is not None and route.target_model != route.client_model
         self.finished = not (self.limits.observe_responses or rewrites_back)
@@ -334,11 +477,11 @@ class ExtProcStream:
                 header_mutation=mutation, body_mutation=body_mutation, clear_route_cache=True)),
             dynamic_metadata=metadata)
 
-    def _immediate(self, status: int, message: str) -> ep.ProcessingResponse:
+    def _immediate(self, status: int, message: str, dropped_reason: str = "") -> ep.ProcessingResponse:
         """An ImmediateResponse ends Envoy's processing of the request, so it ends the stream too."""
         self.finished = True
         self.report.error = status
-        return immediate(status, message)
+        return immediate(status, message, dropped_reason)
 
     # -- response -------------------------------------------------------------------------------
 

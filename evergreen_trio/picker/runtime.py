@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,10 +27,11 @@ from evergreen_trio.metrics import serve_metrics
 from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
+from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.grpc_server import SSLContextSource, serve_sync_bidi
 from evergreen_trio.picker.grpc_wire import RpcStatusError, SyncBidiMethod, WireLimits
 from evergreen_trio.picker.guards import ModelLabels
-from evergreen_trio.picker.processor import Picker, StreamReport
+from evergreen_trio.picker.processor import ExtProcStream, Picker
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
 
@@ -41,6 +42,8 @@ PROCESS_PATH = f"/{EXT_PROC_SERVICE}/Process"
 READINESS_NAMES = ("inference-extension", EXT_PROC_SERVICE, "readiness")
 # Discovery: called with ``on_endpoints``, which it calls with the whole set on every change.
 Discovery = Callable[[Callable[[Sequence[Endpoint]], None]], Awaitable[None]]
+# InferenceObjectives: called with a callback it calls with the name -> priority map on every change.
+ObjectiveWatch = Callable[[Callable[[Mapping[str, int]], None]], Awaitable[None]]
 # Leader election: called with ``on_leader``, which it calls with True/False as leadership changes.
 LeaderElection = Callable[[Callable[[bool], None]], Awaitable[None]]
 
@@ -54,7 +57,9 @@ class PickerPorts:
     metrics: int
 
 
-def _record_dropped(metrics: PickerMetrics, report: StreamReport, started: float) -> None:
+def _record_dropped(metrics: PickerMetrics, stream: ExtProcStream, started: float) -> None:
+    stream.on_abort()
+    report = stream.report
     if not report.recorded:
         report.recorded = True
         metrics.record(report, time.monotonic() - started)
@@ -72,11 +77,28 @@ class _GrpcStream:
         self._started = time.monotonic()
         self._running = False
         # A stream Envoy resets gets neither on_end nor finished: record it when it is dropped.
-        weakref.finalize(self, _record_dropped, metrics, self._stream.report, self._started)
+        weakref.finalize(self, _record_dropped, metrics, self._stream, self._started)
 
     @property
     def finished(self) -> bool:
         return self._stream.finished
+
+    @property
+    def parked(self) -> bool:
+        return self._stream.parked
+
+    @property
+    def on_unpark(self) -> Callable[[], None] | None:
+        return self._stream.on_unpark
+
+    @on_unpark.setter
+    def on_unpark(self, callback: Callable[[], None] | None) -> None:
+        self._stream.on_unpark = callback
+
+    def resume(self) -> Sequence[ep.ProcessingResponse]:
+        replies = self._stream.resume()
+        self._after()
+        return replies
 
     def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
         try:
@@ -85,23 +107,45 @@ class _GrpcStream:
             log.warning("picker.stream_aborted error=%s", exc)
             self._record()
             raise RpcStatusError(Status.INVALID_ARGUMENT, str(exc)) from None
+        self._after()
+        return replies
+
+    def _after(self) -> None:
         if self._stream.report.routed and not self._running:
             self._running = True
             self._metrics.started(self._stream.report)
         if self._stream.finished:
             self._record()
-        return replies
 
     def on_end(self) -> Sequence[ep.ProcessingResponse]:
         replies = self._stream.on_end()
         self._record()
         return replies
 
+    def on_abort(self) -> None:
+        self._stream.on_abort()
+        self._record()
+
     def _record(self) -> None:
         if not self._stream.report.recorded:
             self._stream.report.recorded = True
             self._metrics.record(self._stream.report, time.monotonic() - self._started,
                                  prefix_index_size=self._picker.scheduler.prefix.total())
+
+
+async def _flow_control(gate: FlowGate, interval_s: float, wake: trio.Event, new_wake: Callable[[], trio.Event],
+                        ) -> None:
+    """Poll flow control after each scrape (``wake``), at the next TTL deadline and at least every
+    ``interval_s``; on the way out (shutdown) every queued request gets its 503."""
+    try:
+        while True:
+            deadline = min(gate.next_deadline(), trio.current_time() + interval_s)
+            with trio.move_on_at(deadline):
+                await wake.wait()
+            wake = new_wake()
+            gate.poll()
+    finally:
+        gate.queue.shutdown()
 
 
 async def _scrape_forever(
@@ -209,22 +253,32 @@ async def run_picker(
     ssl_context: SSLContextSource | None = None,
     discovery: Discovery | None = None,
     leader_election: LeaderElection | None = None,
+    objectives: ObjectiveWatch | None = None,
     task_status: trio.TaskStatus[PickerPorts] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the Endpoint Picker until cancelled; ``started`` gets the bound :class:`PickerPorts`.
 
     Port 0 picks a free port. ``ssl_context`` serves ext_proc over TLS (a callable is asked per
     connection, for reloading). ``discovery`` replaces the static endpoint list; with
-    ``leader_election`` only the leader reports ready. See :class:`Readiness`.
+    ``leader_election`` only the leader reports ready. See :class:`Readiness`. ``objectives``
+    follows the cluster's InferenceObjectives (:mod:`evergreen_trio.picker.k8s.objectives`).
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = PickerMetrics(config.pool.name, labels=ModelLabels.for_config(config))
     picker = Picker(config, snapshot)
     readiness = Readiness(config.pool.name, discovered=discovery is not None, elected=leader_election is not None)
 
+    flow_wake = [trio.Event()]
+
+    def new_flow_wake() -> trio.Event:
+        flow_wake[0] = trio.Event()
+        return flow_wake[0]
+
     def after_scrape() -> None:
         metrics.observe_pool(snapshot)
+        metrics.observe_load(snapshot, picker.scheduler.inflight, picker.flow)
         readiness.update(snapshot)
+        flow_wake[0].set()
 
     method = SyncBidiMethod(
         path=PROCESS_PATH,
@@ -240,6 +294,7 @@ async def run_picker(
             def on_endpoints(endpoints: Sequence[Endpoint]) -> None:
                 readiness.synced = True
                 scrapers.sync(endpoints)
+                picker.scheduler.inflight.forget([e.address for e in endpoints])
                 after_scrape()
 
             nursery.start_soon(discovery, on_endpoints)
@@ -250,6 +305,10 @@ async def run_picker(
                 readiness.update(snapshot)
 
             nursery.start_soon(leader_election, on_leader)
+        if objectives is not None:
+            nursery.start_soon(objectives, picker.set_cluster_objectives)
+        if picker.flow is not None:
+            nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0], new_flow_wake)
         grpc_bound = await nursery.start(partial(
             serve_sync_bidi, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context))
         health_bound = await nursery.start(serve_grpclib, [readiness.health.servable], host, health_port)

@@ -17,6 +17,7 @@ import xxhash
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
 from evergreen_trio.picker.plugins import PrefixScorerParams, Profile
 
 
@@ -213,6 +214,7 @@ SCORERS: dict[str, ScorerFunction] = {
     "kv-cache-utilization-scorer": _kv_scores,
     "lora-affinity-scorer": _lora_scores,
     "prefix-cache-scorer": _prefix_scores,
+    **LOAD_SCORERS,  # in-flight and load scorers: evergreen_trio.picker.inflight
 }
 
 
@@ -239,6 +241,7 @@ class Scheduler:
         self.snapshot = snapshot
         self.prefix = PrefixIndex(config.scheduler.prefix_cache_capacity)
         self.rng = rng or random.Random()
+        self.inflight = InflightLoad(config.scheduler.load)
         # Of the last pick, for the stream's report: leading blocks each candidate held, and
         # seconds spent per scorer (keyed by the reference's plugin type names).
         self.prefix_matches: dict[str, int] = {}
@@ -353,6 +356,16 @@ class Scheduler:
             key = scorer.plugin.type
             self.scorer_seconds[key] = self.scorer_seconds.get(key, 0.0) + clock() - started
         return result
+
+    def prompt_tokens(self, request: PickRequest) -> int:
+        """The request's prompt tokens, estimated from its bytes (no tokenizer here)."""
+        return prompt_tokens(request.prompt_bytes, self.config.chars_per_token)
+
+    def uncached_tokens(self, request: PickRequest, addresses: Iterable[str]) -> dict[str, int]:
+        """The request's prompt tokens each endpoint lacks in its (approximate) prefix cache."""
+        block_tokens = self.prefix_geometry()[0] // self.config.chars_per_token
+        total, tokens = len(request.hashes), self.prompt_tokens(request)
+        return {a: uncached_tokens(tokens, total, self.prefix_matches.get(a, 0), block_tokens) for a in addresses}
 
 
 def _lora_score(metrics: EndpointMetrics, model: str) -> float:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.guards import ModelLabels
+from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.processor import StreamReport
 from evergreen_trio.picker.scheduler import PoolSnapshot
 
@@ -93,6 +95,32 @@ class PickerMetrics:
                               ["endpoint"], registry=r)
         self.tokens = Counter("inference_objective_tokens", "Tokens reported in responses, by model and kind",
                               ["model_name", "kind"], registry=r)
+        self.inflight_requests = Gauge("llm_d_epp_inflight_requests", "In-flight requests per endpoint",
+                                       ["endpoint_name"], registry=r)
+        self.inflight_tokens = Gauge("llm_d_epp_inflight_tokens", "In-flight tokens per endpoint",
+                                     ["endpoint_name"], registry=r)
+        self.queue_size = Gauge("llm_d_epp_flow_control_queue_size", "Requests held in the flow control queue",
+                                ["priority", "inference_pool"], registry=r)
+        self.queue_bytes = Gauge("llm_d_epp_flow_control_queue_bytes", "Bytes held in the flow control queue",
+                                 ["priority", "inference_pool"], registry=r)
+        self.saturation = Gauge("llm_d_epp_flow_control_pool_saturation", "The saturation detector's reading",
+                                ["inference_pool"], registry=r)
+
+    def observe_load(self, snapshot: PoolSnapshot, load: InflightLoad, flow: FlowGate | None) -> None:
+        """The picker's in-flight counts per endpoint and, with flow control, its queue and saturation
+        (llm-d-router's ``llm_d_epp_*`` names)."""
+        self.inflight_requests.clear()
+        self.inflight_tokens.clear()
+        for address in snapshot.states:
+            self.inflight_requests.labels(address).set(load.requests(address))
+            self.inflight_tokens.labels(address).set(load.tokens(address))
+        if flow is not None:
+            self.queue_size.clear()
+            self.queue_bytes.clear()
+            for priority, (requests, size) in flow.queue.stats().items():
+                self.queue_size.labels(str(priority), self.pool).set(requests)
+                self.queue_bytes.labels(str(priority), self.pool).set(size)
+            self.saturation.labels(self.pool).set(flow.saturation())
 
     def observe_pool(self, snapshot: PoolSnapshot) -> None:
         ready = [s for s in snapshot.ready_states() if s.metrics is not None]

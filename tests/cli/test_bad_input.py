@@ -93,6 +93,8 @@ def pool_yaml(tmp_path: Path) -> Path:
         (["gateway", "--simulate", "1", "--listen", "localhost:80"], ["listen", "localhost:80"]),
         (["gateway-config", "--picker", "nowhere"], ["picker", "nowhere"]),
         (["gateway-config", "-o", "/nonexistent/dir/envoy.json"], ["--output", "/nonexistent/dir/envoy.json"]),
+        (["gateway-config", "--queue-wait", "soon"], ["--queue-wait", "soon"]),
+        (["gateway-config", "--queue-wait=-5s"], ["--queue-wait", "-5s"]),
         (["launch"], ["launch"]),
         (["serve", "--tls-cert", "c.pem"], ["--tls-cert", "--tls-key"]),
         (["serve", "--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"],

@@ -37,6 +37,7 @@ class FakeModelServer:
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
     requests: list[HttpRequest] = field(default_factory=list)
     metrics_delay_s: float = 0.0
+    response_delay_s: float = 0.0
     cancel: trio.CancelScope = field(default_factory=trio.CancelScope)
 
     @property
@@ -49,6 +50,7 @@ class FakeModelServer:
             text = render_metrics(self.engine, self.metrics)
             return HttpResponse(200, [("content-type", "text/plain")], text.encode())
         self.requests.append(request)
+        await trio.sleep(self.response_delay_s)
         try:
             doc = json.loads(request.body) if request.body else {}
         except ValueError:

@@ -102,7 +102,8 @@ def test_kubernetes_manifests_with_static_endpoints() -> None:
     ("pool: {endpoints: ['127.0.0.1:1']}\nmodels: [{name: m, targetModels: [{name: t, weight: -1}]}]",
      "models[0].targetModels[0].weight"),
     ("pool: {endpoints: ['127.0.0.1:1']}\nmodels: [{name: m}, {name: m}]", "models[1].name"),
-    ("pool: {endpoints: ['127.0.0.1:1']}\nscheduler: {weights: {queue: 0, kv-cache: 0, prefix-cache: 0}}",
+    ("pool: {endpoints: ['127.0.0.1:1']}\n"
+     "scheduler: {weights: {queue: 0, kv-cache: 0, prefix-cache: 0, active-request: 0}}",
      "scheduler.weights"),
     ("pool: {endpoints: ['127.0.0.1:1']}\nscheduler: {weights: {latency: 1}}", "scheduler.weights.latency"),
     ("pool: {endpoints: ['127.0.0.1:1']}\nextProc: {streamedChunkBytes: 70000}", "extProc.streamedChunkBytes"),

@@ -35,12 +35,12 @@ EXPECTED = {
     "epp-burst-prefix-cache-config.yaml": "token-producer",
     "epp-config.yaml": None,
     "gie-v1.5.0-default-plugins.yaml": None,
-    "epp-estimate-prefix-cache-config.yaml": "load-aware-scorer",
+    "epp-estimate-prefix-cache-config.yaml": None,
     "epp-mm-embeddings-cache-config.yaml": "token-producer",
     "epp-precise-prefix-cache-config.yaml": "token-producer",
     "pd-epp-config.yaml": None,
     "pd-topology-epp-config.yaml": "topology-extractor",
-    "probabilistic-admitter-epp-config.yaml": "flowControl",
+    "probabilistic-admitter-epp-config.yaml": "probabilistic-admitter",
     "sim-e-p-d-epp-config.yaml": "always-disagg-multimodal-decider",
     "sim-e-pd-epp-config.yaml": "always-disagg-multimodal-decider",
     "sim-epp-config.yaml": None,
@@ -49,8 +49,8 @@ EXPECTED = {
     "sim-epp-no-hit-lru.yaml": "precise-prefix-cache-producer",
     "sim-epp-tokenizer-vllm-http-config.yaml": "token-producer",
     "sim-pd-epp-config.yaml": None,
-    "sim-program-aware-config.yaml": "flowControl",
-    "soft-reflective-ceiling-epp-config.yaml": "flowControl",
+    "sim-program-aware-config.yaml": "program-aware-fairness",
+    "soft-reflective-ceiling-epp-config.yaml": "soft-reflective-ceiling-policy",
 }
 
 
@@ -277,10 +277,10 @@ BAD_DOCS = [
      "EndpointPickerConfig.plugins[0].parameters.deciders.prefill"),
     (HEAD + "plugins: [{type: queue-scorer}, {type: queue-scorer}]", "EndpointPickerConfig.plugins[1].name"),
     (HEAD + "plugins: [{type: token-producer}]", "EndpointPickerConfig.plugins[0].type"),
-    (HEAD + "flowControl: {}", "EndpointPickerConfig.flowControl"),
-    (HEAD + "featureGates: [flowControl]", "EndpointPickerConfig.featureGates[0]"),
+    (HEAD + "flowControl: {maxRequest: 3}", "EndpointPickerConfig.flowControl.maxRequest"),
     (HEAD + "featureGates: [haPopulateNonLeaderDatastore, warpDrive]", "EndpointPickerConfig.featureGates[1]"),
     (HEAD + "featureGates: [[1]]", "EndpointPickerConfig.featureGates[0]"),
+    (HEAD + "featureGates: ['flowControl=maybe']", "EndpointPickerConfig.featureGates[0]"),
 ]
 
 

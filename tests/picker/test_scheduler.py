@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, PoolConfig, SchedulerConfig, TargetModel
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.inflight import LoadConfig
 from evergreen_trio.picker.scheduler import (
     PickRequest,
     PoolSnapshot,
@@ -32,7 +33,8 @@ class Clock:
 
 def make(metrics: list[EndpointMetrics | None], **weights: float) -> tuple[Scheduler, list[str], Clock]:
     endpoints = [Endpoint("10.0.0.1", 8000 + i) for i in range(len(metrics))]
-    scheduler_config = SchedulerConfig(**weights) if weights else SchedulerConfig()
+    # Weights given: those scorers alone (the in-flight one of the default profile off).
+    scheduler_config = SchedulerConfig(**weights, load=LoadConfig(active_request=0)) if weights else SchedulerConfig()
     config = PickerConfig(PoolConfig("p", tuple(endpoints)), scheduler=scheduler_config)
     clock = Clock()
     snapshot = PoolSnapshot(endpoints, 2.0, clock)

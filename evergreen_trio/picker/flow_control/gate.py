@@ -1,0 +1,45 @@
+"""The picker's flow control, sans-IO: the queue, the pool it watches and the saturation detector.
+
+:meth:`FlowGate.submit` admits a request and dispatches at once what saturation allows, so an
+unsaturated pool adds no wait; :meth:`FlowGate.poll` (the Trio shell calls it after every scrape,
+at the next TTL deadline, and at least once per scrape interval) follows the pool, evicts what
+expired and dispatches again.
+"""
+
+from __future__ import annotations
+
+from evergreen_trio.picker.flow_control.config import FlowControlConfig
+from evergreen_trio.picker.flow_control.detectors import saturation
+from evergreen_trio.picker.flow_control.queue import FlowQueue, QueueItem
+from evergreen_trio.picker.inflight import InflightLoad
+from evergreen_trio.picker.scheduler import PoolSnapshot
+
+
+class FlowGate:
+    """One pool's flow control: ``queue`` plus the detector's reading of ``snapshot`` and ``load``."""
+
+    def __init__(self, config: FlowControlConfig, snapshot: PoolSnapshot, load: InflightLoad) -> None:
+        self.config = config
+        self.snapshot = snapshot
+        self.load = load
+        self.queue = FlowQueue(config, snapshot.clock)
+
+    def saturation(self) -> float:
+        """The configured detector's reading of the pool now (1.0 or more: dispatch nothing)."""
+        return saturation(self.config.detector, self.snapshot, self.load)
+
+    def submit(self, item: QueueItem) -> None:
+        """Queue ``item`` and dispatch what the pool takes now; the item's outcome may come at once."""
+        self.queue.set_pool_empty(not self.snapshot.states)
+        if self.queue.enqueue(item):
+            self.queue.dispatch(self.saturation)
+
+    def poll(self) -> None:
+        """Follow the pool, evict expired requests, dispatch what saturation allows."""
+        self.queue.set_pool_empty(not self.snapshot.states)
+        self.queue.expire()
+        self.queue.dispatch(self.saturation)
+
+    def next_deadline(self) -> float:
+        """When a queued request's budget runs out next (inf: none)."""
+        return self.queue.next_deadline()

@@ -1,0 +1,45 @@
+"""The flow key of a request: its fairness id and the name of its InferenceObjective, from headers.
+
+llm-d-router reads ``x-llm-d-inference-fairness-id`` (GIE's ``x-gateway-inference-fairness-id``
+still accepted) and ``x-llm-d-inference-objective`` (``x-gateway-inference-objective``); the
+first spelling wins when both come. A request without a fairness id is in ``default-flow``.
+A fairness id names a queue, so it is bounded: at most :data:`MAX_FAIRNESS_ID_CHARS` visible
+ASCII characters, else the request is a 400.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from evergreen_trio.picker.errors import RequestError
+
+FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
+DEFAULT_FAIRNESS_ID = "default-flow"
+MAX_FAIRNESS_ID_CHARS = 256
+
+
+def _first(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    for name in names:
+        value = headers.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def fairness_id(headers: Mapping[str, str]) -> str:
+    """The request's fairness id (``default-flow`` when absent or empty); RequestError 400 when it is
+    longer than :data:`MAX_FAIRNESS_ID_CHARS` or holds anything but visible ASCII."""
+    value = (_first(headers, FAIRNESS_HEADERS) or "").strip()
+    if not value:
+        return DEFAULT_FAIRNESS_ID
+    if len(value) > MAX_FAIRNESS_ID_CHARS or not all(0x21 <= ord(c) <= 0x7E for c in value):
+        raise RequestError(400, f"{FAIRNESS_HEADERS[0]} must be at most {MAX_FAIRNESS_ID_CHARS} visible "
+                                f"ASCII characters")
+    return value
+
+
+def objective_name(headers: Mapping[str, str]) -> str | None:
+    """The InferenceObjective the request names, if any (an unknown name just sets no priority)."""
+    value = _first(headers, OBJECTIVE_HEADERS)
+    return value.strip() or None if value is not None else None

@@ -1,0 +1,238 @@
+"""The flow control queue, sans-IO: bands of flows of requests, capacity, TTL, dispatch by policy.
+
+:class:`FlowQueue` is what llm-d-router's flow controller does, as plain calls: :meth:`~FlowQueue.enqueue`
+admits a request into its priority band's flow (keyed by fairness id) or rejects it when the band
+or the whole queue is full; :meth:`~FlowQueue.dispatch` hands out requests, highest band first,
+while ``saturation()`` stays below 1.0 (and stops at the first band it cannot serve: head-of-line
+blocking, so lower priorities never overtake); :meth:`~FlowQueue.expire` evicts requests past
+their queue-wait budget. A band picks its next flow with its fairness policy
+(``global-strict-fairness-policy``: the flow whose head request comes first by the ordering
+policy; ``round-robin-fairness-policy``: the flows in turn, sorted by id) and a flow its next
+request with its ordering policy (``fcfs-ordering-policy``: first enqueued;
+``edf-ordering-policy``: earliest deadline = enqueue time + TTL, no deadline last).
+
+Every request here gets the same TTL, so within a flow enqueue order is deadline order too: a flow
+is an insertion-ordered dict (removal of a cancelled request is O(1)), and the ordering policy
+matters when heads of different flows are compared. Empty flows and bands are dropped at once,
+so memory follows what is queued, which the band and global caps bound.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from evergreen_trio.picker.flow_control.config import EDF, ROUND_ROBIN, BandConfig, FlowControlConfig
+
+DROPPED_REASON = "x-llm-d-request-dropped-reason"
+
+
+class Outcome(enum.Enum):
+    """How a request left the queue; all but DISPATCHED carry (HTTP status, dropped reason)."""
+
+    DISPATCHED = (200, "")
+    REJECTED_SATURATED = (429, "rejected-saturated")
+    EVICTED_TTL = (429, "rejected-ttl-expired")
+    EVICTED_NO_ENDPOINTS = (503, "rejected-no-endpoints")
+    CANCELLED = (503, "rejected-context-cancelled")
+    SHUTTING_DOWN = (503, "rejected-shutting-down")
+
+    @property
+    def status(self) -> int:
+        return self.value[0]
+
+    @property
+    def reason(self) -> str:
+        return self.value[1]
+
+
+_MESSAGES = {
+    Outcome.REJECTED_SATURATED: "request rejected by flow control: queue capacity exceeded",
+    Outcome.EVICTED_TTL: "request timed out in queue",
+    Outcome.EVICTED_NO_ENDPOINTS: "request timed out in queue and no endpoints are available",
+    Outcome.CANCELLED: "client disconnected",
+    Outcome.SHUTTING_DOWN: "flow controller shutting down",
+}
+
+
+def message(outcome: Outcome) -> str:
+    """The error message llm-d gives an outcome."""
+    return _MESSAGES.get(outcome, "")
+
+
+@dataclass(eq=False)
+class QueueItem:
+    """One queued request: its flow key, size, when it came, and whom to tell how it left."""
+
+    fairness_id: str
+    priority: int
+    byte_size: int
+    on_outcome: Callable[[Outcome], None]
+    enqueued_at: float = 0.0
+    outcome: Outcome | None = None
+    seq: int = 0
+
+
+@dataclass
+class _Band:
+    config: BandConfig
+    flows: dict[str, dict[int, QueueItem]] = field(default_factory=dict)
+    requests: int = 0
+    bytes: int = 0
+    last_flow: str | None = None  # round robin's cursor
+
+
+class FlowQueue:
+    """Priority bands of per-fairness-id flows, with llm-d's capacity, TTL and dispatch rules.
+
+    ``clock`` is monotonic seconds. Outcomes are delivered by calling the item's ``on_outcome``
+    (after the item left every structure, so a callback may enqueue again).
+    """
+
+    def __init__(self, config: FlowControlConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock
+        self._bands: dict[int, _Band] = {}
+        self.requests = 0
+        self.bytes = 0
+        self._seq = 0
+        self._pool_empty = False
+        self._regime_since = clock()
+        self.closed = False
+
+    def __len__(self) -> int:
+        return self.requests
+
+    def enqueue(self, item: QueueItem) -> bool:
+        """Queue ``item``; False (its outcome delivered: saturated or shutting down) when it cannot be."""
+        if self.closed:
+            self._deliver(item, Outcome.SHUTTING_DOWN)
+            return False
+        band = self._bands.get(item.priority)
+        config = band.config if band is not None else self.config.band(item.priority)
+        global_full = (self.config.max_requests is not None and self.requests + 1 > self.config.max_requests) or (
+            self.config.max_bytes is not None and self.bytes + item.byte_size > self.config.max_bytes)
+        requests, size = (band.requests, band.bytes) if band is not None else (0, 0)
+        if global_full or requests + 1 > config.max_requests or size + item.byte_size > config.max_bytes:
+            self._deliver(item, Outcome.REJECTED_SATURATED)
+            return False
+        if band is None:
+            band = self._bands[item.priority] = _Band(config)
+        self._seq += 1
+        item.seq, item.enqueued_at = self._seq, self.clock()
+        band.flows.setdefault(item.fairness_id, {})[item.seq] = item
+        band.requests += 1
+        band.bytes += item.byte_size
+        self.requests += 1
+        self.bytes += item.byte_size
+        return True
+
+    def cancel(self, item: QueueItem) -> None:
+        """The client went away: drop ``item`` if still queued (outcome CANCELLED)."""
+        if self._remove(item):
+            self._deliver(item, Outcome.CANCELLED)
+
+    def dispatch(self, saturation: Callable[[], float], *, limit: int | None = None) -> int:
+        """Dispatch while ``saturation() < 1.0``, highest band first; the number dispatched."""
+        count = 0
+        while self.requests and (limit is None or count < limit) and saturation() < 1.0:
+            item = self._next()
+            if item is None:
+                break
+            self._remove(item)
+            self._deliver(item, Outcome.DISPATCHED)
+            count += 1
+        return count
+
+    def set_pool_empty(self, empty: bool) -> None:
+        """Follow the pool: with no endpoints ``noEndpointRequestTTL`` applies; a change restarts budgets."""
+        if empty != self._pool_empty:
+            self._pool_empty, self._regime_since = empty, self.clock()
+
+    def ttl(self) -> float:
+        """The queue-wait budget of the current regime (0: none)."""
+        return self.config.no_endpoint_ttl_s if self._pool_empty else self.config.ttl_s
+
+    def _deadline(self, item: QueueItem) -> float:
+        ttl = self.ttl()
+        return max(item.enqueued_at, self._regime_since) + ttl if ttl > 0 else math.inf
+
+    def expire(self) -> int:
+        """Evict requests past their budget (503 no endpoints while the pool is empty, else 429)."""
+        now = self.clock()
+        expired = [item for item in self._items() if self._deadline(item) <= now]
+        outcome = Outcome.EVICTED_NO_ENDPOINTS if self._pool_empty else Outcome.EVICTED_TTL
+        for item in expired:
+            self._remove(item)
+            self._deliver(item, outcome)
+        return len(expired)
+
+    def next_deadline(self) -> float:
+        """When :meth:`expire` next has work (inf: never, until something changes)."""
+        if not self.requests or self.ttl() <= 0:
+            return math.inf
+        # Each flow's first item is its oldest: the earliest deadline is among the heads.
+        return min(self._deadline(next(iter(flow.values())))
+                   for band in self._bands.values() for flow in band.flows.values())
+
+    def shutdown(self) -> None:
+        """Refuse new requests and evict every queued one (503 shutting down)."""
+        self.closed = True
+        for item in list(self._items()):
+            self._remove(item)
+            self._deliver(item, Outcome.SHUTTING_DOWN)
+
+    # -- policies -------------------------------------------------------------------------------
+
+    def _key(self, band: _Band, item: QueueItem) -> tuple[float, int]:
+        if band.config.ordering == EDF:
+            return (self._deadline(item), item.seq)
+        return (float(item.seq), item.seq)
+
+    def _next(self) -> QueueItem | None:
+        for priority in sorted(self._bands, reverse=True):
+            band = self._bands[priority]
+            if band.config.fairness == ROUND_ROBIN:
+                keys = sorted(band.flows)  # llm-d: sorted flow keys, the one after the last picked, else the first
+                if not keys:
+                    continue
+                start = keys.index(band.last_flow) + 1 if band.last_flow in band.flows else 0
+                band.last_flow = keys[start % len(keys)]
+                return next(iter(band.flows[band.last_flow].values()))
+            heads = [next(iter(flow.values())) for flow in band.flows.values()]
+            if heads:
+                return min(heads, key=lambda item: self._key(band, item))
+        return None
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _items(self) -> Iterator[QueueItem]:
+        for band in list(self._bands.values()):
+            for flow in list(band.flows.values()):
+                yield from list(flow.values())
+
+    def _remove(self, item: QueueItem) -> bool:
+        band = self._bands.get(item.priority)
+        flow = band.flows.get(item.fairness_id) if band is not None else None
+        if band is None or flow is None or flow.pop(item.seq, None) is None:
+            return False
+        if not flow:
+            del band.flows[item.fairness_id]
+        band.requests -= 1
+        band.bytes -= item.byte_size
+        self.requests -= 1
+        self.bytes -= item.byte_size
+        if not band.requests:
+            del self._bands[item.priority]
+        return True
+
+    @staticmethod
+    def _deliver(item: QueueItem, outcome: Outcome) -> None:
+        item.outcome = outcome
+        item.on_outcome(outcome)
+
+    def stats(self) -> dict[int, tuple[int, int]]:
+        """Per band priority: (requests, bytes) queued."""
+        return {p: (b.requests, b.bytes) for p, b in self._bands.items()}
