@@ -34,7 +34,8 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
-from evergreen_trio import connect, text
+from evergreen_trio import SessionAbortedError, connect, text
+from evergreen_trio.nodes import Inner, Leaf, NodeRef
 from evergreen_trio.server import START_SESSION
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -257,6 +258,42 @@ async def silent_connection(port: int, *, preface: bool) -> str:
     return f"{goaway}closed after {time.monotonic() - start:.1f} s" if client.closed else "still open after 30 s"
 
 
+async def cycle_check_cost(port: int, fragments: int, *, chain: int = 250, fan: int = 100_000) -> str:
+    """Issue 22 item 2: ``chain`` nodes ``c1 -> c2 -> ...``, each also naming one hub with ``fan``
+    children, then ``fragments`` small fragments each naming ``c1``; an ECHO at the end proves
+    the server has checked them all. The check once re-walked the graph (6 s a fragment)."""
+    async with connect(f"127.0.0.1:{port}", timeout=600) as session:
+        hub = await session.send(Inner(tuple(NodeRef(f"leaf{i}") for i in range(fan)), id="hub"))
+        for i in range(chain, 0, -1):
+            await session.send(Inner((NodeRef(f"c{i + 1}"), hub) if i < chain else (hub,), id=f"c{i}"))
+        start = time.perf_counter()
+        for k in range(fragments):
+            await session.send(Inner((NodeRef("c1"),), id=f"x{k}"))
+        call = await session.run("ECHO", {"input": text("done")}, ["output"])
+        await call["output"].read_bytes()
+    return f"{fragments} fragments naming c1 checked in {time.perf_counter() - start:.2f} s"
+
+
+async def flatten_fanout(port: int, action: str, leaf_bytes: int | None, fan: tuple[int, ...]) -> str:
+    """Issue 22 item 3: one leaf of ``leaf_bytes`` (None: a node with no payload at all) shared
+    through nested fans (``(128,)``: a root naming it 128 times; ``(1000, 1000)``: a root naming
+    1000 times a node naming it 1000 times), then ``action`` over the root. Returns the session's
+    final status."""
+    shared = Inner((), id="shared") if leaf_bytes is None else Leaf((b"x" * leaf_bytes,), "text/plain", id="shared")
+    try:
+        async with connect(f"127.0.0.1:{port}", timeout=600) as session:
+            below = await session.send(shared)
+            for level, width in enumerate(reversed(fan)):
+                below = await session.send(Inner((below,) * width, id=f"fan{level}"))
+            output = "output" if action == "ECHO" else "response"
+            input_name = "input" if action == "ECHO" else "prompt"
+            call = await session.run(action, {input_name: below}, [output])
+            await call[output].read_bytes()
+    except SessionAbortedError as error:
+        return f"grpc-status {error.code.value} {error.message}"
+    return "grpc-status 0"
+
+
 # -- the benchmark -------------------------------------------------------------------------------
 
 
@@ -349,6 +386,18 @@ async def _attacks(quick: bool) -> list[dict[str, object]]:
              lambda: silent_connection(port, preface=False)),
             ("connection without a stream", "GOAWAY 0 (NO_ERROR) after --idle-timeout 2",
              lambda: silent_connection(port, preface=True)),
+            ("22.2 250-node chain over a 100,000-child hub, then small fragments naming its head",
+             "each fragment checked in proportion to itself (was 6 s of frozen server each)",
+             lambda: cycle_check_cost(port, 200 if quick else 1000)),
+            ("22.3 GENERATE over a 4 MiB leaf shared 128 times (512 MiB flattened)",
+             "grpc-status 8 at max_flattened_bytes (256 MiB); the toy keeps one chunk",
+             lambda: flatten_fanout(port, "GENERATE", 4 << 20, (128,))),
+            ("22.3 GENERATE over an empty node shared 1000 x 1001 times",
+             "grpc-status 8 at max_flattened_nodes (1,000,000); the walk pauses every 1,024 steps",
+             lambda: flatten_fanout(port, "GENERATE", None, (1000, 1001))),
+            ("22.3 ECHO over a 1-byte leaf shared 5 x 1000 times (50 x 1000 without --quick)",
+             "served (under the limits), other sessions unaffected",
+             lambda: flatten_fanout(port, "ECHO", 1, (5 if quick else 50, 1000))),
         ]
         rows: list[dict[str, object]] = []
         for name, expected, run in plan:

@@ -29,7 +29,7 @@ PINNED = {
     "evergreen_trio.dag": {
         "ActionFailedError", "FlattenCursor", "FlattenEvent", "FragmentBuilder", "LeafBytes", "LeafEnd", "LeafPart",
         "LeafStart",
-        "LimitExceededError", "Node", "NodeKind", "ProtocolViolationError", "RefRejectedError",
+        "LimitExceededError", "Node", "NodeKind", "Pause", "ProtocolViolationError", "RefRejectedError",
         "SessionAbortedError", "SessionError", "SessionGraph", "SessionLimits", "StatusCode",
         "UnknownActionError", "UnknownTargetError", "Wait",
     },
