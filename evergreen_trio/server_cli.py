@@ -31,7 +31,15 @@ from evergreen_trio.metrics import serve_metrics
 from evergreen_trio.refs import FileResolver
 from evergreen_trio.server import DRAIN_GRACE_SECONDS, Server
 from evergreen_trio.signals import drain_on_signals
-from evergreen_trio.workers import Supervisor, WorkerError, multiprocess_registry, reserve_port, signal_self_when_gone
+from evergreen_trio.workers import (
+    HEARTBEAT_TIMEOUT,
+    Supervisor,
+    WorkerError,
+    heartbeat,
+    multiprocess_registry,
+    reserve_port,
+    signal_self_when_gone,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +106,9 @@ def add_operations_arguments(parser: argparse.ArgumentParser) -> None:
                             "run this long before ending them with UNAVAILABLE (default: %(default)s)")
     group.add_argument("--workers", type=positive_int, default=1, metavar="N",
                        help="N server processes on the port (SO_REUSEPORT), restarted if they die (default: 1)")
+    group.add_argument("--worker-heartbeat-timeout", type=seconds, default=HEARTBEAT_TIMEOUT, metavar="S",
+                       help="with --workers: a worker whose loop sends no heartbeat for S seconds is killed and "
+                            "restarted (default: %(default)s)")
     group.add_argument("--reuse-port", action="store_true",
                        help="listen with SO_REUSEPORT, so other processes can serve the same port")
     group.add_argument("--supervised-by", type=int, default=None, help=argparse.SUPPRESS)
@@ -180,6 +191,8 @@ def run_serve(args: argparse.Namespace) -> int:
     ServeConfigError (exit 2)."""
     backend = backend_from_args(args)
     security = security_from_args(args)
+    if not args.worker_heartbeat_timeout > 0:
+        raise ServeConfigError(f"--worker-heartbeat-timeout: expected more than 0 s, got {args.worker_heartbeat_timeout:g}")
     scheme = " TLS" if "tls" in security else ""
     target = f" (GENERATE -> {backend.endpoint} model {backend.model})" if backend else ""
 
@@ -190,9 +203,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return run_workers(args, serving)
     server = Server(resolvers=[FileResolver(args.allow_file_root)] if args.allow_file_root else (), **security)
     supervised = args.supervised_by is not None
+    announced = trio.Event()
 
     def announce(ports: tuple[int, int | None]) -> None:
         _announce(serving(ports[0]), args.host, ports[1])
+        announced.set()
 
     async def serve(*, task_status: trio.TaskStatus[tuple[int, int | None]] = trio.TASK_STATUS_IGNORED) -> None:
         async with AsyncExitStack() as stack:
@@ -205,6 +220,7 @@ def run_serve(args: argparse.Namespace) -> int:
             async with trio.open_nursery() as nursery:
                 if supervised:
                     nursery.start_soon(signal_self_when_gone, args.supervised_by)
+                    nursery.start_soon(heartbeat, announced)
                 metrics = None
                 if args.metrics_port is not None and not supervised:  # a supervisor serves its workers' metrics
                     metrics = await nursery.start(serve_metrics, server.metrics.registry, args.host, args.metrics_port)
@@ -240,7 +256,8 @@ def run_workers(args: argparse.Namespace, serving: Callable[[int], str]) -> int:
 
     async def main(metrics_dir: str | None) -> None:
         # Each worker drains for up to --drain-grace; the rest is for its final statuses and exit.
-        supervisor = Supervisor(command, args.workers, metrics_dir=metrics_dir, stop_timeout=args.drain_grace + 15)
+        supervisor = Supervisor(command, args.workers, metrics_dir=metrics_dir, stop_timeout=args.drain_grace + 15,
+                                heartbeat_timeout=args.worker_heartbeat_timeout)
         async with trio.open_nursery() as nursery:
             cancel = nursery.cancel_scope
             nursery.start_soon(drain_on_signals, supervisor.shutdown, supervisor.stop, cancel)

@@ -100,6 +100,8 @@ def pool_yaml(tmp_path: Path) -> Path:
         (["serve", "--first-message-timeout", "0"], ["--first-message-timeout"]),
         (["serve", "--drain-grace", "soon"], ["--drain-grace", "'soon'"]),
         (["serve", "--workers", "0"], ["--workers", "'0'"]),
+        (["serve", "--worker-heartbeat-timeout", "0"], ["--worker-heartbeat-timeout", "0 s"]),
+        (["serve", "--worker-heartbeat-timeout", "never"], ["--worker-heartbeat-timeout", "'never'"]),
         (["serve", "--metrics-port", "70000"], ["--metrics-port", "70000"]),
         (["picker", "--pool-name", "p", "--secure-serving", "maybe"], ["--secure-serving", "'maybe'"]),
         (["picker", "--pool-name", "p", "--cert-path", "/nonexistent/dir"], ["--cert-path", "/nonexistent/dir"]),
