@@ -69,10 +69,10 @@ class _SendTimeoutError(Exception):
     """One write waited longer than the connection's send deadline: the peer is not reading."""
 
 
-async def _send(conn: h11.Connection, stream: trio.abc.Stream, event: h11.Event, timeout: float = math.inf) -> None:
+async def _send(conn: h11.Connection, stream: trio.abc.Stream, event: h11.Event, deadline_s: float = math.inf) -> None:
     data = conn.send(event)
     if data:
-        with trio.move_on_after(timeout) as scope:
+        with trio.move_on_after(deadline_s) as scope:
             await stream.send_all(data)
         if scope.cancelled_caught:
             raise _SendTimeoutError
@@ -159,8 +159,9 @@ async def serve_http(
         ):
             if not refusing:
                 refusing = True
-                log.warning("http.refused port=%d open=%d client=%s client_open=%d (max_connections%s)", bound,
-                            open_connections, client, held, "" if open_connections >= max_connections else "_per_client")
+                which = "max_connections" if open_connections >= max_connections else "max_connections_per_client"
+                log.warning("http.refused port=%d open=%d client=%s client_open=%d (%s)", bound,
+                            open_connections, client, held, which)
             await stream.aclose()
             return
         refusing = False

@@ -192,7 +192,8 @@ def run_serve(args: argparse.Namespace) -> int:
     backend = backend_from_args(args)
     security = security_from_args(args)
     if not args.worker_heartbeat_timeout > 0:
-        raise ServeConfigError(f"--worker-heartbeat-timeout: expected more than 0 s, got {args.worker_heartbeat_timeout:g}")
+        got = args.worker_heartbeat_timeout
+        raise ServeConfigError(f"--worker-heartbeat-timeout: expected more than 0 s, got {got:g}")
     scheme = " TLS" if "tls" in security else ""
     target = f" (GENERATE -> {backend.endpoint} model {backend.model})" if backend else ""
 
