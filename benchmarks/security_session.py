@@ -59,6 +59,7 @@ class RawH2:
     statuses: dict[int, str] = field(default_factory=dict)
     resets: dict[int, int] = field(default_factory=dict)
     goaway: int | None = None
+    goaway_last_stream: int | None = None
     closed: bool = False
     answer: bool = True  # acknowledge SETTINGS and PINGs (a client that sent no preface must not)
     pings_acked: int = 0
@@ -66,16 +67,19 @@ class RawH2:
     _sending: trio.Lock = field(default_factory=trio.Lock)
 
     @classmethod
-    async def open(cls, port: int, *, preface: bool = True) -> RawH2:
-        client = cls(await trio.open_tcp_stream("127.0.0.1", port), answer=preface)
+    async def open(cls, port: int, *, preface: bool = True, source: str | None = None) -> RawH2:
+        """A connection to 127.0.0.1:``port``, from the loopback address ``source`` if given (another peer)."""
+        stream = await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
+        client = cls(stream, answer=preface)
         if preface:
             await client.send(PREFACE + SettingsFrame(0).serialize())
         return client
 
-    def headers(self, stream_id: int, *, end_stream: bool = False) -> bytes:
+    def headers(self, stream_id: int, *, end_stream: bool = False, path: str = START_SESSION,
+                metadata: tuple[tuple[str, str], ...] = ()) -> bytes:
         block = self.encoder.encode([
-            (":method", "POST"), (":scheme", "http"), (":path", START_SESSION), (":authority", "localhost"),
-            ("content-type", "application/grpc"), ("te", "trailers"),
+            (":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "localhost"),
+            ("content-type", "application/grpc"), ("te", "trailers"), *metadata,
         ])
         frame = HeadersFrame(stream_id, block)
         frame.flags.add("END_HEADERS")
@@ -146,7 +150,7 @@ class RawH2:
         elif isinstance(frame, RstStreamFrame):
             self.resets[frame.stream_id] = frame.error_code
         elif isinstance(frame, GoAwayFrame):
-            self.goaway = frame.error_code
+            self.goaway, self.goaway_last_stream = frame.error_code, frame.last_stream_id
         elif isinstance(frame, DataFrame) and frame.flow_controlled_length:
             size = frame.flow_controlled_length
             return WindowUpdateFrame(0, size).serialize() + WindowUpdateFrame(frame.stream_id, size).serialize()
@@ -292,6 +296,89 @@ async def flatten_fanout(port: int, action: str, leaf_bytes: int | None, fan: tu
     except SessionAbortedError as error:
         return f"grpc-status {error.code.value} {error.message}"
     return "grpc-status 0"
+
+
+async def connection_flood(port: int, count: int) -> str:
+    """Issue 22 item 4: ``count`` idle connections (preface only), held; how many the server refused."""
+    clients: list[RawH2] = []
+    try:
+        for _ in range(count):
+            clients.append(await RawH2.open(port))
+        async with trio.open_nursery() as nursery:
+            for client in clients:
+                nursery.start_soon(client.until, lambda c: c.goaway is not None or c.settings != {}, 10)
+        refused = [c for c in clients if c.goaway == ENHANCE_YOUR_CALM and c.goaway_last_stream == 0]
+    finally:
+        for client in clients:
+            await client.aclose()
+    return f"{len(refused)} of {count} refused with GOAWAY ENHANCE_YOUR_CALM (last stream 0)"
+
+
+async def one_peer_sessions(port: int, sessions: int, *, source: str = "127.0.0.2") -> str:
+    """Issue 22 item 4: one remote address opens ``sessions`` silent sessions, 100 per connection."""
+    clients = []
+    statuses: dict[str, int] = {}
+    try:
+        for first in range(0, sessions, 100):
+            client = await RawH2.open(port, source=source)
+            clients.append(client)
+            await client.send(b"".join(client.headers(2 * i + 1) for i in range(min(100, sessions - first))))
+        with trio.move_on_after(5):
+            while sum(len(c.statuses) for c in clients) < sessions - 1:
+                for client in clients:
+                    await client.until(lambda c: False, 0.05)
+        for client in clients:
+            for status in client.statuses.values():
+                statuses[status.split()[0]] = statuses.get(status.split()[0], 0) + 1
+    finally:
+        for client in clients:
+            await client.aclose()
+    refused = statuses.get("8", 0)
+    return f"{sessions - refused} held, {refused} refused with grpc-status 8 (the peer's share)"
+
+
+async def health_watches(port: int, watches: int) -> str:
+    """Issue 22 item 4: ``watches`` Health/Watch streams, 100 per connection, held."""
+    from grpclib.health.v1.health_pb2 import HealthCheckRequest
+
+    body = HealthCheckRequest(service="").SerializeToString()
+    request = message_prefix(len(body)) + body
+    clients = []
+    try:
+        for first in range(0, watches, 100):
+            client = await RawH2.open(port)
+            clients.append(client)
+            await client.send(b"".join(
+                client.headers(2 * i + 1, path="/grpc.health.v1.Health/Watch") + client.data(2 * i + 1, request)
+                for i in range(min(100, watches - first))))
+        with trio.move_on_after(3):
+            while sum(len(c.statuses) for c in clients) < watches - 100:
+                for client in clients:
+                    await client.until(lambda c: False, 0.05)
+        refused = sum(s.startswith("8 ") for c in clients for s in c.statuses.values())
+    finally:
+        for client in clients:
+            await client.aclose()
+    return f"{watches - refused} held, {refused} refused with grpc-status 8"
+
+
+async def unauthenticated_streams(port: int, streams: int, *, batch: int = 50) -> str:
+    """Issue 22 item 4: ``streams`` sessions without a token on one connection, ``batch`` per write
+    (within SETTINGS_MAX_CONCURRENT_STREAMS), each batch once the last one was answered."""
+    client = await RawH2.open(port)
+    sent = 0
+    while sent < streams and client.goaway is None and not client.closed:
+        ids = [2 * (sent + i) + 1 for i in range(min(batch, streams - sent))]
+        sent += len(ids)
+        await client.send(b"".join(client.headers(i, end_stream=True) for i in ids))
+        await client.until(lambda c, ids=ids: c.goaway is not None or all(i in c.statuses for i in ids), 10)
+    await client.until(lambda c: c.goaway is not None, 2)
+    await client.aclose()
+    codes: dict[str, int] = {}
+    for status in client.statuses.values():
+        codes[status.split()[0]] = codes.get(status.split()[0], 0) + 1
+    goaway = "no GOAWAY" if client.goaway is None else f"GOAWAY {_code_name(client.goaway)}"
+    return f"{sent} sent, grpc-status {codes}, {goaway}"
 
 
 # -- the benchmark -------------------------------------------------------------------------------

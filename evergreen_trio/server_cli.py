@@ -29,7 +29,7 @@ from evergreen_trio.errors import ConfigurationError
 from evergreen_trio.generate import APIS, BackendConfigError, BackendSettings
 from evergreen_trio.metrics import serve_metrics
 from evergreen_trio.refs import FileResolver
-from evergreen_trio.server import DRAIN_GRACE_SECONDS, Server
+from evergreen_trio.server import DRAIN_GRACE_SECONDS, IDLE_TIMEOUT_SECONDS, Server
 from evergreen_trio.signals import drain_on_signals
 from evergreen_trio.workers import (
     HEARTBEAT_TIMEOUT,
@@ -142,10 +142,16 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
                        help="sessions open on the server, then RESOURCE_EXHAUSTED (default: %(default)s)")
     group.add_argument("--max-sessions-per-connection", type=positive_int, default=100, metavar="N",
                        help="HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS (default: %(default)s)")
+    group.add_argument("--max-sessions-per-peer", type=positive_int, default=2_500, metavar="N",
+                       help="sessions open from one remote address, then RESOURCE_EXHAUSTED; behind a proxy "
+                            "(Envoy) raise it to --max-sessions (default: %(default)s)")
+    group.add_argument("--max-connections", type=positive_int, default=4096, metavar="N",
+                       help="connections open on the server, then GOAWAY(ENHANCE_YOUR_CALM) and close "
+                            "(default: %(default)s)")
     group.add_argument("--first-message-timeout", type=seconds, default=30.0, metavar="S",
                        help="a session that sends nothing, or a connection that does not finish its "
                             "handshake, is ended after S seconds (default: %(default)s)")
-    group.add_argument("--idle-timeout", type=seconds, default=300.0, metavar="S",
+    group.add_argument("--idle-timeout", type=seconds, default=IDLE_TIMEOUT_SECONDS, metavar="S",
                        help="a session silent both ways with no action running, or a connection with "
                             "no session, is ended after S seconds; 0: never (default: %(default)s)")
 
@@ -165,6 +171,8 @@ def security_from_args(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {
         "max_sessions": args.max_sessions,
         "max_sessions_per_connection": args.max_sessions_per_connection,
+        "max_sessions_per_peer": args.max_sessions_per_peer,
+        "max_connections": args.max_connections,
         "first_message_timeout": args.first_message_timeout,
         "idle_timeout": args.idle_timeout or None,
     }

@@ -7,11 +7,21 @@ plain call (grpclib's watchers are woken on the same thread, on the trio-asyncio
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any
 
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import OVERALL, Health
+from grpclib.server import Stream
+
+MAX_HEALTH_WATCHES = 100
+"""``Health/Watch`` streams open at once on a server; past it a new one gets RESOURCE_EXHAUSTED."""
+
+HEALTH_WATCH_SECONDS = 60.0
+"""A ``Health/Watch`` stream ends (OK) after this long; a client that still cares watches again."""
 
 
 class HealthName:
@@ -24,10 +34,35 @@ class HealthName:
         return {f"/{self.name}/Check": None}
 
 
+class BoundedHealth(Health):
+    """grpclib's Health, whose Watch streams (each held open by the client, nowhere else counted)
+    are capped at ``max_watches`` and end after ``watch_seconds``."""
+
+    def __init__(self, checks: Any, *, max_watches: int = MAX_HEALTH_WATCHES,
+                 watch_seconds: float = HEALTH_WATCH_SECONDS) -> None:
+        super().__init__(checks)
+        self.max_watches = max_watches
+        self.watch_seconds = watch_seconds
+        self.watches = 0
+
+    async def Watch(self, stream: Stream[Any, Any]) -> None:
+        """grpclib's Watch, refused past the cap and ended after ``watch_seconds``."""
+        if self.watches >= self.max_watches:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"{self.max_watches} health watches open, the limit")
+        self.watches += 1
+        try:
+            # The stream ends right after: its pending read may be cancelled.
+            await asyncio.wait_for(super().Watch(stream), self.watch_seconds)
+        except TimeoutError:
+            pass
+        finally:
+            self.watches -= 1
+
+
 class ServerHealth:
     """A server's health: readiness under ``ready_names`` (``""`` is the server's overall status),
-    liveness under ``"liveness"``. Both start NOT_SERVING; ``servable`` goes in the grpclib
-    server's servables.
+    liveness under ``"liveness"``. Both start NOT_SERVING; ``servable`` (a :class:`BoundedHealth`:
+    ``max_watches``, ``watch_seconds``) goes in the grpclib server's servables.
 
     A draining server is live but not ready: a Kubernetes liveness probe must not kill it while
     its readiness probe takes it out of rotation.
@@ -35,14 +70,15 @@ class ServerHealth:
 
     LIVENESS = "liveness"
 
-    def __init__(self, ready_names: Iterable[str]) -> None:
+    def __init__(self, ready_names: Iterable[str], *, max_watches: int = MAX_HEALTH_WATCHES,
+                 watch_seconds: float = HEALTH_WATCH_SECONDS) -> None:
         self._ready, self._live = ServiceStatus(), ServiceStatus()
         self._ready.set(False)
         self._live.set(False)
         checks: dict[Any, list[ServiceStatus]] = {
             OVERALL if name == "" else HealthName(name): [self._ready] for name in ready_names}
         checks[HealthName(self.LIVENESS)] = [self._live]
-        self.servable = Health(checks)
+        self.servable = BoundedHealth(checks, max_watches=max_watches, watch_seconds=watch_seconds)
 
     @property
     def ready(self) -> bool:

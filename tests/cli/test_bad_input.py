@@ -96,6 +96,8 @@ def pool_yaml(tmp_path: Path) -> Path:
          ["--tls-cert", "/nonexistent/c.pem", "No such file"]),
         (["serve", "--auth-token-file", "/nonexistent/tokens"], ["--auth-token-file", "/nonexistent/tokens"]),
         (["serve", "--max-sessions", "0"], ["--max-sessions", "'0'"]),
+        (["serve", "--max-sessions-per-peer", "0"], ["--max-sessions-per-peer", "'0'"]),
+        (["serve", "--max-connections", "many"], ["--max-connections", "'many'"]),
         (["serve", "--idle-timeout", "-1"], ["--idle-timeout", "'-1'"]),
         (["serve", "--first-message-timeout", "0"], ["--first-message-timeout"]),
         (["serve", "--drain-grace", "soon"], ["--drain-grace", "'soon'"]),
