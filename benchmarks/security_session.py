@@ -11,13 +11,16 @@ attack clients against an in-process server and assert the answers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -44,8 +47,12 @@ REFUSED_STREAM = 0x7
 CANCEL = 0x8
 ENHANCE_YOUR_CALM = 0xB
 
-ServerArgs = ("--first-message-timeout", "1", "--idle-timeout", "2")
-"""The benchmark server's options: short timeouts, so the timeout attacks end within seconds."""
+ServerArgs = ("--first-message-timeout", "1", "--idle-timeout", "2", "--max-connections", "1000",
+              "--max-sessions-per-peer", "10000", "--metrics-port", "0")
+"""The benchmark server's options: short timeouts, so the timeout attacks end within seconds, and
+caps low enough for the quick attacks to cross."""
+
+SCRAPE = b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n"
 
 
 @dataclass
@@ -381,21 +388,122 @@ async def unauthenticated_streams(port: int, streams: int, *, batch: int = 50) -
     return f"{sent} sent, grpc-status {codes}, {goaway}"
 
 
+async def connect_from(source: str, port: int) -> trio.SocketStream:
+    """A TCP connection to 127.0.0.1:``port`` from the loopback address ``source`` (another client)."""
+    return await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
+
+
+async def scrape_from(source: str, port: int) -> bytes:
+    """One metrics scrape from ``source``: the response's bytes up to a sample every server has."""
+    stream = await connect_from(source, port)
+    with trio.fail_after(10):
+        await stream.send_all(SCRAPE)
+        response = b""
+        while b"evergreen_sessions_started_total" not in response:
+            data = await stream.receive_some(1 << 16)
+            if not data:
+                break
+            response += data
+    await stream.aclose()
+    return response
+
+
+async def closed_by_server(stream: trio.SocketStream, seconds: float = 10) -> int | None:
+    """Read until the server closes ``stream``: the responses read, or None if still open after ``seconds``."""
+    answered = 0
+    with trio.move_on_after(seconds):
+        try:
+            while data := await stream.receive_some(1 << 16):
+                answered += data.count(b"HTTP/1.1 200")
+        except trio.BrokenResourceError:
+            pass
+        return answered
+    return None
+
+
+async def metrics_hog(port: int, share: int = 16) -> str:
+    """Issue 22 item 6: one address opens its ``share`` of the metrics port and one more, then
+    pipelines 5,000 scrapes on a connection it never reads; another address scrapes meanwhile."""
+    held = [await connect_from("127.0.0.2", port) for _ in range(share)]
+    try:
+        extra = await closed_by_server(await connect_from("127.0.0.2", port), 5)
+        other = (await scrape_from("127.0.0.3", port)).split(b"\r\n", 1)[0].decode()
+    finally:
+        for stream in held:
+            await stream.aclose()
+    start = time.monotonic()
+    reader = await connect_from("127.0.0.2", port)
+    await reader.send_all(SCRAPE * 5000)
+    await trio.sleep(12)  # past the 10 s send deadline, reading nothing
+    answered = await closed_by_server(reader, 10)
+    await reader.aclose()
+    extra_said = "closed at accept" if extra == 0 else "kept"
+    non_reader = f"closed after {time.monotonic() - start:.0f} s ({answered} of 5000 answered)"
+    return f"connection {share + 1} {extra_said}; another address: {other}; non-reader {non_reader}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    pids: list[int] = []
+    for children in os.scandir(f"/proc/{pid}/task"):
+        try:
+            with open(f"{children.path}/children") as listing:
+                pids += [int(p) for p in listing.read().split()]
+        except FileNotFoundError:
+            continue
+    return sorted(pids)
+
+
+async def freeze_worker(supervisor: int, address: str) -> str:
+    """Issue 22 item 5: SIGSTOP one worker of ``serve --workers 2``; how long until it is replaced,
+    and whether new sessions are then served."""
+    victim = _children(supervisor)[0]
+    start = time.monotonic()
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        with trio.fail_after(60):
+            while _alive(victim) or len(_children(supervisor)) < 2:  # noqa: ASYNC110 - another process
+                await trio.sleep(0.05)
+    finally:
+        if _alive(victim):
+            os.kill(victim, signal.SIGKILL)
+    replaced = time.monotonic() - start
+    served = 0
+    for _ in range(8):
+        with contextlib.suppress(Exception):
+            await echo_once(address)
+            served += 1
+    return f"replaced after {replaced:.1f} s; then {served}/8 new sessions served"
+
+
 # -- the benchmark -------------------------------------------------------------------------------
 
 
-async def echo_once(address: str) -> float:
+async def echo_once(address: str, metadata: Mapping[str, str] | None = None) -> float:
     """One ECHO session on a fresh connection; its duration in ms."""
     start = time.perf_counter()
-    async with connect(address, timeout=30) as session:
+    async with connect(address, timeout=30, metadata=metadata) as session:
         call = await session.run("ECHO", {"input": text("ping")}, ["output"])
         await call["output"].read_bytes()
     return (time.perf_counter() - start) * 1000
 
 
-async def probe(address: str, samples: list[float], stop: trio.Event) -> None:
+async def probe(address: str, samples: list[float], stop: trio.Event,
+                metadata: Mapping[str, str] | None = None) -> None:
+    """ECHO sessions back to back until ``stop``; a failed one counts as the time it took (a stall)."""
     while not stop.is_set():
-        samples.append(await echo_once(address))
+        start = time.perf_counter()
+        try:
+            samples.append(await echo_once(address, metadata))
+        except Exception:  # a worker killed under it, a refused session: the wait is what counts
+            samples.append((time.perf_counter() - start) * 1000)
         await trio.sleep(0.01)
 
 
@@ -407,13 +515,14 @@ def rss_mib(pid: int) -> float:
     return math.nan
 
 
-async def _measure(address: str, pid: int, attack: Callable[[], Awaitable[str]]) -> tuple[str, list[float], float]:
+async def _measure(address: str, pid: int, attack: Callable[[], Awaitable[str]],
+                   metadata: Mapping[str, str] | None = None) -> tuple[str, list[float], float]:
     samples: list[float] = []
     stop = trio.Event()
     before = rss_mib(pid)
     peak = before
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(probe, address, samples, stop)
+        nursery.start_soon(probe, address, samples, stop, metadata)
 
         async def watch_rss() -> None:
             nonlocal peak
@@ -434,8 +543,9 @@ def attacks(quick: bool) -> list[dict[str, object]]:
 
 
 @asynccontextmanager
-async def _serve(*args: str) -> AsyncIterator[tuple[trio.Process, str]]:
-    """``evergreen-trio serve --port 0 ARGS`` in a child process: (process, its address)."""
+async def _serve(*args: str, printed: list[str] | None = None) -> AsyncIterator[tuple[trio.Process, str]]:
+    """``evergreen-trio serve --port 0 ARGS`` in a child process: (process, its address); with
+    ``--metrics-port``, the metrics line is appended to ``printed``."""
     command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
@@ -443,20 +553,41 @@ async def _serve(*args: str) -> AsyncIterator[tuple[trio.Process, str]]:
         assert process.stdout is not None
         line = b""
         with trio.fail_after(30):
-            while not line.endswith(b"\n"):
+            while line.count(b"\n") < (2 if "--metrics-port" in args else 1):
                 line += await process.stdout.receive_some(1)
-        yield process, line.decode().split()[-1]
+        first, *more = line.decode().splitlines()
+        if printed is not None:
+            printed += more
+        yield process, first.split()[-1]
     finally:
         process.terminate()
         await process.wait()
 
 
+Plan = list[tuple[str, str, Callable[[], Awaitable[str]]]]
+
+
+async def _rows(address: str, pid: int, plan: Plan, idle_p50: float,
+                metadata: Mapping[str, str] | None = None) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for name, expected, run in plan:
+        observed, samples, growth = await _measure(address, pid, run, metadata)
+        rows.append({
+            "server": "session", "attack": name, "expected": expected, "observed": observed,
+            "idle_p50_ms": round(idle_p50, 2), "p50_ms": round(statistics.median(samples), 2),
+            "max_ms": round(max(samples), 2), "rss_growth_mib": round(growth, 1),
+        })
+    return rows
+
+
 async def _attacks(quick: bool) -> list[dict[str, object]]:
-    async with _serve(*ServerArgs) as (process, address):
+    printed: list[str] = []
+    async with _serve(*ServerArgs, printed=printed) as (process, address):
+        metrics_port = int(printed[0].rsplit(":", 1)[1].split("/")[0])
         port = int(address.rsplit(":", 1)[1])
         idle = [await echo_once(address) for _ in range(10 if quick else 50)]
         idle_p50 = statistics.median(idle)
-        plan: list[tuple[str, str, Callable[[], Awaitable[str]]]] = [
+        plan: Plan = [
             ("4 GiB message prefix", "grpc-status 8 (RESOURCE_EXHAUSTED), nothing buffered",
              lambda: oversized_prefix(port)),
             ("150 streams on one connection", "max_concurrent_streams=100 refused=50 no GOAWAY ping=answered",
@@ -485,16 +616,40 @@ async def _attacks(quick: bool) -> list[dict[str, object]]:
             ("22.3 ECHO over a 1-byte leaf shared 5 x 1000 times (50 x 1000 without --quick)",
              "served (under the limits), other sessions unaffected",
              lambda: flatten_fanout(port, "ECHO", 1, (5 if quick else 50, 1000))),
+            ("22.4 1,100 idle connections (--max-connections 1000)",
+             "GOAWAY ENHANCE_YOUR_CALM (last stream 0) past the cap, closed at once",
+             lambda: connection_flood(port, 1100)),
+            ("22.4 150 Health/Watch streams", "100 held, 50 refused with grpc-status 8",
+             lambda: health_watches(port, 150)),
+            ("22.6 metrics port: 17 connections from one address, then 5,000 scrapes never read",
+             "the 17th closed at accept, another address scrapes; non-reader closed at the 10 s send deadline",
+             lambda: metrics_hog(metrics_port)),
         ]
-        rows: list[dict[str, object]] = []
-        for name, expected, run in plan:
-            observed, samples, growth = await _measure(address, process.pid, run)
-            rows.append({
-                "server": "session", "attack": name, "expected": expected, "observed": observed,
-                "idle_p50_ms": round(idle_p50, 2), "p50_ms": round(statistics.median(samples), 2),
-                "max_ms": round(max(samples), 2), "rss_growth_mib": round(growth, 1),
-            })
-        return rows
+        rows = await _rows(address, process.pid, plan, idle_p50)
+    async with _serve(*ServerArgs, "--max-sessions-per-peer", "300") as (process, address):
+        port = int(address.rsplit(":", 1)[1])
+        rows += await _rows(address, process.pid, [
+            ("22.4 400 silent sessions from one address (--max-sessions-per-peer 300)",
+             "300 held, 100 refused with grpc-status 8; other addresses unaffected",
+             lambda: one_peer_sessions(port, 400)),
+        ], idle_p50)
+    with tempfile.TemporaryDirectory() as folder:
+        tokens = os.path.join(folder, "tokens")
+        await trio.Path(tokens).write_text("let-me-in\n")
+        async with _serve(*ServerArgs, "--auth-token-file", tokens) as (process, address):
+            port = int(address.rsplit(":", 1)[1])
+            rows += await _rows(address, process.pid, [
+                ("22.4 1,000 sessions without a token on one connection, 50 per write (--auth-token-file)",
+                 "grpc-status 16 each, counted nowhere; GOAWAY ENHANCE_YOUR_CALM past 100 refusals",
+                 lambda: unauthenticated_streams(port, 1000)),
+            ], idle_p50, {"authorization": "Bearer let-me-in"})
+    async with _serve("--workers", "2", "--worker-heartbeat-timeout", "1") as (process, address):
+        rows += await _rows(address, process.pid, [
+            ("22.5 --workers 2: one worker frozen (SIGSTOP)",
+             "killed after --worker-heartbeat-timeout 1 and restarted; new sessions served",
+             lambda: freeze_worker(process.pid, address)),
+        ], idle_p50)
+    return rows
 
 
 def cpu_seconds(pid: int) -> float:
