@@ -309,8 +309,9 @@ async def connection_flood(port: int, count: int) -> str:
     """Issue 22 item 4: ``count`` idle connections (preface only), held; how many the server refused."""
     clients: list[RawH2] = []
     try:
-        for _ in range(count):
-            clients.append(await RawH2.open(port))
+        async with trio.open_nursery() as nursery:
+            for _ in range(count):
+                nursery.start_soon(lambda: _open_into(clients, port))
         async with trio.open_nursery() as nursery:
             for client in clients:
                 nursery.start_soon(client.until, lambda c: c.goaway is not None or c.settings != {}, 10)
@@ -319,6 +320,10 @@ async def connection_flood(port: int, count: int) -> str:
         for client in clients:
             await client.aclose()
     return f"{len(refused)} of {count} refused with GOAWAY ENHANCE_YOUR_CALM (last stream 0)"
+
+
+async def _open_into(clients: list[RawH2], port: int) -> None:
+    clients.append(await RawH2.open(port))
 
 
 async def one_peer_sessions(port: int, sessions: int, *, source: str = "127.0.0.2") -> str:
@@ -616,9 +621,6 @@ async def _attacks(quick: bool) -> list[dict[str, object]]:
             ("22.3 ECHO over a 1-byte leaf shared 5 x 1000 times (50 x 1000 without --quick)",
              "served (under the limits), other sessions unaffected",
              lambda: flatten_fanout(port, "ECHO", 1, (5 if quick else 50, 1000))),
-            ("22.4 1,100 idle connections (--max-connections 1000)",
-             "GOAWAY ENHANCE_YOUR_CALM (last stream 0) past the cap, closed at once",
-             lambda: connection_flood(port, 1100)),
             ("22.4 150 Health/Watch streams", "100 held, 50 refused with grpc-status 8",
              lambda: health_watches(port, 150)),
             ("22.6 metrics port: 17 connections from one address, then 5,000 scrapes never read",
@@ -626,9 +628,12 @@ async def _attacks(quick: bool) -> list[dict[str, object]]:
              lambda: metrics_hog(metrics_port)),
         ]
         rows = await _rows(address, process.pid, plan, idle_p50)
-    async with _serve(*ServerArgs, "--max-sessions-per-peer", "300") as (process, address):
+    async with _serve(*ServerArgs, "--max-sessions-per-peer", "300", "--idle-timeout", "30") as (process, address):
         port = int(address.rsplit(":", 1)[1])
         rows += await _rows(address, process.pid, [
+            ("22.4 1,100 idle connections (--max-connections 1000, --idle-timeout 30)",
+             "GOAWAY ENHANCE_YOUR_CALM (last stream 0) past the cap, closed at once",
+             lambda: connection_flood(port, 1100)),
             ("22.4 400 silent sessions from one address (--max-sessions-per-peer 300)",
              "300 held, 100 refused with grpc-status 8; other addresses unaffected",
              lambda: one_peer_sessions(port, 400)),

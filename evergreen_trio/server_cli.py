@@ -32,6 +32,7 @@ from evergreen_trio.refs import FileResolver
 from evergreen_trio.server import DRAIN_GRACE_SECONDS, IDLE_TIMEOUT_SECONDS, Server
 from evergreen_trio.signals import drain_on_signals
 from evergreen_trio.workers import (
+    HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
     Supervisor,
     WorkerError,
@@ -229,7 +230,8 @@ def run_serve(args: argparse.Namespace) -> int:
             async with trio.open_nursery() as nursery:
                 if supervised:
                     nursery.start_soon(signal_self_when_gone, args.supervised_by)
-                    nursery.start_soon(heartbeat, announced)
+                    # Beats well within the supervisor's timeout (the worker got the same flag).
+                    nursery.start_soon(heartbeat, announced, min(HEARTBEAT_INTERVAL, args.worker_heartbeat_timeout / 5))
                 metrics = None
                 if args.metrics_port is not None and not supervised:  # a supervisor serves its workers' metrics
                     metrics = await nursery.start(serve_metrics, server.metrics.registry, args.host, args.metrics_port)

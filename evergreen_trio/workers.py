@@ -43,7 +43,8 @@ MAX_READY_LINE = 4096
 """The first line a worker prints (``evergreen-trio serving on ...``) is cut off past this."""
 
 HEARTBEAT_INTERVAL = 1.0
-"""Seconds between a worker's heartbeats (one byte on its stdout, after its ready line)."""
+"""Seconds between a worker's heartbeats (one byte on its stdout, after its ready line); a fifth of
+the timeout when that is shorter."""
 
 HEARTBEAT_TIMEOUT = 10.0
 """Seconds without a heartbeat after which the supervisor takes a worker for hung and replaces it."""
