@@ -39,6 +39,7 @@ from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+from grpclib.health.service import Health
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.server import Stream
 from h2.errors import ErrorCodes
@@ -440,6 +441,38 @@ class _Handler(grpclib.server.Handler):
 
         super().accept(stream, headers, release_once)
         self._tasks[stream].add_done_callback(lambda _task: release_once())
+
+
+MAX_HEALTH_WATCHES = 100
+"""``Health/Watch`` streams open at once on a server; past it a new one gets RESOURCE_EXHAUSTED."""
+
+HEALTH_WATCH_SECONDS = 60.0
+"""A ``Health/Watch`` stream ends (OK) after this long; a client that still cares watches again."""
+
+
+class BoundedHealth(Health):
+    """grpclib's Health, whose Watch streams (each held open by the client, nowhere else counted)
+    are capped at ``max_watches`` and end after ``watch_seconds``."""
+
+    def __init__(self, checks: Any, *, max_watches: int = MAX_HEALTH_WATCHES,
+                 watch_seconds: float = HEALTH_WATCH_SECONDS) -> None:
+        super().__init__(checks)
+        self.max_watches = max_watches
+        self.watch_seconds = watch_seconds
+        self.watches = 0
+
+    async def Watch(self, stream: Stream[Any, Any]) -> None:
+        """grpclib's Watch, refused past the cap and ended after ``watch_seconds``."""
+        if self.watches >= self.max_watches:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"{self.max_watches} health watches open, the limit")
+        self.watches += 1
+        try:
+            # The stream ends right after: its pending read may be cancelled.
+            await asyncio.wait_for(super().Watch(stream), self.watch_seconds)
+        except TimeoutError:
+            pass
+        finally:
+            self.watches -= 1
 
 
 class _GuardedServer(grpclib.server.Server):

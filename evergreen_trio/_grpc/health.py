@@ -7,21 +7,13 @@ plain call (grpclib's watchers are woken on the same thread, on the trio-asyncio
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable
 from typing import Any
 
-from grpclib.const import Status
-from grpclib.exceptions import GRPCError
 from grpclib.health.check import ServiceStatus
-from grpclib.health.service import OVERALL, Health
-from grpclib.server import Stream
+from grpclib.health.service import OVERALL
 
-MAX_HEALTH_WATCHES = 100
-"""``Health/Watch`` streams open at once on a server; past it a new one gets RESOURCE_EXHAUSTED."""
-
-HEALTH_WATCH_SECONDS = 60.0
-"""A ``Health/Watch`` stream ends (OK) after this long; a client that still cares watches again."""
+from evergreen_trio._grpc.bridge import HEALTH_WATCH_SECONDS, MAX_HEALTH_WATCHES, BoundedHealth
 
 
 class HealthName:
@@ -32,31 +24,6 @@ class HealthName:
 
     def __mapping__(self) -> dict[str, None]:
         return {f"/{self.name}/Check": None}
-
-
-class BoundedHealth(Health):
-    """grpclib's Health, whose Watch streams (each held open by the client, nowhere else counted)
-    are capped at ``max_watches`` and end after ``watch_seconds``."""
-
-    def __init__(self, checks: Any, *, max_watches: int = MAX_HEALTH_WATCHES,
-                 watch_seconds: float = HEALTH_WATCH_SECONDS) -> None:
-        super().__init__(checks)
-        self.max_watches = max_watches
-        self.watch_seconds = watch_seconds
-        self.watches = 0
-
-    async def Watch(self, stream: Stream[Any, Any]) -> None:
-        """grpclib's Watch, refused past the cap and ended after ``watch_seconds``."""
-        if self.watches >= self.max_watches:
-            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"{self.max_watches} health watches open, the limit")
-        self.watches += 1
-        try:
-            # The stream ends right after: its pending read may be cancelled.
-            await asyncio.wait_for(super().Watch(stream), self.watch_seconds)
-        except TimeoutError:
-            pass
-        finally:
-            self.watches -= 1
 
 
 class ServerHealth:
