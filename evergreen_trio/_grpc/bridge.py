@@ -466,13 +466,19 @@ class BoundedHealth(Health):
         if self.watches >= self.max_watches:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, f"{self.max_watches} health watches open, the limit")
         self.watches += 1
+        # A task and asyncio.wait, not wait_for: wait_for finds its task through asyncio's own
+        # current_task, which knows nothing of trio-asyncio's loop on CPython 3.12+.
+        watch = asyncio.ensure_future(super().Watch(stream))
         try:
-            # The stream ends right after: its pending read may be cancelled.
-            await asyncio.wait_for(super().Watch(stream), self.watch_seconds)
-        except TimeoutError:
-            pass
+            await asyncio.wait({watch}, timeout=self.watch_seconds)
+            if watch.done():
+                watch.result()  # its error, if any, ends the stream as grpclib would
         finally:
             self.watches -= 1
+            if not watch.done():
+                # The stream ends right after: its pending read may be cancelled.
+                watch.cancel()
+                await asyncio.wait({watch})
 
 
 class _GuardedServer(grpclib.server.Server):
