@@ -11,13 +11,16 @@ attack clients against an in-process server and assert the answers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -34,7 +37,8 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
-from evergreen_trio import connect, text
+from evergreen_trio import SessionAbortedError, connect, text
+from evergreen_trio.nodes import Inner, Leaf, NodeRef
 from evergreen_trio.server import START_SESSION
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -43,8 +47,12 @@ REFUSED_STREAM = 0x7
 CANCEL = 0x8
 ENHANCE_YOUR_CALM = 0xB
 
-ServerArgs = ("--first-message-timeout", "1", "--idle-timeout", "2")
-"""The benchmark server's options: short timeouts, so the timeout attacks end within seconds."""
+ServerArgs = ("--first-message-timeout", "1", "--idle-timeout", "2", "--max-connections", "1000",
+              "--max-sessions-per-peer", "10000", "--metrics-port", "0")
+"""The benchmark server's options: short timeouts, so the timeout attacks end within seconds, and
+caps low enough for the quick attacks to cross."""
+
+SCRAPE = b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n"
 
 
 @dataclass
@@ -58,6 +66,7 @@ class RawH2:
     statuses: dict[int, str] = field(default_factory=dict)
     resets: dict[int, int] = field(default_factory=dict)
     goaway: int | None = None
+    goaway_last_stream: int | None = None
     closed: bool = False
     answer: bool = True  # acknowledge SETTINGS and PINGs (a client that sent no preface must not)
     pings_acked: int = 0
@@ -65,16 +74,19 @@ class RawH2:
     _sending: trio.Lock = field(default_factory=trio.Lock)
 
     @classmethod
-    async def open(cls, port: int, *, preface: bool = True) -> RawH2:
-        client = cls(await trio.open_tcp_stream("127.0.0.1", port), answer=preface)
+    async def open(cls, port: int, *, preface: bool = True, source: str | None = None) -> RawH2:
+        """A connection to 127.0.0.1:``port``, from the loopback address ``source`` if given (another peer)."""
+        stream = await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
+        client = cls(stream, answer=preface)
         if preface:
             await client.send(PREFACE + SettingsFrame(0).serialize())
         return client
 
-    def headers(self, stream_id: int, *, end_stream: bool = False) -> bytes:
+    def headers(self, stream_id: int, *, end_stream: bool = False, path: str = START_SESSION,
+                metadata: tuple[tuple[str, str], ...] = ()) -> bytes:
         block = self.encoder.encode([
-            (":method", "POST"), (":scheme", "http"), (":path", START_SESSION), (":authority", "localhost"),
-            ("content-type", "application/grpc"), ("te", "trailers"),
+            (":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "localhost"),
+            ("content-type", "application/grpc"), ("te", "trailers"), *metadata,
         ])
         frame = HeadersFrame(stream_id, block)
         frame.flags.add("END_HEADERS")
@@ -145,7 +157,7 @@ class RawH2:
         elif isinstance(frame, RstStreamFrame):
             self.resets[frame.stream_id] = frame.error_code
         elif isinstance(frame, GoAwayFrame):
-            self.goaway = frame.error_code
+            self.goaway, self.goaway_last_stream = frame.error_code, frame.last_stream_id
         elif isinstance(frame, DataFrame) and frame.flow_controlled_length:
             size = frame.flow_controlled_length
             return WindowUpdateFrame(0, size).serialize() + WindowUpdateFrame(frame.stream_id, size).serialize()
@@ -257,21 +269,241 @@ async def silent_connection(port: int, *, preface: bool) -> str:
     return f"{goaway}closed after {time.monotonic() - start:.1f} s" if client.closed else "still open after 30 s"
 
 
+async def cycle_check_cost(port: int, fragments: int, *, chain: int = 250, fan: int = 100_000) -> str:
+    """Issue 22 item 2: ``chain`` nodes ``c1 -> c2 -> ...``, each also naming one hub with ``fan``
+    children, then ``fragments`` small fragments each naming ``c1``; an ECHO at the end proves
+    the server has checked them all. The check once re-walked the graph (6 s a fragment)."""
+    async with connect(f"127.0.0.1:{port}", timeout=600) as session:
+        hub = await session.send(Inner(tuple(NodeRef(f"leaf{i}") for i in range(fan)), id="hub"))
+        for i in range(chain, 0, -1):
+            await session.send(Inner((NodeRef(f"c{i + 1}"), hub) if i < chain else (hub,), id=f"c{i}"))
+        start = time.perf_counter()
+        for k in range(fragments):
+            await session.send(Inner((NodeRef("c1"),), id=f"x{k}"))
+        call = await session.run("ECHO", {"input": text("done")}, ["output"])
+        await call["output"].read_bytes()
+    return f"{fragments} fragments naming c1 checked in {time.perf_counter() - start:.2f} s"
+
+
+async def flatten_fanout(port: int, action: str, leaf_bytes: int | None, fan: tuple[int, ...]) -> str:
+    """Issue 22 item 3: one leaf of ``leaf_bytes`` (None: a node with no payload at all) shared
+    through nested fans (``(128,)``: a root naming it 128 times; ``(1000, 1000)``: a root naming
+    1000 times a node naming it 1000 times), then ``action`` over the root. Returns the session's
+    final status."""
+    shared = Inner((), id="shared") if leaf_bytes is None else Leaf((b"x" * leaf_bytes,), "text/plain", id="shared")
+    try:
+        async with connect(f"127.0.0.1:{port}", timeout=600) as session:
+            below = await session.send(shared)
+            for level, width in enumerate(reversed(fan)):
+                below = await session.send(Inner((below,) * width, id=f"fan{level}"))
+            output = "output" if action == "ECHO" else "response"
+            input_name = "input" if action == "ECHO" else "prompt"
+            call = await session.run(action, {input_name: below}, [output])
+            await call[output].read_bytes()
+    except SessionAbortedError as error:
+        return f"grpc-status {error.code.value} {error.message}"
+    return "grpc-status 0"
+
+
+async def connection_flood(port: int, count: int) -> str:
+    """Issue 22 item 4: ``count`` idle connections (preface only), held; how many the server refused."""
+    clients: list[RawH2] = []
+    try:
+        for _ in range(count):  # one after another: a burst past the listen backlog stalls everyone's connect
+            clients.append(await RawH2.open(port))
+        async with trio.open_nursery() as nursery:
+            for client in clients:
+                nursery.start_soon(client.until, lambda c: c.goaway is not None or c.settings != {}, 10)
+        refused = [c for c in clients if c.goaway == ENHANCE_YOUR_CALM and c.goaway_last_stream == 0]
+    finally:
+        for client in clients:
+            await client.aclose()
+    return f"{len(refused)} of {count} refused with GOAWAY ENHANCE_YOUR_CALM (last stream 0)"
+
+
+async def one_peer_sessions(port: int, sessions: int, *, source: str = "127.0.0.2") -> str:
+    """Issue 22 item 4: one remote address opens ``sessions`` silent sessions, 100 per connection."""
+    clients = []
+    statuses: dict[str, int] = {}
+    try:
+        for first in range(0, sessions, 100):
+            client = await RawH2.open(port, source=source)
+            clients.append(client)
+            await client.send(b"".join(client.headers(2 * i + 1) for i in range(min(100, sessions - first))))
+        with trio.move_on_after(5):
+            while sum(len(c.statuses) for c in clients) < sessions - 1:
+                for client in clients:
+                    await client.until(lambda c: False, 0.05)
+        for client in clients:
+            for status in client.statuses.values():
+                statuses[status.split()[0]] = statuses.get(status.split()[0], 0) + 1
+    finally:
+        for client in clients:
+            await client.aclose()
+    refused = statuses.get("8", 0)
+    return f"{sessions - refused} held, {refused} refused with grpc-status 8 (the peer's share)"
+
+
+async def health_watches(port: int, watches: int) -> str:
+    """Issue 22 item 4: ``watches`` Health/Watch streams, 100 per connection, held."""
+    from grpclib.health.v1.health_pb2 import HealthCheckRequest
+
+    body = HealthCheckRequest(service="").SerializeToString()
+    request = message_prefix(len(body)) + body
+    clients = []
+    try:
+        for first in range(0, watches, 100):
+            client = await RawH2.open(port)
+            clients.append(client)
+            await client.send(b"".join(
+                client.headers(2 * i + 1, path="/grpc.health.v1.Health/Watch") + client.data(2 * i + 1, request)
+                for i in range(min(100, watches - first))))
+        with trio.move_on_after(3):
+            while sum(len(c.statuses) for c in clients) < watches - 100:
+                for client in clients:
+                    await client.until(lambda c: False, 0.05)
+        refused = sum(s.startswith("8 ") for c in clients for s in c.statuses.values())
+    finally:
+        for client in clients:
+            await client.aclose()
+    return f"{watches - refused} held, {refused} refused with grpc-status 8"
+
+
+async def unauthenticated_streams(port: int, streams: int, *, batch: int = 50) -> str:
+    """Issue 22 item 4: ``streams`` sessions without a token on one connection, ``batch`` per write
+    (within SETTINGS_MAX_CONCURRENT_STREAMS), each batch once the last one was answered."""
+    client = await RawH2.open(port)
+    sent = 0
+    while sent < streams and client.goaway is None and not client.closed:
+        ids = [2 * (sent + i) + 1 for i in range(min(batch, streams - sent))]
+        sent += len(ids)
+        await client.send(b"".join(client.headers(i, end_stream=True) for i in ids))
+        await client.until(lambda c, ids=ids: c.goaway is not None or all(i in c.statuses for i in ids), 10)
+    await client.until(lambda c: c.goaway is not None, 2)
+    await client.aclose()
+    codes: dict[str, int] = {}
+    for status in client.statuses.values():
+        codes[status.split()[0]] = codes.get(status.split()[0], 0) + 1
+    goaway = "no GOAWAY" if client.goaway is None else f"GOAWAY {_code_name(client.goaway)}"
+    return f"{sent} sent, grpc-status {codes}, {goaway}"
+
+
+async def connect_from(source: str, port: int) -> trio.SocketStream:
+    """A TCP connection to 127.0.0.1:``port`` from the loopback address ``source`` (another client)."""
+    return await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
+
+
+async def scrape_from(source: str, port: int) -> bytes:
+    """One metrics scrape from ``source``: the response's bytes up to a sample every server has."""
+    stream = await connect_from(source, port)
+    with trio.fail_after(10):
+        await stream.send_all(SCRAPE)
+        response = b""
+        while b"evergreen_sessions_started_total" not in response:
+            data = await stream.receive_some(1 << 16)
+            if not data:
+                break
+            response += data
+    await stream.aclose()
+    return response
+
+
+async def closed_by_server(stream: trio.SocketStream, seconds: float = 10) -> int | None:
+    """Read until the server closes ``stream``: the responses read, or None if still open after ``seconds``."""
+    answered = 0
+    with trio.move_on_after(seconds):
+        try:
+            while data := await stream.receive_some(1 << 16):
+                answered += data.count(b"HTTP/1.1 200")
+        except trio.BrokenResourceError:
+            pass
+        return answered
+    return None
+
+
+async def metrics_hog(port: int, share: int = 16) -> str:
+    """Issue 22 item 6: one address opens its ``share`` of the metrics port and one more, then
+    pipelines 5,000 scrapes on a connection it never reads; another address scrapes meanwhile."""
+    held = [await connect_from("127.0.0.2", port) for _ in range(share)]
+    try:
+        extra = await closed_by_server(await connect_from("127.0.0.2", port), 5)
+        other = (await scrape_from("127.0.0.3", port)).split(b"\r\n", 1)[0].decode()
+    finally:
+        for stream in held:
+            await stream.aclose()
+    start = time.monotonic()
+    reader = await connect_from("127.0.0.2", port)
+    await reader.send_all(SCRAPE * 5000)
+    await trio.sleep(12)  # past the 10 s send deadline, reading nothing
+    answered = await closed_by_server(reader, 10)
+    await reader.aclose()
+    extra_said = "closed at accept" if extra == 0 else "kept"
+    non_reader = f"closed after {time.monotonic() - start:.0f} s ({answered} of 5000 answered)"
+    return f"connection {share + 1} {extra_said}; another address: {other}; non-reader {non_reader}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    pids: list[int] = []
+    for children in os.scandir(f"/proc/{pid}/task"):
+        try:
+            with open(f"{children.path}/children") as listing:
+                pids += [int(p) for p in listing.read().split()]
+        except FileNotFoundError:
+            continue
+    return sorted(pids)
+
+
+async def freeze_worker(supervisor: int, address: str) -> str:
+    """Issue 22 item 5: SIGSTOP one worker of ``serve --workers 2``; how long until it is replaced,
+    and whether new sessions are then served."""
+    victim = _children(supervisor)[0]
+    start = time.monotonic()
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        with trio.fail_after(60):
+            while _alive(victim) or len(_children(supervisor)) < 2:  # noqa: ASYNC110 - another process
+                await trio.sleep(0.05)
+    finally:
+        if _alive(victim):
+            os.kill(victim, signal.SIGKILL)
+    replaced = time.monotonic() - start
+    served = 0
+    for _ in range(8):
+        with contextlib.suppress(Exception):
+            await echo_once(address)
+            served += 1
+    return f"replaced after {replaced:.1f} s; then {served}/8 new sessions served"
+
+
 # -- the benchmark -------------------------------------------------------------------------------
 
 
-async def echo_once(address: str) -> float:
+async def echo_once(address: str, metadata: Mapping[str, str] | None = None) -> float:
     """One ECHO session on a fresh connection; its duration in ms."""
     start = time.perf_counter()
-    async with connect(address, timeout=30) as session:
+    async with connect(address, timeout=30, metadata=metadata) as session:
         call = await session.run("ECHO", {"input": text("ping")}, ["output"])
         await call["output"].read_bytes()
     return (time.perf_counter() - start) * 1000
 
 
-async def probe(address: str, samples: list[float], stop: trio.Event) -> None:
+async def probe(address: str, samples: list[float], stop: trio.Event,
+                metadata: Mapping[str, str] | None = None) -> None:
+    """ECHO sessions back to back until ``stop``; a failed one counts as the time it took (a stall)."""
     while not stop.is_set():
-        samples.append(await echo_once(address))
+        start = time.perf_counter()
+        try:
+            samples.append(await echo_once(address, metadata))
+        except Exception:  # a worker killed under it, a refused session: the wait is what counts
+            samples.append((time.perf_counter() - start) * 1000)
         await trio.sleep(0.01)
 
 
@@ -283,13 +515,14 @@ def rss_mib(pid: int) -> float:
     return math.nan
 
 
-async def _measure(address: str, pid: int, attack: Callable[[], Awaitable[str]]) -> tuple[str, list[float], float]:
+async def _measure(address: str, pid: int, attack: Callable[[], Awaitable[str]],
+                   metadata: Mapping[str, str] | None = None) -> tuple[str, list[float], float]:
     samples: list[float] = []
     stop = trio.Event()
     before = rss_mib(pid)
     peak = before
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(probe, address, samples, stop)
+        nursery.start_soon(probe, address, samples, stop, metadata)
 
         async def watch_rss() -> None:
             nonlocal peak
@@ -310,8 +543,9 @@ def attacks(quick: bool) -> list[dict[str, object]]:
 
 
 @asynccontextmanager
-async def _serve(*args: str) -> AsyncIterator[tuple[trio.Process, str]]:
-    """``evergreen-trio serve --port 0 ARGS`` in a child process: (process, its address)."""
+async def _serve(*args: str, printed: list[str] | None = None) -> AsyncIterator[tuple[trio.Process, str]]:
+    """``evergreen-trio serve --port 0 ARGS`` in a child process: (process, its address); with
+    ``--metrics-port``, the metrics line is appended to ``printed``."""
     command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
@@ -319,20 +553,41 @@ async def _serve(*args: str) -> AsyncIterator[tuple[trio.Process, str]]:
         assert process.stdout is not None
         line = b""
         with trio.fail_after(30):
-            while not line.endswith(b"\n"):
+            while line.count(b"\n") < (2 if "--metrics-port" in args else 1):
                 line += await process.stdout.receive_some(1)
-        yield process, line.decode().split()[-1]
+        first, *more = line.decode().splitlines()
+        if printed is not None:
+            printed += more
+        yield process, first.split()[-1]
     finally:
         process.terminate()
         await process.wait()
 
 
+Plan = list[tuple[str, str, Callable[[], Awaitable[str]]]]
+
+
+async def _rows(address: str, pid: int, plan: Plan, idle_p50: float,
+                metadata: Mapping[str, str] | None = None) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for name, expected, run in plan:
+        observed, samples, growth = await _measure(address, pid, run, metadata)
+        rows.append({
+            "server": "session", "attack": name, "expected": expected, "observed": observed,
+            "idle_p50_ms": round(idle_p50, 2), "p50_ms": round(statistics.median(samples), 2),
+            "max_ms": round(max(samples), 2), "rss_growth_mib": round(growth, 1),
+        })
+    return rows
+
+
 async def _attacks(quick: bool) -> list[dict[str, object]]:
-    async with _serve(*ServerArgs) as (process, address):
+    printed: list[str] = []
+    async with _serve(*ServerArgs, printed=printed) as (process, address):
+        metrics_port = int(printed[0].rsplit(":", 1)[1].split("/")[0])
         port = int(address.rsplit(":", 1)[1])
         idle = [await echo_once(address) for _ in range(10 if quick else 50)]
         idle_p50 = statistics.median(idle)
-        plan: list[tuple[str, str, Callable[[], Awaitable[str]]]] = [
+        plan: Plan = [
             ("4 GiB message prefix", "grpc-status 8 (RESOURCE_EXHAUSTED), nothing buffered",
              lambda: oversized_prefix(port)),
             ("150 streams on one connection", "max_concurrent_streams=100 refused=50 no GOAWAY ping=answered",
@@ -349,16 +604,53 @@ async def _attacks(quick: bool) -> list[dict[str, object]]:
              lambda: silent_connection(port, preface=False)),
             ("connection without a stream", "GOAWAY 0 (NO_ERROR) after --idle-timeout 2",
              lambda: silent_connection(port, preface=True)),
+            ("22.2 250-node chain over a 100,000-child hub, then small fragments naming its head",
+             "each fragment checked in proportion to itself (was 6 s of frozen server each)",
+             lambda: cycle_check_cost(port, 200 if quick else 1000)),
+            ("22.3 GENERATE over a 4 MiB leaf shared 128 times (512 MiB flattened)",
+             "grpc-status 8 at max_flattened_bytes (256 MiB); the toy keeps one chunk",
+             lambda: flatten_fanout(port, "GENERATE", 4 << 20, (128,))),
+            ("22.3 GENERATE over an empty node shared 1000 x 1001 times",
+             "grpc-status 8 at max_flattened_nodes (1,000,000); the walk pauses every 1,024 steps",
+             lambda: flatten_fanout(port, "GENERATE", None, (1000, 1001))),
+            ("22.3 ECHO over a 1-byte leaf shared 5 x 1000 times (50 x 1000 without --quick)",
+             "served (under the limits), other sessions unaffected",
+             lambda: flatten_fanout(port, "ECHO", 1, (5 if quick else 50, 1000))),
+            ("22.4 150 Health/Watch streams", "100 held, 50 refused with grpc-status 8",
+             lambda: health_watches(port, 150)),
+            ("22.6 metrics port: 17 connections from one address, then 5,000 scrapes never read",
+             "the 17th closed at accept, another address scrapes; non-reader closed at the 10 s send deadline",
+             lambda: metrics_hog(metrics_port)),
         ]
-        rows: list[dict[str, object]] = []
-        for name, expected, run in plan:
-            observed, samples, growth = await _measure(address, process.pid, run)
-            rows.append({
-                "server": "session", "attack": name, "expected": expected, "observed": observed,
-                "idle_p50_ms": round(idle_p50, 2), "p50_ms": round(statistics.median(samples), 2),
-                "max_ms": round(max(samples), 2), "rss_growth_mib": round(growth, 1),
-            })
-        return rows
+        rows = await _rows(address, process.pid, plan, idle_p50)
+    caps = ("--max-sessions-per-peer", "300", "--idle-timeout", "30", "--first-message-timeout", "30")
+    async with _serve(*ServerArgs, *caps) as (process, address):
+        port = int(address.rsplit(":", 1)[1])
+        rows += await _rows(address, process.pid, [
+            ("22.4 1,100 idle connections (--max-connections 1000, 30 s timeouts)",
+             "GOAWAY ENHANCE_YOUR_CALM (last stream 0) past the cap, closed at once",
+             lambda: connection_flood(port, 1100)),
+            ("22.4 400 silent sessions from one address (--max-sessions-per-peer 300)",
+             "300 held, 100 refused with grpc-status 8; other addresses unaffected",
+             lambda: one_peer_sessions(port, 400)),
+        ], idle_p50)
+    with tempfile.TemporaryDirectory() as folder:
+        tokens = os.path.join(folder, "tokens")
+        await trio.Path(tokens).write_text("let-me-in\n")
+        async with _serve(*ServerArgs, "--auth-token-file", tokens) as (process, address):
+            port = int(address.rsplit(":", 1)[1])
+            rows += await _rows(address, process.pid, [
+                ("22.4 1,000 sessions without a token on one connection, 50 per write (--auth-token-file)",
+                 "grpc-status 16 each, counted nowhere; GOAWAY ENHANCE_YOUR_CALM past 100 refusals",
+                 lambda: unauthenticated_streams(port, 1000)),
+            ], idle_p50, {"authorization": "Bearer let-me-in"})
+    async with _serve("--workers", "2", "--worker-heartbeat-timeout", "1") as (process, address):
+        rows += await _rows(address, process.pid, [
+            ("22.5 --workers 2: one worker frozen (SIGSTOP)",
+             "killed after --worker-heartbeat-timeout 1 and restarted; new sessions served",
+             lambda: freeze_worker(process.pid, address)),
+        ], idle_p50)
+    return rows
 
 
 def cpu_seconds(pid: int) -> float:

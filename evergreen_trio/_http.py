@@ -11,6 +11,7 @@ per endpoint on the same thread as the ext_proc server.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -64,13 +65,22 @@ async def _read_request(
             return None
 
 
-async def _send(conn: h11.Connection, stream: trio.abc.Stream, event: h11.Event) -> None:
+class _SendTimeoutError(Exception):
+    """One write waited longer than the connection's send deadline: the peer is not reading."""
+
+
+async def _send(conn: h11.Connection, stream: trio.abc.Stream, event: h11.Event, deadline_s: float = math.inf) -> None:
     data = conn.send(event)
     if data:
-        await stream.send_all(data)
+        with trio.move_on_after(deadline_s) as scope:
+            await stream.send_all(data)
+        if scope.cancelled_caught:
+            raise _SendTimeoutError
 
 
-async def _connection(handler: Handler, max_body: int, read_timeout: float, stream: trio.SocketStream) -> None:
+async def _connection(
+    handler: Handler, max_body: int, read_timeout: float, stream: trio.SocketStream, send_timeout: float = math.inf
+) -> None:
     conn = h11.Connection(h11.SERVER)
     try:
         while True:
@@ -83,24 +93,27 @@ async def _connection(handler: Handler, max_body: int, read_timeout: float, stre
             except h11.RemoteProtocolError as exc:
                 if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                     status = exc.error_status_hint
-                    await _send(conn, stream, h11.Response(status_code=status, headers=[("content-length", "0")]))
+                    await _send(conn, stream, h11.Response(status_code=status, headers=[("content-length", "0")]),
+                                send_timeout)
                 return
             response = await handler(request)
             headers = list(response.headers)
             if response.chunks is None and response.stream is None:
                 headers.append(("content-length", str(len(response.body))))
-            await _send(conn, stream, h11.Response(status_code=response.status, headers=headers))
+            await _send(conn, stream, h11.Response(status_code=response.status, headers=headers), send_timeout)
             if response.body:
-                await _send(conn, stream, h11.Data(data=response.body))
+                await _send(conn, stream, h11.Data(data=response.body), send_timeout)
             for chunk in response.chunks or ():
-                await _send(conn, stream, h11.Data(data=chunk))
+                await _send(conn, stream, h11.Data(data=chunk), send_timeout)
             if response.stream is not None:
                 async for chunk in response.stream:
-                    await _send(conn, stream, h11.Data(data=chunk))
-            await _send(conn, stream, h11.EndOfMessage())
+                    await _send(conn, stream, h11.Data(data=chunk), send_timeout)
+            await _send(conn, stream, h11.EndOfMessage(), send_timeout)
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return
             conn.start_next_cycle()
+    except _SendTimeoutError:
+        log.info("http.send_timeout timeout_s=%s", send_timeout)
     except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
         return
     finally:
@@ -115,29 +128,52 @@ async def serve_http(
     max_body: int = 64 * 1024 * 1024,
     read_timeout: float = 30.0,
     max_connections: int = 256,
+    send_timeout: float = math.inf,
+    max_connections_per_client: int | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` on ``host:port`` until cancelled; ``started`` gets the bound port.
 
     A connection is closed when a request (or, kept alive, the next one) takes longer than
-    ``read_timeout`` to arrive; past ``max_connections`` open at once a new one is closed at once.
+    ``read_timeout`` to arrive, or when one write waits longer than ``send_timeout`` for the peer to
+    read; past ``max_connections`` open at once, or ``max_connections_per_client`` from one remote
+    address, a new one is closed at once (one warning per burst).
     """
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound: int = listeners[0].socket.getsockname()[1]
     log.debug("http.listening host=%s port=%d", host, bound)
     open_connections = 0
+    per_client: dict[str, int] = {}
+    refusing = False
 
     async def connection(stream: trio.SocketStream) -> None:
-        nonlocal open_connections
-        if open_connections >= max_connections:
-            log.warning("http.refused port=%d open=%d (max_connections)", bound, open_connections)
+        nonlocal open_connections, refusing
+        try:
+            client = str(stream.socket.getpeername()[0])
+        except OSError:  # gone already
             await stream.aclose()
             return
+        held = per_client.get(client, 0)
+        if open_connections >= max_connections or (
+            max_connections_per_client is not None and held >= max_connections_per_client
+        ):
+            if not refusing:
+                refusing = True
+                which = "max_connections" if open_connections >= max_connections else "max_connections_per_client"
+                log.warning("http.refused port=%d open=%d client=%s client_open=%d (%s)", bound,
+                            open_connections, client, held, which)
+            await stream.aclose()
+            return
+        refusing = False
         open_connections += 1
+        per_client[client] = held + 1
         try:
-            await _connection(handler, max_body, read_timeout, stream)
+            await _connection(handler, max_body, read_timeout, stream, send_timeout)
         finally:
             open_connections -= 1
+            per_client[client] -= 1
+            if not per_client[client]:
+                del per_client[client]
 
     async with trio.open_nursery() as nursery:
         task_status.started(bound)

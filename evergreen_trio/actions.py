@@ -40,26 +40,48 @@ async def echo(ctx: ActionContext) -> None:
         await leaf.close()
 
 
+TOPIC_CHARS = 256
+"""The toy's answer quotes at most this many of the prompt's last characters (a prompt may be one long word)."""
+
+
 def toy_answer(prompt: str) -> list[str]:
     """A deterministic answer that quotes the prompt's last words, split into word-sized pieces."""
-    topic = " ".join(prompt.split()[-8:]) or "nothing"
-    digest = hashlib.sha256(prompt.encode()).hexdigest()[:8]
-    answer = f"You asked: {topic!r}. This toy model answers in streamed fragments (prompt digest {digest})."
+    return _toy_answer(last_words(prompt), hashlib.sha256(prompt.encode()).hexdigest())
+
+
+def _toy_answer(tail: str, digest: str) -> list[str]:
+    topic = " ".join(tail.split()[-8:])[-TOPIC_CHARS:]
+    answer = (f"You asked: {topic or 'nothing'!r}. This toy model answers in streamed fragments "
+              f"(prompt digest {digest[:8]}).")
     return re.findall(r"\S+\s*", answer)
+
+
+def last_words(text: str, count: int = 9) -> str:
+    """``text``'s last ``count`` words, space-separated, at most ``TOPIC_CHARS`` of the last one, and a
+    trailing space if ``text`` ends in one: ``_toy_answer`` of ``last_words(last_words(a) + b)`` is
+    that of ``last_words(a + b)``, so a prompt read chunk by chunk keeps only this much."""
+    # Each word's last TOPIC_CHARS decide the topic's last TOPIC_CHARS, however the prompt is cut.
+    words = text.rsplit(None, count)[-count:]
+    return " ".join(word[-TOPIC_CHARS:] for word in words) + (" " if text[-1:].isspace() else "")
 
 
 async def generate(ctx: ActionContext) -> None:
     """Input ``prompt`` (or ``text``), output ``response`` (or ``text``): streamed in several fragments,
-    at most ``max_tokens`` of them when the configs say so. The toy model reads the prompt's text
-    chunks only (it sees no images or video)."""
+    at most ``max_tokens`` of them when the configs say so.
+
+    The prompt's text (its ``text/*`` chunks) is never held whole: only its digest and last words,
+    so memory follows the largest chunk, not the flattened input (a shared chunk repeated 128 times).
+    """
     params = parse_configs(ctx.action.configs, where=describe(ctx.action))
-    words = []
+    digest, tail = hashlib.sha256(), ""
     async for chunk in ctx.input("prompt", "text"):
+        data = await chunk.read()
         if chunk.mimetype.startswith("text/"):
-            words.append((await chunk.read()).decode("utf-8", errors="replace"))
-    prompt = "".join(words)
+            text = data.decode("utf-8", errors="replace")
+            digest.update(text.encode())
+            tail = last_words(tail + text)
     response = ctx.output("response", "text")
-    pieces = toy_answer(prompt)[: params.max_tokens]
+    pieces = _toy_answer(tail, digest.hexdigest())[: params.max_tokens]
     for index, piece in enumerate(pieces):
         await response.write(piece, last=index == len(pieces) - 1)
         await trio.lowlevel.checkpoint()

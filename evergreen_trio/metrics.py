@@ -24,6 +24,15 @@ ACTION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0
 MAX_REQUEST_BODY = 4096
 """A scrape is a GET: a client sending a larger body is cut off with 413."""
 
+SCRAPE_SEND_TIMEOUT = 10.0
+"""Seconds one write of a scrape's response may wait for the client to read, then the connection is closed."""
+
+MAX_SCRAPE_CONNECTIONS = 256
+"""Connections open at once on the metrics port; a new one past it is closed at accept."""
+
+MAX_SCRAPE_CONNECTIONS_PER_CLIENT = 16
+"""Connections open at once from one remote address (a Prometheus scraper needs one or two)."""
+
 
 def abort_reason(error: SessionError) -> str:
     """A bounded label for why a session aborted: the error's class in snake case, less a trailing
@@ -94,11 +103,15 @@ async def serve_metrics(
     host: str,
     port: int,
     *,
+    send_timeout: float = SCRAPE_SEND_TIMEOUT,
+    max_connections_per_client: int = MAX_SCRAPE_CONNECTIONS_PER_CLIENT,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The Prometheus exporter: ``GET`` (any path) renders ``registry``; other methods get 405.
 
-    Serves until cancelled; ``started`` gets the bound port (0 picks a free one).
+    Serves until cancelled; ``started`` gets the bound port (0 picks a free one). A client that
+    does not read a response within ``send_timeout`` is disconnected; one remote address holds at
+    most ``max_connections_per_client`` of the port's ``MAX_SCRAPE_CONNECTIONS``.
     """
 
     # Rendering runs in a worker thread, one at a time: a scrape never holds the Trio thread that
@@ -111,7 +124,9 @@ async def serve_metrics(
         body = await trio.to_thread.run_sync(generate_latest, registry, limiter=render)
         return HttpResponse(200, [("content-type", CONTENT_TYPE_LATEST)], body)
 
-    await serve_http(handle, host, port, max_body=MAX_REQUEST_BODY, task_status=task_status)
+    await serve_http(handle, host, port, max_body=MAX_REQUEST_BODY, max_connections=MAX_SCRAPE_CONNECTIONS,
+                     send_timeout=send_timeout, max_connections_per_client=max_connections_per_client,
+                     task_status=task_status)
 
 
 __all__ = [

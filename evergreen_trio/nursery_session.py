@@ -35,6 +35,7 @@ from evergreen_trio.dag import (
     LeafStart,
     LimitExceededError,
     NotTextError,
+    Pause,
     ProtocolViolationError,
     SessionAbortedError,
     SessionError,
@@ -54,6 +55,11 @@ log = logging.getLogger(__name__)
 
 PACK_BYTES = 1 << 20
 """Fragments queued together are packed into one SessionMessage up to about this many bytes."""
+
+FLATTEN_STEPS = 1024
+"""An input's flattening lets other tasks run after about this much work: events, KiB of inline
+bytes, or steps through nodes without an event (a shared node repeated 1000 x 1000 times, or a
+4 MiB one 128 times, must not hold the one thread)."""
 
 Outbound = NodeFragment | Action
 
@@ -505,13 +511,22 @@ class _Walk:
         self._session = session
         self._cursor = FlattenCursor(session.graph, node_id)
         self.current: ChunkReader | None = None
+        self._work = 0
 
     async def next(self) -> LeafStart | LeafBytes | LeafEnd | None:
+        # The walk yields to other tasks every FLATTEN_STEPS steps (events, KiB or nodes entered),
+        # so a wide or deeply shared input cannot hold the event loop.
         while True:
-            event = self._cursor.next()
-            if not isinstance(event, Wait):
+            event = self._cursor.next(FLATTEN_STEPS)
+            if isinstance(event, Wait):
+                await self._session.wait_for(event.node_id)
+                continue
+            self._work += 1 + (len(event.part.data) >> 10 if isinstance(event, LeafBytes) else 0)
+            if isinstance(event, Pause) or self._work >= FLATTEN_STEPS:
+                self._work = 0
+                await trio.lowlevel.checkpoint()
+            if not isinstance(event, Pause):
                 return event
-            await self._session.wait_for(event.node_id)
 
     async def leaf_parts(self, reader: ChunkReader) -> AsyncIterator[bytes | ExternalRef]:
         while not reader.done and reader is self.current:

@@ -6,12 +6,14 @@ import inspect
 import logging
 import random
 import ssl
+import weakref
 from collections.abc import Iterable
 from functools import partial
 
 import trio
+from grpclib.const import Status
 
-from evergreen_trio._grpc.bridge import MessageStream, SessionAcceptor, serve_grpclib
+from evergreen_trio._grpc.bridge import MessageStream, RpcAbortError, SessionAcceptor, serve_grpclib
 from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.limits import TransportLimits
 from evergreen_trio._grpc.reflection import with_reflection
@@ -36,6 +38,11 @@ log = logging.getLogger(__name__)
 DRAIN_GRACE_SECONDS = 30.0
 """How long :meth:`Server.drain` lets open sessions run by default."""
 
+IDLE_TIMEOUT_SECONDS = 120.0
+"""``Server(idle_timeout=)``'s default: a session silent both ways with no action running, or a
+connection with no session, is ended after this long (it was 300 s: an idle session holds its share
+of the caps, so a short life bounds what idle peers can hold)."""
+
 SHUTDOWN_GRACE_SECONDS = 5.0
 """How long a stopping server waits for open sessions to receive their UNAVAILABLE status."""
 
@@ -51,8 +58,12 @@ class Server(ActionRegistry):
 
     - ``tls``: serve TLS (:func:`evergreen_trio.tls.server_context`); ``authorize``: called with each
       session's metadata and :class:`~evergreen_trio.auth.Peer` before the session starts.
-    - ``max_sessions`` open on the server, ``max_sessions_per_connection`` (advertised as HTTP/2
-      SETTINGS_MAX_CONCURRENT_STREAMS; a stream past it gets RST_STREAM(REFUSED_STREAM)).
+    - ``max_sessions`` open on the server, ``max_sessions_per_peer`` from one remote address (its
+      share), ``max_sessions_per_connection`` (advertised as HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS;
+      a stream past it gets RST_STREAM(REFUSED_STREAM)), ``max_connections`` (past it a new
+      connection gets GOAWAY(ENHANCE_YOUR_CALM) and is closed). A plain (not async) ``authorize``
+      runs before a session is counted or started: a refusal costs no task, and a connection with
+      more than ``max_sessions_per_connection`` refusals gets GOAWAY(ENHANCE_YOUR_CALM).
     - ``first_message_timeout``: a session that sends nothing that long, and a connection that does
       not finish its HTTP/2 (and TLS) handshake, are ended. ``idle_timeout``: a session with no
       message either way and no action running that long, and a connection with no session, are
@@ -77,9 +88,11 @@ class Server(ActionRegistry):
         tls: ssl.SSLContext | None = None,
         authorize: Authorizer | None = None,
         max_sessions: int = 10_000,
+        max_sessions_per_peer: int = 2_500,
         max_sessions_per_connection: int = 100,
+        max_connections: int = 4096,
         first_message_timeout: float = 30.0,
-        idle_timeout: float | None = 300.0,
+        idle_timeout: float | None = IDLE_TIMEOUT_SECONDS,
         max_message_bytes: int | None = None,
         error_details: bool = False,
         reflection: bool = True,
@@ -96,7 +109,9 @@ class Server(ActionRegistry):
         self.first_message_timeout = first_message_timeout
         self.idle_timeout = idle_timeout
         self.transport_limits = TransportLimits(
+            max_connections=max_connections,
             max_streams=max_sessions,
+            max_streams_per_peer=max_sessions_per_peer,
             max_streams_per_connection=max_sessions_per_connection,
             max_message_bytes=max_message_bytes or limits.max_fragment_bytes + PACK_BYTES + 64 * 1024,
             handshake_timeout=first_message_timeout,
@@ -106,6 +121,8 @@ class Server(ActionRegistry):
         self.reflection = reflection
         self.health = ServerHealth(("", SERVICE))
         self._open: set[MessageStream[Outbound]] = set()
+        # Principals of the sessions a plain authorize admitted before they were counted.
+        self._admitted: weakref.WeakKeyDictionary[MessageStream[Outbound], object] = weakref.WeakKeyDictionary()
         self._draining = False
         self._session_closed: trio.Event | None = None
 
@@ -135,7 +152,7 @@ class Server(ActionRegistry):
         """
         acceptor: SessionAcceptor[SessionMessage, Outbound] = SessionAcceptor(
             START_SESSION, SessionMessage, SessionMessage, pack_messages, limits=self.transport_limits,
-            on_limit=self.metrics.limit_hit,
+            on_limit=self.metrics.limit_hit, admit=self._admit if _plain(self.authorize) else None,
         )
         grpc = partial(
             serve_grpclib, limits=self.transport_limits, tls=self.tls, reuse_port=reuse_port,
@@ -212,12 +229,30 @@ class Server(ActionRegistry):
             if self._session_closed is not None:
                 self._session_closed.set()
 
+    def _admit(self, stream: MessageStream[Outbound]) -> None:
+        """A plain ``authorize``, run in the acceptor before the session is counted: a refusal is
+        raised as RpcAbortError (the stream ends with its status; nothing starts for it)."""
+        assert self.authorize is not None
+        try:
+            self._admitted[stream] = self.authorize(stream.metadata, Peer(stream.peer, stream.peer_certificate))
+        except SessionError as refused:
+            log.info("session.refused peer=%s code=%s reason=%s", stream.peer, refused.code.name, refused.message)
+            self.metrics.aborted(refused.code.name.lower())
+            raise RpcAbortError(Status(refused.code.value), refused.message) from None
+        except Exception:
+            log.exception("session.authorize_failed peer=%s", stream.peer)
+            raise RpcAbortError(Status.INTERNAL, "the server could not check the credentials") from None
+
     async def _authorized(self, stream: MessageStream[Outbound], session: ServerSession) -> bool:
-        """Run ``authorize``; a refusal ends the stream with its status before anything else runs."""
+        """Run ``authorize`` (unless it ran at admission); a refusal ends the stream with its status
+        before anything else runs."""
         if self.authorize is None:
             return True
         try:
-            principal = self.authorize(stream.metadata, Peer(stream.peer, stream.peer_certificate))
+            if stream in self._admitted:
+                principal = self._admitted.pop(stream)
+            else:
+                principal = self.authorize(stream.metadata, Peer(stream.peer, stream.peer_certificate))
             if inspect.isawaitable(principal):
                 principal = await principal
         except SessionError as refused:
@@ -229,7 +264,7 @@ class Server(ActionRegistry):
             log.exception("session.authorize_failed peer=%s", stream.peer)
             stream.finish(StatusCode.INTERNAL, "the server could not check the credentials")
             return False
-        session.principal = principal
+        session.principal = principal  # type: ignore[assignment]
         return True
 
     async def _expire(self, stream: MessageStream[Outbound], session: ServerSession, scope: trio.CancelScope) -> None:
@@ -273,3 +308,11 @@ class Server(ActionRegistry):
             for stream in list(self._open):
                 stream.finish(StatusCode.UNAVAILABLE, "the server is shutting down")
                 await stream.wait_closed()
+
+
+def _plain(authorize: Authorizer | None) -> bool:
+    """Whether ``authorize`` is a plain function (it may then run in the acceptor, before counting)."""
+    if authorize is None:
+        return False
+    call = getattr(authorize, "__call__", None)  # noqa: B004 - a callable object's own __call__
+    return not (inspect.iscoroutinefunction(authorize) or inspect.iscoroutinefunction(call))

@@ -32,9 +32,18 @@ from evergreen_trio.errors import ConfigurationError
 from evergreen_trio.generate import APIS, BackendConfigError, BackendSettings
 from evergreen_trio.metrics import serve_metrics
 from evergreen_trio.refs import FileResolver
-from evergreen_trio.server import DRAIN_GRACE_SECONDS, Server
+from evergreen_trio.server import DRAIN_GRACE_SECONDS, IDLE_TIMEOUT_SECONDS, Server
 from evergreen_trio.signals import drain_on_signals
-from evergreen_trio.workers import Supervisor, WorkerError, multiprocess_registry, reserve_port, signal_self_when_gone
+from evergreen_trio.workers import (
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    Supervisor,
+    WorkerError,
+    heartbeat,
+    multiprocess_registry,
+    reserve_port,
+    signal_self_when_gone,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +110,9 @@ def add_operations_arguments(parser: argparse.ArgumentParser) -> None:
                             "run this long before ending them with UNAVAILABLE (default: %(default)s)")
     group.add_argument("--workers", type=positive_int, default=1, metavar="N",
                        help="N server processes on the port (SO_REUSEPORT), restarted if they die (default: 1)")
+    group.add_argument("--worker-heartbeat-timeout", type=seconds, default=HEARTBEAT_TIMEOUT, metavar="S",
+                       help="with --workers: a worker whose loop sends no heartbeat for S seconds is killed and "
+                            "restarted (default: %(default)s)")
     group.add_argument("--reuse-port", action="store_true",
                        help="listen with SO_REUSEPORT, so other processes can serve the same port")
     group.add_argument("--supervised-by", type=int, default=None, help=argparse.SUPPRESS)
@@ -137,10 +149,16 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
                        help="sessions open on the server, then RESOURCE_EXHAUSTED (default: %(default)s)")
     group.add_argument("--max-sessions-per-connection", type=positive_int, default=100, metavar="N",
                        help="HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS (default: %(default)s)")
+    group.add_argument("--max-sessions-per-peer", type=positive_int, default=2_500, metavar="N",
+                       help="sessions open from one remote address, then RESOURCE_EXHAUSTED; behind a proxy "
+                            "(Envoy) raise it to --max-sessions (default: %(default)s)")
+    group.add_argument("--max-connections", type=positive_int, default=4096, metavar="N",
+                       help="connections open on the server, then GOAWAY(ENHANCE_YOUR_CALM) and close "
+                            "(default: %(default)s)")
     group.add_argument("--first-message-timeout", type=seconds, default=30.0, metavar="S",
                        help="a session that sends nothing, or a connection that does not finish its "
                             "handshake, is ended after S seconds (default: %(default)s)")
-    group.add_argument("--idle-timeout", type=seconds, default=300.0, metavar="S",
+    group.add_argument("--idle-timeout", type=seconds, default=IDLE_TIMEOUT_SECONDS, metavar="S",
                        help="a session silent both ways with no action running, or a connection with "
                             "no session, is ended after S seconds; 0: never (default: %(default)s)")
     group.add_argument("--send-error-details", action="store_true",
@@ -163,6 +181,8 @@ def security_from_args(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {
         "max_sessions": args.max_sessions,
         "max_sessions_per_connection": args.max_sessions_per_connection,
+        "max_sessions_per_peer": args.max_sessions_per_peer,
+        "max_connections": args.max_connections,
         "first_message_timeout": args.first_message_timeout,
         "idle_timeout": args.idle_timeout or None,
     }
@@ -217,6 +237,9 @@ def run_serve(args: argparse.Namespace) -> int:
     ServeConfigError (exit 2)."""
     backend = backend_from_args(args)
     security = security_from_args(args)
+    if not args.worker_heartbeat_timeout > 0:
+        got = args.worker_heartbeat_timeout
+        raise ServeConfigError(f"--worker-heartbeat-timeout: expected more than 0 s, got {got:g}")
     server = server_from_args(args, security)
     scheme = " TLS" if server.tls is not None else ""
     target = f" (GENERATE -> {backend.endpoint} model {backend.model})" if backend else ""
@@ -229,9 +252,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.workers > 1 and args.supervised_by is None:
         return run_workers(args, serving)
     supervised = args.supervised_by is not None
+    announced = trio.Event()
 
     def announce(ports: tuple[int, int | None]) -> None:
         _announce(serving(ports[0]), args.host, ports[1])
+        announced.set()
 
     async def serve(*, task_status: trio.TaskStatus[tuple[int, int | None]] = trio.TASK_STATUS_IGNORED) -> None:
         async with AsyncExitStack() as stack:
@@ -245,6 +270,8 @@ def run_serve(args: argparse.Namespace) -> int:
             async with trio.open_nursery() as nursery:
                 if supervised:
                     nursery.start_soon(signal_self_when_gone, args.supervised_by)
+                    # Beats well within the supervisor's timeout (the worker got the same flag).
+                    nursery.start_soon(heartbeat, announced, min(HEARTBEAT_INTERVAL, args.worker_heartbeat_timeout / 5))
                 metrics = None
                 if args.metrics_port is not None and not supervised:  # a supervisor serves its workers' metrics
                     metrics = await nursery.start(serve_metrics, server.metrics.registry, args.host, args.metrics_port)
@@ -280,7 +307,8 @@ def run_workers(args: argparse.Namespace, serving: Callable[[int], str]) -> int:
 
     async def main(metrics_dir: str | None) -> None:
         # Each worker drains for up to --drain-grace; the rest is for its final statuses and exit.
-        supervisor = Supervisor(command, args.workers, metrics_dir=metrics_dir, stop_timeout=args.drain_grace + 15)
+        supervisor = Supervisor(command, args.workers, metrics_dir=metrics_dir, stop_timeout=args.drain_grace + 15,
+                                heartbeat_timeout=args.worker_heartbeat_timeout)
         async with trio.open_nursery() as nursery:
             cancel = nursery.cancel_scope
             nursery.start_soon(drain_on_signals, supervisor.shutdown, supervisor.stop, cancel)

@@ -8,6 +8,11 @@ while the supervisor runs is logged and restarted after a backoff that doubles w
 failing (a crash loop costs little); a stopping supervisor sends every worker SIGTERM (each
 drains) and SIGKILLs the ones still running after ``stop_timeout``.
 
+A worker also beats: once its first line is out, it writes a byte to the same pipe every
+``HEARTBEAT_INTERVAL`` seconds from its Trio loop. A worker silent for ``heartbeat_timeout``
+(frozen by SIGSTOP, a deadlock, a loop that never yields) is SIGKILLed and restarted like one
+that exited, so it stops taking its share of new connections.
+
 Workers record metrics into prometheus_client's multiprocess files in a directory the
 supervisor owns, and the supervisor serves their sum; a worker watches the supervisor's pid and
 drains if it disappears, so no worker outlives it.
@@ -20,6 +25,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +41,13 @@ log = logging.getLogger(__name__)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 MAX_READY_LINE = 4096
 """The first line a worker prints (``evergreen-trio serving on ...``) is cut off past this."""
+
+HEARTBEAT_INTERVAL = 1.0
+"""Seconds between a worker's heartbeats (one byte on its stdout, after its ready line); a fifth of
+the timeout when that is shorter."""
+
+HEARTBEAT_TIMEOUT = 10.0
+"""Seconds without a heartbeat after which the supervisor takes a worker for hung and replaces it."""
 
 
 class WorkerError(EvergreenTrioError):
@@ -95,6 +108,22 @@ async def wait_pid_exit(pid: int, *, poll_s: float = 1.0) -> None:
         await trio.sleep(poll_s)
 
 
+async def heartbeat(ready: trio.Event, interval: float = HEARTBEAT_INTERVAL) -> None:
+    """A worker's side: once ``ready`` is set (its ready line is out), write one byte to stdout every
+    ``interval`` seconds, from this Trio loop, so a frozen loop goes silent. Returns when the pipe closes.
+
+    A plain write: the supervisor reads every beat, and a pipe holds 64 KiB of them (18 hours).
+    """
+    await ready.wait()
+    fd = sys.stdout.fileno()
+    while True:
+        try:
+            os.write(fd, b".")
+        except OSError:  # the supervisor is gone (signal_self_when_gone stops this worker)
+            return
+        await trio.sleep(interval)
+
+
 async def signal_self_when_gone(pid: int) -> None:
     """SIGTERM this process when ``pid`` (its supervisor) exits, so it drains like on a signal."""
     await wait_pid_exit(pid)
@@ -105,8 +134,10 @@ async def signal_self_when_gone(pid: int) -> None:
 class Supervisor:
     """Runs ``count`` copies of ``command`` and keeps them running until :meth:`stop`.
 
-    A worker is ready once it prints a line on stdout. ``pids`` lists the running workers'
-    pids by index (None while one restarts).
+    A worker is ready once it prints a line on stdout; after that, the bytes it writes there are
+    heartbeats, and one silent for ``heartbeat_timeout`` seconds is killed and restarted.
+    ``pids`` lists the running workers' pids by index (None while one restarts); ``hung``
+    counts the workers killed for silence.
     """
 
     def __init__(
@@ -118,6 +149,7 @@ class Supervisor:
         metrics_dir: str | None = None,
         ready_timeout: float = 60.0,
         stop_timeout: float = 45.0,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
         backoff: Backoff = Backoff(),
     ) -> None:
         if count < 1:
@@ -129,9 +161,11 @@ class Supervisor:
             self.env[MULTIPROC_ENV] = metrics_dir
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
+        self.heartbeat_timeout = heartbeat_timeout
         self.backoff = backoff
         self.pids: list[int | None] = [None] * count
         self.restarts = 0
+        self.hung = 0
         self._processes: list[trio.Process | None] = [None] * count
         self._stopping = False
 
@@ -176,8 +210,7 @@ class Supervisor:
                     code = await process.wait()
                     raise WorkerError(f"worker {self.command!r} exited with status {code} before it was ready")
                 line += data
-            # A worker prints one line; closing the pipe keeps the supervisor from holding its output.
-            await process.stdout.aclose()
+            # The pipe stays open: what the worker writes next are heartbeats (_watch reads them).
             return line.split(b"\n", 1)[0].decode("utf-8", "replace")
         raise WorkerError(f"worker {self.command!r} printed no ready line within {self.ready_timeout}s")
 
@@ -196,7 +229,10 @@ class Supervisor:
         while True:
             started = time.monotonic()
             try:
-                code = await process.wait()
+                async with trio.open_nursery() as watching:
+                    watching.start_soon(self._watch, process)
+                    code = await process.wait()
+                    watching.cancel_scope.cancel()
             finally:
                 if process.returncode is None:  # cancelled: the supervisor is going away
                     with trio.CancelScope(shield=True):
@@ -223,6 +259,22 @@ class Supervisor:
                     failures += 1
                     log.error("workers.restart_failed index=%d error=%s", index, exc)
             self.restarts += 1
+
+    async def _watch(self, process: trio.Process) -> None:
+        """Kill ``process`` once it stays silent for ``heartbeat_timeout``: its exit is then handled
+        (logged, restarted) like any other. Ends when its stdout closes (it exits)."""
+        assert process.stdout is not None
+        while True:
+            with trio.move_on_after(self.heartbeat_timeout):
+                if not await process.stdout.receive_some(MAX_READY_LINE):
+                    return
+                continue
+            if process.returncode is None and not self._stopping:
+                self.hung += 1
+                log.warning("workers.hung pid=%d silent_s=%s: killed, to be restarted", process.pid,
+                            self.heartbeat_timeout)
+                process.kill()
+            return
 
     async def shutdown(self) -> None:
         """Drain every worker: :meth:`stop`, then wait for them to exit, SIGKILLing those still

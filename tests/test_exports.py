@@ -29,7 +29,8 @@ PINNED = {
     "evergreen_trio.dag": {
         "ActionFailedError", "FlattenCursor", "FlattenEvent", "FragmentBuilder", "LeafBytes", "LeafEnd", "LeafPart",
         "LeafStart",
-        "LimitExceededError", "Node", "NodeKind", "NotTextError", "ProtocolViolationError", "RefRejectedError",
+        "LimitExceededError", "Node", "NodeKind", "NotTextError", "Pause", "ProtocolViolationError",
+        "RefRejectedError",
         "SessionAbortedError", "SessionError", "SessionGraph", "SessionLimits", "StatusCode",
         "UnknownActionError", "UnknownTargetError", "Wait",
     },

@@ -42,6 +42,7 @@ from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+from grpclib.health.service import Health
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.server import Stream
 from h2.errors import ErrorCodes
@@ -289,9 +290,13 @@ class _GuardedProtocol(H2Protocol):
     that is slow with its preface, or idle with no stream, is closed.
     """
 
-    def __init__(self, handler: _Handler, config: Configuration, h2_config: Any, limits: TransportLimits) -> None:
+    def __init__(
+        self, handler: _Handler, config: Configuration, h2_config: Any, limits: TransportLimits, server: _GuardedServer
+    ) -> None:
         super().__init__(handler, config, h2_config)
         self.limits = limits
+        self.server = server
+        self._counted = False  # holds one of the server's max_connections
         self.budget = ResetBudget(limits)
         self._settled = False  # the peer's SETTINGS arrived (its preface is complete)
         self._last_frame = time.monotonic()
@@ -316,10 +321,25 @@ class _GuardedProtocol(H2Protocol):
                 {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size}
             )
         self.connection = Connection(h2_conn, transport, config=self.config)
+        self.connection.guard = self  # type: ignore[attr-defined]  # how a stream's handler finds its connection
+        self.processor = EventsProcessor(self.handler, self.connection)
+        if self.server.open_connections >= self.limits.max_connections:
+            self._refuse(h2_conn, transport)
+            return
+        self.server.connection_admitted()
+        self._counted = True
         self.connection.flush()
         self.connection.initialize()
-        self.processor = EventsProcessor(self.handler, self.connection)
         self._schedule(self.limits.handshake_timeout)
+
+    def _refuse(self, h2_conn: h2.connection.H2Connection, transport: Any) -> None:
+        """Past ``max_connections``: our SETTINGS and GOAWAY(ENHANCE_YOUR_CALM, last stream 0), then close
+        (the client knows nothing was processed and backs off before it retries)."""
+        self.server.connection_refused(self.limits.max_connections)
+        why = f"over the limit of {self.limits.max_connections} connections"
+        h2_conn.close_connection(ErrorCodes.ENHANCE_YOUR_CALM, last_stream_id=0, additional_data=why.encode())
+        transport.write(h2_conn.data_to_send())
+        transport.close()
 
     def data_received(self, data: bytes) -> None:
         self._last_frame = time.monotonic()
@@ -378,6 +398,14 @@ class _GuardedProtocol(H2Protocol):
             h2_conn.reset_stream(stream_id, error_code=ErrorCodes.REFUSED_STREAM)
         return False
 
+    def not_admitted(self) -> None:
+        """A stream of this connection was refused by the admission check (bad credentials): such
+        refusals count with the stream-cap ones, and past the budget the connection gets GOAWAY."""
+        self.budget.refused()
+        why = self.budget.exceeded
+        if why is not None and not self.connection.is_closing():
+            self._go_away(ErrorCodes.ENHANCE_YOUR_CALM, why)
+
     def _schedule(self, delay: float | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
@@ -414,6 +442,9 @@ class _GuardedProtocol(H2Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._schedule(None)
+        if self._counted:
+            self._counted = False
+            self.server.connection_closed()
         super().connection_lost(exc)
 
 
@@ -438,6 +469,44 @@ class _Handler(grpclib.server.Handler):
         self._tasks[stream].add_done_callback(lambda _task: release_once())
 
 
+MAX_HEALTH_WATCHES = 100
+"""``Health/Watch`` streams open at once on a server; past it a new one gets RESOURCE_EXHAUSTED."""
+
+HEALTH_WATCH_SECONDS = 60.0
+"""A ``Health/Watch`` stream ends (OK) after this long; a client that still cares watches again."""
+
+
+class BoundedHealth(Health):
+    """grpclib's Health, whose Watch streams (each held open by the client, nowhere else counted)
+    are capped at ``max_watches`` and end after ``watch_seconds``."""
+
+    def __init__(self, checks: Any, *, max_watches: int = MAX_HEALTH_WATCHES,
+                 watch_seconds: float = HEALTH_WATCH_SECONDS) -> None:
+        super().__init__(checks)
+        self.max_watches = max_watches
+        self.watch_seconds = watch_seconds
+        self.watches = 0
+
+    async def Watch(self, stream: Stream[Any, Any]) -> None:
+        """grpclib's Watch, refused past the cap and ended after ``watch_seconds``."""
+        if self.watches >= self.max_watches:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"{self.max_watches} health watches open, the limit")
+        self.watches += 1
+        # A task and asyncio.wait, not wait_for: wait_for finds its task through asyncio's own
+        # current_task, which knows nothing of trio-asyncio's loop on CPython 3.12+.
+        watch = asyncio.ensure_future(super().Watch(stream))
+        try:
+            await asyncio.wait({watch}, timeout=self.watch_seconds)
+            if watch.done():
+                watch.result()  # its error, if any, ends the stream as grpclib would
+        finally:
+            self.watches -= 1
+            if not watch.done():
+                # The stream ends right after: its pending read may be cancelled.
+                watch.cancel()
+                await asyncio.wait({watch})
+
+
 class _GuardedServer(grpclib.server.Server):
     """grpclib's server with :class:`_GuardedProtocol` connections."""
 
@@ -448,12 +517,28 @@ class _GuardedServer(grpclib.server.Server):
         )
         super().__init__(list(handlers), config=config)
         self._limits = limits
+        self.open_connections = 0
+        self._refused = 0  # in the current burst: one warning per burst
+
+    def connection_admitted(self) -> None:
+        self.open_connections += 1
+        if self._refused:
+            log.info("grpc.accepting_again refused=%d", self._refused)
+            self._refused = 0
+
+    def connection_refused(self, cap: int) -> None:
+        if not self._refused:
+            log.warning("grpc.connection_refused open=%d cap=%d: refusing new connections", self.open_connections, cap)
+        self._refused += 1
+
+    def connection_closed(self) -> None:
+        self.open_connections -= 1
 
     def _protocol_factory(self) -> H2Protocol:
         self.__gc_step__()
         handler = _Handler(self._mapping, self._codec, self._status_details_codec, self.__dispatch__)
         self._handlers.add(handler)
-        return _GuardedProtocol(handler, self._config, self._h2_config, self._limits)
+        return _GuardedProtocol(handler, self._config, self._h2_config, self._limits, self)
 
 
 async def serve_grpclib(
@@ -733,8 +818,12 @@ async def _pump_out(stream: Any, session: MessageStream[Any]) -> None:
 class SessionAcceptor(Generic[Req, T]):
     """Serves one bidirectional method by handing each new stream to a Trio acceptor task.
 
-    Past ``limits.max_streams`` open streams a new one is answered RESOURCE_EXHAUSTED at once
-    (and ``on_limit("max_sessions")`` is called, for metrics); inbound messages over
+    ``admit`` (if given) is called with each new stream (its peer and metadata set) before it is
+    counted or anything starts for it; raising :class:`RpcAbortError` refuses it at once with that
+    status, and the refusal counts against its connection's budget (GOAWAY ENHANCE_YOUR_CALM past
+    it). Past ``limits.max_streams`` open streams, or ``limits.max_streams_per_peer`` from one
+    remote address, a new one is answered RESOURCE_EXHAUSTED at once (and ``on_limit("max_sessions")``
+    or ``on_limit("max_sessions_per_peer")`` is called, for metrics); inbound messages over
     ``limits.max_message_bytes`` end their stream with RESOURCE_EXHAUSTED.
     """
 
@@ -748,6 +837,7 @@ class SessionAcceptor(Generic[Req, T]):
         limits: TransportLimits | None = None,
         backlog: int = 1024,
         on_limit: Callable[[str], object] | None = None,
+        admit: Callable[[MessageStream[T]], object] | None = None,
     ) -> None:
         self.path = path
         self.request_type = request_type
@@ -755,19 +845,26 @@ class SessionAcceptor(Generic[Req, T]):
         self.limits = limits or TransportLimits()
         self._pack = pack
         self._on_limit = on_limit
+        self._admit = admit
         self.accepted: Handoff[MessageStream[T]] = Handoff(backlog)
         self.open_streams = 0
+        self._per_peer: dict[str, int] = {}
         self._saturated = False
 
     def __mapping__(self) -> dict[str, Handler]:
         handler = Handler(self._handle, Cardinality.STREAM_STREAM, self.request_type, self.reply_type)
         return {self.path: handler}
 
-    def _refuse_past_cap(self, stream: Stream[Any, Any]) -> None:
+    def _refuse_past_cap(self, stream: Stream[Any, Any], host: str) -> None:
         cap = self.limits.max_streams
         if self.open_streams < cap:
             self._saturated = False
-            return
+            share = self.limits.max_streams_per_peer
+            if self._per_peer.get(host, 0) < share:
+                return
+            if self._on_limit is not None:
+                self._on_limit("max_sessions_per_peer")
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"{host} has {share} sessions open, its share of the server")
         if not self._saturated:  # once per episode: a flood must not flood the log too
             self._saturated = True
             log.warning("grpc.session_cap_reached open=%d peer=%s", self.open_streams, stream.peer.addr())
@@ -776,12 +873,23 @@ class SessionAcceptor(Generic[Req, T]):
         raise GRPCError(Status.RESOURCE_EXHAUSTED, f"the server has {cap} sessions open, its limit")
 
     async def _handle(self, stream: Stream[Any, Any]) -> None:
-        self._refuse_past_cap(stream)
-        self.open_streams += 1
+        addr = stream.peer.addr() if stream.peer else None
         session: MessageStream[T] = MessageStream(self._pack)
-        session.peer = _address(stream.peer.addr() if stream.peer else None)
+        session.peer = _address(addr)
         session.peer_certificate = stream.peer.cert() if stream.peer else None
         session.metadata = {k: v for k, v in (stream.metadata or {}).items() if isinstance(v, str)}
+        if self._admit is not None:
+            try:
+                self._admit(session)
+            except RpcAbortError as refused:
+                guard = getattr(stream._stream.connection, "guard", None)
+                if isinstance(guard, _GuardedProtocol):
+                    guard.not_admitted()
+                raise GRPCError(refused.status, refused.message) from None
+        host = str(addr[0]) if isinstance(addr, tuple) else session.peer
+        self._refuse_past_cap(stream, host)
+        self.open_streams += 1
+        self._per_peer[host] = self._per_peer.get(host, 0) + 1
         if stream.deadline is not None:
             session.deadline = trio.current_time() + stream.deadline.time_remaining()
         reader = asyncio.ensure_future(_pump_in(stream, session, self.request_type, self.limits.max_message_bytes))
@@ -798,6 +906,9 @@ class SessionAcceptor(Generic[Req, T]):
             raise GRPCError(Status.UNAVAILABLE, "server is shutting down") from None
         finally:
             self.open_streams -= 1
+            self._per_peer[host] -= 1
+            if not self._per_peer[host]:
+                del self._per_peer[host]
             # A client that went away (reset, dead connection) or a deadline grpclib enforced
             # cancels this handler: the Trio side learns it here, or its receive loop would wait
             # forever with the session's nodes.

@@ -11,7 +11,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from grpclib.health.check import ServiceStatus
-from grpclib.health.service import OVERALL, Health
+from grpclib.health.service import OVERALL
+
+from evergreen_trio._grpc.bridge import HEALTH_WATCH_SECONDS, MAX_HEALTH_WATCHES, BoundedHealth
 
 
 class HealthName:
@@ -26,8 +28,8 @@ class HealthName:
 
 class ServerHealth:
     """A server's health: readiness under ``ready_names`` (``""`` is the server's overall status),
-    liveness under ``"liveness"``. Both start NOT_SERVING; ``servable`` goes in the grpclib
-    server's servables.
+    liveness under ``"liveness"``. Both start NOT_SERVING; ``servable`` (a :class:`BoundedHealth`:
+    ``max_watches``, ``watch_seconds``) goes in the grpclib server's servables.
 
     A draining server is live but not ready: a Kubernetes liveness probe must not kill it while
     its readiness probe takes it out of rotation.
@@ -35,14 +37,15 @@ class ServerHealth:
 
     LIVENESS = "liveness"
 
-    def __init__(self, ready_names: Iterable[str]) -> None:
+    def __init__(self, ready_names: Iterable[str], *, max_watches: int = MAX_HEALTH_WATCHES,
+                 watch_seconds: float = HEALTH_WATCH_SECONDS) -> None:
         self._ready, self._live = ServiceStatus(), ServiceStatus()
         self._ready.set(False)
         self._live.set(False)
         checks: dict[Any, list[ServiceStatus]] = {
             OVERALL if name == "" else HealthName(name): [self._ready] for name in ready_names}
         checks[HealthName(self.LIVENESS)] = [self._live]
-        self.servable = Health(checks)
+        self.servable = BoundedHealth(checks, max_watches=max_watches, watch_seconds=watch_seconds)
 
     @property
     def ready(self) -> bool:

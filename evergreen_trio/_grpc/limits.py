@@ -12,7 +12,11 @@ from dataclasses import dataclass
 class TransportLimits:
     """Bounds on what one peer can make the session server hold or do.
 
+    - ``max_connections``: connections open on the server; past it a new one gets SETTINGS and
+      GOAWAY(ENHANCE_YOUR_CALM, last stream 0: nothing was processed) and is closed, as the picker does.
     - ``max_streams``: sessions open on the whole server; past it a new one gets RESOURCE_EXHAUSTED.
+    - ``max_streams_per_peer``: sessions open from one remote address (its share of ``max_streams``);
+      past it a new one gets RESOURCE_EXHAUSTED. Counted after the admission check (authorization).
     - ``max_streams_per_connection``: advertised as SETTINGS_MAX_CONCURRENT_STREAMS; a stream past
       it is refused alone with RST_STREAM(REFUSED_STREAM), the connection's other streams go on.
     - ``max_message_bytes``: a gRPC message whose 5-byte prefix claims more is refused with
@@ -26,22 +30,26 @@ class TransportLimits:
     - ``premature_resets``: past this many streams on one connection, if more than half were reset
       by the peer within ``premature_reset_seconds`` of opening, GOAWAY(ENHANCE_YOUR_CALM) (rapid
       reset, CVE-2023-44487; Envoy's ``premature_reset_total_stream_count`` works the same way).
-      A connection that had more than ``max_streams_per_connection`` streams refused gets the same
-      GOAWAY (a client that honours SETTINGS_MAX_CONCURRENT_STREAMS sees a few at most).
+      A connection that had more than ``max_streams_per_connection`` streams refused (past the stream
+      cap, or by the admission check: bad credentials) gets the same GOAWAY (a client that honours
+      SETTINGS_MAX_CONCURRENT_STREAMS and holds a good token sees a few at most).
     """
 
+    max_connections: int = 4096
     max_streams: int = 10_000
+    max_streams_per_peer: int = 2_500
     max_streams_per_connection: int = 100
     max_message_bytes: int = 5 * 1024 * 1024 + 64 * 1024
     handshake_timeout: float = 30.0
-    idle_timeout: float | None = 300.0
+    idle_timeout: float | None = 120.0
     keepalive_time: float = 60.0
     keepalive_timeout: float = 20.0
     premature_resets: int = 500
     premature_reset_seconds: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("max_streams", "max_streams_per_connection", "max_message_bytes", "premature_resets"):
+        for name in ("max_connections", "max_streams", "max_streams_per_peer", "max_streams_per_connection",
+                     "max_message_bytes", "premature_resets"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("handshake_timeout", "keepalive_time", "keepalive_timeout", "premature_reset_seconds"):
@@ -71,7 +79,7 @@ class ResetBudget:
             self.premature += 1
 
     def refused(self) -> None:
-        """A stream refused because the connection had its maximum of streams open."""
+        """A stream refused: the connection had its maximum of streams open, or the stream was not admitted."""
         self.refusals += 1
 
     @property
@@ -80,5 +88,5 @@ class ResetBudget:
         if self.streams >= self._min_streams and 2 * self.premature > self.streams:
             return f"{self.premature} of {self.streams} streams reset by the peer soon after opening"
         if self.refusals > self._max_refused:
-            return f"{self.refusals} streams refused past SETTINGS_MAX_CONCURRENT_STREAMS"
+            return f"{self.refusals} streams refused (past SETTINGS_MAX_CONCURRENT_STREAMS, or unauthorized)"
         return None

@@ -12,7 +12,7 @@ from evergreen_trio.dag.errors import (
     UnknownActionError,
     UnknownTargetError,
 )
-from evergreen_trio.dag.flatten import FlattenCursor, FlattenEvent, LeafBytes, LeafEnd, LeafStart, Wait
+from evergreen_trio.dag.flatten import FlattenCursor, FlattenEvent, LeafBytes, LeafEnd, LeafStart, Pause, Wait
 from evergreen_trio.dag.graph import LeafPart, Node, NodeKind, SessionGraph
 from evergreen_trio.dag.limits import SessionLimits
 from evergreen_trio.dag.produce import FragmentBuilder
@@ -30,6 +30,7 @@ __all__ = [
     "Node",
     "NodeKind",
     "NotTextError",
+    "Pause",
     "ProtocolViolationError",
     "RefRejectedError",
     "SessionAbortedError",

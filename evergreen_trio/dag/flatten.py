@@ -46,8 +46,16 @@ class Wait:
     seq: int
 
 
-FlattenEvent = LeafStart | LeafBytes | LeafEnd | Wait
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """The walk took ``FlattenCursor.next``'s ``budget`` steps without an event: call it again
+    (a shell lets other work run first)."""
+
+
+FlattenEvent = LeafStart | LeafBytes | LeafEnd | Wait | Pause
 """What ``FlattenCursor.next`` returns while a walk is not done."""
+
+_PAUSE = Pause()
 
 _EMPTY_METADATA = ChunkMetadata()
 
@@ -66,22 +74,33 @@ class _Frame:
 class FlattenCursor:
     """Walks the DAG below ``root`` in flattening order; ``next()`` returns None when done.
 
-    A shared node is repeated wherever it appears. Depth beyond ``limits.max_depth`` raises
-    LimitExceededError; waiting for a node the peer can no longer send raises ProtocolViolationError.
+    A shared node is repeated wherever it appears, and counted each time: past
+    ``limits.max_flattened_nodes`` nodes entered or ``limits.max_flattened_bytes`` inline bytes, or depth
+    beyond ``limits.max_depth``, it raises LimitExceededError before returning the event that
+    crosses it; waiting for a node the peer can no longer send raises ProtocolViolationError.
     """
 
     def __init__(self, graph: SessionGraph, root: str) -> None:
         self._graph = graph
         self._stack = [_Frame(root)]
+        self.nodes = 1
+        """Nodes entered so far (the root included)."""
+        self.bytes = 0
+        """Inline bytes returned so far."""
 
-    def next(self) -> FlattenEvent | None:
-        """The next event, a Wait when the next part has not arrived, or None when done.
+    def next(self, budget: int | None = None) -> FlattenEvent | None:
+        """The next event, a Wait when the next part has not arrived, or None when done; with a
+        ``budget``, a Pause after that many steps through nodes without an event.
 
-        Raises LimitExceededError past ``max_depth`` and ProtocolViolationError when the part
-        waited for can no longer arrive.
+        Raises LimitExceededError past a limit and ProtocolViolationError when the part waited for
+        can no longer arrive.
         """
         graph, stack = self._graph, self._stack
+        steps = 0
         while stack:
+            steps += 1
+            if budget is not None and steps > budget:
+                return _PAUSE
             frame = stack[-1]
             if frame.index < len(frame.children):
                 child = frame.children[frame.index]
@@ -89,6 +108,13 @@ class FlattenCursor:
                 if len(stack) > graph.limits.max_depth:  # the child would sit len(stack) levels below
                     raise LimitExceededError(f"node {child!r}: nesting deeper than {graph.limits.max_depth}",
                                         limit="max_depth")
+                self.nodes += 1
+                if self.nodes > graph.limits.max_flattened_nodes:
+                    raise LimitExceededError(
+                        f"node {child!r}: the input flattens through more than {graph.limits.max_flattened_nodes} "
+                        "nodes (shared nodes count each time)",
+                        limit="max_flattened_nodes",
+                    )
                 stack.append(_Frame(child))
                 continue
             node = graph.get(frame.node_id)
@@ -104,6 +130,13 @@ class FlattenCursor:
                 if not frame.started:
                     frame.started = True
                     return LeafStart(node.id, node.metadata or _EMPTY_METADATA)
+                self.bytes += len(part.data)
+                if self.bytes > graph.limits.max_flattened_bytes:
+                    raise LimitExceededError(
+                        f"node {node.id!r} seq {frame.seq}: the input flattens to more than "
+                        f"{graph.limits.max_flattened_bytes} bytes (shared nodes count each time)",
+                        limit="max_flattened_bytes",
+                    )
                 frame.seq += 1
                 return LeafBytes(node.id, frame.seq - 1, part)
             frame.seq += 1

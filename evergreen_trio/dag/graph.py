@@ -76,6 +76,9 @@ class SessionGraph:
         self.peer_closed = False
         # Output ids named by actions: id -> (produced on this side?, the action that owns it).
         self._outputs: dict[str, tuple[bool, str]] = {}
+        # Heights (longest path down; absent: 0) and parents of every id named as a child, arrived or not.
+        self._height: dict[str, int] = {}
+        self._parents: dict[str, str | list[str]] = {}
 
     def get(self, node_id: str) -> Node | None:
         """The node ``node_id``, or None when no fragment of it has arrived."""
@@ -134,7 +137,7 @@ class SessionGraph:
         if isinstance(part, LeafPart):
             self.buffered_bytes += len(part.data)
         elif part:
-            self._check_acyclic(node_id, part, where)
+            self._attach(node_id, part, where)
         node.parts[seq] = part
         if not fragment.continued:
             node.final_seq = seq
@@ -211,24 +214,71 @@ class SessionGraph:
                 later.CopyFrom(chunk.metadata)
                 node._later_metadata = [*(node._later_metadata or ()), (fragment.seq, later)]
 
-    def _check_acyclic(self, parent: str, children: tuple[str, ...], where: str) -> None:
-        """Spec, Ordering: "nodes cannot transitively include themselves". Also bounds the depth below."""
-        max_depth = self.limits.max_depth
-        deepest: dict[str, int] = {}
-        stack = [(child, 1) for child in children]
+    def _attach(self, parent: str, children: tuple[str, ...], where: str) -> None:
+        """Record the edges ``parent -> children``, keeping every id's height (the longest path below it).
+
+        Spec, Ordering: "nodes cannot transitively include themselves"; and no node may have more
+        than ``max_depth`` levels below it. Heights only grow and never past ``max_depth``, so over a
+        session each id's height is raised at most ``max_depth`` times, each time visiting its
+        parents: the work is at most ``max_depth`` visits per edge received, whatever the graph
+        already holds (checking a fragment never re-walks what lies below its children).
+        """
+        height = self._height
+        needed = 0
+        for child in children:
+            if child == parent:
+                raise ProtocolViolationError(f"{where}: child {child!r} makes the node include itself")
+            needed = max(needed, height.get(child, 0) + 1)
+        # An edge parent -> child closes a cycle only if child is above parent, hence higher:
+        # then parent's height must grow, and the growth climbs to child.
+        if needed > height.get(parent, 0):
+            self._raise_height(parent, needed, frozenset(children), where)
+        parents = self._parents
+        for child in children:
+            above = parents.get(child)
+            if above is None:
+                parents[child] = parent
+            elif isinstance(above, str):
+                if above != parent:
+                    parents[child] = [above, parent]
+            elif above[-1] != parent:
+                above.append(parent)
+
+    def _raise_height(self, start: str, new_height: int, children: frozenset[str], where: str) -> None:
+        """Raise ``start`` to ``new_height`` and its ancestors as far as needed; reaching one of
+        ``children`` (the fragment's new children of ``start``) is a cycle."""
+        max_depth, height = self.limits.max_depth, self._height
+        stack = [(start, new_height)]
         while stack:
-            node_id, depth = stack.pop()
-            if node_id == parent:
-                raise ProtocolViolationError(f"{where}: child {node_id!r} makes the node include itself")
-            if depth > max_depth:
-                raise LimitExceededError(
-                    f"{where}: nesting below the node is deeper than {max_depth}", limit="max_depth"
-                )
-            if deepest.get(node_id, 0) >= depth:
-                continue
-            deepest[node_id] = depth
-            node = self.nodes.get(node_id)
-            if node is not None and node.kind is NodeKind.INNER:
-                for part in node.parts.values():
-                    if isinstance(part, tuple):
-                        stack.extend((child, depth + 1) for child in part)
+            node_id, value = stack.pop()
+            if value <= height.get(node_id, 0):
+                continue  # raised as far by another path meanwhile
+            if value > max_depth:
+                looped = self._ancestor_among(start, children)
+                if looped is not None:
+                    raise ProtocolViolationError(f"{where}: child {looped!r} makes the node include itself")
+                raise LimitExceededError(f"{where}: nesting below {node_id!r} is deeper than {max_depth}",
+                                         limit="max_depth")
+            height[node_id] = value
+            for above in self._parents_of(node_id):
+                if above in children:
+                    raise ProtocolViolationError(f"{where}: child {above!r} makes the node include itself")
+                stack.append((above, value + 1))
+
+    def _parents_of(self, node_id: str) -> list[str]:
+        above = self._parents.get(node_id)
+        return [] if above is None else [above] if isinstance(above, str) else above
+
+    def _ancestor_among(self, node_id: str, candidates: frozenset[str]) -> str | None:
+        """One of ``candidates`` that is an ancestor of ``node_id``, or None: a plain walk up, each id
+        once, run only when the session aborts anyway, to tell a cycle from nesting too deep."""
+        seen = {node_id}
+        stack = [node_id]
+        while stack:
+            for above in self._parents_of(stack.pop()):
+                if above in candidates:
+                    return above
+                if above not in seen:
+                    seen.add(above)
+                    stack.append(above)
+        return None

@@ -158,11 +158,16 @@ def test_cycle_aborts(order: list[str]) -> None:
 
 def test_nesting_deeper_than_limit_aborts() -> None:
     graph = SessionGraph(SessionLimits(max_depth=4))
-    for depth in range(5):  # n5 sits 5 levels below n0; the graph sees each link on its own
+    for depth in range(4):  # top down: each link raises the height of every node above it
         graph.add_fragment(parent(f"n{depth}", f"n{depth + 1}"))
     with pytest.raises(LimitExceededError, match="deeper than 4") as info:
-        flatten(graph, "n0")
+        graph.add_fragment(parent("n4", "n5"))  # n5 would sit 5 levels below n0
     assert info.value.code is StatusCode.RESOURCE_EXHAUSTED
+    cursor_only = SessionGraph(SessionLimits(max_depth=4))
+    for depth in range(4):
+        cursor_only.add_fragment(parent(f"n{depth}", f"n{depth + 1}"))
+    cursor_only.add_fragment(leaf("n4", b"x"))
+    assert flatten(cursor_only, "n0") == [("text/plain", b"x")]  # a leaf exactly 4 levels below
     bottom_up = SessionGraph(SessionLimits(max_depth=3))
     for depth in range(3, 0, -1):
         bottom_up.add_fragment(parent(f"n{depth}", f"n{depth + 1}"))

@@ -119,3 +119,29 @@ def test_a_taken_port_or_bad_arguments_fail_before_any_worker_starts() -> None:
 @pytest.mark.parametrize(("failures", "expected"), [(1, 0.5), (2, 1.0), (3, 2.0), (20, 30.0)])
 def test_restart_backoff_doubles_up_to_a_ceiling(failures: int, expected: float) -> None:
     assert Backoff().delay(failures) == expected
+
+
+async def test_a_frozen_worker_is_replaced_and_new_connections_are_served() -> None:
+    """Issue 22, item 5: a SIGSTOPped worker sends no heartbeat; the supervisor kills it and starts
+    another, and from then on every new connection is served (a frozen one hung probes 12 s)."""
+    with trio.fail_after(HANG_GUARD):
+        async with serve("--workers", "2", "--worker-heartbeat-timeout", "1", lines=2) as server:
+            pids = server.worker_pids()
+            victim = pids[0]
+            os.kill(victim, signal.SIGSTOP)
+            try:
+                with trio.fail_after(30):
+                    while _alive(victim):  # noqa: ASYNC110 - no event for another process's death
+                        await trio.sleep(0.05)
+            finally:
+                if _alive(victim):
+                    os.kill(victim, signal.SIGKILL)
+            await wait_health(server.address, "SERVING")
+            for _ in range(8):  # each a new connection: the kernel spreads them over both listeners
+                with trio.fail_after(10):
+                    async with connect(server.address) as session:
+                        call = await session.run("ECHO", {"input": text("served")}, ["output"])
+                        assert await call["output"].read_text() == "served"
+            with trio.fail_after(30):
+                while len(server.worker_pids()) != 2 or victim in server.worker_pids():  # noqa: ASYNC110
+                    await trio.sleep(0.05)
