@@ -23,9 +23,10 @@ class SessionLimits:
     """Actions running at once in one session."""
     max_children_per_fragment: int = 100_000
     """child_ids in one fragment."""
-    max_flattened_bytes: int = 256 << 20
+    max_flattened_bytes: int = 1 << 30
     """Inline bytes one action input flattens to, a shared node counted each time it is repeated
-    (256 MiB: past any model's context; an input repeating nothing flattens to what was sent)."""
+    (1 GiB, as ``max_buffered_bytes``: an input repeating nothing flattens to what was sent, so only
+    repetition can cross it; a 256 MiB Arrow table sent inline is still served)."""
     max_flattened_nodes: int = 1_000_000
     """Nodes (leaves and inner nodes) the flattening of one action input enters, counted the same
     way: this bounds its chunks and the walk's work (an input repeating nothing has at most ``max_nodes``)."""

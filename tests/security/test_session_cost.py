@@ -61,14 +61,14 @@ async def test_item2_fragments_naming_the_top_of_a_wide_chain_cost_what_they_hol
 
 
 async def test_item3_generate_over_a_shared_4_mib_leaf_stops_at_max_flattened_bytes(nursery_: trio.Nursery) -> None:
-    """The issue's attack at the default limit: 128 x 4 MiB is 512 MiB flattened; refused at 256 MiB,
+    """The issue's attack, past the default limit: 300 x 4 MiB is 1.2 GiB flattened; refused at 1 GiB,
     and the toy GENERATE holds no more than a chunk of it."""
     port = await start(nursery_)
     before = rss_mib(os.getpid())
     with trio.fail_after(120):
-        observed, samples = await with_legit_probe(port, flatten_fanout(port, "GENERATE", 4 << 20, (128,)))
+        observed, samples = await with_legit_probe(port, flatten_fanout(port, "GENERATE", 4 << 20, (300,)))
     assert observed.startswith("grpc-status 8 "), observed  # RESOURCE_EXHAUSTED
-    assert "flattens to more than 268435456 bytes" in observed
+    assert "flattens to more than 1073741824 bytes" in observed
     assert max(samples) < LEGIT_CEILING_MS, samples
     assert rss_mib(os.getpid()) - before < 128  # the client's and server's copies of one 4 MiB leaf, and slack
 

@@ -98,8 +98,9 @@ async def test_a_bug_planted_in_a_user_action_is_caught_and_shrunk_small() -> No
     holds, report = await _conformance(buggy, "round-trip", examples=60)
     assert not holds and "FAIL  round-trip" in report, report
     frags = re.findall(r"Frag\(", report)
-    # The smallest failing session: an inner node of two leaves (the second one lower-case).
-    assert len(frags) <= 4, report
+    # Small: a few leaves under one inner node (shrinking is heuristic; before nodes were list
+    # elements it stopped at chains of up to 16 levels).
+    assert len(frags) <= 8 and "children=" in report, report
     assert "flattens to 2 chunks" in report, report
 
 
