@@ -1,10 +1,23 @@
 # Two commands a user needs: `make demo` and `make test`. Everything else is for developers.
 PYTHON ?= python3
-VENV   := .venv
+VERSION := -c 'import sys; print("%d.%d" % sys.version_info[:2])'
+PYVER  := $(shell $(PYTHON) $(VERSION) 2>/dev/null)
+# One venv per interpreter: the default python3 keeps .venv, `PYTHON=python3.13` gets .venv-3.13, so
+# switching PYTHON never reuses a venv of another version (and .venv is rebuilt if python3 changed).
+VENV   := $(if $(filter command line environment,$(origin PYTHON)),.venv-$(PYVER),.venv)
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
-SMOKE  := build/wheel-smoke
+SMOKE  := build/wheel-smoke-$(PYVER)
+
+ifeq ($(PYVER),)
+$(error PYTHON=$(PYTHON) does not run: name a Python 3 interpreter, e.g. make test PYTHON=python3.13)
+endif
+ifneq ($(wildcard $(BIN)/python),)
+ifneq ($(shell $(BIN)/python $(VERSION) 2>/dev/null),$(PYVER))
+$(shell rm -rf $(VENV))
+endif
+endif
 
 .PHONY: demo test lint typecheck proto bench docs fuzz-deep wheel-smoke clean
 
@@ -57,4 +70,4 @@ fuzz-deep: $(STAMP)
 	$(BIN)/python -m pytest -q -m fuzz --hypothesis-profile=deep
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .hypothesis
+	rm -rf .venv .venv-* build dist *.egg-info .mypy_cache .ruff_cache .hypothesis
