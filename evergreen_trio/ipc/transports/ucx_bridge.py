@@ -14,33 +14,46 @@ and reaps whatever is still in flight.
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+UCX_ENVIRONMENT = {
+    # UCX logs (its warnings included) to stdout by default, where `ipc serve` prints its URI.
+    "UCX_LOG_FILE": "stderr",
+    # ucxx sets this on import, after loading libucs, which reads it when loaded: UCX then warns
+    # that it is unused and the value has no effect. Set first, UCX reads ucxx's value.
+    "UCX_MEMTYPE_CACHE": "n",
+    # Endpoints run in peer-failure mode (a dead peer is an error, not an abort). UCX then
+    # only picks CMA (single-copy rendezvous: the receiver reads the sender's memory with
+    # process_vm_readv) when CMA advertises memory invalidation; without it bodies fall
+    # back to tcp. CMA needs no registration, so there is nothing to invalidate.
+    "UCX_CMA_MEMORY_INVALIDATE": "y",
+}
+"""Set (unless already set) before ``ucxx`` is first imported: libucs reads them when it loads."""
+
+if "ucxx" in sys.modules:
+    log.warning("ucxx was imported before %s: UCX ignores %s", __name__, ", ".join(UCX_ENVIRONMENT))
+for _name, _value in UCX_ENVIRONMENT.items():
+    os.environ.setdefault(_name, _value)
+
 from evergreen_trio._extras import require_extra
 
 require_extra("ucx", __name__)
 
 import functools
-import logging
-import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeAlias
 
 import trio
-
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-# Endpoints run in peer-failure mode (a dead peer is an error, not an abort). UCX then
-# only picks CMA (single-copy rendezvous: the receiver reads the sender's memory with
-# process_vm_readv) when CMA advertises memory invalidation; without it bodies fall
-# back to tcp. CMA needs no registration, so there is nothing to invalidate.
-os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", "y")
-
 from ucxx._lib import libucxx as ucx
 from ucxx._lib.arr import Array
 
 from evergreen_trio.ipc._nursery import open_quiet_nursery
 from evergreen_trio.ipc.errors import ConnectionLostError, TransportError
-
-log = logging.getLogger(__name__)
 
 DEFAULT_TLS = "tcp,self,cma"
 """Transports used when ``UCX_TLS`` is unset: what works on a CPU-only host."""
