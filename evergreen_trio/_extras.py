@@ -12,9 +12,11 @@ import importlib
 
 from evergreen_trio.errors import ConfigurationError
 
+AVP_CODEC_MODULES = ("numpy", "ml_dtypes", "zstandard", "isal")
+"""What ``evergreen_trio.avp`` (the codec) imports; its HTTP server and client add hypercorn and httpx."""
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "picker": ("yaml", "xxhash", "httpx", "envoy.service.ext_proc.v3.external_processor_pb2"),
-    "avp": ("numpy", "ml_dtypes", "zstandard", "isal", "hypercorn", "httpx"),
+    "avp": (*AVP_CODEC_MODULES, "hypercorn", "httpx"),
     "ipc": ("pyarrow", "numpy"),
     "ucx": ("ucxx",),
     "gpu": ("cupy",),
@@ -37,9 +39,10 @@ class MissingExtraError(ConfigurationError, ImportError):
         self.part, self.extra, self.missing = part, extra, missing
 
 
-def require_extra(extra: str, part: str) -> None:
-    """Import ``extra``'s modules; the first that fails raises :class:`MissingExtraError` for ``part``."""
-    for module in EXTRA_MODULES[extra]:
+def require_extra(extra: str, part: str, modules: tuple[str, ...] | None = None) -> None:
+    """Import ``extra``'s modules (or those of them ``part`` uses); the first that fails raises
+    :class:`MissingExtraError` for ``part``."""
+    for module in EXTRA_MODULES[extra] if modules is None else modules:
         try:
             importlib.import_module(module)
         except ImportError:

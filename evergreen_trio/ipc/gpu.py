@@ -196,10 +196,11 @@ async def open_device(
     Raises UriError for a URI that is not ``ucx://``, IpcError without CuPy / a device
     (when ``memory`` is not given), and the usual IPC errors while streaming.
     """
-    from evergreen_trio.ipc.transports.ucx import connect_ucx
-
     parsed = _ucx_uri(uri)
     memory = memory if memory is not None else cupy_memory()
+    # Imported once the URI and the memory are checked: a bad call fails the same without the ucx extra.
+    from evergreen_trio.ipc.transports.ucx import connect_ucx
+
     key = ticket.encode() if isinstance(ticket, str) else bytes(ticket)
     async with connect_ucx(parsed, limits, BufferPool(limits.pool_bytes), device=memory.allocate) as channel:
         await channel.send_request(parsed.want_data, key)
