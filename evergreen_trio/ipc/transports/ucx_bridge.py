@@ -59,9 +59,10 @@ DEFAULT_TLS = "tcp,self,cma"
 """Transports used when ``UCX_TLS`` is unset: what works on a CPU-only host."""
 CUDA_TLS = "cuda_copy,cuda_ipc"
 """Added to the default where an NVIDIA driver is present, for device (GPU) bodies.
-Not everywhere: UCX prints a warning on stdout for each named transport it lacks."""
+Not everywhere: UCX logs a warning for each named transport it lacks."""
 FULL_MASK = 0xFFFF_FFFF_FFFF_FFFF
 _REAP_ROUNDS = 1000
+"""Worker progress rounds spent, at most, finishing a request without waiting (teardown, a peer gone)."""
 
 Endpoint: TypeAlias = Any
 ProbeResult: TypeAlias = Any
@@ -186,16 +187,32 @@ class WorkerBridge:
         self.kick()
         return request
 
-    async def wait(self, request: Request) -> None:
-        """Wait for a request; raise ConnectionLostError if it failed."""
+    async def wait(self, request: Request, peer_left: Callable[[], bool] | None = None) -> None:
+        """Wait for a request; raise ConnectionLostError if it failed.
+
+        ``peer_left`` says the peer has gone gracefully (its BYE arrived): a graceful close is no
+        endpoint error, and a sender-driven rendezvous (tcp, CUDA staging) never completes once the
+        sender's worker stops; so the worker is progressed a bounded number of rounds, and a request
+        still pending is a ConnectionLostError.
+        """
         self.kick()
         while not request.request.completed:
+            if peer_left is not None and peer_left() and not self._settle(request):
+                raise ConnectionLostError("UCX peer left with a message it announced still unsent")
             await self._park()
         self._inflight.discard(request)
         try:
             request.request.check_error()
         except ucx.UCXError as exc:
             raise ConnectionLostError(f"UCX request failed: {exc}") from None
+
+    def _settle(self, request: Request) -> bool:
+        """Progress the worker (bounded, without blocking) until ``request`` completes; whether it did."""
+        for _ in range(_REAP_ROUNDS):
+            if request.done:
+                return True
+            self.worker.progress()
+        return request.done
 
     def try_probe(self, tag: int = 0, mask: int = 0) -> ProbeResult | None:
         """Take a message matching (tag, mask) off the queue if one has arrived."""
@@ -220,27 +237,28 @@ class WorkerBridge:
         await self.wait(self.post_receive(probe, target))
 
     def shutdown(self) -> None:
-        """Cancel and reap in-flight requests, then close endpoints (bounded, synchronous)."""
+        """Cancel in-flight requests, close endpoints, reap (bounded, synchronous).
+
+        Cancelling reaches only receives still waiting for a message: a receive posted on a probed
+        message, and a send, end only when their endpoint closes. Endpoints are in peer-failure mode,
+        so ``close`` is UCX's forced close, which fails whatever is still pending on them.
+        """
         if self._inflight:
             self.worker.cancel_inflight_requests(0, 1)
-            for _ in range(_REAP_ROUNDS):
-                self.worker.progress()
-                self._inflight = {r for r in self._inflight if not r.request.completed}
-                if not self._inflight:
-                    break
-            if self._inflight:
-                log.warning("ucx.unreaped_requests count=%d", len(self._inflight))
-            self._inflight.clear()
         for endpoint in self._endpoints:
             endpoint.remove_close_callback()
             if endpoint.alive:
                 endpoint.close()
         self._endpoints.clear()
-        # A close flushes towards the peer; one that already left (shared memory cannot
-        # tell) never answers, so the close is progressed a bounded number of rounds.
+        # A peer that already left (shared memory cannot tell) never answers a close, so the
+        # worker is progressed a bounded number of rounds.
         for _ in range(_REAP_ROUNDS):
-            if not self.worker.progress_once():
+            self._inflight = {r for r in self._inflight if not r.request.completed}
+            if not self.worker.progress_once() and not self._inflight:
                 break
+        if self._inflight:
+            log.warning("ucx.unreaped_requests count=%d", len(self._inflight))
+            self._inflight.clear()
 
 
 _OPEN: set[WorkerBridge] = set()
@@ -256,13 +274,21 @@ async def open_bridge(context: Context) -> AsyncIterator[WorkerBridge]:
     """A worker with its progress task running for the duration of the block."""
     bridge = WorkerBridge(context)
     _OPEN.add(bridge)
+    # Shielded: a block cancelled from outside still says BYE (a shielded, bounded send) and that
+    # send, or one queued behind a rendezvous, needs the worker progressed until the block ends.
+    progress = trio.CancelScope(shield=True)
+
+    async def progress_until_closed() -> None:
+        with progress:
+            await bridge.progress_forever()
+
     try:
         async with open_quiet_nursery() as nursery:
-            nursery.start_soon(bridge.progress_forever)
+            nursery.start_soon(progress_until_closed)
             try:
                 yield bridge
             finally:
-                nursery.cancel_scope.cancel()
+                progress.cancel()
     finally:
         bridge.shutdown()
         _OPEN.discard(bridge)
