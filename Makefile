@@ -19,7 +19,7 @@ $(shell rm -rf $(VENV))
 endif
 endif
 
-.PHONY: demo test lint typecheck proto bench docs fuzz-deep wheel-smoke clean
+.PHONY: demo test test-gpu test-minimal lint typecheck proto bench docs fuzz-deep wheel-smoke clean
 
 # The demo needs the gateway (picker, simulated servers, Envoy) and GENERATE's HTTP client only:
 # no UCX, no GPU, so it installs wherever Envoy does.
@@ -53,8 +53,28 @@ lint: $(STAMP)
 	$(BIN)/ruff check evergreen_trio tests benchmarks
 	$(BIN)/mypy evergreen_trio
 
+# Every extra is installed here, so a test module that needs a missing one is an error, not a skip.
 test: lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --require-extras $(PYTEST_ARGS)
+
+# On a GPU host (CUDA=13 for a CUDA 13 driver): a venv of its own with the GPU pair of extras, then
+# every gpu-marked test; no CUDA device, or no UCX, fails the run instead of skipping.
+CUDA ?= 12
+comma := ,
+GPU_VENV := $(VENV)-gpu-cu$(CUDA)
+GPU_EXTRAS := avp,testing,$(if $(filter 13,$(CUDA)),gpu-cu13$(comma)ucx-cu13,gpu$(comma)ucx)
+test-gpu:
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q -e '.[$(GPU_EXTRAS)]' 'pytest>=8' 'pytest-trio>=0.8'
+	$(GPU_VENV)/bin/python -m pytest -q -m gpu --require-gpu $(PYTEST_ARGS)
+
+# tests/ipc in a fresh venv with only the ipc and testing extras, and pytest: a folder runs with the
+# extras its tests use (tests/test_collection.py checks every folder's collection in the suite).
+MINIMAL := build/minimal-$(PYVER)
+test-minimal:
+	rm -rf $(MINIMAL) && $(PYTHON) -m venv $(MINIMAL)
+	$(MINIMAL)/bin/python -m pip install -q -e '.[ipc,testing]' 'pytest>=8' 'pytest-trio>=0.8'
+	$(MINIMAL)/bin/python -m pytest -q tests/ipc
 
 proto: $(STAMP)
 	$(BIN)/python -m evergreen_trio._proto.generate

@@ -29,12 +29,17 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
 EXTRA_MODULES["gateway"] = tuple(dict.fromkeys(EXTRA_MODULES["picker"] + EXTRA_MODULES["sim"]))
 
 
+CUDA_13_EXTRAS = {"ucx": "ucx-cu13", "gpu": "gpu-cu13"}
+"""The CUDA 12 extras and their CUDA 13 twins (the same modules, built for CUDA 13)."""
+
+
 class MissingExtraError(ConfigurationError, ImportError):
     """A part of evergreen-trio was imported without the extra it needs; the message names the extra."""
 
     def __init__(self, part: str, extra: str, missing: str) -> None:
+        twin = f" or '[{CUDA_13_EXTRAS[extra]}]' on CUDA 13" if extra in CUDA_13_EXTRAS else ""
         super().__init__(
-            f"{part} needs the {extra!r} extra: pip install 'evergreen-trio[{extra}]' (missing: {missing})"
+            f"{part} needs the {extra!r} extra: pip install 'evergreen-trio[{extra}]'{twin} (missing: {missing})"
         )
         self.part, self.extra, self.missing = part, extra, missing
 

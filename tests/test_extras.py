@@ -67,9 +67,15 @@ def test_each_checked_module_comes_with_its_extra(extra: str) -> None:
 
 
 def test_all_has_every_extra_but_gpu() -> None:
-    everything = set().union(*(requirements(extra) for extra in OPTIONAL if extra not in ("gpu", "test", "bench",
-                                                                                       "docs")))
+    left_out = ("gpu", "ucx-cu13", "gpu-cu13", "test", "bench", "docs")
+    everything = set().union(*(requirements(extra) for extra in OPTIONAL if extra not in left_out))
     assert requirements("all") == everything
+
+
+def test_the_cuda_13_extras_mirror_the_cuda_12_ones() -> None:
+    for extra, cuda13 in (("ucx", "ucx-cu13"), ("gpu", "gpu-cu13")):
+        assert {name.replace("cu12", "cu13").replace("cuda12x", "cuda13x") for name in requirements(extra)} == \
+            requirements(cuda13)
 
 
 HIDDEN = {"evergreen_trio.avp": "isal", "evergreen_trio.avp.server": "hypercorn"}

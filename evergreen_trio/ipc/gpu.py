@@ -44,7 +44,8 @@ def _cupy() -> Any:
     try:
         import cupy
     except ImportError:
-        raise IpcError("GPU bodies: expected CuPy to be installed, got ImportError") from None
+        raise IpcError("GPU bodies: expected CuPy: pip install 'evergreen-trio[gpu]' (CUDA 12) or "
+                       "'evergreen-trio[gpu-cu13]' (CUDA 13)") from None
     return cupy
 
 

@@ -2,9 +2,7 @@
 
 The device tests skip cleanly without CuPy and a CUDA device. On a GPU host run them in
 a process of their own, so that the process's UCX context is created after the CUDA
-context (``pip install cupy-cuda12x`` first):
-
-    .venv/bin/pytest tests/ipc -m gpu -v
+context: ``make test-gpu`` (``CUDA=13`` on a CUDA 13 driver), which fails without a device.
 """
 
 from __future__ import annotations
