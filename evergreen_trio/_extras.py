@@ -13,7 +13,7 @@ import importlib
 from evergreen_trio.errors import ConfigurationError
 
 AVP_CODEC_MODULES = ("numpy", "ml_dtypes", "zstandard", "isal")
-"""What ``evergreen_trio.avp`` (the codec) imports; its HTTP server and client add hypercorn and httpx."""
+"""What ``evergreen_trio.avp`` (the codec) imports; its HTTP client adds httpx, its server hypercorn."""
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "picker": ("yaml", "xxhash", "httpx", "envoy.service.ext_proc.v3.external_processor_pb2"),
     "avp": (*AVP_CODEC_MODULES, "hypercorn", "httpx"),

@@ -23,7 +23,6 @@ OPTIONAL = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["opti
 PARTS = [
     ("evergreen_trio.picker", "picker"),
     ("evergreen_trio.avp", "avp"),
-    ("evergreen_trio.avp.server", "avp"),
     ("evergreen_trio.avp.client", "avp"),
     ("evergreen_trio.ipc", "ipc"),
     ("evergreen_trio.arrow_refs", "ipc"),
@@ -78,7 +77,7 @@ def test_the_cuda_13_extras_mirror_the_cuda_12_ones() -> None:
             requirements(cuda13)
 
 
-HIDDEN = {"evergreen_trio.avp": "isal", "evergreen_trio.avp.server": "hypercorn"}
+HIDDEN = {"evergreen_trio.avp": "isal"}
 """The module hidden for a part that needs only some of its extra (else the extra's last)."""
 
 

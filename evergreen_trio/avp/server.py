@@ -15,11 +15,6 @@ from functools import partial
 from typing import Any
 
 import trio
-
-from evergreen_trio._extras import require_extra
-
-require_extra("avp", __name__, ("hypercorn",))
-
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
