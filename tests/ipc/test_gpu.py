@@ -124,7 +124,8 @@ async def test_device_server_dying_mid_stream_is_a_clear_error(device: str, capl
     On a GPU the body moves by a sender-driven rendezvous (CUDA staging), which never completes
     once the server's worker stops, and a graceful close is no endpoint error: the client hung
     until the server's BYE was made to end its wait. ``UCX_TLS=tcp,self`` does the same on a CPU
-    (the next test); the default CPU transports (CMA) are receiver-driven.
+    (the next test); the default CPU transports (CMA) are receiver-driven. Afterwards no bridge is
+    open, so nothing is in flight.
     """
     memory = HostAsDevice().memory() if device == "numpy" else None
     rows = 4 * 2**20
@@ -144,7 +145,10 @@ async def test_device_server_dying_mid_stream_is_a_clear_error(device: str, capl
             with trio.fail_after(LOST_WITHIN_S), pytest.raises(ConnectionLostError):
                 await fetch_device(str(uri), "t", memory=memory)
     assert ucx_inflight() == []
-    assert not [r for r in caplog.records if "unreaped" in r.getMessage()]
+    if device == "numpy" and "UCX_TLS" not in os.environ:
+        # CMA is receiver-driven: every request ends. A receive on a sender-driven rendezvous that
+        # stopped ends only with its worker (it and its buffer are kept until then, not freed).
+        assert not [r for r in caplog.records if "unreaped" in r.getMessage()]
 
 
 @pytest.mark.ucx

@@ -158,7 +158,7 @@ class UcxClientChannel:
 
     async def receive(self) -> MetadataIn | BodyIn:
         if not self._posted:
-            self._post(await self.bridge.probe(0, 0))
+            self._post(await self._next_probe())
         while self._bodies_posted < RECEIVE_DEPTH and (probe := self.bridge.try_probe(0, 0)) is not None:
             self._post(probe)
         posted = self._posted.popleft()
@@ -175,6 +175,15 @@ class UcxClientChannel:
 
     def ready(self) -> bool:
         return bool(self._posted)
+
+    async def _next_probe(self) -> ProbeResult:
+        if self._bye:
+            # The BYE was taken off the queue while waiting; what the server sent before it is queued.
+            probe = self.bridge.try_probe(0, 0)
+            if probe is None:
+                raise ConnectionLostError("server closed the connection")
+            return probe
+        return await self.bridge.probe(0, 0)
 
     def _server_left(self) -> bool:
         """Whether the server's BYE has arrived (probed already, or waiting in UCX's queue)."""

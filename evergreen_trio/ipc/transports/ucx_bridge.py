@@ -119,6 +119,7 @@ class WorkerBridge:
         self._kicked = False
         self._sleep: trio.CancelScope | None = None
         self._inflight: set[Request] = set()
+        self._abandoned: list[Request] = []
         self._endpoints: list[Endpoint] = []
         self.failure: str | None = None
         self.wakeups = 0
@@ -237,28 +238,37 @@ class WorkerBridge:
         await self.wait(self.post_receive(probe, target))
 
     def shutdown(self) -> None:
-        """Cancel in-flight requests, close endpoints, reap (bounded, synchronous).
+        """Cancel in-flight requests, let sends flush, close endpoints, reap (bounded, synchronous).
 
         Cancelling reaches only receives still waiting for a message: a receive posted on a probed
-        message, and a send, end only when their endpoint closes. Endpoints are in peer-failure mode,
-        so ``close`` is UCX's forced close, which fails whatever is still pending on them.
+        message, and a send its peer no longer takes, end only when their endpoint closes. Endpoints
+        are in peer-failure mode, so ``close`` is UCX's forced close: it fails what is still pending
+        on them and drops what is not yet sent, so sends (a BYE) get their rounds of progress first.
+        A receive on a probed message whose sender-driven rendezvous stopped ends only with the worker:
+        it is kept (with its buffer, which UCX may still write) as long as the worker.
         """
+        self._reap()
         if self._inflight:
             self.worker.cancel_inflight_requests(0, 1)
+            self._reap()
         for endpoint in self._endpoints:
             endpoint.remove_close_callback()
             if endpoint.alive:
                 endpoint.close()
         self._endpoints.clear()
-        # A peer that already left (shared memory cannot tell) never answers a close, so the
-        # worker is progressed a bounded number of rounds.
+        # A peer that already left (shared memory cannot tell) never answers a close either.
+        self._reap()
+        if self._inflight:
+            log.warning("ucx.unreaped_requests count=%d (released with the worker)", len(self._inflight))
+            self._abandoned.extend(self._inflight)
+            self._inflight.clear()
+
+    def _reap(self) -> None:
+        """Progress the worker (bounded) until it is idle with nothing in flight."""
         for _ in range(_REAP_ROUNDS):
             self._inflight = {r for r in self._inflight if not r.request.completed}
             if not self.worker.progress_once() and not self._inflight:
                 break
-        if self._inflight:
-            log.warning("ucx.unreaped_requests count=%d", len(self._inflight))
-            self._inflight.clear()
 
 
 _OPEN: set[WorkerBridge] = set()
