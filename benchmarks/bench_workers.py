@@ -192,6 +192,7 @@ def _rows(seconds: float, found: Sequence[Layout]) -> Iterator[Row]:
 def run(quick: bool = False) -> None:
     seconds = 3.0 if quick else 15.0
     cores = sorted(os.sched_getaffinity(0))
+    busy = os.getloadavg()[0]  # recorded: other work on the machine depresses every rate
     found, notes = layouts(cores)
     rows = list(_rows(seconds, found))
     print_table(f"serve --workers N ({len(cores)} cores, {seconds:.0f} s each, grpc.aio load processes of "
@@ -204,7 +205,9 @@ def run(quick: bool = False) -> None:
         print(f"\ngoal >= {GOAL} x N of one worker: not measurable here (no N > 1 on cores of its own)")
     for note in notes:
         print(note)
-    print(f"\nwrote {write_results('workers', rows, quick=quick, cpus=len(cores), seconds=seconds, notes=notes)}")
+    path = write_results("workers", rows, quick=quick, cpus=len(cores), seconds=seconds, notes=notes,
+                         load_average_before=busy)
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":
