@@ -12,9 +12,11 @@ import importlib
 
 from evergreen_trio.errors import ConfigurationError
 
+AVP_CODEC_MODULES = ("numpy", "ml_dtypes", "zstandard", "isal")
+"""What ``evergreen_trio.avp`` (the codec) imports; its HTTP client and server add httpx."""
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "picker": ("yaml", "xxhash", "httpx", "envoy.service.ext_proc.v3.external_processor_pb2"),
-    "avp": ("numpy", "ml_dtypes", "zstandard", "isal", "httpx"),
+    "avp": (*AVP_CODEC_MODULES, "httpx"),
     "ipc": ("pyarrow", "numpy"),
     "ucx": ("ucxx",),
     "gpu": ("cupy",),
@@ -27,19 +29,25 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
 EXTRA_MODULES["gateway"] = tuple(dict.fromkeys(EXTRA_MODULES["picker"] + EXTRA_MODULES["sim"]))
 
 
+CUDA_13_EXTRAS = {"ucx": "ucx-cu13", "gpu": "gpu-cu13"}
+"""The CUDA 12 extras and their CUDA 13 twins (the same modules, built for CUDA 13)."""
+
+
 class MissingExtraError(ConfigurationError, ImportError):
     """A part of evergreen-trio was imported without the extra it needs; the message names the extra."""
 
     def __init__(self, part: str, extra: str, missing: str) -> None:
+        twin = f" or '[{CUDA_13_EXTRAS[extra]}]' on CUDA 13" if extra in CUDA_13_EXTRAS else ""
         super().__init__(
-            f"{part} needs the {extra!r} extra: pip install 'evergreen-trio[{extra}]' (missing: {missing})"
+            f"{part} needs the {extra!r} extra: pip install 'evergreen-trio[{extra}]'{twin} (missing: {missing})"
         )
         self.part, self.extra, self.missing = part, extra, missing
 
 
-def require_extra(extra: str, part: str) -> None:
-    """Import ``extra``'s modules; the first that fails raises :class:`MissingExtraError` for ``part``."""
-    for module in EXTRA_MODULES[extra]:
+def require_extra(extra: str, part: str, modules: tuple[str, ...] | None = None) -> None:
+    """Import ``extra``'s modules (or those of them ``part`` uses); the first that fails raises
+    :class:`MissingExtraError` for ``part``."""
+    for module in EXTRA_MODULES[extra] if modules is None else modules:
         try:
             importlib.import_module(module)
         except ImportError:

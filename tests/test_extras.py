@@ -23,6 +23,7 @@ OPTIONAL = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["opti
 PARTS = [
     ("evergreen_trio.picker", "picker"),
     ("evergreen_trio.avp", "avp"),
+    ("evergreen_trio.avp.client", "avp"),
     ("evergreen_trio.ipc", "ipc"),
     ("evergreen_trio.arrow_refs", "ipc"),
     ("evergreen_trio.sim", "sim"),
@@ -65,19 +66,38 @@ def test_each_checked_module_comes_with_its_extra(extra: str) -> None:
 
 
 def test_all_has_every_extra_but_gpu() -> None:
-    everything = set().union(*(requirements(extra) for extra in OPTIONAL if extra not in ("gpu", "test", "bench",
-                                                                                       "docs")))
+    left_out = ("gpu", "ucx-cu13", "gpu-cu13", "test", "bench", "docs")
+    everything = set().union(*(requirements(extra) for extra in OPTIONAL if extra not in left_out))
     assert requirements("all") == everything
+
+
+def test_the_cuda_13_extras_mirror_the_cuda_12_ones() -> None:
+    for extra, cuda13 in (("ucx", "ucx-cu13"), ("gpu", "gpu-cu13")):
+        assert {name.replace("cu12", "cu13").replace("cuda12x", "cuda13x") for name in requirements(extra)} == \
+            requirements(cuda13)
+
+
+HIDDEN = {"evergreen_trio.avp": "isal"}
+"""The module hidden for a part that needs only some of its extra (else the extra's last)."""
 
 
 @pytest.mark.parametrize(("part", "extra"), PARTS)
 def test_a_part_without_its_extra_names_it(part: str, extra: str) -> None:
-    hidden = EXTRA_MODULES[extra][-1].split(".")[0]
+    hidden = HIDDEN.get(part, EXTRA_MODULES[extra][-1].split(".")[0])
     done = python(f"import sys; sys.modules[{hidden!r}] = None; import {part}")
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("evergreen_trio._extras.MissingExtraError: ")
     assert f"pip install 'evergreen-trio[{extra}]'" in last and f"(missing: {hidden})" in last
+
+
+def test_the_avp_codec_needs_no_http_server_or_client() -> None:
+    # A module imports what it uses: the codec round trip with hypercorn and httpx hidden.
+    done = python("import sys; sys.modules['hypercorn'] = sys.modules['httpx'] = None\n"
+                  "import numpy as np, evergreen_trio.avp as avp\n"
+                  "payload = np.arange(6, dtype='<f4')\n"
+                  "assert avp.decode(avp.encode(payload, avp.AVPMetadata())).payload == payload.tobytes()")
+    assert done.returncode == 0, done.stderr
 
 
 def test_core_imports_no_optional_module() -> None:

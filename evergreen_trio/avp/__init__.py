@@ -1,8 +1,8 @@
 """AVP (Agent Vector Protocol): a sans-IO, zero-copy, hardened codec for latent payloads, and its session binding."""
 
-from evergreen_trio._extras import require_extra
+from evergreen_trio._extras import AVP_CODEC_MODULES, require_extra
 
-require_extra("avp", __name__)
+require_extra("avp", __name__, AVP_CODEC_MODULES)
 
 from evergreen_trio.avp.codec import decode, encode, encode_buffers, encode_into
 from evergreen_trio.avp.dtypes import DataType

@@ -13,6 +13,10 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
+from evergreen_trio._extras import require_extra
+
+require_extra("avp", __name__, ("httpx",))
+
 import httpx
 
 from evergreen_trio.avp import binding

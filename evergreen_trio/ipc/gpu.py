@@ -44,7 +44,8 @@ def _cupy() -> Any:
     try:
         import cupy
     except ImportError:
-        raise IpcError("GPU bodies: expected CuPy to be installed, got ImportError") from None
+        raise IpcError("GPU bodies: expected CuPy: pip install 'evergreen-trio[gpu]' (CUDA 12) or "
+                       "'evergreen-trio[gpu-cu13]' (CUDA 13)") from None
     return cupy
 
 
@@ -196,10 +197,11 @@ async def open_device(
     Raises UriError for a URI that is not ``ucx://``, IpcError without CuPy / a device
     (when ``memory`` is not given), and the usual IPC errors while streaming.
     """
-    from evergreen_trio.ipc.transports.ucx import connect_ucx
-
     parsed = _ucx_uri(uri)
     memory = memory if memory is not None else cupy_memory()
+    # Imported once the URI and the memory are checked: a bad call fails the same without the ucx extra.
+    from evergreen_trio.ipc.transports.ucx import connect_ucx
+
     key = ticket.encode() if isinstance(ticket, str) else bytes(ticket)
     async with connect_ucx(parsed, limits, BufferPool(limits.pool_bytes), device=memory.allocate) as channel:
         await channel.send_request(parsed.want_data, key)

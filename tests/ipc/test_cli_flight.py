@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,9 @@ def write_file(path: Path) -> pa.Table:
     return table
 
 
-@pytest.mark.parametrize("uri", ["tcp://127.0.0.1:0", "shm://"])
+@pytest.mark.parametrize(
+    "uri", ["tcp://127.0.0.1:0", "shm://", pytest.param("ucx://127.0.0.1:0", marks=pytest.mark.ucx)]
+)
 async def test_serve_prints_the_uri_and_get_writes_a_file(tmp_path: Path, uri: str) -> None:
     table = write_file(tmp_path / "data.arrow")
     cmd = [sys.executable, "-m", "evergreen_trio.cli", "ipc", "serve", str(tmp_path / "data.arrow"), "--uri", uri]
@@ -40,6 +43,25 @@ async def test_serve_prints_the_uri_and_get_writes_a_file(tmp_path: Path, uri: s
         proc.wait()
     assert rows == table.num_rows
     assert pa.ipc.open_file(str(tmp_path / "out.arrow")).read_all().equals(table)
+
+
+@pytest.mark.ucx
+async def test_ucx_serve_prints_the_uri_first_and_ucx_logs_to_stderr(tmp_path: Path) -> None:
+    # An unknown UCX_ variable makes UCX log a warning: it must go to stderr, never before the URI.
+    write_file(tmp_path / "data.arrow")
+    cmd = [sys.executable, "-m", "evergreen_trio.cli", "ipc", "serve", str(tmp_path / "data.arrow"), "--uri",
+           "ucx://127.0.0.1:0"]
+    env = {**os.environ, "UCX_NOT_A_VARIABLE": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # noqa: ASYNC220
+    try:
+        assert proc.stdout is not None
+        first = await trio.to_thread.run_sync(proc.stdout.readline)
+        assert first.startswith("ucx://") and "want_data=" in first
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    assert "UCX" not in out
+    assert "UCX_NOT_A_VARIABLE" in err
 
 
 async def test_two_serve_processes_split_metadata_and_data(tmp_path: Path) -> None:

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 import trio
+
+# The whole folder needs the picker extra: without it, skip it naming the extra (not a collection error).
+pytest.importorskip("evergreen_trio.picker", exc_type=ImportError)
+
 from picker_fakes import FakeModelServer, Gateway, free_port, start_envoy, stop_envoy
 
 

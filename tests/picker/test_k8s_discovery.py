@@ -77,8 +77,9 @@ async def test_follows_scale_readiness_ip_and_pool_edits(nursery: trio.Nursery, 
         change()
         await eventually(lambda e=expected: seen.last == e)  # type: ignore[misc]
         assert time.monotonic() - began < 5.0
-    watches = [r for r in api.requests if "watch=true" in r and "/pods" in r]
-    assert any("labelSelector=app%3Dnot-the-pool" in r or "labelSelector=app=not-the-pool" in r for r in watches)
+    # The re-list that empties the pool can land before the new watch is sent: wait for that too.
+    await eventually(lambda: any("labelSelector=app%3Dnot-the-pool" in r or "labelSelector=app=not-the-pool" in r
+                                 for r in api.requests if "watch=true" in r and "/pods" in r))
 
 
 async def test_v1alpha2_pool(nursery: trio.Nursery, api: KubeApiServer, tmp_path: Path) -> None:

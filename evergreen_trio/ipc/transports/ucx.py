@@ -151,17 +151,18 @@ class UcxClientChannel:
         self.device = device
         self._posted: collections.deque[_Posted] = collections.deque()
         self._bodies_posted = 0
+        self._bye = False
 
     async def send_request(self, tag: int, payload: bytes) -> None:
         await self.bridge.send(self.endpoint, tag, payload).wait()
 
     async def receive(self) -> MetadataIn | BodyIn:
         if not self._posted:
-            self._post(await self.bridge.probe(0, 0))
+            self._post(await self._next_probe())
         while self._bodies_posted < RECEIVE_DEPTH and (probe := self.bridge.try_probe(0, 0)) is not None:
             self._post(probe)
         posted = self._posted.popleft()
-        await self.bridge.wait(posted.request)
+        await self.bridge.wait(posted.request, self._server_left)
         if posted.body_tag is not None:
             self._bodies_posted -= 1
             return BodyIn(posted.body_tag, posted.body, posted.nbytes)
@@ -174,6 +175,23 @@ class UcxClientChannel:
 
     def ready(self) -> bool:
         return bool(self._posted)
+
+    async def _next_probe(self) -> ProbeResult:
+        if self._bye:
+            # The BYE was taken off the queue while waiting; what the server sent before it is queued.
+            probe = self.bridge.try_probe(0, 0)
+            if probe is None:
+                raise ConnectionLostError("server closed the connection")
+            return probe
+        return await self.bridge.probe(0, 0)
+
+    def _server_left(self) -> bool:
+        """Whether the server's BYE has arrived (probed already, or waiting in UCX's queue)."""
+        if not self._bye and (probe := self.bridge.try_probe(BYE_TAG, FULL_MASK)) is not None:
+            self.bridge.post_receive(probe, bytearray(probe.length))  # drained; reaped at teardown
+            self._bye = True
+        self._bye = self._bye or any(posted.tag == BYE_TAG for posted in self._posted)
+        return self._bye
 
     def _post(self, probe: ProbeResult) -> None:
         """Post the receive of one probed message (limits checked on its announced length)."""

@@ -14,41 +14,55 @@ and reaps whatever is still in flight.
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+UCX_ENVIRONMENT = {
+    # UCX logs (its warnings included) to stdout by default, where `ipc serve` prints its URI.
+    "UCX_LOG_FILE": "stderr",
+    # ucxx sets this on import, after loading libucs, which reads it when loaded: UCX then warns
+    # that it is unused and the value has no effect. Set first, UCX reads ucxx's value.
+    "UCX_MEMTYPE_CACHE": "n",
+    # Endpoints run in peer-failure mode (a dead peer is an error, not an abort). UCX then
+    # only picks CMA (single-copy rendezvous: the receiver reads the sender's memory with
+    # process_vm_readv) when CMA advertises memory invalidation; without it bodies fall
+    # back to tcp. CMA needs no registration, so there is nothing to invalidate.
+    "UCX_CMA_MEMORY_INVALIDATE": "y",
+}
+"""Set (unless already set) before ``ucxx`` is first imported: libucs reads them when it loads."""
+
+if "ucxx" in sys.modules:
+    log.warning("ucxx was imported before %s: UCX ignores %s", __name__, ", ".join(UCX_ENVIRONMENT))
+for _name, _value in UCX_ENVIRONMENT.items():
+    os.environ.setdefault(_name, _value)
+
 from evergreen_trio._extras import require_extra
 
 require_extra("ucx", __name__)
 
 import functools
-import logging
-import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeAlias
 
 import trio
-
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-# Endpoints run in peer-failure mode (a dead peer is an error, not an abort). UCX then
-# only picks CMA (single-copy rendezvous: the receiver reads the sender's memory with
-# process_vm_readv) when CMA advertises memory invalidation; without it bodies fall
-# back to tcp. CMA needs no registration, so there is nothing to invalidate.
-os.environ.setdefault("UCX_CMA_MEMORY_INVALIDATE", "y")
-
 from ucxx._lib import libucxx as ucx
 from ucxx._lib.arr import Array
 
 from evergreen_trio.ipc._nursery import open_quiet_nursery
 from evergreen_trio.ipc.errors import ConnectionLostError, TransportError
 
-log = logging.getLogger(__name__)
-
 DEFAULT_TLS = "tcp,self,cma"
 """Transports used when ``UCX_TLS`` is unset: what works on a CPU-only host."""
 CUDA_TLS = "cuda_copy,cuda_ipc"
 """Added to the default where an NVIDIA driver is present, for device (GPU) bodies.
-Not everywhere: UCX prints a warning on stdout for each named transport it lacks."""
+Not everywhere: UCX logs a warning for each named transport it lacks."""
 FULL_MASK = 0xFFFF_FFFF_FFFF_FFFF
 _REAP_ROUNDS = 1000
+"""Worker progress rounds spent, at most, finishing a request without waiting (teardown, a peer gone)."""
 
 Endpoint: TypeAlias = Any
 ProbeResult: TypeAlias = Any
@@ -105,6 +119,7 @@ class WorkerBridge:
         self._kicked = False
         self._sleep: trio.CancelScope | None = None
         self._inflight: set[Request] = set()
+        self._abandoned: list[Request] = []
         self._endpoints: list[Endpoint] = []
         self.failure: str | None = None
         self.wakeups = 0
@@ -173,16 +188,32 @@ class WorkerBridge:
         self.kick()
         return request
 
-    async def wait(self, request: Request) -> None:
-        """Wait for a request; raise ConnectionLostError if it failed."""
+    async def wait(self, request: Request, peer_left: Callable[[], bool] | None = None) -> None:
+        """Wait for a request; raise ConnectionLostError if it failed.
+
+        ``peer_left`` says the peer has gone gracefully (its BYE arrived): a graceful close is no
+        endpoint error, and a sender-driven rendezvous (tcp, CUDA staging) never completes once the
+        sender's worker stops; so the worker is progressed a bounded number of rounds, and a request
+        still pending is a ConnectionLostError.
+        """
         self.kick()
         while not request.request.completed:
+            if peer_left is not None and peer_left() and not self._settle(request):
+                raise ConnectionLostError("UCX peer left with a message it announced still unsent")
             await self._park()
         self._inflight.discard(request)
         try:
             request.request.check_error()
         except ucx.UCXError as exc:
             raise ConnectionLostError(f"UCX request failed: {exc}") from None
+
+    def _settle(self, request: Request) -> bool:
+        """Progress the worker (bounded, without blocking) until ``request`` completes; whether it did."""
+        for _ in range(_REAP_ROUNDS):
+            if request.done:
+                return True
+            self.worker.progress()
+        return request.done
 
     def try_probe(self, tag: int = 0, mask: int = 0) -> ProbeResult | None:
         """Take a message matching (tag, mask) off the queue if one has arrived."""
@@ -207,26 +238,36 @@ class WorkerBridge:
         await self.wait(self.post_receive(probe, target))
 
     def shutdown(self) -> None:
-        """Cancel and reap in-flight requests, then close endpoints (bounded, synchronous)."""
+        """Cancel in-flight requests, let sends flush, close endpoints, reap (bounded, synchronous).
+
+        Cancelling reaches only receives still waiting for a message: a receive posted on a probed
+        message, and a send its peer no longer takes, end only when their endpoint closes. Endpoints
+        are in peer-failure mode, so ``close`` is UCX's forced close: it fails what is still pending
+        on them and drops what is not yet sent, so sends (a BYE) get their rounds of progress first.
+        A receive on a probed message whose sender-driven rendezvous stopped ends only with the worker:
+        it is kept (with its buffer, which UCX may still write) as long as the worker.
+        """
+        self._reap()
         if self._inflight:
             self.worker.cancel_inflight_requests(0, 1)
-            for _ in range(_REAP_ROUNDS):
-                self.worker.progress()
-                self._inflight = {r for r in self._inflight if not r.request.completed}
-                if not self._inflight:
-                    break
-            if self._inflight:
-                log.warning("ucx.unreaped_requests count=%d", len(self._inflight))
-            self._inflight.clear()
+            self._reap()
         for endpoint in self._endpoints:
             endpoint.remove_close_callback()
             if endpoint.alive:
                 endpoint.close()
         self._endpoints.clear()
-        # A close flushes towards the peer; one that already left (shared memory cannot
-        # tell) never answers, so the close is progressed a bounded number of rounds.
+        # A peer that already left (shared memory cannot tell) never answers a close either.
+        self._reap()
+        if self._inflight:
+            log.warning("ucx.unreaped_requests count=%d (released with the worker)", len(self._inflight))
+            self._abandoned.extend(self._inflight)
+            self._inflight.clear()
+
+    def _reap(self) -> None:
+        """Progress the worker (bounded) until it is idle with nothing in flight."""
         for _ in range(_REAP_ROUNDS):
-            if not self.worker.progress_once():
+            self._inflight = {r for r in self._inflight if not r.request.completed}
+            if not self.worker.progress_once() and not self._inflight:
                 break
 
 
@@ -243,13 +284,21 @@ async def open_bridge(context: Context) -> AsyncIterator[WorkerBridge]:
     """A worker with its progress task running for the duration of the block."""
     bridge = WorkerBridge(context)
     _OPEN.add(bridge)
+    # Shielded: a block cancelled from outside still says BYE (a shielded, bounded send) and that
+    # send, or one queued behind a rendezvous, needs the worker progressed until the block ends.
+    progress = trio.CancelScope(shield=True)
+
+    async def progress_until_closed() -> None:
+        with progress:
+            await bridge.progress_forever()
+
     try:
         async with open_quiet_nursery() as nursery:
-            nursery.start_soon(bridge.progress_forever)
+            nursery.start_soon(progress_until_closed)
             try:
                 yield bridge
             finally:
-                nursery.cancel_scope.cancel()
+                progress.cancel()
     finally:
         bridge.shutdown()
         _OPEN.discard(bridge)
