@@ -88,6 +88,8 @@ class DagShape:
     max_chain: int = 16
     """Inner levels of a deep chain."""
     full_metadata: bool = False
+    text_only: bool = False
+    """Every leaf ``text/plain`` with UTF-8 text (at most ``max_data`` bytes): for actions that read text."""
 
 
 DEFAULT_SHAPE = DagShape()
@@ -100,6 +102,17 @@ class Dag:
 
     nodes: dict[str, NodeSpec]
     root: str
+
+
+def _leaf_metas(shape: DagShape) -> st.SearchStrategy[Meta]:
+    return st.just(Meta("text/plain")) if shape.text_only else metas(full=shape.full_metadata)
+
+
+def _leaf_data(shape: DagShape) -> st.SearchStrategy[bytes]:
+    if not shape.text_only:
+        return st.binary(max_size=shape.max_data)
+    text = st.text(alphabet=st.characters(codec="utf-8"), max_size=shape.max_data // 4)
+    return text.map(str.encode)
 
 
 def _fresh(name: str, used: dict[str, NodeSpec]) -> str:
@@ -124,7 +137,7 @@ def dags(draw: st.DrawFn, shape: DagShape = DEFAULT_SHAPE) -> Dag:
     nodes (a chain by dropping levels) instead of redrawing everything after a changed count.
     """
     chain = draw(st.booleans())
-    leaves = draw(st.lists(st.tuples(_ID_TEXT, metas(full=shape.full_metadata), st.binary(max_size=shape.max_data)),
+    leaves = draw(st.lists(st.tuples(_ID_TEXT, _leaf_metas(shape), _leaf_data(shape)),
                            min_size=1, max_size=shape.max_leaves))
     if chain:
         levels = draw(st.lists(st.tuples(_ID_TEXT, st.booleans(), st.lists(_PICK, max_size=1)),

@@ -45,3 +45,11 @@ def test_the_agent_answers_through_the_client_tool_and_stops_on_sigterm(command:
         if server.stdout is not None:
             server.stdout.close()
     assert status == 0
+
+
+def test_the_agents_property_tests_pass_as_a_user_runs_them() -> None:
+    """examples/test_agent_properties.py: the kit driving the agent's own action, served by ``serve --app``."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_agent_properties.py"],
+                          cwd=EXAMPLES, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "2 passed" in done.stdout, done.stdout[-2000:]
