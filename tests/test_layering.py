@@ -30,7 +30,7 @@ SANS_IO_CORES = (
     "picker/processor.py", "picker/request.py", "picker/scheduler.py", "picker/usage.py",
     "sim/api.py", "sim/config.py", "sim/errors.py", "sim/model.py",
     "generate/config.py", "generate/errors.py", "generate/openai.py", "generate/sse.py",
-    "testing/model.py", "errors.py", "limits.py", "_wire.py", "nodes.py",
+    "testing/model.py", "errors.py", "limits.py", "_wire.py", "_memory.py", "nodes.py",
 )
 """Plain Python under the Trio shells: tested without an event loop."""
 
@@ -42,7 +42,7 @@ IO_ALLOWED = frozenset({"grpclib.const"})
 """grpclib's status enum is a plain constant table."""
 
 PROTOCOL_PACKAGES = ("avp", "ipc", "picker", "sim", "generate")
-BASE_MODULES = ("errors.py", "limits.py", "_wire.py", "_extras.py")
+BASE_MODULES = ("errors.py", "limits.py", "_wire.py", "_extras.py", "_memory.py")
 
 FACE_EXCEPTIONS = {
     # Baselines that talk raw grpclib need the generated wire messages.
