@@ -28,7 +28,7 @@ def _load_madvise() -> Callable[[int, int, int], int] | None:
         return None
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
-    return madvise  # type: ignore[no-any-return]
+    return madvise
 
 
 _madvise = _load_madvise()
