@@ -52,6 +52,8 @@ FACE_EXCEPTIONS = {
     "benchmarks/bench_workers.py": {"evergreen_trio._proto.evergreen.v2.evergreen_pb2"},
     # The benchmark pins the UCX transports its server child uses to the bridge's default.
     "benchmarks/bench_ipc.py": {"evergreen_trio.ipc.transports.ucx_bridge"},
+    # The GPU area pins the same transports plus the CUDA ones, and measures the device path itself.
+    "benchmarks/bench_ipc_gpu.py": {"evergreen_trio.ipc.transports.ucx_bridge", "evergreen_trio.ipc.gpu"},
     # The codec benchmark measures the wire messages themselves, with the picker's header names.
     "benchmarks/bench_codec.py": {"evergreen_trio._proto.evergreen.v2",
                                   "evergreen_trio.picker.processor"},
