@@ -249,6 +249,11 @@ def run(quick: bool = False) -> None:
                 if key in samples[0]:
                     rows.append(Row(f"{name} c={connections} {process.replace('_', ' ')} CPU per request",
                                     _median(samples, key), "ms"))
+        direct = results[DIRECT][connections]
+        for name in (OURS, OURS + OBSERVED):
+            rps = _median(results[name][connections], "rps")
+            rows.append(Row(f"{name} c={connections} throughput vs envoy direct", rps, "req/s", DIRECT,
+                            rps / _median(direct, "rps")))
         for name in (OURS, REF, OURS + OBSERVED, REF + OBSERVED):
             added = _median(results[name][connections], "p50_ms") - _median(results[DIRECT][connections], "p50_ms")
             rows.append(Row(f"{name} c={connections} added p50 vs envoy direct", added, "ms", DIRECT))

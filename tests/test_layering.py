@@ -30,7 +30,7 @@ SANS_IO_CORES = (
     "picker/processor.py", "picker/request.py", "picker/scheduler.py", "picker/usage.py",
     "sim/api.py", "sim/config.py", "sim/errors.py", "sim/model.py",
     "generate/config.py", "generate/errors.py", "generate/openai.py", "generate/sse.py",
-    "testing/model.py", "errors.py", "limits.py", "_wire.py", "nodes.py",
+    "testing/model.py", "errors.py", "limits.py", "_wire.py", "_memory.py", "nodes.py",
 )
 """Plain Python under the Trio shells: tested without an event loop."""
 
@@ -42,7 +42,7 @@ IO_ALLOWED = frozenset({"grpclib.const"})
 """grpclib's status enum is a plain constant table."""
 
 PROTOCOL_PACKAGES = ("avp", "ipc", "picker", "sim", "generate")
-BASE_MODULES = ("errors.py", "limits.py", "_wire.py", "_extras.py")
+BASE_MODULES = ("errors.py", "limits.py", "_wire.py", "_extras.py", "_memory.py")
 
 FACE_EXCEPTIONS = {
     # Baselines that talk raw grpclib need the generated wire messages.
@@ -52,6 +52,8 @@ FACE_EXCEPTIONS = {
     "benchmarks/bench_workers.py": {"evergreen_trio._proto.evergreen.v2.evergreen_pb2"},
     # The benchmark pins the UCX transports its server child uses to the bridge's default.
     "benchmarks/bench_ipc.py": {"evergreen_trio.ipc.transports.ucx_bridge"},
+    # The GPU area pins the same transports plus the CUDA ones, and measures the device path itself.
+    "benchmarks/bench_ipc_gpu.py": {"evergreen_trio.ipc.transports.ucx_bridge", "evergreen_trio.ipc.gpu"},
     # The codec benchmark measures the wire messages themselves, with the picker's header names.
     "benchmarks/bench_codec.py": {"evergreen_trio._proto.evergreen.v2",
                                   "evergreen_trio.picker.processor"},

@@ -9,6 +9,8 @@ touched pages hot.
 from __future__ import annotations
 
 import bisect
+import heapq
+from collections.abc import Iterable
 
 from evergreen_trio.ipc.errors import LimitExceededError, SharedMemoryError
 
@@ -17,6 +19,11 @@ ALIGN = 64
 
 def _round(size: int) -> int:
     return (size + ALIGN - 1) // ALIGN * ALIGN
+
+
+def window_extent(body_lengths: Iterable[int], window: int) -> int:
+    """Bytes from offset 0 that ``window`` live regions of these bodies can reach (first fit, lowest first)."""
+    return sum(heapq.nlargest(window, (Arena.footprint(length) for length in body_lengths)))
 
 
 class Arena:

@@ -7,6 +7,7 @@ reports, through ``task_status``, the full URI a client needs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -16,6 +17,7 @@ import pyarrow as pa
 import trio
 
 from evergreen_trio.ipc._nursery import open_quiet_nursery
+from evergreen_trio.ipc.arena import window_extent
 from evergreen_trio.ipc.arrow import OutgoingMessage, messages_from_file, messages_from_table
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
 from evergreen_trio.ipc.errors import UnknownTicketError
@@ -65,6 +67,14 @@ class Catalog:
                 f"want_data: unknown ticket {ticket[:64]!r} (this server has {len(self._streams)})"
             ) from None
 
+    def window_extent(self, window: int) -> int:
+        """The most shared memory one stream keeps live with ``window`` bodies unacknowledged."""
+        return max(
+            (window_extent((m.header.body_length for m in ms if m.header.has_body), window)
+             for ms in self._streams.values()),
+            default=0,
+        )
+
     @property
     def tickets(self) -> list[bytes]:
         """The tickets served now."""
@@ -83,6 +93,9 @@ async def serve(
     Raises UriError for a URI no transport serves, OSError when it cannot be bound.
     """
     parsed = parse_uri(uri, listen=True)
+    if parsed.scheme == "shm" and options.warm_bytes is None:
+        # Idle segments start warm for the streams served now, so a first fetch runs as fast as later ones.
+        options = dataclasses.replace(options, warm_bytes=catalog.window_extent(options.limits.max_unacked_bodies))
 
     async def handler(channel: ServerChannel, bodies: BodySender, peer: str) -> None:
         await serve_connection(channel, catalog.lookup, bodies, options, peer)

@@ -51,6 +51,9 @@ class ServeOptions:
     free_data: int = FREE_DATA_TAG
     limits: IpcLimits = DEFAULT_LIMITS
     role: Role = Role.BOTH
+    warm_bytes: int | None = None
+    """Shared memory: prefault this many bytes of each idle segment before serving (0: none). When None,
+    :func:`~evergreen_trio.ipc.service.serve` sets it to the largest window a catalog stream needs."""
 
 
 @dataclass(frozen=True)
