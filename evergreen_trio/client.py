@@ -96,7 +96,7 @@ class Client:
     first (open them inside the block).
 
     ``tls``: ``True`` verifies the server against the system's CAs, an ``ssl.SSLContext``
-    (:func:`evergreen_trio.tls.client_context`) as it says. ``metadata`` goes with every session (a
+    (:func:`evergreen_trio.serving.tls.client_context`) as it says. ``metadata`` goes with every session (a
     bearer token: ``{"authorization": "Bearer ..."}``). ``timeout`` bounds each session: it is sent as
     ``grpc-timeout``, and past it the session aborts with DEADLINE_EXCEEDED on both sides.
     ``connect_timeout`` bounds the connection's setup (TCP, TLS, the server's HTTP/2 preface);

@@ -47,9 +47,9 @@ from evergreen_trio.dag import (
     Wait,
 )
 from evergreen_trio.errors import ArgumentTypeError, leaf_exceptions
-from evergreen_trio.metrics import SessionMetrics, abort_reason
 from evergreen_trio.nodes import SERVER_ROLE, Inner, Leaf, NodeLike, NodeRef, RefURI
 from evergreen_trio.refs import ExternalRef, RefResolver
+from evergreen_trio.serving.metrics import SessionMetrics, abort_reason
 
 log = logging.getLogger(__name__)
 

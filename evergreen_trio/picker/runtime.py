@@ -23,7 +23,6 @@ from grpclib.const import Status
 from evergreen_trio._grpc.bridge import serve_grpclib
 from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._http import HttpGetError, KeepAliveGetter
-from evergreen_trio.metrics import serve_metrics
 from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
@@ -34,6 +33,7 @@ from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.processor import ExtProcStream, Picker
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
+from evergreen_trio.serving.metrics import serve_metrics
 
 log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
