@@ -44,8 +44,9 @@ from evergreen_trio.refs import RefResolver, resolver_map
 
 
 class ClientSession(Session, ActionRegistry):
-    """Builds and sends nodes and actions (:meth:`run`), reads what the server produces, and serves
-    the actions the server sends (tool calls) to the handlers registered with :meth:`action`.
+    """Builds and sends nodes and actions (:meth:`~evergreen_trio.nursery_session.Session.run`),
+    reads what the server produces, and serves the actions the server sends (tool calls) to the
+    handlers registered with :meth:`~evergreen_trio.nursery_session.ActionRegistry.action`.
 
     Without a handler for it, an action from the server aborts the session with UNIMPLEMENTED.
     """

@@ -213,7 +213,7 @@ class Scrapers:
 class Readiness:
     """Readiness = endpoints known (static, or discovery listed them) + each scraped once + leader.
 
-    ``liveness`` is SERVING from the start; every name in :data:`READINESS_NAMES` and ``""``
+    ``liveness`` is SERVING from the start; every name in ``READINESS_NAMES`` and ``""``
     follow readiness, as the reference picker's health server does.
     """
 
@@ -260,8 +260,9 @@ async def run_picker(
 
     Port 0 picks a free port. ``ssl_context`` serves ext_proc over TLS (a callable is asked per
     connection, for reloading). ``discovery`` replaces the static endpoint list; with
-    ``leader_election`` only the leader reports ready. See :class:`Readiness`. ``objectives``
-    follows the cluster's InferenceObjectives (:mod:`evergreen_trio.picker.k8s.objectives`).
+    ``leader_election`` only the leader reports ready. See
+    :class:`~evergreen_trio.picker.runtime.Readiness`. ``objectives`` follows the cluster's
+    InferenceObjectives (:mod:`evergreen_trio.picker.k8s`).
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = PickerMetrics(config.pool.name, labels=ModelLabels.for_config(config))

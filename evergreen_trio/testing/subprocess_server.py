@@ -2,7 +2,7 @@
 server that share no event loop, thread or garbage collector, and a server that can be killed.
 
 ``python -m evergreen_trio.testing.subprocess_server [LIMITS_JSON]`` serves the
-built-in actions on a free loopback port with the given :class:`SessionLimits` fields and
+built-in actions on a free loopback port with the given :class:`~evergreen_trio.SessionLimits` fields and
 prints ``port=<n>``; :func:`spawn_server` starts it and yields the address.
 
 It stops on SIGINT or SIGTERM by cancellation (see :mod:`evergreen_trio.serving.signals`).
@@ -72,7 +72,7 @@ def spawn_server(
 @contextmanager
 def spawn_app(spec: str, *args: str, start_timeout: float = 60.0) -> Iterator[ServerProcess]:
     """``evergreen-trio serve --app SPEC --port 0 ARGS...`` in a child process (your Server, see
-    :func:`evergreen_trio.serving.app_import.load_app`); at exit interrupt it (SIGINT) and wait."""
+    ``evergreen_trio.serving.app_import.load_app``); at exit interrupt it (SIGINT) and wait."""
     command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--app", spec, "--port", "0", *args]
     with _child(command, start_timeout) as (process, line):
         found = re.search(r" on (\S+)", line)
