@@ -43,7 +43,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP)
 
 demo: $(DEMO_STAMP)
-	$(BIN)/python -m evergreen_trio.demo
+	$(BIN)/python -m evergreen_trio.stack.demo
 
 # The sdist and wheel as users get them; the wheel alone (no extras) in a fresh venv: --version,
 # a serve + connect round trip, the missing-extra message, and pytest with our plugin loaded

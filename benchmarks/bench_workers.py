@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from benchmarks._harness import Row, print_table, write_results
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
-from evergreen_trio.server import START_SESSION
+from evergreen_trio.serving.server import START_SESSION
 from evergreen_trio.testing.model import Frag, Meta, echo, to_messages
 
 CONCURRENCY = 32

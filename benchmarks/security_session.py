@@ -39,7 +39,7 @@ from hyperframe.frame import (
 
 from evergreen_trio import SessionAbortedError, connect, text
 from evergreen_trio.nodes import Inner, Leaf, NodeRef
-from evergreen_trio.server import START_SESSION
+from evergreen_trio.serving.server import START_SESSION
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 MAX_CONCURRENT_STREAMS = 0x3

@@ -20,7 +20,7 @@ from evergreen_trio.errors import ConfigurationError, EvergreenTrioError
 from evergreen_trio.nodes import NodeRef, blob, inner, ref, text
 from evergreen_trio.nursery_session import ActionContext, ChunkReader, InputStream, OutputNode
 from evergreen_trio.refs import FileResolver, RefResolver
-from evergreen_trio.server import Server
+from evergreen_trio.serving.server import Server
 
 try:
     __version__ = version("evergreen-trio")

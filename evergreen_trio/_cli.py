@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import trio
 
 from evergreen_trio.errors import ConfigurationError, EvergreenTrioError, leaf_exceptions
-from evergreen_trio.signals import run_until_signal
+from evergreen_trio.serving.signals import run_until_signal
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2

@@ -1,5 +1,5 @@
 """Minimal HTTP/1.1 on Trio + h11: a server for the Prometheus exporters (the picker's and the
-Evergreen server's, :mod:`evergreen_trio.metrics`) and the tests' model servers, and a keep-alive
+Evergreen server's, :mod:`evergreen_trio.serving.metrics`) and the tests' model servers, and a keep-alive
 GET client for the picker's scrapers.
 
 Server: keep-alive, request bodies up to a limit, and streamed responses (each chunk a separate

@@ -19,7 +19,7 @@ import trio
 from evergreen_trio.dag import ProtocolViolationError
 from evergreen_trio.generate.params import parse_configs
 from evergreen_trio.nursery_session import ActionContext, Handler, describe
-from evergreen_trio.server import Server
+from evergreen_trio.serving.server import Server
 
 
 async def echo(ctx: ActionContext) -> None:

@@ -20,10 +20,10 @@ from evergreen_trio._cli import Parser, add_global_options, run_command
 from evergreen_trio._extras import MissingExtraError
 
 COMMAND_MODULES = {
-    "evergreen_trio.server_cli": ("serve",),
+    "evergreen_trio.serving.server_cli": ("serve",),
     "evergreen_trio.sim.cli": ("sim",),
     "evergreen_trio.testing.conformance": ("conformance",),
-    "evergreen_trio.gateway": ("gateway",),
+    "evergreen_trio.stack.gateway": ("gateway",),
     "evergreen_trio.ipc.cli": ("ipc",),
     "evergreen_trio.picker.cli": ("picker", "gateway-config"),
     "evergreen_trio.avp.cli": ("avp",),

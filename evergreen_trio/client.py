@@ -44,8 +44,9 @@ from evergreen_trio.refs import RefResolver, resolver_map
 
 
 class ClientSession(Session, ActionRegistry):
-    """Builds and sends nodes and actions (:meth:`run`), reads what the server produces, and serves
-    the actions the server sends (tool calls) to the handlers registered with :meth:`action`.
+    """Builds and sends nodes and actions (:meth:`~evergreen_trio.nursery_session.Session.run`),
+    reads what the server produces, and serves the actions the server sends (tool calls) to the
+    handlers registered with :meth:`~evergreen_trio.nursery_session.ActionRegistry.action`.
 
     Without a handler for it, an action from the server aborts the session with UNIMPLEMENTED.
     """
@@ -96,7 +97,7 @@ class Client:
     first (open them inside the block).
 
     ``tls``: ``True`` verifies the server against the system's CAs, an ``ssl.SSLContext``
-    (:func:`evergreen_trio.tls.client_context`) as it says. ``metadata`` goes with every session (a
+    (:func:`evergreen_trio.serving.tls.client_context`) as it says. ``metadata`` goes with every session (a
     bearer token: ``{"authorization": "Bearer ..."}``). ``timeout`` bounds each session: it is sent as
     ``grpc-timeout``, and past it the session aborts with DEADLINE_EXCEEDED on both sides.
     ``connect_timeout`` bounds the connection's setup (TCP, TLS, the server's HTTP/2 preface);

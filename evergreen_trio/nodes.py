@@ -53,7 +53,7 @@ NodeLike = Leaf | Inner | NodeRef
 
 def text(value: str, *, mimetype: str = "text/plain", id: str | None = None, role: str = "") -> Leaf:
     """A leaf of one UTF-8 fragment (``text/plain`` unless ``mimetype`` says otherwise); ``role``
-    as :class:`Leaf` says (empty: the sending side's default)."""
+    as :class:`~evergreen_trio.nodes.Leaf` says (empty: the sending side's default)."""
     return Leaf((value.encode(),), mimetype, id, role)
 
 

@@ -47,9 +47,9 @@ from evergreen_trio.dag import (
     Wait,
 )
 from evergreen_trio.errors import ArgumentTypeError, leaf_exceptions
-from evergreen_trio.metrics import SessionMetrics, abort_reason
 from evergreen_trio.nodes import SERVER_ROLE, Inner, Leaf, NodeLike, NodeRef, RefURI
 from evergreen_trio.refs import ExternalRef, RefResolver
+from evergreen_trio.serving.metrics import SessionMetrics, abort_reason
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +172,8 @@ class Session:
     async def serve(self) -> None:
         """Receive until the peer ends its stream, running the actions it sends as tasks of one nursery.
 
-        Raises the one :class:`SessionError` that ends the session (a transport abort becomes
-        :class:`SessionAbortedError`); cancellation passes through.
+        Raises the one :class:`~evergreen_trio.SessionError` that ends the session (a transport abort becomes
+        :class:`~evergreen_trio.SessionAbortedError`); cancellation passes through.
         """
         try:
             async with trio.open_nursery() as nursery:
@@ -771,10 +771,10 @@ class ActionContext:
         target: str = "",
     ) -> Call:
         """Run action ``name`` of this side in-process, with no connection: same arguments and result
-        as :meth:`Session.run` (new nodes, or ``NodeRef(ctx.input("input").node_id)`` of nodes in the
-        session). It runs as a task of the session, with this action's principal; if it fails, the
-        session aborts with its status, cancelling this action. Its input and output nodes stay on
-        this side (not sent to the peer).
+        as :meth:`~evergreen_trio.nursery_session.Session.run` (new nodes, or
+        ``NodeRef(ctx.input("input").node_id)`` of nodes in the session). It runs as a task of the
+        session, with this action's principal; if it fails, the session aborts with its status,
+        cancelling this action. Its input and output nodes stay on this side (not sent to the peer).
         """
         return await self.session._call(self, name, inputs, outputs, configs, target)
 

@@ -25,7 +25,7 @@ from functools import partial
 import trio
 
 from evergreen_trio import ActionContext, NodeRef, Server
-from evergreen_trio.signals import run_until_signal
+from evergreen_trio.serving.signals import run_until_signal
 
 
 async def summarize(ctx: ActionContext) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from evergreen_trio.demo import MAX_TOKENS, SIMULATED_SERVERS, run_demo
+from evergreen_trio.stack.demo import MAX_TOKENS, SIMULATED_SERVERS, run_demo
 
 pytestmark = pytest.mark.envoy
 

@@ -27,13 +27,13 @@ PARTS = [
     ("evergreen_trio.ipc", "ipc"),
     ("evergreen_trio.arrow_refs", "ipc"),
     ("evergreen_trio.sim", "sim"),
-    ("evergreen_trio.gateway", "gateway"),
+    ("evergreen_trio.stack.gateway", "gateway"),
     ("evergreen_trio.generate.backend", "generate"),
     ("evergreen_trio.testing.strategies", "testing"),
     ("evergreen_trio.testing.wire", "testing"),
     ("evergreen_trio.testing.conformance", "testing"),
 ]
-CORE_MODULES = ("evergreen_trio", "evergreen_trio.server", "evergreen_trio.client", "evergreen_trio.actions",
+CORE_MODULES = ("evergreen_trio", "evergreen_trio.serving.server", "evergreen_trio.client", "evergreen_trio.actions",
                 "evergreen_trio.refs", "evergreen_trio.generate", "evergreen_trio.testing.pytest_plugin")
 
 

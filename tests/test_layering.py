@@ -3,7 +3,8 @@
 - Sans-IO cores import no Trio, asyncio, sockets, threads or HTTP/gRPC machinery.
 - Only ``_grpc/bridge.py`` imports asyncio (or trio-asyncio).
 - The protocol packages (avp, ipc, picker, sim, generate) do not import each other; the
-  modules that compose them (gateway.py, demo.py) sit above.
+  modules that compose them (``stack/``: gateway, demo) sit above.
+- The serving runtime (``serving/``) and the session layer under it never import the stack.
 - The base modules (errors, limits, _wire) import nothing of ours but ``errors``.
 - The demo, the benchmarks and the docs import only package faces.
 """
@@ -42,6 +43,8 @@ IO_ALLOWED = frozenset({"grpclib.const"})
 """grpclib's status enum is a plain constant table."""
 
 PROTOCOL_PACKAGES = ("avp", "ipc", "picker", "sim", "generate")
+PUBLIC_MODULE_PACKAGES = ("testing", "serving", "stack")
+"""Packages without a face of their own: users import their public modules by path."""
 BASE_MODULES = ("errors.py", "limits.py", "_wire.py", "_extras.py", "_memory.py")
 
 FACE_EXCEPTIONS = {
@@ -115,14 +118,22 @@ def test_base_modules_import_nothing_above_them(name: str) -> None:
     assert set(ours) <= {"evergreen_trio.errors"}, ours
 
 
+def test_serving_and_the_session_layer_do_not_import_the_stack() -> None:
+    below = [PACKAGE / "serving", *(p for p in PACKAGE.glob("*.py"))]
+    for path in sorted(p for d in below for p in ([d] if d.is_file() else d.rglob("*.py"))):
+        bad = [n for n in imports(path) if n == "evergreen_trio.stack" or n.startswith("evergreen_trio.stack.")]
+        assert not bad, f"{relative(path)} imports {bad}"
+
+
 def faces() -> set[str]:
-    """Modules a user imports: each package's ``__init__``, the public top-level modules, testing's modules."""
+    """Modules a user imports: each package's ``__init__``, the public top-level modules, and the public
+    modules of ``testing/``, ``serving/`` and ``stack/``."""
     names = {"evergreen_trio"}
     for path in module_files():
         parts = path.relative_to(ROOT).with_suffix("").parts
         if parts[-1] == "__init__" and not any(p.startswith("_") for p in parts[:-1]):
             names.add(".".join(parts[:-1]))
-        elif not parts[-1].startswith("_") and (len(parts) == 2 or parts[:2] == ("evergreen_trio", "testing")):
+        elif not parts[-1].startswith("_") and (len(parts) == 2 or parts[1] in PUBLIC_MODULE_PACKAGES):
             names.add(".".join(parts))
     return names
 
@@ -131,7 +142,7 @@ _DOC_IMPORT = re.compile(r"^\s*(?:from\s+(evergreen_trio[\w.]*)\s+import|import\
 
 
 def users() -> list[Path]:
-    return [PACKAGE / "demo.py", *sorted((ROOT / "benchmarks").glob("*.py")), ROOT / "README.md",
+    return [PACKAGE / "stack" / "demo.py", *sorted((ROOT / "benchmarks").glob("*.py")), ROOT / "README.md",
             *sorted((ROOT / "docs").glob("*.md"))]
 
 

@@ -17,7 +17,7 @@ from evergreen_trio.avp.message import DEFAULT_LIMITS, AVPLimits, AVPMessage
 from evergreen_trio.avp.stream import AVP_MIMETYPE, avp_fragments, read_avp
 from evergreen_trio.dag import ProtocolViolationError
 from evergreen_trio.nursery_session import ActionContext, InputStream, OutputNode
-from evergreen_trio.server import Server
+from evergreen_trio.serving.server import Server
 
 log = logging.getLogger(__name__)
 

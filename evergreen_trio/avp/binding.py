@@ -12,10 +12,10 @@ import hmac
 import json
 from typing import Any
 
-from evergreen_trio.auth import TokenFile
 from evergreen_trio.avp.errors import AVPRequestError
 from evergreen_trio.avp.handshake import HelloMessage, Resolution, identity_dict
 from evergreen_trio.avp.message import AVPMessage
+from evergreen_trio.serving.auth import TokenFile
 
 HANDSHAKE_PATH = "/avp/v2/handshake"
 TRANSMIT_PATH = "/avp/v2/transmit"

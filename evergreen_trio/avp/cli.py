@@ -7,10 +7,10 @@ from functools import partial
 from pathlib import Path
 
 from evergreen_trio._cli import UsageError, port, serve_until_signal
-from evergreen_trio.auth import TokenFile
 from evergreen_trio.avp.maps import find_maps
 from evergreen_trio.avp.server import AVPApp, AVPServerOptions, serve_avp
 from evergreen_trio.errors import ConfigurationError
+from evergreen_trio.serving.auth import TokenFile
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

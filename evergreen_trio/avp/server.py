@@ -1,7 +1,7 @@
 """An AVP agent over HTTP on Trio: our ASGI app under our HTTP/1.1 server (`evergreen_trio._asgi`).
 
 The same endpoints, headers and answers as the reference's ``create_app`` (see `binding`), plus an
-optional bearer token (fixed, or the lines of a :class:`~evergreen_trio.auth.TokenFile`). Each request
+optional bearer token (fixed, or the lines of a :class:`~evergreen_trio.serving.auth.TokenFile`). Each request
 body is bounded before it is read (``Content-Length``) and while it is read, and must arrive within
 ``body_timeout_s``. A request takes one of ``max_concurrent_requests`` slots (at most
 ``max_requests_per_peer`` per client address) from its first body byte, so clients that send headers
@@ -34,7 +34,6 @@ from evergreen_trio._asgi import (
     serve_asgi,
 )
 from evergreen_trio._logsafe import peer_text
-from evergreen_trio.auth import TokenFile
 from evergreen_trio.avp import binding
 from evergreen_trio.avp.codec import decode, zstd_bound
 from evergreen_trio.avp.errors import AVPError, AVPRequestError
@@ -49,6 +48,7 @@ from evergreen_trio.avp.handshake import (
 from evergreen_trio.avp.handshake import resolve_mode as resolve
 from evergreen_trio.avp.message import DEFAULT_LIMITS, FLAG_COMPRESSED, HEADER_SIZE, AVPLimits, AVPMessage
 from evergreen_trio.errors import ConfigurationError
+from evergreen_trio.serving.auth import TokenFile
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ class LimitExceededError(SessionError):
 
 
 class ActionFailedError(SessionError):
-    """An action's handler raised an exception that is not a :class:`SessionError`."""
+    """An action's handler raised an exception that is not a :class:`~evergreen_trio.SessionError`."""
 
     code = StatusCode.INTERNAL
 

@@ -160,7 +160,7 @@ class BodyIn:
     """A body as received, its tag parsed and its size checked once by the transport.
 
     ``body`` is the received memory for a raw body (a host ``pa.Buffer`` or a device
-    array) and the decoded :class:`BodyDescriptor` for a shared-memory body; ``nbytes``
+    array) and the decoded :class:`~evergreen_trio.ipc.framing.BodyDescriptor` for a shared-memory body; ``nbytes``
     is the body length it stands for (the descriptor's total).
     """
 

@@ -282,7 +282,7 @@ class MergedChannel:
 class MessagePump(Generic[T]):
     """The client side of one stream: reassembles messages and turns each into items of ``T``.
 
-    Subclasses say what a complete message becomes (:meth:`_deliver`); the pump owns the
+    Subclasses say what a complete message becomes (``_deliver``); the pump owns the
     receive loop, ordering, the end of the stream and ``free_data``.
     """
 

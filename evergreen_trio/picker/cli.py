@@ -1,5 +1,5 @@
-"""`evergreen-trio picker` (the Endpoint Picker) and `evergreen-trio gateway-config` (its Envoy bootstrap,
-or with ``--evergreen HOST:PORT ...`` an Envoy front for Evergreen servers: :mod:`evergreen_trio.evergreen_front`).
+"""`evergreen-trio picker` (the Endpoint Picker) and `evergreen-trio gateway-config` (its Envoy bootstrap, or
+with ``--evergreen HOST:PORT ...`` an Envoy front for Evergreen servers: :mod:`evergreen_trio.serving.evergreen_front`).
 
 The picker runs in one of two modes. Static (``--config FILE``): the endpoints are listed in
 the file; defaults are loopback and plaintext, for one machine. Cluster (``--pool-name NAME``):
@@ -21,7 +21,6 @@ from functools import partial
 from pathlib import Path
 
 from evergreen_trio._cli import UsageError, port, serve_until_signal
-from evergreen_trio.evergreen_front import add_front_arguments, front_from_args
 from evergreen_trio.picker.config import PickerConfig, load_config, parse_config, parse_duration
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.epp_flags import add_reference_flags, apply_reference_flags, go_bool
@@ -29,6 +28,7 @@ from evergreen_trio.picker.errors import ConfigError, PickerError
 from evergreen_trio.picker.flow_control.config import go_duration
 from evergreen_trio.picker.grpc_server import SSLContextSource
 from evergreen_trio.picker.runtime import Discovery, LeaderElection, ObjectiveWatch, PickerPorts, run_picker
+from evergreen_trio.serving.evergreen_front import add_front_arguments, front_from_args
 
 log = logging.getLogger(__name__)
 REFERENCE_POOL_GROUP = "inference.networking.k8s.io"

@@ -120,7 +120,7 @@ class SchedulerConfig:
     scheduling profiles with their handler.
 
     ``profiles`` empty means one profile of the four flat weights. ``handler`` None runs the one
-    profile; a :class:`DisaggHandler` runs decode and prefill profiles (P/D). With
+    profile; a :class:`~evergreen_trio.picker.plugins.DisaggHandler` runs decode and prefill profiles (P/D). With
     ``prefix_auto_tune`` the block size is the model servers' scraped one; ``max_prefix_tokens``
     (when > 0) caps the hashed prefix in tokens, else ``max_prefix_blocks`` caps it in blocks.
     """

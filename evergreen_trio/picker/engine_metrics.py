@@ -25,6 +25,8 @@ DEFAULT_ENGINE = "vllm"
 
 @dataclass(frozen=True)
 class EndpointMetrics:
+    """One scrape of one model server: queue depths, KV-cache use, LoRA adapters and cache geometry."""
+
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0

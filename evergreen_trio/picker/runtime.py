@@ -23,7 +23,6 @@ from grpclib.const import Status
 from evergreen_trio._grpc.bridge import serve_grpclib
 from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._http import HttpGetError, KeepAliveGetter
-from evergreen_trio.metrics import serve_metrics
 from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
@@ -34,6 +33,7 @@ from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.processor import ExtProcStream, Picker
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
+from evergreen_trio.serving.metrics import serve_metrics
 
 log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -213,7 +213,7 @@ class Scrapers:
 class Readiness:
     """Readiness = endpoints known (static, or discovery listed them) + each scraped once + leader.
 
-    ``liveness`` is SERVING from the start; every name in :data:`READINESS_NAMES` and ``""``
+    ``liveness`` is SERVING from the start; every name in ``READINESS_NAMES`` and ``""``
     follow readiness, as the reference picker's health server does.
     """
 
@@ -260,8 +260,9 @@ async def run_picker(
 
     Port 0 picks a free port. ``ssl_context`` serves ext_proc over TLS (a callable is asked per
     connection, for reloading). ``discovery`` replaces the static endpoint list; with
-    ``leader_election`` only the leader reports ready. See :class:`Readiness`. ``objectives``
-    follows the cluster's InferenceObjectives (:mod:`evergreen_trio.picker.k8s.objectives`).
+    ``leader_election`` only the leader reports ready. See
+    :class:`~evergreen_trio.picker.runtime.Readiness`. ``objectives`` follows the cluster's
+    InferenceObjectives (:mod:`evergreen_trio.picker.k8s`).
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = PickerMetrics(config.pool.name, labels=ModelLabels.for_config(config))

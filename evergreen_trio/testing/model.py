@@ -209,7 +209,7 @@ Reference = Callable[[Mapping[str, list[FlatChunk]]], Mapping[str, Sequence[Flat
 @dataclass(frozen=True)
 class Call:
     """One call of the action under test: node ids for its inputs and its outputs, in the order
-    of :attr:`ActionUnderTest.inputs` and :attr:`ActionUnderTest.outputs`."""
+    of the :class:`ActionUnderTest`'s ``inputs`` and ``outputs``."""
 
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]

@@ -23,9 +23,9 @@ import pytest
 import trio
 
 from evergreen_trio.actions import register_builtin_actions
-from evergreen_trio.app_import import load_app
 from evergreen_trio.client import ClientSession, connect
-from evergreen_trio.server import Server
+from evergreen_trio.serving.app_import import load_app
+from evergreen_trio.serving.server import Server
 from evergreen_trio.testing.subprocess_server import ServerProcess, spawn_app, spawn_server
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from evergreen_trio.client import ClientSession, connect
-from evergreen_trio.server import Server
+from evergreen_trio.serving.server import Server
 
 
 @asynccontextmanager

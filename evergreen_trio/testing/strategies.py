@@ -9,7 +9,7 @@ at arbitrary points, fragments reordered and interleaved across nodes and action
 retries duplicated, actions sent before or after their inputs, and messages split anywhere.
 ``invalid_sessions()`` mutates such a plan so it breaks exactly one rule
 (:class:`~evergreen_trio.testing.model.Violation`). Expected results come from
-:meth:`Plan.expected`, a pure function of the plan.
+:meth:`~evergreen_trio.testing.model.Plan.expected`, a pure function of the plan.
 
 Client node ids start with ``c:`` and output ids with ``o:``; past that, ids are arbitrary
 text (the spec: ids carry no meaning), never containing ``/``, which servers commonly use to

@@ -2,10 +2,10 @@
 server that share no event loop, thread or garbage collector, and a server that can be killed.
 
 ``python -m evergreen_trio.testing.subprocess_server [LIMITS_JSON]`` serves the
-built-in actions on a free loopback port with the given :class:`SessionLimits` fields and
+built-in actions on a free loopback port with the given :class:`~evergreen_trio.SessionLimits` fields and
 prints ``port=<n>``; :func:`spawn_server` starts it and yields the address.
 
-It stops on SIGINT or SIGTERM by cancellation (see :mod:`evergreen_trio.signals`).
+It stops on SIGINT or SIGTERM by cancellation (see :mod:`evergreen_trio.serving.signals`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import trio
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.dag.limits import SessionLimits
 from evergreen_trio.errors import EvergreenTrioError
-from evergreen_trio.server import Server
-from evergreen_trio.signals import run_until_signal
+from evergreen_trio.serving.server import Server
+from evergreen_trio.serving.signals import run_until_signal
 
 
 class ServerProcessError(EvergreenTrioError):
@@ -72,7 +72,7 @@ def spawn_server(
 @contextmanager
 def spawn_app(spec: str, *args: str, start_timeout: float = 60.0) -> Iterator[ServerProcess]:
     """``evergreen-trio serve --app SPEC --port 0 ARGS...`` in a child process (your Server, see
-    :func:`evergreen_trio.app_import.load_app`); at exit interrupt it (SIGINT) and wait."""
+    ``evergreen_trio.serving.app_import.load_app``); at exit interrupt it (SIGINT) and wait."""
     command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--app", spec, "--port", "0", *args]
     with _child(command, start_timeout) as (process, line):
         found = re.search(r" on (\S+)", line)

@@ -22,7 +22,7 @@ from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from user_app import APP
 
 from evergreen_trio import SessionAbortedError, StatusCode, connect, text
-from evergreen_trio.tls import client_context
+from evergreen_trio.serving.tls import client_context
 
 ROOT = Path(__file__).parents[2]
 

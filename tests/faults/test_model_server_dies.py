@@ -17,9 +17,9 @@ import httpx
 import pytest
 import trio
 
-from evergreen_trio.gateway import GatewayInfo, GatewaySettings, run_gateway
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.server import SERVED_BY_HEADER, run_sim
+from evergreen_trio.stack.gateway import GatewayInfo, GatewaySettings, run_gateway
 
 pytestmark = pytest.mark.envoy
 

@@ -14,10 +14,10 @@ import httpx
 import pytest
 import trio
 
-from evergreen_trio import gateway
-from evergreen_trio.gateway import GatewayError, GatewayInfo, GatewaySettings, run_gateway, settings_from_args
 from evergreen_trio.picker.errors import ConfigError, EnvoyError
 from evergreen_trio.sim import SERVED_BY_HEADER, SimConfig
+from evergreen_trio.stack import gateway
+from evergreen_trio.stack.gateway import GatewayError, GatewayInfo, GatewaySettings, run_gateway, settings_from_args
 
 pytestmark = pytest.mark.envoy
 
@@ -91,7 +91,7 @@ async def test_the_gateway_stops_when_envoy_dies() -> None:
 
 
 def test_ctrl_c_stops_everything_and_leaves_no_envoy() -> None:
-    script = ("import argparse, sys; from evergreen_trio import gateway; p = argparse.ArgumentParser(); "
+    script = ("import argparse, sys; from evergreen_trio.stack import gateway; p = argparse.ArgumentParser(); "
               "gateway.register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.run(a))")
     command = [sys.executable, "-c", script, "gateway", "--simulate", "1", "--listen", "127.0.0.1:0"]
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:

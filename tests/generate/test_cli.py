@@ -12,7 +12,7 @@ import trio
 from evergreen_trio import connect, inner, text
 from evergreen_trio.cli import build_parser
 from evergreen_trio.generate import BackendConfigError, BackendSettings, served_by
-from evergreen_trio.server_cli import backend_from_args
+from evergreen_trio.serving.server_cli import backend_from_args
 from evergreen_trio.sim import SimConfig, run_sim
 from evergreen_trio.testing.subprocess_server import serve_command
 

@@ -10,9 +10,9 @@ import trio
 from generate_helpers import BUSY, aborted, fill, generate, wait_until
 
 from evergreen_trio import StatusCode
-from evergreen_trio.gateway import GatewayInfo, GatewaySettings, run_gateway
 from evergreen_trio.generate import BackendSettings, served_by
 from evergreen_trio.sim import SimConfig
+from evergreen_trio.stack.gateway import GatewayInfo, GatewaySettings, run_gateway
 
 pytestmark = pytest.mark.envoy
 

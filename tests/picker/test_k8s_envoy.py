@@ -14,11 +14,11 @@ from kube_fakes import NAMESPACE, PODS, POOLS_V1, KubeApiServer, pod, pool_v1, s
 from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
 from picker_fakes import free_port
 
-from evergreen_trio.gateway import GatewayInfo, GatewaySettings, run_gateway
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.envoy_process import run_envoy
 from evergreen_trio.picker.tls import self_signed_context
 from evergreen_trio.sim.server import SERVED_BY_HEADER
+from evergreen_trio.stack.gateway import GatewayInfo, GatewaySettings, run_gateway
 
 pytestmark = pytest.mark.envoy
 HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")

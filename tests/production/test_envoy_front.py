@@ -21,10 +21,10 @@ from ops_helpers import free_port, held_echo, scrape, serve, value, wait_health
 
 from evergreen_trio import SessionAbortedError, connect, text
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
-from evergreen_trio.evergreen_front import front_config
 from evergreen_trio.picker.envoy_config import write_gateway_config
 from evergreen_trio.picker.envoy_process import find_envoy, run_envoy
-from evergreen_trio.server import SERVICE, START_SESSION
+from evergreen_trio.serving.evergreen_front import front_config
+from evergreen_trio.serving.server import SERVICE, START_SESSION
 from evergreen_trio.testing.model import Act, Frag, Meta, echo, to_messages
 
 pytestmark = pytest.mark.envoy

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from evergreen_trio.evergreen_front import FrontConfigError, front_config, parse_server
-from evergreen_trio.server import SERVICE
+from evergreen_trio.serving.evergreen_front import FrontConfigError, front_config, parse_server
+from evergreen_trio.serving.server import SERVICE
 
 
 def test_a_session_stays_on_one_server_and_is_never_replayed() -> None:

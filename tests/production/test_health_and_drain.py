@@ -9,7 +9,7 @@ from ops_helpers import health, held_echo, serve, wait_health
 
 from evergreen_trio import Server, SessionAbortedError, connect, text
 from evergreen_trio.actions import register_builtin_actions
-from evergreen_trio.server import SERVICE
+from evergreen_trio.serving.server import SERVICE
 
 HANG_GUARD = 60
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from evergreen_trio.server import SERVICE
+from evergreen_trio.serving.server import SERVICE
 from evergreen_trio.testing.wire import health_status
 
 

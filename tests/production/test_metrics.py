@@ -14,8 +14,8 @@ from evergreen_trio import ActionContext, Server, SessionAbortedError, SessionLi
 from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.dag import LimitExceededError, ProtocolViolationError, SessionError, UnknownActionError
-from evergreen_trio.metrics import abort_reason, serve_metrics
 from evergreen_trio.nodes import NodeLike
+from evergreen_trio.serving.metrics import abort_reason, serve_metrics
 
 HANG_GUARD = 60
 

@@ -13,7 +13,7 @@ import trio
 from ops_helpers import held_echo, scrape, serve, wait_health
 
 from evergreen_trio import connect, text
-from evergreen_trio.workers import Backoff
+from evergreen_trio.serving.workers import Backoff
 
 HANG_GUARD = 90
 SESSIONS = 16  # each on its own connection: all on one worker by chance has odds of 2 in 65,536

@@ -294,7 +294,7 @@ def test_avp_server_options_are_checked() -> None:
 
 
 async def test_item1_a_failing_sim_is_restarted_on_its_port_not_fatal(nursery_: trio.Nursery) -> None:
-    from evergreen_trio.gateway import _sim_part
+    from evergreen_trio.stack.gateway import _sim_part
 
     ports: list[int] = []
 
@@ -313,7 +313,7 @@ async def test_item1_a_failing_sim_is_restarted_on_its_port_not_fatal(nursery_: 
 
 
 async def test_item1_a_sim_that_cannot_start_fails_the_gateway() -> None:
-    from evergreen_trio.gateway import _sim_part
+    from evergreen_trio.stack.gateway import _sim_part
 
     async def broken(config: SimConfig, *, host: str, port: int, task_status: Any) -> None:
         raise OSError("address in use")
@@ -328,7 +328,7 @@ async def test_item1_a_sim_that_cannot_start_fails_the_gateway() -> None:
 async def test_item1_h2c_frames_at_a_gateway_sim_leave_the_gateway_serving(nursery_: trio.Nursery) -> None:
     import httpx
 
-    from evergreen_trio.gateway import GatewaySettings, run_gateway
+    from evergreen_trio.stack.gateway import GatewaySettings, run_gateway
 
     info = await nursery_.start(run_gateway, GatewaySettings(listen="127.0.0.1:0", simulate=1))
     port = int(info.endpoints[0].rsplit(":", 1)[1])

@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from benchmarks.security_session import SCRAPE, closed_by_server, connect_from, scrape_from
-from evergreen_trio.metrics import MAX_SCRAPE_CONNECTIONS_PER_CLIENT, SessionMetrics, serve_metrics
+from evergreen_trio.serving.metrics import MAX_SCRAPE_CONNECTIONS_PER_CLIENT, SessionMetrics, serve_metrics
 
 
 @pytest.fixture

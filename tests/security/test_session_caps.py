@@ -21,8 +21,8 @@ from benchmarks.security_session import (
 )
 from evergreen_trio import Server, connect, text
 from evergreen_trio.actions import register_builtin_actions
-from evergreen_trio.auth import Peer, UnauthenticatedError
-from evergreen_trio.server import IDLE_TIMEOUT_SECONDS
+from evergreen_trio.serving.auth import Peer, UnauthenticatedError
+from evergreen_trio.serving.server import IDLE_TIMEOUT_SECONDS
 
 TOKEN = "Bearer let-me-in"
 

@@ -15,8 +15,8 @@ import pytest
 import trio
 
 from evergreen_trio import SessionAbortedError, StatusCode, connect, text
-from evergreen_trio.auth import TokenFile
 from evergreen_trio.errors import ConfigurationError
+from evergreen_trio.serving.auth import TokenFile
 from evergreen_trio.testing.subprocess_server import serve_command
 
 TOKENS = "# who may call us: one token per line\n\n  first-token  \n# second-token\nthird-token # ops\n\n"

@@ -13,9 +13,9 @@ import pytest
 import trio
 
 from evergreen_trio import Server, SessionAbortedError, connect, text
-from evergreen_trio.auth import Peer, PermissionDeniedError, TokenFileAuthorizer, UnauthenticatedError
 from evergreen_trio.dag import StatusCode
 from evergreen_trio.nursery_session import ActionContext
+from evergreen_trio.serving.auth import Peer, PermissionDeniedError, TokenFileAuthorizer, UnauthenticatedError
 from evergreen_trio.testing.subprocess_server import serve_command
 
 

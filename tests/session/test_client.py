@@ -28,7 +28,7 @@ from evergreen_trio import (
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.client import ClientStateError, UnknownNodeError
 from evergreen_trio.errors import ArgumentTypeError
-from evergreen_trio.tls import client_context, server_context
+from evergreen_trio.serving.tls import client_context, server_context
 
 
 def peer_recording_server() -> tuple[Server, list[str]]:

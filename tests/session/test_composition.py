@@ -21,9 +21,9 @@ from evergreen_trio import (
     inner,
     text,
 )
-from evergreen_trio.auth import TokenFileAuthorizer
 from evergreen_trio.dag import ActionFailedError, UnknownActionError
-from evergreen_trio.tls import client_context, server_context
+from evergreen_trio.serving.auth import TokenFileAuthorizer
+from evergreen_trio.serving.tls import client_context, server_context
 
 
 @pytest.fixture

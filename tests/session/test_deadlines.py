@@ -13,7 +13,7 @@ from evergreen_trio import Server, SessionAbortedError, connect, text
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Action, NamedParameter, SessionMessage
 from evergreen_trio.dag import StatusCode
 from evergreen_trio.nursery_session import ActionContext
-from evergreen_trio.server import START_SESSION
+from evergreen_trio.serving.server import START_SESSION
 
 
 class Stuck:

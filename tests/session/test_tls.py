@@ -17,10 +17,10 @@ from test_interop import grpcio_echo
 from evergreen_trio import Server, SessionAbortedError, connect, text
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio.actions import register_builtin_actions
-from evergreen_trio.auth import Peer
 from evergreen_trio.dag import StatusCode
+from evergreen_trio.serving.auth import Peer
+from evergreen_trio.serving.tls import client_context, server_context
 from evergreen_trio.testing.subprocess_server import serve_command
-from evergreen_trio.tls import client_context, server_context
 
 
 class Pki:

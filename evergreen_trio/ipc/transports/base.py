@@ -53,7 +53,7 @@ class ServeOptions:
     role: Role = Role.BOTH
     warm_bytes: int | None = None
     """Shared memory: prefault this many bytes of each idle segment before serving (0: none). When None,
-    :func:`~evergreen_trio.ipc.service.serve` sets it to the largest window a catalog stream needs."""
+    :func:`~evergreen_trio.ipc.serve` sets it to the largest window a catalog stream needs."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import os
 import sys
 
 from evergreen_trio.errors import ConfigurationError
-from evergreen_trio.server import Server
+from evergreen_trio.serving.server import Server
 
 
 class AppImportError(ConfigurationError):

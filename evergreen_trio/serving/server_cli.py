@@ -23,18 +23,18 @@ from typing import Any
 
 import trio
 
-from evergreen_trio import tls
 from evergreen_trio._cli import StartError, port, positive_int, seconds, serve_until_signal
 from evergreen_trio.actions import generate, register_builtin_actions
-from evergreen_trio.app_import import load_app
-from evergreen_trio.auth import TokenFileAuthorizer
 from evergreen_trio.errors import ConfigurationError
 from evergreen_trio.generate import APIS, BackendConfigError, BackendSettings
-from evergreen_trio.metrics import serve_metrics
 from evergreen_trio.refs import FileResolver
-from evergreen_trio.server import DRAIN_GRACE_SECONDS, IDLE_TIMEOUT_SECONDS, Server
-from evergreen_trio.signals import drain_on_signals
-from evergreen_trio.workers import (
+from evergreen_trio.serving import tls
+from evergreen_trio.serving.app_import import load_app
+from evergreen_trio.serving.auth import TokenFileAuthorizer
+from evergreen_trio.serving.metrics import serve_metrics
+from evergreen_trio.serving.server import DRAIN_GRACE_SECONDS, IDLE_TIMEOUT_SECONDS, Server
+from evergreen_trio.serving.signals import drain_on_signals
+from evergreen_trio.serving.workers import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
     Supervisor,

@@ -4,7 +4,7 @@ The Trio shells record (``server.py`` for sessions, ``nursery_session.py`` for a
 fragments); the sans-IO cores know nothing of metrics. Counters are bumped once per received
 batch or emitted write, not per byte. Under ``evergreen-trio serve --workers N`` the workers
 record into prometheus_client's multiprocess files and the supervisor serves the sum
-(:mod:`evergreen_trio.workers`); ``evergreen_sessions_active`` then has one series per worker
+(``evergreen_trio.serving.workers``); ``evergreen_sessions_active`` then has one series per worker
 (label ``pid``).
 """
 

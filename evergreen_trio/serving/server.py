@@ -19,9 +19,7 @@ from evergreen_trio._grpc.limits import TransportLimits
 from evergreen_trio._grpc.reflection import with_reflection
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import SERVICE, START_SESSION
-from evergreen_trio.auth import Authorizer, Peer
 from evergreen_trio.dag import SessionError, SessionLimits, StatusCode
-from evergreen_trio.metrics import SessionMetrics
 from evergreen_trio.nursery_session import (
     PACK_BYTES,
     ActionRegistry,
@@ -32,6 +30,8 @@ from evergreen_trio.nursery_session import (
     pack_messages,
 )
 from evergreen_trio.refs import RefResolver, resolver_map
+from evergreen_trio.serving.auth import Authorizer, Peer
+from evergreen_trio.serving.metrics import SessionMetrics
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ class Server(ActionRegistry):
 
     Transport and security (docs/security.md):
 
-    - ``tls``: serve TLS (:func:`evergreen_trio.tls.server_context`); ``authorize``: called with each
-      session's metadata and :class:`~evergreen_trio.auth.Peer` before the session starts.
+    - ``tls``: serve TLS (:func:`evergreen_trio.serving.tls.server_context`); ``authorize``: called with each
+      session's metadata and :class:`~evergreen_trio.serving.auth.Peer` before the session starts.
     - ``max_sessions`` open on the server, ``max_sessions_per_peer`` from one remote address (its
       share), ``max_sessions_per_connection`` (advertised as HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS;
       a stream past it gets RST_STREAM(REFUSED_STREAM)), ``max_connections`` (past it a new

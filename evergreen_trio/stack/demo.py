@@ -20,11 +20,11 @@ import trio
 
 from evergreen_trio import FileResolver, NodeRef, Output, Server, connect, inner, ref, text
 from evergreen_trio.actions import register_builtin_actions
-from evergreen_trio.gateway import GatewayInfo, GatewaySettings, run_gateway
 from evergreen_trio.generate import BackendSettings, open_backend, served_by
 from evergreen_trio.picker import EnvoyError, find_envoy
-from evergreen_trio.signals import run_until_signal
+from evergreen_trio.serving.signals import run_until_signal
 from evergreen_trio.sim import SimConfig
+from evergreen_trio.stack.gateway import GatewayInfo, GatewaySettings, run_gateway
 
 MODEL = "sim-model"
 SIMULATED_SERVERS = 3
