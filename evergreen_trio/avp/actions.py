@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from evergreen_trio._logsafe import peer_text
-from evergreen_trio.avp.errors import AVPError, AVPFormatError, AVPHandshakeError
+from evergreen_trio.avp.errors import AVPError, AVPHandshakeError
 from evergreen_trio.avp.handshake import MAX_HELLO_BYTES, HelloMessage, hello_from_json, hello_to_json, resolve_mode
 from evergreen_trio.avp.message import DEFAULT_LIMITS, AVPLimits, AVPMessage
 from evergreen_trio.avp.stream import AVP_MIMETYPE, avp_fragments, read_avp
@@ -32,21 +32,20 @@ async def read_avp_input(
     """Decode the input's single ``application/avp+binary`` chunk incrementally, as its bytes arrive.
 
     An input that is not one valid AVP message is the peer's error: :class:`ProtocolViolationError`
-    (INVALID_ARGUMENT, its text sent to the peer) naming the input, the :class:`AVPError` as its cause.
+    (INVALID_ARGUMENT, its text sent to the peer) naming the input; a decoding failure's
+    :class:`AVPError` is its cause.
     """
     message: AVPMessage | None = None
-    try:
-        async for chunk in stream:
-            if chunk.mimetype != AVP_MIMETYPE or message is not None:
-                raise AVPFormatError(
-                    f"expected one chunk of {AVP_MIMETYPE}, got "
-                    f"{'a second chunk' if message is not None else repr(chunk.mimetype)}"
-                )
+    async for chunk in stream:
+        if chunk.mimetype != AVP_MIMETYPE or message is not None:
+            got = "a second chunk" if message is not None else repr(chunk.mimetype)
+            raise ProtocolViolationError(f"input {stream.node_id}: expected one chunk of {AVP_MIMETYPE}, got {got}")
+        try:
             message = await read_avp(chunk, limits=limits, strict=strict)
-        if message is None:
-            raise AVPFormatError(f"expected one chunk of {AVP_MIMETYPE}, got none")
-    except AVPError as error:
-        raise ProtocolViolationError(f"input {stream.node_id}: {error}") from error
+        except AVPError as error:
+            raise ProtocolViolationError(f"input {stream.node_id}: {error}") from error
+    if message is None:
+        raise ProtocolViolationError(f"input {stream.node_id}: expected one chunk of {AVP_MIMETYPE}, got none")
     return message
 
 

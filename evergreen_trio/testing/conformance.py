@@ -26,11 +26,12 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
 from evergreen_trio._cli import UsageError
+from evergreen_trio.client import parse_target
 from evergreen_trio.testing.checks import check_still_serving
 from evergreen_trio.testing.machine import machine_for, play_session
 from evergreen_trio.testing.model import ECHO, ActionUnderTest, InnerSpec, Plan, Violation, depth
 from evergreen_trio.testing.strategies import DEFAULT_SHAPE, Delivery, invalid_sessions, sessions
-from evergreen_trio.testing.wire import SyncClient, parse_header, split_target
+from evergreen_trio.testing.wire import SyncClient, parse_header
 
 _PLAIN = Delivery(reorder=False, split=False, duplicates=False, max_calls=1, reuse_outputs=False)
 
@@ -232,7 +233,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _run(args: argparse.Namespace) -> int:
     if args.examples < 1:
         raise UsageError(f"argument --examples: expected at least 1, got {args.examples}")
-    split_target(args.target)
+    parse_target(args.target)  # no port (or a bad one) is a ConfigurationError: one line, exit 2
     tls_ca = None
     if args.tls_ca is not None:
         try:

@@ -19,7 +19,6 @@ from types import TracebackType
 
 import grpc  # type: ignore[import-untyped]
 
-from evergreen_trio._cli import UsageError
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import START_SESSION
 from evergreen_trio.dag.errors import StatusCode
@@ -31,14 +30,6 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 class UnreachableError(EvergreenTrioError):
     """Nothing answers at the target: refused, no route, or no TLS handshake in time."""
-
-
-def split_target(target: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) as its parts; no port, or a bad one, is a UsageError."""
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"target {target!r}: expected HOST:PORT with a port in 1..65535")
-    return host.strip("[]"), int(port)
 
 
 def parse_header(text: str) -> tuple[str, str]:
@@ -175,5 +166,4 @@ __all__ = [
     "UnreachableError",
     "health_status",
     "parse_header",
-    "split_target",
 ]

@@ -86,7 +86,7 @@ def pool_yaml(tmp_path: Path) -> Path:
         (["sim", "--max-batch", "0"], ["max_batch", "0"]),
         (["serve", "--model", "m"], ["--model", "--generate-backend"]),
         (["conformance", "127.0.0.1:1", "--examples", "0"], ["--examples"]),
-        (["conformance", "127.0.0.1"], ["'127.0.0.1'", "HOST:PORT"]),
+        (["conformance", "127.0.0.1"], ["'127.0.0.1'", "host:port"]),
         (["conformance", "127.0.0.1:1", "--header", "no-colon"], ["--header", "'no-colon'"]),
         (["conformance", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"], ["--tls-ca", "/nonexistent/ca.pem"]),
         (["gateway", "--simulate", "99"], ["simulate", "99"]),
