@@ -657,13 +657,16 @@ class GrpcWireConnection:
                                     f"message of {size} bytes exceeds the limit of {self.limits.max_message_bytes}")
                 if len(inbound) < 5 + size:
                     break
-                try:
-                    message = method.request_type.FromString(bytes(inbound[5 : 5 + size]))
+                with memoryview(inbound) as view:  # one copy (slicing the bytearray would make two)
+                    encoded = bytes(view[5 : 5 + size])
+                del inbound[: 5 + size]
+                try:  # from bytes, upb refers to the input rather than copying large fields again
+                    message = method.request_type.FromString(encoded)
                 except DecodeError:
                     raise RpcStatusError(
                         Status.INTERNAL, f"could not decode a {method.request_type.__name__}"
                     ) from None
-                del inbound[: 5 + size]
+                del encoded
                 replies.extend(processor.on_message(message))
                 if processor.finished:
                     stream.trailers = _OK_TRAILERS

@@ -171,12 +171,12 @@ class Picker:
                 target = rewrite or (choose_target(model, self.rng) if model is not None else request.model)
                 admission.target_model = target
                 if target != request.model:
-                    admission.body = rewrite_model(request.body, target)
+                    admission.body = rewrite_model(request, target)
                 if self.config.scheduler.uses_prefix:
                     admission.block_bytes, max_blocks = self.scheduler.prefix_geometry()
                     admission.hashes = prefix_hashes(target, request.prompt, self.config.scheduler,
                                                      admission.block_bytes, max_blocks)
-                admission.prompt_bytes = len(request.prompt.encode())
+                admission.prompt_bytes = request.prompt_bytes
                 admission.output_cap = output_cap(request.body)
             objective = objective_name(headers)
             if objective is not None and objective in self.objectives:
@@ -295,7 +295,8 @@ class ExtProcStream:
         self.response_mode: int = NONE
         self.headers: dict[str, str] = {}
         self.subset: frozenset[str] | None = None
-        self.body = bytearray()
+        self.chunks: list[bytes] = []  # the request body as received (BUFFERED: one message holds it all)
+        self.body_bytes = 0
         self.route: Route | None = None
         self.routed = False
         self.reader: ResponseBody | None = None
@@ -396,20 +397,29 @@ class ExtProcStream:
     def _request_body(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         if not self.headers or self.routed:
             raise ExtProcError("expected request_body between request_headers and the routing decision")
-        self.body += message.request_body.body
-        self.report.request_bytes = len(self.body)
-        if len(self.body) > self.limits.max_request_body_bytes:
+        chunk = message.request_body.body  # each read of the field copies it: read once
+        self.chunks.append(chunk)
+        self.body_bytes += len(chunk)
+        self.report.request_bytes = self.body_bytes
+        if self.body_bytes > self.limits.max_request_body_bytes:
             self.routed = True
+            self.chunks.clear()
             return [self._immediate(413, f"request body larger than {self.limits.max_request_body_bytes} bytes")]
         if self.request_mode == FULL_DUPLEX:
             end = message.request_body.end_of_stream
-            return self._decide(bytes(self.body), "headers", duplex_end=True) if end else []
-        return self._decide(bytes(self.body), "body")
+            return self._decide(self._body(), "headers", duplex_end=True) if end else []
+        return self._decide(self._body(), "body")
+
+    def _body(self) -> bytes:
+        """The body received so far, joined once (a 16 MiB body costs a copy only when it came in pieces)."""
+        if len(self.chunks) > 1:
+            self.chunks = [b"".join(self.chunks)]
+        return self.chunks[0] if self.chunks else b""
 
     def _request_trailers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         trailers = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
         if self.request_mode == FULL_DUPLEX and not self.routed:
-            return self._decide(bytes(self.body), "headers", duplex_end=False, after=[trailers])
+            return self._decide(self._body(), "headers", duplex_end=False, after=[trailers])
         return [trailers]
 
     def _decide(self, body: bytes | None, phase: str, *, duplex_end: bool | None = None,
@@ -435,7 +445,7 @@ class ExtProcStream:
             first = self._decision(route, phase)
             if duplex_end is None:
                 return [first, *after]
-            data = route.body if route.body is not None else bytes(self.body)
+            data = route.body if route.body is not None else self._body()
             return [first, *_chunks(data, self.limits.streamed_chunk_bytes, duplex_end), *after]
 
         if self.picker.flow is None:

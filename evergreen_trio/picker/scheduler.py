@@ -87,9 +87,10 @@ def prefix_hashes(model: str, prompt: str, config: SchedulerConfig, block_bytes:
     hash names the whole prefix up to and including its block. ``block_bytes`` and ``max_blocks``
     (what :meth:`Scheduler.prefix_geometry` tunes) default to the config's.
     """
-    data = prompt.encode()
     size = block_bytes or config.prefix_block_bytes
-    count = min(len(data) // size, config.max_prefix_blocks if max_blocks is None else max_blocks)
+    most = config.max_prefix_blocks if max_blocks is None else max_blocks
+    data = prompt[: most * size].encode()  # a character is at least a byte: this covers every block hashed
+    count = min(len(data) // size, most)
     previous = xxhash.xxh64_intdigest(model.encode())
     hashes = []
     for i in range(count):

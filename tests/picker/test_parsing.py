@@ -17,7 +17,7 @@ from evergreen_trio.picker.engine_metrics import (
     render_metrics,
 )
 from evergreen_trio.picker.errors import MetricsError, RequestError
-from evergreen_trio.picker.request import Api, api_for_path, parse_body, rewrite_model
+from evergreen_trio.picker.request import MAX_SPLICED_MEMBERS, Api, api_for_path, parse_body, rewrite_model
 from evergreen_trio.picker.usage import ResponseBody, Usage
 
 
@@ -51,7 +51,41 @@ def test_bad_bodies_are_400(body: bytes) -> None:
 
 
 def test_rewrite_model_keeps_other_fields() -> None:
-    assert json.loads(rewrite_model({"model": "a", "prompt": "p"}, "b")) == {"model": "b", "prompt": "p"}
+    request = parse_body("/v1/completions", b'{"model": "a",\n "prompt": "p\\u00e9"}')
+    assert rewrite_model(request, "b\u00e9") == '{"model": "b\u00e9",\n "prompt": "p\\u00e9"}'.encode()
+
+
+def test_rewrite_of_a_body_of_many_members_reserializes() -> None:
+    doc = {"model": "a", **{f"k{i}": i for i in range(MAX_SPLICED_MEMBERS)}}
+    request = parse_body("/v1/completions", json.dumps(doc).encode())
+    assert request.model_span is None
+    assert json.loads(rewrite_model(request, "b")) == {**doc, "model": "b"}
+
+
+_members = st.dictionaries(st.sampled_from(["model", "prompt", "stream", "x", "\u00e9"]),
+                           st.none() | st.booleans() | st.integers() | st.text(max_size=8)
+                           | st.lists(st.text(max_size=4), max_size=3), max_size=5)
+
+
+@given(st.text(min_size=1, max_size=8), _members, st.text(min_size=1, max_size=8), st.sampled_from(["", " ", "\n\t"]),
+       st.booleans())
+def test_rewrite_equals_reserializing(model: str, members: dict[str, object], new: str, space: str,
+                                      duplicate: bool) -> None:
+    """The spliced rewrite reads back as the re-serialized one, whatever the formatting."""
+    pairs = [*([("model", 1)] if duplicate else []), *members.items(), ("model", model)]
+    text = "{" + space + ("," + space).join(f"{json.dumps(k)}{space}:{space}{json.dumps(v)}" for k, v in pairs) + "}"
+    try:
+        request = parse_body("/v1/completions", text.encode("utf-8", "surrogatepass"))
+    except RequestError as exc:  # a lone surrogate in the model or prompt
+        assert exc.status == 400
+        return
+    assert request.body == json.loads(text)
+    try:
+        rewritten = rewrite_model(request, new)
+    except RequestError as exc:
+        assert exc.status == 400
+        return
+    assert json.loads(rewritten) == {**json.loads(text), "model": new}
 
 
 def test_usage_from_json_and_rewrite_back() -> None:
