@@ -5,7 +5,8 @@ protobuf ``avp.Metadata``, then the tensor bytes (zstd-compressed when flag bit 
 
 Decoding checks every length against the message, the limits and the metadata before it allocates;
 an uncompressed payload is returned as a view into the input, so the only work left is the CRC
-(python-isal, several times faster than zlib's for the same values).
+(python-isal, several times faster than zlib's for the same values). The checks of a header and
+metadata seen before (all but the trailing checksum field) are kept, so a stream pays for them once.
 """
 
 from __future__ import annotations
@@ -627,7 +628,15 @@ def _decode_general(view: memoryview, limits: AVPLimits, strict: bool) -> AVPMes
 _LENGTHS = struct.Struct("<4xII")
 _KNOWN_METADATA = 1024  # the most metadata bytes a prefix is kept for
 _KNOWN_MAX = 64  # prefixes kept (the whole cache is cleared when full: a churn of prefixes costs a parse each)
-_Known = tuple[AVPLimits, bool, "AVPHeader | None", tuple[Any, ...], "dict[str, str]", "int | None", "int | None", bool]
+# AVPMetadata's fields from session_id to avp_map_id.
+_Fields = tuple[
+    str, str, str, str, int, int, PayloadType, DataType, tuple[int, ...], CommunicationMode, "str | None", str
+]
+# What a prefix is known as: limits and strict it was checked under, the header, the metadata (fields,
+# extra, the checksum if the prefix held one), the tensor size, plain (neither compressed nor KV).
+_Known = tuple[AVPLimits, bool, "AVPHeader | None", _Fields, "dict[str, str]", "int | None", "int | None", bool]
+_NO_FIELDS: _Fields = ("", "", "", "", 0, 0, PayloadType.HIDDEN_STATE, DataType.FLOAT32, (), CommunicationMode.LATENT,
+                       None, "")
 _known: dict[bytes, _Known] = {}
 
 
@@ -668,7 +677,7 @@ def _learn(key: bytes, view: memoryview, cut: int, limits: AVPLimits, strict: bo
         metadata = parse_metadata(header, view[HEADER_SIZE:cut], limits, strict)
         expected = tensor_size(header, metadata, limits)
     except AVPError:
-        known: _Known = (limits, strict, None, (), {}, None, None, False)
+        known: _Known = (limits, strict, None, _NO_FIELDS, {}, None, None, False)
     else:
         m = metadata
         fields = (m.session_id, m.source_agent_id, m.target_agent_id, m.model_id, m.hidden_dim, m.num_layers,

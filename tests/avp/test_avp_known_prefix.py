@@ -22,10 +22,10 @@ from evergreen_trio.avp import (
     AVPMetadata,
     DataType,
     PayloadType,
+    codec,
     decode,
     encode,
 )
-from evergreen_trio.avp import codec
 from evergreen_trio.avp.codec import _checksum_field, _decode_general
 from evergreen_trio.avp.message import DEFAULT_LIMITS, HEADER_SIZE
 
