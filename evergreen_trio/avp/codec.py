@@ -69,7 +69,7 @@ _UINT32_MAX = 0xFFFFFFFF
 # (a descriptor call), a measurable share of decoding a 4096-d message.
 _KV_CACHE = PayloadType.KV_CACHE
 
-# zstd contexts (and cached metadata messages) must not be shared between threads; one set per thread.
+# zstd contexts must not be shared between threads; one set per thread.
 _per_thread = threading.local()
 
 
@@ -190,34 +190,45 @@ def _metadata_message(metadata: AVPMetadata, compressed: bool) -> Metadata:
 
 
 _CACHE_SIZE = 64
+# Serialised metadata without the checksum, by every field but the checksum: immutable bytes, so one
+# cache serves every thread.
+_serialised: dict[tuple[Any, ...], bytes] = {}
 
 
 def _metadata_bytes(metadata: AVPMetadata, compressed: bool, checksum: int | None) -> bytes:
-    """Serialise the metadata. A stream of messages repeats everything but the checksum, so the built
-    protobuf is kept per thread, keyed by every other field, and only the checksum is set anew."""
+    """Serialise the metadata. A stream of messages repeats everything but the checksum, so the
+    serialised rest is kept, keyed by every other field, and the checksum field is appended to it:
+    protobuf encoders write fields in number order and ``payload_checksum`` (15) is the last."""
     m = metadata
-    pb: Metadata | None = None
+    serialised: bytes | None = None
     key: tuple[Any, ...] | None = None
-    cache: dict[tuple[Any, ...], Metadata] = _thread_local("metadata", dict)
     if not m.extra:
         key = (m.session_id, m.source_agent_id, m.target_agent_id, m.model_id, m.hidden_dim, m.num_layers,
-               m.payload_type, m.dtype, m.tensor_shape, m.mode, m.avp_map_id, compressed, checksum is None)
+               m.payload_type, m.dtype, m.tensor_shape, m.mode, m.avp_map_id, compressed)
         try:
-            pb = cache.get(key)
+            serialised = _serialised.get(key)
         except TypeError:  # an unhashable field (a list shape): build it uncached
             key = None
-    if pb is None:
-        pb = _metadata_message(m, compressed)
+    if serialised is None:
+        serialised = _metadata_message(m, compressed).SerializeToString()
         if key is not None:
-            if len(cache) >= _CACHE_SIZE:
-                cache.clear()
-            cache[key] = pb
-    if checksum is not None:
-        try:
-            pb.payload_checksum = checksum
-        except (ValueError, TypeError) as exc:
-            raise AVPEncodeError(f"payload_checksum: expected a uint32, got {exc}") from None
-    return pb.SerializeToString()
+            if len(_serialised) >= _CACHE_SIZE:
+                _serialised.clear()
+            _serialised[key] = serialised
+    return serialised if checksum is None else serialised + _checksum_field_bytes(checksum)
+
+
+def _checksum_field_bytes(checksum: int) -> bytes:
+    """``payload_checksum`` (field 15, a uint32 ``checksum``) as protobuf writes it: tag 0x78, then a varint."""
+    if checksum >= 1 << 28:  # 15 in 16 CRCs: unrolled, a loop costs twice as much
+        return bytes((0x78, checksum & 0x7F | 0x80, checksum >> 7 & 0x7F | 0x80, checksum >> 14 & 0x7F | 0x80,
+                      checksum >> 21 & 0x7F | 0x80, checksum >> 28))
+    out = bytearray(b"\x78")
+    while checksum > 0x7F:
+        out.append(checksum & 0x7F | 0x80)
+        checksum >>= 7
+    out.append(checksum)
+    return bytes(out)
 
 
 def encode_buffers(

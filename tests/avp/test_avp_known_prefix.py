@@ -26,7 +26,7 @@ from evergreen_trio.avp import (
     decode,
     encode,
 )
-from evergreen_trio.avp.codec import _checksum_field, _decode_general
+from evergreen_trio.avp.codec import _checksum_field, _checksum_field_bytes, _decode_general
 from evergreen_trio.avp.message import DEFAULT_LIMITS, HEADER_SIZE
 
 Outcome = tuple[Any, ...]
@@ -110,6 +110,16 @@ def test_checksum_field_reads_what_upb_reads(model_id: str, value: int) -> None:
             assert (cut, checksum) == (HEADER_SIZE + len(prefix), parsed.payload_checksum)
         else:  # longer than a uint32's varint, or metadata too short to split: the whole prefix is the key
             assert (cut, checksum) == (len(head), None)
+
+
+@given(st.integers(0, 2**32 - 1))
+@example(0)
+@example(2**28 - 1)
+@example(2**28)
+def test_the_checksum_field_is_written_as_upb_writes_it(checksum: int) -> None:
+    assert _checksum_field_bytes(checksum) == Metadata(payload_checksum=checksum).SerializeToString()
+    head = bytes(HEADER_SIZE) + Metadata(model_id="model").SerializeToString() + _checksum_field_bytes(checksum)
+    assert _checksum_field(head)[1] == checksum
 
 
 def test_a_stream_learns_its_prefix_once_and_checks_every_crc() -> None:
