@@ -459,7 +459,11 @@ class GrpcWireConnection:
         stream = self._streams.get(stream_id)
         if stream is not None:
             self._remove(stream)
-        self._strike("RST_STREAM")
+            self._strike("RST_STREAM")
+        elif stream_id > self._last_stream_id:
+            raise _ConnectionError(PROTOCOL_ERROR, f"expected RST_STREAM on a known stream, got idle stream {stream_id}")
+        # A reset of a stream this side already answered costs nothing and is no strike: Envoy
+        # resets every stream whose answer ended it early (routing only), one per request.
 
     def _priority(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id or len(payload) != 5:

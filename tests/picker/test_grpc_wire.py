@@ -144,6 +144,33 @@ def test_finished_processor_ends_the_stream_and_resets_the_client_side() -> None
     assert peer.reset(stream) == 0
 
 
+def _rst(stream_id: int) -> bytes:
+    """A raw RST_STREAM CANCEL frame (h2's client refuses to reset a stream it saw closed)."""
+    return (4).to_bytes(3, "big") + bytes([3, 0]) + stream_id.to_bytes(4, "big") + (8).to_bytes(4, "big")
+
+
+def test_resets_of_answered_streams_are_not_strikes_but_of_idle_streams_are_an_error() -> None:
+    # Envoy resets every stream the picker ended early (routing only): one per request, far
+    # above the stream-error budget at a busy gateway; only resets of open streams count.
+    peer = Peer(limits=WireLimits(max_stream_errors_per_second=3))
+    for _ in range(10):
+        stream = peer.open()
+        peer.send(stream, b"stop")
+        assert peer.reset(stream) == 0
+        peer.server.receive_data(_rst(stream))
+    assert not peer.server.closed
+    for _ in range(4):  # rapid reset: open streams reset by the peer are strikes
+        stream = peer.open()
+        peer.pump()
+        peer.server.receive_data(_rst(stream))
+    assert peer.server.closed
+    assert b"streams reset, refused or failed" in peer.server.data_to_send()
+    idle = Peer()
+    idle.server.receive_data(_rst(9))
+    assert idle.server.closed
+    assert b"got idle stream 9" in idle.server.data_to_send()
+
+
 def test_rpc_status_and_processor_bug_become_grpc_statuses() -> None:
     peer = Peer()
     failing, buggy = peer.open(), peer.open()
