@@ -123,7 +123,7 @@ class PickerMetrics:
             if len(self._series) >= MAX_CACHED_SERIES:
                 self._series.clear()
             series = self._series[key] = metric.labels(*values)
-        return series  # type: ignore[no-any-return]
+        return series
 
     def observe_load(self, snapshot: PoolSnapshot, load: InflightLoad, flow: FlowGate | None) -> None:
         """The picker's in-flight counts per endpoint and, with flow control, its queue and saturation
