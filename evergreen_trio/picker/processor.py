@@ -326,6 +326,11 @@ class ExtProcStream:
         if kind is None:
             raise ExtProcError("expected a ProcessingRequest with a request oneof, got an empty one")
         replies = _HANDLERS[kind](self, message)
+        if self.response_ended and not self.finished:
+            # Nothing more comes after the response's end: end the RPC here. Envoy would reset it
+            # otherwise, once per request, which the wire counts like a client's rapid reset.
+            self._finish_usage()
+            self.finished = True
         self._settle_load(first_chunk=kind == "response_body")
         return replies
 

@@ -350,6 +350,26 @@ def test_stream_finishes_once_routed_unless_responses_are_observed_or_rewritten(
     assert not finished_after_routing("", "plain")
 
 
+@pytest.mark.parametrize("response_mode", [Mode.FULL_DUPLEX_STREAMED, Mode.BUFFERED])
+def test_observed_stream_finishes_at_the_response_end(response_mode: int) -> None:
+    # Envoy resets an ext_proc stream left open after the response: the picker ends it itself,
+    # with the usage read, so the wire never sees one reset per request.
+    stream = make_picker().new_stream()
+    stream.on_message(request_headers(response_mode=response_mode))
+    stream.on_message(request_body(json.dumps({"model": "plain", "prompt": "p"}).encode()))
+    stream.on_message(response_headers())
+    assert not stream.finished
+    body = b'{"usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}'
+    if response_mode == Mode.FULL_DUPLEX_STREAMED:
+        stream.on_message(response_body(body[:10], end=False))
+        assert not stream.finished
+        stream.on_message(response_body(body[10:]))
+    else:
+        stream.on_message(response_body(body))
+    assert stream.finished
+    assert stream.report.usage is not None and stream.report.usage.completion_tokens == 2
+
+
 def test_immediate_response_finishes_the_stream() -> None:
     stream = make_picker().new_stream()
     stream.on_message(request_headers())
