@@ -56,7 +56,8 @@ DEFAULT_WINDOW = 65_535
 DEFAULT_FRAME_SIZE = 16_384
 MAX_ECHOED_CHARS = 64  # of untrusted input (a request path) in a grpc-message
 MAX_STATUS_MESSAGE_CHARS = 512  # of a processor's status message, before percent-encoding
-_BLOCK_CACHE_ENTRIES, _BLOCK_CACHE_BYTES = 16, 1024  # decoded header blocks kept per connection
+MAX_CACHED_HEADER_BLOCKS = 16  # decoded header blocks kept per connection (a client's repeat)
+MAX_CACHED_HEADER_BLOCK_BYTES = 1024  # larger blocks are decoded every time
 
 
 @dataclass(frozen=True)
@@ -596,7 +597,7 @@ class GrpcWireConnection:
         # An insertion makes a new first entry, an eviction or resize changes the length or size.
         if before[0] is not (entries[0] if entries else None) or before[1:] != (len(entries), table.maxsize):
             cache.clear()  # and this block is not kept: decoding it again changes the table again
-        elif len(cache) < _BLOCK_CACHE_ENTRIES and len(block) <= _BLOCK_CACHE_BYTES:
+        elif len(cache) < MAX_CACHED_HEADER_BLOCKS and len(block) <= MAX_CACHED_HEADER_BLOCK_BYTES:
             cache[block] = fields
         return fields
 

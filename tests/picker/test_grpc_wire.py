@@ -17,9 +17,11 @@ import pytest
 import trio
 from google.protobuf.wrappers_pb2 import BytesValue
 from grpclib.const import Status
+from hpack import NeverIndexedHeaderTuple
 from hypothesis import given
 from hypothesis import strategies as st
 
+from evergreen_trio.picker import grpc_wire
 from evergreen_trio.picker.grpc_server import serve_sync_bidi
 from evergreen_trio.picker.grpc_wire import PREFACE, GrpcWireConnection, RpcStatusError, SyncBidiMethod, WireLimits
 
@@ -378,3 +380,26 @@ def test_cached_header_blocks_decode_as_hpack_does(sequence: list[bytes]) -> Non
         assert got == expected
         if expected is None:
             return  # a connection error: the connection is done
+
+
+def test_header_block_cache_is_capped_in_blocks_and_bytes() -> None:
+    encoder = hpack.Encoder()
+    server = GrpcWireConnection({PATH: METHOD})
+    reference = hpack.Decoder()
+
+    def check(block: bytes) -> None:
+        assert server._decode(block) == {bytes(k): bytes(v) for k, v in reference.decode(block, raw=True)}
+
+    count = grpc_wire.MAX_CACHED_HEADER_BLOCKS + 5
+    for i in range(count):  # each inserts into the table: none is kept
+        check(bytes(encoder.encode([("x-n", str(i))])))
+    assert not server._block_cache
+    for i in range(count):  # each only refers to a table entry: kept, up to the cap
+        check(bytes([0x80 | (62 + i)]))
+    assert len(server._block_cache) == grpc_wire.MAX_CACHED_HEADER_BLOCKS
+    server._block_cache.clear()
+    value = "v" * grpc_wire.MAX_CACHED_HEADER_BLOCK_BYTES
+    large = bytes(encoder.encode([NeverIndexedHeaderTuple("x-big", value)], huffman=False))
+    check(large)
+    check(large)
+    assert not server._block_cache

@@ -15,10 +15,11 @@ from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
+from evergreen_trio.picker import telemetry as telemetry_module
 from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ExtProcError
-from evergreen_trio.picker.processor import DESTINATION, FALLBACK, Picker
+from evergreen_trio.picker.processor import DESTINATION, FALLBACK, Picker, StreamReport
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
 from evergreen_trio.picker.usage import Usage
@@ -164,6 +165,18 @@ def test_429_for_sheddable_under_saturation_503_when_nothing_ready() -> None:
     errors = {(s.labels["model_name"], s.labels["error_code"]): s.value
               for s in telemetry.errors.collect()[0].samples if s.name.endswith("_total")}
     assert errors == {("batch", "InferencePoolResourceExhausted"): 1.0, ("plain", "ServiceUnavailable"): 1.0}
+
+
+def test_metric_series_map_is_capped_and_counts_stay_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(telemetry_module, "MAX_CACHED_SERIES", 3)
+    telemetry = PickerMetrics("pool")
+    served = [f"10.0.0.{i}:8000" for i in range(5)]
+    for _ in range(2):
+        for address in served:
+            telemetry.record(StreamReport(served=[address]), 0.01)
+            assert len(telemetry._series) <= 3
+    counts = {s.labels["endpoint"]: s.value for s in telemetry.served.collect()[0].samples if s.name.endswith("_total")}
+    assert counts == dict.fromkeys(served, 2.0)
 
 
 def test_objective_header_overrides_model_criticality() -> None:
