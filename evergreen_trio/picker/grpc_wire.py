@@ -468,7 +468,7 @@ class GrpcWireConnection:
         elif stream_id > self._last_stream_id:
             raise _ConnectionError(PROTOCOL_ERROR, f"expected RST_STREAM on a used stream, got idle {stream_id}")
         # A reset of a stream this side already answered costs nothing and is no strike: Envoy
-        # resets every stream whose answer ended it early (routing only), one per request.
+        # resets every ext_proc stream the picker answered, one per request.
 
     def _priority(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id or len(payload) != 5:

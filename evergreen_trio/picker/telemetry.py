@@ -37,7 +37,7 @@ _MODEL = ["model_name", "target_model_name"]
 # Labelled series kept at hand per picker; label values are already bounded (model names folded,
 # pool endpoints, plugin names), this only caps the map against a pool that churns for months.
 MAX_CACHED_SERIES = 4096
-M = TypeVar("M", bound=MetricWrapperBase)
+_M = TypeVar("_M", bound=MetricWrapperBase)
 
 
 def error_code(status: int) -> str:
@@ -114,7 +114,7 @@ class PickerMetrics:
         self.saturation = Gauge("llm_d_epp_flow_control_pool_saturation", "The saturation detector's reading",
                                 ["inference_pool"], registry=r)
 
-    def _series_of(self, metric: M, *values: str) -> M:
+    def _series_of(self, metric: _M, *values: str) -> _M:
         """``metric.labels(*values)``, without prometheus_client's checks and lock after the first time
         (per-request metrics are never cleared, so a series once made stays valid)."""
         key = (metric, values)
