@@ -5,9 +5,12 @@ Routes to the same two model servers: Envoy alone (ROUND_ROBIN, no ext_proc), En
 grpcio reference picker (``benchmarks/grpcio_picker.py``: grpc.aio, same decision core, same
 stream lifetime). Both pickers run twice: routing only (``extProc.observeResponses: false``, the
 stream ends once the request is routed) and observing responses (the default: Envoy's response
-headers and body round trips too, for token usage). Envoy is the same for all: request and
-response bodies FULL_DUPLEX_STREAMED. Model servers are a second Envoy answering ``/metrics``
-and completions with direct responses, so they are never the bottleneck. wrk (installed from
+headers and body round trips too, for token usage). A floor row runs the same gateway against a
+do-nothing ext_proc server on our wire (``benchmarks/noop_ext_proc.py``: the destination set, the
+body sent back, nothing decided), so what Envoy's ext_proc machinery costs by itself is in the
+same run. Envoy is the same for all: request and response bodies FULL_DUPLEX_STREAMED. Model
+servers are a second Envoy answering ``/metrics`` and completions with direct responses, so they
+are never the bottleneck. wrk (installed from
 Debian's packages if missing) runs a Lua script posting an OpenAI completion body, at 1 and 16
 connections, three runs each; the table gives the medians.
 """
@@ -62,6 +65,7 @@ extProc:
   observeResponses: {observe}
 """
 OURS, REF, DIRECT = "evergreen-trio picker", "grpcio picker", "envoy direct"
+FLOOR = "do-nothing ext_proc (floor)"
 OBSERVED = ", responses observed"
 
 
@@ -190,7 +194,8 @@ async def _measure(quick: bool) -> dict[str, dict[int, list[dict[str, float]]]]:
         f"127.0.0.1:{picker_port}", listener, admin_port=gateway_admin,
         round_robin_endpoints=pool, round_robin_port=rr_port))
     python = sys.executable
-    pickers: dict[str, list[str]] = {}
+    pickers: dict[str, list[str]] = {FLOOR: [python, "-m", "benchmarks.noop_ext_proc", "--port", str(picker_port),
+                                             *(arg for address in pool for arg in ("--endpoint", address))]}
     for observe, suffix in (("false", ""), ("true", OBSERVED)):
         config = str(configs[observe])
         pickers[OURS + suffix] = [
@@ -214,8 +219,9 @@ async def _measure(quick: bool) -> dict[str, dict[int, list[dict[str, float]]]]:
                         inner.start_soon(partial(trio.run_process, command, check=False, cwd=ROOT))
                     await _wait_routable(url)
                     watched = {"gateway_envoy": _pids(str(gateway_path)), "backend_envoy": _pids(str(backend_path))}
-                    if command is not None:
-                        watched["picker"] = _pids(f"--config {command[command.index('--config') + 1]}")
+                    if command is not None:  # found by its config, or the floor by its module
+                        config = command[command.index("--config") + 1] if "--config" in command else ""
+                        watched["picker"] = _pids(f"--config {config}" if config else command[2])
                     results[name] = {}
                     for connections in (1, 16):
                         await _wrk(wrk, script, url, connections, 1, watched)  # warm-up
@@ -232,7 +238,7 @@ def run(quick: bool = False) -> None:
     rows: list[Row] = []
     peers = {OURS: REF, OURS + OBSERVED: REF + OBSERVED}
     for connections in (1, 16):
-        for name in (DIRECT, OURS, REF, OURS + OBSERVED, REF + OBSERVED):
+        for name in (DIRECT, FLOOR, OURS, REF, OURS + OBSERVED, REF + OBSERVED):
             samples = results[name][connections]
             rps, p50, p99 = (_median(samples, k) for k in ("rps", "p50_ms", "p99_ms"))
             extra = {"samples": samples}
@@ -250,11 +256,11 @@ def run(quick: bool = False) -> None:
                     rows.append(Row(f"{name} c={connections} {process.replace('_', ' ')} CPU per request",
                                     _median(samples, key), "ms"))
         direct = results[DIRECT][connections]
-        for name in (OURS, OURS + OBSERVED):
+        for name in (FLOOR, OURS, OURS + OBSERVED):
             rps = _median(results[name][connections], "rps")
             rows.append(Row(f"{name} c={connections} throughput vs envoy direct", rps, "req/s", DIRECT,
                             rps / _median(direct, "rps")))
-        for name in (OURS, REF, OURS + OBSERVED, REF + OBSERVED):
+        for name in (FLOOR, OURS, REF, OURS + OBSERVED, REF + OBSERVED):
             added = _median(results[name][connections], "p50_ms") - _median(results[DIRECT][connections], "p50_ms")
             rows.append(Row(f"{name} c={connections} added p50 vs envoy direct", added, "ms", DIRECT))
     print_table("Endpoint Picker through Envoy (wrk, POST /v1/completions, median of runs)", rows)

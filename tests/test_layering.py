@@ -60,6 +60,9 @@ FACE_EXCEPTIONS = {
     # The codec benchmark measures the wire messages themselves, with the picker's header names.
     "benchmarks/bench_codec.py": {"evergreen_trio._proto.evergreen.v2",
                                   "evergreen_trio.picker.processor"},
+    # The picker benchmark's floor: the picker's own wire and shell with nothing decided behind them.
+    "benchmarks/noop_ext_proc.py": {"evergreen_trio.picker.grpc_server", "evergreen_trio.picker.grpc_wire",
+                                    "evergreen_trio.picker.processor", "evergreen_trio.picker.runtime"},
 }
 
 

@@ -56,6 +56,8 @@ DEFAULT_WINDOW = 65_535
 DEFAULT_FRAME_SIZE = 16_384
 MAX_ECHOED_CHARS = 64  # of untrusted input (a request path) in a grpc-message
 MAX_STATUS_MESSAGE_CHARS = 512  # of a processor's status message, before percent-encoding
+MAX_CACHED_HEADER_BLOCKS = 16  # decoded header blocks kept per connection (a client's repeat)
+MAX_CACHED_HEADER_BLOCK_BYTES = 1024  # larger blocks are decoded every time
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,9 @@ class GrpcWireConnection:
         self._credit_high = 0  # an upper bound of every open stream's credit
         self._last_stream_id = 0
         self._decoder = hpack.Decoder(max_header_list_size=self.limits.max_header_list_bytes)
+        # Decoded header blocks by their bytes, valid while the HPACK table does not change: a
+        # gRPC client's request headers repeat (Envoy's are the same block on every stream).
+        self._block_cache: dict[bytes, dict[bytes, bytes]] = {}
         self._header_block: bytearray | None = None  # an unfinished HEADERS + CONTINUATION block
         self._header_stream = 0
         self._header_flags = 0
@@ -459,7 +464,11 @@ class GrpcWireConnection:
         stream = self._streams.get(stream_id)
         if stream is not None:
             self._remove(stream)
-        self._strike("RST_STREAM")
+            self._strike("RST_STREAM")
+        elif stream_id > self._last_stream_id:
+            raise _ConnectionError(PROTOCOL_ERROR, f"expected RST_STREAM on a used stream, got idle {stream_id}")
+        # A reset of a stream this side already answered costs nothing and is no strike: Envoy
+        # resets every ext_proc stream the picker answered, one per request.
 
     def _priority(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id or len(payload) != 5:
@@ -536,10 +545,7 @@ class GrpcWireConnection:
         assert self._header_block is not None
         block, stream_id, flags = bytes(self._header_block), self._header_stream, self._header_flags
         self._header_block = None
-        try:
-            headers = self._decoder.decode(block, raw=True)  # always decoded: HPACK state is per connection
-        except (hpack.HPACKError, ValueError, IndexError) as exc:
-            raise _ConnectionError(COMPRESSION_ERROR, f"expected a valid HPACK block ({type(exc).__name__})") from None
+        fields = self._decode(block)  # always decoded: HPACK state is per connection
         stream = self._streams.get(stream_id)
         if stream is not None:  # trailers from the client
             if not flags & END_STREAM:
@@ -556,7 +562,6 @@ class GrpcWireConnection:
             self._out += _frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big"))
             self._strike("refused stream")
             return
-        fields: dict[bytes, bytes] = {bytes(k): bytes(v) for k, v in headers}
         if fields.get(b":method") != b"POST" or not fields.get(b"content-type", b"").startswith(b"application/grpc"):
             self._out += _frame(HEADERS, END_HEADERS | END_STREAM, stream_id, _HTTP_415)
             self._out += _frame(RST_STREAM, 0, stream_id, NO_ERROR.to_bytes(4, "big"))
@@ -574,6 +579,27 @@ class GrpcWireConnection:
         self._streams[stream_id] = stream
         if flags & END_STREAM:
             self._deliver(stream, end=True)
+
+    def _decode(self, block: bytes) -> dict[bytes, bytes]:
+        """The fields of a header block; a repeated block costs a lookup while the table is unchanged."""
+        cache = self._block_cache
+        fields = cache.get(block)
+        if fields is not None:
+            return fields
+        table = self._decoder.header_table
+        entries = table.dynamic_entries
+        before = (entries[0] if entries else None, len(entries), table.maxsize)
+        try:
+            headers = self._decoder.decode(block, raw=True)
+        except (hpack.HPACKError, ValueError, IndexError) as exc:
+            raise _ConnectionError(COMPRESSION_ERROR, f"expected a valid HPACK block ({type(exc).__name__})") from None
+        fields = {bytes(k): bytes(v) for k, v in headers}
+        # An insertion makes a new first entry, an eviction or resize changes the length or size.
+        if before[0] is not (entries[0] if entries else None) or before[1:] != (len(entries), table.maxsize):
+            cache.clear()  # and this block is not kept: decoding it again changes the table again
+        elif len(cache) < MAX_CACHED_HEADER_BLOCKS and len(block) <= MAX_CACHED_HEADER_BLOCK_BYTES:
+            cache[block] = fields
+        return fields
 
     def _settings(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id:

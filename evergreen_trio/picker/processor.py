@@ -270,7 +270,11 @@ def _metadata_value(metadata: base_pb2.Metadata, namespace: str, key: str) -> st
 
 
 def _headers(message: ep.HttpHeaders) -> dict[str, str]:
-    return {h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value for h in message.headers.headers}
+    headers = {}
+    for h in message.headers.headers:
+        raw = h.raw_value
+        headers[h.key.lower()] = raw.decode("latin-1") if raw else h.value
+    return headers
 
 
 def _chunks(body: bytes, size: int, end_of_stream: bool) -> list[ep.ProcessingResponse]:
@@ -314,14 +318,6 @@ class ExtProcStream:
         self.item: QueueItem | None = None
         self._resumed: list[ep.ProcessingResponse] = []
         self._finish: Callable[[Outcome], list[ep.ProcessingResponse]] | None = None
-        self._handlers: dict[str, Callable[[ep.ProcessingRequest], list[ep.ProcessingResponse]]] = {
-            "request_headers": self._request_headers,
-            "request_body": self._request_body,
-            "request_trailers": self._request_trailers,
-            "response_headers": self._response_headers,
-            "response_body": self._response_body,
-            "response_trailers": self._response_trailers,
-        }
 
     def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
         if message.HasField("protocol_config"):
@@ -330,7 +326,12 @@ class ExtProcStream:
         kind = message.WhichOneof("request")
         if kind is None:
             raise ExtProcError("expected a ProcessingRequest with a request oneof, got an empty one")
-        replies = self._handlers[kind](message)
+        replies = _HANDLERS[kind](self, message)
+        if self.response_ended and not self.finished:
+            # Nothing more comes after the response's end: end the RPC here. Envoy would reset it
+            # otherwise, once per request, which the wire counts like a client's rapid reset.
+            self._finish_usage()
+            self.finished = True
         self._settle_load(first_chunk=kind == "response_body")
         return replies
 
@@ -475,7 +476,9 @@ class ExtProcStream:
         removed = [h for h in STRIPPED_HEADERS if h in self.headers and not (h == PREFILLER and route.prefill)]
         mutation = ep.HeaderMutation(set_headers=set_headers, remove_headers=removed)
         metadata = struct_pb2.Struct()
-        metadata.update({LB_NAMESPACE: lb})
+        fields = metadata.fields[LB_NAMESPACE].struct_value.fields  # Struct.update's generic walk costs more
+        for key, address in lb.items():
+            fields[key].string_value = address
         if phase == "headers":
             return ep.ProcessingResponse(
                 request_headers=ep.HeadersResponse(response=ep.CommonResponse(
@@ -605,3 +608,13 @@ class ExtProcStream:
         self.usage_recorded = True
         if self.reader is not None and self.route is not None:
             self.report.usage = self.reader.usage
+
+
+_HANDLERS: dict[str, Callable[[ExtProcStream, ep.ProcessingRequest], list[ep.ProcessingResponse]]] = {
+    "request_headers": ExtProcStream._request_headers,
+    "request_body": ExtProcStream._request_body,
+    "request_trailers": ExtProcStream._request_trailers,
+    "response_headers": ExtProcStream._response_headers,
+    "response_body": ExtProcStream._response_body,
+    "response_trailers": ExtProcStream._response_trailers,
+}

@@ -9,7 +9,10 @@ reference's too, so dashboards built for it read ours unchanged.
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.guards import ModelLabels
@@ -31,6 +34,10 @@ _INPUT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
 _OUTPUT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _NTPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _MODEL = ["model_name", "target_model_name"]
+# Labelled series kept at hand per picker; label values are already bounded (model names folded,
+# pool endpoints, plugin names), this only caps the map against a pool that churns for months.
+MAX_CACHED_SERIES = 4096
+_M = TypeVar("_M", bound=MetricWrapperBase)
 
 
 def error_code(status: int) -> str:
@@ -48,6 +55,7 @@ class PickerMetrics:
                  labels: ModelLabels | None = None) -> None:
         self.pool = pool
         self.labels = labels if labels is not None else ModelLabels()
+        self._series: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.requests = Counter("inference_objective_request", "Requests routed, by model and target model",
@@ -106,6 +114,17 @@ class PickerMetrics:
         self.saturation = Gauge("llm_d_epp_flow_control_pool_saturation", "The saturation detector's reading",
                                 ["inference_pool"], registry=r)
 
+    def _series_of(self, metric: _M, *values: str) -> _M:
+        """``metric.labels(*values)``, without prometheus_client's checks and lock after the first time
+        (per-request metrics are never cleared, so a series once made stays valid)."""
+        key = (metric, values)
+        series = self._series.get(key)
+        if series is None:
+            if len(self._series) >= MAX_CACHED_SERIES:
+                self._series.clear()
+            series = self._series[key] = metric.labels(*values)
+        return series
+
     def observe_load(self, snapshot: PoolSnapshot, load: InflightLoad, flow: FlowGate | None) -> None:
         """The picker's in-flight counts per endpoint and, with flow control, its queue and saturation
         (llm-d-router's ``llm_d_epp_*`` names)."""
@@ -136,23 +155,23 @@ class PickerMetrics:
 
     def started(self, report: StreamReport) -> None:
         """The request was routed: it runs until :meth:`record`."""
-        self.running.labels(self.labels.name(report.client_model)).inc()
+        self._series_of(self.running, self.labels.name(report.client_model)).inc()
 
     def record(self, report: StreamReport, duration_s: float, *, prefix_index_size: int | None = None) -> None:
         """Everything one finished stream did; ``duration_s`` from its first message to its end."""
         labels = self.labels.pair(report.client_model, report.target_model)
         if report.error is not None:
-            self.errors.labels(*labels, error_code(report.error)).inc()
+            self._series_of(self.errors, *labels, error_code(report.error)).inc()
         if report.routed:
-            self.running.labels(self.labels.name(report.client_model)).dec()
-            self.requests.labels(*labels).inc()
-            self.duration.labels(*labels).observe(duration_s)
-            self.request_sizes.labels(*labels).observe(report.request_bytes)
-            self.response_sizes.labels(*labels).observe(report.response_bytes)
+            self._series_of(self.running, self.labels.name(report.client_model)).dec()
+            self._series_of(self.requests, *labels).inc()
+            self._series_of(self.duration, *labels).observe(duration_s)
+            self._series_of(self.request_sizes, *labels).observe(report.request_bytes)
+            self._series_of(self.response_sizes, *labels).observe(report.response_bytes)
         if report.scheduling_s is not None:
             self.scheduling.observe(report.scheduling_s)
         for plugin, seconds in report.scorer_s.items():
-            self.plugin_duration.labels("Scorer", plugin, plugin).observe(seconds)
+            self._series_of(self.plugin_duration, "Scorer", plugin, plugin).observe(seconds)
         if report.prefix_match is not None:
             matched, total = report.prefix_match
             self.prefix_bytes.observe(matched)
@@ -161,16 +180,16 @@ class PickerMetrics:
         if prefix_index_size is not None:
             self.prefix_size.set(prefix_index_size)
         for endpoint in report.served:
-            self.served.labels(endpoint).inc()
+            self._series_of(self.served, endpoint).inc()
         usage = report.usage
         if usage is not None:
             if usage.prompt_tokens:
-                self.input_tokens.labels(*labels).observe(usage.prompt_tokens)
+                self._series_of(self.input_tokens, *labels).observe(usage.prompt_tokens)
             if usage.completion_tokens:
-                self.output_tokens.labels(*labels).observe(usage.completion_tokens)
+                self._series_of(self.output_tokens, *labels).observe(usage.completion_tokens)
                 if report.routed:
-                    self.ntpot.labels(*labels).observe(duration_s / usage.completion_tokens)
+                    self._series_of(self.ntpot, *labels).observe(duration_s / usage.completion_tokens)
             for kind, value in (("prompt", usage.prompt_tokens), ("completion", usage.completion_tokens),
                                 ("cached", usage.cached_tokens)):
                 if value:
-                    self.tokens.labels(labels[0], kind).inc(value)
+                    self._series_of(self.tokens, labels[0], kind).inc(value)

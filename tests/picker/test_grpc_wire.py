@@ -12,13 +12,16 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+import hpack
 import pytest
 import trio
 from google.protobuf.wrappers_pb2 import BytesValue
 from grpclib.const import Status
+from hpack import NeverIndexedHeaderTuple
 from hypothesis import given
 from hypothesis import strategies as st
 
+from evergreen_trio.picker import grpc_wire
 from evergreen_trio.picker.grpc_server import serve_sync_bidi
 from evergreen_trio.picker.grpc_wire import PREFACE, GrpcWireConnection, RpcStatusError, SyncBidiMethod, WireLimits
 
@@ -142,6 +145,33 @@ def test_finished_processor_ends_the_stream_and_resets_the_client_side() -> None
     assert peer.replies(stream) == [b"stop"]
     assert peer.trailers(stream)["grpc-status"] == "0"
     assert peer.reset(stream) == 0
+
+
+def _rst(stream_id: int) -> bytes:
+    """A raw RST_STREAM CANCEL frame (h2's client refuses to reset a stream it saw closed)."""
+    return (4).to_bytes(3, "big") + bytes([3, 0]) + stream_id.to_bytes(4, "big") + (8).to_bytes(4, "big")
+
+
+def test_resets_of_answered_streams_are_not_strikes_but_of_idle_streams_are_an_error() -> None:
+    # Envoy resets every stream the picker ended early (routing only): one per request, far
+    # above the stream-error budget at a busy gateway; only resets of open streams count.
+    peer = Peer(limits=WireLimits(max_stream_errors_per_second=3))
+    for _ in range(10):
+        stream = peer.open()
+        peer.send(stream, b"stop")
+        assert peer.reset(stream) == 0
+        peer.server.receive_data(_rst(stream))
+    assert not peer.server.closed
+    for _ in range(4):  # rapid reset: open streams reset by the peer are strikes
+        stream = peer.open()
+        peer.pump()
+        peer.server.receive_data(_rst(stream))
+    assert peer.server.closed
+    assert b"streams reset, refused or failed" in peer.server.data_to_send()
+    idle = Peer()
+    idle.server.receive_data(_rst(9))
+    assert idle.server.closed
+    assert b"got idle 9" in idle.server.data_to_send()
 
 
 def test_rpc_status_and_processor_bug_become_grpc_statuses() -> None:
@@ -318,3 +348,58 @@ async def test_grpcio_client_over_tcp(nursery: trio.Nursery) -> None:
     assert replies == [b"x", b"stop"] and code == grpc.StatusCode.OK
     _, code, details = await trio.to_thread.run_sync(call, [b"fail"])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details == "asked to fail: é%"
+
+
+def _blocks() -> list[bytes]:
+    """Raw header blocks that insert into, refer to, and resize the HPACK table when replayed."""
+    encoder = hpack.Encoder()
+    blocks = [bytes(encoder.encode([(":path", PATH), ("x-a", "1")])),  # inserts
+              bytes(encoder.encode([(":path", PATH), ("x-a", "1")])),  # refers to dynamic entries only
+              bytes(encoder.encode([("x-b", "2"), ("x-a", "1")])),
+              bytes(encoder.encode([("x-c", "3")], huffman=False))]
+    encoder.header_table_size = 60
+    blocks.append(bytes(encoder.encode([("x-d", "4")])))  # a table size update, then an insert
+    return [*blocks, b"\xbf\x7f", b"\x20"]  # a dynamic index past the table; a resize to 0
+
+
+@given(st.lists(st.sampled_from(_blocks()), max_size=30))
+def test_cached_header_blocks_decode_as_hpack_does(sequence: list[bytes]) -> None:
+    # Replayed in any order, repeated blocks decode as a fresh decoder decodes them, including
+    # blocks that change the table each time (never answered from the cache).
+    server = GrpcWireConnection({PATH: METHOD})
+    reference = hpack.Decoder()
+    for block in sequence:
+        try:
+            expected: dict[bytes, bytes] | None = {bytes(k): bytes(v) for k, v in reference.decode(block, raw=True)}
+        except (hpack.HPACKError, IndexError):
+            expected = None
+        try:
+            got: dict[bytes, bytes] | None = server._decode(block)
+        except Exception:
+            got = None
+        assert got == expected
+        if expected is None:
+            return  # a connection error: the connection is done
+
+
+def test_header_block_cache_is_capped_in_blocks_and_bytes() -> None:
+    encoder = hpack.Encoder()
+    server = GrpcWireConnection({PATH: METHOD})
+    reference = hpack.Decoder()
+
+    def check(block: bytes) -> None:
+        assert server._decode(block) == {bytes(k): bytes(v) for k, v in reference.decode(block, raw=True)}
+
+    count = grpc_wire.MAX_CACHED_HEADER_BLOCKS + 5
+    for i in range(count):  # each inserts into the table: none is kept
+        check(bytes(encoder.encode([("x-n", str(i))])))
+    assert not server._block_cache
+    for i in range(count):  # each only refers to a table entry: kept, up to the cap
+        check(bytes([0x80 | (62 + i)]))
+    assert len(server._block_cache) == grpc_wire.MAX_CACHED_HEADER_BLOCKS
+    server._block_cache.clear()
+    value = "v" * grpc_wire.MAX_CACHED_HEADER_BLOCK_BYTES
+    large = bytes(encoder.encode([NeverIndexedHeaderTuple("x-big", value)], huffman=False))
+    check(large)
+    check(large)
+    assert not server._block_cache

@@ -15,10 +15,11 @@ from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
+from evergreen_trio.picker import telemetry as telemetry_module
 from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ExtProcError
-from evergreen_trio.picker.processor import DESTINATION, FALLBACK, Picker
+from evergreen_trio.picker.processor import DESTINATION, FALLBACK, Picker, StreamReport
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
 from evergreen_trio.picker.usage import Usage
@@ -164,6 +165,18 @@ def test_429_for_sheddable_under_saturation_503_when_nothing_ready() -> None:
     errors = {(s.labels["model_name"], s.labels["error_code"]): s.value
               for s in telemetry.errors.collect()[0].samples if s.name.endswith("_total")}
     assert errors == {("batch", "InferencePoolResourceExhausted"): 1.0, ("plain", "ServiceUnavailable"): 1.0}
+
+
+def test_metric_series_map_is_capped_and_counts_stay_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(telemetry_module, "MAX_CACHED_SERIES", 3)
+    telemetry = PickerMetrics("pool")
+    served = [f"10.0.0.{i}:8000" for i in range(5)]
+    for _ in range(2):
+        for address in served:
+            telemetry.record(StreamReport(served=[address]), 0.01)
+            assert len(telemetry._series) <= 3
+    counts = {s.labels["endpoint"]: s.value for s in telemetry.served.collect()[0].samples if s.name.endswith("_total")}
+    assert counts == dict.fromkeys(served, 2.0)
 
 
 def test_objective_header_overrides_model_criticality() -> None:
@@ -348,6 +361,26 @@ def test_stream_finishes_once_routed_unless_responses_are_observed_or_rewritten(
     assert finished_after_routing("extProc: {observeResponses: false}", "plain")
     assert not finished_after_routing("extProc: {observeResponses: false}", "food-review")  # rewrite back
     assert not finished_after_routing("", "plain")
+
+
+@pytest.mark.parametrize("response_mode", [Mode.FULL_DUPLEX_STREAMED, Mode.BUFFERED])
+def test_observed_stream_finishes_at_the_response_end(response_mode: int) -> None:
+    # Envoy resets an ext_proc stream left open after the response: the picker ends it itself,
+    # with the usage read, so the wire never sees one reset per request.
+    stream = make_picker().new_stream()
+    stream.on_message(request_headers(response_mode=response_mode))
+    stream.on_message(request_body(json.dumps({"model": "plain", "prompt": "p"}).encode()))
+    stream.on_message(response_headers())
+    assert not stream.finished
+    body = b'{"usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}'
+    if response_mode == Mode.FULL_DUPLEX_STREAMED:
+        stream.on_message(response_body(body[:10], end=False))
+        assert not stream.finished
+        stream.on_message(response_body(body[10:]))
+    else:
+        stream.on_message(response_body(body))
+    assert stream.finished
+    assert stream.report.usage is not None and stream.report.usage.completion_tokens == 2
 
 
 def test_immediate_response_finishes_the_stream() -> None:
