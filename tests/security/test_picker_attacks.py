@@ -26,7 +26,9 @@ from evergreen_trio.picker.grpc_wire import END_HEADERS, END_STREAM, HEADERS, Gr
 
 LIMITS = WireLimits(max_connections=16, window_bytes=1 << 20, max_buffered_bytes=4 << 20)
 TIMEOUTS = WireTimeouts(handshake_s=0.5, idle_s=0.5, send_s=0.5)
-CEILING_S = 2.0
+CEILING_S = 5.0
+"""A legitimate call's deadline: loose (tracemalloc is on, attacker and server share one thread, CI
+machines are loaded); the stall itself is measured by ``python -m benchmarks security``."""
 MiB = 1 << 20
 
 
