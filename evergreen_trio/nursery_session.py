@@ -212,7 +212,6 @@ class Session:
                     nbytes += sum(fragment.ByteSize() for fragment in message.node_fragments)
             if metrics is not None:
                 metrics.received(fragments, nbytes)
-            await trio.lowlevel.checkpoint()
         graph.peer_closed = True
         barrier.notify_all()
 

@@ -162,7 +162,11 @@ class Handoff(Generic[T]):
         self._push(item)
 
     async def get_batch(self, limit: int = 1 << 30) -> list[T]:
-        """Trio side: wait for items, return up to ``limit``; ``[]`` once closed and drained."""
+        """Trio side: wait for items, return up to ``limit``; ``[]`` once closed and drained.
+
+        One scheduling point either way (a caller looping over batches lets other tasks run)."""
+        if not self._empty():
+            await trio.lowlevel.checkpoint()
         while self._empty():
             if self._trio_wakeup is None:
                 self._trio_wakeup = trio.Event()
