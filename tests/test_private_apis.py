@@ -184,6 +184,9 @@ CASES = [
          f"{BRIDGE} (_loop_step: with no_wait, one callback, or WouldBlock once none is queued)"),
     Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "_queue_handle", Mentions("self._q_send.send_nowait(handle)"),
          f"{BRIDGE} (_ReadyQueue.send_nowait)"),
+    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "call_soon",
+         Mentions("return self._queue_handle(asyncio.Handle(callback, args, self, **context))"),
+         f"{BRIDGE} (_call_soon does the same, less the callback check)"),
     Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "call_soon_threadsafe", Mentions("self._q_send.send_nowait"),
          f"{BRIDGE} (_ReadyQueue.send_nowait)"),
     *[Case("trio-asyncio", "trio_asyncio.TrioEventLoop", name, SetsInstanceAttr(), f"{BRIDGE} (_open_loop)")

@@ -226,6 +226,13 @@ def _no_op() -> None:
     pass
 
 
+def _call_soon(loop: Any, callback: Callable[..., object], *args: Any, context: Context | None = None) -> Any:
+    """trio-asyncio's ``call_soon`` less its ``_check_callback``: asyncio checks the callback only in
+    debug mode, and the check (``inspect.iscoroutinefunction``) cost more than queueing it. Every
+    future's wakeup comes through here."""
+    return loop._queue_handle(asyncio.Handle(callback, args, loop, context=context))
+
+
 def _stop_loop() -> None:
     raise TrioAsyncioExit("stopping trio-asyncio loop")
 
@@ -375,6 +382,7 @@ async def _open_loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
         loop._q_send = loop._q_recv = queue
         loop._main_loop_one = partial(_loop_step, loop)
         loop._io_task = partial(_io_task, loop)
+        loop.call_soon = partial(_call_soon, loop)
         channel.send_nowait(asyncio.Handle(_no_op, (), loop))  # wakes the step waiting on the channel
         yield loop
 
