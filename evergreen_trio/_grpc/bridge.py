@@ -920,7 +920,14 @@ async def _client_pump_in(stream: Any, session: MessageStream[Any], message_type
     inbound = session.inbound
     try:
         await stream.recv_initial_metadata()
-        while (message := await _recv_message(stream._stream, message_type, limit)) is not None:
+        while True:
+            # In grpclib's wrapper, as its own reads are: a connection that closes or dies terminates
+            # its streams through it (and the call's deadline ends it). Outside it, such a read
+            # waited forever, and so did the session's end, shielded.
+            with stream._wrapper:
+                message = await _recv_message(stream._stream, message_type, limit)
+            if message is None:
+                break
             session.received += 1
             await inbound.aio_put(message)
     except GRPCError as exc:  # a trailers-only response
@@ -932,15 +939,17 @@ async def _client_pump_in(stream: Any, session: MessageStream[Any], message_type
     except TimeoutError:  # grpclib's deadline fired in this read: said here, or the task's error goes unread
         inbound.close(RpcAbortError(Status.DEADLINE_EXCEEDED, "the call's deadline passed"))
         return
-    except (StreamTerminatedError, ConnectionError):
-        pass
+    except (StreamTerminatedError, ConnectionError) as exc:
+        ended = f" ({exc})"
     except HandoffClosedError:
         return
+    else:
+        ended = ""
     trailers = stream._stream.trailers
     if trailers is None and stream._stream.headers is not None and "grpc-status" in dict(stream._stream.headers):
         trailers = stream._stream.headers  # a trailers-only response, then the reset
     if trailers is None:
-        inbound.close(RpcAbortError(Status.UNAVAILABLE, "the stream ended without a status"))
+        inbound.close(RpcAbortError(Status.UNAVAILABLE, f"the stream ended without a status{ended}"))
         return
     try:
         status, message_text, _ = stream._process_grpc_status(dict(trailers))
@@ -1123,10 +1132,25 @@ class _ClientProtocol(H2Protocol):
 
 
 class _Channel(Channel):
-    """grpclib's channel with :class:`_ClientProtocol` connections."""
+    """grpclib's channel with :class:`_ClientProtocol` connections, which stays closed once closed.
+
+    grpclib reconnects a closed channel for the next stream that asks: a stream whose task had not yet
+    sent its request when the client closed then opened a new connection, which no one would close.
+    """
+
+    closed = False
 
     def _protocol_factory(self) -> H2Protocol:
         return _ClientProtocol(grpclib.client.Handler(), self._config, self._h2_config)
+
+    async def __connect__(self) -> H2Protocol:
+        if self.closed:
+            raise ConnectionAbortedError("the client closed its connection")
+        return await super().__connect__()
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
 
 
 def _tls_failed(target: str, error: ssl.SSLError) -> str:
@@ -1183,6 +1207,7 @@ class ClientChannel:
         self._channel = channel
         self.target = target
         self._context = context
+        self._open: set[MessageStream[Any]] = set()
 
     @asynccontextmanager
     async def open_stream(
@@ -1208,12 +1233,24 @@ class ClientChannel:
                               options or ClientOptions())
         task = self._loop.create_task(work, context=self._context.copy())
         task.add_done_callback(_log_task_error)
+        self._open.add(session)
         try:
             yield session
         finally:
             session.finish()
             with trio.CancelScope(shield=True):
                 await session.wait_closed()
+            self._open.discard(session)
+
+    async def _closed(self) -> None:
+        """The connection was closed: grpclib terminates its streams, whose tasks then end them; a block
+        of another Trio task still in :meth:`open_stream` gets UNAVAILABLE instead of waiting forever."""
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_SECONDS):
+            for stream in list(self._open):
+                await stream.wait_closed()
+        for stream in self._open:
+            stream.inbound.close(RpcAbortError(Status.UNAVAILABLE, f"the connection to {self.target} was closed"))
+            stream._mark_closed()
 
 
 @asynccontextmanager
@@ -1243,10 +1280,12 @@ async def open_client_channel(
                 log.info("grpc.connect_retry target=%s:%d attempt=%d error=%s", host, port, attempt + 1, error.message)
                 await trio.sleep(min(backoff * 2**attempt, 5.0))
                 attempt += 1
+        client = ClientChannel(loop, channel, f"{host}:{port}", copy_context())
         try:
-            yield ClientChannel(loop, channel, f"{host}:{port}", copy_context())
+            yield client
         finally:
             channel.close()
+            await client._closed()
 
 
 @asynccontextmanager
