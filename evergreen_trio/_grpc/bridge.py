@@ -315,18 +315,15 @@ async def _loop_step(loop: Any, no_wait: bool = False) -> None:
     if no_wait:
         if not queue.items:
             raise trio.WouldBlock
-        handle = queue.items.popleft()
-        if isinstance(handle, asyncio.TimerHandle):
-            heapq.heappush(timers, handle)
-        elif not handle._cancelled:
-            handle._run()
-        return
-    if queue.items or (timers and timers[0].when() <= loop.time()):
-        await trio.lowlevel.checkpoint()  # a busy loop still lets other tasks run once per pass
+        done = _run_queued(loop, queue, 1)
     else:
-        with trio.move_on_after(timers[0].when() - loop.time() if timers else math.inf):
-            await queue.wait()
-    if _run_queued(loop, queue, READY_BATCH, loop.time()):
+        if queue.items or (timers and timers[0].when() <= loop.time()):
+            await trio.lowlevel.checkpoint()  # a busy loop still lets other tasks run once per pass
+        else:
+            with trio.move_on_after(timers[0].when() - loop.time() if timers else math.inf):
+                await queue.wait()
+        done = _run_queued(loop, queue, READY_BATCH, loop.time())
+    if done:
         return
     handle = queue.items.popleft()
     if isinstance(handle, AsyncHandle):  # a Trio function called from asyncio, started as trio-asyncio does
