@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from benchmarks._harness import Row, median_of, percentile, print_table, write_results
+from benchmarks._harness import Row, percentile, print_table, write_results
 from evergreen_trio import ActionContext, Client, ClientSession, Server, connect, inner, text
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Chunk, ChunkMetadata, NodeFragment
 from evergreen_trio.actions import register_builtin_actions
@@ -131,22 +131,24 @@ def run(quick: bool = False) -> None:
     raw_cpu: list[tuple[float, float]] = []
     runs_ours: list[Ours] = []
 
-    def one_raw() -> float:
+    def one_raw() -> None:
         result = raw_grpclib(2 * leaves, round_trips, sessions)
         raw_rtts.extend(result["round_trips_s"])  # type: ignore[arg-type]
         raw_calls.extend(result["calls_s"])  # type: ignore[arg-type]
         raw_cpu.append((float(result["round_trip_cpu_s"]), float(result["call_cpu_s"])))  # type: ignore[arg-type]
         rate = float(result["messages_per_s"])  # type: ignore[arg-type]
         raw_rates.append(rate)
-        return rate
 
-    def one_ours() -> float:
-        measured = trio.run(ours, leaves, round_trips, sessions)
-        runs_ours.append(measured)
-        return measured.rate
+    def one_ours() -> None:
+        runs_ours.append(trio.run(ours, leaves, round_trips, sessions))
 
-    raw_rate, _ = median_of(runs, one_raw)
-    our_rate, _ = median_of(runs, one_ours)
+    # Alternated, not all of one then all of the other: on a shared machine the load changes within a
+    # minute, and the ratios compare runs made close together.
+    for _ in range(runs):
+        one_raw()
+        one_ours()
+    raw_rate = statistics.median(raw_rates)
+    our_rate = statistics.median(m.rate for m in runs_ours)
 
     def us(values: list[float], q: float) -> float:
         return percentile(values, q) * 1e6

@@ -212,7 +212,6 @@ class Session:
                     nbytes += sum(fragment.ByteSize() for fragment in message.node_fragments)
             if metrics is not None:
                 metrics.received(fragments, nbytes)
-            await trio.lowlevel.checkpoint()
         graph.peer_closed = True
         barrier.notify_all()
 
@@ -401,8 +400,9 @@ class Session:
                                "no outputs", code=StatusCode.FAILED_PRECONDITION)
         if self._private:
             self._check_public((p.id for p in action.inputs if p.id not in new), describe(action))
+        where = describe(action) if action.outputs else ""
         for param in action.outputs:
-            self.graph.reserve_output(param.id, describe(action), local=False)
+            self.graph.reserve_output(param.id, where, local=False)
             self._ran.append(param.id)
         await self.send_action(action)
         for node_id, node in new.items():

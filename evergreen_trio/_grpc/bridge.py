@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 import socket
 import ssl
 import time
@@ -46,6 +47,9 @@ from grpclib.health.service import Health
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.server import Stream
 from h2.errors import ErrorCodes
+from sniffio import thread_local as sniffio_library
+from trio_asyncio._base import TrioAsyncioExit
+from trio_asyncio._handles import AsyncHandle
 
 from evergreen_trio._grpc.limits import ResetBudget, TransportLimits
 from evergreen_trio.errors import EvergreenTrioError
@@ -158,7 +162,11 @@ class Handoff(Generic[T]):
         self._push(item)
 
     async def get_batch(self, limit: int = 1 << 30) -> list[T]:
-        """Trio side: wait for items, return up to ``limit``; ``[]`` once closed and drained."""
+        """Trio side: wait for items, return up to ``limit``; ``[]`` once closed and drained.
+
+        One scheduling point either way (a caller looping over batches lets other tasks run)."""
+        if not self._empty():
+            await trio.lowlevel.checkpoint()
         while self._empty():
             if self._trio_wakeup is None:
                 self._trio_wakeup = trio.Event()
@@ -211,31 +219,168 @@ class _CancelledTimerPurge:
 
 
 READY_BATCH = 64
-"""At most this many ready asyncio callbacks run in one Trio scheduling pass (see :func:`_run_ready`)."""
+"""At most this many ready asyncio callbacks run in one Trio scheduling pass (see :func:`_loop_step`)."""
 
 
-async def _run_ready(loop: Any, no_wait: bool = False) -> None:
-    """trio-asyncio's loop step, then the asyncio callbacks already queued, up to ``READY_BATCH``.
+def _no_op() -> None:
+    pass
 
-    trio-asyncio runs one callback per step and takes a Trio checkpoint (a scheduling pass, and a
-    cancel scope) before each; asyncio's own loop runs every ready callback per iteration. A message
-    crossing the bridge queues several callbacks at once (a future's wakeup, a transport's read, the
-    read's ``synchronize``), so draining them together saves a pass for each of them.
+
+def _call_soon(loop: Any, callback: Callable[..., object], *args: Any, context: Context | None = None) -> Any:
+    """trio-asyncio's ``call_soon`` less its ``_check_callback``: asyncio checks the callback only in
+    debug mode, and the check (``inspect.iscoroutinefunction``) cost more than queueing it. Every
+    future's wakeup comes through here."""
+    return loop._queue_handle(asyncio.Handle(callback, args, loop, context=context))
+
+
+def _stop_loop() -> None:
+    raise TrioAsyncioExit("stopping trio-asyncio loop")
+
+
+class _ReadyQueue:
+    """trio-asyncio's queue of ready callbacks (its Trio memory channel, ``_q_send``/``_q_recv``), as a
+    deque that the loop task waits on and that an I/O task drains itself (see :func:`_io_task`).
+
+    With the channel, a callback queued while the loop task waited went straight to that task: each
+    message read from a socket then cost a scheduling pass and a step of the loop task before the
+    stream's asyncio task saw it.
     """
-    step = type(loop)._main_loop_one
-    await step(loop, no_wait)
-    for _ in range(READY_BATCH):
+
+    def __init__(self) -> None:
+        self.items: deque[asyncio.Handle] = deque()
+        self.held = False  # an I/O task runs a callback and drains what it queues: no need to wake the loop
+        self._waiter: trio.lowlevel.Task | None = None
+
+    def send_nowait(self, handle: asyncio.Handle) -> None:
+        """Queue ``handle`` (trio-asyncio's ``_queue_handle``, ``call_soon_threadsafe``, signals)."""
+        self.items.append(handle)
+        if not self.held:
+            self.wake()
+
+    def wake(self) -> None:
+        if self._waiter is not None:
+            task, self._waiter = self._waiter, None
+            trio.lowlevel.reschedule(task)
+
+    async def wait(self) -> None:
+        """Until :meth:`wake` (or the caller's cancel scope)."""
+        self._waiter = trio.lowlevel.current_task()
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._waiter = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+def _run_queued(loop: Any, queue: _ReadyQueue, limit: int, now: float = -math.inf) -> bool:
+    """Run the loop's timers due at ``now``, then up to ``limit`` queued callbacks (a queued timer goes
+    to the heap); False at one that only the loop task may run (a Trio function's handle, or the
+    loop's stop), left first in the queue."""
+    items, timers = queue.items, loop._timers
+    previous, sniffio_library.name = sniffio_library.name, "asyncio"
+    try:
+        while timers and timers[0].when() <= now:
+            handle = heapq.heappop(timers)
+            if not handle._cancelled:
+                handle._run()
+        for _ in range(limit):
+            if not items:
+                return True
+            handle = items.popleft()
+            if isinstance(handle, asyncio.TimerHandle):
+                heapq.heappush(timers, handle)
+                queue.wake()  # a loop task waiting for a later timer must wait less
+            elif isinstance(handle, AsyncHandle):
+                items.appendleft(handle)
+                return False
+            elif not handle._cancelled:
+                try:
+                    handle._run()
+                except TrioAsyncioExit:  # the loop's stop: the loop task must raise it
+                    items.appendleft(asyncio.Handle(_stop_loop, (), loop))
+                    return False
+        return True
+    finally:
+        sniffio_library.name = previous
+
+
+async def _loop_step(loop: Any, no_wait: bool = False) -> None:
+    """trio-asyncio's loop step on a :class:`_ReadyQueue`: wait for a callback or the next timer, then run
+    the due timers and up to ``READY_BATCH`` queued callbacks (trio-asyncio ran one per scheduling pass;
+    asyncio's own loop runs every ready callback per iteration). With ``no_wait`` (the loop's final
+    drain), one callback, or ``trio.WouldBlock``."""
+    queue: _ReadyQueue = loop._q_recv
+    timers: list[asyncio.TimerHandle] = loop._timers
+    if no_wait:
+        if not queue.items:
+            raise trio.WouldBlock
+        done = _run_queued(loop, queue, 1)
+    else:
+        if queue.items or (timers and timers[0].when() <= loop.time()):
+            await trio.lowlevel.checkpoint()  # a busy loop still lets other tasks run once per pass
+        else:
+            with trio.move_on_after(timers[0].when() - loop.time() if timers else math.inf):
+                await queue.wait()
+        done = _run_queued(loop, queue, READY_BATCH, loop.time())
+    if done:
+        return
+    handle = queue.items.popleft()
+    if isinstance(handle, AsyncHandle):  # a Trio function called from asyncio, started as trio-asyncio does
+        handle._context.run(loop._nursery.start_soon, handle._run, name=handle._callback)
+        await handle._started.wait()
+    else:
+        handle._run()  # the loop's stop: TrioAsyncioExit ends trio-asyncio's main loop
+
+
+async def _io_task(loop: Any, fd: int, handle: Any, wait_ready: Callable[[int], Any]) -> None:
+    """trio-asyncio's task for one reader or writer: it runs the callback when ``fd`` is ready, then
+    runs what that queued (a stream's task woken by the data just read) itself.
+
+    trio-asyncio instead waited, after every callback, until the loop task had run all the callbacks
+    queued so far: per message read, a scheduling pass, a step of the loop task and one of this task.
+    """
+    queue: _ReadyQueue = loop._q_recv
+    with handle._scope:
         try:
-            await step(loop, True)  # no_wait: raises WouldBlock once nothing is queued
-        except trio.WouldBlock:
-            return
+            while not handle._cancelled:
+                try:
+                    await wait_ready(fd)
+                except OSError:
+                    if handle._cancelled:  # closed after the handle was cancelled, in one step
+                        break
+                    raise
+                if handle._cancelled:
+                    break
+                queue.held = True
+                try:
+                    handle._run()
+                    _run_queued(loop, queue, READY_BATCH)
+                finally:
+                    queue.held = False
+                    if queue.items:
+                        queue.wake()
+        except Exception as exc:
+            handle._raise(exc)
 
 
 @asynccontextmanager
 async def _open_loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
     async with trio_asyncio.open_loop() as loop:
         loop._timer_handle_cancelled = _CancelledTimerPurge(loop)
-        loop._main_loop_one = partial(_run_ready, loop)  # read by the running _main_loop at each step
+        # Read by the running loop at each step, by _queue_handle and by _add_io_handler (set on the
+        # instance: trio-asyncio's own methods stay as they are for any other loop).
+        queue, channel = _ReadyQueue(), loop._q_send
+        while True:  # what was queued before the swap
+            try:
+                queue.items.append(loop._q_recv.receive_nowait())
+            except trio.WouldBlock:
+                break
+        loop._q_send = loop._q_recv = queue
+        loop._main_loop_one = partial(_loop_step, loop)
+        loop._io_task = partial(_io_task, loop)
+        loop.call_soon = partial(_call_soon, loop)
+        channel.send_nowait(asyncio.Handle(_no_op, (), loop))  # wakes the step waiting on the channel
         yield loop
 
 
@@ -772,7 +917,14 @@ async def _client_pump_in(stream: Any, session: MessageStream[Any], message_type
     inbound = session.inbound
     try:
         await stream.recv_initial_metadata()
-        while (message := await _recv_message(stream._stream, message_type, limit)) is not None:
+        while True:
+            # In grpclib's wrapper, as its own reads are: a connection that closes or dies terminates
+            # its streams through it (and the call's deadline ends it). Outside it, such a read
+            # waited forever, and so did the session's end, shielded.
+            with stream._wrapper:
+                message = await _recv_message(stream._stream, message_type, limit)
+            if message is None:
+                break
             session.received += 1
             await inbound.aio_put(message)
     except GRPCError as exc:  # a trailers-only response
@@ -784,15 +936,17 @@ async def _client_pump_in(stream: Any, session: MessageStream[Any], message_type
     except TimeoutError:  # grpclib's deadline fired in this read: said here, or the task's error goes unread
         inbound.close(RpcAbortError(Status.DEADLINE_EXCEEDED, "the call's deadline passed"))
         return
-    except (StreamTerminatedError, ConnectionError):
-        pass
+    except (StreamTerminatedError, ConnectionError) as exc:
+        ended = f" ({exc})"
     except HandoffClosedError:
         return
+    else:
+        ended = ""
     trailers = stream._stream.trailers
     if trailers is None and stream._stream.headers is not None and "grpc-status" in dict(stream._stream.headers):
         trailers = stream._stream.headers  # a trailers-only response, then the reset
     if trailers is None:
-        inbound.close(RpcAbortError(Status.UNAVAILABLE, "the stream ended without a status"))
+        inbound.close(RpcAbortError(Status.UNAVAILABLE, f"the stream ended without a status{ended}"))
         return
     try:
         status, message_text, _ = stream._process_grpc_status(dict(trailers))
@@ -975,10 +1129,25 @@ class _ClientProtocol(H2Protocol):
 
 
 class _Channel(Channel):
-    """grpclib's channel with :class:`_ClientProtocol` connections."""
+    """grpclib's channel with :class:`_ClientProtocol` connections, which stays closed once closed.
+
+    grpclib reconnects a closed channel for the next stream that asks: a stream whose task had not yet
+    sent its request when the client closed then opened a new connection, which no one would close.
+    """
+
+    closed = False
 
     def _protocol_factory(self) -> H2Protocol:
         return _ClientProtocol(grpclib.client.Handler(), self._config, self._h2_config)
+
+    async def __connect__(self) -> H2Protocol:
+        if self.closed:
+            raise ConnectionAbortedError("the client closed its connection")
+        return await super().__connect__()
+
+    def close(self) -> None:
+        self.closed = True
+        super().close()
 
 
 def _tls_failed(target: str, error: ssl.SSLError) -> str:
@@ -1035,6 +1204,7 @@ class ClientChannel:
         self._channel = channel
         self.target = target
         self._context = context
+        self._open: set[MessageStream[Any]] = set()
 
     @asynccontextmanager
     async def open_stream(
@@ -1060,12 +1230,24 @@ class ClientChannel:
                               options or ClientOptions())
         task = self._loop.create_task(work, context=self._context.copy())
         task.add_done_callback(_log_task_error)
+        self._open.add(session)
         try:
             yield session
         finally:
             session.finish()
             with trio.CancelScope(shield=True):
                 await session.wait_closed()
+            self._open.discard(session)
+
+    async def _closed(self) -> None:
+        """The connection was closed: grpclib terminates its streams, whose tasks then end them; a block
+        of another Trio task still in :meth:`open_stream` gets UNAVAILABLE instead of waiting forever."""
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_SECONDS):
+            for stream in list(self._open):
+                await stream.wait_closed()
+        for stream in self._open:
+            stream.inbound.close(RpcAbortError(Status.UNAVAILABLE, f"the connection to {self.target} was closed"))
+            stream._mark_closed()
 
 
 @asynccontextmanager
@@ -1095,10 +1277,12 @@ async def open_client_channel(
                 log.info("grpc.connect_retry target=%s:%d attempt=%d error=%s", host, port, attempt + 1, error.message)
                 await trio.sleep(min(backoff * 2**attempt, 5.0))
                 attempt += 1
+        client = ClientChannel(loop, channel, f"{host}:{port}", copy_context())
         try:
-            yield ClientChannel(loop, channel, f"{host}:{port}", copy_context())
+            yield client
         finally:
             channel.close()
+            await client._closed()
 
 
 @asynccontextmanager

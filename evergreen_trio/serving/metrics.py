@@ -11,6 +11,7 @@ record into prometheus_client's multiprocess files and the supervisor serves the
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -64,6 +65,9 @@ class SessionMetrics:
         # Children resolved once: these two are bumped on every batch.
         self._fragments_in, self._fragments_out = fragments.labels("in"), fragments.labels("out")
         self._bytes_in, self._bytes_out = fragment_bytes.labels("in"), fragment_bytes.labels("out")
+        # And the duration's, per registered action and status as they come (labels() took about 1%
+        # of an ECHO round trip's CPU); bounded: only registered actions finish.
+        self._action_children: dict[tuple[str, StatusCode], Any] = {}
 
     def session_started(self) -> None:
         """Count a session that began (started and active)."""
@@ -85,7 +89,10 @@ class SessionMetrics:
 
     def action_finished(self, name: str, code: StatusCode, seconds: float) -> None:
         """Record one action's duration under its name and final status."""
-        self.action_seconds.labels(name, code.name).observe(seconds)
+        child = self._action_children.get((name, code))
+        if child is None:
+            child = self._action_children[name, code] = self.action_seconds.labels(name, code.name)
+        child.observe(seconds)
 
     def received(self, fragments: int, nbytes: int) -> None:
         """Count fragments and bytes a session received."""

@@ -241,17 +241,85 @@ async def test_tasks_started_before_the_client_opened_can_use_it(nursery: trio.N
     answers: list[str] = []
     client = Client(address)
 
+    done = trio.Event()
+
     async def early_task() -> None:
         await opened.wait()
         async with client.session() as session:
             call = await session.run("ECHO", {"input": text("early")}, ["output"])
             answers.append(await call["output"].read_text())
+        done.set()
 
     async with trio.open_nursery() as tasks:
         tasks.start_soon(early_task)
         async with client:
             opened.set()
             with trio.fail_after(10):
-                while not answers:  # noqa: ASYNC110 - the task reports by appending
-                    await trio.sleep(0.01)
+                await done.wait()  # its session must end before the client closes (this raced)
     assert answers == ["early"]
+
+
+async def test_a_session_still_open_when_the_client_closes_ends_unavailable(nursery: trio.Nursery) -> None:
+    """A session of another task, open when the Client block exits: it ends with UNAVAILABLE, and
+    neither it nor the closing client waits forever (its end waited, shielded, for trailers)."""
+    address = await start(nursery)
+    client = Client(address)
+    opened, started = trio.Event(), trio.Event()
+    errors: list[SessionAbortedError] = []
+
+    async def other_task() -> None:
+        await opened.wait()
+        try:
+            async with client.session() as session:
+                await session.run("ECHO", {"input": text("x")}, ["output"])
+                started.set()
+                await trio.sleep_forever()
+        except SessionAbortedError as error:
+            errors.append(error)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as tasks:
+            tasks.start_soon(other_task)
+            async with client:
+                opened.set()
+                await started.wait()
+    assert [e.code for e in errors] == [StatusCode.UNAVAILABLE]
+
+
+async def test_a_connection_lost_after_the_servers_first_message_ends_the_session(nursery: trio.Nursery) -> None:
+    """The connection drops (here a proxy between the two closes it) once the server has answered
+    something: the session ends with UNAVAILABLE. The client's read of the next message waited
+    forever, and so did its session's end, shielded, past any fail_after."""
+    server = Server()
+
+    @server.action("HALF", inputs=["input"], outputs=["output"])
+    async def half(ctx: ActionContext) -> None:
+        await ctx.output("output").write("first")
+        await trio.sleep_forever()
+
+    address = await start(nursery, server)
+    host, port = address.rsplit(":", 1)
+    cut = trio.CancelScope()
+
+    async def proxy(client_side: trio.SocketStream) -> None:
+        async def pump(source: trio.abc.ReceiveStream, sink: trio.abc.SendStream) -> None:
+            async for data in source:
+                await sink.send_all(data)
+
+        with cut:
+            async with await trio.open_tcp_stream(host, int(port)) as server_side, trio.open_nursery() as pumps:
+                pumps.start_soon(pump, client_side, server_side)
+                pumps.start_soon(pump, server_side, client_side)
+        await client_side.aclose()
+
+    listeners = await nursery.start(trio.serve_tcp, proxy, 0)
+    proxy_port = listeners[0].socket.getsockname()[1]
+    with trio.fail_after(10), pytest.raises(SessionAbortedError) as ended:
+        async with Client(f"127.0.0.1:{proxy_port}") as client, client.session() as session:
+            call = await session.run("HALF", {"input": text("x")}, ["output"])
+            chunk = await call["output"].__aiter__().__anext__()
+            pieces = chunk.__aiter__()
+            assert await pieces.__anext__() == b"first"  # the client has the server's first message
+            cut.cancel()
+            await pieces.__anext__()
+    assert ended.value.code is StatusCode.UNAVAILABLE
