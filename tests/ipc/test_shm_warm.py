@@ -51,7 +51,8 @@ async def test_a_new_servers_first_fetches_take_no_page_faults(nursery: trio.Nur
     table = pa.table({"a": np.arange(rows, dtype=np.float64), "b": np.ones(rows)})
     catalog = Catalog()
     catalog.add_table("t", table, max_chunksize=2**18)  # 4 MiB bodies, 1,024 pages each
-    uri = await nursery.start(serve, "shm://", catalog, ServeOptions(limits=IpcLimits(max_unacked_bodies=4), publish=False))
+    options = ServeOptions(limits=IpcLimits(max_unacked_bodies=4), publish=False)
+    uri = await nursery.start(serve, "shm://", catalog, options)
     with trio.fail_after(GUARD_S):
         for _ in range(2):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

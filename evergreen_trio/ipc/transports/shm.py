@@ -32,7 +32,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import trio
 
-from evergreen_trio.ipc.arena import ALIGN, Arena, window_extent
+from evergreen_trio.ipc.arena import ALIGN, Arena, past_room, window_extent
 from evergreen_trio.ipc.arrow import OutgoingMessage
 from evergreen_trio.ipc.config import IpcLimits
 from evergreen_trio.ipc.errors import ConnectionLostError, SharedMemoryError, TransportError
@@ -143,6 +143,11 @@ class Publication:
         """The offset of ``message``'s published body, or None."""
         placed = self._placed.get(id(message))
         return None if placed is None else placed[1]
+
+    def copied(self, messages: Sequence[OutgoingMessage]) -> list[int]:
+        """The body lengths of ``messages`` that a stream would copy into its segment (not published, not fitting)."""
+        unpublished = (m.header.body_length for m in messages if m.header.has_body and self.find(m) is None)
+        return past_room(unpublished, self.size - self.used)[0]
 
     def place(self, message: OutgoingMessage) -> int | None:
         """The offset of ``message``'s body here, copied now if it was not yet; None if it does not fit."""
@@ -303,7 +308,9 @@ class SharedMemoryBodies:
         await self._announce(channel, seq, size, start, message)
         return completion
 
-    async def _announce(self, channel: ServerChannel, seq: int, size: int, start: int, message: OutgoingMessage) -> None:
+    async def _announce(
+        self, channel: ServerChannel, seq: int, size: int, start: int, message: OutgoingMessage
+    ) -> None:
         """Queue the descriptor of a body placed at ``start``; send the group once it is full."""
         buffers = tuple((start + offset, length) for offset, length in message.header.buffers)
         self._queued.append((make_tag(seq, BodyType.DESCRIPTOR), encode_descriptor(BodyDescriptor(size, buffers))))
@@ -316,14 +323,13 @@ class SharedMemoryBodies:
 
         With at most ``window`` regions alive and first-fit from the lowest address, the
         stream stays inside that extent, so a warm segment takes no page faults at all.
-        Published bodies take no segment space.
+        Published bodies (and those about to be) take no segment space.
         """
-        publication = self.publication
-        self.segment.prefault(window_extent(
-            (m.header.body_length for m in messages
-             if m.header.has_body and (publication is None or publication.find(m) is None)),
-            window,
-        ))
+        if self.publication is None:
+            lengths = [m.header.body_length for m in messages if m.header.has_body]
+        else:
+            lengths = self.publication.copied(messages)
+        self.segment.prefault(window_extent(lengths, window))
 
     @property
     def queued(self) -> int:
