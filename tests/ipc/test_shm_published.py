@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import mmap
 import os
 from pathlib import Path
@@ -12,14 +13,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import trio
-from ipc_helpers import sample_table
+from ipc_helpers import sample_messages, sample_table
 
 from evergreen_trio.ipc import Catalog, ServeOptions, fetch, fetch_table, serve
 from evergreen_trio.ipc.config import IpcLimits
 from evergreen_trio.ipc.errors import SharedMemoryError
 from evergreen_trio.ipc.flatbuf import MessageHeader, MessageKind
 from evergreen_trio.ipc.framing import BodyDescriptor
-from evergreen_trio.ipc.transports.shm import SharedMemoryMapping, receive_segment, sealed_memfd
+from evergreen_trio.ipc.transports.shm import Publication, SharedMemoryMapping, receive_segment, sealed_memfd
 from evergreen_trio.ipc.uri import IpcUri
 
 GUARD_S = 30
@@ -230,3 +231,21 @@ def test_descriptors_resolve_in_either_mapping() -> None:
     for offset in (0, 4096 - 64, 4096, 4096 + 8192 - 64):
         body = mapping.resolve(BodyDescriptor(64, ((offset, 64),)), header, copy=False)
         assert body.size == 64 and body.to_pybytes() == bytes(64)
+
+
+def test_a_publication_keeps_no_message_alive() -> None:
+    """A removed catalog entry's messages (and their table) are freed; their bytes stay published."""
+    publication = Publication("evergreen-test-published", 4 * MiB)
+    try:
+        messages = [m for m in sample_messages() if m.header.has_body]
+        offsets = [publication.place(m) for m in messages]
+        assert [publication.place(m) for m in messages] == offsets  # placed once
+        used = publication.used
+        probe = messages[-1]
+        assert publication.find(probe) == offsets[-1]
+        del messages, probe
+        gc.collect()
+        assert publication._placed == {}
+        assert publication.used == used
+    finally:
+        publication.close()

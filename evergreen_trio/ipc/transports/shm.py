@@ -23,6 +23,7 @@ import mmap
 import os
 import socket
 import tempfile
+import weakref
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -126,7 +127,7 @@ class Publication:
     A catalog's messages do not change once added, so the first shm stream that sends a
     body copies it here and later streams send descriptors only. Bodies are placed from
     the lowest address up, never moved, rewritten or released while the server runs
-    (those of a removed catalog entry too); at most ``size`` bytes
+    (those of a removed catalog entry too, though its messages are not kept); at most ``size`` bytes
     (``shm_published_bytes``) are placed, and a body that does not fit takes the
     per-connection segment. The memfd is sparse: only placed bodies use memory.
     """
@@ -136,13 +137,12 @@ class Publication:
         self.size = size
         self.used = 0
         self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self.map, np.uint8)
-        # id(message) -> (the message, kept so that its id is never reused; its offset here).
-        self._placed: dict[int, tuple[OutgoingMessage, int]] = {}
+        # id(message) -> its offset here; the entry goes when the message does (before its id can be reused).
+        self._placed: dict[int, int] = {}
 
     def find(self, message: OutgoingMessage) -> int | None:
         """The offset of ``message``'s published body, or None."""
-        placed = self._placed.get(id(message))
-        return None if placed is None else placed[1]
+        return self._placed.get(id(message))
 
     def copied(self, messages: Sequence[OutgoingMessage]) -> list[int]:
         """The body lengths of ``messages`` that a stream would copy into its segment (not published, not fitting)."""
@@ -162,7 +162,8 @@ class Publication:
         if message.body is not None and message.body.size:
             np.copyto(self._array[start : start + message.body.size], np.frombuffer(message.body, np.uint8))
         self.used = start + size
-        self._placed[id(message)] = (message, start)
+        self._placed[id(message)] = start
+        weakref.finalize(message, self._placed.pop, id(message), None)
         return start
 
     def close(self) -> None:
