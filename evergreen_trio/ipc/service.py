@@ -80,6 +80,11 @@ class Catalog:
         return max(extents)
 
     @property
+    def streams(self) -> tuple[Sequence[OutgoingMessage], ...]:
+        """The messages of every ticket served now."""
+        return tuple(self._streams.values())
+
+    @property
     def tickets(self) -> list[bytes]:
         """The tickets served now."""
         return list(self._streams)
@@ -104,6 +109,9 @@ async def serve(
         options = dataclasses.replace(
             options, warm_bytes=catalog.window_extent(options.limits.max_unacked_bodies, published)
         )
+    if parsed.scheme == "shm" and options.publish and options.preload is None:
+        # Published before the URI is reported: the first fetch copies nothing either.
+        options = dataclasses.replace(options, preload=catalog.streams)
 
     async def handler(channel: ServerChannel, bodies: BodySender, peer: str) -> None:
         await serve_connection(channel, catalog.lookup, bodies, options, peer)

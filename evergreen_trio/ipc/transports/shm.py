@@ -526,8 +526,7 @@ class ShmTransport:
             path = os.path.join(workdir, "control.sock")
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
         limits = options.limits
-        publication = (Publication(f"evergreen-ipc-{os.getpid()}-published", limits.shm_published_bytes)
-                       if options.publish else None)
+        publication: Publication | None = None
         segments = SegmentPool(limits.shm_segment_bytes, limits.shm_idle_segments,
                                limits.shm_max_total_bytes // limits.shm_segment_bytes)
         def full() -> str | None:
@@ -538,6 +537,12 @@ class ShmTransport:
         cap = ConnectionCap(limits.max_connections, "shm", full)
         counter = 0
         try:
+            if options.publish:
+                publication = Publication(f"evergreen-ipc-{os.getpid()}-published", limits.shm_published_bytes)
+                for messages in options.preload or ():
+                    for message in messages:
+                        if message.header.has_body:
+                            publication.place(message)
             segments.warm(options.warm_bytes or 0)
             await sock.bind(path)
             sock.listen()
