@@ -2,7 +2,7 @@
 
 Each transport's server runs in its own process (``evergreen-trio ipc serve`` on a
 memory-mapped Arrow file, or the pyarrow peer) and the client in this one; GB/s is the
-median of three timed fetches after one warm-up round; the rounds alternate the cases.
+median of seven timed fetches after one warm-up round; the rounds alternate the cases.
 The warm-up round is each new server's first fetch, reported against its steady state;
 shm is also served from an in-memory table (``Catalog.add_table``) to compare with the file,
 and from the file with publishing off (``ServeOptions(publish=False)``: every fetch copies
@@ -35,7 +35,7 @@ from benchmarks._harness import Row, print_table, write_results
 from evergreen_trio.ipc import BufferPool, fetch
 from evergreen_trio.ipc.transports.ucx_bridge import DEFAULT_TLS
 
-RUNS = 3
+RUNS = 7
 MiB = 1 << 20
 
 _PLAIN_SERVER = """
