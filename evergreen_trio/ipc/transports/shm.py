@@ -77,10 +77,14 @@ def sealed_memfd(name: str, size: int) -> tuple[int, mmap.mmap]:
     try:
         os.ftruncate(fd, size)
         mapping = mmap.mmap(fd, size)
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        except OSError:
+            mapping.close()
+            raise
     except OSError as exc:
         os.close(fd)
-        raise SharedMemoryError(f"shared memory: could not create a {size}-byte segment: {exc}") from None
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        raise SharedMemoryError(f"shared memory: could not create a sealed {size}-byte segment: {exc}") from None
     return fd, mapping
 
 
