@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import gc
@@ -17,9 +18,9 @@ from ipc_helpers import sample_messages, sample_table
 
 from evergreen_trio.ipc import Catalog, ServeOptions, fetch, fetch_table, serve
 from evergreen_trio.ipc.config import IpcLimits
-from evergreen_trio.ipc.errors import SharedMemoryError
+from evergreen_trio.ipc.errors import ConnectionLostError, SharedMemoryError
 from evergreen_trio.ipc.flatbuf import MessageHeader, MessageKind
-from evergreen_trio.ipc.framing import BodyDescriptor
+from evergreen_trio.ipc.framing import BodyDescriptor, encode_free_data
 from evergreen_trio.ipc.transports.shm import Publication, SharedMemoryMapping, receive_segment, sealed_memfd
 from evergreen_trio.ipc.uri import IpcUri
 
@@ -263,3 +264,33 @@ def test_a_publication_keeps_no_message_alive() -> None:
         assert publication.used == used
     finally:
         publication.close()
+
+
+@pytest.mark.parametrize("published", [True, False], ids=["published-offset", "past-the-publication"])
+async def test_free_data_of_published_offsets_releases_nothing(
+    published: bool, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Over a real socket: freeing a published offset (twice, or never sent on this connection) is
+    accepted and changes nothing; an offset past what was published closes the connection."""
+    table = big_table(2)
+    catalog = Catalog()
+    catalog.add_table("t", table, max_chunksize=2**16)
+    uri = await nursery.start(serve, "shm://", catalog, ServeOptions(warm_bytes=0))
+    segment = IpcLimits().shm_segment_bytes
+    offset = segment if published else segment + 4 * MiB
+    with trio.fail_after(GUARD_S):
+        async with fetch(str(uri), "t", copy=True) as stream:
+            for _ in range(2):
+                await stream._channel.send_request(uri.free_data, encode_free_data([offset]))
+            if published:
+                assert pa.Table.from_batches([batch async for batch in stream]).equals(table)
+            else:
+                # The server may have sent the whole stream before it reads the free: then the close comes after.
+                with contextlib.suppress(ConnectionLostError):
+                    async for _batch in stream:
+                        pass
+                while "free_data: expected an offset we sent and not yet freed" not in caplog.text:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+                assert f"got {offset}" in caplog.text
+        assert (await fetch_batches(uri, "t")).equals(table)  # the next client is served intact
+    nursery.cancel_scope.cancel()
