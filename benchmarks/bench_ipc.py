@@ -2,12 +2,11 @@
 
 Each transport's server runs in its own process (``evergreen-trio ipc serve`` on a
 memory-mapped Arrow file, or the pyarrow peer) and the client in this one; GB/s is the
-median of three timed fetches after one warm-up round; the rounds alternate the cases.
+median of seven timed fetches after one warm-up round; the rounds alternate the cases.
 The warm-up round is each new server's first fetch, reported against its steady state;
 shm is also served from an in-memory table (``Catalog.add_table``) to compare with the file,
-and from the file by a server whose glibc streams copies of 4 MiB and more (non-temporal stores,
-``GLIBC_TUNABLES`` in that server's environment only): the peer's single 256 MiB memcpy streams by
-glibc's own threshold, the server's 8 MiB body copies do not.
+and from the file with publishing off (``ServeOptions(publish=False)``: every fetch copies
+each body into the connection's segment, the design before bodies were published).
 Receive buffers are pooled across fetches; every client validates each batch. Peers
 measured in the same run: plain Arrow IPC stream over a loopback TCP socket,
 ``pyarrow.flight`` DoGet on localhost, and one memcpy into touched memory (per round the
@@ -36,7 +35,7 @@ from benchmarks._harness import Row, print_table, write_results
 from evergreen_trio.ipc import BufferPool, fetch
 from evergreen_trio.ipc.transports.ucx_bridge import DEFAULT_TLS
 
-RUNS = 3
+RUNS = 7
 MiB = 1 << 20
 
 _PLAIN_SERVER = """
@@ -50,16 +49,19 @@ while True:
         w.write_table(table)
 """
 
-_MEMORY_SERVER = """
+_SHM_SERVER = """
 import sys, trio, pyarrow as pa
-from evergreen_trio.ipc import Catalog, serve
-with pa.OSFile(sys.argv[1]) as f:
-    table = pa.ipc.open_file(f).read_all()
+from evergreen_trio.ipc import Catalog, ServeOptions, serve
+path, source, publish = sys.argv[1], sys.argv[2], sys.argv[3] == "publish"
 catalog = Catalog()
-catalog.add_table("table.arrow", table)
+if source == "table":
+    with pa.OSFile(path) as f:
+        catalog.add_table("table.arrow", pa.ipc.open_file(f).read_all())
+else:
+    catalog.add_file(path)
 async def main():
     async with trio.open_nursery() as nursery:
-        print(await nursery.start(serve, sys.argv[2], catalog), flush=True)
+        print(await nursery.start(serve, "shm://", catalog, ServeOptions(publish=publish)), flush=True)
 trio.run(main)
 """
 
@@ -90,14 +92,10 @@ def make_file(path: Path, total: int) -> int:
     return int(table.nbytes)
 
 
-STREAMING_COPIES = "glibc.cpu.x86_non_temporal_threshold=0x400000"
-"""A server's ``GLIBC_TUNABLES``: memcpy of 4 MiB and more with non-temporal stores."""
-
-
 @contextlib.contextmanager
-def server(cmd: list[str], env: dict[str, str] | None = None) -> Iterator[str]:
+def server(cmd: list[str]) -> Iterator[str]:
     """Run a server process for the block; yield the first line it prints (URI or port)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout is not None
         yield proc.stdout.readline().strip()
@@ -158,11 +156,9 @@ def run(quick: bool = False) -> None:
         for name, uri in (("ucx", "ucx://127.0.0.1:0"), ("tcp", "tcp://127.0.0.1:0"), ("shm", "shm://")):
             served = stack.enter_context(server([*cli, "--uri", uri]))
             cases[name] = gbps(nbytes, lambda served=served: ours(served, pool))  # type: ignore[misc]
-        in_memory = stack.enter_context(server([sys.executable, "-c", _MEMORY_SERVER, str(path), "shm://"]))
-        cases["shm_memory"] = gbps(nbytes, lambda: ours(in_memory, pool))
-        streaming_env = {**os.environ, "GLIBC_TUNABLES": STREAMING_COPIES}
-        streaming = stack.enter_context(server([*cli, "--uri", "shm://"], streaming_env))
-        cases["shm_streaming"] = gbps(nbytes, lambda: ours(streaming, pool))
+        for name, source, publish in (("shm_memory", "table", "publish"), ("shm_copied", "file", "copy")):
+            served = stack.enter_context(server([sys.executable, "-c", _SHM_SERVER, str(path), source, publish]))
+            cases[name] = gbps(nbytes, lambda served=served: ours(served, pool))  # type: ignore[misc]
         for name, script, client in (("plain", _PLAIN_SERVER, plain), ("flight", _FLIGHT_SERVER, flight_get)):
             port = int(stack.enter_context(server([sys.executable, "-c", script, str(path)])))
             cases[name] = gbps(nbytes, lambda client=client, port=port: client(port))  # type: ignore[misc]
@@ -191,20 +187,20 @@ def run(quick: bool = False) -> None:
     results = {name: (statistics.median(values), values) for name, values in samples.items()}
 
     flight_v, plain_v, memcpy_v = results["flight"][0], results["plain"][0], results["memcpy"][0]
-    shm_v, memory_v, streaming_v = results["shm"][0], results["shm_memory"][0], results["shm_streaming"][0]
+    shm_v, memory_v, copied_v = results["shm"][0], results["shm_memory"][0], results["shm_copied"][0]
     cases_rows = [
         ("ucx", Row("(a) ucx (ours)", results["ucx"][0], "GB/s", "flight", results["ucx"][0] / flight_v)),
         ("ucx", Row("(a) ucx vs plain IPC/TCP", results["ucx"][0], "GB/s", "plain ipc", results["ucx"][0] / plain_v)),
         ("tcp", Row("(b) tcp (ours)", results["tcp"][0], "GB/s", "plain ipc", results["tcp"][0] / plain_v)),
         ("plain", Row("(c) plain Arrow IPC stream, loopback TCP", plain_v, "GB/s")),
         ("flight", Row("(d) pyarrow.flight do_get", flight_v, "GB/s")),
-        ("shm", Row("(e) shm (ours, incl. producer copy)", shm_v, "GB/s", "memcpy", shm_v / memcpy_v)),
+        ("shm", Row("(e) shm (ours, bodies published once)", shm_v, "GB/s", "memcpy", shm_v / memcpy_v)),
         ("shm_memory", Row("(e) shm, in-memory table (Catalog.add_table)", memory_v, "GB/s", "memcpy",
                            memory_v / memcpy_v)),
         ("shm", Row("(e) shm, ipc serve FILE vs in-memory table", shm_v, "GB/s", "in-memory table",
                     shm_v / memory_v)),
-        ("shm_streaming", Row("(e) shm, server copies with streaming stores (GLIBC_TUNABLES, server only)",
-                              streaming_v, "GB/s", "memcpy", streaming_v / memcpy_v)),
+        ("shm_copied", Row("(e) shm, publishing off (a copy per fetch, publish=False)",
+                           copied_v, "GB/s", "memcpy", copied_v / memcpy_v)),
         ("memcpy", Row("(f) memcpy into touched memory", memcpy_v, "GB/s")),
     ]
     rows = []

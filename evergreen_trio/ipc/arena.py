@@ -26,6 +26,17 @@ def window_extent(body_lengths: Iterable[int], window: int) -> int:
     return sum(heapq.nlargest(window, (Arena.footprint(length) for length in body_lengths)))
 
 
+def past_room(body_lengths: Iterable[int], room: int) -> tuple[list[int], int]:
+    """The lengths that do not fit in ``room`` bytes filled first come, first served (aligned), and the room left."""
+    past = []
+    for length in body_lengths:
+        if length + ALIGN <= room:
+            room -= length + ALIGN
+        else:
+            past.append(length)
+    return past, room
+
+
 class Arena:
     """Allocate and free regions of a segment of ``capacity`` bytes."""
 

@@ -27,7 +27,8 @@ class IpcLimits:
     for each MiB sent (a client that stops reading). ``shm_segment_bytes`` is the shared
     memory of one connection; ``shm_max_total_bytes`` caps all of a server's segments
     (live and idle), so a shm:// server takes at most ``shm_max_total_bytes //
-    shm_segment_bytes`` connections.
+    shm_segment_bytes`` connections. ``shm_published_bytes`` caps the bodies a shm://
+    server publishes once for every connection (bodies past it are copied per stream).
     """
 
     max_metadata_bytes: int = 1 * MiB
@@ -48,6 +49,7 @@ class IpcLimits:
     idle_timeout_s: float = 60.0
     send_timeout_s: float = 30.0
     shm_max_total_bytes: int = 16 * 1024 * MiB
+    shm_published_bytes: int = 4096 * MiB
 
     def __post_init__(self) -> None:
         """Raises ConfigurationError for a field that is not positive (and max_pending_messages >= 2**31,

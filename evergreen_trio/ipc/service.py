@@ -17,7 +17,7 @@ import pyarrow as pa
 import trio
 
 from evergreen_trio.ipc._nursery import open_quiet_nursery
-from evergreen_trio.ipc.arena import window_extent
+from evergreen_trio.ipc.arena import past_room, window_extent
 from evergreen_trio.ipc.arrow import OutgoingMessage, messages_from_file, messages_from_table
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
 from evergreen_trio.ipc.errors import UnknownTicketError
@@ -67,13 +67,22 @@ class Catalog:
                 f"want_data: unknown ticket {ticket[:64]!r} (this server has {len(self._streams)})"
             ) from None
 
-    def window_extent(self, window: int) -> int:
-        """The most shared memory one stream keeps live with ``window`` bodies unacknowledged."""
-        return max(
-            (window_extent((m.header.body_length for m in ms if m.header.has_body), window)
-             for ms in self._streams.values()),
-            default=0,
-        )
+    def window_extent(self, window: int, published: int = 0) -> int:
+        """The most shared memory one stream keeps live with ``window`` bodies unacknowledged.
+
+        A shm server publishes the first ``published`` bytes of bodies once for every
+        connection instead; those take no segment space and are left out.
+        """
+        room, extents = published, [0]
+        for messages in self._streams.values():
+            copied, room = past_room((m.header.body_length for m in messages if m.header.has_body), room)
+            extents.append(window_extent(copied, window))
+        return max(extents)
+
+    @property
+    def streams(self) -> tuple[Sequence[OutgoingMessage], ...]:
+        """The messages of every ticket served now."""
+        return tuple(self._streams.values())
 
     @property
     def tickets(self) -> list[bytes]:
@@ -94,8 +103,15 @@ async def serve(
     """
     parsed = parse_uri(uri, listen=True)
     if parsed.scheme == "shm" and options.warm_bytes is None:
-        # Idle segments start warm for the streams served now, so a first fetch runs as fast as later ones.
-        options = dataclasses.replace(options, warm_bytes=catalog.window_extent(options.limits.max_unacked_bodies))
+        # Idle segments start warm for the streams served now, so a first fetch runs as fast as later ones
+        # (bodies to be published are copied once, into the publication, and need no segment).
+        published = options.limits.shm_published_bytes if options.publish else 0
+        options = dataclasses.replace(
+            options, warm_bytes=catalog.window_extent(options.limits.max_unacked_bodies, published)
+        )
+    if parsed.scheme == "shm" and options.publish and options.preload is None:
+        # Published before the URI is reported: the first fetch copies nothing either.
+        options = dataclasses.replace(options, preload=catalog.streams)
 
     async def handler(channel: ServerChannel, bodies: BodySender, peer: str) -> None:
         await serve_connection(channel, catalog.lookup, bodies, options, peer)

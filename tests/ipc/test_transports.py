@@ -54,6 +54,11 @@ def memfd_mappings() -> list[str]:
     return [line for line in Path("/proc/self/maps").read_text().splitlines() if "memfd:evergreen-ipc" in line]
 
 
+def client_mappings() -> list[str]:
+    """Shared memory mapped by clients (read-only); a server's own mappings are writable."""
+    return [line for line in memfd_mappings() if " r--s " in line]
+
+
 def ucx_inflight() -> list[int]:
     if not HAVE_UCX:
         return []
@@ -93,7 +98,6 @@ async def test_unknown_ticket_is_a_clear_error(scheme: str, nursery: trio.Nurser
 async def test_client_leaving_mid_stream_leaks_nothing(scheme: str) -> None:
     catalog = Catalog()
     catalog.add_table("big", big_table(), max_chunksize=2**16)
-    # No warm idle segments: every segment mapped here is then the connection's own.
     options = ServeOptions(limits=IpcLimits(max_unacked_bodies=2), warm_bytes=0)
     with trio.fail_after(GUARD_S):
         async with trio.open_nursery() as nursery:
@@ -104,7 +108,7 @@ async def test_client_leaving_mid_stream_leaks_nothing(scheme: str) -> None:
             del first, stream
             gc.collect()
             # Give the server time to notice the disconnect (bounded by the guard above).
-            while memfd_mappings() or any(ucx_inflight()) or len(ucx_inflight()) > 1:  # noqa: ASYNC110
+            while client_mappings() or any(ucx_inflight()) or len(ucx_inflight()) > 1:  # noqa: ASYNC110
                 await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
     assert memfd_mappings() == []
@@ -207,10 +211,12 @@ async def test_connection_refused_is_a_transport_error() -> None:
         await fetch_table(f"tcp://127.0.0.1:{port}?want_data=1", "t")
 
 
-async def test_shm_batches_live_on_the_segment_and_are_freed(nursery: trio.Nursery) -> None:
+@pytest.mark.parametrize("publish", [True, False], ids=["published", "copied"])
+async def test_shm_batches_live_on_the_segment_and_are_freed(publish: bool, nursery: trio.Nursery) -> None:
     catalog = Catalog()
     catalog.add_table("t", sample_table(), max_chunksize=3_000)
-    uri = await nursery.start(serve, "shm://", catalog, ServeOptions(limits=IpcLimits(max_unacked_bodies=2)))
+    options = ServeOptions(limits=IpcLimits(max_unacked_bodies=2), publish=publish)
+    uri = await nursery.start(serve, "shm://", catalog, options)
     with trio.fail_after(GUARD_S):
         async with fetch(str(uri), "t") as stream:
             rows = 0
@@ -317,10 +323,11 @@ async def test_metadata_stays_within_the_clients_pending_bound(scheme: str, nurs
 )
 async def test_shm_grouped_descriptors_never_stall(limits: IpcLimits, nursery: trio.Nursery) -> None:
     """Descriptors wait for a group, but go out before the server waits for a free
-    window slot or segment space, so a client returning memory keeps the stream going."""
+    window slot or segment space, so a client returning memory keeps the stream going
+    (bodies copied per stream: published ones wait for nothing)."""
     catalog = Catalog()
     catalog.add_table("t", sample_table(), max_chunksize=1_000)
-    uri = await nursery.start(serve, "shm://", catalog, ServeOptions(limits=limits))
+    uri = await nursery.start(serve, "shm://", catalog, ServeOptions(limits=limits, publish=False))
     with trio.fail_after(GUARD_S):
         async with fetch(str(uri), "t") as stream:
             rows = 0
@@ -332,11 +339,12 @@ async def test_shm_grouped_descriptors_never_stall(limits: IpcLimits, nursery: t
 
 
 async def test_shm_segment_is_reused_only_after_a_clean_finish(nursery: trio.Nursery) -> None:
-    """Warm segments skip first-touch faults; one with regions still held is never reused."""
+    """Warm segments skip first-touch faults; one with regions still held is never reused
+    (bodies copied per stream, not published)."""
     catalog = Catalog()
     catalog.add_table("t", sample_table(), max_chunksize=3_000)
     # No warm idle segments at start (test_shm_warm.py has those): the mapped names are this client's.
-    uri = await nursery.start(serve, "shm://", catalog, ServeOptions(warm_bytes=0))
+    uri = await nursery.start(serve, "shm://", catalog, ServeOptions(warm_bytes=0, publish=False))
 
     async def segment_names(keep: bool) -> tuple[set[str], list[pa.RecordBatch]]:
         held = []
@@ -367,7 +375,8 @@ async def test_shm_warm_segment_takes_no_page_faults(nursery: trio.Nursery) -> N
     table = pa.table({"a": np.arange(rows, dtype=np.float64), "b": np.ones(rows)})
     catalog = Catalog()
     catalog.add_table("t", table, max_chunksize=2**18)  # 4 MiB bodies, 1,024 pages each
-    uri = await nursery.start(serve, "shm://", catalog, ServeOptions(limits=IpcLimits(max_unacked_bodies=4)))
+    options = ServeOptions(limits=IpcLimits(max_unacked_bodies=4), publish=False)
+    uri = await nursery.start(serve, "shm://", catalog, options)
 
     async def faults_of_one_fetch(hold: int) -> int:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

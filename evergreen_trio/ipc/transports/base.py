@@ -54,6 +54,12 @@ class ServeOptions:
     warm_bytes: int | None = None
     """Shared memory: prefault this many bytes of each idle segment before serving (0: none). When None,
     :func:`~evergreen_trio.ipc.serve` sets it to the largest window a catalog stream needs."""
+    publish: bool = True
+    """Shared memory: publish each body once in memory every connection maps (no copy per fetch), up to
+    ``shm_published_bytes``; False copies every body into the connection's segment per stream."""
+    preload: tuple[Sequence[OutgoingMessage], ...] | None = None
+    """Shared memory, publishing: streams to publish before serving (others are published by their first
+    fetch). When None, :func:`~evergreen_trio.ipc.serve` sets it to the catalog's streams at start."""
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,15 @@
-"""Shared-memory bodies (body type 1) over a memfd segment passed on a Unix socket.
+"""Shared-memory bodies (body type 1) in memfd segments passed on a Unix socket.
 
-Each connection gets its own anonymous ``memfd`` segment: the server sends the file
-descriptor once (``SCM_RIGHTS``) right after accepting, then speaks the stream framing
-of :mod:`~evergreen_trio.ipc.transports.tcp` on the same socket. Bodies are copied into
-the segment (the producer's copy) and announced as (offset, length) pairs; the client
-maps the segment read-only and builds batches on it without copying. A region is
-reused once ``free_data`` has returned every offset the server sent for it, or when
-the client disconnects (the segment dies with the last mapping: nothing to unlink).
+Right after accepting, the server passes two file descriptors in one ``SCM_RIGHTS``
+message: the connection's own ``memfd`` segment and the server's :class:`Publication`,
+then speaks the stream framing of :mod:`~evergreen_trio.ipc.transports.tcp` on the same
+socket. Offsets index the two concatenated (the segment first). A catalog body is
+copied into the publication once, by the first stream that sends it; every stream
+then announces it as (offset, length) pairs with no copy at all. A body that does not
+fit there is copied into the connection's segment per stream, and its region is reused
+once ``free_data`` has returned every offset sent for it, or when the client
+disconnects. The client maps both read-only and builds batches on them without
+copying; both are sealed, so no client can write, shrink or grow them.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from __future__ import annotations
 import array
 import collections
 import contextlib
+import fcntl
 import math
 import mmap
 import os
 import socket
 import tempfile
+import weakref
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -28,7 +33,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import trio
 
-from evergreen_trio.ipc.arena import Arena, window_extent
+from evergreen_trio.ipc.arena import ALIGN, Arena, past_room, window_extent
 from evergreen_trio.ipc.arrow import OutgoingMessage
 from evergreen_trio.ipc.config import IpcLimits
 from evergreen_trio.ipc.errors import ConnectionLostError, SharedMemoryError, TransportError
@@ -49,20 +54,45 @@ from evergreen_trio.ipc.transports.tcp import StreamServerChannel, open_framed_c
 from evergreen_trio.ipc.uri import IpcUri
 
 HANDLE = b"memfd:scm_rights"
-"""``remote_handle`` of shm URIs: the segment arrives as a file descriptor on the socket."""
+"""``remote_handle`` of shm URIs: the memory arrives as file descriptors on the socket."""
+
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
+"""Linux >= 5.1: no new writable mapping and no ``write``; mappings made before stay writable."""
+
+MAX_SEGMENTS = 2
+"""Descriptors a client maps from the handshake: its segment and the server's publication."""
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
+
+
+def sealed_memfd(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """A ``size``-byte memfd mapped read-write here, then sealed against every other writer.
+
+    Clients hold its descriptor: unsealed, one could truncate it (the server's next copy
+    would die of SIGBUS), or map it writable and change bodies that other clients read.
+    Sealed, ``mmap`` with ``PROT_WRITE``, ``write``, ``ftruncate``, punching holes and
+    ``mprotect`` to writable all fail for them (tested); only this mapping writes.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size)
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        except OSError:
+            mapping.close()
+            raise
+    except OSError as exc:
+        os.close(fd)
+        raise SharedMemoryError(f"shared memory: could not create a sealed {size}-byte segment: {exc}") from None
+    return fd, mapping
 
 
 class SharedSegment:
-    """The server's memfd segment, mapped read-write."""
+    """The server's memfd segment, mapped read-write (sealed for everyone else)."""
 
     def __init__(self, name: str, size: int) -> None:
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, size)
-            self.map = mmap.mmap(self.fd, size)
-        except OSError as exc:
-            os.close(self.fd)
-            raise SharedMemoryError(f"shared memory: could not create a {size}-byte segment: {exc}") from None
+        self.fd, self.map = sealed_memfd(name, size)
         self.size = size
         self.touched = 0
         """No byte at or past this offset was ever written (by a body or by :meth:`prefault`)."""
@@ -92,6 +122,58 @@ class SharedSegment:
             os.close(self.fd)
             self.fd = -1
         self._array = None
+        self.map.close()
+
+
+class Publication:
+    """Server-wide shared memory holding each catalog body once, for every connection.
+
+    A catalog's messages do not change once added, so the first shm stream that sends a
+    body copies it here and later streams send descriptors only. Bodies are placed from
+    the lowest address up, never moved, rewritten or released while the server runs
+    (those of a removed catalog entry too, though its messages are not kept); at most ``size`` bytes
+    (``shm_published_bytes``) are placed, and a body that does not fit takes the
+    per-connection segment. The memfd is sparse: only placed bodies use memory.
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        self.fd, self.map = sealed_memfd(name, size)
+        self.size = size
+        self.used = 0
+        self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self.map, np.uint8)
+        # id(message) -> its offset here; the entry goes when the message does (before its id can be reused).
+        self._placed: dict[int, int] = {}
+
+    def find(self, message: OutgoingMessage) -> int | None:
+        """The offset of ``message``'s published body, or None."""
+        return self._placed.get(id(message))
+
+    def copied(self, messages: Sequence[OutgoingMessage]) -> list[int]:
+        """The body lengths of ``messages`` that a stream would copy into its segment (not published, not fitting)."""
+        unpublished = (m.header.body_length for m in messages if m.header.has_body and self.find(m) is None)
+        return past_room(unpublished, self.size - self.used)[0]
+
+    def place(self, message: OutgoingMessage) -> int | None:
+        """The offset of ``message``'s body here, copied now if it was not yet; None if it does not fit."""
+        found = self.find(message)
+        if found is not None:
+            return found
+        start = self.used + (-self.used % ALIGN)
+        size = message.header.body_length
+        if start + size > self.size:
+            return None
+        assert self._array is not None
+        if message.body is not None and message.body.size:
+            np.copyto(self._array[start : start + message.body.size], np.frombuffer(message.body, np.uint8))
+        self.used = start + size
+        self._placed[id(message)] = start
+        weakref.finalize(message, self._placed.pop, id(message), None)
+        return start
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self._array = None
+        self._placed.clear()
         self.map.close()
 
 
@@ -175,7 +257,12 @@ class _Region:
 
 
 class SharedMemoryBodies:
-    """:class:`~evergreen_trio.ipc.transports.base.BodySender` placing bodies in a segment.
+    """:class:`~evergreen_trio.ipc.transports.base.BodySender` placing bodies in shared memory.
+
+    A body published in ``publication`` (placed there by the first stream that sends it)
+    is announced with no copy and acknowledged at once: it lives as long as the server,
+    and its ``free_data`` releases nothing. Any other body is copied into the
+    connection's segment and acknowledged by ``free_data``.
 
     Descriptors are announced in groups (one control send per group, not one per body):
     a group ends at ``batch_bytes`` of bodies or ``batch_count`` bodies (half the window,
@@ -185,9 +272,10 @@ class SharedMemoryBodies:
 
     def __init__(
         self, segment: SharedSegment, pool: SegmentPool | None = None, batch_bytes: int = 1, batch_count: int = 1,
-        wait_s: float = math.inf,
+        wait_s: float = math.inf, publication: Publication | None = None,
     ) -> None:
         self.segment = segment
+        self.publication = publication
         self.wait_s = wait_s
         self.pool = pool
         self.batch_bytes = batch_bytes
@@ -200,6 +288,10 @@ class SharedMemoryBodies:
 
     async def post(self, channel: ServerChannel, seq: int, message: OutgoingMessage) -> Completion:
         size = message.header.body_length
+        published = None if self.publication is None else self.publication.place(message)
+        if published is not None:
+            await self._announce(channel, seq, size, self.segment.size + published, message)
+            return Done()
         start = self.arena.allocate(size)
         while start is None:
             await self.flush(channel)
@@ -210,28 +302,39 @@ class SharedMemoryBodies:
             start = self.arena.allocate(size)
         if message.body is not None and message.body.size:
             self.segment.write(start, message.body)
-        buffers = tuple((start + offset, length) for offset, length in message.header.buffers)
         completion: Completion = Done()
-        if buffers:
-            region = _Region(start, collections.Counter(offset for offset, _ in buffers))
+        if message.header.buffers:
+            region = _Region(start, collections.Counter(start + offset for offset, _ in message.header.buffers))
             for offset in region.offsets:
                 self._owner[offset] = region
             completion = region
         else:
             self._release(start)
+        await self._announce(channel, seq, size, start, message)
+        return completion
+
+    async def _announce(
+        self, channel: ServerChannel, seq: int, size: int, start: int, message: OutgoingMessage
+    ) -> None:
+        """Queue the descriptor of a body placed at ``start``; send the group once it is full."""
+        buffers = tuple((start + offset, length) for offset, length in message.header.buffers)
         self._queued.append((make_tag(seq, BodyType.DESCRIPTOR), encode_descriptor(BodyDescriptor(size, buffers))))
         self._queued_bytes += size
         if self._queued_bytes >= self.batch_bytes or len(self._queued) >= self.batch_count:
             await self.flush(channel)
-        return completion
 
     def prepare(self, messages: Sequence[OutgoingMessage], window: int) -> None:
         """Prefault the extent a window of this stream's largest bodies can occupy.
 
         With at most ``window`` regions alive and first-fit from the lowest address, the
         stream stays inside that extent, so a warm segment takes no page faults at all.
+        Published bodies (and those about to be) take no segment space.
         """
-        self.segment.prefault(window_extent((m.header.body_length for m in messages if m.header.has_body), window))
+        if self.publication is None:
+            lengths = [m.header.body_length for m in messages if m.header.has_body]
+        else:
+            lengths = self.publication.copied(messages)
+        self.segment.prefault(window_extent(lengths, window))
 
     @property
     def queued(self) -> int:
@@ -248,7 +351,10 @@ class SharedMemoryBodies:
         self._space = trio.Event()
 
     def on_free(self, offsets: Sequence[int]) -> None:
+        published_end = self.segment.size + (0 if self.publication is None else self.publication.used)
         for offset in offsets:
+            if self.segment.size <= offset < published_end:
+                continue  # a published body: it lives as long as the server
             region = self._owner.get(offset)
             if region is None:
                 raise SharedMemoryError(f"free_data: expected an offset we sent and not yet freed, got {offset}")
@@ -276,18 +382,18 @@ class SharedMemoryBodies:
             self.pool.give_back(self.segment, clean=clean)
 
 
-async def send_segment(stream: trio.SocketStream, segment: SharedSegment) -> None:
-    """Pass the segment's descriptor to the client (one byte plus SCM_RIGHTS)."""
-    fds = array.array("i", [segment.fd])
+async def send_segment(stream: trio.SocketStream, segment: SharedSegment, publication: Publication | None) -> None:
+    """Pass the segment's descriptor, then the publication's, to the client (one byte plus SCM_RIGHTS)."""
+    fds = array.array("i", [segment.fd] if publication is None else [segment.fd, publication.fd])
     try:
         await stream.socket.sendmsg([b"M"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
     except OSError as exc:
         raise ConnectionLostError(f"client left before receiving the segment: {exc}") from None
 
 
-async def receive_segment(sock: trio.socket.SocketType) -> int:
-    """The descriptor the server passed; raise SharedMemoryError if none came."""
-    size = socket.CMSG_SPACE(array.array("i").itemsize)
+async def receive_segment(sock: trio.socket.SocketType) -> list[int]:
+    """The descriptors the server passed (segment, publication if any); SharedMemoryError if none came."""
+    size = socket.CMSG_SPACE(MAX_SEGMENTS * array.array("i").itemsize)
     try:
         data, ancillary, _flags, _addr = await sock.recvmsg(1, size)
     except OSError as exc:
@@ -296,9 +402,9 @@ async def receive_segment(sock: trio.socket.SocketType) -> int:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(payload) >= 4:
             fds = array.array("i")
             fds.frombytes(payload[: len(payload) - len(payload) % 4])
-            for extra in fds[1:]:
+            for extra in fds[MAX_SEGMENTS:]:
                 os.close(extra)
-            return fds[0]
+            return list(fds[:MAX_SEGMENTS])
     raise SharedMemoryError(f"shm handshake: expected a segment descriptor, got {data!r} without one")
 
 
@@ -313,45 +419,79 @@ class _Lease:
         self.mapping._freed.extend(self.offsets)
 
 
-class SharedMemoryMapping:
-    """The client's read-only mapping; resolves descriptors into zero-copy pyarrow buffers."""
+class _Mapped:
+    """One read-only mapping, at ``start`` in the connection's offsets."""
 
-    def __init__(self, fd: int) -> None:
+    __slots__ = ("address", "array", "end", "map", "start")
+
+    def __init__(self, fd: int, start: int) -> None:
+        size = os.fstat(fd).st_size
+        self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        self.array: npt.NDArray[np.uint8] = np.frombuffer(self.map, np.uint8)
+        self.address = self.array.ctypes.data
+        self.start = start
+        self.end = start + size
+
+    def holds(self, offset: int, length: int) -> bool:
+        return self.start <= offset and offset + length <= self.end
+
+
+class SharedMemoryMapping:
+    """The client's read-only mappings; resolves descriptors into zero-copy pyarrow buffers.
+
+    Offsets index the server's descriptors concatenated in the order passed (the
+    connection's segment, then the server's publication); every buffer must lie inside
+    one of them.
+    """
+
+    def __init__(self, fds: Sequence[int]) -> None:
+        self._maps: list[_Mapped] = []
         try:
-            size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            for fd in fds:
+                self._maps.append(_Mapped(fd, self._maps[-1].end if self._maps else 0))
         except (OSError, ValueError) as exc:
             raise SharedMemoryError(f"shared memory: could not map the server's segment: {exc}") from None
         finally:
-            os.close(fd)
-        self.size = size
-        self._array: npt.NDArray[np.uint8] = np.frombuffer(self._map, np.uint8)
-        self._address = self._array.ctypes.data
+            for fd in fds:
+                os.close(fd)
+        # Later mappings first: a zero-length buffer at a boundary belongs to the one it starts.
+        self._maps.reverse()
+        self.size = max((m.end for m in self._maps), default=0)
         self._freed: list[int] = []
+
+    def _find(self, offset: int, length: int) -> _Mapped | None:
+        for mapped in self._maps:
+            if mapped.holds(offset, length):
+                return mapped
+        return None
 
     def resolve(self, descriptor: object, header: MessageHeader, *, copy: bool) -> pa.Buffer:
         assert isinstance(descriptor, BodyDescriptor)
+        homes = []
         for offset, length in descriptor.buffers:
-            if offset + length > self.size:
+            mapped = self._find(offset, length)
+            if mapped is None:
                 raise SharedMemoryError(
-                    f"body descriptor: expected buffers inside the {self.size}-byte segment, "
+                    f"body descriptor: expected buffers inside the {self.size} bytes of shared memory, "
                     f"got offset {offset} length {length}"
                 )
+            homes.append(mapped)
         offsets = [offset for offset, _ in descriptor.buffers]
         base = descriptor.buffers[0][0] - header.buffers[0][0] if descriptor.buffers else 0
+        home = self._find(base, header.body_length) if descriptor.buffers and base >= 0 else None
         in_place = (
-            bool(descriptor.buffers)
-            and base >= 0
-            and base + header.body_length <= self.size
+            home is not None
+            and all(home.holds(o, n) for o, n in descriptor.buffers)
             and all(o - base == h for (o, _), (h, _) in zip(descriptor.buffers, header.buffers, strict=True))
         )
         if in_place and not copy:
-            return pa.foreign_buffer(self._address + base, header.body_length, base=_Lease(self, offsets))
+            assert home is not None
+            return pa.foreign_buffer(home.address + base - home.start, header.body_length, base=_Lease(self, offsets))
         # Buffers scattered differently from the packed layout (or a copy was asked for):
-        # pack them at their metadata offsets, then the segment can be freed at once.
+        # pack them at their metadata offsets, then the memory can be freed at once.
         body = np.zeros(header.body_length, np.uint8)
-        for (offset, length), (target, _) in zip(descriptor.buffers, header.buffers, strict=True):
-            body[target : target + length] = self._array[offset : offset + length]
+        for (offset, length), (target, _), mapped in zip(descriptor.buffers, header.buffers, homes, strict=True):
+            body[target : target + length] = mapped.array[offset - mapped.start : offset - mapped.start + length]
         self._freed.extend(offsets)
         return pa.py_buffer(body)
 
@@ -390,6 +530,7 @@ class ShmTransport:
             path = os.path.join(workdir, "control.sock")
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
         limits = options.limits
+        publication: Publication | None = None
         segments = SegmentPool(limits.shm_segment_bytes, limits.shm_idle_segments,
                                limits.shm_max_total_bytes // limits.shm_segment_bytes)
         def full() -> str | None:
@@ -400,6 +541,12 @@ class ShmTransport:
         cap = ConnectionCap(limits.max_connections, "shm", full)
         counter = 0
         try:
+            if options.publish:
+                publication = Publication(f"evergreen-ipc-{os.getpid()}-published", limits.shm_published_bytes)
+                for messages in options.preload or ():
+                    for message in messages:
+                        if message.header.has_body:
+                            publication.place(message)
             segments.warm(options.warm_bytes or 0)
             await sock.bind(path)
             sock.listen()
@@ -411,11 +558,11 @@ class ShmTransport:
                 assert segment is not None  # the cap admits a connection only when one is free
                 bodies = SharedMemoryBodies(
                     segment, segments, limits.shm_batch_bytes, max(1, limits.max_unacked_bodies // 2),
-                    limits.idle_timeout_s,
+                    limits.idle_timeout_s, publication,
                 )
                 async with stream:
                     try:
-                        await send_segment(stream, segment)
+                        await send_segment(stream, segment, publication)
                     except TransportError:
                         bodies.release_all()
                         return
@@ -428,6 +575,8 @@ class ShmTransport:
         finally:
             sock.close()
             segments.close()
+            if publication is not None:
+                publication.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             if workdir is not None:
