@@ -47,7 +47,7 @@ from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.server import Stream
 from h2.errors import ErrorCodes
 
-from evergreen_trio._grpc.limits import ResetBudget, TransportLimits
+from evergreen_trio._grpc.limits import FrameScanner, ResetBudget, TransportLimits
 from evergreen_trio.errors import EvergreenTrioError
 
 # On CPython 3.12+ ``asyncio.current_task`` is C code that knows nothing of trio-asyncio's loop;
@@ -70,6 +70,10 @@ CLOSE_TIMEOUT_SECONDS = 5.0
 
 FEED_BYTES = 8 * 1024
 """The session server hands h2 at most this much input at a time (see ``_GuardedProtocol``)."""
+
+STREAMS_PER_TURN = 1
+"""The session server opens at most this many streams of one connection per turn of its loop (see
+``_GuardedProtocol._take_turn``)."""
 
 
 class RpcAbortError(EvergreenTrioError):
@@ -157,12 +161,17 @@ class Handoff(Generic[T]):
             await self._trio_wakeup.wait()
         self._push(item)
 
-    async def get_batch(self, limit: int = 1 << 30) -> list[T]:
-        """Trio side: wait for items, return up to ``limit``; ``[]`` once closed and drained."""
+    async def wait(self) -> None:
+        """Trio side: wait until an item is queued or the handoff is closed (taking nothing)."""
         while self._empty():
             if self._trio_wakeup is None:
                 self._trio_wakeup = trio.Event()
             await self._trio_wakeup.wait()
+
+    async def get_batch(self, limit: int = 1 << 30) -> list[T]:
+        """Trio side: wait for items, return up to ``limit``; ``[]`` once closed and drained."""
+        if self._empty():
+            await self.wait()
         return self._take(limit)
 
     async def _aio_wait(self) -> None:
@@ -301,9 +310,15 @@ class _GuardedProtocol(H2Protocol):
         self._settled = False  # the peer's SETTINGS arrived (its preface is complete)
         self._last_frame = time.monotonic()
         self._timer: asyncio.TimerHandle | None = None
+        self._frames = FrameScanner()
+        self._input = b""  # read and not yet fed to h2 (from offset ``_fed``)
+        self._fed = 0
+        self._turn: asyncio.Handle | None = None  # the next _take_turn, when input waits for it
+        self._transport: Any = None  # an asyncio transport, once connected
 
     def connection_made(self, transport: Any) -> None:
         # grpclib's connection_made, with local settings that advertise the stream cap.
+        self._transport = transport
         h2_conn = _GuardedH2Connection(config=self.h2_config)
         h2_conn.local_settings = h2.settings.Settings(
             client=False,
@@ -343,12 +358,36 @@ class _GuardedProtocol(H2Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last_frame = time.monotonic()
-        # Fed in slices, so that a read full of frames (asyncio reads up to 256 KiB) is cut short
-        # as soon as the connection is told to calm down, and no slice costs much CPU.
-        view = memoryview(data)
-        for offset in range(0, len(view), FEED_BYTES):
-            if self.connection.is_closing() or not self._feed(bytes(view[offset : offset + FEED_BYTES])):
+        self._input = self._input[self._fed :] + data if self._fed < len(self._input) else data
+        self._fed = 0
+        if self._turn is None:  # else the input waits for its turn (TLS may hand over data while paused)
+            self._take_turn()
+
+    def _take_turn(self) -> None:
+        """Feed the input read so far in slices (so that a read full of frames, up to 256 KiB, is
+        cut short as soon as the connection is told to calm down, and no slice costs much CPU),
+        stopping before the stream past ``STREAMS_PER_TURN``: the rest is fed in a later turn,
+        behind the work those streams queued on the loop and other connections' turns, with
+        reading paused meanwhile. A read of 100 HEADERS from each of 50 connections queued the
+        work of 5,000 sessions ahead of every other client's next step (seconds of stall)."""
+        self._turn = None
+        opened = 0
+        while self._fed < len(self._input) and not self.connection.is_closing():
+            window = memoryview(self._input)[self._fed : self._fed + FEED_BYTES]
+            size, headers = self._frames.cut(window, STREAMS_PER_TURN - opened)
+            window.release()
+            if size == 0:  # the next frame may open one stream too many for this turn
+                self._transport.pause_reading()
+                self._turn = asyncio.get_running_loop().call_soon(self._take_turn)
                 return
+            opened += headers
+            self._fed += size
+            if not self._feed(self._input[self._fed - size : self._fed]):
+                break
+        if self._fed >= len(self._input):
+            self._input, self._fed = b"", 0
+            if not self.connection.is_closing():
+                self._transport.resume_reading()
 
     def _feed(self, data: bytes) -> bool:
         """Process one slice of input; False once the connection is closed."""
@@ -442,6 +481,9 @@ class _GuardedProtocol(H2Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._schedule(None)
+        if self._turn is not None:
+            self._turn.cancel()
+        self._input, self._fed = b"", 0
         if self._counted:
             self._counted = False
             self.server.connection_closed()

@@ -90,3 +90,40 @@ class ResetBudget:
         if self.refusals > self._max_refused:
             return f"{self.refusals} streams refused (past SETTINGS_MAX_CONCURRENT_STREAMS, or unauthorized)"
         return None
+
+
+class FrameScanner:
+    """Finds the HTTP/2 frames in a connection's input (after the client's 24-byte preface), so that
+    the input can be cut before a HEADERS frame (one that may open a stream)."""
+
+    def __init__(self) -> None:
+        self._skip = 24  # bytes before the next frame header: the preface, then each frame's body
+        self._header = bytearray()  # a frame header split between two reads
+
+    def cut(self, data: bytes | memoryview, max_headers: int) -> tuple[int, int]:
+        """(size, headers): the longest start of ``data`` (the input after what was cut before)
+        holding at most ``max_headers`` HEADERS frames, and how many it holds. The scanner moves
+        past those ``size`` bytes only."""
+        pos = headers = 0
+        end = len(data)
+        while pos < end:
+            if self._skip:
+                step = min(self._skip, end - pos)
+                pos += step
+                self._skip -= step
+                continue
+            if not self._header and end - pos >= 9:
+                if data[pos + 3] == 1:  # HEADERS
+                    if headers == max_headers:
+                        return pos, headers
+                    headers += 1
+                self._skip = 9 + int.from_bytes(data[pos : pos + 3], "big")
+                continue
+            take = data[pos : pos + 9 - len(self._header)]  # a header split between reads counts whole
+            self._header += take
+            pos += len(take)
+            if len(self._header) == 9:
+                headers += self._header[3] == 1
+                self._skip = int.from_bytes(self._header[:3], "big")
+                self._header.clear()
+        return pos, headers

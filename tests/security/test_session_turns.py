@@ -1,0 +1,97 @@
+"""Work many peers cause at once is shared out: new streams one per turn of a connection's input,
+expired sessions one per scheduling pass, silent sessions cheap (issue 22, the session server's stall).
+
+The flood runs over a real socket against an in-process server while a legitimate ECHO session
+loops on other connections; ceilings are hang guards, not timings (the stall is measured by
+``python -m benchmarks.security_session``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+from hyperframe.frame import DataFrame, HeadersFrame, PingFrame, RstStreamFrame
+
+from benchmarks.security_session import PREFACE, echo_once, many_sessions
+from evergreen_trio import Server
+from evergreen_trio._grpc.limits import FrameScanner
+from evergreen_trio.actions import register_builtin_actions
+from evergreen_trio.serving.server import GC_THRESHOLDS
+
+LEGIT_CEILING_MS = 5000.0
+"""The slowest legitimate session allowed during the flood (a hang guard: before, 2-5 s on a quiet machine)."""
+
+
+@pytest.fixture
+async def nursery_() -> AsyncIterator[trio.Nursery]:
+    async with trio.open_nursery() as nursery:
+        yield nursery
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_flood_of_silent_sessions_ends_in_turn_while_others_are_served(nursery_: trio.Nursery) -> None:
+    """10 connections x 100 silent sessions, each opened in one write and all expiring together."""
+    server = Server(first_message_timeout=0.5, max_sessions_per_peer=10_000)
+    register_builtin_actions(server)
+    port = await nursery_.start(server.serve, "127.0.0.1", 0)
+    samples: list[float] = []
+    with trio.fail_after(60):  # a hang guard
+        async with trio.open_nursery() as nursery:
+
+            async def probe() -> None:
+                while True:
+                    samples.append(await echo_once(f"127.0.0.1:{port}"))
+                    await trio.sleep(0.02)
+
+            nursery.start_soon(probe)
+            observed = await many_sessions(port, 10)
+            samples.append(await echo_once(f"127.0.0.1:{port}"))
+            nursery.cancel_scope.cancel()
+    assert observed == "1000/1000 sessions ended, grpc-status 4", observed
+    assert max(samples) < LEGIT_CEILING_MS, samples
+    assert server.open_sessions == 0
+
+
+def frames(*parts: bytes) -> bytes:
+    return PREFACE + b"".join(parts)
+
+
+def headers(stream_id: int) -> bytes:
+    frame = HeadersFrame(stream_id, b"\x82")
+    frame.flags.add("END_HEADERS")
+    return frame.serialize()
+
+
+def test_the_scanner_cuts_before_the_headers_frame_past_the_turn() -> None:
+    """Each HEADERS is cut with what follows it up to the next HEADERS (its RST_STREAM included,
+    so a stream opened and reset in one read still starts nothing)."""
+    first = headers(1) + RstStreamFrame(1, error_code=8).serialize() + PingFrame(0, b"12345678").serialize()
+    data = frames(first, headers(3), DataFrame(3, b"x" * 100).serialize(), headers(5))
+    scanner = FrameScanner()
+    assert scanner.cut(data, 1) == (len(PREFACE) + len(first), 1)
+    rest = data[len(PREFACE) + len(first) :]
+    assert scanner.cut(rest, 2) == (len(rest), 2)
+
+
+def test_the_scanner_follows_frames_split_between_reads() -> None:
+    data = frames(DataFrame(1, b"y" * 50).serialize(), headers(3), headers(5))
+    scanner = FrameScanner()
+    counted = 0
+    for offset in range(0, len(data), 7):  # reads of 7 bytes: headers and bodies split anywhere
+        size, found = scanner.cut(data[offset : offset + 7], 10)
+        assert size == len(data[offset : offset + 7])
+        counted += found
+    assert counted == 2
+    assert scanner.cut(headers(7), 0) == (0, 0)  # at a frame boundary again
+
+
+def test_serve_tunes_the_garbage_collector() -> None:
+    """Objects alive at start are frozen and full collections are rare (``serve`` calls ``tune_gc``)."""
+    code = ("import gc; from evergreen_trio.serving.server import tune_gc; tune_gc(); "
+            "print(gc.get_threshold(), gc.get_freeze_count() > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split(")")[0] + ")" == str(GC_THRESHOLDS) and out.strip().endswith("True"), out
