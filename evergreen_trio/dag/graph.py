@@ -80,6 +80,16 @@ class SessionGraph:
         self._height: dict[str, int] = {}
         self._parents: dict[str, str | list[str]] = {}
 
+    def forget(self, budget: int) -> bool:
+        """Drop up to ``budget`` entries of what the graph holds (nodes, outputs, heights, parents);
+        True once it holds nothing. A session over: its graph may hold a million nodes, whose
+        freeing at once took 0.1-1 s on the one thread."""
+        for table in (self.nodes, self._outputs, self._height, self._parents):
+            while table and budget > 0:
+                table.popitem()
+                budget -= 1
+        return not (self.nodes or self._outputs or self._height or self._parents)
+
     def get(self, node_id: str) -> Node | None:
         """The node ``node_id``, or None when no fragment of it has arrived."""
         return self.nodes.get(node_id)

@@ -44,6 +44,9 @@ IDLE_TIMEOUT_SECONDS = 120.0
 connection with no session, is ended after this long (it was 300 s: an idle session holds its share
 of the caps, so a short life bounds what idle peers can hold)."""
 
+FORGET_STEP = 4096
+"""A finished session's graph is freed this many entries per scheduling pass (see ``SessionGraph.forget``)."""
+
 _DEADLINE_PASSED = "the call's deadline (grpc-timeout) passed"
 
 SHUTDOWN_GRACE_SECONDS = 5.0
@@ -241,6 +244,9 @@ class Server(ActionRegistry):
                         nursery.start_soon(self._expire, stream, session, scope)
                         await session.run_session()
                         nursery.cancel_scope.cancel()
+                # Its status is on its way: free what it held in steps (FORGET_STEP entries each).
+                while not session.graph.forget(FORGET_STEP):
+                    await trio.lowlevel.checkpoint()
         finally:
             self.metrics.session_ended(stream.final.status.name if stream.final else StatusCode.UNAVAILABLE.name)
             stream.release()

@@ -16,10 +16,13 @@ import pytest
 import trio
 from hyperframe.frame import DataFrame, HeadersFrame, PingFrame, RstStreamFrame
 
-from benchmarks.security_session import PREFACE, echo_once, many_sessions
+from benchmarks.security_session import PREFACE, echo_once, flatten_fanout, many_sessions
 from evergreen_trio import Server
 from evergreen_trio._grpc.limits import FrameScanner
+from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Chunk, NodeFragment
 from evergreen_trio.actions import register_builtin_actions
+from evergreen_trio.dag import SessionGraph
+from evergreen_trio.nursery_session import STEP_FRAGMENTS
 from evergreen_trio.serving.server import GC_THRESHOLDS
 
 LEGIT_CEILING_MS = 5000.0
@@ -95,3 +98,38 @@ def test_serve_tunes_the_garbage_collector() -> None:
             "print(gc.get_threshold(), gc.get_freeze_count() > 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split(")")[0] + ")" == str(GC_THRESHOLDS) and out.strip().endswith("True"), out
+
+
+async def test_a_session_streaming_many_small_outputs_takes_turns_with_others(nursery_: trio.Nursery) -> None:
+    """Issue 22 item 3's served case: ECHO over a 1-byte leaf shared 10 x 1000 times streams
+    10,000 outputs (30,000 fragments each way: child, bytes, end). Sending and receiving let other tasks run every
+    STEP_FRAGMENTS fragments: a task that only counts passes runs thousands of times meanwhile."""
+    server = Server()
+    register_builtin_actions(server)
+    port = await nursery_.start(server.serve, "127.0.0.1", 0)
+    passes = 0
+
+    async def count_passes() -> None:
+        nonlocal passes
+        while True:
+            await trio.lowlevel.checkpoint()
+            passes += 1
+
+    with trio.fail_after(120):  # a hang guard
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(count_passes)
+            observed = await flatten_fanout(port, "ECHO", 1, (10, 1000))
+            nursery.cancel_scope.cancel()
+    assert observed == "grpc-status 0", observed
+    assert passes >= 30_000 // STEP_FRAGMENTS, passes  # the server's ECHO alone takes that many turns
+
+
+def test_a_graph_is_forgotten_in_steps() -> None:
+    graph = SessionGraph()
+    graph.add_fragment(NodeFragment(id="root", child_ids=[f"c{i}" for i in range(10)]))
+    graph.add_fragment(NodeFragment(id="c0", chunk_fragment=Chunk(data=b"x")))
+    steps = 1
+    while not graph.forget(4):  # 2 nodes, root's height, 10 children's parent
+        steps += 1
+    assert steps == 4
+    assert graph.get("root") is None and graph.forget(4)
