@@ -213,8 +213,8 @@ class Session:
                         ref = fragment.chunk_fragment.ref
                         if ref:
                             resolvers[ref.partition(":")[0].lower()].check(ref)
-                    if index % STEP_FRAGMENTS == 0:
-                        await trio.lowlevel.checkpoint()
+                    if index % STEP_FRAGMENTS == 0 or graph.attaching:
+                        await self._attach_in_steps()
                 if metrics is not None:
                     fragments += len(message.node_fragments)
                     nbytes += sum(fragment.ByteSize() for fragment in message.node_fragments)
@@ -223,6 +223,13 @@ class Session:
             await trio.lowlevel.checkpoint()
         graph.peer_closed = True
         barrier.notify_all()
+
+    async def _attach_in_steps(self) -> None:
+        """Let other tasks run, and between runs attach the children a large fragment left waiting."""
+        await trio.lowlevel.checkpoint()
+        while self.graph.attaching:
+            self.graph.attach_more()
+            await trio.lowlevel.checkpoint()
 
     def fail(self, error: SessionError) -> None:
         """Record why the session ends and wake every waiter so it can see it."""
@@ -274,6 +281,8 @@ class Session:
                     self._check_public(fragment.child_ids, f"node {fragment.id!r}")
                 if self.graph.add_fragment(fragment, local=True):
                     self.barrier.notify(fragment.id)
+                if self.graph.attaching:
+                    await self._attach_in_steps()
                 if private:
                     continue
                 await self._put(fragment)
@@ -333,11 +342,18 @@ class Session:
                 await self.emit(builder.data(b"", metadata, last=True), private=private)
             return NodeRef(node_id)
         assert isinstance(node, Inner)
-        children = [c if isinstance(c, NodeRef) else NodeRef(c.id or self.new_id()) for c in node.children]
-        await self.emit([builder.children([c.id for c in children], last=True)], private=private)
-        for child, ref in zip(node.children, children, strict=True):
-            if not isinstance(child, NodeRef):
-                await self._send(child, ref.id, private=private)
+        # One pass over the children (an Inner may name 100,000 of them), new nodes sent after.
+        ids: list[str] = []
+        new: list[tuple[NodeLike, str]] = []
+        for child in node.children:
+            if isinstance(child, NodeRef):
+                ids.append(child.id)
+            else:
+                ids.append(child.id or self.new_id())
+                new.append((child, ids[-1]))
+        await self.emit([builder.children(ids, last=True)], private=private)
+        for child, child_id in new:
+            await self._send(child, child_id, private=private)
         return NodeRef(node_id)
 
     def open_leaf(self, *, id: str | None = None) -> OutputNode:

@@ -21,7 +21,8 @@ from evergreen_trio import Server
 from evergreen_trio._grpc.limits import FrameScanner
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Chunk, NodeFragment
 from evergreen_trio.actions import register_builtin_actions
-from evergreen_trio.dag import SessionGraph
+from evergreen_trio.dag import ProtocolViolationError, SessionGraph
+from evergreen_trio.dag.graph import ATTACH_STEP
 from evergreen_trio.nursery_session import STEP_FRAGMENTS
 from evergreen_trio.serving.server import GC_THRESHOLDS
 
@@ -133,3 +134,16 @@ def test_a_graph_is_forgotten_in_steps() -> None:
         steps += 1
     assert steps == 4
     assert graph.get("root") is None and graph.forget(4)
+
+
+def test_a_fragment_with_many_children_is_attached_in_steps() -> None:
+    """Issue 22 item 2's hub (100,000 children in one fragment) cost 50-130 ms of one step on each
+    side; its children past ATTACH_STEP wait for attach_more, a cycle among them still refused."""
+    graph = SessionGraph()
+    graph.add_fragment(NodeFragment(id="top", child_ids=["hub"]))
+    children = [f"leaf{i}" for i in range(2 * ATTACH_STEP)] + ["top"]
+    graph.add_fragment(NodeFragment(id="hub", child_ids=children))
+    assert graph.attaching
+    graph.attach_more()
+    with pytest.raises(ProtocolViolationError, match="child 'top' makes the node include itself"):
+        graph.attach_more()
