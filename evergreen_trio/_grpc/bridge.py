@@ -71,6 +71,9 @@ CLOSE_TIMEOUT_SECONDS = 5.0
 FEED_BYTES = 8 * 1024
 """The session server hands h2 at most this much input at a time (see ``_GuardedProtocol``)."""
 
+BACKLOG_BYTES = 64 * 1024
+"""Input of one connection read and waiting for its turn, past which the session server stops reading it."""
+
 STREAMS_PER_TURN = 1
 """The session server opens at most this many streams of one connection per turn of its loop (see
 ``_GuardedProtocol._take_turn``)."""
@@ -360,16 +363,20 @@ class _GuardedProtocol(H2Protocol):
         self._last_frame = time.monotonic()
         self._input = self._input[self._fed :] + data if self._fed < len(self._input) else data
         self._fed = 0
-        if self._turn is None:  # else the input waits for its turn (TLS may hand over data while paused)
+        if self._turn is None:
             self._take_turn()
+        elif len(self._input) > BACKLOG_BYTES:  # the input waits for its turn; so does the peer
+            self._transport.pause_reading()
 
     def _take_turn(self) -> None:
         """Feed the input read so far in slices (so that a read full of frames, up to 256 KiB, is
         cut short as soon as the connection is told to calm down, and no slice costs much CPU),
         stopping before the stream past ``STREAMS_PER_TURN``: the rest is fed in a later turn,
         behind the work those streams queued on the loop and other connections' turns, with
-        reading paused meanwhile. A read of 100 HEADERS from each of 50 connections queued the
-        work of 5,000 sessions ahead of every other client's next step (seconds of stall)."""
+        reading paused while more than ``BACKLOG_BYTES`` wait (read, so that a GOAWAY sent
+        meanwhile is not lost to the reset a close with unread input sends). A read of 100
+        HEADERS from each of 50 connections queued the work of 5,000 sessions ahead of every
+        other client's next step (seconds of stall)."""
         self._turn = None
         opened = 0
         while self._fed < len(self._input) and not self.connection.is_closing():
@@ -377,7 +384,8 @@ class _GuardedProtocol(H2Protocol):
             size, headers = self._frames.cut(window, STREAMS_PER_TURN - opened)
             window.release()
             if size == 0:  # the next frame may open one stream too many for this turn
-                self._transport.pause_reading()
+                if len(self._input) - self._fed > BACKLOG_BYTES:
+                    self._transport.pause_reading()
                 self._turn = asyncio.get_running_loop().call_soon(self._take_turn)
                 return
             opened += headers
