@@ -540,9 +540,10 @@ async def _measure(address: str, pid: int, attack: Callable[[], Awaitable[str]],
     return observed, samples or [math.nan], max(peak, rss_mib(pid)) - before
 
 
-def attacks(quick: bool) -> list[dict[str, object]]:
-    """Run every attack against a fresh ``evergreen-trio serve``; one row per attack."""
-    return trio.run(_attacks, quick)
+def attacks(quick: bool, only: str = "") -> list[dict[str, object]]:
+    """Run every attack (``only``: those whose name contains it) against a fresh ``evergreen-trio
+    serve``; one row per attack."""
+    return trio.run(_attacks, quick, only)
 
 
 @asynccontextmanager
@@ -571,7 +572,10 @@ Plan = list[tuple[str, str, Callable[[], Awaitable[str]]]]
 
 
 async def _rows(address: str, pid: int, plan: Plan, idle_p50: float,
-                metadata: Mapping[str, str] | None = None) -> list[dict[str, object]]:
+                metadata: Mapping[str, str] | None = None,
+                connections: Mapping[str, int] | None = None) -> list[dict[str, object]]:
+    """One row per attack; ``connections``: attacking connections at once, by attack (default 1;
+    the RSS target is per connection)."""
     rows: list[dict[str, object]] = []
     for name, expected, run in plan:
         observed, samples, growth = await _measure(address, pid, run, metadata)
@@ -580,10 +584,12 @@ async def _rows(address: str, pid: int, plan: Plan, idle_p50: float,
             "idle_p50_ms": round(idle_p50, 2), "p50_ms": round(statistics.median(samples), 2),
             "max_ms": round(max(samples), 2), "rss_growth_mib": round(growth, 1),
         })
+        if connections and name in connections:
+            rows[-1]["connections"] = connections[name]
     return rows
 
 
-async def _attacks(quick: bool) -> list[dict[str, object]]:
+async def _attacks(quick: bool, only: str) -> list[dict[str, object]]:
     printed: list[str] = []
     async with _serve(*ServerArgs, printed=printed) as (process, address):
         metrics_port = int(printed[0].rsplit(":", 1)[1].split("/")[0])
@@ -625,38 +631,55 @@ async def _attacks(quick: bool) -> list[dict[str, object]]:
              "the 17th closed at accept, another address scrapes; non-reader closed at the 10 s send deadline",
              lambda: metrics_hog(metrics_port)),
         ]
-        rows = await _rows(address, process.pid, plan, idle_p50)
+        silent_flood = {"silent sessions (x100 per connection)": 5 if quick else 50}
+        rows = await _rows(address, process.pid, _named(plan, only), idle_p50, connections=silent_flood)
+    for args, metadata, plan_for in _other_servers():
+        with tempfile.TemporaryDirectory() as folder:
+            tokens = os.path.join(folder, "tokens")
+            if not _named(plan_for(0, "", 0), only):  # nothing wanted there: not even started
+                continue
+            await trio.Path(tokens).write_text("let-me-in\n")
+            argv = [tokens if arg == "TOKENS" else arg for arg in args]
+            async with _serve(*argv) as (process, address):
+                port = int(address.rsplit(":", 1)[1])
+                plan = _named(plan_for(port, address, process.pid), only)
+                rows += await _rows(address, process.pid, plan, idle_p50, metadata)
+    # A probe the kernel hands to a frozen worker waits for its replacement: that row's stall
+    # target is the heartbeat timeout plus the usual 250 ms.
+    return [{**row, "target_max_ms": HEARTBEAT_S * 1000 + 250.0} if str(row["attack"]).startswith("22.5") else row
+            for row in rows]
+
+
+def _named(plan: Plan, only: str) -> Plan:
+    """The attacks of ``plan`` whose name contains ``only``."""
+    return [attack for attack in plan if only in attack[0]]
+
+
+def _other_servers() -> list[tuple[tuple[str, ...], Mapping[str, str] | None, Callable[[int, str, int], Plan]]]:
+    """The attacks that need a server of their own: (its options, TOKENS standing for a token
+    file's path; the probe's metadata; the plan for its port, address and pid)."""
     caps = ("--max-sessions-per-peer", "300", "--idle-timeout", "30", "--first-message-timeout", "30")
-    async with _serve(*ServerArgs, *caps) as (process, address):
-        port = int(address.rsplit(":", 1)[1])
-        rows += await _rows(address, process.pid, [
+    return [
+        ((*ServerArgs, *caps), None, lambda port, address, pid: [
             ("22.4 1,100 idle connections (--max-connections 1000, 30 s timeouts)",
              "GOAWAY ENHANCE_YOUR_CALM (last stream 0) past the cap, closed at once",
              lambda: connection_flood(port, 1100)),
             ("22.4 400 silent sessions from one address (--max-sessions-per-peer 300)",
              "300 held, 100 refused with grpc-status 8; other addresses unaffected",
              lambda: one_peer_sessions(port, 400)),
-        ], idle_p50)
-    with tempfile.TemporaryDirectory() as folder:
-        tokens = os.path.join(folder, "tokens")
-        await trio.Path(tokens).write_text("let-me-in\n")
-        async with _serve(*ServerArgs, "--auth-token-file", tokens) as (process, address):
-            port = int(address.rsplit(":", 1)[1])
-            rows += await _rows(address, process.pid, [
-                ("22.4 1,000 sessions without a token on one connection, 50 per write (--auth-token-file)",
-                 "grpc-status 16 each, counted nowhere; GOAWAY ENHANCE_YOUR_CALM past 100 refusals",
-                 lambda: unauthenticated_streams(port, 1000)),
-            ], idle_p50, {"authorization": "Bearer let-me-in"})
-    async with _serve("--workers", "2", "--worker-heartbeat-timeout", str(HEARTBEAT_S)) as (process, address):
-        frozen = await _rows(address, process.pid, [
+        ]),
+        ((*ServerArgs, "--auth-token-file", "TOKENS"), {"authorization": "Bearer let-me-in"},
+         lambda port, address, pid: [
+            ("22.4 1,000 sessions without a token on one connection, 50 per write (--auth-token-file)",
+             "grpc-status 16 each, counted nowhere; GOAWAY ENHANCE_YOUR_CALM past 100 refusals",
+             lambda: unauthenticated_streams(port, 1000)),
+        ]),
+        (("--workers", "2", "--worker-heartbeat-timeout", str(HEARTBEAT_S)), None, lambda port, address, pid: [
             ("22.5 --workers 2: one worker frozen (SIGSTOP)",
              "killed after --worker-heartbeat-timeout 1 and restarted; new sessions served",
-             lambda: freeze_worker(process.pid, address)),
-        ], idle_p50)
-        # A probe the kernel hands to the frozen worker waits for its replacement: the stall target
-        # is the heartbeat timeout plus the usual 250 ms.
-        rows += [{**row, "target_max_ms": HEARTBEAT_S * 1000 + 250.0} for row in frozen]
-    return rows
+             lambda: freeze_worker(pid, address)),
+        ]),
+    ]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -676,12 +699,13 @@ async def rapid_reset_cost(pairs: int) -> str:
 
 
 def main() -> None:
-    """``python -m benchmarks.security_session [--quick] [--rapid-reset-cost PAIRS]``"""
+    """``python -m benchmarks.security_session [--quick] [--only NAME-PART] [--rapid-reset-cost PAIRS]``"""
     if "--rapid-reset-cost" in sys.argv:
         pairs = int(sys.argv[sys.argv.index("--rapid-reset-cost") + 1])
         print(trio.run(rapid_reset_cost, pairs))
         return
-    for row in attacks("--quick" in sys.argv):
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
+    for row in attacks("--quick" in sys.argv, only):
         print(" | ".join(str(value) for value in row.values()))
 
 

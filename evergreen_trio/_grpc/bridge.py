@@ -51,7 +51,7 @@ from sniffio import thread_local as sniffio_library
 from trio_asyncio._base import TrioAsyncioExit
 from trio_asyncio._handles import AsyncHandle
 
-from evergreen_trio._grpc.limits import ResetBudget, TransportLimits
+from evergreen_trio._grpc.limits import FrameScanner, ResetBudget, TransportLimits
 from evergreen_trio.errors import EvergreenTrioError
 
 # On CPython 3.12+ ``asyncio.current_task`` is C code that knows nothing of trio-asyncio's loop;
@@ -74,6 +74,13 @@ CLOSE_TIMEOUT_SECONDS = 5.0
 
 FEED_BYTES = 8 * 1024
 """The session server hands h2 at most this much input at a time (see ``_GuardedProtocol``)."""
+
+BACKLOG_BYTES = 64 * 1024
+"""Input of one connection read and waiting for its turn, past which the session server stops reading it."""
+
+STREAMS_PER_TURN = 1
+"""The session server opens at most this many streams of one connection per turn of its loop (see
+``_GuardedProtocol._take_turn``)."""
 
 
 class RpcAbortError(EvergreenTrioError):
@@ -161,16 +168,21 @@ class Handoff(Generic[T]):
             await self._trio_wakeup.wait()
         self._push(item)
 
-    async def get_batch(self, limit: int = 1 << 30) -> list[T]:
-        """Trio side: wait for items, return up to ``limit``; ``[]`` once closed and drained.
-
-        One scheduling point either way (a caller looping over batches lets other tasks run)."""
-        if not self._empty():
-            await trio.lowlevel.checkpoint()
+    async def wait(self) -> None:
+        """Trio side: wait until an item is queued or the handoff is closed (taking nothing)."""
         while self._empty():
             if self._trio_wakeup is None:
                 self._trio_wakeup = trio.Event()
             await self._trio_wakeup.wait()
+
+    async def get_batch(self, limit: int = 1 << 30) -> list[T]:
+        """Trio side: wait for items, return up to ``limit``; ``[]`` once closed and drained.
+
+        One scheduling point either way (a caller looping over batches lets other tasks run)."""
+        if self._empty():
+            await self.wait()
+        else:
+            await trio.lowlevel.checkpoint()
         return self._take(limit)
 
     async def _aio_wait(self) -> None:
@@ -446,9 +458,15 @@ class _GuardedProtocol(H2Protocol):
         self._settled = False  # the peer's SETTINGS arrived (its preface is complete)
         self._last_frame = time.monotonic()
         self._timer: asyncio.TimerHandle | None = None
+        self._frames = FrameScanner()
+        self._input = b""  # read and not yet fed to h2 (from offset ``_fed``)
+        self._fed = 0
+        self._turn: asyncio.Handle | None = None  # the next _take_turn, when input waits for it
+        self._transport: Any = None  # an asyncio transport, once connected
 
     def connection_made(self, transport: Any) -> None:
         # grpclib's connection_made, with local settings that advertise the stream cap.
+        self._transport = transport
         h2_conn = _GuardedH2Connection(config=self.h2_config)
         h2_conn.local_settings = h2.settings.Settings(
             client=False,
@@ -488,12 +506,41 @@ class _GuardedProtocol(H2Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last_frame = time.monotonic()
-        # Fed in slices, so that a read full of frames (asyncio reads up to 256 KiB) is cut short
-        # as soon as the connection is told to calm down, and no slice costs much CPU.
-        view = memoryview(data)
-        for offset in range(0, len(view), FEED_BYTES):
-            if self.connection.is_closing() or not self._feed(bytes(view[offset : offset + FEED_BYTES])):
+        self._input = self._input[self._fed :] + data if self._fed < len(self._input) else data
+        self._fed = 0
+        if self._turn is None:
+            self._take_turn()
+        elif len(self._input) > BACKLOG_BYTES:  # the input waits for its turn; so does the peer
+            self._transport.pause_reading()
+
+    def _take_turn(self) -> None:
+        """Feed the input read so far in slices (so that a read full of frames, up to 256 KiB, is
+        cut short as soon as the connection is told to calm down, and no slice costs much CPU),
+        stopping before the stream past ``STREAMS_PER_TURN``: the rest is fed in a later turn,
+        behind the work those streams queued on the loop and other connections' turns, with
+        reading paused while more than ``BACKLOG_BYTES`` wait (read, so that a GOAWAY sent
+        meanwhile is not lost to the reset a close with unread input sends). A read of 100
+        HEADERS from each of 50 connections queued the work of 5,000 sessions ahead of every
+        other client's next step (seconds of stall)."""
+        self._turn = None
+        opened = 0
+        while self._fed < len(self._input) and not self.connection.is_closing():
+            window = memoryview(self._input)[self._fed : self._fed + FEED_BYTES]
+            size, headers = self._frames.cut(window, STREAMS_PER_TURN - opened)
+            window.release()
+            if size == 0:  # the next frame may open one stream too many for this turn
+                if len(self._input) - self._fed > BACKLOG_BYTES:
+                    self._transport.pause_reading()
+                self._turn = asyncio.get_running_loop().call_soon(self._take_turn)
                 return
+            opened += headers
+            self._fed += size
+            if not self._feed(self._input[self._fed - size : self._fed]):
+                break
+        if self._fed >= len(self._input):
+            self._input, self._fed = b"", 0
+            if not self.connection.is_closing():
+                self._transport.resume_reading()
 
     def _feed(self, data: bytes) -> bool:
         """Process one slice of input; False once the connection is closed."""
@@ -587,6 +634,9 @@ class _GuardedProtocol(H2Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._schedule(None)
+        if self._turn is not None:
+            self._turn.cancel()
+        self._input, self._fed = b"", 0
         if self._counted:
             self._counted = False
             self.server.connection_closed()

@@ -90,3 +90,47 @@ class ResetBudget:
         if self.refusals > self._max_refused:
             return f"{self.refusals} streams refused (past SETTINGS_MAX_CONCURRENT_STREAMS, or unauthorized)"
         return None
+
+
+class FrameScanner:
+    """Finds the HTTP/2 frames in a connection's input (after the client's 24-byte preface), so that
+    the input can be cut before a HEADERS frame that would open one stream too many."""
+
+    def __init__(self) -> None:
+        self._skip = 24  # bytes before the next frame header: the preface, then each frame's body
+        self._header = bytearray()  # a frame header split between two reads
+
+    def cut(self, data: bytes | memoryview, max_streams: int) -> tuple[int, int]:
+        """(size, streams): the longest start of ``data`` (the input after what was cut before) in
+        which at most ``max_streams`` HEADERS frames open a stream that a later RST_STREAM in it
+        does not reset (those start nothing), and how many do. The scanner moves past ``size`` bytes."""
+        pos = 0
+        end = len(data)
+        live: set[int] = set()
+        split = 0  # HEADERS whose frame header was split between reads, counted as live
+        while pos < end:
+            if self._skip:
+                step = min(self._skip, end - pos)
+                pos += step
+                self._skip -= step
+                continue
+            if not self._header and end - pos >= 9:
+                kind = data[pos + 3]
+                if kind in (1, 3):  # HEADERS, RST_STREAM
+                    stream_id = int.from_bytes(data[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
+                    if kind == 3:
+                        live.discard(stream_id)
+                    elif len(live) + split >= max_streams and stream_id not in live:
+                        return pos, len(live) + split
+                    else:
+                        live.add(stream_id)
+                self._skip = 9 + int.from_bytes(data[pos : pos + 3], "big")
+                continue
+            take = data[pos : pos + 9 - len(self._header)]
+            self._header += take
+            pos += len(take)
+            if len(self._header) == 9:
+                split += self._header[3] == 1
+                self._skip = int.from_bytes(self._header[:3], "big")
+                self._header.clear()
+        return pos, len(live) + split

@@ -8,12 +8,14 @@ accept and refuse the same fragments.
 from __future__ import annotations
 
 import time
+from unittest.mock import patch
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import NodeFragment
 from evergreen_trio.dag import LimitExceededError, ProtocolViolationError, SessionGraph, SessionLimits
+from evergreen_trio.dag import graph as graph_module
 
 IDS = [f"n{i}" for i in range(8)]
 
@@ -50,6 +52,18 @@ fragments = st.lists(
 def test_the_graph_refuses_exactly_what_the_naive_walk_refuses(
     plan: list[tuple[str, list[str]]], max_depth: int
 ) -> None:
+    check_against_the_naive_walk(plan, max_depth)
+
+
+@settings(max_examples=200, deadline=None)
+@given(fragments, st.integers(1, 6))
+def test_children_attached_in_steps_are_refused_the_same(plan: list[tuple[str, list[str]]], max_depth: int) -> None:
+    """A fragment's children past ATTACH_STEP wait for attach_more (here: steps of one)."""
+    with patch.object(graph_module, "ATTACH_STEP", 1):
+        check_against_the_naive_walk(plan, max_depth)
+
+
+def check_against_the_naive_walk(plan: list[tuple[str, list[str]]], max_depth: int) -> None:
     graph = SessionGraph(SessionLimits(max_depth=max_depth))
     edges: dict[str, list[str]] = {}
     next_seq: dict[str, int] = {}
@@ -60,10 +74,10 @@ def test_the_graph_refuses_exactly_what_the_naive_walk_refuses(
         verdict = naive_verdict(edges, max_depth)
         fragment = NodeFragment(id=node_id, seq=seq, continued=True, child_ids=children)
         if verdict == "ok":
-            graph.add_fragment(fragment)
+            add_in_steps(graph, fragment)
             continue
         try:
-            graph.add_fragment(fragment)
+            add_in_steps(graph, fragment)
         except ProtocolViolationError as error:
             assert verdict == "cycle", error
             assert "include itself" in error.message
@@ -74,6 +88,12 @@ def test_the_graph_refuses_exactly_what_the_naive_walk_refuses(
         else:
             raise AssertionError(f"accepted {node_id} -> {children} ({verdict})")
         return
+
+
+def add_in_steps(graph: SessionGraph, fragment: NodeFragment) -> None:
+    graph.add_fragment(fragment)
+    while graph.attaching:
+        graph.attach_more()
 
 
 def test_a_cycle_deeper_than_the_limit_is_still_called_a_cycle() -> None:

@@ -189,6 +189,9 @@ async def test_item12_resets_spread_over_reads_start_no_more_than_the_stream_cap
         await client.until(lambda c: c.goaway is not None, 0.05)
         if client.goaway is not None or client.closed:
             break
+    # The server opens one stream per turn of the connection's input (STREAMS_PER_TURN): on a busy
+    # machine the last resets may still wait for their turn.
+    await client.until(lambda c: c.goaway is not None, 10)
     assert peak <= 100
     assert client.goaway is not None and client.goaway == 0xB
     await client.aclose()
