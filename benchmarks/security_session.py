@@ -12,6 +12,7 @@ attack clients against an in-process server and assert the answers.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import signal
@@ -23,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import hpack
 import trio
@@ -510,6 +512,31 @@ async def probe(address: str, samples: list[float], stop: trio.Event,
         await trio.sleep(0.01)
 
 
+PROBE = """
+import json, sys, trio
+from benchmarks.security_session import probe_process
+trio.run(probe_process, sys.argv[1], json.loads(sys.argv[2]))
+"""
+"""The legitimate client's own process: its latency is the server's answer, not the attacker's work
+(an attacker parsing 5,000 trailers in the probe's process used to count as a server stall)."""
+
+
+async def probe_process(address: str, metadata: Mapping[str, str]) -> None:
+    """:func:`probe` until standard input closes; prints ``ready`` after the first session, then
+    the samples as JSON."""
+    samples: list[float] = []
+    stop = trio.Event()
+    samples.append(await echo_once(address, metadata or None))
+    print("ready", flush=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(probe, address, samples, stop, metadata or None)
+        stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+        while await stdin.receive_some():
+            pass
+        stop.set()
+    print(json.dumps(samples[1:]), flush=True)
+
+
 def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as status:
         for line in status:
@@ -520,23 +547,38 @@ def rss_mib(pid: int) -> float:
 
 async def _measure(address: str, pid: int, attack: Callable[[], Awaitable[str]],
                    metadata: Mapping[str, str] | None = None) -> tuple[str, list[float], float]:
-    samples: list[float] = []
     stop = trio.Event()
     before = rss_mib(pid)
     peak = before
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(probe, address, samples, stop, metadata)
+    prober = await trio.lowlevel.open_process(
+        [sys.executable, "-c", PROBE, address, json.dumps(dict(metadata or {}))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=Path(__file__).parent.parent)
+    assert prober.stdin is not None and prober.stdout is not None
+    printed = b""
+    try:
+        with trio.fail_after(60):
+            while b"ready\n" not in printed:
+                printed += await prober.stdout.receive_some()
+        async with trio.open_nursery() as nursery:
 
-        async def watch_rss() -> None:
-            nonlocal peak
-            while not stop.is_set():
-                peak = max(peak, rss_mib(pid))
-                await trio.sleep(0.05)
+            async def watch_rss() -> None:
+                nonlocal peak
+                while not stop.is_set():
+                    peak = max(peak, rss_mib(pid))
+                    await trio.sleep(0.05)
 
-        nursery.start_soon(watch_rss)
-        observed = await attack()
-        await trio.sleep(0.2)
-        stop.set()
+            nursery.start_soon(watch_rss)
+            observed = await attack()
+            await trio.sleep(0.2)
+            stop.set()
+        await prober.stdin.aclose()
+        with trio.fail_after(60):
+            while chunk := await prober.stdout.receive_some():
+                printed += chunk
+            await prober.wait()
+    finally:
+        prober.kill()
+    samples: list[float] = json.loads(printed.split(b"ready\n", 1)[1])
     return observed, samples or [math.nan], max(peak, rss_mib(pid)) - before
 
 
