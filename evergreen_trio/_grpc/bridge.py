@@ -346,11 +346,15 @@ async def _loop_step(loop: Any, no_wait: bool = False) -> None:
 
 
 async def _io_task(loop: Any, fd: int, handle: Any, wait_ready: Callable[[int], Any]) -> None:
-    """trio-asyncio's task for one reader or writer: it runs the callback when ``fd`` is ready, then
-    runs what that queued (a stream's task woken by the data just read) itself.
+    """trio-asyncio's task for one reader or writer: it runs the callback when ``fd`` is ready, then,
+    if nothing else was queued before it, runs what that queued (a stream's task woken by the data
+    just read) itself.
 
     trio-asyncio instead waited, after every callback, until the loop task had run all the callbacks
     queued so far: per message read, a scheduling pass, a step of the loop task and one of this task.
+    Callbacks queued before this one's are left to the loop task (``READY_BATCH`` a pass), in order:
+    each ready socket's task draining ``READY_BATCH`` of them made one pass's work grow with the
+    sockets ready (50 flooding connections: 3,200 callbacks, 100-130 ms, in one pass).
     """
     queue: _ReadyQueue = loop._q_recv
     with handle._scope:
@@ -364,10 +368,12 @@ async def _io_task(loop: Any, fd: int, handle: Any, wait_ready: Callable[[int], 
                     raise
                 if handle._cancelled:
                     break
+                backlog = bool(queue.items)  # the loop task's to run, in order, behind the others
                 queue.held = True
                 try:
                     handle._run()
-                    _run_queued(loop, queue, READY_BATCH)
+                    if not backlog:
+                        _run_queued(loop, queue, READY_BATCH)
                 finally:
                     queue.held = False
                     if queue.items:

@@ -8,6 +8,7 @@ loops on other connections; ceilings are hang guards, not timings (the stall is 
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from hyperframe.frame import DataFrame, HeadersFrame, PingFrame, RstStreamFrame
 
 from benchmarks.security_session import PREFACE, flatten_fanout, many_sessions
 from evergreen_trio import Server
+from evergreen_trio._grpc.bridge import READY_BATCH, _open_loop
 from evergreen_trio._grpc.limits import FrameScanner
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Chunk, NodeFragment
 from evergreen_trio.actions import register_builtin_actions
@@ -133,3 +135,61 @@ def test_a_fragment_with_many_children_is_attached_in_steps() -> None:
     graph.attach_more()
     with pytest.raises(ProtocolViolationError, match="child 'top' makes the node include itself"):
         graph.attach_more()
+
+
+class _Passes(trio.abc.Instrument):
+    """Counts Trio scheduling passes (one per wait for I/O)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def after_io_wait(self, timeout: float) -> None:
+        self.count += 1
+
+
+async def test_ready_sockets_do_not_multiply_the_work_of_one_pass() -> None:
+    """With callbacks queued, each ready socket's I/O task runs its own callback and leaves the queue
+    to the loop (READY_BATCH a pass). Each used to drain READY_BATCH more: 50 connections ready at
+    once ran 3,200 callbacks in one pass (100-130 ms that every other client waited)."""
+    readers = 20
+    pairs = [socket.socketpair() for _ in range(readers)]
+    passes = _Passes()
+    per_pass: dict[int, int] = {}
+    backlog = 50 * READY_BATCH
+    all_run = trio.Event()
+
+    def queued() -> None:
+        per_pass[passes.count] = per_pass.get(passes.count, 0) + 1
+        if sum(per_pass.values()) == backlog:
+            all_run.set()
+
+    trio.lowlevel.add_instrument(passes)
+    try:
+        async with _open_loop() as loop:
+            read = trio.Event()
+            done = 0
+
+            def readable(sock: socket.socket) -> None:
+                nonlocal done
+                sock.recv(16)
+                loop.remove_reader(sock)
+                done += 1
+                if done == readers:
+                    read.set()
+
+            for left, _ in pairs:
+                loop.add_reader(left, readable, left)
+            await trio.sleep(0.05)  # every reader's task waits for its socket
+            for _ in range(backlog):
+                loop.call_soon(queued)
+            for _, right in pairs:
+                right.send(b"x")
+            with trio.fail_after(10):
+                await read.wait()
+                await all_run.wait()
+    finally:
+        trio.lowlevel.remove_instrument(passes)
+        for left, right in pairs:
+            left.close()
+            right.close()
+    assert max(per_pass.values()) <= 2 * READY_BATCH, per_pass
