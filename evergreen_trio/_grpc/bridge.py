@@ -18,6 +18,7 @@ import asyncio
 import heapq
 import logging
 import math
+import os
 import socket
 import ssl
 import time
@@ -77,6 +78,10 @@ FEED_BYTES = 8 * 1024
 
 BACKLOG_BYTES = 64 * 1024
 """Input of one connection read and waiting for its turn, past which the session server stops reading it."""
+
+LINGER_BYTES = 4 * 1024 * 1024
+"""Unread input dropped before the socket of a connection told to go away closes (see
+``_GuardedProtocol._drop_unread``)."""
 
 STREAMS_PER_TURN = 1
 """The session server opens at most this many streams of one connection per turn of its loop (see
@@ -621,7 +626,20 @@ class _GuardedProtocol(H2Protocol):
         with suppress(h2.exceptions.ProtocolError):
             h2_conn.close_connection(error_code=code, last_stream_id=h2_conn.highest_inbound_stream_id)
         self.connection.flush()
+        self._drop_unread()
         self.processor.close(why)
+
+    def _drop_unread(self) -> None:
+        """Read and drop what the peer already sent, up to ``LINGER_BYTES``: closing a socket with
+        unread input (reading was paused, or the kernel holds more) sends a reset, and the reset
+        can destroy the GOAWAY before the peer reads it."""
+        sock = self._transport.get_extra_info("socket")
+        if sock is None:
+            return
+        left = LINGER_BYTES
+        with suppress(OSError):  # BlockingIOError: nothing more is waiting
+            while left > 0 and (chunk := os.read(sock.fileno(), min(left, 256 * 1024))):
+                left -= len(chunk)
 
     def _check_idle(self) -> None:
         self._timer = None
