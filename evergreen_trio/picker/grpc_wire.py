@@ -692,7 +692,6 @@ class GrpcWireConnection:
                     raise RpcStatusError(
                         Status.INTERNAL, f"could not decode a {method.request_type.__name__}"
                     ) from None
-                del encoded
                 replies.extend(processor.on_message(message))
                 if processor.finished:
                     stream.trailers = _OK_TRAILERS
