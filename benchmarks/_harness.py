@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # BENCH_RESULTS_DIR redirects the JSON (tests run quick benchmarks without touching the committed results).
 RESULTS_DIR = Path(os.environ.get("BENCH_RESULTS_DIR") or Path(__file__).parent / "results")
@@ -73,3 +76,14 @@ def write_results(area: str, rows: Iterable[Row], **context: Any) -> Path:
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def run_plain_asyncio(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on the standard library's own selector loop, for the asyncio peers.
+
+    Importing ``evergreen_trio`` imports trio-asyncio, which replaces ``asyncio.new_event_loop``
+    process-wide: a plain ``asyncio.run`` then runs on trio-asyncio's ``SyncTrioEventLoop``, which
+    doubled raw grpclib's round trip (141 -> 280 us) and would weaken every asyncio peer.
+    """
+    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+        return runner.run(main)

@@ -35,6 +35,8 @@ def raw_grpclib(count: int, round_trips: int, calls: int) -> dict[str, object]:
         check=True, capture_output=True, text=True,
     )
     result: dict[str, object] = json.loads(out.stdout)
+    if not str(result["loop"]).startswith("asyncio."):
+        raise RuntimeError(f"raw grpclib ran on {result['loop']}, not plain asyncio")
     return result
 
 

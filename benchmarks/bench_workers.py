@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from benchmarks._harness import Row, print_table, write_results
+from benchmarks._harness import Row, print_table, run_plain_asyncio, write_results
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio.serving.server import START_SESSION
 from evergreen_trio.testing.model import Frag, Meta, echo, to_messages
@@ -89,7 +89,7 @@ async def _load(address: str, seconds: float, fragments: int) -> dict[str, float
 
 def client_main(argv: list[str]) -> None:
     address, seconds, fragments = argv[0], float(argv[1]), int(argv[2])
-    print(json.dumps(asyncio.run(_load(address, seconds, fragments))))
+    print(json.dumps(run_plain_asyncio(_load(address, seconds, fragments))))
 
 
 def _pinned(cores: Sequence[int] | None) -> Callable[[], None] | None:

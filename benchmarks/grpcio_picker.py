@@ -18,6 +18,7 @@ import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
+from benchmarks._harness import run_plain_asyncio
 from evergreen_trio.picker import (
     Endpoint,
     MetricsError,
@@ -78,4 +79,4 @@ if __name__ == "__main__":
     parser.add_argument("--config", required=True)
     parser.add_argument("--port", type=int, default=9002)
     args = parser.parse_args()
-    asyncio.run(main(load_config(args.config), args.port))
+    run_plain_asyncio(main(load_config(args.config), args.port))

@@ -3,7 +3,8 @@
 Run as a script; prints one JSON object: messages/s for a stream of N one-fragment messages
 echoed back, per-message round-trip latencies on that open stream, and the latencies of whole
 bidirectional calls (open, one message each way, end, trailers) on the open channel; and the
-process's CPU time per round trip and per call (both ends run in this one process).
+process's CPU time per round trip and per call (both ends run in this one process); and the
+class of the asyncio loop it ran on.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from grpclib.client import Channel
 from grpclib.const import Cardinality, Handler
 from grpclib.server import Server
 
+from benchmarks._harness import run_plain_asyncio
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Chunk, ChunkMetadata, NodeFragment, SessionMessage
 
 PATH = "/evergreen.v2.EvergreenService/StartSession"
@@ -79,10 +81,12 @@ async def main(count: int, size: int, round_trips: int, calls: int) -> dict[str,
     channel.close()
     server.close()
     await server.wait_closed()
-    return {"messages_per_s": count / elapsed, "round_trips_s": latencies, "calls_s": call_latencies,
+    loop = type(asyncio.get_running_loop())
+    return {"loop": f"{loop.__module__}.{loop.__qualname__}", "messages_per_s": count / elapsed,
+            "round_trips_s": latencies, "calls_s": call_latencies,
             "round_trip_cpu_s": round_trip_cpu, "call_cpu_s": call_cpu}
 
 
 if __name__ == "__main__":
     count, size, round_trips, calls = (int(a) for a in sys.argv[1:5])
-    print(json.dumps(asyncio.run(main(count, size, round_trips, calls))))
+    print(json.dumps(run_plain_asyncio(main(count, size, round_trips, calls))))
