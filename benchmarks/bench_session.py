@@ -5,7 +5,10 @@ on that open stream, and whole bidi calls (one message each way, to the trailers
 (b) ours: a client streams a 10,000-leaf input into a server action that consumes it and streams a
 10,000-fragment output (fragments/s, both directions counted), one-chunk ECHO round trips within
 one session, whole one-ECHO sessions on a reused connection (``Client.session()``) and on a
-connection each (``connect()``); plus the server-side memory per live node for 100,000 small nodes.
+connection each (``connect()``); plus the server-side memory per live node for 100,000 small nodes;
+(c) the Trio floor (``trio_floor_echo``): (a)'s round trips and calls over the picker's sans-IO wire
+and an ``h2`` client on Trio sockets, no session layer and no asyncio: what the session rows cost
+above what Trio and HTTP/2 themselves cost.
 """
 
 from __future__ import annotations
@@ -37,6 +40,15 @@ def raw_grpclib(count: int, round_trips: int, calls: int) -> dict[str, object]:
     result: dict[str, object] = json.loads(out.stdout)
     if not str(result["loop"]).startswith("asyncio."):
         raise RuntimeError(f"raw grpclib ran on {result['loop']}, not plain asyncio")
+    return result
+
+
+def trio_floor(round_trips: int, calls: int) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.trio_floor_echo", str(LEAF_BYTES), str(round_trips), str(calls)],
+        check=True, capture_output=True, text=True,
+    )
+    result: dict[str, object] = json.loads(out.stdout)
     return result
 
 
@@ -132,6 +144,8 @@ def run(quick: bool = False) -> None:
     raw_calls: list[float] = []
     raw_cpu: list[tuple[float, float]] = []
     runs_ours: list[Ours] = []
+    floor_rtts: list[float] = []
+    floor_calls: list[float] = []
 
     def one_raw() -> None:
         result = raw_grpclib(2 * leaves, round_trips, sessions)
@@ -144,10 +158,16 @@ def run(quick: bool = False) -> None:
     def one_ours() -> None:
         runs_ours.append(trio.run(ours, leaves, round_trips, sessions))
 
+    def one_floor() -> None:
+        result = trio_floor(round_trips, sessions)
+        floor_rtts.extend(result["round_trips_s"])  # type: ignore[arg-type]
+        floor_calls.extend(result["calls_s"])  # type: ignore[arg-type]
+
     # Alternated, not all of one then all of the other: on a shared machine the load changes within a
     # minute, and the ratios compare runs made close together.
     for _ in range(runs):
         one_raw()
+        one_floor()
         one_ours()
     raw_rate = statistics.median(raw_rates)
     our_rate = statistics.median(m.rate for m in runs_ours)
@@ -174,9 +194,13 @@ def run(quick: bool = False) -> None:
             our_rate / raw_rate),
         Row("raw grpclib round trip p50", raw_p50, "us"),
         Row("raw grpclib round trip p99", raw_p99, "us"),
+        Row("Trio floor round trip p50 (picker's wire + h2, no session)", us(floor_rtts, 50), "us",
+            "raw grpclib p50", us(floor_rtts, 50) / raw_p50),
         Row("session one-chunk ECHO round trip p50", our_p50, "us", "raw grpclib p50", our_p50 / raw_p50),
         Row("session one-chunk ECHO round trip p99", our_p99, "us", "raw grpclib p99", our_p99 / raw_p99),
         Row("raw grpclib whole bidi call on an open channel p50", raw_call_p50, "us"),
+        Row("Trio floor whole bidi call p50 (picker's wire + h2, no session)", us(floor_calls, 50), "us",
+            "raw grpclib call p50", us(floor_calls, 50) / raw_call_p50),
         Row("whole one-ECHO session, reused connection (Client.session) p50", our_session_p50, "us",
             "raw grpclib call p50", our_session_p50 / raw_call_p50,
             {"mean_us": statistics.mean(our_sessions) * 1e6, "raw_mean_us": statistics.mean(raw_calls) * 1e6}),
