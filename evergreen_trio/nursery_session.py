@@ -532,7 +532,11 @@ class Session:
 
 
 class _Walk:
-    """One read of a node's flattened content from its start: the cursor and the chunk being read."""
+    """One read of a node's flattened content from its start: the cursor and the chunk being read.
+
+    Readers are plain async iterators over :meth:`next_chunk` and :meth:`next_part`, not async
+    generators: a one-chunk ECHO read three of those per side (a frame each, Trio's hooks, a finalizer).
+    """
 
     def __init__(self, session: Session, node_id: str) -> None:
         self._session = session
@@ -555,26 +559,61 @@ class _Walk:
             if not isinstance(event, Pause):
                 return event
 
-    async def leaf_parts(self, reader: ChunkReader) -> AsyncIterator[bytes | ExternalRef]:
+    async def next_chunk(self) -> ChunkReader | None:
+        """The next chunk (the rest of the current one skipped, its refs unopened), or None at the end."""
+        while True:
+            while self.current is not None:
+                await self.next_part(self.current)
+            event = await self.next()
+            if event is None:
+                return None
+            if isinstance(event, LeafStart):
+                self.current = ChunkReader(self, event.node_id, event.metadata, last=event.last)
+                return self.current
+
+    async def next_part(self, reader: ChunkReader) -> bytes | ExternalRef | None:
+        """``reader``'s next part: inline bytes (never empty) or a ref; None at the chunk's end."""
         while not reader.done and reader is self.current:
             event = await self.next()
             if not isinstance(event, LeafBytes):
                 reader.done, self.current = True, None
-                return
+                return None
             part = event.part
             if part.ref is None:
                 if part.data:
-                    yield part.data
+                    reader.ended = event.last
+                    return part.data
             else:
-                yield ExternalRef(part.ref, self._session.options.resolvers[part.ref.partition(":")[0].lower()])
+                return ExternalRef(part.ref, self._session.options.resolvers[part.ref.partition(":")[0].lower()])
+        return None
 
-    async def leaf_bytes(self, reader: ChunkReader) -> AsyncIterator[bytes]:
-        async for part in self.leaf_parts(reader):
-            if isinstance(part, ExternalRef):
-                async for block in part.resolver.open(part.uri):
-                    yield block
-            else:
-                yield part
+
+class _ChunkParts:
+    """A chunk's parts as they arrive: inline bytes, and refs resolved to their blocks unless ``raw``."""
+
+    __slots__ = ("_blocks", "_raw", "_reader")
+
+    def __init__(self, reader: ChunkReader, *, raw: bool) -> None:
+        self._reader = reader
+        self._raw = raw
+        self._blocks: AsyncIterator[bytes] | None = None
+
+    def __aiter__(self) -> _ChunkParts:
+        return self
+
+    async def __anext__(self) -> bytes | ExternalRef:
+        while True:
+            if self._blocks is not None:
+                try:
+                    return await self._blocks.__anext__()
+                except StopAsyncIteration:
+                    self._blocks = None
+            part = await self._reader._walk.next_part(self._reader)
+            if part is None:
+                raise StopAsyncIteration
+            if isinstance(part, bytes) or self._raw:
+                return part
+            self._blocks = part.resolver.open(part.uri)
 
 
 class UnknownNodeError(SessionError):
@@ -589,13 +628,20 @@ def describe_kind(value: object) -> str:
 
 
 class ChunkReader:
-    """One flattened chunk (one leaf): its metadata, and its bytes as they arrive."""
+    """One flattened chunk (one leaf): its metadata, and its bytes as they arrive.
 
-    def __init__(self, walk: _Walk, node_id: str, metadata: ChunkMetadata) -> None:
+    ``last``: no chunk follows this one in the input (known when it began; False when not known
+    yet). ``ended``: the bytes read so far are all the chunk's (its final fragment's were the last
+    read; False for a ref's blocks), so a writer copying it can mark its own fragment final.
+    """
+
+    def __init__(self, walk: _Walk, node_id: str, metadata: ChunkMetadata, *, last: bool = False) -> None:
         self._walk = walk
         self.node_id = node_id
         self.metadata = metadata
         self.done = False
+        self.last = last
+        self.ended = False
 
     @property
     def mimetype(self) -> str:
@@ -603,17 +649,41 @@ class ChunkReader:
         return self.metadata.mimetype
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._walk.leaf_bytes(self)
+        return _ChunkParts(self, raw=False)  # type: ignore[return-value]  # raw=False yields bytes only
 
     def parts(self) -> AsyncIterator[bytes | ExternalRef]:
         """The chunk's inline bytes and its refs (with the resolver of each) as they arrive, unresolved."""
-        return self._walk.leaf_parts(self)
+        return _ChunkParts(self, raw=True)
 
     async def read(self) -> bytes:
         """The whole chunk, refs resolved. Raises what its resolver raises (RefRejectedError)
         or SessionError when the session aborts.
         """
-        return b"".join([piece async for piece in self])
+        pieces = []
+        while (part := await self._walk.next_part(self)) is not None:
+            if isinstance(part, bytes):
+                pieces.append(part)
+            else:
+                pieces.extend([block async for block in part.resolver.open(part.uri)])
+        return b"".join(pieces)
+
+
+class _Chunks:
+    """An input's chunks, as ``async for chunk in ctx.input(...)`` gets them."""
+
+    __slots__ = ("_walk",)
+
+    def __init__(self, walk: _Walk) -> None:
+        self._walk = walk
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> ChunkReader:
+        chunk = await self._walk.next_chunk()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
 
 
 class InputStream:
@@ -627,24 +697,15 @@ class InputStream:
         self.node_id = node_id
 
     def __aiter__(self) -> AsyncIterator[ChunkReader]:
-        return self._chunks()
-
-    async def _chunks(self) -> AsyncIterator[ChunkReader]:
-        walk = _Walk(self._session, self.node_id)
-        while True:
-            if walk.current is not None:
-                async for _ in walk.current:
-                    pass
-            event = await walk.next()
-            if event is None:
-                return
-            if isinstance(event, LeafStart):
-                walk.current = ChunkReader(walk, event.node_id, event.metadata)
-                yield walk.current
+        return _Chunks(_Walk(self._session, self.node_id))
 
     async def read_chunks(self) -> list[tuple[ChunkMetadata, bytes]]:
         """Every chunk with its bytes, in flattening order."""
-        return [(chunk.metadata, await chunk.read()) async for chunk in self]
+        walk = _Walk(self._session, self.node_id)
+        chunks = []
+        while (chunk := await walk.next_chunk()) is not None:
+            chunks.append((chunk.metadata, await chunk.read()))
+        return chunks
 
     async def read_bytes(self) -> bytes:
         """Every chunk's bytes joined in flattening order, refs resolved (raises as ``ChunkReader.read``)."""
@@ -726,8 +787,9 @@ class OutputNode:
         if self.requested:
             await self._emit([self._builder.children(child_ids, last=last)])
 
-    async def child(self) -> OutputNode:
-        """A new leaf or inner node appended as this node's next child."""
+    async def child(self, *, last: bool = False) -> OutputNode:
+        """A new leaf or inner node appended as this node's next child (``last``: and its last one:
+        this node's final fragment names it)."""
         graph = self._session.graph
         while True:
             self._children += 1
@@ -739,7 +801,7 @@ class OutputNode:
             # first fragment must know it is produced here, not awaited from the peer.
             graph.reserve_output(child_id, f"output {self.id!r}", local=True)
         child = OutputNode(self._session, child_id, requested=self.requested, private=self.private)
-        await self.add_children([child_id])
+        await self.add_children([child_id], last=last)
         return child
 
     async def close(self) -> None:
