@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import trio
 from google.protobuf.any_pb2 import Any as AnyProto
+from google.protobuf.message import Message
 
 from evergreen_trio._grpc.bridge import HandoffClosedError, MessageStream, RpcAbortError
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
@@ -167,6 +168,7 @@ class Session:
         self._sent = 0  # items put on the outbound stream
         self._nursery: trio.Nursery | None = None
         self._idle: trio.Event | None = None
+        self._received_all = False  # the peer's stream ended, while a nursery runs actions
 
     @property
     def running_actions(self) -> int:
@@ -182,9 +184,15 @@ class Session:
         :class:`~evergreen_trio.SessionAbortedError`); cancellation passes through.
         """
         try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                await self.receive_loop(self._start_actions)
+            # The nursery opens with the first action: a session that never gets one (a client's,
+            # mostly) ends without leaving a nursery, a scheduling pass at its very end.
+            pending = await self.receive_loop(None)
+            if pending:
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    await self.receive_loop(self._start_actions, pending)
+                    self._received_all = True
+                    self._check_served()
         except BaseException as exc:  # the nursery's group
             error = self._session_error(exc)
             if error is None:
@@ -194,18 +202,29 @@ class Session:
             self._nursery = None
             self.barrier.notify_all()
 
-    async def receive_loop(self, on_actions: Callable[[Sequence[Action]], None]) -> None:
-        """Feed every received message into the graph until the peer ends its stream."""
+    async def receive_loop(
+        self, on_actions: Callable[[Sequence[Action]], None] | None, pending: list[Message] | None = None
+    ) -> list[Message] | None:
+        """Feed every received message into the graph until the peer ends its stream (then None).
+
+        Without ``on_actions``, it stops at the first message with actions instead, returning it and
+        the rest of its batch unread (the ``pending`` of the next call, which starts with them).
+        """
         graph, barrier, resolvers = self.graph, self.barrier, self.options.resolvers
         metrics = self.options.metrics
         while True:
-            batch = await self.stream.inbound.get_batch()
+            batch = pending or await self.stream.inbound.get_batch()
+            pending = None
             if not batch:
                 break
             fragments = nbytes = 0
-            for message in batch:
+            for position, message in enumerate(batch):
                 assert isinstance(message, SessionMessage)
                 if message.actions:
+                    if on_actions is None:
+                        if metrics is not None and fragments:
+                            metrics.received(fragments, nbytes)
+                        return batch[position:]
                     on_actions(message.actions)
                 for index, fragment in enumerate(message.node_fragments, 1):
                     if graph.add_fragment(fragment):
@@ -222,6 +241,17 @@ class Session:
                 metrics.received(fragments, nbytes)
         graph.peer_closed = True
         barrier.notify_all()
+        return None
+
+    def _check_served(self) -> None:
+        """Once the peer's stream has ended and no action of the session runs, the session's outcome is
+        settled (unless it is cancelled or failed): :meth:`_served` says so before the nursery closes."""
+        if (self._received_all and not self._running and self.error is None and self._nursery is not None
+                and not self._nursery.cancel_scope.cancel_called):
+            self._served()
+
+    def _served(self) -> None:
+        """The session ends without error (on a server: send the OK status now)."""
 
     async def _attach_in_steps(self) -> None:
         """Let other tasks run, and between runs attach the children a large fragment left waiting."""
@@ -523,6 +553,8 @@ class Session:
             self._running -= 1
             if self._running == 0 and self._idle is not None:
                 self._idle.set()
+            if code is StatusCode.OK:
+                self._check_served()
             if self.options.metrics is not None:
                 self.options.metrics.action_finished(spec.name, code, time.perf_counter() - started)
 
@@ -939,10 +971,14 @@ class ServerSession(Session):
             if isinstance(error, LimitExceededError) and self.options.metrics is not None:
                 self.options.metrics.limit_hit(error.limit)
         except BaseException:  # cancellation from a shutting-down server
-            self.stream.finish(StatusCode.UNAVAILABLE, "the server is shutting down")
-            self._record_abort("shutdown")
+            if self.stream.final is None:  # else its outcome went out before (see _served)
+                self.stream.finish(StatusCode.UNAVAILABLE, "the server is shutting down")
+                self._record_abort("shutdown")
             raise
         self.stream.finish(status, message)
+
+    def _served(self) -> None:
+        self.stream.finish()
 
     def _record_abort(self, reason: str) -> None:
         if self.options.metrics is not None:
