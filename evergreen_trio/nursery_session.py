@@ -302,15 +302,15 @@ class Session:
     async def emit(self, fragments: Iterable[NodeFragment], *, private: bool = False) -> None:
         """Record produced fragments in the graph (later actions may read them) and send them;
         ``private`` ones (an in-process call's) stay on this side."""
-        metrics = self.options.metrics
+        metrics, graph = self.options.metrics, self.graph
         count = nbytes = 0
         try:
             for fragment in fragments:
-                if fragment.child_ids and not private and self._private:
+                if self._private and not private and fragment.child_ids:
                     self._check_public(fragment.child_ids, f"node {fragment.id!r}")
-                if self.graph.add_fragment(fragment, local=True):
+                if graph.add_fragment(fragment, local=True):
                     self.barrier.notify(fragment.id)
-                if self.graph.attaching:
+                if graph.attaching:
                     await self._attach_in_steps()
                 if private:
                     continue
@@ -457,7 +457,7 @@ class Session:
                                "no outputs", code=StatusCode.FAILED_PRECONDITION)
         if self._private:
             self._check_public((p.id for p in action.inputs if p.id not in new), describe(action))
-        where = describe(action) if action.outputs else ""
+        where = _Described(action)
         for param in action.outputs:
             self.graph.reserve_output(param.id, where, local=False)
             self._ran.append(param.id)
@@ -508,7 +508,7 @@ class Session:
         nursery.start_soon(self._run_action, spec, context, name=f"evergreen.action.{spec.name}")
 
     def _accept(self, action: Action, *, private: bool = False) -> tuple[ActionContext, ActionSpec]:
-        where = describe(action)
+        where = _Described(action)
         spec = self.actions.get(action.name)
         if spec is None:
             offered = ", ".join(sorted(self.actions)) or "none"
@@ -940,6 +940,18 @@ class ActionRegistry:
 def describe(action: Action) -> str:
     outputs = ", ".join(f"{p.name}={p.id}" for p in action.outputs)
     return f"action {action.name}" + (f" (outputs {outputs})" if outputs else "")
+
+
+class _Described:
+    """``describe(action)``, made only when an error message formats it (most actions raise none)."""
+
+    __slots__ = ("action",)
+
+    def __init__(self, action: Action) -> None:
+        self.action = action
+
+    def __str__(self) -> str:
+        return describe(self.action)
 
 
 class ServerSession(Session):
