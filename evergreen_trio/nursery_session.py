@@ -229,7 +229,7 @@ class Session:
                 for index, fragment in enumerate(message.node_fragments, 1):
                     if graph.add_fragment(fragment):
                         barrier.notify(fragment.id)
-                        ref = fragment.chunk_fragment.ref
+                        ref = fragment.chunk_fragment.ref if resolvers else ""  # without, the graph refused any
                         if ref:
                             resolvers[ref.partition(":")[0].lower()].check(ref)
                     if index % STEP_FRAGMENTS == 0 or graph.attaching:
