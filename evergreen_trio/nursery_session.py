@@ -620,20 +620,19 @@ class _Walk:
         return None
 
 
-class _ChunkParts:
-    """A chunk's parts as they arrive: inline bytes, and refs resolved to their blocks unless ``raw``."""
+class _ChunkBytes:
+    """A chunk's bytes as they arrive, its refs resolved (``async for piece in chunk``)."""
 
-    __slots__ = ("_blocks", "_raw", "_reader")
+    __slots__ = ("_blocks", "_reader")
 
-    def __init__(self, reader: ChunkReader, *, raw: bool) -> None:
+    def __init__(self, reader: ChunkReader) -> None:
         self._reader = reader
-        self._raw = raw
         self._blocks: AsyncIterator[bytes] | None = None
 
-    def __aiter__(self) -> _ChunkParts:
+    def __aiter__(self) -> _ChunkBytes:
         return self
 
-    async def __anext__(self) -> bytes | ExternalRef:
+    async def __anext__(self) -> bytes:
         while True:
             if self._blocks is not None:
                 try:
@@ -643,7 +642,7 @@ class _ChunkParts:
             part = await self._reader._walk.next_part(self._reader)
             if part is None:
                 raise StopAsyncIteration
-            if isinstance(part, bytes) or self._raw:
+            if isinstance(part, bytes):
                 return part
             self._blocks = part.resolver.open(part.uri)
 
@@ -681,11 +680,12 @@ class ChunkReader:
         return self.metadata.mimetype
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        return _ChunkParts(self, raw=False)  # type: ignore[return-value]  # raw=False yields bytes only
+        return _ChunkBytes(self)
 
-    def parts(self) -> AsyncIterator[bytes | ExternalRef]:
+    async def parts(self) -> AsyncIterator[bytes | ExternalRef]:
         """The chunk's inline bytes and its refs (with the resolver of each) as they arrive, unresolved."""
-        return _ChunkParts(self, raw=True)
+        while (part := await self._walk.next_part(self)) is not None:
+            yield part
 
     async def read(self) -> bytes:
         """The whole chunk, refs resolved. Raises what its resolver raises (RefRejectedError)
