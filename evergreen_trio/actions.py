@@ -30,10 +30,12 @@ async def echo(ctx: ActionContext) -> None:
         raise ProtocolViolationError(f"{describe(ctx.action)}: ECHO takes no configs, got {got!r}")
     output = ctx.output("output")
     async for chunk in ctx.input("input"):
-        leaf = await output.child()
+        # Final fragments as soon as they are known (the input's last chunk, its final bytes), so a
+        # one-chunk ECHO sends two fragments, not two more empty ones to close its nodes.
+        leaf = await output.child(last=chunk.last)
         wrote = False
         async for piece in chunk:
-            await leaf.write(piece, metadata=chunk.metadata if not wrote else None)
+            await leaf.write(piece, metadata=chunk.metadata if not wrote else None, last=chunk.ended)
             wrote = True
         if not wrote:
             await leaf.write(b"", metadata=chunk.metadata, last=True)

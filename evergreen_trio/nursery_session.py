@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import trio
 from google.protobuf.any_pb2 import Any as AnyProto
+from google.protobuf.message import Message
 
 from evergreen_trio._grpc.bridge import HandoffClosedError, MessageStream, RpcAbortError
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
@@ -167,6 +168,7 @@ class Session:
         self._sent = 0  # items put on the outbound stream
         self._nursery: trio.Nursery | None = None
         self._idle: trio.Event | None = None
+        self._received_all = False  # the peer's stream ended, while a nursery runs actions
 
     @property
     def running_actions(self) -> int:
@@ -182,9 +184,15 @@ class Session:
         :class:`~evergreen_trio.SessionAbortedError`); cancellation passes through.
         """
         try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                await self.receive_loop(self._start_actions)
+            # The nursery opens with the first action: a session that never gets one (a client's,
+            # mostly) ends without leaving a nursery, a scheduling pass at its very end.
+            pending = await self.receive_loop(None)
+            if pending:
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    await self.receive_loop(self._start_actions, pending)
+                    self._received_all = True
+                    self._check_served()
         except BaseException as exc:  # the nursery's group
             error = self._session_error(exc)
             if error is None:
@@ -194,23 +202,34 @@ class Session:
             self._nursery = None
             self.barrier.notify_all()
 
-    async def receive_loop(self, on_actions: Callable[[Sequence[Action]], None]) -> None:
-        """Feed every received message into the graph until the peer ends its stream."""
+    async def receive_loop(
+        self, on_actions: Callable[[Sequence[Action]], None] | None, pending: list[Message] | None = None
+    ) -> list[Message] | None:
+        """Feed every received message into the graph until the peer ends its stream (then None).
+
+        Without ``on_actions``, it stops at the first message with actions instead, returning it and
+        the rest of its batch unread (the ``pending`` of the next call, which starts with them).
+        """
         graph, barrier, resolvers = self.graph, self.barrier, self.options.resolvers
         metrics = self.options.metrics
         while True:
-            batch = await self.stream.inbound.get_batch()
+            batch = pending or await self.stream.inbound.get_batch()
+            pending = None
             if not batch:
                 break
             fragments = nbytes = 0
-            for message in batch:
+            for position, message in enumerate(batch):
                 assert isinstance(message, SessionMessage)
                 if message.actions:
+                    if on_actions is None:
+                        if metrics is not None and fragments:
+                            metrics.received(fragments, nbytes)
+                        return batch[position:]
                     on_actions(message.actions)
                 for index, fragment in enumerate(message.node_fragments, 1):
                     if graph.add_fragment(fragment):
                         barrier.notify(fragment.id)
-                        ref = fragment.chunk_fragment.ref
+                        ref = fragment.chunk_fragment.ref if resolvers else ""  # without, the graph refused any
                         if ref:
                             resolvers[ref.partition(":")[0].lower()].check(ref)
                     if index % STEP_FRAGMENTS == 0 or graph.attaching:
@@ -222,6 +241,17 @@ class Session:
                 metrics.received(fragments, nbytes)
         graph.peer_closed = True
         barrier.notify_all()
+        return None
+
+    def _check_served(self) -> None:
+        """Once the peer's stream has ended and no action of the session runs, the session's outcome is
+        settled (unless it is cancelled or failed): :meth:`_served` says so before the nursery closes."""
+        if (self._received_all and not self._running and self.error is None and self._nursery is not None
+                and not self._nursery.cancel_scope.cancel_called):
+            self._served()
+
+    def _served(self) -> None:
+        """The session ends without error (on a server: send the OK status now)."""
 
     async def _attach_in_steps(self) -> None:
         """Let other tasks run, and between runs attach the children a large fragment left waiting."""
@@ -272,15 +302,15 @@ class Session:
     async def emit(self, fragments: Iterable[NodeFragment], *, private: bool = False) -> None:
         """Record produced fragments in the graph (later actions may read them) and send them;
         ``private`` ones (an in-process call's) stay on this side."""
-        metrics = self.options.metrics
+        metrics, graph = self.options.metrics, self.graph
         count = nbytes = 0
         try:
             for fragment in fragments:
-                if fragment.child_ids and not private and self._private:
+                if self._private and not private and fragment.child_ids:
                     self._check_public(fragment.child_ids, f"node {fragment.id!r}")
-                if self.graph.add_fragment(fragment, local=True):
+                if graph.add_fragment(fragment, local=True):
                     self.barrier.notify(fragment.id)
-                if self.graph.attaching:
+                if graph.attaching:
                     await self._attach_in_steps()
                 if private:
                     continue
@@ -427,7 +457,7 @@ class Session:
                                "no outputs", code=StatusCode.FAILED_PRECONDITION)
         if self._private:
             self._check_public((p.id for p in action.inputs if p.id not in new), describe(action))
-        where = describe(action) if action.outputs else ""
+        where = _Described(action)
         for param in action.outputs:
             self.graph.reserve_output(param.id, where, local=False)
             self._ran.append(param.id)
@@ -478,7 +508,7 @@ class Session:
         nursery.start_soon(self._run_action, spec, context, name=f"evergreen.action.{spec.name}")
 
     def _accept(self, action: Action, *, private: bool = False) -> tuple[ActionContext, ActionSpec]:
-        where = describe(action)
+        where = _Described(action)
         spec = self.actions.get(action.name)
         if spec is None:
             offered = ", ".join(sorted(self.actions)) or "none"
@@ -523,6 +553,8 @@ class Session:
             self._running -= 1
             if self._running == 0 and self._idle is not None:
                 self._idle.set()
+            if code is StatusCode.OK:
+                self._check_served()
             if self.options.metrics is not None:
                 self.options.metrics.action_finished(spec.name, code, time.perf_counter() - started)
 
@@ -532,7 +564,11 @@ class Session:
 
 
 class _Walk:
-    """One read of a node's flattened content from its start: the cursor and the chunk being read."""
+    """One read of a node's flattened content from its start: the cursor and the chunk being read.
+
+    Readers are plain async iterators over :meth:`next_chunk` and :meth:`next_part`, not async
+    generators: a one-chunk ECHO read three of those per side (a frame each, Trio's hooks, a finalizer).
+    """
 
     def __init__(self, session: Session, node_id: str) -> None:
         self._session = session
@@ -555,26 +591,60 @@ class _Walk:
             if not isinstance(event, Pause):
                 return event
 
-    async def leaf_parts(self, reader: ChunkReader) -> AsyncIterator[bytes | ExternalRef]:
+    async def next_chunk(self) -> ChunkReader | None:
+        """The next chunk (the rest of the current one skipped, its refs unopened), or None at the end."""
+        while True:
+            while self.current is not None:
+                await self.next_part(self.current)
+            event = await self.next()
+            if event is None:
+                return None
+            if isinstance(event, LeafStart):
+                self.current = ChunkReader(self, event.node_id, event.metadata, last=event.last)
+                return self.current
+
+    async def next_part(self, reader: ChunkReader) -> bytes | ExternalRef | None:
+        """``reader``'s next part: inline bytes (never empty) or a ref; None at the chunk's end."""
         while not reader.done and reader is self.current:
             event = await self.next()
             if not isinstance(event, LeafBytes):
                 reader.done, self.current = True, None
-                return
+                return None
             part = event.part
             if part.ref is None:
                 if part.data:
-                    yield part.data
+                    reader.ended = event.last
+                    return part.data
             else:
-                yield ExternalRef(part.ref, self._session.options.resolvers[part.ref.partition(":")[0].lower()])
+                return ExternalRef(part.ref, self._session.options.resolvers[part.ref.partition(":")[0].lower()])
+        return None
 
-    async def leaf_bytes(self, reader: ChunkReader) -> AsyncIterator[bytes]:
-        async for part in self.leaf_parts(reader):
-            if isinstance(part, ExternalRef):
-                async for block in part.resolver.open(part.uri):
-                    yield block
-            else:
-                yield part
+
+class _ChunkBytes:
+    """A chunk's bytes as they arrive, its refs resolved (``async for piece in chunk``)."""
+
+    __slots__ = ("_blocks", "_reader")
+
+    def __init__(self, reader: ChunkReader) -> None:
+        self._reader = reader
+        self._blocks: AsyncIterator[bytes] | None = None
+
+    def __aiter__(self) -> _ChunkBytes:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while True:
+            if self._blocks is not None:
+                try:
+                    return await self._blocks.__anext__()
+                except StopAsyncIteration:
+                    self._blocks = None
+            part = await self._reader._walk.next_part(self._reader)
+            if part is None:
+                raise StopAsyncIteration
+            if isinstance(part, bytes):
+                return part
+            self._blocks = part.resolver.open(part.uri)
 
 
 class UnknownNodeError(SessionError):
@@ -589,13 +659,20 @@ def describe_kind(value: object) -> str:
 
 
 class ChunkReader:
-    """One flattened chunk (one leaf): its metadata, and its bytes as they arrive."""
+    """One flattened chunk (one leaf): its metadata, and its bytes as they arrive.
 
-    def __init__(self, walk: _Walk, node_id: str, metadata: ChunkMetadata) -> None:
+    ``last``: no chunk follows this one in the input (known when it began; False when not known
+    yet). ``ended``: the bytes read so far are all the chunk's (its final fragment's were the last
+    read; False for a ref's blocks), so a writer copying it can mark its own fragment final.
+    """
+
+    def __init__(self, walk: _Walk, node_id: str, metadata: ChunkMetadata, *, last: bool = False) -> None:
         self._walk = walk
         self.node_id = node_id
         self.metadata = metadata
         self.done = False
+        self.last = last
+        self.ended = False
 
     @property
     def mimetype(self) -> str:
@@ -603,17 +680,42 @@ class ChunkReader:
         return self.metadata.mimetype
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._walk.leaf_bytes(self)
+        return _ChunkBytes(self)
 
-    def parts(self) -> AsyncIterator[bytes | ExternalRef]:
+    async def parts(self) -> AsyncIterator[bytes | ExternalRef]:
         """The chunk's inline bytes and its refs (with the resolver of each) as they arrive, unresolved."""
-        return self._walk.leaf_parts(self)
+        while (part := await self._walk.next_part(self)) is not None:
+            yield part
 
     async def read(self) -> bytes:
         """The whole chunk, refs resolved. Raises what its resolver raises (RefRejectedError)
         or SessionError when the session aborts.
         """
-        return b"".join([piece async for piece in self])
+        pieces = []
+        while (part := await self._walk.next_part(self)) is not None:
+            if isinstance(part, bytes):
+                pieces.append(part)
+            else:
+                pieces.extend([block async for block in part.resolver.open(part.uri)])
+        return b"".join(pieces)
+
+
+class _Chunks:
+    """An input's chunks, as ``async for chunk in ctx.input(...)`` gets them."""
+
+    __slots__ = ("_walk",)
+
+    def __init__(self, walk: _Walk) -> None:
+        self._walk = walk
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> ChunkReader:
+        chunk = await self._walk.next_chunk()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
 
 
 class InputStream:
@@ -627,24 +729,15 @@ class InputStream:
         self.node_id = node_id
 
     def __aiter__(self) -> AsyncIterator[ChunkReader]:
-        return self._chunks()
-
-    async def _chunks(self) -> AsyncIterator[ChunkReader]:
-        walk = _Walk(self._session, self.node_id)
-        while True:
-            if walk.current is not None:
-                async for _ in walk.current:
-                    pass
-            event = await walk.next()
-            if event is None:
-                return
-            if isinstance(event, LeafStart):
-                walk.current = ChunkReader(walk, event.node_id, event.metadata)
-                yield walk.current
+        return _Chunks(_Walk(self._session, self.node_id))
 
     async def read_chunks(self) -> list[tuple[ChunkMetadata, bytes]]:
         """Every chunk with its bytes, in flattening order."""
-        return [(chunk.metadata, await chunk.read()) async for chunk in self]
+        walk = _Walk(self._session, self.node_id)
+        chunks = []
+        while (chunk := await walk.next_chunk()) is not None:
+            chunks.append((chunk.metadata, await chunk.read()))
+        return chunks
 
     async def read_bytes(self) -> bytes:
         """Every chunk's bytes joined in flattening order, refs resolved (raises as ``ChunkReader.read``)."""
@@ -726,8 +819,9 @@ class OutputNode:
         if self.requested:
             await self._emit([self._builder.children(child_ids, last=last)])
 
-    async def child(self) -> OutputNode:
-        """A new leaf or inner node appended as this node's next child."""
+    async def child(self, *, last: bool = False) -> OutputNode:
+        """A new leaf or inner node appended as this node's next child (``last``: and its last one:
+        this node's final fragment names it)."""
         graph = self._session.graph
         while True:
             self._children += 1
@@ -739,7 +833,7 @@ class OutputNode:
             # first fragment must know it is produced here, not awaited from the peer.
             graph.reserve_output(child_id, f"output {self.id!r}", local=True)
         child = OutputNode(self._session, child_id, requested=self.requested, private=self.private)
-        await self.add_children([child_id])
+        await self.add_children([child_id], last=last)
         return child
 
     async def close(self) -> None:
@@ -848,6 +942,18 @@ def describe(action: Action) -> str:
     return f"action {action.name}" + (f" (outputs {outputs})" if outputs else "")
 
 
+class _Described:
+    """``describe(action)``, made only when an error message formats it (most actions raise none)."""
+
+    __slots__ = ("action",)
+
+    def __init__(self, action: Action) -> None:
+        self.action = action
+
+    def __str__(self) -> str:
+        return describe(self.action)
+
+
 class ServerSession(Session):
     """The serving end: starts registered actions as they arrive, in the session's nursery."""
 
@@ -877,10 +983,14 @@ class ServerSession(Session):
             if isinstance(error, LimitExceededError) and self.options.metrics is not None:
                 self.options.metrics.limit_hit(error.limit)
         except BaseException:  # cancellation from a shutting-down server
-            self.stream.finish(StatusCode.UNAVAILABLE, "the server is shutting down")
-            self._record_abort("shutdown")
+            if self.stream.final is None:  # else its outcome went out before (see _served)
+                self.stream.finish(StatusCode.UNAVAILABLE, "the server is shutting down")
+                self._record_abort("shutdown")
             raise
         self.stream.finish(status, message)
+
+    def _served(self) -> None:
+        self.stream.finish()
 
     def _record_abort(self, reason: str) -> None:
         if self.options.metrics is not None:

@@ -16,19 +16,23 @@ from evergreen_trio.dag.graph import LeafPart, NodeKind, SessionGraph
 
 @dataclass(frozen=True, slots=True)
 class LeafStart:
-    """A leaf's chunk begins; one flattened chunk per leaf."""
+    """A leaf's chunk begins; one flattened chunk per leaf. ``last``: no chunk follows it (everything
+    after it in the walk has arrived and is empty); False when that is not known yet."""
 
     node_id: str
     metadata: ChunkMetadata
+    last: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class LeafBytes:
-    """The next part of the current leaf: inline bytes, or a ref to resolve."""
+    """The next part of the current leaf: inline bytes, or a ref to resolve. ``last``: it is the
+    leaf's final part (the leaf's LeafEnd follows)."""
 
     node_id: str
     seq: int
     part: LeafPart
+    last: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +133,7 @@ class FlattenCursor:
             if isinstance(part, LeafPart):
                 if not frame.started:
                     frame.started = True
-                    return LeafStart(node.id, node.metadata or _EMPTY_METADATA)
+                    return LeafStart(node.id, node.metadata or _EMPTY_METADATA, self._nothing_after())
                 self.bytes += len(part.data)
                 if self.bytes > graph.limits.max_flattened_bytes:
                     raise LimitExceededError(
@@ -138,14 +142,29 @@ class FlattenCursor:
                         limit="max_flattened_bytes",
                     )
                 frame.seq += 1
-                return LeafBytes(node.id, frame.seq - 1, part)
+                return LeafBytes(node.id, frame.seq - 1, part, frame.seq - 1 == node.final_seq)
             frame.seq += 1
             if part is not None:
                 frame.children, frame.index = part, 0
             elif node.kind is NodeKind.LEAF and not frame.started:
                 frame.started = True
-                return LeafStart(node.id, node.metadata or _EMPTY_METADATA)
+                return LeafStart(node.id, node.metadata or _EMPTY_METADATA, self._nothing_after())
         return None
+
+    def _nothing_after(self) -> bool:
+        """Whether every node above the current leaf has arrived whole and has no child left to walk.
+
+        Stops at the first one that has (usually the leaf's parent, so O(1) a leaf), and is at most
+        the depth the walk already went down to reach the leaf."""
+        graph, stack = self._graph, self._stack
+        for index in range(len(stack) - 2, -1, -1):
+            frame = stack[index]
+            if frame.index < len(frame.children):
+                return False
+            node = graph.get(frame.node_id)
+            if node is None or node.final_seq is None or frame.seq <= node.final_seq:
+                return False
+        return True
 
     def _wait(self, node_id: str, seq: int) -> Wait:
         if not self._graph.can_arrive(node_id):

@@ -83,7 +83,7 @@ class SessionGraph:
         self.buffered_bytes = 0
         self.peer_closed = False
         # Output ids named by actions: id -> (produced on this side?, the action that owns it).
-        self._outputs: dict[str, tuple[bool, str]] = {}
+        self._outputs: dict[str, tuple[bool, object]] = {}
         # Heights (longest path down; absent: 0) and parents of every id named as a child, arrived or not.
         self._height: dict[str, int] = {}
         self._parents: dict[str, str | list[str]] = {}
@@ -105,8 +105,9 @@ class SessionGraph:
         """The node ``node_id``, or None when no fragment of it has arrived."""
         return self.nodes.get(node_id)
 
-    def reserve_output(self, node_id: str, owner: str, *, local: bool) -> None:
-        """Claim ``node_id`` for an action's output. Spec: "The provided node IDs in the output must be new"."""
+    def reserve_output(self, node_id: str, owner: object, *, local: bool) -> None:
+        """Claim ``node_id`` for an action's output; ``owner`` names the action in error messages (as
+        ``str(owner)``, made only then). Spec: "The provided node IDs in the output must be new"."""
         if not node_id:
             raise ProtocolViolationError(f"{owner}: an output needs a node id, got an empty one")
         if not self.is_new(node_id):
@@ -131,33 +132,37 @@ class SessionGraph:
         LimitExceededError past ``limits`` and RefRejectedError for a ref of a disabled scheme.
         """
         node_id, seq = fragment.id, fragment.seq
-        where = f"node {node_id!r} seq {seq}"
         if not node_id:
             raise ProtocolViolationError(f"a node fragment needs an id, got an empty one (seq {seq})")
         if seq < 0:
-            raise ProtocolViolationError(f"{where}: seq must be >= 0")
+            raise ProtocolViolationError(f"{_where(fragment)}: seq must be >= 0")
         node = self.nodes.get(node_id)
         if node is None:
             owner = self._outputs.get(node_id)
             if owner is not None and owner[0] != local:
                 side = "this side" if owner[0] else "the peer"
-                raise ProtocolViolationError(f"{where}: the node is the output of {owner[1]}, produced by {side}")
+                raise ProtocolViolationError(
+                    f"{_where(fragment)}: the node is the output of {owner[1]}, produced by {side}")
             if len(self.nodes) >= self.limits.max_nodes:
                 raise LimitExceededError(
-                    f"{where}: the session holds {len(self.nodes)} nodes, the limit", limit="max_nodes"
+                    f"{_where(fragment)}: the session holds {len(self.nodes)} nodes, the limit", limit="max_nodes"
                 )
             node = Node(node_id, local=local)
             self.nodes[node_id] = node
         elif node.local != local:
-            raise ProtocolViolationError(f"{where}: the node is produced by the other side")
+            raise ProtocolViolationError(f"{_where(fragment)}: the node is produced by the other side")
+        parts = node.parts
         # Spec, Ordering: "accept the first received NodeFragment ... with that seq number, and ignore the rest".
-        if seq in node.parts:
+        if seq in parts:
             return False
-        self._check_boundary(node, fragment, where)
-        part = self._part(node, fragment, where)
+        continued = fragment.continued
+        if parts:
+            self._check_boundary(node, seq, continued, fragment)
+        part = self._part(node, fragment)
         if isinstance(part, LeafPart):
             self.buffered_bytes += len(part.data)
         elif part:
+            where = _where(fragment)
             if self._attaching:  # edges are attached in the order they arrive
                 self.attach_more(sys.maxsize)
             if node_id in part:
@@ -165,63 +170,71 @@ class SessionGraph:
             self._attach(node_id, part[:ATTACH_STEP], where, part)
             if len(part) > ATTACH_STEP:
                 self._attaching.append((node_id, part, ATTACH_STEP, where))
-        node.parts[seq] = part
-        if not fragment.continued:
+        parts[seq] = part
+        if not continued:
             node.final_seq = seq
         return True
 
-    def _check_boundary(self, node: Node, fragment: NodeFragment, where: str) -> None:
+    @staticmethod
+    def _check_boundary(node: Node, seq: int, continued: bool, fragment: NodeFragment) -> None:
         # Spec, Boundaries: a seq greater than the final fragment's aborts the session.
-        if node.final_seq is not None and fragment.seq > node.final_seq:
-            raise ProtocolViolationError(f"{where}: seq is past the final fragment (seq {node.final_seq})")
-        if not fragment.continued and node.parts and max(node.parts) > fragment.seq:
-            raise ProtocolViolationError(f"{where}: final fragment, but seq {max(node.parts)} has already arrived")
-
-    def _part(self, node: Node, fragment: NodeFragment, where: str) -> Part:
-        has_chunk = fragment.HasField("chunk_fragment")
-        children = tuple(fragment.child_ids)
-        if has_chunk and children:
+        if node.final_seq is not None and seq > node.final_seq:
+            raise ProtocolViolationError(f"{_where(fragment)}: seq is past the final fragment (seq {node.final_seq})")
+        if not continued and max(node.parts) > seq:
             raise ProtocolViolationError(
-                f"{where}: a fragment carries a chunk and child_ids; a node is a leaf or inner"
-            )
-        if not has_chunk and not children:
+                f"{_where(fragment)}: final fragment, but seq {max(node.parts)} has already arrived")
+
+    def _part(self, node: Node, fragment: NodeFragment) -> Part:
+        if fragment.HasField("chunk_fragment"):
+            if fragment.child_ids:
+                raise ProtocolViolationError(
+                    f"{_where(fragment)}: a fragment carries a chunk and child_ids; a node is a leaf or inner"
+                )
+            kind = NodeKind.LEAF
+        elif fragment.child_ids:
+            kind = NodeKind.INNER
+        else:
             return None
-        kind = NodeKind.LEAF if has_chunk else NodeKind.INNER
-        if node.kind not in (NodeKind.UNKNOWN, kind):
-            raise ProtocolViolationError(f"{where}: {kind.value} fragment for a node that is {node.kind.value}")
-        if children:
+        if node.kind is not kind and node.kind is not NodeKind.UNKNOWN:
+            raise ProtocolViolationError(
+                f"{_where(fragment)}: {kind.value} fragment for a node that is {node.kind.value}")
+        if kind is NodeKind.INNER:
+            children = tuple(fragment.child_ids)
             if len(children) > self.limits.max_children_per_fragment:
                 raise LimitExceededError(
-                    f"{where}: {len(children)} child_ids, limit {self.limits.max_children_per_fragment}",
+                    f"{_where(fragment)}: {len(children)} child_ids, limit {self.limits.max_children_per_fragment}",
                     limit="max_children_per_fragment",
                 )
             node.kind = kind
             return children
         chunk = fragment.chunk_fragment
         data = chunk.data
-        if len(data) > self.limits.max_fragment_bytes:
+        limits = self.limits
+        if len(data) > limits.max_fragment_bytes:
             raise LimitExceededError(
-                f"{where}: {len(data)} bytes in one fragment, limit {self.limits.max_fragment_bytes}",
+                f"{_where(fragment)}: {len(data)} bytes in one fragment, limit {limits.max_fragment_bytes}",
                 limit="max_fragment_bytes",
             )
-        if self.buffered_bytes + len(data) > self.limits.max_buffered_bytes:
+        if self.buffered_bytes + len(data) > limits.max_buffered_bytes:
             raise LimitExceededError(
-                f"{where}: the session would hold {self.buffered_bytes + len(data)} bytes, "
-                f"limit {self.limits.max_buffered_bytes}",
+                f"{_where(fragment)}: the session would hold {self.buffered_bytes + len(data)} bytes, "
+                f"limit {limits.max_buffered_bytes}",
                 limit="max_buffered_bytes",
             )
-        ref = chunk.ref if chunk.WhichOneof("payload") == "ref" else None
+        ref = None if data else chunk.ref if chunk.WhichOneof("payload") == "ref" else None
         if ref is not None and not node.local:
             scheme = ref.partition(":")[0].lower()
             if scheme not in self.ref_schemes:
                 allowed = ", ".join(sorted(self.ref_schemes)) or "none"
-                raise RefRejectedError(f"{where}: ref {ref!r} uses scheme {scheme!r}; this side resolves: {allowed}")
-        self._check_metadata(node, fragment, where)
+                raise RefRejectedError(
+                    f"{_where(fragment)}: ref {ref!r} uses scheme {scheme!r}; this side resolves: {allowed}")
+        if fragment.seq == 0 or chunk.HasField("metadata"):
+            self._check_metadata(node, fragment)
         node.kind = kind
         return LeafPart(data, ref)
 
     @staticmethod
-    def _check_metadata(node: Node, fragment: NodeFragment, where: str) -> None:
+    def _check_metadata(node: Node, fragment: NodeFragment) -> None:
         # Spec, Mime type: metadata belongs to seq 0. A later fragment may repeat it (the spec's own
         # example does); different metadata on a later fragment aborts the session.
         chunk = fragment.chunk_fragment
@@ -235,7 +248,7 @@ class SessionGraph:
         elif chunk.HasField("metadata"):
             if node.metadata is not None:
                 if chunk.metadata != node.metadata:
-                    raise ProtocolViolationError(f"{where}: metadata differs from seq 0's")
+                    raise ProtocolViolationError(f"{_where(fragment)}: metadata differs from seq 0's")
             else:
                 later = ChunkMetadata()
                 later.CopyFrom(chunk.metadata)
@@ -327,3 +340,8 @@ class SessionGraph:
                     seen.add(above)
                     stack.append(above)
         return None
+
+
+def _where(fragment: NodeFragment) -> str:
+    """How an error names a fragment (built only when one is raised)."""
+    return f"node {fragment.id!r} seq {fragment.seq}"

@@ -46,7 +46,7 @@ class FragmentBuilder:
         """Inline bytes, split into fragments of at most ``fragment_bytes``."""
         self._kind(True)
         size = self._fragment_bytes
-        pieces = [payload[i : i + size] for i in range(0, len(payload), size)] or [b""]
+        pieces = [payload] if len(payload) <= size else [payload[i : i + size] for i in range(0, len(payload), size)]
         out = []
         for index, piece in enumerate(pieces):
             fragment = self._next(last and index == len(pieces) - 1)

@@ -91,8 +91,8 @@ def test_serve_tunes_the_garbage_collector() -> None:
 
 async def test_a_session_streaming_many_small_outputs_takes_turns_with_others(nursery_: trio.Nursery) -> None:
     """Issue 22 item 3's served case: ECHO over a 1-byte leaf shared 10 x 1000 times streams
-    10,000 outputs (30,000 fragments each way: child, bytes, end). Sending and receiving let other tasks run every
-    STEP_FRAGMENTS fragments: a task that only counts passes runs thousands of times meanwhile."""
+    10,000 outputs (20,000 fragments each way: child, and bytes marked final). Sending and receiving let other tasks
+    run every STEP_FRAGMENTS fragments: a task that only counts passes runs hundreds of times meanwhile."""
     server = Server()
     register_builtin_actions(server)
     port = await nursery_.start(server.serve, "127.0.0.1", 0)
@@ -110,7 +110,7 @@ async def test_a_session_streaming_many_small_outputs_takes_turns_with_others(nu
             observed = await flatten_fanout(port, "ECHO", 1, (10, 1000))
             nursery.cancel_scope.cancel()
     assert observed == "grpc-status 0", observed
-    assert passes >= 30_000 // STEP_FRAGMENTS, passes  # the server's ECHO alone takes that many turns
+    assert passes >= 20_000 // STEP_FRAGMENTS, passes  # the server's ECHO alone takes that many turns
 
 
 def test_a_graph_is_forgotten_in_steps() -> None:
