@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import trio
 from google.protobuf.any_pb2 import Any as AnyProto
 
-from evergreen_trio._grpc.bridge import HandoffClosedError, MessageStream, RpcAbortError
+from evergreen_trio._grpc.streams import HandoffClosedError, MessageStream, RpcAbortError
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
     Action,
     ChunkMetadata,
