@@ -130,7 +130,8 @@ class ClientConnection:
     def initiate(self) -> None:
         """Queue the connection preface (with our SETTINGS and the connection window)."""
         self._h2.initiate_connection()
-        self._h2.increment_flow_control_window(self._window - 65535)
+        if self._window > 65535:  # the connection's window starts at HTTP/2's default whatever SETTINGS say
+            self._h2.increment_flow_control_window(self._window - 65535)
 
     def data_to_send(self) -> bytes:
         """What must go out now (and is no longer held here)."""
