@@ -122,6 +122,9 @@ class ClientConnection:
         self._authority = authority.encode()
         self._scheme = scheme.encode()
         self._streams: dict[int, _Stream] = {}
+        self._header = bytearray()  # a frame header split between reads
+        self._frame_left = 0  # bytes of the current frame's body still to come
+        self._framed = False  # the server's first frame was seen
         self.settled = False
         self.accepting = True
         self.closed = False
@@ -223,6 +226,10 @@ class ClientConnection:
         if self.closed:
             return []
         out: list[Event] = []
+        bad = self._scan(data)
+        if bad is not None:
+            self._h2.close_connection(ErrorCodes.PROTOCOL_ERROR)
+            return self._end_all(Status.UNAVAILABLE, f"the server broke the HTTP/2 protocol: {bad}")
         try:
             events = self._h2.receive_data(data)
         except h2.exceptions.ProtocolError as error:
@@ -259,6 +266,33 @@ class ClientConnection:
         return self._end_all(Status.UNAVAILABLE, why)
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _scan(self, data: bytes | bytearray) -> str | None:
+        """What is wrong with the frame headers in ``data``, before h2 buffers a frame of any length it
+        claims (h2 checks the length only once the whole frame is in memory): a first frame that is
+        not SETTINGS, or a frame over the 16 KiB we allow."""
+        pos, end = 0, len(data)
+        while pos < end:
+            if self._frame_left:
+                step = min(self._frame_left, end - pos)
+                pos += step
+                self._frame_left -= step
+                continue
+            take = data[pos : pos + 9 - len(self._header)]
+            self._header += take
+            pos += len(take)
+            if len(self._header) < 9:
+                return None
+            length, kind = int.from_bytes(self._header[:3], "big"), self._header[3]
+            if not self._framed:
+                self._framed = True
+                if kind != 0x4:
+                    return f"its first frame is not SETTINGS (it began {_text(bytes(self._header))!r})"
+            if length > self._h2.max_inbound_frame_size:
+                return f"a frame of {length} bytes, over the {self._h2.max_inbound_frame_size}-byte limit"
+            self._frame_left = length
+            self._header.clear()
+        return None
 
     def _send_queued(self, stream_id: int, stream: _Stream) -> None:
         h2_conn = self._h2

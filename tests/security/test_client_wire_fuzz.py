@@ -172,15 +172,24 @@ def test_a_whole_call_gives_its_messages_then_ok() -> None:
         (lambda s: frame(GOAWAY, 0, 0, s.to_bytes(4, "big") + (11).to_bytes(4, "big") + b"calm down"),
          "UNAVAILABLE", "GOAWAY ENHANCE_YOUR_CALM: calm down"),
         (lambda s: b"\x00\x00\x04\x00\x00\x00\x00\x00\x00junk", "UNAVAILABLE", "broke the HTTP/2 protocol"),
+        (lambda s: b"\xff\xff\xff\x00\x00\x00\x00\x00\x01", "UNAVAILABLE", "a frame of 16777215 bytes, over the"),
     ],
     ids=["trailers-only", "http-404", "bad-grpc-status", "no-grpc-status", "not-grpc", "cut-message",
-         "no-trailers", "over-the-limit", "compressed", "refused", "goaway", "bad-frame"],
+         "no-trailers", "over-the-limit", "compressed", "refused", "goaway", "bad-frame",
+         "huge-frame-refused-on-its-header"],
 )
 def test_each_bad_answer_is_one_final_status(answer: object, status: str, text: str) -> None:
     conn, [sid] = opened()
     events = conn.receive(answer(sid))  # type: ignore[operator]
     final = [e for e in events if isinstance(e, StreamEnded)]
     assert len(final) == 1 and final[0].status.name == status and text in final[0].message, final
+
+
+def test_a_first_frame_other_than_settings_is_not_http2() -> None:
+    conn = ClientConnection("server:1")
+    conn.initiate()
+    conn.receive(b"HTTP/1.1 400 Bad Request\r\n")
+    assert conn.closed and "first frame is not SETTINGS (it began 'HTTP/1.1 ')" in conn.reason
 
 
 def test_a_message_over_the_limit_is_refused_on_its_prefix_and_the_stream_reset() -> None:
