@@ -212,7 +212,7 @@ class _Connection:
         session._mark_closed()
         self.room.set()
         self.room = trio.Event()
-        self._wakeup.set()  # what release() gave back (window updates) goes out
+        self._send_soon()  # what release() gave back (window updates)
 
     def end_all(self, why: str) -> None:
         for event in self.core.connection_lost(why):
@@ -223,6 +223,12 @@ class _Connection:
     def consumed(self, call: _Call, size: int) -> None:
         if call.stream_id in self.calls:
             self.core.consumed(call.stream_id, size)
+            self._send_soon()
+
+    def _send_soon(self) -> None:
+        """Hand what the core has to send (acks, window updates) to the writer; wake it only then."""
+        if out := self.core.data_to_send():
+            self._outgoing.append(out)
             self._wakeup.set()
 
     # -- tasks ----------------------------------------------------------------------------------
@@ -261,9 +267,7 @@ class _Connection:
                     break
                 for event in self.core.receive(data):
                     self._on_event(event)
-                if out := self.core.data_to_send():
-                    self._outgoing.append(out)
-                    self._wakeup.set()
+                self._send_soon()
                 if self._blocked:  # the server's window may have opened for what waits
                     for call in self._blocked:
                         self.ready(call)
@@ -296,7 +300,10 @@ class _Connection:
                 if self._deadlines and self._deadlines[0][0] <= trio.current_time():
                     self._expire()
                 if not self._ready and not self._outgoing:
-                    with trio.move_on_at(self._deadlines[0][0] if self._deadlines else math.inf):
+                    if self._deadlines:
+                        with trio.move_on_at(self._deadlines[0][0]):
+                            await self._wakeup.wait()
+                    else:
                         await self._wakeup.wait()
                     self._wakeup = trio.Event()
                 ready, self._ready = self._ready, {}
