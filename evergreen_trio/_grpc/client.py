@@ -466,8 +466,9 @@ class ClientChannel:
         try:
             connection = await self._start(call, path, options)
         except RpcAbortError as error:
+            # Its reader learns why; what is put meanwhile goes nowhere (a closed outbound would make
+            # the first put fail first, with no reason given).
             session.inbound.close(error)
-            session.outbound.close()
             session._mark_closed()
         else:
             holder.append(connection)
@@ -489,6 +490,9 @@ class ClientChannel:
                 if connection.open(call, path, options):
                     return connection
                 if connection.usable():  # full: wait for one of its streams to end
+                    if not connection.calls:
+                        raise RpcAbortError(Status.UNAVAILABLE, f"{self.target} allows no stream on its connection "
+                                            "(SETTINGS_MAX_CONCURRENT_STREAMS 0)")
                     await connection.room.wait()
                     continue
                 async with self._reconnecting:

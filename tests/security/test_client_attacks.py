@@ -175,3 +175,19 @@ async def test_a_server_that_stops_reading_leaves_the_client_closable(nursery: t
             while True:
                 await leaf.write(b"w" * 65536)
     assert aborted.value.code is StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_a_server_that_allows_no_stream_is_said_so(nursery: trio.Nursery) -> None:
+    async def closed_shop(stream: trio.SocketStream) -> None:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+        conn.local_settings = h2.settings.Settings(client=False, initial_values={
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 0})
+        conn.initiate_connection()
+        await stream.send_all(conn.data_to_send())
+        async for data in stream:
+            conn.receive_data(data)
+            await stream.send_all(conn.data_to_send())
+
+    address, _ = await hostile(nursery, closed_shop)
+    error = await one_echo(address)
+    assert error.code is StatusCode.UNAVAILABLE and "SETTINGS_MAX_CONCURRENT_STREAMS 0" in str(error)

@@ -185,6 +185,17 @@ def test_each_bad_answer_is_one_final_status(answer: object, status: str, text: 
     assert len(final) == 1 and final[0].status.name == status and text in final[0].message, final
 
 
+def test_response_headers_over_the_header_list_limit_end_the_connection() -> None:
+    conn, [sid] = opened()
+    big = bytes(hpack.Encoder().encode([(":status", "200"), ("x-padding", "p" * 70_000)], huffman=False))
+    pieces = [big[i : i + 16_384] for i in range(0, len(big), 16_384)]
+    wire = frame(HEADERS, 0, sid, pieces[0]) + b"".join(
+        frame(CONTINUATION, END_HEADERS if i == len(pieces) - 1 else 0, sid, p) for i, p in enumerate(pieces) if i)
+    events = conn.receive(wire)
+    assert conn.closed and [e.status.name for e in events if isinstance(e, StreamEnded)] == ["UNAVAILABLE"]
+    assert "header" in conn.reason.lower(), conn.reason
+
+
 def test_a_first_frame_other_than_settings_is_not_http2() -> None:
     conn = ClientConnection("server:1")
     conn.initiate()
