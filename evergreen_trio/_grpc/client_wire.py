@@ -200,10 +200,17 @@ class ClientConnection:
                 self._h2.reset_stream(stream_id, code)
 
     def release(self, stream_id: int) -> None:
-        """Forget a finished call; the credit it still held goes back to the connection's window."""
+        """Forget a finished call; the credit it still held goes back to the connection's window. A call
+        the server ended before this side's end of stream went out is reset (h2 would keep it open,
+        counted against the server's stream limit, for the connection's life)."""
         stream = self._streams.pop(stream_id, None)
-        if stream is not None and stream.received > stream.acked and not self.closed:
+        if stream is None or self.closed:
+            return
+        if stream.received > stream.acked:
             self._h2.acknowledge_received_data(stream.received - stream.acked, stream_id)
+        h2_stream = self._h2.streams.get(stream_id)
+        if h2_stream is not None and not h2_stream.closed:
+            self.reset_stream(stream_id)
 
     def consumed(self, stream_id: int, size: int) -> None:
         """``size`` bytes of whole messages (their :attr:`MessageReceived.size`) were taken: their

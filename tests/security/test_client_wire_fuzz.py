@@ -257,3 +257,20 @@ def test_outbound_messages_wait_for_the_servers_window() -> None:
                                                  (120.0, "120000m"), (1e6, "1000000S"), (1e12, "99999999H")])
 def test_grpc_timeout_fits_eight_digits_rounded_up(seconds: float, header: str) -> None:
     assert encode_timeout(seconds) == header
+
+
+def test_calls_the_server_ends_first_do_not_pile_up_in_h2() -> None:
+    """A server ends each call (trailers) while the client's request still waits for window: each is
+    reset when released, so none stays open against the server's stream limit."""
+    conn, _ = opened()
+    trailers_only = block((":status", "200"), ("content-type", "application/grpc"), ("grpc-status", "0"))
+    for _ in range(1_000):
+        sid = conn.start_stream("/s/M", max_message_bytes=LIMIT)
+        assert sid is not None
+        conn.send_message(sid, b"m" * 200)
+        conn.end_stream(sid)
+        conn.data_to_send()
+        assert [e.status.name for e in conn.receive(frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers_only))
+                if isinstance(e, StreamEnded)] == ["OK"]
+        conn.release(sid)
+    assert conn.room() and conn._h2.open_outbound_streams == 1  # the call opened() left open
