@@ -7,6 +7,7 @@ happened, within the client's deadlines; never a hang, never an exception group.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 
 import h2.config
@@ -28,10 +29,8 @@ async def hostile(nursery: trio.Nursery, behave: Behaviour) -> tuple[str, list[i
     async def handler(stream: trio.SocketStream) -> None:
         accepted[0] += 1
         async with stream:
-            try:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await behave(stream)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
 
     listeners = await nursery.start(trio.serve_tcp, handler, 0)
     return f"127.0.0.1:{listeners[0].socket.getsockname()[1]}", accepted

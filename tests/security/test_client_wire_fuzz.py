@@ -6,17 +6,7 @@ from __future__ import annotations
 
 import hpack
 import pytest
-from frames import frame, settings
-from hypothesis import given
-from hypothesis import strategies as st
-
-from evergreen_trio._grpc.client_wire import (
-    ClientConnection,
-    MessageReceived,
-    StreamEnded,
-    encode_timeout,
-)
-from evergreen_trio.picker.grpc_wire import (
+from frames import (  # the picker wire's frame constants, as the raw attack client uses them
     CONTINUATION,
     DATA,
     END_HEADERS,
@@ -26,7 +16,13 @@ from evergreen_trio.picker.grpc_wire import (
     RST_STREAM,
     SETTINGS_INITIAL_WINDOW_SIZE,
     WINDOW_UPDATE,
+    frame,
+    settings,
 )
+from hypothesis import given
+from hypothesis import strategies as st
+
+from evergreen_trio._grpc.client_wire import ClientConnection, MessageReceived, StreamEnded, encode_timeout
 
 LIMIT = 300
 WINDOW = 65_535
