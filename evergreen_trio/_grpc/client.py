@@ -42,6 +42,10 @@ PUMP_BYTES = 256 * 1024
 """A stream's messages waiting for the server's flow-control window, past which its queued items stay
 queued (and ``outbound.put`` waits once that queue is full)."""
 
+OUTGOING_BYTES = 1024 * 1024
+"""Answers the reader queued for the writer (PING and SETTINGS acks, window updates) past which it stops
+reading until they are written: a server that floods pings and reads nothing gets no more of our memory."""
+
 CLOSE_SECONDS = 0.5
 """How long a closing client gives its GOAWAY to go out before it closes the socket."""
 
@@ -136,6 +140,11 @@ class _Outbound(Handoff[T]):
         if self._items or self._closed:
             self._wake_writer()
 
+    def abandon(self, error: RpcAbortError | None) -> None:
+        """The stream is over: drop what is queued; a later put raises HandoffClosedError from ``error``."""
+        self.close(error)
+        self._items.clear()
+
     def take_now(self, limit: int) -> list[T]:
         """What is queued (up to ``limit``), without waiting."""
         return self._take(limit)
@@ -171,7 +180,9 @@ class _Connection:
         self._ready: dict[_Call, None] = {}  # calls with something for the writer, in order
         self._outgoing: list[bytes] = []  # bytes the reader produced (acks, window updates)
         self._wakeup = trio.Event()
+        self._sent = trio.Event()  # set (and replaced) after each write
         self._deadlines: list[tuple[float, int]] = []
+        self._waiting = trio.CancelScope()  # the reader's wait for input, cut short at the next deadline
         self._blocked: set[_Call] = set()  # calls whose items wait for the server's window
         self._scope = trio.CancelScope()
         self._finished = trio.Event()
@@ -193,6 +204,7 @@ class _Connection:
         self.calls[stream_id] = call
         if call.deadline < math.inf:
             heapq.heappush(self._deadlines, (call.deadline, stream_id))
+            self._waiting.deadline = min(self._waiting.deadline, call.deadline)
         self.ready(call)
         return True
 
@@ -205,8 +217,11 @@ class _Connection:
         if self.calls.pop(call.stream_id, None) is None:
             return
         session = call.session
-        session.inbound.close(None if status is Status.OK else RpcAbortError(status, message or status.name))
-        session.outbound.release()
+        error = None if status is Status.OK else RpcAbortError(status, message or status.name)
+        session.inbound.close(error)
+        outbound = session.outbound
+        assert isinstance(outbound, _Outbound)
+        outbound.abandon(error)
         self.core.release(call.stream_id)
         self._ready.pop(call, None)
         session._mark_closed()
@@ -259,9 +274,20 @@ class _Connection:
         self._scope.cancel()
 
     async def _read(self) -> None:
+        """Read and dispatch; the calls' deadlines are kept here (a cancelled read loses nothing, while
+        the writer may wait on a server that stopped reading)."""
         try:
             while not self.core.closed:
-                data = await self.stream.receive_some(READ_BYTES)
+                self._expire()
+                self._waiting = trio.CancelScope(deadline=self._deadlines[0][0] if self._deadlines else math.inf)
+                data = None
+                with self._waiting:
+                    # What the server made us answer (pings, acks) waits for a server that reads it.
+                    while self._outgoing and sum(map(len, self._outgoing)) > OUTGOING_BYTES:
+                        await self._sent.wait()
+                    data = await self.stream.receive_some(READ_BYTES)
+                if data is None:  # a deadline passed
+                    continue
                 if not data:
                     self.end_all(f"{self.target} closed the connection")
                     break
@@ -297,14 +323,8 @@ class _Connection:
     async def _write(self) -> None:
         try:
             while not (self.core.closed and not self._ready and not self._outgoing):
-                if self._deadlines and self._deadlines[0][0] <= trio.current_time():
-                    self._expire()
                 if not self._ready and not self._outgoing:
-                    if self._deadlines:
-                        with trio.move_on_at(self._deadlines[0][0]):
-                            await self._wakeup.wait()
-                    else:
-                        await self._wakeup.wait()
+                    await self._wakeup.wait()
                     self._wakeup = trio.Event()
                 ready, self._ready = self._ready, {}
                 for call in ready:
@@ -313,6 +333,8 @@ class _Connection:
                 self._outgoing.clear()
                 if data := out + self.core.data_to_send():
                     await self.stream.send_all(data)
+                    self._sent.set()
+                    self._sent = trio.Event()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             self.end_all(f"the connection to {self.target} was lost: {_cause(error)}")
 

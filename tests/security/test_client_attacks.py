@@ -190,3 +190,40 @@ async def test_a_server_that_allows_no_stream_is_said_so(nursery: trio.Nursery) 
     address, _ = await hostile(nursery, closed_shop)
     error = await one_echo(address)
     assert error.code is StatusCode.UNAVAILABLE and "SETTINGS_MAX_CONCURRENT_STREAMS 0" in str(error)
+
+
+async def test_a_ping_flood_from_a_server_that_reads_nothing_is_bounded(nursery: trio.Nursery) -> None:
+    """Each PING makes the client queue an ack; a server that never reads them stops being read past
+    OUTGOING_BYTES of acks, and the session still ends at its timeout."""
+    from evergreen_trio._grpc.client import OUTGOING_BYTES
+
+    async def flood(stream: trio.SocketStream) -> None:
+        conn = await speak(stream)
+        await request(stream, conn)
+        ping = b"\x00\x00\x08\x06\x00\x00\x00\x00\x00" + b"12345678"
+        with trio.move_on_after(5):
+            while True:
+                await stream.send_all(ping * 4096)
+        await trio.sleep_forever()
+
+    address, _ = await hostile(nursery, flood)
+    seen: list[int] = []
+
+    async def watch(client: Client) -> None:
+        connection = client._channel._connection  # type: ignore[union-attr]
+        while True:
+            seen.append(sum(map(len, connection._outgoing)))
+            await trio.sleep(0.005)
+
+    with trio.fail_after(15), pytest.raises(SessionAbortedError) as aborted:
+        async with Client(address, timeout=1.0) as client, trio.open_nursery() as watching:
+            watching.start_soon(watch, client)
+            try:
+                async with client.session() as session:
+                    call = await session.run("ECHO", {"input": text("x")}, ["output"])
+                    await call["output"].read_bytes()
+            finally:
+                watching.cancel_scope.cancel()
+    assert aborted.value.code is StatusCode.DEADLINE_EXCEEDED
+    assert max(seen) > 64 * 1024, "the flood did not reach the client"
+    assert max(seen) <= OUTGOING_BYTES + 128 * 1024, max(seen)
