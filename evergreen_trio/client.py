@@ -17,13 +17,8 @@ from types import TracebackType
 
 import trio
 
-from evergreen_trio._grpc.bridge import (
-    ClientChannel,
-    ClientOptions,
-    ConnectFailedError,
-    MessageStream,
-    open_client_channel,
-)
+from evergreen_trio._grpc.client import ClientChannel, ClientOptions, ConnectFailedError, open_client_channel
+from evergreen_trio._grpc.streams import MessageStream
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import START_SESSION
 from evergreen_trio.dag import SessionAbortedError, SessionError, SessionLimits, StatusCode

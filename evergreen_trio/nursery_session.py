@@ -19,7 +19,7 @@ import trio
 from google.protobuf.any_pb2 import Any as AnyProto
 from google.protobuf.message import Message
 
-from evergreen_trio._grpc.bridge import HandoffClosedError, MessageStream, RpcAbortError
+from evergreen_trio._grpc.streams import HandoffClosedError, MessageStream, RpcAbortError
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
     Action,
     ChunkMetadata,
@@ -335,7 +335,10 @@ class Session:
     async def _put(self, item: Outbound) -> None:
         try:
             await self.stream.outbound.put(item)
-        except HandoffClosedError:
+        except HandoffClosedError as closed:
+            if self.error is None and closed.__cause__ is not None:  # the stream ended so, before our reader saw it
+                self.fail(self._session_error(closed.__cause__) or SessionAbortedError("the session has ended",
+                                                                                       code=StatusCode.CANCELLED))
             raise self.error or SessionAbortedError("the session has ended", code=StatusCode.CANCELLED) from None
         self._sent += 1
         if self._sent % STEP_FRAGMENTS == 0:  # put waits only when the queue is full

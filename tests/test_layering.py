@@ -32,6 +32,7 @@ SANS_IO_CORES = (
     "sim/api.py", "sim/config.py", "sim/errors.py", "sim/model.py",
     "generate/config.py", "generate/errors.py", "generate/openai.py", "generate/sse.py",
     "testing/model.py", "errors.py", "limits.py", "_wire.py", "_memory.py", "nodes.py",
+    "_grpc/client_wire.py", "_grpc/limits.py",
 )
 """Plain Python under the Trio shells: tested without an event loop."""
 
@@ -105,6 +106,28 @@ def test_only_the_bridge_imports_asyncio() -> None:
     users = {relative(p) for p in module_files() if any(n.split(".")[0] in {"asyncio", "trio_asyncio"}
                                                          for n in imports(p))}
     assert users <= {"_grpc/bridge.py"}
+
+
+def test_the_client_side_of_sessions_reaches_no_asyncio() -> None:
+    """The session client (``client.py`` and what it imports of ours, transitively) stays off the bridge:
+    a client script runs on Trio alone (no trio-asyncio loop, Ctrl-C a plain KeyboardInterrupt)."""
+    seen: set[str] = set()
+    todo = ["evergreen_trio.client"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = ROOT / (name.replace(".", "/") + ".py")
+        if not path.exists():
+            path = ROOT / name.replace(".", "/") / "__init__.py"
+        if not path.exists() or name == "evergreen_trio":  # the package face imports the server too
+            continue
+        for imported in imports(path):
+            assert imported.split(".")[0] not in {"asyncio", "trio_asyncio"}, f"{name} imports {imported}"
+            if imported.startswith("evergreen_trio"):
+                todo.append(imported)
+    assert "evergreen_trio._grpc.bridge" not in seen, sorted(seen)
 
 
 @pytest.mark.parametrize("package", PROTOCOL_PACKAGES)

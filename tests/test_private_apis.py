@@ -206,12 +206,6 @@ CASES = [
          f"{BRIDGE} (_run_queued leaves the loop's stop to the loop task)"),
     Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "stop", Mentions("raise TrioAsyncioExit("),
          f"{BRIDGE} (_run_queued: the stop callback raises it)"),
-    # grpclib: the client channel's connection (opened eagerly) and its protocol.
-    Case("grpclib", "grpclib.client.Channel", "__connect__", Calls(), f"{BRIDGE} (_aio_connect)"),
-    Case("grpclib", "grpclib.client.Channel", "_protocol_factory", Calls(), f"{BRIDGE} (_Channel overrides it)"),
-    *[Case("grpclib", "grpclib.client.Channel", name, SetsInstanceAttr(), f"{BRIDGE} (_Channel._protocol_factory)")
-      for name in ("_config", "_h2_config")],
-    Case("grpclib", "grpclib.client", "Handler", Calls(), f"{BRIDGE} (_Channel._protocol_factory)"),
     # grpclib: its module-level reference to asyncio.current_task, re-pointed at trio-asyncio's.
     Case("grpclib", "grpclib.utils.Wrapper", "__enter__", Mentions("_current_task()"),
          f"{BRIDGE} (sets grpclib.utils._current_task for CPython 3.12+)"),
@@ -252,16 +246,11 @@ CASES = [
     Case("grpclib", "grpclib.protocol.EventsProcessor", "process", Calls(1), f"{BRIDGE} (_GuardedProtocol._feed)"),
     Case("grpclib", "grpclib.protocol.EventsProcessor", "close", Calls(1), f"{BRIDGE} (_GuardedProtocol)"),
     *[Case("grpclib", "grpclib.protocol.Stream", name, SetsInstanceAttr(), f"{BRIDGE} ({user})")
-      for name, user in (("created", "_GuardedProtocol._feed"), ("headers", "_client_pump_in"),
-                         ("trailers", "_client_pump_in"))],
+      for name, user in (("created", "_GuardedProtocol._feed"),)],
     Case("grpclib", "grpclib.protocol.Stream", "recv_data", Calls(1), f"{BRIDGE} (_recv_message)"),
     Case("grpclib", "grpclib.protocol.Buffer", "read", Mentions("AssertionError"),
          f"{BRIDGE} (_recv_message maps it to INVALID_ARGUMENT)"),
     Case("grpclib", "grpclib.server.Stream", "_stream", SetsInstanceAttr(), f"{BRIDGE} (_pump_in)"),
-    Case("grpclib", "grpclib.client.Stream", "_stream", SetsInstanceAttr(), f"{BRIDGE} (_client_pump_in)"),
-    Case("grpclib", "grpclib.client.Stream", "_process_grpc_status", Calls(1), f"{BRIDGE} (_client_pump_in)"),
-    Case("grpclib", "grpclib.client.Stream", "_process_grpc_status", Mentions("return status, message, details"),
-         f"{BRIDGE} (_client_pump_in unpacks three values)"),
     Case("grpclib", "grpclib.health.check.ServiceStatus", "__status__", Calls(),
          "evergreen_trio/_grpc/health.py (ServerHealth.ready, which the picker's Readiness reads)"),
     # h2: the stream cap that refuses one stream instead of failing the connection.

@@ -1,1 +1,2 @@
-"""gRPC over grpclib, run on Trio through trio-asyncio. `bridge` holds the package's only asyncio code."""
+"""gRPC for sessions: the server on grpclib through trio-asyncio (`bridge`, the package's only asyncio
+code); the client on Trio alone (`client` over the sans-IO `client_wire`)."""

@@ -1,5 +1,6 @@
-"""The one grpclib <-> Trio bridge: the only module of the package that touches asyncio.
+"""The session server's grpclib <-> Trio bridge: the only module of the package that touches asyncio.
 
+(The client side of sessions runs on Trio alone: ``client.py`` over the sans-IO ``client_wire.py``.)
 grpclib runs on a trio-asyncio loop. Crossing between Trio and asyncio once per message
 costs about 50 us, so nothing here crosses per message: each gRPC stream gets two
 long-lived asyncio pumps (reader and writer) that exchange messages with Trio tasks
@@ -23,14 +24,12 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager, suppress
-from contextvars import Context, copy_context
-from dataclasses import dataclass
+from contextvars import Context
 from functools import partial
 from typing import Any, Generic, TypeVar
 
-import grpclib.client
 import grpclib.server
 import grpclib.utils
 import h2.connection
@@ -40,10 +39,9 @@ import h2.settings
 import trio
 import trio_asyncio
 from google.protobuf.message import DecodeError, Message
-from grpclib.client import Channel
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Handler, Status
-from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.health.service import Health
 from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.server import Stream
@@ -52,8 +50,9 @@ from sniffio import thread_local as sniffio_library
 from trio_asyncio._base import TrioAsyncioExit
 from trio_asyncio._handles import AsyncHandle
 
+from evergreen_trio._grpc import streams
 from evergreen_trio._grpc.limits import FrameScanner, ResetBudget, TransportLimits
-from evergreen_trio.errors import EvergreenTrioError
+from evergreen_trio._grpc.streams import FinalStatus, HandoffClosedError, RpcAbortError
 
 # On CPython 3.12+ ``asyncio.current_task`` is C code that knows nothing of trio-asyncio's loop;
 # trio-asyncio replaces ``asyncio.current_task`` with a version that does, but grpclib took its own
@@ -92,107 +91,23 @@ TURNS_PER_PASS = 8
 the session server's queue of ready asyncio callbacks (see ``_GuardedServer.wait_turn``)."""
 
 
-class RpcAbortError(EvergreenTrioError):
-    """Ends a gRPC stream with ``status``; raised by handlers, or received when the peer ended it so."""
+class Handoff(streams.Handoff[T]):
+    """:class:`streams.Handoff` with an asyncio side: ``aio_put``/``aio_get_batch`` for grpclib's pumps.
 
-    def __init__(self, status: Status, message: str) -> None:
-        super().__init__(f"{status.name}: {message}")
-        self.status = status
-        self.message = message
-
-
-class HandoffClosedError(EvergreenTrioError):
-    """The other side closed the handoff; ``error`` says why when it failed."""
-
-
-class Handoff(Generic[T]):
-    """A bounded same-thread queue between an asyncio pump and Trio tasks.
-
-    ``put``/``get_batch`` are for Trio, ``aio_put``/``aio_get_batch`` for asyncio. A put waits
-    only while ``capacity`` items are queued (backpressure); a get waits only while empty,
-    then takes everything queued at once (batched receive).
+    Both sides run on the Trio thread, so waking the other side is a plain ``Event.set`` /
+    ``Future.set_result``.
     """
 
     def __init__(self, capacity: int) -> None:
-        self._items: deque[T] = deque()
-        self._capacity = capacity
-        self._closed = False
-        self._error: BaseException | None = None
-        self._trio_wakeup: trio.Event | None = None
+        super().__init__(capacity)
         self._aio_wakeup: asyncio.Future[None] | None = None
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self, error: BaseException | None = None) -> None:
-        """No more puts; gets drain what is queued, then raise ``error`` or return ``[]``."""
-        if not self._closed:
-            self._closed = True
-            self._error = error
-            self._wake()
-
     def _wake(self) -> None:
-        if self._trio_wakeup is not None:
-            self._trio_wakeup.set()
-            self._trio_wakeup = None
+        super()._wake()
         if self._aio_wakeup is not None:
             if not self._aio_wakeup.done():
                 self._aio_wakeup.set_result(None)
             self._aio_wakeup = None
-
-    def _push(self, item: T) -> None:
-        if self._closed:
-            raise HandoffClosedError("the stream is closed") from self._error
-        self._items.append(item)
-        self._wake()
-
-    def _take(self, limit: int) -> list[T]:
-        if not self._items:
-            if self._error is not None:
-                raise self._error
-            return []
-        count = min(limit, len(self._items))
-        batch = [self._items.popleft() for _ in range(count)]
-        self._wake()
-        return batch
-
-    def release(self) -> None:
-        """Close and drop what is held: queued items and the error (whose traceback keeps frames)."""
-        self.close()
-        self._items.clear()
-        self._error = None
-
-    def _full(self) -> bool:
-        return len(self._items) >= self._capacity and not self._closed
-
-    def _empty(self) -> bool:
-        return not self._items and not self._closed
-
-    async def put(self, item: T) -> None:
-        """Trio side: queue ``item``, waiting while the queue is full."""
-        while self._full():
-            if self._trio_wakeup is None:
-                self._trio_wakeup = trio.Event()
-            await self._trio_wakeup.wait()
-        self._push(item)
-
-    async def wait(self) -> None:
-        """Trio side: wait until an item is queued or the handoff is closed (taking nothing)."""
-        while self._empty():
-            if self._trio_wakeup is None:
-                self._trio_wakeup = trio.Event()
-            await self._trio_wakeup.wait()
-
-    async def get_batch(self, limit: int = 1 << 30) -> list[T]:
-        """Trio side: wait for items, return up to ``limit``; ``[]`` once closed and drained.
-
-        One scheduling point either way (a caller looping over batches lets other tasks run)."""
-        if self._empty():
-            await self.wait()
-        else:
-            await trio.lowlevel.checkpoint()
-        return self._take(limit)
 
     async def _aio_wait(self) -> None:
         if self._aio_wakeup is None:
@@ -203,13 +118,21 @@ class Handoff(Generic[T]):
         """asyncio side: queue ``item``, waiting while the queue is full."""
         while self._full():
             await self._aio_wait()
-        self._push(item)
+        self.push(item)
 
     async def aio_get_batch(self, limit: int = 1 << 30) -> list[T]:
         """asyncio side: wait for items, return up to ``limit``; ``[]`` once closed and drained."""
         while self._empty():
             await self._aio_wait()
         return self._take(limit)
+
+
+class MessageStream(streams.MessageStream[T]):
+    """:class:`streams.MessageStream` whose queues have an asyncio side (see :class:`Handoff`)."""
+
+    handoff = Handoff
+    inbound: Handoff[Message]
+    outbound: Handoff[T]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -907,68 +830,6 @@ _NOT_TLS = frozenset({"HTTP_REQUEST", "WRONG_VERSION_NUMBER", "UNSUPPORTED_PROTO
 # Message streams handed to Trio
 
 
-@dataclass
-class FinalStatus:
-    status: Status
-    message: str | None = None
-
-
-class MessageStream(Generic[T]):
-    """The Trio side's handle on one gRPC stream.
-
-    ``inbound`` yields received messages (``[]`` at the peer's end of stream; :class:`RpcAbortError`
-    when the stream ended with an error status); ``outbound`` takes items that ``pack``
-    turns into messages. :meth:`finish` ends the stream: on a server with a status, on a
-    client by half-closing (or resetting, for a non-OK status).
-
-    On a server, ``metadata`` (lower-case keys; binary ``-bin`` entries left out), ``peer``,
-    ``peer_certificate`` (mTLS) and ``deadline`` (Trio time, from ``grpc-timeout``) describe the
-    call; ``received`` counts inbound messages and ``last_activity`` (Trio time) is when the last
-    message went either way.
-    """
-
-    def __init__(
-        self,
-        pack: Callable[[list[T]], Iterable[Message]],
-        *,
-        inbound_capacity: int = 64,
-        outbound_capacity: int = 1024,
-    ) -> None:
-        self.inbound: Handoff[Message] = Handoff(inbound_capacity)
-        self.outbound: Handoff[T] = Handoff(outbound_capacity)
-        self.pack = pack
-        self.final: FinalStatus | None = None
-        self.peer: str = ""
-        self.peer_certificate: dict[str, Any] | None = None
-        self.metadata: dict[str, str] = {}
-        self.deadline: float | None = None
-        self.received = 0
-        self.last_activity = trio.current_time()
-        self._done = trio.Event()
-
-    def finish(self, status: Status | int = Status.OK, message: str | None = None) -> None:
-        """End the stream: queued items are sent first, then the status (server) or end of stream."""
-        if self.final is None:
-            self.final = FinalStatus(status if isinstance(status, Status) else Status(status), message)
-            self.outbound.close()
-
-    async def wait_closed(self) -> None:
-        """Wait until the asyncio side has sent everything and released the stream."""
-        await self._done.wait()
-
-    def release(self) -> None:
-        """The Trio side reads no more: drop unread messages and the final error.
-
-        grpclib keeps finished handler tasks (and their exceptions' tracebacks, which reach this
-        stream) until its periodic cleanup; released, the stream no longer keeps a session alive.
-        Outbound items stay: they are still being sent.
-        """
-        self.inbound.release()
-
-    def _mark_closed(self) -> None:
-        self._done.set()
-
-
 async def _recv_message(h2_stream: Any, message_type: type[Message], limit: int) -> Message | None:
     """grpclib's ``recv_message``, refusing a message on its 5-byte prefix when it claims more than
     ``limit`` bytes (grpclib reads a whole message into memory first, whatever it claims).
@@ -1009,57 +870,6 @@ async def _pump_in(stream: Any, session: MessageStream[Any], message_type: type[
         inbound.close(RpcAbortError(Status.UNAVAILABLE, f"stream terminated: {exc}"))
     except HandoffClosedError:
         pass
-
-
-async def _client_pump_in(stream: Any, session: MessageStream[Any], message_type: type[Message], limit: int) -> None:
-    """Client side: like :func:`_pump_in`, then the server's status from its trailers.
-
-    A server that aborts sends trailers and then resets the stream, so the read may end with a
-    reset although the status already arrived: the trailers (or a trailers-only response's
-    headers) are read from grpclib's protocol stream, where they are kept whatever came after.
-    """
-    inbound = session.inbound
-    try:
-        await stream.recv_initial_metadata()
-        while True:
-            # In grpclib's wrapper, as its own reads are: a connection that closes or dies terminates
-            # its streams through it (and the call's deadline ends it). Outside it, such a read
-            # waited forever, and so did the session's end, shielded.
-            with stream._wrapper:
-                message = await _recv_message(stream._stream, message_type, limit)
-            if message is None:
-                break
-            session.received += 1
-            await inbound.aio_put(message)
-    except GRPCError as exc:  # a trailers-only response
-        inbound.close(RpcAbortError(exc.status, exc.message or exc.status.name))
-        return
-    except RpcAbortError as abort:
-        inbound.close(abort)
-        return
-    except TimeoutError:  # grpclib's deadline fired in this read: said here, or the task's error goes unread
-        inbound.close(RpcAbortError(Status.DEADLINE_EXCEEDED, "the call's deadline passed"))
-        return
-    except (StreamTerminatedError, ConnectionError) as exc:
-        ended = f" ({exc})"
-    except HandoffClosedError:
-        return
-    else:
-        ended = ""
-    trailers = stream._stream.trailers
-    if trailers is None and stream._stream.headers is not None and "grpc-status" in dict(stream._stream.headers):
-        trailers = stream._stream.headers  # a trailers-only response, then the reset
-    if trailers is None:
-        inbound.close(RpcAbortError(Status.UNAVAILABLE, f"the stream ended without a status{ended}"))
-        return
-    try:
-        status, message_text, _ = stream._process_grpc_status(dict(trailers))
-    except GRPCError as exc:
-        status, message_text = exc.status, exc.message
-    if status is Status.OK:
-        inbound.close()
-    else:
-        inbound.close(RpcAbortError(status, message_text or status.name))
 
 
 async def _pump_out(stream: Any, session: MessageStream[Any]) -> None:
@@ -1197,262 +1007,3 @@ def _address(addr: Any) -> str:
 def _log_task_error(task: asyncio.Future[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("grpc.pump_failed error=%r", task.exception())
-
-
-@dataclass(frozen=True)
-class ClientOptions:
-    """How a client stream connects: ``tls`` (``True``: system CAs), ``metadata``, ``timeout`` (sent
-    as ``grpc-timeout``), and the largest message it accepts from the server."""
-
-    tls: bool | ssl.SSLContext | None = None
-    metadata: Mapping[str, str] | None = None
-    timeout: float | None = None
-    max_message_bytes: int = TransportLimits().max_message_bytes
-
-
-class _ClientProtocol(H2Protocol):
-    """grpclib's client protocol, noting whether the server said anything before the connection ended.
-
-    Every HTTP/2 server starts with its SETTINGS frame; a server that closes without a byte is,
-    most often, a TLS server that got a plaintext client's preface.
-    """
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.spoke = False
-        self.settled = asyncio.Event()
-
-    def data_received(self, data: bytes) -> None:
-        self.spoke = True
-        self.settled.set()
-        super().data_received(data)
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        self.settled.set()
-        super().connection_lost(exc)
-
-
-class _Channel(Channel):
-    """grpclib's channel with :class:`_ClientProtocol` connections, which stays closed once closed.
-
-    grpclib reconnects a closed channel for the next stream that asks: a stream whose task had not yet
-    sent its request when the client closed then opened a new connection, which no one would close.
-    """
-
-    closed = False
-
-    def _protocol_factory(self) -> H2Protocol:
-        return _ClientProtocol(grpclib.client.Handler(), self._config, self._h2_config)
-
-    async def __connect__(self) -> H2Protocol:
-        if self.closed:
-            raise ConnectionAbortedError("the client closed its connection")
-        return await super().__connect__()
-
-    def close(self) -> None:
-        self.closed = True
-        super().close()
-
-
-def _tls_failed(target: str, error: ssl.SSLError) -> str:
-    hint = ""
-    if error.reason in {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"}:
-        hint = " (the server answered in plaintext: is it serving without TLS? then connect without tls=)"
-    return f"TLS handshake with {target} failed: {error}{hint}"
-
-
-class ConnectFailedError(RpcAbortError):
-    """The connection could not be made; ``retryable`` when a later try may succeed (refused, no answer)."""
-
-    def __init__(self, message: str, *, retryable: bool, timed_out: bool = False) -> None:
-        super().__init__(Status.UNAVAILABLE, message)
-        self.retryable = retryable
-        self.timed_out = timed_out
-
-
-async def _aio_connect(host: str, port: int, tls: bool | ssl.SSLContext | None, seconds: float) -> _Channel:
-    """Open the channel's connection now and wait for the server's first bytes (its HTTP/2 SETTINGS)."""
-    target = f"{host}:{port}"
-    channel = _Channel(host, port, ssl=tls or None)
-    try:
-        async with asyncio.timeout(seconds):
-            protocol = await channel.__connect__()
-            assert isinstance(protocol, _ClientProtocol)
-            await protocol.settled.wait()
-    except TimeoutError:
-        channel.close()
-        why = f"{target} did not answer within {seconds:g} s"
-        raise ConnectFailedError(why, retryable=True, timed_out=True) from None
-    except ssl.SSLError as error:
-        channel.close()
-        raise ConnectFailedError(_tls_failed(target, error), retryable=False) from None
-    except OSError as error:
-        channel.close()
-        raise ConnectFailedError(f"cannot reach {target}: {error}", retryable=True) from None
-    if not protocol.spoke:
-        channel.close()
-        hint = "" if tls else " (is it serving TLS? then connect with tls=True or tls=client_context(...))"
-        raise ConnectFailedError(f"{target} closed the connection without a word of HTTP/2{hint}", retryable=False)
-    return channel
-
-
-class ClientChannel:
-    """One HTTP/2 connection to a server, on this Trio run's trio-asyncio loop, carrying many streams.
-
-    grpclib reconnects by itself when the connection drops; a stream that then cannot connect ends
-    with UNAVAILABLE. Open with :func:`open_client_channel`.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, channel: _Channel, target: str, context: Context) -> None:
-        self._loop = loop
-        self._channel = channel
-        self.target = target
-        self._context = context
-        self._open: set[MessageStream[Any]] = set()
-
-    @asynccontextmanager
-    async def open_stream(
-        self,
-        path: str,
-        request_type: type[Message],
-        reply_type: type[Message],
-        pack: Callable[[list[T]], Iterable[Message]],
-        *,
-        options: ClientOptions | None = None,
-    ) -> AsyncIterator[MessageStream[T]]:
-        """Open a bidirectional stream on this connection and hand it to Trio until the block exits.
-
-        At exit the stream is half-closed (or reset, when :meth:`MessageStream.finish` was given a
-        non-OK status) and the block waits for the server's trailers. No Trio task is started: the
-        stream's asyncio task is created on the loop directly (one crossing fewer per stream).
-        """
-        session: MessageStream[T] = MessageStream(pack)
-        session.peer = self.target
-        # The stream's task runs in the context the channel was opened in (trio-asyncio's current
-        # loop is a context variable), whichever Trio task opens the stream.
-        work = _client_stream(self._channel, self.target, path, request_type, reply_type, session,
-                              options or ClientOptions())
-        task = self._loop.create_task(work, context=self._context.copy())
-        task.add_done_callback(_log_task_error)
-        self._open.add(session)
-        try:
-            yield session
-        finally:
-            session.finish()
-            with trio.CancelScope(shield=True):
-                await session.wait_closed()
-            self._open.discard(session)
-
-    async def _closed(self) -> None:
-        """The connection was closed: grpclib terminates its streams, whose tasks then end them; a block
-        of another Trio task still in :meth:`open_stream` gets UNAVAILABLE instead of waiting forever."""
-        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_SECONDS):
-            for stream in list(self._open):
-                await stream.wait_closed()
-        for stream in self._open:
-            stream.inbound.close(RpcAbortError(Status.UNAVAILABLE, f"the connection to {self.target} was closed"))
-            stream._mark_closed()
-
-
-@asynccontextmanager
-async def open_client_channel(
-    host: str,
-    port: int,
-    *,
-    tls: bool | ssl.SSLContext | None = None,
-    connect_timeout: float = 10.0,
-    retries: int = 0,
-    backoff: float = 0.2,
-) -> AsyncIterator[ClientChannel]:
-    """Connect to ``host:port`` (on a trio-asyncio loop of its own) and yield the channel until the block exits.
-
-    Raises :class:`ConnectFailedError` when the connection cannot be made, after ``retries`` more
-    tries ``backoff`` seconds apart (doubling, at most 5 s) for the failures worth retrying.
-    """
-    async with _open_loop() as loop:
-        attempt = 0
-        while True:
-            try:
-                channel = await trio_asyncio.aio_as_trio(_aio_connect)(host, port, tls, connect_timeout)
-                break
-            except ConnectFailedError as error:
-                if not error.retryable or attempt >= retries:
-                    raise
-                log.info("grpc.connect_retry target=%s:%d attempt=%d error=%s", host, port, attempt + 1, error.message)
-                await trio.sleep(min(backoff * 2**attempt, 5.0))
-                attempt += 1
-        client = ClientChannel(loop, channel, f"{host}:{port}", copy_context())
-        try:
-            yield client
-        finally:
-            channel.close()
-            await client._closed()
-
-
-@asynccontextmanager
-async def open_client_stream(
-    host: str,
-    port: int,
-    path: str,
-    request_type: type[Message],
-    reply_type: type[Req],
-    pack: Callable[[list[T]], Iterable[Message]],
-    *,
-    options: ClientOptions | None = None,
-) -> AsyncIterator[MessageStream[T]]:
-    """One stream on a connection of its own (see :meth:`ClientChannel.open_stream`)."""
-    tls = options.tls if options is not None else None
-    async with open_client_channel(host, port, tls=tls) as channel, channel.open_stream(
-        path, request_type, reply_type, pack, options=options
-    ) as stream:
-        yield stream
-
-
-async def _client_stream(
-    channel: Channel,
-    target: str,
-    path: str,
-    request_type: type[Message],
-    reply_type: type[Message],
-    session: MessageStream[Any],
-    options: ClientOptions,
-) -> None:
-    try:
-        async with channel.request(
-            path, Cardinality.STREAM_STREAM, request_type, reply_type,
-            metadata=dict(options.metadata or {}), timeout=options.timeout,
-        ) as stream:
-            await stream.send_request()
-            reader = asyncio.ensure_future(_client_pump_in(stream, session, reply_type, options.max_message_bytes))
-            try:
-                await _pump_out(stream, session)
-                final = session.final
-                if final is not None and final.status is not Status.OK:
-                    # The stream is reset, so its framing no longer matters: the pending read may go.
-                    await stream.cancel()
-                    reader.cancel()
-                    session.inbound.close(RpcAbortError(final.status, final.message or final.status.name))
-                else:
-                    if not reader.done():
-                        await _half_close(stream)
-                    await asyncio.shield(reader)
-            except (StreamTerminatedError, ConnectionError, GRPCError) as exc:
-                status = exc.status if isinstance(exc, GRPCError) else Status.UNAVAILABLE
-                session.inbound.close(RpcAbortError(status, str(exc)))
-                await asyncio.shield(reader)
-    except TimeoutError:  # grpclib's own deadline timer fired inside one of its calls
-        session.inbound.close(RpcAbortError(Status.DEADLINE_EXCEEDED, f"no answer within {options.timeout:g} s"))
-    except ssl.SSLError as exc:
-        session.inbound.close(RpcAbortError(Status.UNAVAILABLE, _tls_failed(target, exc)))
-    except (OSError, StreamTerminatedError, GRPCError, ProtocolError) as exc:
-        status = exc.status if isinstance(exc, GRPCError) else Status.UNAVAILABLE
-        session.inbound.close(RpcAbortError(status, f"cannot reach {target}: {exc}"))
-    finally:
-        session.outbound.close()
-        session._mark_closed()
-
-
-async def _half_close(stream: Any) -> None:
-    """End the request stream; a server that already ended (and reset) the stream makes it moot."""
-    with suppress(StreamTerminatedError, ConnectionError, h2.exceptions.StreamClosedError):
-        await stream.end()

@@ -14,10 +14,11 @@ from functools import partial
 import trio
 from grpclib.const import Status
 
-from evergreen_trio._grpc.bridge import MessageStream, RpcAbortError, SessionAcceptor, serve_grpclib
+from evergreen_trio._grpc.bridge import MessageStream, SessionAcceptor, serve_grpclib
 from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.limits import TransportLimits
 from evergreen_trio._grpc.reflection import with_reflection
+from evergreen_trio._grpc.streams import RpcAbortError
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import SERVICE, START_SESSION
 from evergreen_trio.dag import SessionError, SessionLimits, StatusCode

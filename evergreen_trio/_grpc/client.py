@@ -1,0 +1,589 @@
+"""The client end of gRPC streams on Trio alone: the Trio shell over :mod:`client_wire` (no asyncio).
+
+A :class:`ClientChannel` holds one HTTP/2 connection (reopened when the server went away) carrying
+many streams. Each connection has two tasks in the channel's nursery: a reader, feeding what it reads
+to the sans-IO :class:`~evergreen_trio._grpc.client_wire.ClientConnection` and handing each message
+to its stream's ``inbound`` queue, and a writer, which packs what the streams queued on ``outbound``
+and owns every write (so no caller's cancellation cuts a frame in half). A stream costs no task: a
+put wakes the writer, a message read wakes the stream's reader. Deadlines of all the streams of a
+connection are kept by one timer in the writer.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import re
+import ssl
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import trio
+from google.protobuf.message import DecodeError, Message
+from grpclib.const import Status
+
+from evergreen_trio._grpc.client_wire import ClientConnection, MessageReceived
+from evergreen_trio._grpc.limits import TransportLimits
+from evergreen_trio._grpc.streams import Handoff, MessageStream, RpcAbortError
+from evergreen_trio.errors import ConfigurationError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+READ_BYTES = 64 * 1024
+"""The most a connection's reader takes from its socket (and feeds to h2) at a time."""
+
+PUMP_BYTES = 256 * 1024
+"""A stream's messages waiting for the server's flow-control window, past which its queued items stay
+queued (and ``outbound.put`` waits once that queue is full)."""
+
+OUTGOING_BYTES = 1024 * 1024
+"""Answers the reader queued for the writer (PING and SETTINGS acks, window updates) past which it stops
+reading until they are written: a server that floods pings and reads nothing gets no more of our memory."""
+
+CLOSE_SECONDS = 0.5
+"""How long a closing client gives its GOAWAY to go out before it closes the socket."""
+
+MAX_BACKOFF_SECONDS = 5.0
+"""The longest wait between two connection attempts."""
+
+_METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
+_RESERVED = (":", "grpc-")
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """How a client stream connects: ``tls`` (``True``: system CAs), ``metadata``, ``timeout`` (sent
+    as ``grpc-timeout``), and the largest message it accepts from the server."""
+
+    tls: bool | ssl.SSLContext | None = None
+    metadata: Mapping[str, str] | None = None
+    timeout: float | None = None
+    max_message_bytes: int = TransportLimits().max_message_bytes
+
+    def __post_init__(self) -> None:
+        for key, value in (self.metadata or {}).items():
+            if not isinstance(key, str) or not _METADATA_KEY.fullmatch(key.lower()) or key.startswith(_RESERVED):
+                raise ConfigurationError(f"metadata key {key!r}: expected lower-case letters, digits, '-', '_', '.'")
+            if not isinstance(value, str) or not value.isascii() or not value.isprintable():
+                raise ConfigurationError(f"metadata {key!r}: expected a printable ASCII string")
+
+
+class ConnectFailedError(RpcAbortError):
+    """The connection could not be made; ``retryable`` when a later try may succeed (refused, no answer)."""
+
+    def __init__(self, message: str, *, retryable: bool, timed_out: bool = False) -> None:
+        super().__init__(Status.UNAVAILABLE, message)
+        self.retryable = retryable
+        self.timed_out = timed_out
+
+
+def _tls_failed(target: str, error: ssl.SSLError) -> str:
+    hint = ""
+    if error.reason in {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"}:
+        hint = " (the server answered in plaintext: is it serving without TLS? then connect without tls=)"
+    return f"TLS handshake with {target} failed: {error}{hint}"
+
+
+def _default_tls() -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
+class _Inbound(Handoff[Message]):
+    """A stream's received messages, each with its size on the wire: taking them gives their
+    flow-control credit back to the server (nothing else does)."""
+
+    def __init__(self, capacity: int, on_consumed: Callable[[int], None]) -> None:
+        super().__init__(capacity)
+        self._sizes: deque[int] = deque()
+        self._on_consumed = on_consumed
+
+    def deliver(self, message: Message, size: int) -> None:
+        """Queue ``message`` (``size`` bytes on the wire); dropped, its credit given back, once the
+        reader has released the stream."""
+        if self._closed:
+            self._on_consumed(size)
+            return
+        self.push(message)
+        self._sizes.append(size)
+
+    def _take(self, limit: int) -> list[Message]:
+        batch = super()._take(limit)
+        if batch:
+            self._on_consumed(sum(self._sizes.popleft() for _ in batch))
+        return batch
+
+    def release(self) -> None:
+        super().release()
+        if self._sizes:
+            self._on_consumed(sum(self._sizes))
+            self._sizes.clear()
+
+
+class _Outbound(Handoff[T]):
+    """A stream's queued items: each put (and the close) wakes the connection's writer."""
+
+    def __init__(self, capacity: int, wake: Callable[[], None]) -> None:
+        super().__init__(capacity)
+        self._wake_writer = wake
+
+    def _wake(self) -> None:
+        super()._wake()
+        if self._items or self._closed:
+            self._wake_writer()
+
+    def abandon(self, error: RpcAbortError | None) -> None:
+        """The stream is over: drop what is queued; a later put raises HandoffClosedError from ``error``."""
+        self.close(error)
+        self._items.clear()
+
+    def take_now(self, limit: int) -> list[T]:
+        """What is queued (up to ``limit``), without waiting."""
+        return self._take(limit)
+
+    @property
+    def drained(self) -> bool:
+        return self._closed and not self._items
+
+
+class _Call:
+    """One stream of a connection."""
+
+    __slots__ = ("deadline", "finishing", "reply_type", "session", "stream_id", "timeout")
+
+    def __init__(self, session: MessageStream[Any], reply_type: type[Message], timeout: float | None) -> None:
+        self.session = session
+        self.reply_type = reply_type
+        self.timeout = timeout
+        self.deadline = math.inf if timeout is None else trio.current_time() + timeout
+        self.stream_id = 0
+        self.finishing = False  # its end (half-close or reset) was sent
+
+
+class _Connection:
+    """One HTTP/2 connection: its socket, its sans-IO state, its reader and writer tasks."""
+
+    def __init__(self, stream: trio.abc.Stream, core: ClientConnection, target: str) -> None:
+        self.stream = stream
+        self.core = core
+        self.target = target
+        self.calls: dict[int, _Call] = {}
+        self.room = trio.Event()  # set when a stream ends (a waiting one may fit)
+        self._ready: dict[_Call, None] = {}  # calls with something for the writer, in order
+        self._outgoing: list[bytes] = []  # bytes the reader produced (acks, window updates)
+        self._wakeup = trio.Event()
+        self._sent = trio.Event()  # set (and replaced) after each write
+        self._deadlines: list[tuple[float, int]] = []
+        self._waiting = trio.CancelScope()  # the reader's wait for input, cut short at the next deadline
+        self._blocked: set[_Call] = set()  # calls whose items wait for the server's window
+        self._scope = trio.CancelScope()
+        self._finished = trio.Event()
+
+    def usable(self) -> bool:
+        return self.core.accepting
+
+    # -- streams --------------------------------------------------------------------------------
+
+    def open(self, call: _Call, path: str, options: ClientOptions) -> bool:
+        """Start ``call`` on this connection now; False when it does not fit (no room, or going away)."""
+        if not self.core.accepting or not self.core.room():
+            return False
+        stream_id = self.core.start_stream(path, metadata=options.metadata, timeout=options.timeout,
+                                           max_message_bytes=options.max_message_bytes)
+        if stream_id is None:
+            return False
+        call.stream_id = stream_id
+        self.calls[stream_id] = call
+        if call.deadline < math.inf:
+            heapq.heappush(self._deadlines, (call.deadline, stream_id))
+            self._waiting.deadline = min(self._waiting.deadline, call.deadline)
+        self.ready(call)
+        return True
+
+    def ready(self, call: _Call) -> None:
+        self._ready[call] = None
+        self._wakeup.set()
+
+    def end(self, call: _Call, status: Status, message: str) -> None:
+        """The stream is over: its reader sees ``status`` after what was already received."""
+        if self.calls.pop(call.stream_id, None) is None:
+            return
+        session = call.session
+        error = None if status is Status.OK else RpcAbortError(status, message or status.name)
+        session.inbound.close(error)
+        outbound = session.outbound
+        assert isinstance(outbound, _Outbound)
+        outbound.abandon(error)
+        self.core.release(call.stream_id)
+        self._ready.pop(call, None)
+        session._mark_closed()
+        self.room.set()
+        self.room = trio.Event()
+        self._send_soon()  # what release() gave back (window updates)
+
+    def end_all(self, why: str) -> None:
+        for event in self.core.connection_lost(why):
+            self._on_event(event)
+        for call in list(self.calls.values()):  # those the core had already forgotten
+            self.end(call, Status.UNAVAILABLE, why)
+
+    def consumed(self, call: _Call, size: int) -> None:
+        if call.stream_id in self.calls:
+            self.core.consumed(call.stream_id, size)
+            self._send_soon()
+
+    def _send_soon(self) -> None:
+        """Hand what the core has to send (acks, window updates) to the writer; wake it only then."""
+        if out := self.core.data_to_send():
+            self._outgoing.append(out)
+            self._wakeup.set()
+
+    # -- tasks ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Read and write until the connection ends (or the channel cancels it); never raises.
+
+        The writer decides when: it returns once the connection is over and its last bytes (a
+        GOAWAY) are out, and the reader is cancelled then."""
+        with self._scope:
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._read)
+                    await self._write()
+                    nursery.cancel_scope.cancel()
+            finally:
+                self.end_all(self.core.reason or f"the connection to {self.target} was closed")
+                await trio.aclose_forcefully(self.stream)
+                self._finished.set()
+
+    async def close(self, why: str) -> None:
+        """GOAWAY (given ``CLOSE_SECONDS`` to go out), then the socket; every open stream ends UNAVAILABLE."""
+        self.core.close(why)
+        self.end_all(why)
+        self._wakeup.set()
+        with trio.move_on_after(CLOSE_SECONDS):
+            await self._finished.wait()
+        self._scope.cancel()
+
+    async def _read(self) -> None:
+        """Read and dispatch; the calls' deadlines are kept here (a cancelled read loses nothing, while
+        the writer may wait on a server that stopped reading)."""
+        try:
+            while not self.core.closed:
+                self._expire()
+                self._waiting = trio.CancelScope(deadline=self._deadlines[0][0] if self._deadlines else math.inf)
+                data = None
+                with self._waiting:
+                    # What the server made us answer (pings, acks) waits for a server that reads it.
+                    while self._outgoing and sum(map(len, self._outgoing)) > OUTGOING_BYTES:
+                        await self._sent.wait()
+                    data = await self.stream.receive_some(READ_BYTES)
+                if data is None:  # a deadline passed
+                    continue
+                if not data:
+                    self.end_all(f"{self.target} closed the connection")
+                    break
+                for event in self.core.receive(data):
+                    self._on_event(event)
+                self._send_soon()
+                if self._blocked:  # the server's window may have opened for what waits
+                    for call in self._blocked:
+                        self.ready(call)
+                    self._blocked.clear()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            self.end_all(f"the connection to {self.target} was lost: {_cause(error)}")
+        self._wakeup.set()  # the writer sends what is left (a GOAWAY) and ends the connection
+
+    def _on_event(self, event: Any) -> None:
+        call = self.calls.get(event.stream_id)
+        if call is None:
+            return
+        if isinstance(event, MessageReceived):
+            try:
+                message = call.reply_type.FromString(event.body)
+            except DecodeError as error:
+                self.core.reset_stream(call.stream_id)
+                self.end(call, Status.INVALID_ARGUMENT, f"not a {call.reply_type.__name__}: {error}")
+                return
+            inbound = call.session.inbound
+            assert isinstance(inbound, _Inbound)
+            inbound.deliver(message, event.size)
+            call.session.received += 1
+        else:
+            self.end(call, event.status, event.message)
+
+    async def _write(self) -> None:
+        try:
+            while not (self.core.closed and not self._ready and not self._outgoing):
+                if not self._ready and not self._outgoing:
+                    await self._wakeup.wait()
+                    self._wakeup = trio.Event()
+                ready, self._ready = self._ready, {}
+                for call in ready:
+                    self._pump(call)
+                out = b"".join(self._outgoing) if self._outgoing else b""
+                self._outgoing.clear()
+                if data := out + self.core.data_to_send():
+                    await self.stream.send_all(data)
+                    self._sent.set()
+                    self._sent = trio.Event()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            self.end_all(f"the connection to {self.target} was lost: {_cause(error)}")
+
+    def _pump(self, call: _Call) -> None:
+        """Move ``call``'s queued items into the core (as the window allows); at its end, half-close
+        or reset."""
+        if call.stream_id not in self.calls:
+            return
+        session, stream_id = call.session, call.stream_id
+        outbound = session.outbound
+        assert isinstance(outbound, _Outbound)
+        while True:
+            if self.core.pending(stream_id) >= PUMP_BYTES:
+                self._blocked.add(call)
+                return
+            batch = outbound.take_now(1 << 30)
+            if not batch:
+                break
+            session.last_activity = trio.current_time()
+            for message in session.pack(batch):
+                self.core.send_message(stream_id, message.SerializeToString())
+        if outbound.drained and not call.finishing:
+            call.finishing = True
+            final = session.final
+            if final is not None and final.status is not Status.OK:
+                self.core.reset_stream(stream_id)
+                self.end(call, final.status, final.message or final.status.name)
+            else:
+                self.core.end_stream(stream_id)
+
+    def _expire(self) -> None:
+        now = trio.current_time()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, stream_id = heapq.heappop(self._deadlines)
+            call = self.calls.get(stream_id)
+            if call is not None:
+                self.core.reset_stream(stream_id)
+                timeout = call.timeout if call.timeout is not None else 0.0
+                self.end(call, Status.DEADLINE_EXCEEDED, f"no answer within {timeout:g} s")
+
+
+def _cause(error: BaseException) -> str:
+    cause = error.__cause__ or error
+    return str(cause) or type(cause).__name__
+
+
+async def _connect(host: str, port: int, tls: bool | ssl.SSLContext | None, seconds: float) -> _Connection:
+    """Open a connection and wait for the server's first SETTINGS (its HTTP/2 preface), all within
+    ``seconds``; raises :class:`ConnectFailedError` saying why not."""
+    target = f"{host}:{port}"
+    with trio.move_on_after(seconds):
+        try:
+            tcp = await trio.open_tcp_stream(host, port)
+        except OSError as error:
+            raise ConnectFailedError(f"cannot reach {target}: {error}", retryable=True) from None
+        stream: trio.abc.Stream = tcp
+        try:
+            if tls:
+                context = tls if isinstance(tls, ssl.SSLContext) else _default_tls()
+                stream = trio.SSLStream(tcp, context, server_hostname=host)
+                await stream.do_handshake()
+            core = ClientConnection(target, scheme="https" if tls else "http")
+            core.initiate()
+            await stream.send_all(core.data_to_send())
+            return await _settle(stream, core, target, tls)
+        except trio.BrokenResourceError as error:
+            await trio.aclose_forcefully(stream)
+            if isinstance(error.__cause__, ssl.SSLError):
+                raise ConnectFailedError(_tls_failed(target, error.__cause__), retryable=False) from None
+            raise ConnectFailedError(f"cannot reach {target}: {_cause(error)}", retryable=True) from None
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+    raise ConnectFailedError(f"{target} did not answer within {seconds:g} s", retryable=True, timed_out=True)
+
+
+async def _settle(stream: trio.abc.Stream, core: ClientConnection, target: str,
+                  tls: bool | ssl.SSLContext | None) -> _Connection:
+    """Read until the server's SETTINGS."""
+    spoke = False
+    while not core.settled:
+        try:
+            data = await stream.receive_some(READ_BYTES)
+        except trio.BrokenResourceError as error:
+            if spoke or not isinstance(error.__cause__, ConnectionResetError):
+                raise
+            data = b""  # reset at once: as good as closed
+        if not data:
+            await trio.aclose_forcefully(stream)
+            if spoke:
+                raise ConnectFailedError(f"{target} closed the connection before its HTTP/2 SETTINGS", retryable=True)
+            # Most often a TLS server that got a plaintext client's preface.
+            hint = "" if tls else " (is it serving TLS? then connect with tls=True or tls=client_context(...))"
+            raise ConnectFailedError(f"{target} closed the connection without a word of HTTP/2{hint}",
+                                     retryable=False)
+        spoke = True
+        core.receive(data)
+        if core.closed:
+            await trio.aclose_forcefully(stream)
+            raise ConnectFailedError(f"{target} does not speak gRPC's HTTP/2: {core.reason}", retryable=False)
+    return _Connection(stream, core, target)
+
+
+class ClientChannel:
+    """One HTTP/2 connection to a server, carrying many streams; reopened for the next stream once the
+    server went away (a stream that then cannot connect ends with UNAVAILABLE). Open with
+    :func:`open_client_channel`.
+    """
+
+    def __init__(self, nursery: trio.Nursery, connection: _Connection, host: str, port: int,
+                 tls: bool | ssl.SSLContext | None, connect_timeout: float) -> None:
+        self._nursery = nursery
+        self._connection = connection
+        self._host, self._port, self._tls, self._connect_timeout = host, port, tls, connect_timeout
+        self.target = f"{host}:{port}"
+        self._reconnecting = trio.Lock()
+        self._closed = False
+        self._connections = [connection]  # the current one last; earlier ones end when the server is done
+
+    @asynccontextmanager
+    async def open_stream(
+        self,
+        path: str,
+        request_type: type[Message],
+        reply_type: type[Message],
+        pack: Callable[[list[T]], Iterable[Message]],
+        *,
+        options: ClientOptions | None = None,
+    ) -> AsyncIterator[MessageStream[T]]:
+        """Open a bidirectional stream on this connection and hand it to Trio until the block exits.
+
+        At exit the stream is half-closed (or reset, when :meth:`MessageStream.finish` was given a
+        non-OK status) and the block waits for the server's trailers (within the stream's timeout,
+        when it has one). No task is started for it.
+        """
+        options = options or ClientOptions()
+        holder: list[_Connection] = []
+        call: _Call
+
+        def consumed(size: int) -> None:
+            if holder:
+                holder[0].consumed(call, size)
+
+        def wake() -> None:
+            if holder:
+                holder[0].ready(call)
+
+        session: MessageStream[T] = MessageStream(pack, inbound=_Inbound(64, consumed), outbound=_Outbound(1024, wake))
+        session.peer = self.target
+        call = _Call(session, reply_type, options.timeout)
+        try:
+            connection = await self._start(call, path, options)
+        except RpcAbortError as error:
+            # Its reader learns why; what is put meanwhile goes nowhere (a closed outbound would make
+            # the first put fail first, with no reason given).
+            session.inbound.close(error)
+            session._mark_closed()
+        else:
+            holder.append(connection)
+        try:
+            yield session
+        finally:
+            session.finish()
+            with trio.CancelScope(shield=True):
+                await session.wait_closed()
+
+    async def _start(self, call: _Call, path: str, options: ClientOptions) -> _Connection:
+        """Start ``call`` on a connection with room for it, reopening the connection if the server
+        went away; raises :class:`RpcAbortError` when it cannot (within the call's deadline)."""
+        with trio.move_on_at(call.deadline):
+            while True:
+                if self._closed:
+                    raise RpcAbortError(Status.UNAVAILABLE, f"the connection to {self.target} was closed")
+                connection = self._connection
+                if connection.open(call, path, options):
+                    return connection
+                if connection.usable():  # full: wait for one of its streams to end
+                    if not connection.calls:
+                        raise RpcAbortError(Status.UNAVAILABLE, f"{self.target} allows no stream on its connection "
+                                            "(SETTINGS_MAX_CONCURRENT_STREAMS 0)")
+                    await connection.room.wait()
+                    continue
+                async with self._reconnecting:
+                    if self._connection is connection and not self._closed:
+                        try:
+                            fresh = await _connect(self._host, self._port, self._tls, self._connect_timeout)
+                        except ConnectFailedError as error:
+                            raise RpcAbortError(Status.UNAVAILABLE, error.message) from None
+                        self._connection = fresh
+                        self._connections = [c for c in self._connections if not c.core.closed] + [fresh]
+                        self._nursery.start_soon(fresh.run)
+        raise RpcAbortError(Status.DEADLINE_EXCEEDED, f"no answer within {call.timeout:g} s")
+
+    async def _close(self) -> None:
+        self._closed = True
+        for connection in self._connections:
+            await connection.close(f"the connection to {self.target} was closed")
+
+
+@asynccontextmanager
+async def open_client_channel(
+    host: str,
+    port: int,
+    *,
+    tls: bool | ssl.SSLContext | None = None,
+    connect_timeout: float = 10.0,
+    retries: int = 0,
+    backoff: float = 0.2,
+) -> AsyncIterator[ClientChannel]:
+    """Connect to ``host:port`` and yield the channel until the block exits.
+
+    Raises :class:`ConnectFailedError` when the connection cannot be made, after ``retries`` more
+    tries ``backoff`` seconds apart (doubling, at most 5 s) for the failures worth retrying.
+    """
+    attempt = 0
+    while True:
+        try:
+            connection = await _connect(host, port, tls, connect_timeout)
+            break
+        except ConnectFailedError as error:
+            if not error.retryable or attempt >= retries:
+                raise
+            log.info("grpc.connect_retry target=%s:%d attempt=%d error=%s", host, port, attempt + 1, error.message)
+            await trio.sleep(min(backoff * 2**attempt, MAX_BACKOFF_SECONDS))
+            attempt += 1
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(connection.run)
+        channel = ClientChannel(nursery, connection, host, port, tls, connect_timeout)
+        try:
+            yield channel
+        finally:
+            with trio.CancelScope(shield=True):
+                await channel._close()
+
+
+@asynccontextmanager
+async def open_client_stream(
+    host: str,
+    port: int,
+    path: str,
+    request_type: type[Message],
+    reply_type: type[Message],
+    pack: Callable[[list[T]], Iterable[Message]],
+    *,
+    options: ClientOptions | None = None,
+) -> AsyncIterator[MessageStream[T]]:
+    """One stream on a connection of its own (see :meth:`ClientChannel.open_stream`)."""
+    tls = options.tls if options is not None else None
+    async with open_client_channel(host, port, tls=tls) as channel, channel.open_stream(
+        path, request_type, reply_type, pack, options=options
+    ) as stream:
+        yield stream
