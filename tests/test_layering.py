@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,6 +133,26 @@ def test_the_client_side_of_sessions_reaches_no_asyncio() -> None:
             if imported.startswith("evergreen_trio"):
                 todo.append(imported)
     assert "evergreen_trio._grpc.bridge" not in seen, sorted(seen)
+
+
+IMPORT_AND_BUILD = """
+import asyncio, sys
+import evergreen_trio, evergreen_trio.avp, evergreen_trio.generate, evergreen_trio.ipc, evergreen_trio.picker
+import evergreen_trio.sim, evergreen_trio.testing
+from evergreen_trio import Client, Server
+Server(), Client("127.0.0.1:1")
+async def loop_module() -> str:
+    return type(asyncio.get_running_loop()).__module__
+print("trio_asyncio" in sys.modules, asyncio.run(loop_module()))
+"""
+
+
+def test_importing_the_package_leaves_asyncio_alone() -> None:
+    """trio-asyncio replaces ``asyncio.new_event_loop`` process-wide when imported, so a user's own
+    ``asyncio.run`` would run on its slower loop (it doubled raw grpclib's round trip in our
+    benchmark): only serving a session server or the picker's health port imports it."""
+    out = subprocess.run([sys.executable, "-c", IMPORT_AND_BUILD], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "asyncio.unix_events"], out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("package", PROTOCOL_PACKAGES)

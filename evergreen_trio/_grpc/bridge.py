@@ -51,7 +51,13 @@ from trio_asyncio._base import TrioAsyncioExit
 from trio_asyncio._handles import AsyncHandle
 
 from evergreen_trio._grpc import streams
-from evergreen_trio._grpc.limits import FrameScanner, ResetBudget, TransportLimits
+from evergreen_trio._grpc.limits import (
+    HEALTH_WATCH_SECONDS,
+    MAX_HEALTH_WATCHES,
+    FrameScanner,
+    ResetBudget,
+    TransportLimits,
+)
 from evergreen_trio._grpc.streams import FinalStatus, HandoffClosedError, RpcAbortError
 
 # On CPython 3.12+ ``asyncio.current_task`` is C code that knows nothing of trio-asyncio's loop;
@@ -613,13 +619,6 @@ class _Handler(grpclib.server.Handler):
 
         super().accept(stream, headers, release_once)
         self._tasks[stream].add_done_callback(lambda _task: release_once())
-
-
-MAX_HEALTH_WATCHES = 100
-"""``Health/Watch`` streams open at once on a server; past it a new one gets RESOURCE_EXHAUSTED."""
-
-HEALTH_WATCH_SECONDS = 60.0
-"""A ``Health/Watch`` stream ends (OK) after this long; a client that still cares watches again."""
 
 
 class BoundedHealth(Health):

@@ -8,12 +8,16 @@ plain call (grpclib's watchers are woken on the same thread, on the trio-asyncio
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from grpclib.health.check import ServiceStatus
 from grpclib.health.service import OVERALL
 
-from evergreen_trio._grpc.bridge import HEALTH_WATCH_SECONDS, MAX_HEALTH_WATCHES, BoundedHealth
+from evergreen_trio._grpc.limits import HEALTH_WATCH_SECONDS, MAX_HEALTH_WATCHES
+
+if TYPE_CHECKING:
+    from evergreen_trio._grpc.bridge import BoundedHealth
 
 
 class HealthName:
@@ -29,7 +33,8 @@ class HealthName:
 class ServerHealth:
     """A server's health: readiness under ``ready_names`` (``""`` is the server's overall status),
     liveness under ``"liveness"``. Both start NOT_SERVING; ``servable`` (a :class:`BoundedHealth`:
-    ``max_watches``, ``watch_seconds``) goes in the grpclib server's servables.
+    ``max_watches``, ``watch_seconds``) goes in the grpclib server's servables; it is made when first
+    asked for, at serving time, so that building a server imports no trio-asyncio.
 
     A draining server is live but not ready: a Kubernetes liveness probe must not kill it while
     its readiness probe takes it out of rotation.
@@ -45,7 +50,15 @@ class ServerHealth:
         checks: dict[Any, list[ServiceStatus]] = {
             OVERALL if name == "" else HealthName(name): [self._ready] for name in ready_names}
         checks[HealthName(self.LIVENESS)] = [self._live]
-        self.servable = BoundedHealth(checks, max_watches=max_watches, watch_seconds=watch_seconds)
+        self._checks, self._max_watches, self._watch_seconds = checks, max_watches, watch_seconds
+
+    @cached_property
+    def servable(self) -> BoundedHealth:
+        # Imported here, not at the top: the bridge imports trio-asyncio, which replaces
+        # asyncio.new_event_loop for the whole process, so importing evergreen_trio must not.
+        from evergreen_trio._grpc.bridge import BoundedHealth
+
+        return BoundedHealth(self._checks, max_watches=self._max_watches, watch_seconds=self._watch_seconds)
 
     @property
     def ready(self) -> bool:

@@ -134,3 +134,10 @@ class FrameScanner:
                 self._skip = int.from_bytes(self._header[:3], "big")
                 self._header.clear()
         return pos, len(live) + split
+
+
+MAX_HEALTH_WATCHES = 100
+"""``Health/Watch`` streams open at once on a server; past it a new one gets RESOURCE_EXHAUSTED."""
+
+HEALTH_WATCH_SECONDS = 60.0
+"""A ``Health/Watch`` stream ends (OK) after this long; a client that still cares watches again."""

@@ -20,7 +20,6 @@ import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpclib.const import Status
 
-from evergreen_trio._grpc.bridge import serve_grpclib
 from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._http import HttpGetError, KeepAliveGetter
 from evergreen_trio.picker.config import Endpoint, PickerConfig
@@ -312,6 +311,8 @@ async def run_picker(
             nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0], new_flow_wake)
         grpc_bound = await nursery.start(partial(
             serve_sync_bidi, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context))
+        from evergreen_trio._grpc.bridge import serve_grpclib  # at serving time: see Server.serve
+
         health_bound = await nursery.start(serve_grpclib, [readiness.health.servable], host, health_port)
         metrics_bound = await nursery.start(serve_metrics, metrics.registry, host, metrics_port)
         ports = PickerPorts(grpc_bound, health_bound, metrics_bound)

@@ -8,17 +8,17 @@ import logging
 import random
 import ssl
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 from grpclib.const import Status
 
-from evergreen_trio._grpc.bridge import MessageStream, SessionAcceptor, serve_grpclib
 from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.limits import TransportLimits
 from evergreen_trio._grpc.reflection import with_reflection
-from evergreen_trio._grpc.streams import RpcAbortError
+from evergreen_trio._grpc.streams import MessageStream, RpcAbortError
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import SERVICE, START_SESSION
 from evergreen_trio.dag import SessionError, SessionLimits, StatusCode
@@ -34,6 +34,9 @@ from evergreen_trio.nursery_session import (
 from evergreen_trio.refs import RefResolver, resolver_map
 from evergreen_trio.serving.auth import Authorizer, Peer
 from evergreen_trio.serving.metrics import SessionMetrics
+
+if TYPE_CHECKING:
+    from evergreen_trio._grpc.bridge import SessionAcceptor
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +179,10 @@ class Server(ActionRegistry):
         Cancelled, it ends the sessions still open with UNAVAILABLE; :meth:`drain` first to let
         them finish. Raises ``OSError`` when the address cannot be bound.
         """
+        # Imported here: the bridge imports trio-asyncio, which replaces asyncio.new_event_loop for
+        # the whole process; importing evergreen_trio or building a Server must leave asyncio alone.
+        from evergreen_trio._grpc.bridge import SessionAcceptor, serve_grpclib
+
         acceptor: SessionAcceptor[SessionMessage, Outbound] = SessionAcceptor(
             START_SESSION, SessionMessage, SessionMessage, pack_messages, limits=self.transport_limits,
             on_limit=self.metrics.limit_hit, admit=self._admit if _plain(self.authorize) else None,
@@ -223,7 +230,7 @@ class Server(ActionRegistry):
             finally:
                 acceptor.accepted.close()
 
-    def _start_sessions(self, nursery: trio.Nursery, streams: list[MessageStream[Outbound]]) -> None:
+    def _start_sessions(self, nursery: trio.Nursery, streams: Sequence[MessageStream[Outbound]]) -> None:
         for stream in streams:
             if self._draining:
                 stream.finish(StatusCode.UNAVAILABLE, "the server is draining; open the session elsewhere")
