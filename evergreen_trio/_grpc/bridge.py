@@ -15,6 +15,7 @@ shutdown steps are shielded; a final status always reaches the peer.
 from __future__ import annotations
 
 import asyncio
+import errno
 import heapq
 import logging
 import math
@@ -90,6 +91,10 @@ STREAMS_PER_TURN = 1
 TURNS_PER_PASS = 8
 """Connections whose waiting input gets a turn (``STREAMS_PER_TURN`` new streams each) per pass through
 the session server's queue of ready asyncio callbacks (see ``_GuardedServer.wait_turn``)."""
+
+ACCEPTS_PER_PASS = 16
+"""The session server accepts at most this many connections each time its listening socket is ready
+(once per Trio scheduling pass; see :func:`_accept_connections`)."""
 
 
 class RpcAbortError(EvergreenTrioError):
@@ -669,6 +674,8 @@ class _GuardedProtocol(H2Protocol):
             self._counted = False
             self.server.connection_closed()
         super().connection_lost(exc)
+        assert isinstance(self.handler, _Handler)
+        self.server.handler_closed(self.handler)
 
 
 class _Handler(grpclib.server.Handler):
@@ -744,6 +751,7 @@ class _GuardedServer(grpclib.server.Server):
         self._refused = 0  # in the current burst: one warning per burst
         self._waiting: deque[_GuardedProtocol] = deque()  # connections whose input waits for a turn
         self._granting = False  # a _grant is queued
+        self._closed_handlers: set[grpclib.server.Handler] = set()  # see __gc_collect__
 
     def connection_admitted(self) -> None:
         self.open_connections += 1
@@ -783,6 +791,22 @@ class _GuardedServer(grpclib.server.Server):
         if self._waiting:
             self._grant_soon()
 
+    # grpclib drops the handlers of closed connections (and with them each connection's h2 state,
+    # about 100 bytes per stream it served) every tenth new connection, by walking all of them: a
+    # server that clients keep reconnecting to then held up to ten dead connections, and collecting
+    # at every connection made opening 1,000 connections quadratic. Every new connection here
+    # collects, walking only the connections closed since (see ``connection_lost``).
+    __gc_interval__ = 1
+
+    def handler_closed(self, handler: grpclib.server.Handler) -> None:
+        """The connection of ``handler`` closed: drop it at the next collection once its tasks are done."""
+        self._closed_handlers.add(handler)
+
+    def __gc_collect__(self) -> None:
+        done = {handler for handler in self._closed_handlers if handler.check_closed()}
+        self._closed_handlers -= done
+        self._handlers -= done
+
     def _protocol_factory(self) -> H2Protocol:
         self.__gc_step__()
         handler = _Handler(self._mapping, self._codec, self._status_details_codec, self.__dispatch__)
@@ -813,10 +837,6 @@ async def serve_grpclib(
     bound_port: int = sock.getsockname()[1]
     async with _open_loop():
         server = _GuardedServer(servables, limits)
-        # grpclib drops the handlers of closed connections (and with them each connection's h2
-        # state, about 100 bytes per stream it served) only every tenth new connection; a server
-        # that clients keep reconnecting to then holds up to ten dead connections. Every one:
-        server.__gc_interval__ = 1
         await trio_asyncio.aio_as_trio(_start)(server, sock, tls, limits.handshake_timeout)
         log.info("grpc.listening host=%s port=%d tls=%s", host, bound_port, tls is not None)
         try:
@@ -834,13 +854,52 @@ async def serve_grpclib(
 
 
 async def _start(server: _GuardedServer, sock: socket.socket, tls: ssl.SSLContext | None, handshake: float) -> None:
-    """grpclib's ``Server.start``, TLS (if any) through :class:`_TlsGate`."""
+    """grpclib's ``Server.start``, TLS (if any) through :class:`_TlsGate`, accepting by :func:`_accept_connections`."""
     loop = asyncio.get_running_loop()
+    loop._accept_connection = partial(_accept_connections, loop)  # type: ignore[attr-defined]
     factory: Callable[[], asyncio.BaseProtocol] = server._protocol_factory
     if tls is not None:
         factory = partial(_TlsGate, server._protocol_factory, tls, handshake)
     server._server = await loop.create_server(factory, sock=sock)
     server._server_closed_fut = loop.create_future()
+
+
+def _accept_connections(loop: Any, protocol_factory: Callable[[], asyncio.Protocol], sock: socket.socket,
+                        sslcontext: None, server: asyncio.AbstractServer, backlog: int, *timeouts: float) -> None:
+    """asyncio's ``_accept_connection`` (run when the listening socket is ready), accepting at most
+    ``ACCEPTS_PER_PASS`` connections and setting each up at once (transport, then ``connection_made`` and its
+    reader as this I/O task's follow-ups), where asyncio accepted up to 100 and started a task for each.
+
+    Those 100 tasks queued about 500 callbacks (task steps, transport setup, a future each) ahead of
+    every other connection's next step, ``READY_BATCH`` a pass: while 1,100 connections were opened
+    one after another, each step of a legitimate session waited behind several such passes (probe
+    stalls of 200-1,400 ms). What is not accepted now waits in the kernel's queue for the next pass.
+    """
+    for _ in range(ACCEPTS_PER_PASS):
+        try:
+            conn, addr = sock.accept()
+            conn.setblocking(False)
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError as error:
+            if error.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                raise
+            # Out of descriptors or memory: as asyncio does, stop accepting for a while (the kernel
+            # keeps reporting the listening socket ready, and every pass would fail again).
+            log.warning("grpc.accept_failed error=%s: not accepting for %g s", error, ACCEPT_RETRY_SECONDS)
+            loop._remove_reader(sock.fileno())
+            loop.call_later(ACCEPT_RETRY_SECONDS, loop._start_serving, protocol_factory, sock, sslcontext, server,
+                            backlog, *timeouts)
+            return
+        try:
+            loop._make_socket_transport(conn, protocol_factory(), extra={"peername": addr}, server=server)
+        except Exception as error:  # the protocol's setup failed: this connection only
+            log.error("grpc.accept_failed peer=%s error=%r", _address(addr), error)
+            conn.close()
+
+
+ACCEPT_RETRY_SECONDS = 1.0
+"""How long the session server stops accepting after ``accept`` ran out of descriptors (asyncio's delay)."""
 
 
 class _TlsGate(asyncio.Protocol):
