@@ -92,7 +92,7 @@ TURNS_PER_PASS = 8
 """Connections whose waiting input gets a turn (``STREAMS_PER_TURN`` new streams each) per pass through
 the session server's queue of ready asyncio callbacks (see ``_GuardedServer.wait_turn``)."""
 
-ACCEPTS_PER_PASS = 16
+ACCEPTS_PER_PASS = 8
 """The session server accepts at most this many connections each time its listening socket is ready
 (once per Trio scheduling pass; see :func:`_accept_connections`)."""
 
@@ -485,7 +485,9 @@ class _GuardedProtocol(H2Protocol):
         self._transport: Any = None  # an asyncio transport, once connected
 
     def connection_made(self, transport: Any) -> None:
-        # grpclib's connection_made, with local settings that advertise the stream cap.
+        # grpclib's connection_made, with local settings that advertise the stream cap, all in one
+        # SETTINGS frame (grpclib sent the stream window in a second one: a second ACK from every
+        # peer to process, 1,000 of them at once when 1,000 connections answer together).
         self._transport = transport
         h2_conn = _GuardedH2Connection(config=self.h2_config)
         h2_conn.local_settings = h2.settings.Settings(
@@ -493,16 +495,13 @@ class _GuardedProtocol(H2Protocol):
             initial_values={
                 h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.limits.max_streams_per_connection,
                 h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: h2_conn.DEFAULT_MAX_HEADER_LIST_SIZE,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size,
             },
         )
         h2_conn.initiate_connection()
-        initial = h2_conn.local_settings.initial_window_size
+        initial = h2_conn.inbound_flow_control_window  # the connection's: SETTINGS do not change it
         if self.config.http2_connection_window_size != initial:
             h2_conn.increment_flow_control_window(self.config.http2_connection_window_size - initial)
-        if self.config.http2_stream_window_size != initial:
-            h2_conn.update_settings(
-                {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size}
-            )
         self.connection = Connection(h2_conn, transport, config=self.config)
         self.connection.guard = self  # type: ignore[attr-defined]  # how a stream's handler finds its connection
         self.processor = EventsProcessor(self.handler, self.connection)
