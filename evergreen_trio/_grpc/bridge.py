@@ -259,6 +259,15 @@ def _call_soon(loop: Any, callback: Callable[..., object], *args: Any, context: 
     return loop._queue_handle(asyncio.Handle(callback, args, loop, context=context))
 
 
+def _call_later(loop: Any, delay: float, callback: Callable[..., object], *args: Any,
+                context: Context | None = None) -> asyncio.TimerHandle:
+    """trio-asyncio's ``call_later`` less its ``_check_callback`` (see :func:`_call_soon`): grpclib and
+    the session server start two or three timers per connection."""
+    handle = asyncio.TimerHandle(loop.time() + delay, callback, args, loop, context=context)
+    loop._queue_handle(handle)
+    return handle
+
+
 def _stop_loop() -> None:
     raise TrioAsyncioExit("stopping trio-asyncio loop")
 
@@ -412,6 +421,7 @@ async def _open_loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
         loop._main_loop_one = partial(_loop_step, loop)
         loop._io_task = partial(_io_task, loop)
         loop.call_soon = partial(_call_soon, loop)
+        loop.call_later = partial(_call_later, loop)
         channel.send_nowait(asyncio.Handle(_no_op, (), loop))  # wakes the step waiting on the channel
         yield loop
 
@@ -427,7 +437,7 @@ def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
-    sock.listen(128)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 
@@ -586,7 +596,7 @@ class _GuardedProtocol(H2Protocol):
                     self.budget.reset(time.monotonic() - stream.created)
             elif isinstance(event, h2.events.RemoteSettingsChanged) and not self._settled:
                 self._settled = True
-                self._schedule(self.limits.idle_timeout)
+                self._idle_timer()
             self.processor.process(event)
         if self.connection.is_closing():  # the peer's GOAWAY closed it while processing
             return False
@@ -622,6 +632,13 @@ class _GuardedProtocol(H2Protocol):
         if self._timer is not None:
             self._timer.cancel()
         self._timer = None if delay is None else asyncio.get_running_loop().call_later(delay, self._check_idle)
+
+    def _idle_timer(self) -> None:
+        """The preface is complete: the idle deadline applies. The handshake's timer stays when it is
+        due first (``_check_idle`` then moves it on): a timer fewer to start per connection."""
+        idle = self.limits.idle_timeout
+        if idle is None or self._timer is None or self._timer.when() > asyncio.get_running_loop().time() + idle:
+            self._schedule(idle)
 
     def _go_away(self, code: ErrorCodes, why: str) -> None:
         level = logging.INFO if code is ErrorCodes.NO_ERROR else logging.WARNING
@@ -859,7 +876,7 @@ async def _start(server: _GuardedServer, sock: socket.socket, tls: ssl.SSLContex
     factory: Callable[[], asyncio.BaseProtocol] = server._protocol_factory
     if tls is not None:
         factory = partial(_TlsGate, server._protocol_factory, tls, handshake)
-    server._server = await loop.create_server(factory, sock=sock)
+    server._server = await loop.create_server(factory, sock=sock, backlog=LISTEN_BACKLOG)
     server._server_closed_fut = loop.create_future()
 
 
@@ -896,6 +913,13 @@ def _accept_connections(loop: Any, protocol_factory: Callable[[], asyncio.Protoc
             log.error("grpc.accept_failed peer=%s error=%r", _address(addr), error)
             conn.close()
 
+
+LISTEN_BACKLOG = 128
+"""Connections the kernel completes and holds for the session server to accept (``listen``; asyncio set
+100). Under a flood of connections the server accepts ``ACCEPTS_PER_PASS`` a pass and the rest wait
+here, in order: a client connecting meanwhile waits behind them (1,024 held up to 400 of a 1,100-connection
+flood, 140-280 ms of wait). Past it the kernel drops a handshake and the client retries a second later,
+which also slows the flood down."""
 
 ACCEPT_RETRY_SECONDS = 1.0
 """How long the session server stops accepting after ``accept`` ran out of descriptors (asyncio's delay)."""
