@@ -58,15 +58,24 @@ async def test_a_flood_of_connections_is_accepted_a_few_per_pass(
     assert FLOOD <= LISTEN_BACKLOG
     admitted: list[int] = []
     servers: list[_GuardedServer] = []
-    admit = _GuardedServer.connection_admitted
+    all_admitted, all_closed = trio.Event(), trio.Event()
+    admit, close = _GuardedServer.connection_admitted, _GuardedServer.connection_closed
 
     def counted(self: _GuardedServer) -> None:
         admitted.append(passes.count)
         if not servers:
             servers.append(self)
+        if len(admitted) == FLOOD + 2:  # and the two probes' connections
+            all_admitted.set()
         admit(self)
 
+    def closed(self: _GuardedServer) -> None:
+        close(self)
+        if all_admitted.is_set() and not self.open_connections:
+            all_closed.set()
+
     monkeypatch.setattr(_GuardedServer, "connection_admitted", counted)
+    monkeypatch.setattr(_GuardedServer, "connection_closed", closed)
     server = Server(first_message_timeout=30, idle_timeout=30)
     register_builtin_actions(server)
     port = await nursery_.start(server.serve, "127.0.0.1", 0)
@@ -80,8 +89,7 @@ async def test_a_flood_of_connections_is_accepted_a_few_per_pass(
         start = passes.count
         with trio.fail_after(30):  # a hang guard
             legit = await echo_once(f"127.0.0.1:{port}")
-            while len(admitted) < FLOOD + 2:
-                await trio.sleep(0.01)
+            await all_admitted.wait()
         per_pass = [admitted.count(n) for n in range(start, passes.count + 1)]
         assert max(per_pass) <= ACCEPTS_PER_PASS, per_pass
         assert legit > 0
@@ -99,7 +107,6 @@ async def test_a_flood_of_connections_is_accepted_a_few_per_pass(
             client.close()
     guarded = servers[0]
     with trio.fail_after(30):
-        while guarded.open_connections:
-            await trio.sleep(0.01)
+        await all_closed.wait()
         await echo_once(f"127.0.0.1:{port}")  # a new connection collects the closed ones
     assert len(guarded._handlers) <= 2, len(guarded._handlers)  # the last probe's, maybe not yet closed
