@@ -352,10 +352,13 @@ async def _loop_step(loop: Any, no_wait: bool = False) -> None:
             raise trio.WouldBlock
         done = _run_queued(loop, queue, 1)
     else:
-        if queue.items or (timers and timers[0].when() <= loop.time()):
+        # One reading of the clock for both: with two, a timer falling due between them made the wait
+        # negative, and the ValueError ended the loop (a server that then ignored SIGTERM, issue 22).
+        now = loop.time()
+        if queue.items or (timers and timers[0].when() <= now):
             await trio.lowlevel.checkpoint()  # a busy loop still lets other tasks run once per pass
         else:
-            with trio.move_on_after(timers[0].when() - loop.time() if timers else math.inf):
+            with trio.move_on_after(timers[0].when() - now if timers else math.inf):
                 await queue.wait()
         done = _run_queued(loop, queue, READY_BATCH, loop.time())
     if done:
