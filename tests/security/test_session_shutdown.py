@@ -20,6 +20,7 @@ import trio
 
 from benchmarks.security_session import many_sessions
 from evergreen_trio._grpc.bridge import _open_loop
+from evergreen_trio.serving.signals import with_stop_deadline
 
 GRACE_S = 2
 MARGIN_S = 10.0
@@ -75,3 +76,27 @@ async def test_sigterm_stops_the_server_after_a_flood_of_silent_sessions() -> No
         finally:
             process.kill()
             await process.wait()
+
+
+async def _drained() -> int:
+    return 0
+
+
+def test_a_stop_that_outlives_the_stop_deadline_ends_the_process() -> None:
+    """After the drain, a shutdown step that cannot be cancelled (here a shielded sleep; in the hang, a
+    wait on a dead asyncio loop) is cut short by ``exit_now(1)`` at the deadline; a stop in time is not."""
+    exits: list[int] = []
+
+    async def stuck() -> None:
+        await with_stop_deadline(_drained, 0.2, exits.append)()
+        with trio.CancelScope(shield=True):
+            await trio.sleep(1)  # five deadlines
+
+    async def stops() -> None:
+        await with_stop_deadline(_drained, 5, exits.append)()
+
+    trio.run(stuck)
+    assert exits == [1]
+    exits.clear()
+    trio.run(stops)
+    assert exits == []
