@@ -16,6 +16,7 @@ shutdown steps are shielded; a final status always reaches the peer.
 from __future__ import annotations
 
 import asyncio
+import errno
 import heapq
 import logging
 import math
@@ -95,6 +96,10 @@ STREAMS_PER_TURN = 1
 TURNS_PER_PASS = 8
 """Connections whose waiting input gets a turn (``STREAMS_PER_TURN`` new streams each) per pass through
 the session server's queue of ready asyncio callbacks (see ``_GuardedServer.wait_turn``)."""
+
+ACCEPTS_PER_PASS = 8
+"""The session server accepts at most this many connections each time its listening socket is ready
+(once per Trio scheduling pass; see :func:`_accept_connections`)."""
 
 
 class Handoff(streams.Handoff[T]):
@@ -183,6 +188,15 @@ def _call_soon(loop: Any, callback: Callable[..., object], *args: Any, context: 
     return loop._queue_handle(asyncio.Handle(callback, args, loop, context=context))
 
 
+def _call_later(loop: Any, delay: float, callback: Callable[..., object], *args: Any,
+                context: Context | None = None) -> asyncio.TimerHandle:
+    """trio-asyncio's ``call_later`` less its ``_check_callback`` (see :func:`_call_soon`): grpclib and
+    the session server start two or three timers per connection."""
+    handle = asyncio.TimerHandle(loop.time() + delay, callback, args, loop, context=context)
+    loop._queue_handle(handle)
+    return handle
+
+
 def _stop_loop() -> None:
     raise TrioAsyncioExit("stopping trio-asyncio loop")
 
@@ -267,10 +281,13 @@ async def _loop_step(loop: Any, no_wait: bool = False) -> None:
             raise trio.WouldBlock
         done = _run_queued(loop, queue, 1)
     else:
-        if queue.items or (timers and timers[0].when() <= loop.time()):
+        # One reading of the clock for both: with two, a timer falling due between them made the wait
+        # negative, and the ValueError ended the loop (a server that then ignored SIGTERM, issue 22).
+        now = loop.time()
+        if queue.items or (timers and timers[0].when() <= now):
             await trio.lowlevel.checkpoint()  # a busy loop still lets other tasks run once per pass
         else:
-            with trio.move_on_after(timers[0].when() - loop.time() if timers else math.inf):
+            with trio.move_on_after(timers[0].when() - now if timers else math.inf):
                 await queue.wait()
         done = _run_queued(loop, queue, READY_BATCH, loop.time())
     if done:
@@ -336,6 +353,7 @@ async def _open_loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
         loop._main_loop_one = partial(_loop_step, loop)
         loop._io_task = partial(_io_task, loop)
         loop.call_soon = partial(_call_soon, loop)
+        loop.call_later = partial(_call_later, loop)
         channel.send_nowait(asyncio.Handle(_no_op, (), loop))  # wakes the step waiting on the channel
         yield loop
 
@@ -351,7 +369,7 @@ def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
-    sock.listen(128)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 
@@ -409,7 +427,9 @@ class _GuardedProtocol(H2Protocol):
         self._transport: Any = None  # an asyncio transport, once connected
 
     def connection_made(self, transport: Any) -> None:
-        # grpclib's connection_made, with local settings that advertise the stream cap.
+        # grpclib's connection_made, with local settings that advertise the stream cap, all in one
+        # SETTINGS frame (grpclib sent the stream window in a second one: a second ACK from every
+        # peer to process, 1,000 of them at once when 1,000 connections answer together).
         self._transport = transport
         h2_conn = _GuardedH2Connection(config=self.h2_config)
         h2_conn.local_settings = h2.settings.Settings(
@@ -417,16 +437,13 @@ class _GuardedProtocol(H2Protocol):
             initial_values={
                 h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.limits.max_streams_per_connection,
                 h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: h2_conn.DEFAULT_MAX_HEADER_LIST_SIZE,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size,
             },
         )
         h2_conn.initiate_connection()
-        initial = h2_conn.local_settings.initial_window_size
+        initial = h2_conn.inbound_flow_control_window  # the connection's: SETTINGS do not change it
         if self.config.http2_connection_window_size != initial:
             h2_conn.increment_flow_control_window(self.config.http2_connection_window_size - initial)
-        if self.config.http2_stream_window_size != initial:
-            h2_conn.update_settings(
-                {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size}
-            )
         self.connection = Connection(h2_conn, transport, config=self.config)
         self.connection.guard = self  # type: ignore[attr-defined]  # how a stream's handler finds its connection
         self.processor = EventsProcessor(self.handler, self.connection)
@@ -511,7 +528,7 @@ class _GuardedProtocol(H2Protocol):
                     self.budget.reset(time.monotonic() - stream.created)
             elif isinstance(event, h2.events.RemoteSettingsChanged) and not self._settled:
                 self._settled = True
-                self._schedule(self.limits.idle_timeout)
+                self._idle_timer()
             self.processor.process(event)
         if self.connection.is_closing():  # the peer's GOAWAY closed it while processing
             return False
@@ -547,6 +564,13 @@ class _GuardedProtocol(H2Protocol):
         if self._timer is not None:
             self._timer.cancel()
         self._timer = None if delay is None else asyncio.get_running_loop().call_later(delay, self._check_idle)
+
+    def _idle_timer(self) -> None:
+        """The preface is complete: the idle deadline applies. The handshake's timer stays when it is
+        due first (``_check_idle`` then moves it on): a timer fewer to start per connection."""
+        idle = self.limits.idle_timeout
+        if idle is None or self._timer is None or self._timer.when() > asyncio.get_running_loop().time() + idle:
+            self._schedule(idle)
 
     def _go_away(self, code: ErrorCodes, why: str) -> None:
         level = logging.INFO if code is ErrorCodes.NO_ERROR else logging.WARNING
@@ -598,6 +622,8 @@ class _GuardedProtocol(H2Protocol):
             self._counted = False
             self.server.connection_closed()
         super().connection_lost(exc)
+        assert isinstance(self.handler, _Handler)
+        self.server.handler_closed(self.handler)
 
 
 class _Handler(grpclib.server.Handler):
@@ -666,6 +692,7 @@ class _GuardedServer(grpclib.server.Server):
         self._refused = 0  # in the current burst: one warning per burst
         self._waiting: deque[_GuardedProtocol] = deque()  # connections whose input waits for a turn
         self._granting = False  # a _grant is queued
+        self._closed_handlers: set[grpclib.server.Handler] = set()  # see __gc_collect__
 
     def connection_admitted(self) -> None:
         self.open_connections += 1
@@ -705,6 +732,22 @@ class _GuardedServer(grpclib.server.Server):
         if self._waiting:
             self._grant_soon()
 
+    # grpclib drops the handlers of closed connections (and with them each connection's h2 state,
+    # about 100 bytes per stream it served) every tenth new connection, by walking all of them: a
+    # server that clients keep reconnecting to then held up to ten dead connections, and collecting
+    # at every connection made opening 1,000 connections quadratic. Every new connection here
+    # collects, walking only the connections closed since (see ``connection_lost``).
+    __gc_interval__ = 1
+
+    def handler_closed(self, handler: grpclib.server.Handler) -> None:
+        """The connection of ``handler`` closed: drop it at the next collection once its tasks are done."""
+        self._closed_handlers.add(handler)
+
+    def __gc_collect__(self) -> None:
+        done = {handler for handler in self._closed_handlers if handler.check_closed()}
+        self._closed_handlers -= done
+        self._handlers -= done
+
     def _protocol_factory(self) -> H2Protocol:
         self.__gc_step__()
         handler = _Handler(self._mapping, self._codec, self._status_details_codec, self.__dispatch__)
@@ -735,10 +778,6 @@ async def serve_grpclib(
     bound_port: int = sock.getsockname()[1]
     async with _open_loop():
         server = _GuardedServer(servables, limits)
-        # grpclib drops the handlers of closed connections (and with them each connection's h2
-        # state, about 100 bytes per stream it served) only every tenth new connection; a server
-        # that clients keep reconnecting to then holds up to ten dead connections. Every one:
-        server.__gc_interval__ = 1
         await trio_asyncio.aio_as_trio(_start)(server, sock, tls, limits.handshake_timeout)
         log.info("grpc.listening host=%s port=%d tls=%s", host, bound_port, tls is not None)
         try:
@@ -756,13 +795,59 @@ async def serve_grpclib(
 
 
 async def _start(server: _GuardedServer, sock: socket.socket, tls: ssl.SSLContext | None, handshake: float) -> None:
-    """grpclib's ``Server.start``, TLS (if any) through :class:`_TlsGate`."""
+    """grpclib's ``Server.start``, TLS (if any) through :class:`_TlsGate`, accepting by :func:`_accept_connections`."""
     loop = asyncio.get_running_loop()
+    loop._accept_connection = partial(_accept_connections, loop)  # type: ignore[attr-defined]
     factory: Callable[[], asyncio.BaseProtocol] = server._protocol_factory
     if tls is not None:
         factory = partial(_TlsGate, server._protocol_factory, tls, handshake)
-    server._server = await loop.create_server(factory, sock=sock)
+    server._server = await loop.create_server(factory, sock=sock, backlog=LISTEN_BACKLOG)
     server._server_closed_fut = loop.create_future()
+
+
+def _accept_connections(loop: Any, protocol_factory: Callable[[], asyncio.Protocol], sock: socket.socket,
+                        sslcontext: None, server: asyncio.AbstractServer, backlog: int, *timeouts: float) -> None:
+    """asyncio's ``_accept_connection`` (run when the listening socket is ready), accepting at most
+    ``ACCEPTS_PER_PASS`` connections and setting each up at once (transport, then ``connection_made`` and its
+    reader as this I/O task's follow-ups), where asyncio accepted up to 100 and started a task for each.
+
+    Those 100 tasks queued about 500 callbacks (task steps, transport setup, a future each) ahead of
+    every other connection's next step, ``READY_BATCH`` a pass: while 1,100 connections were opened
+    one after another, each step of a legitimate session waited behind several such passes (probe
+    stalls of 200-1,400 ms). What is not accepted now waits in the kernel's queue for the next pass.
+    """
+    for _ in range(ACCEPTS_PER_PASS):
+        try:
+            conn, addr = sock.accept()
+            conn.setblocking(False)
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError as error:
+            if error.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                raise
+            # Out of descriptors or memory: as asyncio does, stop accepting for a while (the kernel
+            # keeps reporting the listening socket ready, and every pass would fail again).
+            log.warning("grpc.accept_failed error=%s: not accepting for %g s", error, ACCEPT_RETRY_SECONDS)
+            loop._remove_reader(sock.fileno())
+            loop.call_later(ACCEPT_RETRY_SECONDS, loop._start_serving, protocol_factory, sock, sslcontext, server,
+                            backlog, *timeouts)
+            return
+        try:
+            loop._make_socket_transport(conn, protocol_factory(), extra={"peername": addr}, server=server)
+        except Exception as error:  # the protocol's setup failed: this connection only
+            log.error("grpc.accept_failed peer=%s error=%r", _address(addr), error)
+            conn.close()
+
+
+LISTEN_BACKLOG = 128
+"""Connections the kernel completes and holds for the session server to accept (``listen``; asyncio set
+100). Under a flood of connections the server accepts ``ACCEPTS_PER_PASS`` a pass and the rest wait
+here, in order: a client connecting meanwhile waits behind them (1,024 held up to 400 of a 1,100-connection
+flood, 140-280 ms of wait). Past it the kernel drops a handshake and the client retries a second later,
+which also slows the flood down."""
+
+ACCEPT_RETRY_SECONDS = 1.0
+"""How long the session server stops accepting after ``accept`` ran out of descriptors (asyncio's delay)."""
 
 
 class _TlsGate(asyncio.Protocol):

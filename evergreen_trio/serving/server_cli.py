@@ -33,7 +33,7 @@ from evergreen_trio.serving.app_import import load_app
 from evergreen_trio.serving.auth import TokenFileAuthorizer
 from evergreen_trio.serving.metrics import serve_metrics
 from evergreen_trio.serving.server import DRAIN_GRACE_SECONDS, IDLE_TIMEOUT_SECONDS, Server, tune_gc
-from evergreen_trio.serving.signals import drain_on_signals
+from evergreen_trio.serving.signals import drain_on_signals, with_stop_deadline
 from evergreen_trio.serving.workers import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
@@ -281,7 +281,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     tune_gc()
     status = serve_until_signal(serve, started=announce, address=f"{args.host}:{args.port}",
-                                drain=partial(server.drain, args.drain_grace))
+                                drain=with_stop_deadline(partial(server.drain, args.drain_grace)))
     log.info("serve.stopped")
     return status
 

@@ -10,13 +10,45 @@ drains (``serve``) first lets open work finish, then cancels; a second signal cu
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import trio
 
 log = logging.getLogger(__name__)
+
+STOP_DEADLINE_SECONDS = 15.0
+"""How long ``serve`` may take to stop once its drain is over (its own close deadlines: 5 s for the
+sessions' final statuses, 5 s for grpclib's connections); past it the process exits with status 1."""
+
+
+def with_stop_deadline(
+    drain: Callable[[], Awaitable[object]], seconds: float = STOP_DEADLINE_SECONDS,
+    exit_now: Callable[[int], object] = os._exit,
+) -> Callable[[], Awaitable[object]]:
+    """``drain``, after which the process has ``seconds`` to finish stopping, or ``exit_now(1)`` ends it.
+
+    A shutdown step that waits forever (shielded, on work that will never end: the asyncio loop under
+    grpclib, once dead, left a server that ignored SIGTERM with its connections in CLOSE-WAIT) cannot
+    be cancelled; a process that stops is worth more than its unfinished ``finally`` blocks.
+    """
+
+    async def draining() -> object:
+        result = await drain()
+        trio.lowlevel.spawn_system_task(_exit_after, seconds, exit_now)  # cancelled when the run ends
+        return result
+
+    return draining
+
+
+async def _exit_after(seconds: float, exit_now: Callable[[int], object]) -> None:
+    await trio.sleep(seconds)
+    log.error("stop_timeout: still stopping %g s after the drain; exiting", seconds)
+    sys.stderr.flush()
+    exit_now(1)
 
 
 async def cancel_on_signals(scope: trio.CancelScope) -> None:
@@ -97,7 +129,9 @@ async def _stop_on_second_signal(signals: AsyncIterator[int], stop_now: Callable
 
 
 __all__ = [
+    "STOP_DEADLINE_SECONDS",
     "cancel_on_signals",
     "drain_on_signals",
     "run_until_signal",
+    "with_stop_deadline",
 ]
