@@ -191,6 +191,33 @@ async def test_our_server_refuses_with_one_line(ours: str) -> None:
         assert (anonymous["success"], anonymous["mode"], anonymous["agent_id"]) == (True, "JSON", "ours")
 
 
+async def test_an_upload_refused_at_its_head_still_gets_the_answer(ours: str) -> None:
+    """A client that reads nothing until its 8 MiB body is sent (as h11 and httpx do) gets the 413
+    sent after the head: the server drops the unread body before closing, so no reset loses it."""
+    body = b"x" * (8 << 20)
+    head = (f"POST /avp/v2/text HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {TOKEN}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode()
+    stream = await trio.open_tcp_stream("127.0.0.1", int(ours.rsplit(":", 1)[1]))
+    async with stream:
+        await stream.send_all(head + body)
+        answer = b""
+        while chunk := await stream.receive_some(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+
+
+async def test_an_answer_before_the_body_says_the_connection_closes(ours: str) -> None:
+    """Refused before its body was read (401 here), a request's connection is closed after the answer,
+    and the answer says so: a keep-alive client does not send its next request into a closing socket."""
+    stream = await trio.open_tcp_stream("127.0.0.1", int(ours.rsplit(":", 1)[1]))
+    async with stream:
+        await stream.send_all(b"POST /avp/v2/transmit HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += await stream.receive_some(65536)
+    assert answer.startswith(b"HTTP/1.1 401 ") and b"\r\nconnection: close\r\n" in answer.lower(), answer
+
+
 async def test_a_body_past_the_limit_is_refused_before_it_is_read(nursery: trio.Nursery) -> None:
     from evergreen_trio.avp import AVPLimits
 
