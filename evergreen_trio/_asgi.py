@@ -167,14 +167,8 @@ class _Connection:
     def _drain_buffered(self) -> None:
         """Consume the rest of a request the app did not read, as far as it is already buffered
         (an empty body's end, typically); a body still on the wire closes the connection instead."""
+        self._read_buffered_body()
         self.early.clear()
-        try:
-            while self.conn.their_state is h11.SEND_BODY:
-                event = self.conn.next_event()
-                if event is h11.NEED_DATA or event is h11.PAUSED:
-                    return
-        except h11.RemoteProtocolError:
-            return
 
     async def _read_head(self) -> h11.Request | None:
         """The next request's head; None when the peer closed or sent garbage (answered 4xx)."""
