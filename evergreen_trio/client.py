@@ -185,7 +185,7 @@ class Client:
         wire = ClientOptions(tls=self.tls, metadata={**self.metadata, **(metadata or {})}, timeout=seconds)
         with plain_errors():
             async with self._channel.open_stream(
-                START_SESSION, SessionMessage, SessionMessage, pack_messages, options=wire
+                START_SESSION, SessionMessage, pack_messages, options=wire
             ) as stream:
                 session = ClientSession(stream, self.options)
                 async with trio.open_nursery() as nursery:

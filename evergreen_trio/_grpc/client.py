@@ -28,7 +28,7 @@ from grpclib.const import Status
 
 from evergreen_trio._grpc.client_wire import ClientConnection, MessageReceived
 from evergreen_trio._grpc.limits import TransportLimits
-from evergreen_trio._grpc.streams import Handoff, MessageStream, RpcAbortError
+from evergreen_trio._grpc.streams import INBOUND_CAPACITY, OUTBOUND_CAPACITY, Handoff, MessageStream, RpcAbortError
 from evergreen_trio.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -458,7 +458,6 @@ class ClientChannel:
     async def open_stream(
         self,
         path: str,
-        request_type: type[Message],
         reply_type: type[Message],
         pack: Callable[[list[T]], Iterable[Message]],
         *,
@@ -482,7 +481,8 @@ class ClientChannel:
             if holder:
                 holder[0].ready(call)
 
-        session: MessageStream[T] = MessageStream(pack, inbound=_Inbound(64, consumed), outbound=_Outbound(1024, wake))
+        session: MessageStream[T] = MessageStream(pack, inbound=_Inbound(INBOUND_CAPACITY, consumed),
+                                                  outbound=_Outbound(OUTBOUND_CAPACITY, wake))
         session.peer = self.target
         call = _Call(session, reply_type, options.timeout)
         try:
@@ -575,7 +575,6 @@ async def open_client_stream(
     host: str,
     port: int,
     path: str,
-    request_type: type[Message],
     reply_type: type[Message],
     pack: Callable[[list[T]], Iterable[Message]],
     *,
@@ -584,6 +583,6 @@ async def open_client_stream(
     """One stream on a connection of its own (see :meth:`ClientChannel.open_stream`)."""
     tls = options.tls if options is not None else None
     async with open_client_channel(host, port, tls=tls) as channel, channel.open_stream(
-        path, request_type, reply_type, pack, options=options
+        path, reply_type, pack, options=options
     ) as stream:
         yield stream

@@ -39,7 +39,7 @@ def _as_is(messages: list[SessionMessage]) -> list[SessionMessage]:
 
 
 async def _aborted_session(port: int) -> None:
-    async with open_client_stream("127.0.0.1", port, START_SESSION, SessionMessage, SessionMessage, _as_is) as stream:
+    async with open_client_stream("127.0.0.1", port, START_SESSION, SessionMessage, _as_is) as stream:
         for message in to_messages(ABORTED):
             await stream.outbound.put(message)
         with pytest.raises(RpcAbortError):
