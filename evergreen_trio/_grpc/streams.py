@@ -20,6 +20,12 @@ from evergreen_trio.errors import EvergreenTrioError
 
 T = TypeVar("T")
 
+INBOUND_CAPACITY = 64
+"""Received messages a stream queues for its Trio reader (the transport's flow control bounds the rest)."""
+
+OUTBOUND_CAPACITY = 1024
+"""Items a stream queues for its transport before a put waits."""
+
 
 class RpcAbortError(EvergreenTrioError):
     """Ends a gRPC stream with ``status``; raised by handlers, or received when the peer ended it so."""
@@ -71,7 +77,6 @@ class Handoff(Generic[T]):
             raise HandoffClosedError("the stream is closed") from self._error
         self._items.append(item)
         self._wake()
-
 
     def _take(self, limit: int) -> list[T]:
         if not self._items:
@@ -148,8 +153,8 @@ class MessageStream(Generic[T]):
         self,
         pack: Callable[[list[T]], Iterable[Message]],
         *,
-        inbound_capacity: int = 64,
-        outbound_capacity: int = 1024,
+        inbound_capacity: int = INBOUND_CAPACITY,
+        outbound_capacity: int = OUTBOUND_CAPACITY,
         inbound: Handoff[Message] | None = None,
         outbound: Handoff[T] | None = None,
     ) -> None:
