@@ -16,7 +16,6 @@ shutdown steps are shielded; a final status always reaches the peer.
 from __future__ import annotations
 
 import asyncio
-import errno
 import heapq
 import logging
 import math
@@ -55,6 +54,7 @@ from evergreen_trio._grpc import streams
 from evergreen_trio._grpc.limits import (
     HEALTH_WATCH_SECONDS,
     MAX_HEALTH_WATCHES,
+    OUT_OF_RESOURCES_ERRNOS,
     FrameScanner,
     ResetBudget,
     TransportLimits,
@@ -823,7 +823,7 @@ def _accept_connections(loop: Any, protocol_factory: Callable[[], asyncio.Protoc
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
         except OSError as error:
-            if error.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            if error.errno not in OUT_OF_RESOURCES_ERRNOS:
                 raise
             # Out of descriptors or memory: as asyncio does, stop accepting for a while (the kernel
             # keeps reporting the listening socket ready, and every pass would fail again).

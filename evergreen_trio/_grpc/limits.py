@@ -5,6 +5,7 @@ The bridge's grpclib protocol applies them per connection; see docs/security.md.
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 
 
@@ -141,3 +142,7 @@ MAX_HEALTH_WATCHES = 100
 
 HEALTH_WATCH_SECONDS = 60.0
 """A ``Health/Watch`` stream ends (OK) after this long; a client that still cares watches again."""
+
+OUT_OF_RESOURCES_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+"""``accept()`` failures that mean "out of descriptors or memory": a server stops accepting for a
+while instead of failing again on every pass (the listening socket stays ready)."""

@@ -21,12 +21,11 @@ from typing import Any
 
 import trio
 
+from evergreen_trio._grpc.limits import OUT_OF_RESOURCES_ERRNOS
 from evergreen_trio.picker.grpc_wire import GrpcWireConnection, SyncBidiMethod, WireLimits, refusal
 
 log = logging.getLogger(__name__)
 RECEIVE_BYTES = 256 * 1024
-# accept() failures that mean "out of descriptors or memory": back off instead of spinning.
-_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _MAX_BACKOFF_S = 1.0
 _REFUSAL_SEND_S = 0.1
 
@@ -73,7 +72,7 @@ class _Server:
             try:
                 stream = await listener.accept()
             except OSError as exc:
-                if exc.errno not in _RESOURCE_ERRNOS:
+                if exc.errno not in OUT_OF_RESOURCES_ERRNOS:
                     raise
                 if not backoff:
                     log.warning("grpc_wire.accept_failed error=%s: backing off (out of file descriptors?)",
