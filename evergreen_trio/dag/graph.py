@@ -221,7 +221,7 @@ class SessionGraph:
                 f"limit {limits.max_buffered_bytes}",
                 limit="max_buffered_bytes",
             )
-        ref = None if data else chunk.ref if chunk.WhichOneof("payload") == "ref" else None
+        ref = chunk.ref if not data and chunk.WhichOneof("payload") == "ref" else None  # data: not a ref
         if ref is not None and not node.local:
             scheme = ref.partition(":")[0].lower()
             if scheme not in self.ref_schemes:
