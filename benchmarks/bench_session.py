@@ -32,24 +32,23 @@ from evergreen_trio.dag import SessionGraph
 LEAF_BYTES = 64
 
 
-def raw_grpclib(count: int, round_trips: int, calls: int) -> dict[str, object]:
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.grpclib_echo", str(count), str(LEAF_BYTES), str(round_trips), str(calls)],
-        check=True, capture_output=True, text=True,
-    )
+def _peer(module: str, *args: int) -> dict[str, object]:
+    """Run the peer ``benchmarks.<module>`` in a process of its own; the JSON object it prints."""
+    out = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *map(str, args)],
+                         check=True, capture_output=True, text=True)
     result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
+def raw_grpclib(count: int, round_trips: int, calls: int) -> dict[str, object]:
+    result = _peer("grpclib_echo", count, LEAF_BYTES, round_trips, calls)
     if not str(result["loop"]).startswith("asyncio."):
         raise RuntimeError(f"raw grpclib ran on {result['loop']}, not plain asyncio")
     return result
 
 
 def trio_floor(round_trips: int, calls: int) -> dict[str, object]:
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.trio_floor_echo", str(LEAF_BYTES), str(round_trips), str(calls)],
-        check=True, capture_output=True, text=True,
-    )
-    result: dict[str, object] = json.loads(out.stdout)
-    return result
+    return _peer("trio_floor_echo", LEAF_BYTES, round_trips, calls)
 
 
 def new_server() -> Server:

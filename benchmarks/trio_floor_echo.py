@@ -22,6 +22,7 @@ import h2.events
 import trio
 
 from benchmarks.grpclib_echo import PATH, message
+from evergreen_trio._grpc.client_wire import frame
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio.picker.grpc_server import serve_sync_bidi
 from evergreen_trio.picker.grpc_wire import SyncBidiMethod
@@ -75,12 +76,8 @@ class FloorClient:
             await self.flush()
 
 
-def framed(body: bytes) -> bytes:
-    return b"\0" + len(body).to_bytes(4, "big") + body
-
-
 async def main(size: int, round_trips: int, calls: int) -> dict[str, object]:
-    one = framed(message(0, size).SerializeToString())
+    one = frame(message(0, size).SerializeToString())
     async with trio.open_nursery() as nursery:
         port = await nursery.start(serve_sync_bidi, [SyncBidiMethod(PATH, SessionMessage, Echo)], "127.0.0.1", 0)
         client = FloorClient(await trio.open_tcp_stream("127.0.0.1", port))
