@@ -4,7 +4,7 @@ It speaks the same message pattern Envoy needs in FULL_DUPLEX_STREAMED (request 
 then one header response that sets the destination and the body sent back unchanged, then the
 OK trailers) with nothing decided: the destination alternates between the given endpoints, no
 metrics, no scheduling, no parsing of the body. Served by the picker's own HTTP/2 connection and
-Trio shell (:mod:`evergreen_trio.picker.grpc_server`), so the row measures Envoy's ext_proc
+Trio shell (:mod:`evergreen_trio._grpc.server`), so the row measures Envoy's ext_proc
 machinery plus our wire; the picker's row minus this one is the picker's decision.
 Run: ``python -m benchmarks.noop_ext_proc --port 9002 --endpoint 127.0.0.1:8000 ...``.
 """
@@ -20,8 +20,8 @@ import trio
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from evergreen_trio.picker.grpc_server import serve_sync_bidi
-from evergreen_trio.picker.grpc_wire import SyncBidiMethod
+from evergreen_trio._grpc.server import serve_sync_bidi
+from evergreen_trio._grpc.server_wire import SyncBidiMethod
 from evergreen_trio.picker.processor import DESTINATION
 from evergreen_trio.picker.runtime import PROCESS_PATH
 

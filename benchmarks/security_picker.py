@@ -25,7 +25,7 @@ ROOT = Path(__file__).parent.parent
 SERVER = """
 import trio
 from functools import partial
-from evergreen_trio.picker.grpc_server import WireTimeouts, serve_sync_bidi
+from evergreen_trio._grpc.server import WireTimeouts, serve_sync_bidi
 from tests.security.frames import ECHO
 
 async def main():

@@ -23,9 +23,9 @@ import trio
 
 from benchmarks.grpclib_echo import PATH, message
 from evergreen_trio._grpc.client_wire import frame
+from evergreen_trio._grpc.server import serve_sync_bidi
+from evergreen_trio._grpc.server_wire import SyncBidiMethod
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
-from evergreen_trio.picker.grpc_server import serve_sync_bidi
-from evergreen_trio.picker.grpc_wire import SyncBidiMethod
 
 HEADERS = [(":method", "POST"), (":scheme", "http"), (":path", PATH), (":authority", "127.0.0.1"),
            ("content-type", "application/grpc"), ("te", "trailers")]

@@ -19,7 +19,8 @@ import trio
 from google.protobuf.any_pb2 import Any as AnyProto
 from google.protobuf.message import Message
 
-from evergreen_trio._grpc.streams import HandoffClosedError, MessageStream, RpcAbortError
+from evergreen_trio._grpc.errors import RpcAbortError
+from evergreen_trio._grpc.streams import HandoffClosedError, MessageStream
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
     Action,
     ChunkMetadata,

@@ -29,12 +29,12 @@ SANS_IO_CORES = (
     "avp/codec.py", "avp/errors.py", "avp/handshake.py", "avp/incremental.py", "avp/kv.py", "avp/message.py",
     "ipc/config.py", "ipc/errors.py", "ipc/flatbuf.py", "ipc/framing.py", "ipc/reassembly.py", "ipc/uri.py",
     "picker/config.py", "picker/engine_metrics.py", "picker/epp_config.py", "picker/errors.py",
-    "picker/grpc_wire.py", "picker/plugins.py",
+    "_grpc/server_wire.py", "picker/plugins.py",
     "picker/processor.py", "picker/request.py", "picker/scheduler.py", "picker/usage.py",
     "sim/api.py", "sim/config.py", "sim/errors.py", "sim/model.py",
     "generate/config.py", "generate/errors.py", "generate/openai.py", "generate/sse.py",
     "testing/model.py", "errors.py", "limits.py", "_wire.py", "_memory.py", "nodes.py",
-    "_grpc/client_wire.py", "_grpc/limits.py",
+    "_grpc/client_wire.py", "_grpc/limits.py", "_grpc/errors.py",
 )
 """Plain Python under the Trio shells: tested without an event loop."""
 
@@ -64,13 +64,13 @@ FACE_EXCEPTIONS = {
     "benchmarks/bench_codec.py": {"evergreen_trio._proto.evergreen.v2",
                                   "evergreen_trio.picker.processor"},
     # The picker benchmark's floor: the picker's own wire and shell with nothing decided behind them.
-    "benchmarks/noop_ext_proc.py": {"evergreen_trio.picker.grpc_server", "evergreen_trio.picker.grpc_wire",
+    "benchmarks/noop_ext_proc.py": {"evergreen_trio._grpc.server", "evergreen_trio._grpc.server_wire",
                                     "evergreen_trio.picker.processor", "evergreen_trio.picker.runtime"},
     # The session benchmark's Trio floor: the picker's wire echoing the session's wire messages, framed
     # as the session client frames them.
     "benchmarks/trio_floor_echo.py": {"evergreen_trio._proto.evergreen.v2.evergreen_pb2",
                                       "evergreen_trio._grpc.client_wire",
-                                      "evergreen_trio.picker.grpc_server", "evergreen_trio.picker.grpc_wire"},
+                                      "evergreen_trio._grpc.server", "evergreen_trio._grpc.server_wire"},
 }
 
 

@@ -6,10 +6,10 @@ import pytest
 
 from evergreen_trio import ConfigurationError, SessionLimits
 from evergreen_trio._asgi import HttpServerLimits
+from evergreen_trio._grpc.server_wire import WireLimits
 from evergreen_trio.avp import AVPLimits
 from evergreen_trio.ipc import IpcLimits
 from evergreen_trio.limits import check_limits
-from evergreen_trio.picker.grpc_wire import WireLimits
 
 LIMIT_CLASSES = [SessionLimits, IpcLimits, AVPLimits, WireLimits, HttpServerLimits]
 

@@ -51,6 +51,7 @@ from trio_asyncio._base import TrioAsyncioExit
 from trio_asyncio._handles import AsyncHandle
 
 from evergreen_trio._grpc import streams
+from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.limits import (
     HEALTH_WATCH_SECONDS,
     MAX_HEALTH_WATCHES,
@@ -59,7 +60,7 @@ from evergreen_trio._grpc.limits import (
     ResetBudget,
     TransportLimits,
 )
-from evergreen_trio._grpc.streams import FinalStatus, HandoffClosedError, RpcAbortError
+from evergreen_trio._grpc.streams import FinalStatus, HandoffClosedError
 
 # On CPython 3.12+ ``asyncio.current_task`` is C code that knows nothing of trio-asyncio's loop;
 # trio-asyncio replaces ``asyncio.current_task`` with a version that does, but grpclib took its own

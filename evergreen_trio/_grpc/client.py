@@ -27,8 +27,9 @@ from google.protobuf.message import DecodeError, Message
 from grpclib.const import Status
 
 from evergreen_trio._grpc.client_wire import ClientConnection, MessageReceived
+from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.limits import TransportLimits
-from evergreen_trio._grpc.streams import INBOUND_CAPACITY, OUTBOUND_CAPACITY, Handoff, MessageStream, RpcAbortError
+from evergreen_trio._grpc.streams import INBOUND_CAPACITY, OUTBOUND_CAPACITY, Handoff, MessageStream
 from evergreen_trio.errors import ConfigurationError
 
 log = logging.getLogger(__name__)

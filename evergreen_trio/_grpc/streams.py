@@ -27,15 +27,6 @@ OUTBOUND_CAPACITY = 1024
 """Items a stream queues for its transport before a put waits."""
 
 
-class RpcAbortError(EvergreenTrioError):
-    """Ends a gRPC stream with ``status``; raised by handlers, or received when the peer ended it so."""
-
-    def __init__(self, status: Status, message: str) -> None:
-        super().__init__(f"{status.name}: {message}")
-        self.status = status
-        self.message = message
-
-
 class HandoffClosedError(EvergreenTrioError):
     """The other side closed the handoff; ``error`` says why when it failed."""
 

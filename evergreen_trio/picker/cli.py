@@ -21,12 +21,12 @@ from functools import partial
 from pathlib import Path
 
 from evergreen_trio._cli import UsageError, port, serve_until_signal
+from evergreen_trio._grpc.server import SSLContextSource
 from evergreen_trio.picker.config import PickerConfig, load_config, parse_config, parse_duration
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.epp_flags import add_reference_flags, apply_reference_flags, go_bool
 from evergreen_trio.picker.errors import ConfigError, PickerError
 from evergreen_trio.picker.flow_control.config import go_duration
-from evergreen_trio.picker.grpc_server import SSLContextSource
 from evergreen_trio.picker.runtime import Discovery, LeaderElection, ObjectiveWatch, PickerPorts, run_picker
 from evergreen_trio.serving.evergreen_front import add_front_arguments, front_from_args
 

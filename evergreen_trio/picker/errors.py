@@ -39,9 +39,5 @@ class ExtProcError(PickerError):
     """Envoy sent an ext_proc message the stream's state does not allow (the stream is aborted)."""
 
 
-class WireError(PickerError):
-    """Base of the gRPC wire layer's errors (:class:`evergreen_trio.picker.grpc_wire.RpcStatusError`)."""
-
-
 class EnvoyError(PickerError):
     """The Envoy binary is missing, exited, or did not become ready in time."""

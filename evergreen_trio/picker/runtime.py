@@ -1,6 +1,6 @@
 """The picker's Trio runtime: scraper tasks, readiness, the metrics exporter and the gRPC servers.
 
-The scraper tasks and the ext_proc server (:mod:`evergreen_trio.picker.grpc_server`, a Trio
+The scraper tasks and the ext_proc server (:mod:`evergreen_trio._grpc.server`, a Trio
 task per connection) share one :class:`PoolSnapshot`; a pick is a plain synchronous call. The
 health service is grpclib's, through the bridge, on its own port. The endpoints are the static
 config's, or what a discovery task reports (:mod:`evergreen_trio.picker.k8s`): one scraper task
@@ -20,14 +20,15 @@ import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpclib.const import Status
 
+from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.health import ServerHealth
+from evergreen_trio._grpc.server import SSLContextSource, serve_sync_bidi
+from evergreen_trio._grpc.server_wire import SyncBidiMethod, WireLimits
 from evergreen_trio._http import HttpGetError, KeepAliveGetter
 from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.flow_control.gate import FlowGate
-from evergreen_trio.picker.grpc_server import SSLContextSource, serve_sync_bidi
-from evergreen_trio.picker.grpc_wire import RpcStatusError, SyncBidiMethod, WireLimits
 from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.processor import ExtProcStream, Picker
 from evergreen_trio.picker.scheduler import PoolSnapshot
@@ -105,7 +106,7 @@ class _GrpcStream:
         except ExtProcError as exc:
             log.warning("picker.stream_aborted error=%s", exc)
             self._record()
-            raise RpcStatusError(Status.INVALID_ARGUMENT, str(exc)) from None
+            raise RpcAbortError(Status.INVALID_ARGUMENT, str(exc)) from None
         self._after()
         return replies
 

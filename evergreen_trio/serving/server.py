@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 import trio
 from grpclib.const import Status
 
+from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.limits import TransportLimits
 from evergreen_trio._grpc.reflection import with_reflection
-from evergreen_trio._grpc.streams import MessageStream, RpcAbortError
+from evergreen_trio._grpc.streams import MessageStream
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import SERVICE, START_SESSION
 from evergreen_trio.dag import SessionError, SessionLimits, StatusCode

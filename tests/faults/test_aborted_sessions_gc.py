@@ -16,7 +16,7 @@ import trio
 
 from evergreen_trio import Server, connect, text
 from evergreen_trio._grpc.client import open_client_stream
-from evergreen_trio._grpc.streams import RpcAbortError
+from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import START_SESSION
 from evergreen_trio.actions import register_builtin_actions

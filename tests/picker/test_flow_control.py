@@ -13,6 +13,7 @@ from google.protobuf.wrappers_pb2 import BytesValue
 from hypothesis import given
 from hypothesis import strategies as st
 
+from evergreen_trio._grpc.server_wire import SyncBidiMethod
 from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
@@ -26,7 +27,6 @@ from evergreen_trio.picker.flow_control.config import (
 )
 from evergreen_trio.picker.flow_control.detectors import concurrency, utilization
 from evergreen_trio.picker.flow_control.queue import FlowQueue, Outcome, QueueItem
-from evergreen_trio.picker.grpc_wire import SyncBidiMethod
 from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.processor import DESTINATION, Picker
 from evergreen_trio.picker.scheduler import PoolSnapshot

@@ -21,9 +21,10 @@ from hpack import NeverIndexedHeaderTuple
 from hypothesis import given
 from hypothesis import strategies as st
 
-from evergreen_trio.picker import grpc_wire
-from evergreen_trio.picker.grpc_server import serve_sync_bidi
-from evergreen_trio.picker.grpc_wire import PREFACE, GrpcWireConnection, RpcStatusError, SyncBidiMethod, WireLimits
+from evergreen_trio._grpc import server_wire as grpc_wire
+from evergreen_trio._grpc.errors import RpcAbortError
+from evergreen_trio._grpc.server import serve_sync_bidi
+from evergreen_trio._grpc.server_wire import PREFACE, GrpcWireConnection, SyncBidiMethod, WireLimits
 
 PATH = "/test.Echo/Chat"
 
@@ -37,7 +38,7 @@ class Echo:
 
     def on_message(self, message: BytesValue) -> Sequence[BytesValue]:
         if message.value == b"fail":
-            raise RpcStatusError(Status.INVALID_ARGUMENT, "asked to fail: é%")
+            raise RpcAbortError(Status.INVALID_ARGUMENT, "asked to fail: é%")
         if message.value == b"bug":
             raise KeyError("bug")
         self.finished = message.value == b"stop"

@@ -215,7 +215,7 @@ class Holder:
 
 @pytest.mark.parametrize("ending", ["stop", "end", "reset", "fail", "goaway", "lost"])
 def test_wire_calls_on_abort_exactly_once_on_every_other_ending(ending: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from evergreen_trio.picker import grpc_wire
+    from evergreen_trio._grpc import server_wire as grpc_wire
 
     monkeypatch.setattr(Holder, "held", 0)
     peer = Peer()

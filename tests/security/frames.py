@@ -17,7 +17,7 @@ import hpack
 import trio
 from google.protobuf.wrappers_pb2 import BytesValue
 
-from evergreen_trio.picker.grpc_wire import (
+from evergreen_trio._grpc.server_wire import (
     CONTINUATION,
     DATA,
     END_HEADERS,

@@ -20,9 +20,9 @@ import pytest
 import trio
 from frames import ECHO, ECHO_PATH, Outcome, RawClient, frame, grpcio_echo, settings
 
-from evergreen_trio.picker import grpc_wire
-from evergreen_trio.picker.grpc_server import WireTimeouts, serve_sync_bidi
-from evergreen_trio.picker.grpc_wire import END_HEADERS, END_STREAM, HEADERS, GrpcWireConnection, WireLimits
+from evergreen_trio._grpc import server_wire as grpc_wire
+from evergreen_trio._grpc.server import WireTimeouts, serve_sync_bidi
+from evergreen_trio._grpc.server_wire import END_HEADERS, END_STREAM, HEADERS, GrpcWireConnection, WireLimits
 
 LIMITS = WireLimits(max_connections=16, window_bytes=1 << 20, max_buffered_bytes=4 << 20)
 TIMEOUTS = WireTimeouts(handshake_s=0.5, idle_s=0.5, send_s=0.5)

@@ -13,7 +13,7 @@ from frames import ECHO, ECHO_PATH, frame, grpc_message, settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from evergreen_trio.picker.grpc_wire import (
+from evergreen_trio._grpc.server_wire import (
     CONTINUATION,
     DATA,
     END_HEADERS,

@@ -16,8 +16,8 @@ import trustme
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from frames import ECHO, grpcio_echo
 
+from evergreen_trio._grpc.server import WireTimeouts, serve_sync_bidi
 from evergreen_trio.picker import parse_config, run_picker
-from evergreen_trio.picker.grpc_server import WireTimeouts, serve_sync_bidi
 
 HERE = Path(__file__).parent
 
@@ -56,7 +56,7 @@ SERVER = """
 import logging, resource, sys, trio
 sys.path.insert(0, {here!r})
 from frames import ECHO
-from evergreen_trio.picker.grpc_server import serve_sync_bidi
+from evergreen_trio._grpc.server import serve_sync_bidi
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 
 async def main():

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from evergreen_trio._grpc.bridge import RpcAbortError, _recv_message
+from evergreen_trio._grpc.bridge import _recv_message
+from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 
 

@@ -9,7 +9,8 @@ import trio
 from grpclib.const import Status
 
 from evergreen_trio import NodeRef, Server, text
-from evergreen_trio._grpc.streams import MessageStream, RpcAbortError
+from evergreen_trio._grpc.errors import RpcAbortError
+from evergreen_trio._grpc.streams import MessageStream
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.client import ClientSession

@@ -1,10 +1,10 @@
-"""The Trio shell of :mod:`evergreen_trio.picker.grpc_wire`: a TCP (or TLS) listener, one task per connection.
+"""The Trio shell of :mod:`evergreen_trio._grpc.server_wire`: a TCP (or TLS) listener, one task per connection.
 
 Each connection task reads, feeds the sans-IO connection (which calls the stream processors
 synchronously) and writes everything queued in one ``send_all``: an ext_proc request costs one
 read and one write here, with no asyncio loop and no Trio/asyncio crossing. Every wait for the
 peer has a deadline (:class:`WireTimeouts`), connections are capped
-(:attr:`~evergreen_trio.picker.grpc_wire.WireLimits.max_connections`), and a read whose
+(:attr:`~evergreen_trio._grpc.server_wire.WireLimits.max_connections`), and a read whose
 frames queue much output is written in slices (the connection pauses between them).
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import trio
 
 from evergreen_trio._grpc.limits import OUT_OF_RESOURCES_ERRNOS
-from evergreen_trio.picker.grpc_wire import GrpcWireConnection, SyncBidiMethod, WireLimits, refusal
+from evergreen_trio._grpc.server_wire import GrpcWireConnection, SyncBidiMethod, WireLimits, refusal
 
 log = logging.getLogger(__name__)
 RECEIVE_BYTES = 256 * 1024

@@ -32,8 +32,8 @@ import hpack
 from google.protobuf.message import DecodeError, Message
 from grpclib.const import Status
 
+from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio.limits import check_limits
-from evergreen_trio.picker.errors import WireError
 
 log = logging.getLogger(__name__)
 
@@ -113,15 +113,6 @@ class StreamProcessor(Protocol[ReqIn, RepOut]):
     def on_message(self, message: ReqIn) -> Sequence[RepOut]: ...
 
     def on_end(self) -> Sequence[RepOut]: ...
-
-
-class RpcStatusError(WireError):
-    """Raised by a processor to end its stream with a non-OK gRPC status."""
-
-    def __init__(self, status: Status, message: str) -> None:
-        super().__init__(f"{status.name}: {message}")
-        self.status = status
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -677,9 +668,9 @@ class GrpcWireConnection:
             while len(inbound) >= 5 and stream.trailers is None and not stream.parked:
                 size = int.from_bytes(inbound[1:5], "big")
                 if inbound[0] != 0:
-                    raise RpcStatusError(Status.UNIMPLEMENTED, "expected uncompressed messages")
+                    raise RpcAbortError(Status.UNIMPLEMENTED, "expected uncompressed messages")
                 if size > self.limits.max_message_bytes:
-                    raise RpcStatusError(Status.RESOURCE_EXHAUSTED,
+                    raise RpcAbortError(Status.RESOURCE_EXHAUSTED,
                                     f"message of {size} bytes exceeds the limit of {self.limits.max_message_bytes}")
                 if len(inbound) < 5 + size:
                     break
@@ -689,7 +680,7 @@ class GrpcWireConnection:
                 try:  # from bytes, upb refers to the input rather than copying large fields again
                     message = method.request_type.FromString(encoded)
                 except DecodeError:
-                    raise RpcStatusError(
+                    raise RpcAbortError(
                         Status.INTERNAL, f"could not decode a {method.request_type.__name__}"
                     ) from None
                 replies.extend(processor.on_message(message))
@@ -702,11 +693,11 @@ class GrpcWireConnection:
             if end and stream.trailers is None and not stream.parked:
                 stream.remote_closed = True
                 if inbound:
-                    raise RpcStatusError(Status.INTERNAL, "stream ended inside a message")
+                    raise RpcAbortError(Status.INTERNAL, "stream ended inside a message")
                 stream.completed = True
                 replies.extend(processor.on_end())
                 stream.trailers = _OK_TRAILERS
-        except RpcStatusError as exc:
+        except RpcAbortError as exc:
             stream.trailers = _status_block(exc.status, exc.message)
             failed = True
         except Exception as exc:  # a processor bug must not take the connection down
