@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import Any, Generic, Protocol, TypeVar
 
 import hpack
@@ -105,6 +105,15 @@ class StreamProcessor(Protocol[ReqIn, RepOut]):
     the connection sets ``on_unpark``; the processor calls it once it has its replies, and the
     connection's :meth:`GrpcWireConnection.resume_unparked` then sends ``resume()``'s replies
     and delivers the rest.
+
+    A *streaming* processor (``streaming`` true: a Trio task behind it produces replies at any
+    time) gets ``wake`` set when its stream opens and calls it whenever it has replies, a final
+    status, or room for input again; the connection then calls ``resume()`` (while the stream's
+    unsent replies stay under a window's worth) and delivers input while ``parked`` is false.
+    Its stream does not end with the client's input: ``on_end`` is called, and the stream ends
+    once ``finished`` is true after a ``resume()`` (OK), or ``resume()`` raises
+    :class:`RpcAbortError` (that status). ``on_closed()``, if defined, is called once the stream
+    is gone from the connection, whichever way it ended.
     """
 
     @property
@@ -115,6 +124,40 @@ class StreamProcessor(Protocol[ReqIn, RepOut]):
     def on_end(self) -> Sequence[RepOut]: ...
 
 
+class Call:
+    """What a new stream's headers say: its path and, read when asked for, its metadata and
+    ``grpc-timeout``; ``peer`` and ``peer_certificate`` are its connection's."""
+
+    __slots__ = ("__dict__", "fields", "path", "peer", "peer_certificate")
+
+    def __init__(self, path: str, fields: Mapping[bytes, bytes], peer: str = "",
+                 peer_certificate: Mapping[str, Any] | None = None) -> None:
+        self.path = path
+        self.fields = fields
+        self.peer = peer
+        self.peer_certificate = peer_certificate
+
+    @cached_property
+    def metadata(self) -> dict[str, str]:
+        """Custom metadata as grpclib reads it: pseudo-headers, ``grpc-*``, ``te``, ``content-type``,
+        ``user-agent`` and binary (``-bin``) entries left out; keys are lower case on HTTP/2."""
+        return {key.decode("latin-1"): value.decode("latin-1") for key, value in self.fields.items()
+                if not key.startswith((b":", b"grpc-")) and key not in _NOT_METADATA and not key.endswith(b"-bin")}
+
+    @cached_property
+    def timeout(self) -> float | None:
+        """Seconds from ``grpc-timeout`` (``None`` without one, or when it is not a valid timeout)."""
+        value = self.fields.get(b"grpc-timeout", b"")
+        if not 2 <= len(value) <= 9 or not value[:-1].isdigit():
+            return None
+        unit = _TIMEOUT_UNITS.get(value[-1:])
+        return None if unit is None else int(value[:-1]) * unit
+
+
+_NOT_METADATA = frozenset({b"te", b"content-type", b"user-agent"})
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+
+
 @dataclass(frozen=True)
 class SyncBidiMethod(Generic[Req, Rep]):
     """A bidirectional-streaming method served by a plain synchronous :class:`StreamProcessor`."""
@@ -122,6 +165,23 @@ class SyncBidiMethod(Generic[Req, Rep]):
     path: str
     request_type: type[Req]
     new_processor: Callable[[], StreamProcessor[Req, Rep]]
+
+    def open(self, call: Call) -> StreamProcessor[Req, Rep]:
+        """A processor for a new stream (any method's ``open`` may raise :class:`RpcAbortError` to
+        answer the stream with that status and start nothing)."""
+        return self.new_processor()
+
+
+class Method(Protocol):
+    """What the connection serves at a path: a :class:`SyncBidiMethod`, or a method of the shell's."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def request_type(self) -> type[Message]: ...
+
+    def open(self, call: Call) -> StreamProcessor[Any, Any]: ...
 
 
 class _ConnectionError(Exception):
@@ -201,6 +261,7 @@ class _Stream:
     __slots__ = (
         "completed",
         "credit",
+        "end_delivered",
         "headers_sent",
         "id",
         "inbound",
@@ -209,14 +270,22 @@ class _Stream:
         "pending",
         "processor",
         "remote_closed",
+        "starved",
+        "streaming",
         "trailers",
         "unacked",
+        "woken",
     )
 
-    def __init__(self, stream_id: int, method: SyncBidiMethod[Any, Any] | None) -> None:
+    def __init__(self, stream_id: int, method: Method | None,
+                 processor: StreamProcessor[Any, Any] | None = None) -> None:
         self.id = stream_id
         self.method = method
-        self.processor: StreamProcessor[Any, Any] | None = method.new_processor() if method else None
+        self.processor = processor
+        self.streaming: bool = getattr(processor, "streaming", False)
+        self.end_delivered = False  # on_end was called
+        self.woken = False  # queued for resume_unparked
+        self.starved = False  # a streaming processor woke while a window's worth of replies waited
         self.inbound = bytearray()
         # Send window relative to the peer's SETTINGS_INITIAL_WINDOW_SIZE, so that a change of the
         # setting costs nothing per stream: window = initial + credit.
@@ -241,10 +310,14 @@ class GrpcWireConnection:
     is left and close the socket. ``clock`` (seconds) paces the stream-error budget.
     """
 
-    def __init__(self, methods: Mapping[str, SyncBidiMethod[Any, Any]], limits: WireLimits | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, methods: Mapping[str, Method], limits: WireLimits | None = None,
+                 clock: Callable[[], float] = time.monotonic, *, peer: str = "",
+                 peer_certificate: Mapping[str, Any] | None = None) -> None:
         self.methods = methods
         self.limits = limits or WireLimits()
+        self.peer = peer
+        self.peer_certificate = peer_certificate
+        self.last_ping_ack = 0.0  # ``clock`` time of the last PING ACK (see :meth:`ping`)
         self.closed = False
         self.paused = False
         self._clock = clock
@@ -330,20 +403,36 @@ class GrpcWireConnection:
         return bool(self._unparked)
 
     def resume_unparked(self) -> None:
-        """Send the replies of parked streams that became ready and deliver their buffered input."""
+        """Send the replies of parked (or streaming) streams that woke, and deliver their buffered input."""
         ready, self._unparked = self._unparked, []
         for stream_id in ready:
             stream = self._streams.get(stream_id)
-            if stream is None or not stream.parked or self.closed:
+            if stream is None or self.closed:
                 continue  # reset or aborted meanwhile
-            stream.parked = False
-            processor = stream.processor
-            assert processor is not None
-            self._deliver(stream, end=stream.remote_closed, first=processor.resume())  # type: ignore[attr-defined]
+            stream.woken = False
+            if stream.streaming:
+                if len(stream.pending) >= self.limits.window_bytes:
+                    stream.starved = True  # _flush wakes it once the peer took some
+                    continue
+                stream.parked = False
+            elif not stream.parked:
+                continue
+            else:
+                stream.parked = False
+            self._deliver(stream, end=stream.remote_closed, resumed=True)
 
     def _unpark(self, stream_id: int) -> None:
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.woken:
+            return
+        stream.woken = True
         self._unparked.append(stream_id)
         self.on_wake()
+
+    def ping(self, payload: bytes = b"keepaliv") -> None:
+        """Queue a PING (keepalive); its ACK sets ``last_ping_ack``."""
+        if not self.closed:
+            self._out += _frame(PING, 0, 0, payload[:8].ljust(8, b"\0"))
 
     def abort_streams(self) -> None:
         """Tell every open stream's processor its stream is gone (the shell calls this when the
@@ -447,6 +536,8 @@ class GrpcWireConnection:
                                    "expected PING with 8 bytes on stream 0")
         if not flags & ACK:
             self._out += _frame(PING, ACK, 0, payload)
+        else:
+            self.last_ping_ack = self._clock()
 
     def _rst_stream(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id or len(payload) != 4:
@@ -559,17 +650,31 @@ class GrpcWireConnection:
             self._strike("not a gRPC request")
             return
         raw_path = fields.get(b":path", b"")
-        method = self.methods.get(raw_path.decode("latin-1"))
-        stream = _Stream(stream_id, method)
+        path = raw_path.decode("latin-1")
+        method = self.methods.get(path)
         if method is None:
-            stream.trailers = _status_block(Status.UNIMPLEMENTED, f"method {_sanitize(raw_path)} not found")
-            stream.remote_closed = bool(flags & END_STREAM)
-            self._flush(stream)
+            self._answer(stream_id, flags, Status.UNIMPLEMENTED, f"method {_sanitize(raw_path)} not found")
             self._strike("unknown method")
             return
+        try:
+            processor = method.open(Call(path, fields, self.peer, self.peer_certificate))
+        except RpcAbortError as refused:  # the method's admission: refused before anything started
+            self._answer(stream_id, flags, refused.status, refused.message)
+            self._strike("stream not admitted")
+            return
+        stream = _Stream(stream_id, method, processor)
         self._streams[stream_id] = stream
+        if stream.streaming:
+            processor.wake = partial(self._unpark, stream_id)  # type: ignore[attr-defined]
         if flags & END_STREAM:
             self._deliver(stream, end=True)
+
+    def _answer(self, stream_id: int, flags: int, status: Status, message: str) -> None:
+        """End a stream that never opened with a trailers-only ``status``."""
+        stream = _Stream(stream_id, None)
+        stream.trailers = _status_block(status, message)
+        stream.remote_closed = bool(flags & END_STREAM)
+        self._flush(stream)
 
     def _decode(self, block: bytes) -> dict[bytes, bytes]:
         """The fields of a header block; a repeated block costs a lookup while the table is unchanged."""
@@ -650,10 +755,10 @@ class GrpcWireConnection:
 
     # -- gRPC -----------------------------------------------------------------------------------
 
-    def _deliver(self, stream: _Stream, *, end: bool, first: Sequence[Message] = ()) -> None:
+    def _deliver(self, stream: _Stream, *, end: bool, resumed: bool = False) -> None:
         """Hand complete messages to the processor; queue its replies (and trailers when done).
 
-        ``first``: replies of a stream just unparked, queued before anything else.
+        ``resumed``: the stream woke (see :meth:`resume_unparked`): ``resume()``'s replies go first.
         """
         processor, method = stream.processor, stream.method
         assert processor is not None and method is not None
@@ -661,10 +766,14 @@ class GrpcWireConnection:
         before = len(inbound)
         failed = False
         try:
-            replies: list[Message] = list(first)
-            if first and processor.finished:
-                stream.trailers = _OK_TRAILERS
-                stream.completed = True
+            replies: list[Message] = []
+            if resumed:
+                replies.extend(processor.resume())  # type: ignore[attr-defined]
+                if processor.finished:
+                    stream.trailers = _OK_TRAILERS
+                    stream.completed = True
+                elif stream.streaming:
+                    stream.parked = getattr(processor, "parked", False)
             while len(inbound) >= 5 and stream.trailers is None and not stream.parked:
                 size = int.from_bytes(inbound[1:5], "big")
                 if inbound[0] != 0:
@@ -690,13 +799,14 @@ class GrpcWireConnection:
                 elif getattr(processor, "parked", False):
                     stream.parked = True
                     processor.on_unpark = partial(self._unpark, stream.id)  # type: ignore[attr-defined]
-            if end and stream.trailers is None and not stream.parked:
-                stream.remote_closed = True
+            if end and stream.trailers is None and not stream.parked and not stream.end_delivered:
+                stream.remote_closed = stream.end_delivered = True
                 if inbound:
                     raise RpcAbortError(Status.INTERNAL, "stream ended inside a message")
-                stream.completed = True
                 replies.extend(processor.on_end())
-                stream.trailers = _OK_TRAILERS
+                if not stream.streaming:
+                    stream.completed = True
+                    stream.trailers = _OK_TRAILERS
         except RpcAbortError as exc:
             stream.trailers = _status_block(exc.status, exc.message)
             failed = True
@@ -739,6 +849,9 @@ class GrpcWireConnection:
         if pending:
             blocked = self._blocked_on_connection if self._send_window <= 0 else self._blocked_on_stream
             blocked[stream.id] = stream
+        if stream.starved and len(pending) < self.limits.window_bytes:
+            stream.starved = False
+            self._unpark(stream.id)
         if pending or stream.trailers is None:
             self._replenish_stream(stream)
             return
@@ -781,16 +894,20 @@ class GrpcWireConnection:
 
 
 def _abort(stream: _Stream) -> None:
-    """Call the processor's ``on_abort`` once, unless its stream completed; a failure is logged."""
-    if stream.completed or stream.processor is None:
+    """Call the processor's ``on_abort`` once, unless its stream completed, then its ``on_closed``;
+    a failure is logged."""
+    processor = stream.processor
+    if processor is None:
         return
+    stream.processor = None
+    for hook in ("on_abort", "on_closed") if not stream.completed else ("on_closed",):
+        callback = getattr(processor, hook, None)
+        if callback is not None:
+            try:
+                callback()
+            except Exception:  # a processor bug must not take the connection down
+                log.exception("grpc_wire.%s_failed path=%s", hook, stream.method.path if stream.method else "?")
     stream.completed = True
-    abort = getattr(stream.processor, "on_abort", None)
-    if abort is not None:
-        try:
-            abort()
-        except Exception:  # a processor bug must not take the connection down
-            log.exception("grpc_wire.abort_failed path=%s", stream.method.path if stream.method else "?")
 
 
 _HANDLERS: dict[int, _FrameHandler] = {
