@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, TypeVar
 
+import grpc
 import h2.config
 import h2.connection
 import h2.events
 import pytest
+import trio
 from google.protobuf.descriptor_pb2 import FileDescriptorProto
 from google.protobuf.descriptor_pool import DescriptorPool
 from google.protobuf.message import DecodeError, Message
@@ -24,6 +27,7 @@ from hypothesis import strategies as st
 from evergreen_trio._grpc.client_wire import frame
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.reflection import SERVICE_FILE, reflection_methods
+from evergreen_trio._grpc.server import serve_sync_bidi
 from evergreen_trio._grpc.server_wire import GrpcWireConnection, SyncBidiMethod
 from evergreen_trio._wire import SERVICE
 
@@ -172,9 +176,27 @@ def test_a_huge_name_is_not_found_fast_and_not_echoed(version: Any) -> None:
         assert len(message) < 120 and "\n" not in message and message.endswith("... not found")
 
 
+async def test_grpcio_over_tcp_a_huge_name_then_the_list(nursery: trio.Nursery) -> None:
+    port = await nursery.start(partial(serve_sync_bidi, METHODS, "127.0.0.1", 0))
+
+    def info(requests: list[Any]) -> list[Any]:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                         request_serializer=v1.ServerReflectionRequest.SerializeToString,
+                                         response_deserializer=v1.ServerReflectionResponse.FromString)
+            return list(call(iter(requests), timeout=30))
+
+    huge, listed = await trio.to_thread.run_sync(info, [v1.ServerReflectionRequest(file_containing_symbol="\x7f" * (3 << 20)),
+                                                        v1.ServerReflectionRequest(list_services="")])
+    assert huge.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert huge.error_response.error_message == f"file_containing_symbol {'?' * 64}... not found"
+    assert [service.name for service in listed.list_services_response.service][:2] == SERVICES
+
+
 REQUEST_FIELDS = st.one_of(
     st.builds(dict, list_services=st.text(max_size=20)),
-    st.builds(dict, file_by_filename=st.text(max_size=40) | st.sampled_from([SERVICE_FILE, "google/protobuf/any.proto"])),
+    st.builds(dict, file_by_filename=st.text(max_size=40)
+              | st.sampled_from([SERVICE_FILE, "google/protobuf/any.proto"])),
     st.builds(dict, file_containing_symbol=st.text(max_size=40) | st.sampled_from([SERVICE, f"{SERVICE}.X", ".", ""])),
     st.builds(dict, all_extension_numbers_of_type=st.text(max_size=40) | st.just("google.protobuf.FieldOptions")),
     st.builds(dict, file_containing_extension=st.builds(
@@ -200,6 +222,7 @@ def test_fuzzed_requests_get_one_response_each(version: Any, asked: list[Any], h
             request = version.ServerReflectionRequest(host=host, **fields)
             if extension is not None:
                 request.file_containing_extension.CopyFrom(version.ExtensionRequest(**extension))
+        reply: Any
         try:
             [reply] = processor.on_message(request)
         except RpcAbortError:
