@@ -186,8 +186,9 @@ async def test_grpcio_over_tcp_a_huge_name_then_the_list(nursery: trio.Nursery) 
                                          response_deserializer=v1.ServerReflectionResponse.FromString)
             return list(call(iter(requests), timeout=30))
 
-    huge, listed = await trio.to_thread.run_sync(info, [v1.ServerReflectionRequest(file_containing_symbol="\x7f" * (3 << 20)),
-                                                        v1.ServerReflectionRequest(list_services="")])
+    asked = [v1.ServerReflectionRequest(file_containing_symbol="\x7f" * (3 << 20)),
+             v1.ServerReflectionRequest(list_services="")]
+    huge, listed = await trio.to_thread.run_sync(info, asked)
     assert huge.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
     assert huge.error_response.error_message == f"file_containing_symbol {'?' * 64}... not found"
     assert [service.name for service in listed.list_services_response.service][:2] == SERVICES
