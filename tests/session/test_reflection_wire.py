@@ -16,13 +16,14 @@ import h2.events
 import pytest
 import trio
 from google.protobuf.descriptor_pb2 import FileDescriptorProto
-from google.protobuf.descriptor_pool import DescriptorPool
 from google.protobuf.message import DecodeError, Message
 from grpclib.const import Status
 from grpclib.reflection.v1 import reflection_pb2 as v1
 from grpclib.reflection.v1alpha import reflection_pb2 as v1alpha
 from hypothesis import given
 from hypothesis import strategies as st
+from test_reflection import WANTED, describe_like_grpcurl
+from test_reflection import ask as grpcio_ask
 
 from evergreen_trio._grpc.client_wire import frame
 from evergreen_trio._grpc.errors import RpcAbortError
@@ -96,39 +97,17 @@ def test_lists_the_services_and_itself(version: Any) -> None:
 
 
 @VERSIONS
-def test_describes_every_service_listed_like_grpcurl(version: Any) -> None:
-    """Each listed service's file by symbol, then the files it imports by name: a pool builds them all."""
-    [listed], _ = ask(version, [version.ServerReflectionRequest(list_services="")])
-    names = [service.name for service in listed.list_services_response.service]
-    files: dict[str, FileDescriptorProto] = {}
-    pending = [version.ServerReflectionRequest(file_containing_symbol=name) for name in names]
-    while pending:
-        replies, _ = ask(version, pending)
-        assert len(replies) == len(pending)
-        for reply in replies:
-            [raw] = reply.file_descriptor_response.file_descriptor_proto
-            file = FileDescriptorProto.FromString(raw)
-            files[file.name] = file
-        pending = [version.ServerReflectionRequest(file_by_filename=dep)
-                   for file in files.values() for dep in file.dependency if dep not in files]
-    pool = DescriptorPool()
-
-    def add(name: str) -> None:  # each file after the files it imports
-        try:
-            pool.FindFileByName(name)
-        except KeyError:
-            for dep in files[name].dependency:
-                add(dep)
-            pool.Add(files[name])
-
-    for name in files:
-        add(name)
-    for name in names:
-        assert pool.FindServiceByName(name).methods
+async def test_grpcio_over_tcp_lists_and_describes_like_grpcurl(version: Any, nursery: trio.Nursery) -> None:
+    port = await nursery.start(partial(serve_sync_bidi, METHODS, "127.0.0.1", 0))
+    names, pool = await trio.to_thread.run_sync(describe_like_grpcurl, f"127.0.0.1:{port}", version)
+    assert names >= WANTED
     method = pool.FindServiceByName(SERVICE).methods_by_name["StartSession"]
     assert method.input_type.full_name == "evergreen.v2.SessionMessage"
     assert method.client_streaming and method.server_streaming
-    assert SERVICE_FILE in files
+    assert "Watch" in pool.FindServiceByName("grpc.health.v1.Health").methods_by_name
+    [missing] = await trio.to_thread.run_sync(
+        grpcio_ask, f"127.0.0.1:{port}", version, [version.ServerReflectionRequest(file_containing_symbol="no.Such")])
+    assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
 @VERSIONS
@@ -178,17 +157,9 @@ def test_a_huge_name_is_not_found_fast_and_not_echoed(version: Any) -> None:
 
 async def test_grpcio_over_tcp_a_huge_name_then_the_list(nursery: trio.Nursery) -> None:
     port = await nursery.start(partial(serve_sync_bidi, METHODS, "127.0.0.1", 0))
-
-    def info(requests: list[Any]) -> list[Any]:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
-                                         request_serializer=v1.ServerReflectionRequest.SerializeToString,
-                                         response_deserializer=v1.ServerReflectionResponse.FromString)
-            return list(call(iter(requests), timeout=30))
-
     asked = [v1.ServerReflectionRequest(file_containing_symbol="\x7f" * (3 << 20)),
              v1.ServerReflectionRequest(list_services="")]
-    huge, listed = await trio.to_thread.run_sync(info, asked)
+    huge, listed = await trio.to_thread.run_sync(grpcio_ask, f"127.0.0.1:{port}", v1, asked)
     assert huge.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
     assert huge.error_response.error_message == f"file_containing_symbol {'?' * 64}... not found"
     assert [service.name for service in listed.list_services_response.service][:2] == SERVICES
