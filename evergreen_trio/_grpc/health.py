@@ -8,6 +8,7 @@ change (one :class:`trio.Event` per change) makes it differ from what it last se
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any, cast
 
 import trio
@@ -69,7 +70,7 @@ class ServerHealth:
         self._watches = 0
         self.max_watches = max_watches
         self.watch_seconds = watch_seconds
-        self.check = SyncBidiMethod(CHECK_PATH, HealthCheckRequest, self._new_check)
+        self.check = SyncBidiMethod(CHECK_PATH, HealthCheckRequest, partial(_Check, self))
         """``Health/Check``, a synchronous method of the server wire."""
 
     @property
@@ -105,9 +106,6 @@ class ServerHealth:
             return SERVICE_UNKNOWN
         up = self._ready if kind == _READY else self._live if kind == _LIVE else self._ready and self._live
         return SERVING if up else NOT_SERVING
-
-    def _new_check(self) -> _Check:
-        return _Check(self)
 
     def admit_watch(self, stream: MessageStream[HealthCheckResponse]) -> None:
         """Take one of ``max_watches`` for a new Watch stream, released when :meth:`watch` ends
