@@ -20,7 +20,7 @@ import trio
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from evergreen_trio._grpc.server import serve_sync_bidi
+from evergreen_trio._grpc.server import serve_grpc
 from evergreen_trio._grpc.server_wire import SyncBidiMethod
 from evergreen_trio.picker.processor import DESTINATION
 from evergreen_trio.picker.runtime import PROCESS_PATH
@@ -67,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
     routes = itertools.cycle([_route(e) for e in args.endpoint])
     method = SyncBidiMethod(PROCESS_PATH, ep.ProcessingRequest, partial(Noop, routes))
-    trio.run(partial(serve_sync_bidi, [method], "127.0.0.1", args.port))
+    trio.run(partial(serve_grpc, [method], "127.0.0.1", args.port))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The picker wire under each issue-11 attack: a legitimate call's latency during the attack, and RSS growth.
 
-For each attack of ``tests/security/frames.py`` a fresh picker wire server (``serve_sync_bidi``
+For each attack of ``tests/security/frames.py`` a fresh picker wire server (``serve_grpc``
 with the echo method and default :class:`WireLimits`; handshake, idle and send deadlines 2 s so
 that the timeout attacks end quickly) runs in its own process, the attacker in another, and this
 process makes back-to-back legitimate calls on one connection opened before the attack: first
@@ -25,12 +25,12 @@ ROOT = Path(__file__).parent.parent
 SERVER = """
 import trio
 from functools import partial
-from evergreen_trio._grpc.server import WireTimeouts, serve_sync_bidi
+from evergreen_trio._grpc.server import WireTimeouts, serve_grpc
 from tests.security.frames import ECHO
 
 async def main():
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(partial(serve_sync_bidi, [ECHO], "127.0.0.1", 0,
+        port = await nursery.start(partial(serve_grpc, [ECHO], "127.0.0.1", 0,
                                            timeouts=WireTimeouts(handshake_s=2, idle_s=2, send_s=2)))
         print(port, flush=True)
 

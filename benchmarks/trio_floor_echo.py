@@ -1,6 +1,6 @@
 """The Trio floor for bench_session: one message echoed over loopback with no session and no asyncio.
 
-The server is the picker's sans-IO gRPC wire (``serve_sync_bidi``) with an echo processor; the
+The server is the picker's sans-IO gRPC wire (``serve_grpc``) with an echo processor; the
 client is the ``h2`` library's connection on a Trio socket, driven inline. Both ends run in this
 one process, as in ``grpclib_echo``. It measures what Trio plus a lean HTTP/2 costs for the same
 work as raw grpclib on asyncio, so that the session rows can be read as floor + session layer.
@@ -23,7 +23,7 @@ import trio
 
 from benchmarks.grpclib_echo import PATH, message
 from evergreen_trio._grpc.client_wire import frame
-from evergreen_trio._grpc.server import serve_sync_bidi
+from evergreen_trio._grpc.server import serve_grpc
 from evergreen_trio._grpc.server_wire import SyncBidiMethod
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 
@@ -79,7 +79,7 @@ class FloorClient:
 async def main(size: int, round_trips: int, calls: int) -> dict[str, object]:
     one = frame(message(0, size).SerializeToString())
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(serve_sync_bidi, [SyncBidiMethod(PATH, SessionMessage, Echo)], "127.0.0.1", 0)
+        port = await nursery.start(serve_grpc, [SyncBidiMethod(PATH, SessionMessage, Echo)], "127.0.0.1", 0)
         client = FloorClient(await trio.open_tcp_stream("127.0.0.1", port))
         stream_id = await client.open()
         latencies = []

@@ -1,7 +1,7 @@
 """The import layering README.md's "How the code is laid out" describes, checked by parsing imports.
 
 - Sans-IO cores import no Trio, asyncio, sockets, threads or HTTP/gRPC machinery.
-- Only ``_grpc/bridge.py`` imports asyncio (or trio-asyncio).
+- No module imports asyncio (or trio-asyncio): servers and clients run on Trio alone.
 - The protocol packages (avp, ipc, picker, sim, generate) do not import each other; the
   modules that compose them (``stack/``: gateway, demo) sit above.
 - The serving runtime (``serving/``) and the session layer under it never import the stack.
@@ -109,32 +109,10 @@ def test_sans_io_cores_do_no_io(path: Path) -> None:
     assert not bad, f"{relative(path)} is a sans-IO core but imports {bad}"
 
 
-def test_only_the_bridge_imports_asyncio() -> None:
+def test_no_module_imports_asyncio() -> None:
     users = {relative(p) for p in module_files() if any(n.split(".")[0] in {"asyncio", "trio_asyncio"}
                                                          for n in imports(p))}
-    assert users <= {"_grpc/bridge.py"}
-
-
-def test_the_client_side_of_sessions_reaches_no_asyncio() -> None:
-    """The session client (``client.py`` and what it imports of ours, transitively) stays off the bridge:
-    a client script runs on Trio alone (no trio-asyncio loop, Ctrl-C a plain KeyboardInterrupt)."""
-    seen: set[str] = set()
-    todo = ["evergreen_trio.client"]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        path = ROOT / (name.replace(".", "/") + ".py")
-        if not path.exists():
-            path = ROOT / name.replace(".", "/") / "__init__.py"
-        if not path.exists() or name == "evergreen_trio":  # the package face imports the server too
-            continue
-        for imported in imports(path):
-            assert imported.split(".")[0] not in {"asyncio", "trio_asyncio"}, f"{name} imports {imported}"
-            if imported.startswith("evergreen_trio"):
-                todo.append(imported)
-    assert "evergreen_trio._grpc.bridge" not in seen, sorted(seen)
+    assert users == set()
 
 
 IMPORT_AND_BUILD = """
@@ -150,9 +128,9 @@ print("trio_asyncio" in sys.modules, asyncio.run(loop_module()))
 
 
 def test_importing_the_package_leaves_asyncio_alone() -> None:
-    """trio-asyncio replaces ``asyncio.new_event_loop`` process-wide when imported, so a user's own
-    ``asyncio.run`` would run on its slower loop (it doubled raw grpclib's round trip in our
-    benchmark): only serving a session server or the picker's health port imports it."""
+    """The package installs nothing into asyncio: a user's own ``asyncio.run`` gets the standard loop
+    (trio-asyncio, which the session server once ran grpclib on, replaced ``asyncio.new_event_loop``
+    process-wide and doubled raw grpclib's round trip in our benchmark)."""
     out = subprocess.run([sys.executable, "-c", IMPORT_AND_BUILD], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "asyncio.unix_events"], out.stdout + out.stderr
 

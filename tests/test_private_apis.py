@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 
-BRIDGE = "evergreen_trio/_grpc/bridge.py"
 UCX_BRIDGE = "evergreen_trio/ipc/transports/ucx_bridge.py"
 GENCODE = "evergreen_trio/_proto/**/*_pb2.py (protoc gencode)"
 
@@ -152,11 +151,6 @@ class Case:
         return f"{self.distribution}:{self.path}.{self.attr}:{type(self.shape).__name__}"
 
 
-def _grpclib_server_state(*names: str) -> list[Case]:
-    user = f"{BRIDGE} (_GuardedServer._protocol_factory, _start)"
-    return [Case("grpclib", "grpclib.server.Server", name, SetsInstanceAttr(), user) for name in names]
-
-
 def _ucx(path: str, attr: str, shape: Shape, user: str = UCX_BRIDGE) -> Case:
     # "ucxx" is the import name: the distribution is ucxx-cu12 or ucxx-cu13, named in the message.
     return Case("ucxx", path, attr, shape, user, extra="ucx")
@@ -164,122 +158,6 @@ def _ucx(path: str, attr: str, shape: Shape, user: str = UCX_BRIDGE) -> Case:
 
 LIBUCXX = "ucxx._lib.libucxx"
 CASES = [
-    # trio-asyncio: the cancelled-timer purge.
-    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "_timer_handle_cancelled", Calls(1),
-         f"{BRIDGE} (_open_loop replaces it on the loop with _CancelledTimerPurge)"),
-    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "_timers", SetsInstanceAttr(),
-         f"{BRIDGE} (_CancelledTimerPurge filters the loop's timers)"),
-    Case("trio-asyncio", "trio_asyncio", "BaseTrioEventLoop", Mentions("heapq.heappush(self._timers"),
-         f"{BRIDGE} (_CancelledTimerPurge re-heapifies _timers, so it must stay a heapq heap)"),
-    Case("python", "asyncio.events.TimerHandle", "cancel", Mentions("_timer_handle_cancelled(self)"),
-         f"{BRIDGE} (_CancelledTimerPurge learns of cancelled timers through it)"),
-    # trio-asyncio: the loop's callback queue, its step and its I/O tasks, replaced on each loop instance
-    # by _open_loop (_ReadyQueue, _loop_step, _io_task).
-    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "_main_loop", Mentions("await self._main_loop_one()"),
-         f"{BRIDGE} (_loop_step, set on the loop instance, is what the running loop calls at each step)"),
-    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "_main_loop_one", Mentions("await self._q_recv.receive()"),
-         f"{BRIDGE} (_open_loop wakes the first step, waiting on the channel, with a no-op)"),
-    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "_main_loop_exit",
-         Mentions("await self._main_loop_one(no_wait=True)"),
-         f"{BRIDGE} (_loop_step: with no_wait, one callback, or WouldBlock once none is queued)"),
-    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "_queue_handle", Mentions("self._q_send.send_nowait(handle)"),
-         f"{BRIDGE} (_ReadyQueue.send_nowait)"),
-    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "call_soon",
-         Mentions("return self._queue_handle(asyncio.Handle(callback, args, self, **context))"),
-         f"{BRIDGE} (_call_soon does the same, less the callback check)"),
-    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "call_soon_threadsafe", Mentions("self._q_send.send_nowait"),
-         f"{BRIDGE} (_ReadyQueue.send_nowait)"),
-    *[Case("trio-asyncio", "trio_asyncio.TrioEventLoop", name, SetsInstanceAttr(), f"{BRIDGE} (_open_loop)")
-      for name in ("_nursery",)],
-    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "__init__",
-         Mentions("self._q_send, self._q_recv = trio.open_memory_channel"), f"{BRIDGE} (_open_loop swaps both)"),
-    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "_add_io_handler",
-         Mentions("self._nursery.start_soon(self._io_task, fd, handle, wait_ready)"),
-         f"{BRIDGE} (_io_task, set on the loop instance, runs each reader and writer)"),
-    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "_io_task", Mentions("handle._raise(exc)"),
-         f"{BRIDGE} (_io_task does as trio-asyncio's, less its synchronize)"),
-    Case("trio-asyncio", "trio_asyncio._handles.ScopedHandle", "_scope", SetsInstanceAttr(), f"{BRIDGE} (_io_task)"),
-    Case("trio-asyncio", "trio_asyncio._handles", "AsyncHandle", ClassAttr(type), f"{BRIDGE} (_loop_step)"),
-    Case("trio-asyncio", "trio_asyncio._handles.AsyncHandle", "_started", SetsInstanceAttr(),
-         f"{BRIDGE} (_loop_step starts a Trio function's handle as trio-asyncio's step does)"),
-    Case("trio-asyncio", "trio_asyncio._base", "TrioAsyncioExit", ClassAttr(type),
-         f"{BRIDGE} (_run_queued leaves the loop's stop to the loop task)"),
-    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "stop", Mentions("raise TrioAsyncioExit("),
-         f"{BRIDGE} (_run_queued: the stop callback raises it)"),
-    # grpclib: its module-level reference to asyncio.current_task, re-pointed at trio-asyncio's.
-    Case("grpclib", "grpclib.utils.Wrapper", "__enter__", Mentions("_current_task()"),
-         f"{BRIDGE} (sets grpclib.utils._current_task for CPython 3.12+)"),
-    # grpclib: the guarded server (its own protocol, handler and start).
-    Case("grpclib", "grpclib.config", "Configuration", Calls(0, ("_keepalive_time", "_keepalive_timeout")),
-         f"{BRIDGE} (_GuardedServer.__init__)"),
-    Case("grpclib", "grpclib.server.Server", "__gc_interval__", ClassAttr(int),
-         f"{BRIDGE} (_GuardedServer sets it to 1)"),
-    Case("grpclib", "grpclib.server.Server", "__gc_step__", Mentions("self.__gc_collect__()"),
-         f"{BRIDGE} (_GuardedServer.__gc_collect__ overrides what it calls)"),
-    Case("grpclib", "grpclib.server.Handler", "check_closed", Calls(), f"{BRIDGE} (_GuardedServer.__gc_collect__)"),
-    # asyncio: the accept path, replaced on the session server's loop (_accept_connections).
-    Case("python", "asyncio.selector_events.BaseSelectorEventLoop", "_start_serving",
-         Mentions("self._accept_connection,"), f"{BRIDGE} (_start sets the loop's _accept_connection)"),
-    Case("python", "asyncio.selector_events.BaseSelectorEventLoop", "_accept_connection", Calls(7),
-         f"{BRIDGE} (_accept_connections takes its arguments)"),
-    Case("python", "asyncio.selector_events.BaseSelectorEventLoop", "_make_socket_transport",
-         Calls(2, ("extra", "server")), f"{BRIDGE} (_accept_connections)"),
-    Case("python", "asyncio.selector_events.BaseSelectorEventLoop", "_remove_reader", Calls(1),
-         f"{BRIDGE} (_accept_connections, out of descriptors)"),
-    Case("python", "asyncio.selector_events._SelectorSocketTransport", "__init__",
-         Mentions("self._loop.call_soon(self._protocol.connection_made, self)"),
-         f"{BRIDGE} (_accept_connections: the transport starts its protocol)"),
-    Case("trio-asyncio", "trio_asyncio.TrioEventLoop", "call_later",
-         Mentions("asyncio.TimerHandle(delay + self.time(), callback, args, self, **context)"),
-         f"{BRIDGE} (_call_later does the same, less its check)"),
-    Case("grpclib", "grpclib.server.Server", "__gc_step__", Calls(), f"{BRIDGE} (_GuardedServer._protocol_factory)"),
-    Case("grpclib", "grpclib.server.Server", "_protocol_factory", Calls(),
-         f"{BRIDGE} (_GuardedServer overrides it; _start hands it to create_server)"),
-    *_grpclib_server_state("_mapping", "_codec", "_status_details_codec", "__dispatch__", "_handlers", "_config",
-                           "_h2_config", "_server", "_server_closed_fut"),
-    Case("grpclib", "grpclib.server.Server", "start", Mentions("self._server_closed_fut = "),
-         f"{BRIDGE} (_start does what Server.start does, with a TLS handshake deadline)"),
-    Case("grpclib", "grpclib.server.Server", "__init__", Mentions("__mapping__()"),
-         f"{BRIDGE} (SessionAcceptor is a servable through __mapping__)"),
-    Case("grpclib", "grpclib.server", "Handler", Calls(4), f"{BRIDGE} (_GuardedServer._protocol_factory)"),
-    Case("grpclib", "grpclib.server.Handler", "accept", Calls(3), f"{BRIDGE} (_Handler.accept overrides it)"),
-    Case("grpclib", "grpclib.server.Handler", "accept", Mentions("self._tasks[stream] ="),
-         f"{BRIDGE} (_Handler.accept reads the task grpclib's accept started)"),
-    Case("grpclib", "grpclib.server.Handler", "_tasks", SetsInstanceAttr(), f"{BRIDGE} (_Handler.accept)"),
-    Case("grpclib", "grpclib.protocol", "H2Protocol", Calls(3), f"{BRIDGE} (_GuardedProtocol subclasses it)"),
-    *[Case("grpclib", "grpclib.protocol.H2Protocol", name, SetsInstanceAttr(), f"{BRIDGE} (_GuardedProtocol)")
-      for name in ("handler", "config", "h2_config", "connection", "processor")],
-    Case("grpclib", "grpclib.protocol.H2Protocol", "connection_made",
-         Mentions("EventsProcessor(self.handler, self.connection)"),
-         f"{BRIDGE} (_GuardedProtocol.connection_made is grpclib's, with the stream cap advertised)"),
-    Case("grpclib", "grpclib.protocol", "Connection", Calls(2, ("config",)),
-         f"{BRIDGE} (_GuardedProtocol.connection_made)"),
-    Case("grpclib", "grpclib.protocol.Connection", "_connection", SetsInstanceAttr(),
-         f"{BRIDGE} (_h2, _GuardedProtocol._admit, _GuardedProtocol._go_away)"),
-    *[Case("grpclib", "grpclib.protocol.Connection", name, Calls(count), f"{BRIDGE} (_GuardedProtocol)")
-      for name, count in (("feed", 1), ("flush", 0), ("initialize", 0), ("is_closing", 0), ("get_peer", 0))],
-    Case("grpclib", "grpclib.protocol", "EventsProcessor", Calls(2), f"{BRIDGE} (_GuardedProtocol.connection_made)"),
-    Case("grpclib", "grpclib.protocol.EventsProcessor", "streams", SetsInstanceAttr(),
-         f"{BRIDGE} (_GuardedProtocol counts and looks up streams)"),
-    Case("grpclib", "grpclib.protocol.EventsProcessor", "process", Calls(1), f"{BRIDGE} (_GuardedProtocol._feed)"),
-    Case("grpclib", "grpclib.protocol.EventsProcessor", "close", Calls(1), f"{BRIDGE} (_GuardedProtocol)"),
-    *[Case("grpclib", "grpclib.protocol.Stream", name, SetsInstanceAttr(), f"{BRIDGE} ({user})")
-      for name, user in (("created", "_GuardedProtocol._feed"),)],
-    Case("grpclib", "grpclib.protocol.Stream", "recv_data", Calls(1), f"{BRIDGE} (_recv_message)"),
-    Case("grpclib", "grpclib.protocol.Buffer", "read", Mentions("AssertionError"),
-         f"{BRIDGE} (_recv_message maps it to INVALID_ARGUMENT)"),
-    Case("grpclib", "grpclib.server.Stream", "_stream", SetsInstanceAttr(), f"{BRIDGE} (_pump_in)"),
-    Case("grpclib", "grpclib.health.check.ServiceStatus", "__status__", Calls(),
-         "evergreen_trio/_grpc/health.py (ServerHealth.ready, which the picker's Readiness reads)"),
-    # h2: the stream cap that refuses one stream instead of failing the connection.
-    Case("h2", "h2.connection.H2Connection", "open_inbound_streams", ClassAttr(property),
-         f"{BRIDGE} (_GuardedH2Connection overrides it; prune() calls its getter)"),
-    Case("h2", "h2.connection.H2Connection", "open_inbound_streams", Mentions("self._open_streams("),
-         f"{BRIDGE} (_GuardedH2Connection.prune relies on the getter dropping closed streams)"),
-    Case("h2", "h2.connection.H2Connection", "_receive_headers_frame", Mentions("self.open_inbound_streams"),
-         f"{BRIDGE} (_GuardedH2Connection: h2's stream cap goes through the overridden property)"),
-    Case("h2", "h2.connection.H2Connection", "DEFAULT_MAX_HEADER_LIST_SIZE", ClassAttr(int),
-         f"{BRIDGE} (_GuardedProtocol.connection_made)"),
     # protobuf: what the generated *_pb2.py modules call.
     Case("protobuf", "google.protobuf.internal", "builder", Module(), GENCODE),
     Case("protobuf", "google.protobuf.internal.builder", "BuildMessageAndEnumDescriptors", Calls(2), GENCODE),

@@ -1,2 +1,2 @@
-"""gRPC for sessions: the server on grpclib through trio-asyncio (`bridge`, the package's only asyncio
-code); the client on Trio alone (`client` over the sans-IO `client_wire`)."""
+"""gRPC on Trio alone: the server (`server`, the shell over the sans-IO `server_wire`) for sessions, the
+picker's ext_proc, health and reflection; the session client (`client` over the sans-IO `client_wire`)."""

@@ -17,6 +17,7 @@ from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.limits import HEALTH_WATCH_SECONDS, MAX_HEALTH_WATCHES
+from evergreen_trio._grpc.server import StreamMethod
 from evergreen_trio._grpc.server_wire import SyncBidiMethod
 from evergreen_trio._grpc.streams import HandoffClosedError, MessageStream
 
@@ -74,12 +75,8 @@ class ServerHealth:
         """``Health/Check``, a synchronous method of the server wire."""
 
     @property
-    def methods(self) -> list[Any]:
-        """``Health/Check`` and ``Health/Watch``, for the server wire's shell."""
-        # TODO(lead): StreamMethod lands in _grpc/server.py with the shell's task-per-stream
-        # methods; then import it at the top and type this list.
-        from evergreen_trio._grpc.server import StreamMethod  # type: ignore[attr-defined]
-
+    def methods(self) -> list[SyncBidiMethod[Any, Any] | StreamMethod[Any]]:
+        """``Health/Check`` and ``Health/Watch``, for :func:`~evergreen_trio._grpc.server.serve_grpc`."""
         return [self.check, StreamMethod(WATCH_PATH, HealthCheckRequest, self.watch, admit=self.admit_watch)]
 
     @property

@@ -19,7 +19,6 @@ from google.protobuf.descriptor import FileDescriptor
 from google.protobuf.descriptor_pb2 import FileDescriptorProto
 from google.protobuf.message import Message
 from grpclib.const import Status
-from grpclib.reflection.service import ServerReflection
 from grpclib.reflection.v1 import reflection_pb2 as v1
 from grpclib.reflection.v1alpha import reflection_pb2 as v1alpha
 
@@ -127,10 +126,3 @@ def reflection_methods(services: Sequence[str]) -> list[SyncBidiMethod[Any, Mess
                            partial(_Reflection, _Answers(pb2, listed)))
             for name, pb2 in REFLECTION_SERVICES.items()]
 
-
-def with_reflection(servables: Sequence[Any]) -> list[Any]:
-    """``servables`` and grpclib's reflection services (v1, v1alpha) that list them and serve their files.
-
-    For the grpclib bridge only: it goes with the bridge (the server wire takes :func:`reflection_methods`).
-    """
-    return list(ServerReflection.extend(servables))

@@ -1,11 +1,13 @@
 """The Trio shell of :mod:`evergreen_trio._grpc.server_wire`: a TCP (or TLS) listener, one task per connection.
 
 Each connection task reads, feeds the sans-IO connection (which calls the stream processors
-synchronously) and writes everything queued in one ``send_all``: an ext_proc request costs one
-read and one write here, with no asyncio loop and no Trio/asyncio crossing. Every wait for the
-peer has a deadline (:class:`WireTimeouts`), connections are capped
-(:attr:`~evergreen_trio._grpc.server_wire.WireLimits.max_connections`), and a read whose
-frames queue much output is written in slices (the connection pauses between them).
+synchronously) and writes everything queued in one ``send_all``: an ext_proc request or a message
+of a session costs one read and one write here, with no asyncio loop and no Trio/asyncio crossing.
+A :class:`StreamMethod` runs a Trio task per stream (a session, a health watch) that reads and
+writes a :class:`~evergreen_trio._grpc.streams.MessageStream`; the connection's writer task sends
+what those tasks queue. Every wait for the peer has a deadline (:class:`WireTimeouts`),
+connections are capped (:attr:`~evergreen_trio._grpc.server_wire.WireLimits.max_connections`), and
+a read whose frames queue much output is written in slices (the connection pauses between them).
 """
 
 from __future__ import annotations
@@ -14,20 +16,42 @@ import contextlib
 import errno
 import logging
 import math
+import os
+import socket
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import trio
+from google.protobuf.message import Message
+from grpclib.const import Status
 
+from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.limits import OUT_OF_RESOURCES_ERRNOS
-from evergreen_trio._grpc.server_wire import GrpcWireConnection, SyncBidiMethod, WireLimits, refusal
+from evergreen_trio._grpc.server_wire import Call, GrpcWireConnection, Method, SyncBidiMethod, WireLimits, refusal
+from evergreen_trio._grpc.streams import FinalStatus, HandoffClosedError, MessageStream
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
 RECEIVE_BYTES = 256 * 1024
 _MAX_BACKOFF_S = 1.0
 _REFUSAL_SEND_S = 0.1
+
+LISTEN_BACKLOG = 128
+"""Connections the kernel completes and holds for a gRPC server to accept (``listen``). Under a flood
+the rest wait in the kernel, in order; past it the kernel drops a handshake and the client retries."""
+
+LINGER_BYTES = 4 * 1024 * 1024
+"""Unread input dropped before the socket of a connection told to go away closes: closing a socket
+with unread input sends a reset, and the reset can destroy the GOAWAY before the peer reads it."""
+
+STREAM_BATCH = 64
+"""Outbound items of one task stream packed into messages per turn of its connection's writer."""
+
+CLOSE_TIMEOUT_SECONDS = 5.0
+"""How long a stopping server spends telling its connections to go away (GOAWAY) before it closes them."""
 
 SSLContextSource = ssl.SSLContext | Callable[[], ssl.SSLContext]
 
@@ -37,36 +61,236 @@ class WireTimeouts:
     """Deadlines of the shell, in seconds.
 
     ``handshake_s``: from accept to the client's preface and first SETTINGS (TLS included).
-    ``idle_s``: a connection with no open stream and no frame for this long gets GOAWAY NO_ERROR.
+    ``idle_s``: a connection with no open stream and no frame for this long gets GOAWAY NO_ERROR
+    (``None``: kept).
     ``send_s``: a write the peer does not take within this long closes the connection.
+    ``keepalive_s`` / ``keepalive_timeout_s``: a connection with open streams and nothing read for
+    ``keepalive_s`` is pinged, and closed when the PING is not answered within ``keepalive_timeout_s``
+    (a vanished peer; ``None``: no pings).
     """
 
     handshake_s: float = 10.0
-    idle_s: float = 300.0
+    idle_s: float | None = 300.0
     send_s: float = 30.0
+    keepalive_s: float | None = None
+    keepalive_timeout_s: float = 20.0
+
+
+def _unchanged(items: list[Any]) -> Iterable[Message]:
+    return items
+
+
+@dataclass(frozen=True)
+class StreamMethod(Generic[T]):
+    """A method served by a Trio task per stream: ``handle`` reads and writes the stream's
+    :class:`MessageStream` (``pack`` turns its outbound items into messages).
+
+    ``admit`` (optional, plain) sees each new stream (peer, metadata and deadline set) before its
+    task starts; raising :class:`RpcAbortError` answers the stream with that status and starts
+    nothing. A handler that returns without :meth:`MessageStream.finish` ends its stream OK; one
+    that raises :class:`RpcAbortError` ends it with that status, any other error with UNKNOWN.
+    """
+
+    path: str
+    request_type: type[Message]
+    handle: Callable[[MessageStream[T]], Awaitable[None]]
+    pack: Callable[[list[T]], Iterable[Message]] = _unchanged
+    admit: Callable[[MessageStream[T]], object] | None = None
+
+
+def _no_op() -> None:
+    pass
+
+
+class _TaskStream:
+    """The wire's processor for a :class:`StreamMethod` stream: input goes to the stream's ``inbound``
+    (parking the stream while it is full), replies come from its ``outbound`` when the task queued
+    some (``wake``), and the stream ends with the task's final status."""
+
+    streaming = True
+
+    def __init__(self, stream: MessageStream[Any]) -> None:
+        self.stream = stream
+        self.finished = False
+        self.wake: Callable[[], object] = _no_op  # set by the wire
+        self._parked = False
+        self._taking = False
+        stream.inbound.notify = self._inbound_changed
+        stream.outbound.notify = self._outbound_changed
+
+    @property
+    def parked(self) -> bool:
+        self._parked = self.stream.inbound.full
+        return self._parked
+
+    def _inbound_changed(self) -> None:
+        if self._parked and not self.stream.inbound.full:
+            self._parked = False
+            self.wake()
+
+    def _outbound_changed(self) -> None:
+        if not self._taking:
+            self.wake()
+
+    def on_message(self, message: Message) -> Sequence[Message]:
+        stream = self.stream
+        stream.received += 1
+        stream.last_activity = trio.current_time()
+        with contextlib.suppress(HandoffClosedError):  # the task reads no more: dropped
+            stream.inbound.push(message)
+        return ()
+
+    def on_end(self) -> Sequence[Message]:
+        self.stream.inbound.close()
+        return ()
+
+    def resume(self) -> Sequence[Message]:
+        stream = self.stream
+        outbound = stream.outbound
+        self._taking = True
+        try:
+            items = outbound.take_nowait(STREAM_BATCH)
+        finally:
+            self._taking = False
+        final = stream.final or FinalStatus(Status.UNAVAILABLE, "the server closed the stream")
+        if items:
+            stream.last_activity = trio.current_time()
+            if outbound.drained and final.status is Status.OK:
+                self.finished = True
+            elif outbound.closed or len(items) == STREAM_BATCH:
+                self.wake()  # more to send, or the final status
+            return list(stream.pack(items))
+        if outbound.drained:
+            if final.status is not Status.OK:
+                raise RpcAbortError(final.status, final.message or "")
+            self.finished = True
+        return ()
+
+    def on_abort(self) -> None:
+        """Reset by the peer, or the connection ended: the task learns why from its stream."""
+        stream = self.stream
+        if stream.deadline is not None and trio.current_time() >= stream.deadline:
+            status, why = Status.DEADLINE_EXCEEDED, "the call's deadline passed"
+        else:
+            status, why = Status.UNAVAILABLE, "the client went away"
+        stream.inbound.close(RpcAbortError(status, why))
+        stream.finish(status, why)
+
+    def on_closed(self) -> None:
+        stream = self.stream
+        stream.inbound.notify = stream.outbound.notify = None
+        stream.inbound.close()
+        stream._mark_closed()
+
+
+class _TaskMethod:
+    """A :class:`StreamMethod` bound to the nursery its stream tasks run in."""
+
+    def __init__(self, method: StreamMethod[Any], nursery: trio.Nursery) -> None:
+        self.method = method
+        self.path = method.path
+        self.request_type = method.request_type
+        self._nursery = nursery
+
+    def open(self, call: Call) -> _TaskStream:
+        method = self.method
+        stream: MessageStream[Any] = MessageStream(method.pack)
+        stream.peer = call.peer
+        stream.peer_certificate = dict(call.peer_certificate) if call.peer_certificate is not None else None
+        stream.metadata = call.metadata
+        if call.timeout is not None:
+            stream.deadline = trio.current_time() + call.timeout
+        if method.admit is not None:
+            method.admit(stream)
+        processor = _TaskStream(stream)
+        self._nursery.start_soon(_run_stream, method.handle, stream, name=method.path)
+        return processor
+
+
+async def _run_stream(handle: Callable[[MessageStream[Any]], Awaitable[None]], stream: MessageStream[Any]) -> None:
+    try:
+        await handle(stream)
+    except RpcAbortError as abort:
+        stream.finish(abort.status, abort.message)
+    except Exception:
+        log.exception("grpc.handler_failed peer=%s", stream.peer)
+        stream.finish(Status.UNKNOWN, "the handler failed")
+    finally:
+        stream.finish()  # OK, unless the stream already has its status
+
+
+def _address(addr: Any) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host = f"[{addr[0]}]" if ":" in str(addr[0]) else str(addr[0])
+        return f"{host}:{addr[1]}"
+    return str(addr or "?")
 
 
 def _peer(stream: trio.SocketStream) -> str:
     try:
-        host, port = stream.socket.getpeername()[:2]
+        return _address(stream.socket.getpeername())
     except OSError:
         return "?"
-    return f"{host}:{port}"
+
+
+def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (Nagle off; ``reuse_port``: SO_REUSEPORT, so that
+    several processes serve one port and the kernel spreads connections among them)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class _Connection:
+    """One served connection: its socket, its sans-IO state and the lock its two writers share."""
+
+    def __init__(self, stream: trio.abc.Stream, wire: GrpcWireConnection, peer: str) -> None:
+        self.stream = stream
+        self.wire = wire
+        self.peer = peer
+        self.lock = trio.StrictFIFOLock()
+        self.lot = trio.lowlevel.ParkingLot()
+        wire.on_wake = self.lot.unpark_all
 
 
 class _Server:
     """Accepts connections up to the cap and serves each in its own task."""
 
-    def __init__(self, methods: dict[str, SyncBidiMethod[Any, Any]], limits: WireLimits, timeouts: WireTimeouts,
-                 ssl_context: SSLContextSource | None) -> None:
-        self.methods = methods
+    def __init__(self, methods: Sequence[SyncBidiMethod[Any, Any] | StreamMethod[Any]], limits: WireLimits,
+                 timeouts: WireTimeouts, ssl_context: SSLContextSource | None) -> None:
         self.limits = limits
         self.timeouts = timeouts
         self.ssl_context = ssl_context
         self.active = 0
         self.refused = 0  # connections refused since the cap was last reached
+        self.connections: set[_Connection] = set()
+        self._methods = methods
+        self.methods: dict[str, Method] = {}
+        self.nursery: trio.Nursery | None = None
 
-    async def accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+    async def run_tasks(self, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        """The nursery of connection and stream tasks, shielded: a stopping server says goodbye first
+        (see :func:`serve_grpc`) and then cancels the returned scope."""
+        with trio.CancelScope(shield=True) as scope:
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                self.methods = {m.path: _TaskMethod(m, nursery) if isinstance(m, StreamMethod) else m
+                                for m in self._methods}
+                task_status.started(scope)
+                await trio.sleep_forever()
+
+    async def accept_loop(self, listener: trio.SocketListener) -> None:
+        assert self.nursery is not None
         backoff = 0.0
         while True:
             try:
@@ -92,7 +316,7 @@ class _Server:
                 log.info("grpc_wire.accepting_again refused=%d", self.refused)
                 self.refused = 0
             self.active += 1
-            nursery.start_soon(self.serve_connection, stream)
+            self.nursery.start_soon(self.serve_connection, stream)
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
         """Close a connection past the cap; a plaintext one first gets GOAWAY ENHANCE_YOUR_CALM
@@ -102,128 +326,191 @@ class _Server:
             # A new socket's buffer takes it at once; a peer already gone does not matter.
             with trio.move_on_after(_REFUSAL_SEND_S), contextlib.suppress(trio.BrokenResourceError):
                 await stream.send_all(message)
+            _drop_unread(stream)
         await trio.aclose_forcefully(stream)
 
     async def serve_connection(self, raw: trio.SocketStream) -> None:
         handshake_deadline = trio.current_time() + self.timeouts.handshake_s
+        peer = _peer(raw)
         try:
             stream: trio.abc.Stream = raw
+            certificate = None
             if self.ssl_context is not None:
                 context = self.ssl_context() if callable(self.ssl_context) else self.ssl_context
                 context.set_alpn_protocols(["h2"])
                 tls = trio.SSLStream(raw, context, server_side=True)
-                if not await self._tls_handshake(tls, handshake_deadline):
+                if not await self._tls_handshake(tls, handshake_deadline, peer):
                     return
-                stream = tls
-            connection = GrpcWireConnection(self.methods, self.limits)
-            lot, lock = trio.lowlevel.ParkingLot(), trio.StrictFIFOLock()
-            connection.on_wake = lot.unpark_all
+                stream, certificate = tls, tls.getpeercert() or None
+            wire = GrpcWireConnection(self.methods, self.limits, peer=peer, peer_certificate=certificate)
+            connection = _Connection(stream, wire, peer)
+            self.connections.add(connection)
             try:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._resume_parked, stream, connection, lot, lock)
-                    await self._converse(stream, connection, handshake_deadline, _peer(raw), lock)
+                    nursery.start_soon(self._resume_parked, connection, nursery.cancel_scope)
+                    await self._converse(connection, handshake_deadline)
                     nursery.cancel_scope.cancel()
             finally:
-                connection.abort_streams()  # lost, closed or cancelled: release what streams hold
+                self.connections.discard(connection)
+                wire.abort_streams()  # lost, closed or cancelled: release what streams hold
+            if wire.closed:
+                _drop_unread(raw)
         finally:
             self.active -= 1
             await trio.aclose_forcefully(raw)
 
-    async def _tls_handshake(self, stream: trio.SSLStream[trio.SocketStream], deadline: float) -> bool:
+    async def _tls_handshake(self, stream: trio.SSLStream[trio.SocketStream], deadline: float, peer: str) -> bool:
         with trio.move_on_at(deadline):
             try:
                 await stream.do_handshake()
             except trio.BrokenResourceError as exc:
-                log.info("grpc_wire.tls_failed error=%r", exc.__cause__ or exc)
+                error = exc.__cause__ or exc
+                hint = " (a plaintext client?)" if getattr(error, "reason", None) in _NOT_TLS else ""
+                log.info("grpc_wire.tls_handshake_failed peer=%s error=%s%s", peer,
+                         str(error) or type(error).__name__, hint)
                 return False
             return True
-        log.info("grpc_wire.connection_timeout reason=no TLS handshake in time")
+        log.info("grpc_wire.connection_timeout peer=%s reason=no TLS handshake in time", peer)
         return False
 
-    async def _converse(self, stream: trio.abc.Stream, connection: GrpcWireConnection,
-                        handshake_deadline: float, peer: str, lock: trio.StrictFIFOLock) -> None:
+    def _wait_deadline(self, wire: GrpcWireConnection, handshake_deadline: float, last_read: float,
+                       ping_sent: float | None) -> tuple[float, str]:
+        """Until when the next read may wait, and what it means when nothing came by then."""
         timeouts = self.timeouts
+        if not wire.handshake_complete:
+            return handshake_deadline, "no preface and SETTINGS in time"
+        if not wire.open_streams:
+            if timeouts.idle_s is None:
+                return math.inf, ""
+            return last_read + timeouts.idle_s, f"no stream for {timeouts.idle_s:g} s"
+        if timeouts.keepalive_s is None:
+            return math.inf, ""
+        if ping_sent is not None:
+            return ping_sent + timeouts.keepalive_timeout_s, "no answer to a keepalive PING"
+        return last_read + timeouts.keepalive_s, "keepalive"
+
+    async def _converse(self, connection: _Connection, handshake_deadline: float) -> None:
+        stream, wire, peer = connection.stream, connection.wire, connection.peer
+        last_read = trio.current_time()
+        ping_sent: float | None = None
         try:
-            await self._send(stream, connection, lock)
-            while not connection.closed:
-                if not connection.handshake_complete:
-                    deadline, why = handshake_deadline, "no preface and SETTINGS in time"
-                elif not connection.open_streams:
-                    deadline, why = trio.current_time() + timeouts.idle_s, "idle"
-                else:
-                    deadline, why = math.inf, ""
+            await self._send(connection)
+            while not wire.closed:
+                deadline, why = self._wait_deadline(wire, handshake_deadline, last_read, ping_sent)
                 data: bytes | bytearray | None = None
                 with trio.move_on_at(deadline):  # only the wait for the peer, not our own work
                     data = await stream.receive_some(RECEIVE_BYTES)
                 if data is None:
+                    if why == "keepalive":
+                        ping_sent = trio.current_time()
+                        wire.ping()
+                        await self._send(connection)
+                        continue
                     log.info("grpc_wire.connection_timeout peer=%s reason=%s", peer, why)
-                    connection.close(why)
-                    await self._send(stream, connection, lock)
+                    wire.close(why)
+                    await self._send(connection)
                     return
                 if not data:
                     return
-                connection.receive_data(data)
-                await self._send(stream, connection, lock)
-                while connection.paused:  # a bounded slice at a time, letting other tasks run between
+                last_read, ping_sent = trio.current_time(), None
+                wire.receive_data(data)
+                await self._send(connection)
+                while wire.paused:  # a bounded slice at a time, letting other tasks run between
                     await trio.lowlevel.checkpoint()
-                    connection.resume()
-                    await self._send(stream, connection, lock)
+                    wire.resume()
+                    await self._send(connection)
         except trio.TooSlowError:
             log.info("grpc_wire.connection_timeout peer=%s reason=peer took no data for %g s",
-                     peer, timeouts.send_s)
+                     peer, self.timeouts.send_s)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("grpc_wire.connection_lost peer=%s error=%r", peer, exc)
 
-    async def _resume_parked(self, stream: trio.abc.Stream, connection: GrpcWireConnection,
-                             lot: trio.lowlevel.ParkingLot, lock: trio.StrictFIFOLock) -> None:
-        """Send what parked streams (requests waiting in flow control) have once they are ready."""
+    async def _resume_parked(self, connection: _Connection, scope: trio.CancelScope) -> None:
+        """Send what parked streams (flow control) and stream tasks have, once they have it; once that
+        closed the connection (its last stream ended after the client's GOAWAY, or streams failed past
+        the budget), stop the reader too."""
+        wire = connection.wire
         with contextlib.suppress(trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError):
-            while not connection.closed:
-                if not connection.has_unparked:
-                    await lot.park()
-                connection.resume_unparked()
-                await self._send(stream, connection, lock)
+            while not wire.closed:
+                if not wire.has_unparked:
+                    await connection.lot.park()
+                wire.resume_unparked()
+                await self._send(connection)
+        scope.cancel()
 
-    async def _send(self, stream: trio.abc.Stream, connection: GrpcWireConnection,
-                    lock: trio.StrictFIFOLock) -> None:
+    async def _send(self, connection: _Connection) -> None:
         # Two tasks write (the reader's replies, the parked streams'): one send_all at a time. The
         # lock is taken without a checkpoint when free (the common case costs nothing more).
+        lock = connection.lock
         if lock.locked():
             await lock.acquire()
         else:
             lock.acquire_nowait()
         try:
-            out = connection.data_to_send()
+            out = connection.wire.data_to_send()
             if out:
                 with trio.fail_after(self.timeouts.send_s):
-                    await stream.send_all(out)
+                    await connection.stream.send_all(out)
         finally:
             lock.release()
 
+    async def say_goodbye(self) -> None:
+        """GOAWAY on every connection (streams still open are aborted), each write bounded."""
+        for connection in list(self.connections):
+            connection.wire.close("the server is shutting down")
+            with trio.move_on_after(_REFUSAL_SEND_S), contextlib.suppress(
+                    trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+                await self._send(connection)
 
 
+def _drop_unread(stream: trio.SocketStream) -> None:
+    """Read and drop what the peer already sent, up to ``LINGER_BYTES`` (see there)."""
+    left = LINGER_BYTES
+    with contextlib.suppress(OSError):  # BlockingIOError: nothing more is waiting
+        while left > 0 and (chunk := os.read(stream.socket.fileno(), min(left, RECEIVE_BYTES))):
+            left -= len(chunk)
 
-async def serve_sync_bidi(
-    methods: Sequence[SyncBidiMethod[Any, Any]],
+
+_NOT_TLS = frozenset({"HTTP_REQUEST", "WRONG_VERSION_NUMBER", "UNSUPPORTED_PROTOCOL", "RECORD_LAYER_FAILURE",
+                      "UNKNOWN_PROTOCOL", "PACKET_LENGTH_TOO_LONG"})
+
+
+async def serve_grpc(
+    methods: Sequence[SyncBidiMethod[Any, Any] | StreamMethod[Any]],
     host: str,
     port: int,
     *,
     limits: WireLimits | None = None,
     timeouts: WireTimeouts | None = None,
     ssl_context: SSLContextSource | None = None,
+    reuse_port: bool = False,
+    before_close: Callable[[], Awaitable[object]] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``methods`` over gRPC on ``host:port`` until cancelled; ``started`` gets the bound port.
 
     With ``ssl_context`` (a context, or a callable called per accepted connection so that a
     reloaded certificate applies to new connections) each connection is TLS with ALPN ``h2``.
-    Raises :class:`OSError` when the port cannot be bound.
+    ``reuse_port``: see :func:`bind`. Cancelled, it stops accepting, runs ``before_close`` (so that
+    open streams end with a status of their own) while connections are still served, sends GOAWAY
+    on each, then cancels what is left. Raises :class:`OSError` when the port cannot be bound.
     """
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    bound: int = listeners[0].socket.getsockname()[1]
-    server = _Server({m.path: m for m in methods}, limits or WireLimits(), timeouts or WireTimeouts(), ssl_context)
+    sock = bind(host, port, reuse_port=reuse_port)
+    bound: int = sock.getsockname()[1]
+    server = _Server(methods, limits or WireLimits(), timeouts or WireTimeouts(), ssl_context)
     log.info("grpc_wire.listening host=%s port=%d tls=%s", host, bound, ssl_context is not None)
-    async with trio.open_nursery() as nursery:
-        for listener in listeners:
-            nursery.start_soon(server.accept_loop, listener, nursery)
-        task_status.started(bound)
+    with trio.socket.from_stdlib_socket(sock) as listening:
+        async with trio.open_nursery() as nursery:
+            tasks: trio.CancelScope = await nursery.start(server.run_tasks)
+            try:
+                nursery.start_soon(server.accept_loop, trio.SocketListener(listening))
+                task_status.started(bound)
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True):
+                    with trio.move_on_after(CLOSE_TIMEOUT_SECONDS):
+                        if before_close is not None:
+                            await before_close()
+                        await server.say_goodbye()
+                    tasks.cancel()
+                    log.info("grpc_wire.closed port=%d", bound)

@@ -73,6 +73,9 @@ class WireLimits:
     the output it queues, before it pauses (so the shell writes and lets other tasks run).
     ``max_stream_errors_per_second`` is the budget of streams reset by the peer, refused, or
     ended with a non-OK status; past it the connection gets GOAWAY ENHANCE_YOUR_CALM.
+    ``max_refused_streams``: streams of one connection refused (past ``max_concurrent_streams``, or
+    by the method's admission: bad credentials) past which it gets GOAWAY ENHANCE_YOUR_CALM (a
+    client that honours SETTINGS_MAX_CONCURRENT_STREAMS and holds good credentials sees few).
     ``max_connections`` is per server: the shell closes connections accepted beyond it.
     """
 
@@ -85,6 +88,7 @@ class WireLimits:
     max_header_frames: int = 64
     slice_bytes: int = 64 * 1024
     max_stream_errors_per_second: int = 1000
+    max_refused_streams: int = 1024
 
     def __post_init__(self) -> None:
         """Raises ConfigurationError for a field that is not an int >= 1 (a window past 2**31 - 1)."""
@@ -329,7 +333,10 @@ class GrpcWireConnection:
         # Streams with replies waiting for window: on their own window, or on the connection's.
         self._blocked_on_stream: dict[int, _Stream] = {}
         self._blocked_on_connection: dict[int, _Stream] = {}
-        self._buffered = 0  # inbound partial messages + pending replies, over all streams
+        # Inbound partial messages + pending replies of synchronous processors, over all streams. A
+        # streaming processor's replies are bounded by its own stream (see resume_unparked) and do
+        # not hold back input: a client that sends all its input before reading would deadlock.
+        self._buffered = 0
         self._credit_high = 0  # an upper bound of every open stream's credit
         self._last_stream_id = 0
         self._decoder = hpack.Decoder(max_header_list_size=self.limits.max_header_list_bytes)
@@ -345,9 +352,11 @@ class GrpcWireConnection:
         self._peer_frame_size = DEFAULT_FRAME_SIZE
         self._unacked = 0
         self._unparked: list[int] = []  # parked streams whose processor has its replies
+        self._peer_gone = False  # the client sent GOAWAY
         # Called when a parked stream becomes ready: the shell then calls resume_unparked and writes.
         self.on_wake: Callable[[], object] = lambda: None
         self._strikes = 0
+        self._refusals = 0
         self._strike_second = 0
         window = self.limits.window_bytes
         settings = b"".join(key.to_bytes(2, "big") + value.to_bytes(4, "big") for key, value in (
@@ -385,8 +394,12 @@ class GrpcWireConnection:
         try:
             self._process()
         except _ConnectionError as exc:
-            log.info("grpc_wire.connection_error code=%d error=%s", exc.code, exc)
-            self._goaway(exc.code, str(exc))
+            hint = " (a TLS client on a plaintext port?)" if not self._preface_seen and data[:2] == b"\x16\x03" else ""
+            self._fail(exc, hint)
+
+    def _fail(self, exc: _ConnectionError, hint: str = "") -> None:
+        log.info("grpc_wire.protocol_error peer=%s code=%d error=%s%s", self.peer or "?", exc.code, exc, hint)
+        self._goaway(exc.code, str(exc))
 
     def resume(self) -> None:
         """Go on with input left by a paused :meth:`receive_data` (call after writing its output)."""
@@ -405,21 +418,24 @@ class GrpcWireConnection:
     def resume_unparked(self) -> None:
         """Send the replies of parked (or streaming) streams that woke, and deliver their buffered input."""
         ready, self._unparked = self._unparked, []
-        for stream_id in ready:
-            stream = self._streams.get(stream_id)
-            if stream is None or self.closed:
-                continue  # reset or aborted meanwhile
-            stream.woken = False
-            if stream.streaming:
-                if len(stream.pending) >= self.limits.window_bytes:
-                    stream.starved = True  # _flush wakes it once the peer took some
+        try:
+            for stream_id in ready:
+                stream = self._streams.get(stream_id)
+                if stream is None or self.closed:
+                    continue  # reset or aborted meanwhile
+                stream.woken = False
+                if stream.streaming:
+                    if len(stream.pending) >= self.limits.window_bytes:
+                        stream.starved = True  # _flush wakes it once the peer took some
+                        continue
+                    stream.parked = False
+                elif not stream.parked:
                     continue
-                stream.parked = False
-            elif not stream.parked:
-                continue
-            else:
-                stream.parked = False
-            self._deliver(stream, end=stream.remote_closed, resumed=True)
+                else:
+                    stream.parked = False
+                self._deliver(stream, end=stream.remote_closed, resumed=True)
+        except _ConnectionError as exc:  # past the stream-error budget
+            self._fail(exc)
 
     def _unpark(self, stream_id: int) -> None:
         stream = self._streams.get(stream_id)
@@ -469,7 +485,7 @@ class GrpcWireConnection:
         size = len(buffer)
         budget = self.limits.slice_bytes
         try:
-            while size - pos >= 9:
+            while size - pos >= 9 and not self.closed:
                 if len(self._out) >= budget or pos >= budget:
                     self.paused = True
                     break
@@ -498,8 +514,11 @@ class GrpcWireConnection:
     def _replenish_stream(self, stream: _Stream) -> None:
         """Return stream window for consumed input (all of it while one partial message needs more)."""
         window = self.limits.window_bytes
-        # Both reasons to return credit below need at least half a window unacknowledged.
-        if stream.unacked < window // 2 or stream.remote_closed or len(stream.pending) > window:
+        # Both reasons to return credit below need at least half a window unacknowledged. Replies
+        # piling up hold back a synchronous processor's input (not a streaming one's: see _buffered).
+        if stream.unacked < window // 2 or stream.remote_closed:
+            return
+        if len(stream.pending) > window and not stream.streaming:
             return
         inbound = stream.inbound
         needed = 5 + int.from_bytes(inbound[1:5], "big") if len(inbound) >= 5 else 0
@@ -518,6 +537,14 @@ class GrpcWireConnection:
         if self._strikes > self.limits.max_stream_errors_per_second:
             raise _ConnectionError(ENHANCE_YOUR_CALM, f"more than {self.limits.max_stream_errors_per_second} "
                                                       f"streams reset, refused or failed in a second (last: {what})")
+
+    def _refused(self, what: str) -> None:
+        """Count a refused stream: against the per-second budget, and against ``max_refused_streams``."""
+        self._refusals += 1
+        if self._refusals > self.limits.max_refused_streams:
+            raise _ConnectionError(ENHANCE_YOUR_CALM, f"more than {self.limits.max_refused_streams} streams "
+                                                      f"refused (last: {what})")
+        self._strike(what)
 
     # -- frames ---------------------------------------------------------------------------------
 
@@ -560,6 +587,10 @@ class GrpcWireConnection:
     def _goaway_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id or len(payload) < 8:
             raise _ConnectionError(PROTOCOL_ERROR, "expected GOAWAY with at least 8 bytes on stream 0")
+        # The client opens no more streams: the connection closes once its open ones have ended.
+        self._peer_gone = True
+        if not self._streams:
+            self._goaway(NO_ERROR, "the client sent GOAWAY")
 
     def _push_promise(self, flags: int, stream_id: int, payload: bytes) -> None:
         raise _ConnectionError(PROTOCOL_ERROR, "expected no PUSH_PROMISE from a client")
@@ -639,10 +670,12 @@ class GrpcWireConnection:
             return  # a stream this side already ended
         if stream_id % 2 == 0:
             raise _ConnectionError(PROTOCOL_ERROR, f"expected an odd client stream id, got {stream_id}")
+        if self._peer_gone:
+            return  # opened after the client's GOAWAY: ignored, as it has no stream to be answered on
         self._last_stream_id = stream_id
         if len(self._streams) >= self.limits.max_concurrent_streams:
             self._out += _frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big"))
-            self._strike("refused stream")
+            self._refused("refused stream")
             return
         if fields.get(b":method") != b"POST" or not fields.get(b"content-type", b"").startswith(b"application/grpc"):
             self._out += _frame(HEADERS, END_HEADERS | END_STREAM, stream_id, _HTTP_415)
@@ -660,7 +693,7 @@ class GrpcWireConnection:
             processor = method.open(Call(path, fields, self.peer, self.peer_certificate))
         except RpcAbortError as refused:  # the method's admission: refused before anything started
             self._answer(stream_id, flags, refused.status, refused.message)
-            self._strike("stream not admitted")
+            self._refused("stream not admitted")
             return
         stream = _Stream(stream_id, method, processor)
         self._streams[stream_id] = stream
@@ -818,10 +851,12 @@ class GrpcWireConnection:
             inbound.clear()  # input after the answer is never read
         if before:
             self._buffered -= before - len(inbound)
+        pending = len(stream.pending)
         for reply in replies:
             data = reply.SerializeToString()
             stream.pending += b"\x00" + len(data).to_bytes(4, "big") + data
-            self._buffered += 5 + len(data)
+        if not stream.streaming:
+            self._buffered += len(stream.pending) - pending
         if end:
             stream.remote_closed = True
         self._flush(stream)
@@ -842,7 +877,8 @@ class GrpcWireConnection:
                 break
             out += _frame(DATA, 0, stream.id, pending[:size])
             del pending[:size]
-            self._buffered -= size
+            if not stream.streaming:
+                self._buffered -= size
             stream.credit -= size
             self._send_window -= size
         self._unblock(stream)
@@ -886,9 +922,11 @@ class GrpcWireConnection:
     def _remove(self, stream: _Stream) -> None:
         self._streams.pop(stream.id, None)
         _abort(stream)
+        if self._peer_gone and not self._streams and not self.closed:
+            self._goaway(NO_ERROR, "the client sent GOAWAY")
         self._unblock(stream)
         if stream.inbound or stream.pending:
-            self._buffered -= len(stream.inbound) + len(stream.pending)
+            self._buffered -= len(stream.inbound) + (0 if stream.streaming else len(stream.pending))
             stream.inbound.clear()
             stream.pending.clear()
 

@@ -1,8 +1,9 @@
 """What a gRPC stream looks like to the Trio side, whichever transport carries it: no asyncio here.
 
 A :class:`MessageStream` pairs two :class:`Handoff` queues (inbound messages, outbound items). The
-session server's grpclib bridge (``bridge.py``) fills and drains them from asyncio through subclasses
-that add an asyncio side; the client (``client.py``, on Trio alone) uses them as they are.
+server's shell (``server.py``) fills and drains them for a task-per-stream method through the server
+wire, told of the Trio side's puts and takes by ``notify``; the client (``client.py``) does the same
+through the client wire.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Handoff(Generic[T]):
         self._closed = False
         self._error: BaseException | None = None
         self._trio_wakeup: trio.Event | None = None
+        self.notify: Callable[[], object] | None = None
+        """Called on every change (a put, a take, the close): how a transport learns of the Trio side's."""
 
     @property
     def closed(self) -> bool:
@@ -61,6 +64,8 @@ class Handoff(Generic[T]):
         if self._trio_wakeup is not None:
             self._trio_wakeup.set()
             self._trio_wakeup = None
+        if self.notify is not None:
+            self.notify()
 
     def push(self, item: T) -> None:
         """Queue ``item`` now, full or not; raises :class:`HandoffClosedError` once closed."""
@@ -84,6 +89,20 @@ class Handoff(Generic[T]):
         self.close()
         self._items.clear()
         self._error = None
+
+    def take_nowait(self, limit: int) -> list[T]:
+        """Transport side: up to ``limit`` queued items, now (``[]`` when none; the error once closed and drained)."""
+        return self._take(limit)
+
+    @property
+    def full(self) -> bool:
+        """Whether a put would wait (``capacity`` items queued, the handoff open)."""
+        return self._full()
+
+    @property
+    def drained(self) -> bool:
+        """Closed, and every item taken."""
+        return self._closed and not self._items
 
     def _full(self) -> bool:
         return len(self._items) >= self._capacity and not self._closed
@@ -138,7 +157,7 @@ class MessageStream(Generic[T]):
     """
 
     handoff: ClassVar[type[Handoff[Any]]] = Handoff
-    """The queue type of ``inbound`` and ``outbound`` (the bridge's adds an asyncio side)."""
+    """The queue type of ``inbound`` and ``outbound``."""
 
     def __init__(
         self,

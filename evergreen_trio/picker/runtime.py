@@ -2,7 +2,7 @@
 
 The scraper tasks and the ext_proc server (:mod:`evergreen_trio._grpc.server`, a Trio
 task per connection) share one :class:`PoolSnapshot`; a pick is a plain synchronous call. The
-health service is grpclib's, through the bridge, on its own port. The endpoints are the static
+health service is on the same kind of server, on its own port. The endpoints are the static
 config's, or what a discovery task reports (:mod:`evergreen_trio.picker.k8s`): one scraper task
 per endpoint, started and cancelled as the set changes.
 """
@@ -22,7 +22,7 @@ from grpclib.const import Status
 
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.health import ServerHealth
-from evergreen_trio._grpc.server import SSLContextSource, serve_sync_bidi
+from evergreen_trio._grpc.server import SSLContextSource, serve_grpc
 from evergreen_trio._grpc.server_wire import SyncBidiMethod, WireLimits
 from evergreen_trio._http import HttpGetError, KeepAliveGetter
 from evergreen_trio.picker.config import Endpoint, PickerConfig
@@ -311,10 +311,8 @@ async def run_picker(
         if picker.flow is not None:
             nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0], new_flow_wake)
         grpc_bound = await nursery.start(partial(
-            serve_sync_bidi, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context))
-        from evergreen_trio._grpc.bridge import serve_grpclib  # at serving time: see Server.serve
-
-        health_bound = await nursery.start(serve_grpclib, [readiness.health.servable], host, health_port)
+            serve_grpc, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context))
+        health_bound = await nursery.start(serve_grpc, readiness.health.methods, host, health_port)
         metrics_bound = await nursery.start(serve_metrics, metrics.registry, host, metrics_port)
         ports = PickerPorts(grpc_bound, health_bound, metrics_bound)
         log.info("picker.serving pool=%s grpc=%d health=%d metrics=%d tls=%s", config.pool.name,

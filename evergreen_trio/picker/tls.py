@@ -108,7 +108,7 @@ class ReloadingContext:
 
 
 def ext_proc_context(secure: bool, cert_path: str | None) -> ssl.SSLContext | Callable[[], ssl.SSLContext] | None:
-    """What ``serve_sync_bidi`` gets: None (plaintext), a reloading callable, or a self-signed context."""
+    """What ``serve_grpc`` gets: None (plaintext), a reloading callable, or a self-signed context."""
     if not secure:
         return None
     if cert_path:

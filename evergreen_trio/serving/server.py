@@ -8,9 +8,9 @@ import logging
 import random
 import ssl
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Any
 
 import trio
 from grpclib.const import Status
@@ -18,7 +18,9 @@ from grpclib.const import Status
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.limits import TransportLimits
-from evergreen_trio._grpc.reflection import with_reflection
+from evergreen_trio._grpc.reflection import reflection_methods
+from evergreen_trio._grpc.server import StreamMethod, WireTimeouts, serve_grpc
+from evergreen_trio._grpc.server_wire import SyncBidiMethod, WireLimits
 from evergreen_trio._grpc.streams import MessageStream
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import SERVICE, START_SESSION
@@ -36,9 +38,6 @@ from evergreen_trio.refs import RefResolver, resolver_map
 from evergreen_trio.serving.auth import Authorizer, Peer
 from evergreen_trio.serving.metrics import SessionMetrics
 
-if TYPE_CHECKING:
-    from evergreen_trio._grpc.bridge import SessionAcceptor
-
 log = logging.getLogger(__name__)
 
 DRAIN_GRACE_SECONDS = 30.0
@@ -53,6 +52,9 @@ FORGET_STEP = 4096
 """A finished session's graph is freed this many entries per scheduling pass (see ``SessionGraph.forget``)."""
 
 _DEADLINE_PASSED = "the call's deadline (grpc-timeout) passed"
+
+SESSION_WINDOW_BYTES = 4 * 1024 * 1024
+"""The HTTP/2 stream and connection window a session server grants (grpclib's default, which it served with)."""
 
 SHUTDOWN_GRACE_SECONDS = 5.0
 """How long a stopping server waits for open sessions to receive their UNAVAILABLE status."""
@@ -150,6 +152,8 @@ class Server(ActionRegistry):
         self.reflection = reflection
         self.health = ServerHealth(("", SERVICE))
         self._open: set[MessageStream[Outbound]] = set()
+        self._per_peer: dict[str, int] = {}
+        self._saturated = False  # the session cap was reached (one warning per episode)
         # Principals of the sessions a plain authorize admitted before they were counted.
         self._admitted: weakref.WeakKeyDictionary[MessageStream[Outbound], object] = weakref.WeakKeyDictionary()
         self._draining = False
@@ -180,25 +184,17 @@ class Server(ActionRegistry):
         Cancelled, it ends the sessions still open with UNAVAILABLE; :meth:`drain` first to let
         them finish. Raises ``OSError`` when the address cannot be bound.
         """
-        # Imported here: the bridge imports trio-asyncio, which replaces asyncio.new_event_loop for
-        # the whole process; importing evergreen_trio or building a Server must leave asyncio alone.
-        from evergreen_trio._grpc.bridge import SessionAcceptor, serve_grpclib
-
-        acceptor: SessionAcceptor[SessionMessage, Outbound] = SessionAcceptor(
-            START_SESSION, SessionMessage, SessionMessage, pack_messages, limits=self.transport_limits,
-            on_limit=self.metrics.limit_hit, admit=self._admit if _plain(self.authorize) else None,
-        )
-        grpc = partial(
-            serve_grpclib, limits=self.transport_limits, tls=self.tls, reuse_port=reuse_port,
-            before_close=self._end_open_sessions,
-        )
+        sessions: StreamMethod[Outbound] = StreamMethod(
+            START_SESSION, SessionMessage, self._run_session, pack_messages, admit=self._admit_session)
+        methods: list[SyncBidiMethod[Any, Any] | StreamMethod[Any]] = [sessions, *self.health.methods]
+        if self.reflection:
+            methods += reflection_methods([SERVICE, "grpc.health.v1.Health"])
+        limits = self.transport_limits
         try:
             async with trio.open_nursery() as nursery:
-                servables = [acceptor, self.health.servable]
-                if self.reflection:
-                    servables = with_reflection(servables)
-                bound = await nursery.start(grpc, servables, host, port)
-                nursery.start_soon(self._accept, acceptor)
+                bound = await nursery.start(partial(
+                    serve_grpc, methods, host, port, limits=wire_limits(limits), timeouts=wire_timeouts(limits),
+                    ssl_context=self.tls, reuse_port=reuse_port, before_close=self._end_open_sessions))
                 self.health.set(ready=not self._draining, live=True)
                 task_status.started(bound)
         finally:
@@ -221,27 +217,33 @@ class Server(ActionRegistry):
         log.info("server.drained still_open=%d", len(self._open))
         return len(self._open)
 
-    async def _accept(self, acceptor: SessionAcceptor[SessionMessage, Outbound]) -> None:
-        async with trio.open_nursery() as sessions:
-            try:
-                while True:
-                    # The batch is only an argument: a loop variable here would keep the last
-                    # accepted stream (and, through its final error, its frames) alive.
-                    self._start_sessions(sessions, await acceptor.accepted.get_batch())
-            finally:
-                acceptor.accepted.close()
-
-    def _start_sessions(self, nursery: trio.Nursery, streams: Sequence[MessageStream[Outbound]]) -> None:
-        for stream in streams:
-            if self._draining:
-                stream.finish(StatusCode.UNAVAILABLE, "the server is draining; open the session elsewhere")
-                stream.release()
-                self.metrics.aborted("draining")
-            else:
-                nursery.start_soon(self._run_session, stream)
+    def _admit_session(self, stream: MessageStream[Outbound]) -> None:
+        """Admit a new session before its task starts, or raise RpcAbortError with the status that
+        refuses it: UNAVAILABLE while draining, a plain ``authorize``'s refusal (before the session
+        counts), RESOURCE_EXHAUSTED past ``max_sessions`` or the peer's ``max_sessions_per_peer``."""
+        if self._draining:
+            self.metrics.aborted("draining")
+            raise RpcAbortError(Status.UNAVAILABLE, "the server is draining; open the session elsewhere")
+        if _plain(self.authorize):
+            self._admit(stream)
+        limits = self.transport_limits
+        host = _host(stream.peer)
+        if len(self._open) >= limits.max_streams:
+            if not self._saturated:  # once per episode: a flood must not flood the log too
+                self._saturated = True
+                log.warning("grpc.session_cap_reached open=%d peer=%s", len(self._open), stream.peer)
+            self.metrics.limit_hit("max_sessions")
+            raise RpcAbortError(Status.RESOURCE_EXHAUSTED,
+                                f"the server has {limits.max_streams} sessions open, its limit")
+        self._saturated = False
+        share = limits.max_streams_per_peer
+        if self._per_peer.get(host, 0) >= share:
+            self.metrics.limit_hit("max_sessions_per_peer")
+            raise RpcAbortError(Status.RESOURCE_EXHAUSTED, f"{host} has {share} sessions open, its share of the server")
+        self._per_peer[host] = self._per_peer.get(host, 0) + 1
+        self._open.add(stream)
 
     async def _run_session(self, stream: MessageStream[Outbound]) -> None:
-        self._open.add(stream)
         self.metrics.session_started()
         try:
             opened, principal = await self._opened(stream)
@@ -258,13 +260,18 @@ class Server(ActionRegistry):
                     await trio.lowlevel.checkpoint()
         finally:
             self.metrics.session_ended(stream.final.status.name if stream.final else StatusCode.UNAVAILABLE.name)
+            stream.finish(StatusCode.UNAVAILABLE, "the server ended the session")  # unless it has its status
             stream.release()
-            # The final status goes out on grpclib's side: a session stays open until it has, so
-            # that a stopping server (``_end_open_sessions``) waits for it before grpclib cancels the stream
+            # The final status goes out on the connection's writer: a session stays open until it has, so
+            # that a stopping server (``_end_open_sessions``) waits for it before it says GOAWAY
             # (which ends this wait however slow the client is to read).
             with trio.CancelScope(shield=True):
                 await stream.wait_closed()
             self._open.discard(stream)
+            host = _host(stream.peer)
+            self._per_peer[host] -= 1
+            if not self._per_peer[host]:
+                del self._per_peer[host]
             if self._session_closed is not None:
                 self._session_closed.set()
 
@@ -360,7 +367,7 @@ class Server(ActionRegistry):
     async def _expired(self, stream: MessageStream[Outbound], why: str) -> None:
         """End an expired session's stream with DEADLINE_EXCEEDED, in its turn: one session per
         scheduling pass, first come first served. A flood's sessions all expire at about the same
-        time; ended together, their endings (and their status frames, queued on grpclib's side
+        time; ended together, their endings (and their status frames, queued on their connections
         ahead of everyone else's) stalled every other session for seconds."""
         async with self._expiring:
             await trio.lowlevel.checkpoint()
@@ -369,11 +376,35 @@ class Server(ActionRegistry):
         self.metrics.aborted("deadline_exceeded")
 
     async def _end_open_sessions(self) -> None:
-        """Before grpclib cancels what is left, let each open stream send its final status."""
+        """Before the connections are told to go away, let each open stream send its final status."""
         with trio.move_on_after(SHUTDOWN_GRACE_SECONDS):
             for stream in list(self._open):
                 stream.finish(StatusCode.UNAVAILABLE, "the server is shutting down")
                 await stream.wait_closed()
+
+
+def _host(peer: str) -> str:
+    """The address part of ``host:port`` (``[v6]:port``): a peer's share is counted per address."""
+    return peer.rpartition(":")[0] or peer
+
+
+def wire_limits(limits: TransportLimits) -> WireLimits:
+    """The server wire's limits for a session server's :class:`TransportLimits`."""
+    return WireLimits(
+        max_connections=limits.max_connections,
+        max_concurrent_streams=limits.max_streams_per_connection,
+        max_message_bytes=limits.max_message_bytes,
+        window_bytes=SESSION_WINDOW_BYTES,
+        max_buffered_bytes=max(SESSION_WINDOW_BYTES, 3 * limits.max_message_bytes),
+        max_stream_errors_per_second=limits.max_stream_errors_per_second,
+        max_refused_streams=limits.max_streams_per_connection,
+    )
+
+
+def wire_timeouts(limits: TransportLimits) -> WireTimeouts:
+    """The server shell's deadlines for a session server's :class:`TransportLimits`."""
+    return WireTimeouts(handshake_s=limits.handshake_timeout, idle_s=limits.idle_timeout,
+                        keepalive_s=limits.keepalive_time, keepalive_timeout_s=limits.keepalive_timeout)
 
 
 def _plain(authorize: Authorizer | None) -> bool:

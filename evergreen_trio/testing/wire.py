@@ -1,6 +1,6 @@
 """A plain synchronous Evergreen client on grpcio: send a whole session, collect what comes back.
 
-It shares no code with the package's own gRPC bridge, so judging a server (ours included)
+It shares no code with the package's own gRPC server and client, so judging a server (ours included)
 with it does not rely on the stack under test. One channel (one HTTP/2 connection) carries
 the sessions one after another.
 """

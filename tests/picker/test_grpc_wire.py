@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from evergreen_trio._grpc import server_wire as grpc_wire
 from evergreen_trio._grpc.errors import RpcAbortError
-from evergreen_trio._grpc.server import serve_sync_bidi
+from evergreen_trio._grpc.server import serve_grpc
 from evergreen_trio._grpc.server_wire import PREFACE, GrpcWireConnection, SyncBidiMethod, WireLimits
 
 PATH = "/test.Echo/Chat"
@@ -329,7 +329,7 @@ def test_fuzz_mutated_conversation_never_raises(data: st.DataObject) -> None:
 
 
 async def test_grpcio_client_over_tcp(nursery: trio.Nursery) -> None:
-    port = await nursery.start(partial(serve_sync_bidi, [METHOD], "127.0.0.1", 0))
+    port = await nursery.start(partial(serve_grpc, [METHOD], "127.0.0.1", 0))
     big = os.urandom(3_000_000)
 
     def call(values: list[bytes]) -> tuple[list[bytes], grpc.StatusCode, str]:

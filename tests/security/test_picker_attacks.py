@@ -21,7 +21,7 @@ import trio
 from frames import ECHO, ECHO_PATH, Outcome, RawClient, frame, grpcio_echo, settings
 
 from evergreen_trio._grpc import server_wire as grpc_wire
-from evergreen_trio._grpc.server import WireTimeouts, serve_sync_bidi
+from evergreen_trio._grpc.server import WireTimeouts, serve_grpc
 from evergreen_trio._grpc.server_wire import END_HEADERS, END_STREAM, HEADERS, GrpcWireConnection, WireLimits
 
 LIMITS = WireLimits(max_connections=16, window_bytes=1 << 20, max_buffered_bytes=4 << 20)
@@ -40,7 +40,7 @@ def grpcio_call(port: int) -> bytes:
 
 @pytest.fixture
 async def port(nursery: trio.Nursery) -> AsyncIterator[int]:
-    bound: int = await nursery.start(partial(serve_sync_bidi, [ECHO], "127.0.0.1", 0, limits=LIMITS,
+    bound: int = await nursery.start(partial(serve_grpc, [ECHO], "127.0.0.1", 0, limits=LIMITS,
                                              timeouts=TIMEOUTS))
     assert await trio.to_thread.run_sync(grpcio_call, bound) == b"legit"  # warm grpcio up before measuring
     yield bound

@@ -16,7 +16,7 @@ import trustme
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from frames import ECHO, grpcio_echo
 
-from evergreen_trio._grpc.server import WireTimeouts, serve_sync_bidi
+from evergreen_trio._grpc.server import WireTimeouts, serve_grpc
 from evergreen_trio.picker import parse_config, run_picker
 
 HERE = Path(__file__).parent
@@ -32,7 +32,7 @@ async def test_tls_with_a_context_made_per_connection(nursery: trio.Nursery) -> 
         made.append(server)
         return server
 
-    port = await nursery.start(partial(serve_sync_bidi, [ECHO], "127.0.0.1", 0, ssl_context=context,
+    port = await nursery.start(partial(serve_grpc, [ECHO], "127.0.0.1", 0, ssl_context=context,
                                        timeouts=WireTimeouts(handshake_s=0.5)))
 
     def call() -> bytes:
@@ -56,12 +56,12 @@ SERVER = """
 import logging, resource, sys, trio
 sys.path.insert(0, {here!r})
 from frames import ECHO
-from evergreen_trio._grpc.server import serve_sync_bidi
+from evergreen_trio._grpc.server import serve_grpc
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 
 async def main():
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(serve_sync_bidi, [ECHO], "127.0.0.1", 0)
+        port = await nursery.start(serve_grpc, [ECHO], "127.0.0.1", 0)
         resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
         print(port, flush=True)
 

@@ -209,7 +209,7 @@ async def test_item10_a_silent_session_ends_with_deadline_exceeded(nursery_: tri
 async def test_item10_a_connection_without_preface_is_closed(nursery_: trio.Nursery) -> None:
     _, port = await start(nursery_, first_message_timeout=0.3)
     observed = await silent_connection(port, preface=False)
-    assert observed.startswith("closed after"), observed
+    assert observed.startswith(("closed after", "GOAWAY 0 then closed after")), observed
 
 
 async def test_item10_a_connection_without_sessions_gets_goaway_after_the_idle_timeout(nursery_: trio.Nursery) -> None:
@@ -248,14 +248,17 @@ async def test_item10_a_running_action_keeps_a_quiet_session_open(nursery_: trio
 
 
 async def test_a_client_goaway_mid_read_closes_the_connection_quietly(nursery_: trio.Nursery) -> None:
-    """A GOAWAY followed by more frames in the same write: the server closes, logs no error, serves on."""
+    """A GOAWAY followed by more frames in the same write: the stream opened after it starts nothing,
+    the server closes the connection once the stream opened before it has ended (here silent: at the
+    first-message timeout), logs no error, serves on."""
     from hyperframe.frame import GoAwayFrame
 
-    server, port = await start(nursery_)
+    server, port = await start(nursery_, first_message_timeout=0.5)
     client = await RawH2.open(port)
     await client.send(client.headers(1) + GoAwayFrame(0, last_stream_id=1).serialize() + client.headers(3))
-    await client.until(lambda c: False, 2)
+    await client.until(lambda c: c.closed, 10)
     assert client.closed
+    assert client.statuses.keys() == {1}, client.statuses
     await client.aclose()
     await wait_for(lambda: server.open_sessions == 0, "the session of the closed connection ended")
     await legit_session_completes(port)

@@ -102,7 +102,7 @@ async def test_health_watches_are_capped_and_end_after_their_time(nursery_: trio
     server, port = await start(nursery_)
     observed = await health_watches(port, 120)
     assert observed == "100 held, 20 refused with grpc-status 8", observed
-    health = server.health.servable
+    health = server.health
     with trio.fail_after(10):  # the closed connections' watches end with them
         while health.watches:  # noqa: ASYNC110 - a server counter has no event
             await trio.sleep(0.02)

@@ -8,18 +8,15 @@ loops on other connections; ceilings are hang guards, not timings (the stall is 
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import pytest
 import trio
-from hyperframe.frame import DataFrame, HeadersFrame, PingFrame, RstStreamFrame
+from hyperframe.frame import HeadersFrame
 
 from benchmarks.security_session import PREFACE, flatten_fanout, many_sessions
 from evergreen_trio import Server
-from evergreen_trio._grpc.bridge import READY_BATCH, TURNS_PER_PASS, _GuardedServer, _open_loop
-from evergreen_trio._grpc.limits import FrameScanner, TransportLimits
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Chunk, NodeFragment
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.dag import ProtocolViolationError, SessionGraph
@@ -53,32 +50,6 @@ def headers(stream_id: int) -> bytes:
     frame = HeadersFrame(stream_id, b"\x82")
     frame.flags.add("END_HEADERS")
     return frame.serialize()
-
-
-def test_the_scanner_cuts_before_the_headers_frame_past_the_turn() -> None:
-    """A stream opened and reset in the same input starts nothing, so it does not count (rapid
-    reset is parsed as fast as before, and told to calm down as soon); the cut leaves each HEADERS
-    with the frames after it."""
-    reset = headers(1) + RstStreamFrame(1, error_code=8).serialize() + PingFrame(0, b"12345678").serialize()
-    opened = headers(3) + DataFrame(3, b"x" * 100).serialize()
-    data = frames(reset, opened, headers(5), headers(7))
-    scanner = FrameScanner()
-    assert scanner.cut(data, 1) == (len(PREFACE) + len(reset) + len(opened), 1)
-    rest = data[len(PREFACE) + len(reset) + len(opened) :]
-    assert scanner.cut(rest, 1) == (len(headers(5)), 1)
-    assert scanner.cut(rest[len(headers(5)) :], 1) == (len(headers(7)), 1)
-
-
-def test_the_scanner_follows_frames_split_between_reads() -> None:
-    data = frames(DataFrame(1, b"y" * 50).serialize(), headers(3), headers(5))
-    scanner = FrameScanner()
-    counted = 0
-    for offset in range(0, len(data), 7):  # reads of 7 bytes: headers and bodies split anywhere
-        size, found = scanner.cut(data[offset : offset + 7], 10)
-        assert size == len(data[offset : offset + 7])
-        counted += found
-    assert counted == 2
-    assert scanner.cut(headers(7), 0) == (0, 0)  # at a frame boundary again
 
 
 def test_serve_tunes_the_garbage_collector() -> None:
@@ -135,103 +106,3 @@ def test_a_fragment_with_many_children_is_attached_in_steps() -> None:
     graph.attach_more()
     with pytest.raises(ProtocolViolationError, match="child 'top' makes the node include itself"):
         graph.attach_more()
-
-
-class _Passes(trio.abc.Instrument):
-    """Counts Trio scheduling passes (one per wait for I/O)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def after_io_wait(self, timeout: float) -> None:
-        self.count += 1
-
-
-async def test_ready_sockets_do_not_multiply_the_work_of_one_pass() -> None:
-    """With callbacks queued, each ready socket's I/O task runs its own callback and leaves the queue
-    to the loop (READY_BATCH a pass). Each used to drain READY_BATCH more: 50 connections ready at
-    once ran 3,200 callbacks in one pass (100-130 ms that every other client waited)."""
-    readers = 20
-    pairs = [socket.socketpair() for _ in range(readers)]
-    passes = _Passes()
-    per_pass: dict[int, int] = {}
-    backlog = 50 * READY_BATCH
-    all_run = trio.Event()
-
-    def queued() -> None:
-        per_pass[passes.count] = per_pass.get(passes.count, 0) + 1
-        if sum(per_pass.values()) == backlog:
-            all_run.set()
-
-    trio.lowlevel.add_instrument(passes)
-    try:
-        async with _open_loop() as loop:
-            read = trio.Event()
-            done = 0
-
-            def readable(sock: socket.socket) -> None:
-                nonlocal done
-                sock.recv(16)
-                loop.remove_reader(sock)
-                done += 1
-                if done == readers:
-                    read.set()
-
-            for left, _ in pairs:
-                loop.add_reader(left, readable, left)
-            await trio.sleep(0.05)  # every reader's task waits for its socket
-            for _ in range(backlog):
-                loop.call_soon(queued)
-            for _, right in pairs:
-                right.send(b"x")
-            with trio.fail_after(10):
-                await read.wait()
-                await all_run.wait()
-    finally:
-        trio.lowlevel.remove_instrument(passes)
-        for left, right in pairs:
-            left.close()
-            right.close()
-    assert max(per_pass.values()) <= 2 * READY_BATCH, per_pass
-
-
-async def test_connections_with_waiting_input_get_turns_a_few_per_pass() -> None:
-    """However many connections wait, TURNS_PER_PASS of them get a turn per pass through the loop's
-    queue (50 flooding connections took 50 turns, about 20 ms, ahead of every other step)."""
-    turns: list[int] = []
-
-    class Waiting:
-        def __init__(self, number: int) -> None:
-            self.number = number
-            self.waiting = True
-            self.left = 2  # turns its input needs
-
-        def _take_turn(self) -> None:
-            turns.append(self.number)
-            self.waiting = False
-            self.left -= 1
-            if self.left:
-                self.waiting = True
-                server.wait_turn(self)  # type: ignore[arg-type]
-
-    async with _open_loop() as loop:
-        server = _GuardedServer([], TransportLimits())
-        waiting = [Waiting(n) for n in range(3 * TURNS_PER_PASS)]
-        seen: list[int] = []
-        done = trio.Event()
-
-        def tick() -> None:  # one call per pass through the queue (it queues itself again, at the back)
-            seen.append(len(turns))
-            if len(turns) < 2 * len(waiting):
-                loop.call_soon(tick)
-            else:
-                done.set()
-
-        for w in waiting:
-            server.wait_turn(w)  # type: ignore[arg-type]
-        loop.call_soon(tick)
-        with trio.fail_after(5):
-            await done.wait()
-    steps = [b - a for a, b in zip([0, *seen], seen, strict=False)]
-    assert max(steps) <= TURNS_PER_PASS, steps
-    assert turns[: len(waiting)] == list(range(len(waiting)))  # first come, first served

@@ -323,19 +323,3 @@ async def test_a_connection_lost_after_the_servers_first_message_ends_the_sessio
             cut.cancel()
             await pieces.__anext__()
     assert ended.value.code is StatusCode.UNAVAILABLE
-
-
-async def test_the_client_runs_on_trio_alone(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No trio-asyncio loop for the client's connection (the server in this process has its own)."""
-    import trio_asyncio
-
-    address = await start(nursery)
-
-    def no_loop(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the client opened a trio-asyncio loop")
-
-    monkeypatch.setattr(trio_asyncio, "open_loop", no_loop)
-    with trio.fail_after(10):
-        async with connect(address) as session:
-            call = await session.run("ECHO", {"input": text("trio")}, ["output"])
-            assert await call["output"].read_text() == "trio"

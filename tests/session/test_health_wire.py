@@ -3,22 +3,18 @@ the shell's task-per-stream method runs it (a :class:`MessageStream` driven from
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import trio
 import trio.testing
-from google.protobuf.message import Message
 from grpclib.const import Status
 from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from hypothesis import given
 from hypothesis import strategies as st
 from test_reflection_wire import exchange
 
-from evergreen_trio._grpc import server as shell
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.health import CHECK_PATH, WATCH_PATH, ServerHealth
 from evergreen_trio._grpc.server import serve_sync_bidi
@@ -29,22 +25,6 @@ T = TypeVar("T")
 SERVING, NOT_SERVING = HealthCheckResponse.SERVING, HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = HealthCheckResponse.SERVICE_UNKNOWN
 
-
-@dataclass(frozen=True)
-class LocalStreamMethod(Generic[T]):
-    """The shell's task-per-stream method as the lead specified it, until ``_grpc/server.py`` has it."""
-
-    path: str
-    request_type: type[Message]
-    handle: Callable[[MessageStream[T]], Awaitable[None]]
-    pack: Callable[[list[T]], Iterable[Message]] = list  # type: ignore[assignment]
-    admit: Callable[[MessageStream[T]], object] | None = None
-
-
-@pytest.fixture(autouse=True)
-def _stream_method(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not hasattr(shell, "StreamMethod"):
-        monkeypatch.setattr(shell, "StreamMethod", LocalStreamMethod, raising=False)
 
 
 def check(health: ServerHealth, service: str) -> str:
