@@ -81,9 +81,10 @@ def write_results(area: str, rows: Iterable[Row], **context: Any) -> Path:
 def run_plain_asyncio(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on the standard library's own selector loop, for the asyncio peers.
 
-    Importing ``evergreen_trio`` imports trio-asyncio, which replaces ``asyncio.new_event_loop``
-    process-wide: a plain ``asyncio.run`` then runs on trio-asyncio's ``SyncTrioEventLoop``, which
-    doubled raw grpclib's round trip (141 -> 280 us) and would weaken every asyncio peer.
+    Pinned, not assumed: when importing ``evergreen_trio`` imported trio-asyncio, which replaces
+    ``asyncio.new_event_loop`` process-wide, a plain ``asyncio.run`` ran on trio-asyncio's
+    ``SyncTrioEventLoop``, which doubled raw grpclib's round trip (141 -> 280 us) and weakened every
+    asyncio peer. No dependency of ours does that now; a peer must not depend on it.
     """
     with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
         return runner.run(main)

@@ -412,13 +412,14 @@ class _Server:
                     return
                 if not data:
                     return
-                last_read, ping_sent = trio.current_time(), None
+                ping_sent = None
                 wire.receive_data(data)
                 await self._send(connection)
                 while wire.paused:  # a bounded slice at a time, letting other tasks run between
                     await trio.lowlevel.checkpoint()
                     wire.resume()
                     await self._send(connection)
+                last_read = trio.current_time()  # once it is all processed: our own work is no silence
         except trio.TooSlowError:
             log.info("grpc_wire.connection_timeout peer=%s reason=peer took no data for %g s",
                      peer, self.timeouts.send_s)

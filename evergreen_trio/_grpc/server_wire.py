@@ -695,6 +695,11 @@ class GrpcWireConnection:
             self._answer(stream_id, flags, refused.status, refused.message)
             self._refused("stream not admitted")
             return
+        except Exception as exc:  # a method's bug must not take the connection down
+            log.exception("grpc_wire.open_failed path=%s", path)
+            self._answer(stream_id, flags, Status.UNKNOWN, type(exc).__name__)
+            self._strike("stream failed to open")
+            return
         stream = _Stream(stream_id, method, processor)
         self._streams[stream_id] = stream
         if stream.streaming:

@@ -17,7 +17,7 @@ from test_reflection_wire import exchange
 
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.health import CHECK_PATH, WATCH_PATH, ServerHealth
-from evergreen_trio._grpc.server import serve_sync_bidi
+from evergreen_trio._grpc.server import serve_grpc
 from evergreen_trio._grpc.streams import MessageStream
 from evergreen_trio.testing.wire import health_status
 
@@ -69,7 +69,7 @@ def test_check_without_a_request_is_internal() -> None:
 
 async def test_grpcio_checks_over_tcp(nursery: trio.Nursery) -> None:
     health = ServerHealth(("",))
-    port = await nursery.start(partial(serve_sync_bidi, [health.check], "127.0.0.1", 0))
+    port = await nursery.start(partial(serve_grpc, [health.check], "127.0.0.1", 0))
     ask = partial(trio.to_thread.run_sync, health_status, f"127.0.0.1:{port}")
     assert await ask("") == "NOT_SERVING"
     health.set(ready=True, live=True)

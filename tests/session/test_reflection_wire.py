@@ -28,7 +28,7 @@ from test_reflection import ask as grpcio_ask
 from evergreen_trio._grpc.client_wire import frame
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.reflection import SERVICE_FILE, reflection_methods
-from evergreen_trio._grpc.server import serve_sync_bidi
+from evergreen_trio._grpc.server import serve_grpc
 from evergreen_trio._grpc.server_wire import GrpcWireConnection, SyncBidiMethod
 from evergreen_trio._wire import SERVICE
 
@@ -98,7 +98,7 @@ def test_lists_the_services_and_itself(version: Any) -> None:
 
 @VERSIONS
 async def test_grpcio_over_tcp_lists_and_describes_like_grpcurl(version: Any, nursery: trio.Nursery) -> None:
-    port = await nursery.start(partial(serve_sync_bidi, METHODS, "127.0.0.1", 0))
+    port = await nursery.start(partial(serve_grpc, METHODS, "127.0.0.1", 0))
     names, pool = await trio.to_thread.run_sync(describe_like_grpcurl, f"127.0.0.1:{port}", version)
     assert names >= WANTED
     assert {"StartSession"} <= set(pool.FindServiceByName(SERVICE).methods_by_name)
@@ -151,7 +151,7 @@ def test_a_huge_name_is_not_found_fast_and_not_echoed(version: Any) -> None:
 
 
 async def test_grpcio_over_tcp_a_huge_name_then_the_list(nursery: trio.Nursery) -> None:
-    port = await nursery.start(partial(serve_sync_bidi, METHODS, "127.0.0.1", 0))
+    port = await nursery.start(partial(serve_grpc, METHODS, "127.0.0.1", 0))
     asked = [v1.ServerReflectionRequest(file_containing_symbol="\x7f" * (3 << 20)),
              v1.ServerReflectionRequest(list_services="")]
     huge, listed = await trio.to_thread.run_sync(grpcio_ask, f"127.0.0.1:{port}", v1, asked)

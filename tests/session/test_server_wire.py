@@ -1,0 +1,189 @@
+"""What the server wire does for the session server beyond the picker's synchronous methods: a
+stream's Call, admission, streaming processors (a task behind them), refusals past a count, and a
+client's GOAWAY. In memory, against h2's client (``Peer`` from the picker's wire tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from google.protobuf.wrappers_pb2 import BytesValue
+from grpclib.const import Status
+
+from evergreen_trio._grpc.errors import RpcAbortError
+from evergreen_trio._grpc.server_wire import Call, StreamProcessor, WireLimits
+from tests.picker.test_grpc_wire import PATH, Peer
+
+
+class Opener:
+    """A method whose ``open`` records each Call and refuses, fails or opens as told."""
+
+    path = PATH
+    request_type = BytesValue
+
+    def __init__(self, make: type[StreamProcessor[BytesValue, BytesValue]] | None = None,
+                 refuse: RpcAbortError | None = None, fail: bool = False) -> None:
+        self.calls: list[Call] = []
+        self.opened: list[StreamProcessor[BytesValue, BytesValue]] = []
+        self.make, self.refuse, self.fail = make, refuse, fail
+
+    def open(self, call: Call) -> StreamProcessor[BytesValue, BytesValue]:
+        self.calls.append(call)
+        if self.refuse is not None:
+            raise self.refuse
+        if self.fail:
+            raise KeyError("bug")
+        assert self.make is not None
+        processor = self.make()
+        self.opened.append(processor)
+        return processor
+
+
+class Streaming:
+    """A streaming processor driven by the test: ``queue`` replies, ``end`` with a status, then wake."""
+
+    streaming = True
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.parked = False
+        self.received: list[bytes] = []
+        self.queued: list[BytesValue] = []
+        self.final: RpcAbortError | None = None
+        self.ended_input = False
+        self.closed = 0
+        self.aborted = 0
+        self.wake = lambda: None
+
+    def on_message(self, message: BytesValue) -> Sequence[BytesValue]:
+        self.received.append(message.value)
+        return ()
+
+    def on_end(self) -> Sequence[BytesValue]:
+        self.ended_input = True
+        return ()
+
+    def resume(self) -> Sequence[BytesValue]:
+        replies, self.queued = self.queued, []
+        if not replies and self.final is not None:
+            if self.final.status is not Status.OK:
+                raise self.final
+            self.finished = True
+        return replies
+
+    def on_abort(self) -> None:
+        self.aborted += 1
+
+    def on_closed(self) -> None:
+        self.closed += 1
+
+
+def peer_with(method: Opener, limits: WireLimits | None = None) -> Peer:
+    peer = Peer(limits)
+    peer.server.methods = {PATH: method}
+    return peer
+
+
+def open_stream(peer: Peer, metadata: Sequence[tuple[str, str]] = ()) -> int:
+    stream_id: int = peer.client.get_next_available_stream_id()
+    peer.client.send_headers(stream_id, [
+        (":method", "POST"), (":scheme", "http"), (":path", PATH), (":authority", "x"),
+        ("content-type", "application/grpc"), ("te", "trailers"), *metadata])
+    peer.pump()
+    return stream_id
+
+
+def test_a_call_carries_metadata_and_timeout_as_grpclib_read_them() -> None:
+    method = Opener(Streaming)
+    peer = peer_with(method)
+    open_stream(peer, [("authorization", "Bearer t"), ("grpc-timeout", "250m"), ("x-bin", "AAAA"),
+                       ("user-agent", "grpc-python"), ("grpc-encoding", "identity")])
+    open_stream(peer, [("grpc-timeout", "12x")])
+    first, second = method.calls
+    assert first.path == PATH
+    assert first.metadata == {"authorization": "Bearer t"}
+    assert first.timeout == 0.25
+    assert second.timeout is None  # not a valid timeout: none
+
+
+def test_open_may_refuse_with_a_status_and_a_bug_is_unknown() -> None:
+    peer = peer_with(Opener(refuse=RpcAbortError(Status.UNAUTHENTICATED, "a bearer token is required")))
+    refused = open_stream(peer)
+    assert peer.trailers(refused)["grpc-status"] == str(Status.UNAUTHENTICATED.value)
+    assert peer.trailers(refused)["grpc-message"] == "a bearer token is required"
+    peer.server.methods = {PATH: Opener(fail=True)}
+    failed = open_stream(peer)
+    assert peer.trailers(failed)["grpc-status"] == str(Status.UNKNOWN.value)
+    assert not peer.server.closed and peer.server.open_streams == 0
+
+
+def test_refusals_past_the_count_get_goaway_enhance_your_calm() -> None:
+    peer = peer_with(Opener(refuse=RpcAbortError(Status.UNAUTHENTICATED, "no")), WireLimits(max_refused_streams=3))
+    for _ in range(4):
+        open_stream(peer)
+    assert peer.server.closed
+    goaways = [e for e in peer.events if type(e).__name__ == "ConnectionTerminated"]
+    assert goaways and goaways[0].error_code == 0xB
+
+
+def test_a_streaming_stream_outlives_the_clients_end_and_ends_with_its_status() -> None:
+    method = Opener(Streaming)
+    peer = peer_with(method)
+    stream_id = open_stream(peer)
+    peer.send(stream_id, b"in", end=True)
+    processor = method.opened[0]
+    assert isinstance(processor, Streaming)
+    assert processor.received == [b"in"] and processor.ended_input
+    assert peer.trailers(stream_id) == {}  # the client's end is not the stream's
+    processor.queued = [BytesValue(value=b"out")]
+    processor.final = RpcAbortError(Status.OK, "")
+    processor.wake()
+    peer.server.resume_unparked()
+    peer.pump()
+    assert peer.trailers(stream_id) == {}  # the replies first, the status at the next wake
+    processor.wake()
+    peer.server.resume_unparked()
+    peer.pump()
+    assert peer.replies(stream_id) == [b"out"]
+    assert peer.trailers(stream_id)["grpc-status"] == "0"
+    assert (processor.closed, processor.aborted) == (1, 0)
+
+
+def test_a_streaming_stream_fails_with_the_status_resume_raises_and_a_reset_aborts_it() -> None:
+    method = Opener(Streaming)
+    peer = peer_with(method)
+    failing, reset = open_stream(peer), open_stream(peer)
+    first, second = method.opened
+    assert isinstance(first, Streaming) and isinstance(second, Streaming)
+    first.final = RpcAbortError(Status.DEADLINE_EXCEEDED, "no message within 1 s")
+    first.wake()
+    peer.server.resume_unparked()
+    peer.pump()
+    assert peer.trailers(failing)["grpc-status"] == str(Status.DEADLINE_EXCEEDED.value)
+    peer.client.reset_stream(reset)
+    peer.pump()
+    assert (first.closed, first.aborted) == (1, 1)  # a stream failed with a status is aborted too
+    assert (second.closed, second.aborted) == (1, 1)
+
+
+def test_unread_replies_of_a_streaming_stream_stop_its_output_not_its_input() -> None:
+    """Replies pile up to a window while the client reads none; the client can still send (one that
+    sends everything before reading would deadlock otherwise), and the stream takes more replies
+    once the client has read some."""
+    method = Opener(Streaming)
+    peer = Peer(WireLimits(window_bytes=65_535), window=65_535, ack=False)
+    peer.server.methods = {PATH: method}
+    stream_id = open_stream(peer)
+    processor = method.opened[0]
+    assert isinstance(processor, Streaming)
+    resumed = 0
+    for _ in range(20):  # 20 x 16 KiB of replies
+        processor.queued = [BytesValue(value=b"r" * 16_384)]
+        processor.wake()
+        before = processor.queued
+        peer.server.resume_unparked()
+        resumed += not processor.queued and bool(before)
+    peer.pump()
+    assert resumed < 20  # past a window of unsent replies the stream is not asked for more
+    for _ in range(8):  # 8 x 16 KiB of input, more than the window the replies hold
+        peer.send(stream_id, b"i" * 16_000)
+    assert len(processor.received) == 8
