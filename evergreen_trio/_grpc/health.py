@@ -77,7 +77,8 @@ class ServerHealth:
     @property
     def methods(self) -> list[SyncBidiMethod[Any, Any] | StreamMethod[Any]]:
         """``Health/Check`` and ``Health/Watch``, for :func:`~evergreen_trio._grpc.server.serve_grpc`."""
-        return [self.check, StreamMethod(WATCH_PATH, HealthCheckRequest, self.watch, admit=self.admit_watch)]
+        return [self.check, StreamMethod(WATCH_PATH, HealthCheckRequest, self.watch, admit=self.admit_watch,
+                                         abandon=self.abandon_watch)]
 
     @property
     def ready(self) -> bool:
@@ -111,6 +112,10 @@ class ServerHealth:
         if self._watches >= self.max_watches:
             raise RpcAbortError(Status.RESOURCE_EXHAUSTED, f"{self.max_watches} health watches open, the limit")
         self._watches += 1
+
+    def abandon_watch(self, stream: MessageStream[HealthCheckResponse]) -> None:
+        """Give back the slot of an admitted Watch stream reset before :meth:`watch` started."""
+        self._watches -= 1
 
     async def watch(self, stream: MessageStream[HealthCheckResponse]) -> None:
         """Serve one admitted Watch stream: its request's service's status at once, then each change,

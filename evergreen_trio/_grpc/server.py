@@ -87,8 +87,11 @@ class StreamMethod(Generic[T]):
 
     ``admit`` (optional, plain) sees each new stream (peer, metadata and deadline set) before its
     task starts; raising :class:`RpcAbortError` answers the stream with that status and starts
-    nothing. A handler that returns without :meth:`MessageStream.finish` ends its stream OK; one
-    that raises :class:`RpcAbortError` ends it with that status, any other error with UNKNOWN.
+    nothing. Tasks start once the read that opened their streams is processed; a stream the client
+    reset within that read starts none: ``abandon`` (if given) gets it instead, to give back what
+    ``admit`` took (rapid reset costs no task). A handler that returns without
+    :meth:`MessageStream.finish` ends its stream OK; one that raises :class:`RpcAbortError` ends it
+    with that status, any other error with UNKNOWN.
     """
 
     path: str
@@ -96,6 +99,7 @@ class StreamMethod(Generic[T]):
     handle: Callable[[MessageStream[T]], Awaitable[None]]
     pack: Callable[[list[T]], Iterable[Message]] = _unchanged
     admit: Callable[[MessageStream[T]], object] | None = None
+    abandon: Callable[[MessageStream[T]], object] | None = None
 
 
 def _no_op() -> None:
@@ -113,6 +117,7 @@ class _TaskStream:
         self.stream = stream
         self.finished = False
         self.wake: Callable[[], object] = _no_op  # set by the wire
+        self.gone = False  # reset by the peer, or its connection ended
         self._parked = False
         self._taking = False
         stream.inbound.notify = self._inbound_changed
@@ -168,6 +173,7 @@ class _TaskStream:
 
     def on_abort(self) -> None:
         """Reset by the peer, or the connection ended: the task learns why from its stream."""
+        self.gone = True
         stream = self.stream
         if stream.deadline is not None and trio.current_time() >= stream.deadline:
             status, why = Status.DEADLINE_EXCEEDED, "the call's deadline passed"
@@ -191,6 +197,18 @@ class _TaskMethod:
         self.path = method.path
         self.request_type = method.request_type
         self._nursery = nursery
+        self._opened: list[_TaskStream] = []  # since the last start_opened
+
+    def start_opened(self) -> None:
+        """Start the tasks of the streams opened since the last call (the shell calls it after each
+        slice of input), except those already gone (see :class:`StreamMethod`'s ``abandon``)."""
+        opened, self._opened = self._opened, []
+        method = self.method
+        for processor in opened:
+            if processor.gone and method.abandon is not None:
+                method.abandon(processor.stream)
+            else:
+                self._nursery.start_soon(_run_stream, method.handle, processor.stream, name=method.path)
 
     def open(self, call: Call) -> _TaskStream:
         method = self.method
@@ -203,7 +221,7 @@ class _TaskMethod:
         if method.admit is not None:
             method.admit(stream)
         processor = _TaskStream(stream)
-        self._nursery.start_soon(_run_stream, method.handle, stream, name=method.path)
+        self._opened.append(processor)
         return processor
 
 
@@ -276,6 +294,7 @@ class _Server:
         self.connections: set[_Connection] = set()
         self._methods = methods
         self.methods: dict[str, Method] = {}
+        self._task_methods: list[_TaskMethod] = []
         self.nursery: trio.Nursery | None = None
 
     async def run_tasks(self, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
@@ -284,8 +303,9 @@ class _Server:
         with trio.CancelScope(shield=True) as scope:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
-                self.methods = {m.path: _TaskMethod(m, nursery) if isinstance(m, StreamMethod) else m
-                                for m in self._methods}
+                self._task_methods = [_TaskMethod(m, nursery) for m in self._methods if isinstance(m, StreamMethod)]
+                self.methods = {m.path: m for m in self._methods if isinstance(m, SyncBidiMethod)}
+                self.methods.update({m.path: m for m in self._task_methods})
                 task_status.started(scope)
                 await trio.sleep_forever()
 
@@ -414,10 +434,12 @@ class _Server:
                     return
                 ping_sent = None
                 wire.receive_data(data)
+                self._start_opened()
                 await self._send(connection)
                 while wire.paused:  # a bounded slice at a time, letting other tasks run between
                     await trio.lowlevel.checkpoint()
                     wire.resume()
+                    self._start_opened()
                     await self._send(connection)
                 last_read = trio.current_time()  # once it is all processed: our own work is no silence
         except trio.TooSlowError:
@@ -425,6 +447,10 @@ class _Server:
                      peer, self.timeouts.send_s)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("grpc_wire.connection_lost peer=%s error=%r", peer, exc)
+
+    def _start_opened(self) -> None:
+        for method in self._task_methods:
+            method.start_opened()
 
     async def _resume_parked(self, connection: _Connection, scope: trio.CancelScope) -> None:
         """Send what parked streams (flow control) and stream tasks have, once they have it; once that

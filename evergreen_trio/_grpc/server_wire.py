@@ -73,6 +73,9 @@ class WireLimits:
     the output it queues, before it pauses (so the shell writes and lets other tasks run).
     ``max_stream_errors_per_second`` is the budget of streams reset by the peer, refused, or
     ended with a non-OK status; past it the connection gets GOAWAY ENHANCE_YOUR_CALM.
+    ``streams_per_slice``: new streams one slice of input opens at most; the rest of the input waits
+    for :meth:`GrpcWireConnection.resume`, so that a connection opening many streams in one write
+    takes turns with the other connections (each stream may start a task).
     ``max_refused_streams``: streams of one connection refused (past ``max_concurrent_streams``, or
     by the method's admission: bad credentials) past which it gets GOAWAY ENHANCE_YOUR_CALM (a
     client that honours SETTINGS_MAX_CONCURRENT_STREAMS and holds good credentials sees few).
@@ -89,6 +92,7 @@ class WireLimits:
     slice_bytes: int = 64 * 1024
     max_stream_errors_per_second: int = 1000
     max_refused_streams: int = 1024
+    streams_per_slice: int = 1024
 
     def __post_init__(self) -> None:
         """Raises ConfigurationError for a field that is not an int >= 1 (a window past 2**31 - 1)."""
@@ -357,6 +361,7 @@ class GrpcWireConnection:
         self.on_wake: Callable[[], object] = lambda: None
         self._strikes = 0
         self._refusals = 0
+        self._opened = 0  # streams opened in this slice of input
         self._strike_second = 0
         window = self.limits.window_bytes
         settings = b"".join(key.to_bytes(2, "big") + value.to_bytes(4, "big") for key, value in (
@@ -484,9 +489,10 @@ class GrpcWireConnection:
         pos = 0
         size = len(buffer)
         budget = self.limits.slice_bytes
+        self._opened = 0
         try:
             while size - pos >= 9 and not self.closed:
-                if len(self._out) >= budget or pos >= budget:
+                if len(self._out) >= budget or pos >= budget or self._opened >= self.limits.streams_per_slice:
                     self.paused = True
                     break
                 length = int.from_bytes(buffer[pos : pos + 3], "big")
@@ -702,6 +708,7 @@ class GrpcWireConnection:
             return
         stream = _Stream(stream_id, method, processor)
         self._streams[stream_id] = stream
+        self._opened += 1
         if stream.streaming:
             processor.wake = partial(self._unpark, stream_id)  # type: ignore[attr-defined]
         if flags & END_STREAM:

@@ -56,6 +56,11 @@ _DEADLINE_PASSED = "the call's deadline (grpc-timeout) passed"
 SESSION_WINDOW_BYTES = 4 * 1024 * 1024
 """The HTTP/2 stream and connection window a session server grants (grpclib's default, which it served with)."""
 
+STREAMS_PER_SLICE = 8
+"""New sessions one connection opens per slice of its input (per Trio scheduling pass): 50 connections
+writing 100 HEADERS each started 5,000 session tasks in one pass, which every other client then
+waited behind (a 280 ms stall; 8 a slice: see ``python -m benchmarks.security_session``)."""
+
 SHUTDOWN_GRACE_SECONDS = 5.0
 """How long a stopping server waits for open sessions to receive their UNAVAILABLE status."""
 
@@ -185,7 +190,8 @@ class Server(ActionRegistry):
         them finish. Raises ``OSError`` when the address cannot be bound.
         """
         sessions: StreamMethod[Outbound] = StreamMethod(
-            START_SESSION, SessionMessage, self._run_session, pack_messages, admit=self._admit_session)
+            START_SESSION, SessionMessage, self._run_session, pack_messages, admit=self._admit_session,
+            abandon=self._forget)
         methods: list[SyncBidiMethod[Any, Any] | StreamMethod[Any]] = [sessions, *self.health.methods]
         if self.reflection:
             methods += reflection_methods([SERVICE, "grpc.health.v1.Health"])
@@ -267,13 +273,18 @@ class Server(ActionRegistry):
             # (which ends this wait however slow the client is to read).
             with trio.CancelScope(shield=True):
                 await stream.wait_closed()
-            self._open.discard(stream)
-            host = _host(stream.peer)
-            self._per_peer[host] -= 1
-            if not self._per_peer[host]:
-                del self._per_peer[host]
-            if self._session_closed is not None:
-                self._session_closed.set()
+            self._forget(stream)
+
+    def _forget(self, stream: MessageStream[Outbound]) -> None:
+        """Give back what ``_admit_session`` took: at the end of the session, or in its place when the
+        client reset the stream before the session started (rapid reset starts no task)."""
+        self._open.discard(stream)
+        host = _host(stream.peer)
+        self._per_peer[host] -= 1
+        if not self._per_peer[host]:
+            del self._per_peer[host]
+        if self._session_closed is not None:
+            self._session_closed.set()
 
     async def _opened(self, stream: MessageStream[Outbound]) -> tuple[bool, object]:
         """Authorize the session and wait for its first message (or the end of its stream) before
@@ -398,6 +409,7 @@ def wire_limits(limits: TransportLimits) -> WireLimits:
         max_buffered_bytes=max(SESSION_WINDOW_BYTES, 3 * limits.max_message_bytes),
         max_stream_errors_per_second=limits.max_stream_errors_per_second,
         max_refused_streams=limits.max_streams_per_connection,
+        streams_per_slice=STREAMS_PER_SLICE,
     )
 
 

@@ -172,6 +172,20 @@ async def test_item12_rapid_reset_gets_goaway_enhance_your_calm_and_leaves_nothi
     assert rss() - before < MEMORY_CEILING_MIB
 
 
+async def test_item12_streams_opened_and_reset_in_one_write_start_no_session(nursery_: trio.Nursery) -> None:
+    """HEADERS and their RST_STREAMs in one write: admitted, counted and given back, but no session
+    task starts for them (rapid reset costs the server no task)."""
+    server, port = await start(nursery_)
+    client = await RawH2.open(port)
+    ids = range(1, 101, 2)
+    await client.send(b"".join(client.headers(i) + client.reset(i, CANCEL) for i in ids))
+    await client.until(lambda c: False, 0.3)
+    assert server.metrics.registry.get_sample_value("evergreen_sessions_started_total") == 0
+    assert server.open_sessions == 0
+    await client.aclose()
+    await legit_session_completes(port)
+
+
 async def test_item12_resets_spread_over_reads_start_no_more_than_the_stream_cap(nursery_: trio.Nursery) -> None:
     """HEADERS in one write, their RST_STREAMs in the next: handlers start, but never more than
     the per-connection cap at once, and the connection is told to calm down."""

@@ -38,6 +38,7 @@ async def exchange(body: bytes, limit: int) -> tuple[list[SessionMessage], str]:
                                 (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
         client.send_data(1, body, end_stream=True)
         server.receive_data(client.data_to_send())
+        method.start_opened()
         for _ in range(20):  # the task reads, finishes; the wire sends its status
             await trio.testing.wait_all_tasks_blocked()
             server.resume_unparked()
