@@ -492,7 +492,7 @@ class GrpcWireConnection:
         self._opened = 0
         try:
             while size - pos >= 9 and not self.closed:
-                if len(self._out) >= budget or pos >= budget or self._opened >= self.limits.streams_per_slice:
+                if len(self._out) >= budget or pos >= budget:
                     self.paused = True
                     break
                 length = int.from_bytes(buffer[pos : pos + 3], "big")
@@ -502,6 +502,9 @@ class GrpcWireConnection:
                 if size - pos < 9 + length:
                     break
                 kind, flags = buffer[pos + 3], buffer[pos + 4]
+                if kind == HEADERS and self._opened >= self.limits.streams_per_slice:
+                    self.paused = True  # before a HEADERS: the slice still takes the RST_STREAMs of its streams
+                    break
                 stream_id = int.from_bytes(buffer[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
                 payload = bytes(buffer[pos + 9 : pos + 9 + length])
                 pos += 9 + length

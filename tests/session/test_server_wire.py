@@ -187,3 +187,23 @@ def test_unread_replies_of_a_streaming_stream_stop_its_output_not_its_input() ->
     for _ in range(8):  # 8 x 16 KiB of input, more than the window the replies hold
         peer.send(stream_id, b"i" * 16_000)
     assert len(processor.received) == 8
+
+
+def test_a_slice_of_input_opens_at_most_streams_per_slice_and_keeps_their_resets() -> None:
+    """Five HEADERS in one read, two streams a slice: the rest waits for ``resume`` (the shell lets
+    other connections run between slices); a stream's RST_STREAM right after it stays in its slice."""
+    method = Opener(Streaming)
+    peer = peer_with(method, WireLimits(streams_per_slice=2))
+    for _ in range(5):
+        stream_id = peer.client.get_next_available_stream_id()
+        peer.client.send_headers(stream_id, [
+            (":method", "POST"), (":scheme", "http"), (":path", PATH), (":authority", "x"),
+            ("content-type", "application/grpc"), ("te", "trailers")])
+    peer.client.reset_stream(stream_id)
+    peer.server.receive_data(peer.client.data_to_send())
+    opened = [len(method.opened)]
+    while peer.server.paused:
+        peer.server.resume()
+        opened.append(len(method.opened))
+    assert opened == [2, 4, 5]
+    assert peer.server.open_streams == 4  # the last one's reset came in its slice
