@@ -645,7 +645,7 @@ async def _attacks(quick: bool, only: str) -> list[dict[str, object]]:
              lambda: too_many_streams(port)),
             ("4,000 streams in one write", "GOAWAY ENHANCE_YOUR_CALM after 101 refused",
              lambda: too_many_streams(port, 4000)),
-            ("rapid reset (HEADERS+RST_STREAM)", "GOAWAY ENHANCE_YOUR_CALM after 500 streams per connection",
+            ("rapid reset (HEADERS+RST_STREAM)", "GOAWAY ENHANCE_YOUR_CALM past 500 stream errors a second",
              lambda: rapid_reset(port, 10_000 if quick else 100_000)),
             ("silent sessions (x100 per connection)", "each ended with grpc-status 4 (DEADLINE_EXCEEDED) at 1 s",
              lambda: many_sessions(port, 5 if quick else 50)),
