@@ -325,7 +325,6 @@ class GrpcWireConnection:
         self.limits = limits or WireLimits()
         self.peer = peer
         self.peer_certificate = peer_certificate
-        self.last_ping_ack = 0.0  # ``clock`` time of the last PING ACK (see :meth:`ping`)
         self.closed = False
         self.paused = False
         self._clock = clock
@@ -433,11 +432,9 @@ class GrpcWireConnection:
                     if len(stream.pending) >= self.limits.window_bytes:
                         stream.starved = True  # _flush wakes it once the peer took some
                         continue
-                    stream.parked = False
                 elif not stream.parked:
                     continue
-                else:
-                    stream.parked = False
+                stream.parked = False
                 self._deliver(stream, end=stream.remote_closed, resumed=True)
         except _ConnectionError as exc:  # past the stream-error budget
             self._fail(exc)
@@ -450,10 +447,10 @@ class GrpcWireConnection:
         self._unparked.append(stream_id)
         self.on_wake()
 
-    def ping(self, payload: bytes = b"keepaliv") -> None:
-        """Queue a PING (keepalive); its ACK sets ``last_ping_ack``."""
+    def ping(self) -> None:
+        """Queue a PING (keepalive: the shell counts any input that follows as the peer's answer)."""
         if not self.closed:
-            self._out += _frame(PING, 0, 0, payload[:8].ljust(8, b"\0"))
+            self._out += _frame(PING, 0, 0, b"keepaliv")
 
     def abort_streams(self) -> None:
         """Tell every open stream's processor its stream is gone (the shell calls this when the
@@ -572,8 +569,6 @@ class GrpcWireConnection:
                                    "expected PING with 8 bytes on stream 0")
         if not flags & ACK:
             self._out += _frame(PING, ACK, 0, payload)
-        else:
-            self.last_ping_ack = self._clock()
 
     def _rst_stream(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id or len(payload) != 4:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import trio
 from google.protobuf.message import Message
@@ -156,9 +156,6 @@ class MessageStream(Generic[T]):
     message went either way.
     """
 
-    handoff: ClassVar[type[Handoff[Any]]] = Handoff
-    """The queue type of ``inbound`` and ``outbound``."""
-
     def __init__(
         self,
         pack: Callable[[list[T]], Iterable[Message]],
@@ -168,8 +165,8 @@ class MessageStream(Generic[T]):
         inbound: Handoff[Message] | None = None,
         outbound: Handoff[T] | None = None,
     ) -> None:
-        self.inbound: Handoff[Message] = inbound if inbound is not None else self.handoff(inbound_capacity)
-        self.outbound: Handoff[T] = outbound if outbound is not None else self.handoff(outbound_capacity)
+        self.inbound: Handoff[Message] = inbound if inbound is not None else Handoff(inbound_capacity)
+        self.outbound: Handoff[T] = outbound if outbound is not None else Handoff(outbound_capacity)
         self.pack = pack
         self.final: FinalStatus | None = None
         self.peer: str = ""

@@ -159,6 +159,7 @@ class Server(ActionRegistry):
         self._open: set[MessageStream[Outbound]] = set()
         self._per_peer: dict[str, int] = {}
         self._saturated = False  # the session cap was reached (one warning per episode)
+        self._authorize_plain = False  # set by serve: authorize runs in _admit_session
         # Principals of the sessions a plain authorize admitted before they were counted.
         self._admitted: weakref.WeakKeyDictionary[MessageStream[Outbound], object] = weakref.WeakKeyDictionary()
         self._draining = False
@@ -189,6 +190,7 @@ class Server(ActionRegistry):
         Cancelled, it ends the sessions still open with UNAVAILABLE; :meth:`drain` first to let
         them finish. Raises ``OSError`` when the address cannot be bound.
         """
+        self._authorize_plain = _plain(self.authorize)  # once, not per session
         sessions: StreamMethod[Outbound] = StreamMethod(
             START_SESSION, SessionMessage, self._run_session, pack_messages, admit=self._admit_session,
             abandon=self._forget)
@@ -230,7 +232,7 @@ class Server(ActionRegistry):
         if self._draining:
             self.metrics.aborted("draining")
             raise RpcAbortError(Status.UNAVAILABLE, "the server is draining; open the session elsewhere")
-        if _plain(self.authorize):
+        if self._authorize_plain:
             self._admit(stream)
         limits = self.transport_limits
         host = _host(stream.peer)
