@@ -302,6 +302,9 @@ class Server(ActionRegistry):
         if stream.deadline is not None and stream.deadline < at:
             at, why = stream.deadline, _DEADLINE_PASSED
         with trio.move_on_at(at):
+            # A deadline already past when the task starts ends it here, even when nothing below has
+            # to wait (the whole input came with the headers): no session starts after its deadline.
+            await trio.lowlevel.checkpoint_if_cancelled()
             authorized, principal = await self._authorized(stream)
             if authorized:
                 await stream.inbound.wait()

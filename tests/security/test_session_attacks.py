@@ -172,6 +172,28 @@ async def test_item12_rapid_reset_gets_goaway_enhance_your_calm_and_leaves_nothi
     assert rss() - before < MEMORY_CEILING_MIB
 
 
+async def test_malformed_call_headers_are_read_safely_and_the_server_serves_on(nursery_: trio.Nursery) -> None:
+    """A stream's headers as the wire reads them into its Call: a grpc-timeout that is not one (too
+    long, a bad unit, not digits) is no deadline, metadata values of any byte go through as they came,
+    binary metadata is left out; each session is served whole, and a 1 ns timeout ends its session
+    with DEADLINE_EXCEEDED."""
+    _, port = await start(nursery_)
+    client = await RawH2.open(port)
+    odd = (("grpc-timeout", "99999999999H"), ("grpc-timeout", "12x"), ("grpc-timeout", "-5S"),
+           ("x-odd", "\x7f\u00ff\u00fe"), ("x-bin", "@@not base64@@"))
+    for stream_id, header in zip(range(1, 2 * len(odd), 2), odd, strict=True):
+        await client.send(client.headers(stream_id, metadata=(header,))
+                          + client.data(stream_id, echo_message(b"hi"), end_stream=True))
+    late = 2 * len(odd) + 1
+    await client.send(client.headers(late, metadata=(("grpc-timeout", "1n"),))
+                      + client.data(late, echo_message(b"late"), end_stream=True))
+    await client.until(lambda c: len(c.statuses) == len(odd) + 1, 10)
+    assert [client.statuses[i].split()[0] for i in range(1, late, 2)] == ["0"] * len(odd), client.statuses
+    assert client.statuses[late].startswith("4 "), client.statuses[late]  # DEADLINE_EXCEEDED
+    await client.aclose()
+    await legit_session_completes(port)
+
+
 async def test_item12_streams_opened_and_reset_in_one_write_start_no_session(nursery_: trio.Nursery) -> None:
     """HEADERS and their RST_STREAMs in one write: admitted, counted and given back, but no session
     task starts for them (rapid reset costs the server no task)."""
