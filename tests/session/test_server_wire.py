@@ -4,13 +4,20 @@ client's GOAWAY. In memory, against h2's client (``Peer`` from the picker's wire
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
+from functools import partial
 
+import hpack
+import trio
 from google.protobuf.wrappers_pb2 import BytesValue
 from grpclib.const import Status
+from hyperframe.frame import Frame, GoAwayFrame, HeadersFrame, PingFrame, SettingsFrame
 
 from evergreen_trio._grpc.errors import RpcAbortError
+from evergreen_trio._grpc.server import StreamMethod, WireTimeouts, serve_grpc
 from evergreen_trio._grpc.server_wire import Call, StreamProcessor, WireLimits
+from evergreen_trio._grpc.streams import MessageStream
 from tests.picker.test_grpc_wire import PATH, Peer
 
 
@@ -207,3 +214,36 @@ def test_a_slice_of_input_opens_at_most_streams_per_slice_and_keeps_their_resets
         opened.append(len(method.opened))
     assert opened == [2, 4, 5]
     assert peer.server.open_streams == 4  # the last one's reset came in its slice
+
+
+async def test_a_silent_peer_with_an_open_stream_is_pinged_then_closed() -> None:
+    """Keepalive over a real socket: a connection with an open stream and nothing read for
+    ``keepalive_s`` gets a PING; left unanswered for ``keepalive_timeout_s``, the connection ends."""
+    async def hold(stream: MessageStream[BytesValue]) -> None:
+        await trio.sleep_forever()
+
+    timeouts = WireTimeouts(keepalive_s=0.2, keepalive_timeout_s=0.3)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(partial(serve_grpc, [StreamMethod(PATH, BytesValue, hold)], "127.0.0.1", 0,
+                                           timeouts=timeouts))
+        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        await sock.connect(("127.0.0.1", port))
+        headers = HeadersFrame(1, hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", PATH),
+                                                  (":authority", "x"), ("content-type", "application/grpc")]))
+        headers.flags.add("END_HEADERS")
+        await sock.send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize() + headers.serialize())
+        received = b""
+        with trio.fail_after(10):  # a hang guard
+            while chunk := await sock.recv(65536):  # read everything, answer nothing
+                received += chunk
+        sock.close()
+        frames = []
+        while len(received) >= 9:
+            frame, length = Frame.parse_frame_header(memoryview(received[:9]))
+            frame.parse_body(memoryview(received[9 : 9 + length]))
+            frames.append(frame)
+            received = received[9 + length :]
+        kinds = [type(f) for f in frames]
+        assert PingFrame in kinds and GoAwayFrame in kinds, kinds
+        assert kinds.index(PingFrame) < kinds.index(GoAwayFrame)
+        nursery.cancel_scope.cancel()
