@@ -32,7 +32,7 @@ import pyarrow.flight as flight
 import trio
 
 from benchmarks._harness import Row, print_table, write_results
-from evergreen_trio.ipc import BufferPool, fetch
+from evergreen_trio.ipc import BufferPool, connect, fetch
 from evergreen_trio.ipc.transports.ucx_bridge import DEFAULT_TLS
 
 RUNS = 7
@@ -127,6 +127,24 @@ def ours(uri: str, pool: BufferPool) -> int:
     return trio.run(main)
 
 
+def ours_kept(uri: str, pool: BufferPool, nbytes: int) -> float:
+    """GB/s of a fetch over a kept connection (``ipc.connect``): one fetch opens it, the next is timed."""
+
+    async def main() -> float:
+        async with connect(uri, pool=pool) as client:
+            for _ in range(2):  # the second fetch is the one timed
+                started = time.perf_counter()
+                total = 0
+                async with client.fetch("table.arrow") as stream:
+                    async for batch in stream:
+                        total += validated(batch)
+                        del batch
+                assert total == nbytes, (total, nbytes)
+        return nbytes / (time.perf_counter() - started) / 1e9
+
+    return trio.run(main)
+
+
 def validated(batch: pa.RecordBatch) -> int:
     """Every client checks each batch's structure (pyarrow's cheap validation) and counts its bytes."""
     batch.validate()
@@ -156,6 +174,8 @@ def run(quick: bool = False) -> None:
         for name, uri in (("ucx", "ucx://127.0.0.1:0"), ("tcp", "tcp://127.0.0.1:0"), ("shm", "shm://")):
             served = stack.enter_context(server([*cli, "--uri", uri]))
             cases[name] = gbps(nbytes, lambda served=served: ours(served, pool))  # type: ignore[misc]
+            if name == "ucx":
+                cases["ucx_kept"] = lambda served=served: ours_kept(served, pool, nbytes)  # type: ignore[misc]
         for name, source, publish in (("shm_memory", "table", "publish"), ("shm_copied", "file", "copy")):
             served = stack.enter_context(server([sys.executable, "-c", _SHM_SERVER, str(path), source, publish]))
             cases[name] = gbps(nbytes, lambda served=served: ours(served, pool))  # type: ignore[misc]
@@ -191,6 +211,8 @@ def run(quick: bool = False) -> None:
     cases_rows = [
         ("ucx", Row("(a) ucx (ours)", results["ucx"][0], "GB/s", "flight", results["ucx"][0] / flight_v)),
         ("ucx", Row("(a) ucx vs plain IPC/TCP", results["ucx"][0], "GB/s", "plain ipc", results["ucx"][0] / plain_v)),
+        ("ucx_kept", Row("(a) ucx, kept connection (ipc.connect) vs plain IPC/TCP", results["ucx_kept"][0], "GB/s",
+                         "plain ipc", results["ucx_kept"][0] / plain_v)),
         ("tcp", Row("(b) tcp (ours)", results["tcp"][0], "GB/s", "plain ipc", results["tcp"][0] / plain_v)),
         ("plain", Row("(c) plain Arrow IPC stream, loopback TCP", plain_v, "GB/s")),
         ("flight", Row("(d) pyarrow.flight do_get", flight_v, "GB/s")),

@@ -1,13 +1,16 @@
 """GPU bodies over UCX against ucxx's own benchmark, in the same run (needs CuPy and a CUDA device).
 
 Cases, 4 GiB of device data in 64 MiB bodies (``--quick``: 512 MiB) on one GPU, server in its own
-process: ``fetch_device`` first fetch and steady state (median of three after the first), the same
-without device support (fetch to host, then ``cupy.asarray`` per batch), and the peer:
-``python -m ucxx.benchmarks.send_recv -o cupy -n 67108864 -l ucxx-core --reuse-alloc`` with the same
-``UCX_TLS`` and endpoint error handling on (its default), whose median bandwidth is the ratio's
-denominator. Every process runs with ``UCX_PROTO_INFO=y``; the protocol lines UCX prints (what it
-selected for the bodies, e.g. ``cuda_ipc``) are printed with the table and kept in the JSON.
-Without CuPy or a device it prints why and writes nothing, keeping the last GPU results.
+process: ``fetch_device`` over a kept connection (``connect_device``: the first fetch, which opens the
+connection, and the steady state, median of three after it), ``fetch_device(uri)`` with a new
+connection per call, the same without device support (fetch to host, then ``cupy.asarray`` per
+batch), and the peer: ``python -m ucxx.benchmarks.send_recv -o cupy -n 67108864 -l ucxx-core
+--reuse-alloc`` with the same ``UCX_TLS`` and endpoint error handling on (its default), whose median
+bandwidth is the ratio's denominator. The process's one-time set-up (its CUDA context, its UCX
+context) is timed apart, before the first fetch. Every process runs with ``UCX_PROTO_INFO=y``; the
+protocol lines UCX prints (what it selected for the bodies, e.g. ``cuda_ipc``) are printed with the
+table and kept in the JSON. Without CuPy or a device it prints why and writes nothing, keeping the
+last GPU results.
 """
 
 from __future__ import annotations
@@ -96,6 +99,36 @@ def _fetch_device(uri: str) -> int:
     return trio.run(main)
 
 
+def _kept_connection(uri: str, runs: int) -> tuple[float, list[float]]:
+    """GB/s of each fetch over one kept connection: the first (which opens it), then the later ones."""
+    from evergreen_trio.ipc.gpu import connect_device  # imports CuPy
+
+    async def main() -> list[float]:
+        rates = []
+        async with connect_device(uri) as client:
+            for _ in range(runs + 1):
+                started = time.perf_counter()
+                batches, _ = await client.fetch("t")
+                rates.append(sum(int(b.body.nbytes) for b in batches) / (time.perf_counter() - started) / 1e9)
+                del batches
+        return rates
+
+    rates = trio.run(main)
+    return rates[0], rates[1:]
+
+
+def _set_up_ms() -> dict[str, float]:
+    """The process's one-time costs, paid before its first fetch: CUDA context, UCX context."""
+    from evergreen_trio.ipc.gpu import init_cuda
+    from evergreen_trio.ipc.transports.ucx_bridge import create_context
+
+    started = time.perf_counter()
+    init_cuda()
+    cuda = time.perf_counter()
+    create_context()
+    return {"CUDA context": (cuda - started) * 1e3, "UCX context": (time.perf_counter() - cuda) * 1e3}
+
+
 def _fetch_host_then_device(uri: str) -> int:
     import cupy  # optional: the gpu extra
 
@@ -133,10 +166,15 @@ def run(quick: bool = False) -> None:
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_TLS": os.environ.get("UCX_TLS", f"{DEFAULT_TLS},{CUDA_TLS}")}
     os.environ.update(UCX_PROTO_INFO="y", UCX_TLS=env["UCX_TLS"])
     peer, peer_proto = ucxx_send_recv(env, 20 if quick else 100)
+    set_up = _set_up_ms()
     results: dict[str, tuple[float, list[float]]] = {}
     protocols: dict[str, list[str]] = {}
-    for name, device, fn in (("fetch_device", "device", _fetch_device),
-                             ("fetch to host, then cupy.asarray", "host", _fetch_host_then_device)):
+    cases: list[tuple[str, str, Any]] = [
+        ("fetch_device, kept connection", "device", lambda uri: _kept_connection(uri, runs)),
+        ("fetch_device, a new connection per call", "device", lambda uri: _timed(_fetch_device, uri, runs)[:2]),
+        ("fetch to host, then cupy.asarray", "host", lambda uri: _timed(_fetch_host_then_device, uri, runs)[:2]),
+    ]
+    for name, device, measure in cases:
         proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(total), str(BODY), device], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         printed = []
@@ -146,8 +184,7 @@ def run(quick: bool = False) -> None:
                 if not line:
                     raise RuntimeError(f"the {device} server exited before printing its URI")
                 printed.append(line)
-            first, later, _ = _timed(fn, line.strip(), runs)
-            results[name] = (first, later)
+            results[name] = measure(line.strip())
         finally:
             proc.terminate()
             out, err = proc.communicate(timeout=60)
@@ -159,6 +196,7 @@ def run(quick: bool = False) -> None:
                         {"samples": later}))
         rows.append(Row(f"{name}, first fetch", first, "GB/s", "its steady state", first / steady[name]))
     rows.append(Row("ucxx send_recv -o cupy -l ucxx-core --reuse-alloc (median)", peer, "GB/s"))
+    rows.extend(Row(f"process set-up before the first fetch: {what}", ms, "ms") for what, ms in set_up.items())
     print_table(f"ipc_gpu: {total / MiB:.0f} MiB in {BODY // MiB} MiB bodies, one GPU, UCX_TLS={env['UCX_TLS']}",
                 rows)
     for name, lines in (("ucxx send_recv", peer_proto), *protocols.items()):

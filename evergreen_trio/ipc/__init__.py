@@ -24,6 +24,7 @@ from evergreen_trio.ipc.errors import (
     UriError,
 )
 from evergreen_trio.ipc.pool import BufferPool
+from evergreen_trio.ipc.client import IpcClient, connect
 from evergreen_trio.ipc.service import Catalog, fetch, fetch_table, serve
 from evergreen_trio.ipc.session import IpcStream
 from evergreen_trio.ipc.transports.base import Role, ServeOptions
@@ -37,6 +38,7 @@ __all__ = [
     "ConnectionLostError",
     "FlatbufferError",
     "FramingError",
+    "IpcClient",
     "IpcError",
     "IpcLimits",
     "IpcStream",
@@ -50,6 +52,7 @@ __all__ = [
     "TransportError",
     "UnknownTicketError",
     "UriError",
+    "connect",
     "fetch",
     "fetch_table",
     "parse_uri",

@@ -21,7 +21,7 @@ host without a GPU.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,13 +30,14 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from evergreen_trio.ipc.arrow import OutgoingMessage, messages_from_table
+from evergreen_trio.ipc.client import IpcClient, open_client
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
 from evergreen_trio.ipc.errors import IpcError, UriError
 from evergreen_trio.ipc.flatbuf import MessageHeader, MessageKind
 from evergreen_trio.ipc.pool import BufferPool
 from evergreen_trio.ipc.reassembly import ReadyMessage
 from evergreen_trio.ipc.session import MessagePump
-from evergreen_trio.ipc.transports.base import ClientChannel
+from evergreen_trio.ipc.transports.base import ClientChannel, Connection, HostBodies
 from evergreen_trio.ipc.uri import IpcUri, parse_uri
 
 
@@ -183,6 +184,48 @@ def _ucx_uri(uri: str | IpcUri) -> IpcUri:
     return parsed
 
 
+class DeviceClient:
+    """Device streams from one server over one kept ``ucx://`` connection (see :class:`IpcClient`)."""
+
+    def __init__(self, client: IpcClient, memory: DeviceMemory) -> None:
+        self.client = client
+        self.memory = memory
+
+    def open(self, ticket: bytes | str, *, host: bool = False) -> AbstractAsyncContextManager[DeviceStream]:
+        """Send want_data and yield the :class:`DeviceStream` once its schema has arrived."""
+        return self.client.open_stream(ticket, lambda connection: DeviceStream(
+            connection.channel, self.memory, limits=self.client.limits, host=host))
+
+    async def fetch(self, ticket: bytes | str, *, host: bool = False) -> tuple[list[DeviceBatch], pa.Table | None]:
+        """The whole stream as device batches, and (with ``host=True``) the host table."""
+        async with self.open(ticket, host=host) as stream:
+            return await stream.read_all()
+
+
+@asynccontextmanager
+async def connect_device(
+    uri: str | IpcUri, *, limits: IpcLimits = DEFAULT_LIMITS, memory: DeviceMemory | None = None
+) -> AsyncIterator[DeviceClient]:
+    """A client that keeps its ``ucx://`` connection between device fetches (opened by the first).
+
+    Raises UriError for a URI that is not ``ucx://`` and IpcError without CuPy / a device (when
+    ``memory`` is not given), before connecting.
+    """
+    parsed = _ucx_uri(uri)
+    memory = memory if memory is not None else cupy_memory()
+    # Imported once the URI and the memory are checked: a bad call fails the same without the ucx extra.
+    from evergreen_trio.ipc.transports.ucx import connect_ucx
+
+    @asynccontextmanager
+    async def open_connection(key: bytes) -> AsyncIterator[Connection]:
+        async with connect_ucx(parsed, limits, BufferPool(limits.pool_bytes), device=memory.allocate) as channel:
+            await channel.send_request(parsed.want_data, key)
+            yield Connection(channel, HostBodies())
+
+    async with open_client(parsed, open_connection, limits) as client:
+        yield DeviceClient(client, memory)
+
+
 @asynccontextmanager
 async def open_device(
     uri: str | IpcUri,
@@ -197,15 +240,8 @@ async def open_device(
     Raises UriError for a URI that is not ``ucx://``, IpcError without CuPy / a device
     (when ``memory`` is not given), and the usual IPC errors while streaming.
     """
-    parsed = _ucx_uri(uri)
-    memory = memory if memory is not None else cupy_memory()
-    # Imported once the URI and the memory are checked: a bad call fails the same without the ucx extra.
-    from evergreen_trio.ipc.transports.ucx import connect_ucx
-
-    key = ticket.encode() if isinstance(ticket, str) else bytes(ticket)
-    async with connect_ucx(parsed, limits, BufferPool(limits.pool_bytes), device=memory.allocate) as channel:
-        await channel.send_request(parsed.want_data, key)
-        yield DeviceStream(channel, memory, limits=limits, host=host)
+    async with connect_device(uri, limits=limits, memory=memory) as client, client.open(ticket, host=host) as stream:
+        yield stream
 
 
 async def fetch_device(
@@ -217,5 +253,5 @@ async def fetch_device(
     host: bool = False,
 ) -> tuple[list[DeviceBatch], pa.Table | None]:
     """The whole stream as device batches, and (with ``host=True``) the host table."""
-    async with open_device(uri, ticket, limits=limits, memory=memory, host=host) as stream:
-        return await stream.read_all()
+    async with connect_device(uri, limits=limits, memory=memory) as client:
+        return await client.fetch(ticket, host=host)

@@ -19,6 +19,7 @@ import trio
 from evergreen_trio.ipc._nursery import open_quiet_nursery
 from evergreen_trio.ipc.arena import past_room, window_extent
 from evergreen_trio.ipc.arrow import OutgoingMessage, messages_from_file, messages_from_table
+from evergreen_trio.ipc.client import connect, ticket_bytes
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
 from evergreen_trio.ipc.errors import UnknownTicketError
 from evergreen_trio.ipc.pool import BufferPool
@@ -30,10 +31,6 @@ from evergreen_trio.ipc.uri import IpcUri, parse_uri
 DEFAULT_OPTIONS = ServeOptions()
 
 
-def _ticket(ticket: bytes | str) -> bytes:
-    return ticket.encode() if isinstance(ticket, str) else bytes(ticket)
-
-
 class Catalog:
     """Ticket -> IPC messages the server can stream."""
 
@@ -42,7 +39,7 @@ class Catalog:
 
     def add_messages(self, ticket: bytes | str, messages: Sequence[OutgoingMessage]) -> bytes:
         """Serve ``messages`` under ``ticket`` (replacing what it named); return the ticket as bytes."""
-        key = _ticket(ticket)
+        key = ticket_bytes(ticket)
         self._streams[key] = messages
         return key
 
@@ -56,7 +53,7 @@ class Catalog:
 
     def remove(self, ticket: bytes | str) -> None:
         """Stop serving ``ticket`` (streams already started finish); unknown tickets are ignored."""
-        self._streams.pop(_ticket(ticket), None)
+        self._streams.pop(ticket_bytes(ticket), None)
 
     def lookup(self, ticket: bytes) -> Sequence[OutgoingMessage]:
         """The messages ``ticket`` names; UnknownTicketError when it names none."""
@@ -137,13 +134,12 @@ async def fetch(
     """
     parsed = parse_uri(uri) if isinstance(uri, str) else uri
     pool = pool if pool is not None else BufferPool(limits.pool_bytes)
-    key = _ticket(ticket)
+    if data_uri is None:
+        async with connect(parsed, limits=limits, pool=pool) as client, client.fetch(ticket, copy=copy) as stream:
+            yield stream
+        return
+    key = ticket_bytes(ticket)
     async with transport_for(parsed.scheme).connect(parsed, key, limits, pool) as connection:
-        if data_uri is None:
-            yield IpcStream(
-                connection.channel, free_data=parsed.free_data, bodies=connection.bodies, limits=limits, copy=copy
-            )
-            return
         data_parsed = parse_uri(data_uri) if isinstance(data_uri, str) else data_uri
         async with transport_for(data_parsed.scheme).connect(data_parsed, key, limits, pool) as data:
             merged = MergedChannel(connection.channel, data.channel)

@@ -307,6 +307,16 @@ class MessagePump(Generic[T]):
     def schema(self) -> pa.Schema | None:
         return self._decoder.schema
 
+    @property
+    def finished(self) -> bool:
+        """Whether every message of the stream has arrived (its connection can carry another)."""
+        return self._done
+
+    async def wait_schema(self) -> None:
+        """Receive until the schema (the stream's first message) is decoded or the stream has ended."""
+        while self._decoder.schema is None and not self._done and not self._items:
+            await self._step()
+
     def __aiter__(self) -> MessagePump[T]:
         return self
 
