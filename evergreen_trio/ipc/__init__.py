@@ -8,6 +8,7 @@ from evergreen_trio._extras import require_extra
 
 require_extra("ipc", __name__)
 
+from evergreen_trio.ipc.client import IpcClient, connect
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
 from evergreen_trio.ipc.errors import (
     BodyMismatchError,
@@ -24,7 +25,6 @@ from evergreen_trio.ipc.errors import (
     UriError,
 )
 from evergreen_trio.ipc.pool import BufferPool
-from evergreen_trio.ipc.client import IpcClient, connect
 from evergreen_trio.ipc.service import Catalog, fetch, fetch_table, serve
 from evergreen_trio.ipc.session import IpcStream
 from evergreen_trio.ipc.transports.base import Role, ServeOptions
