@@ -15,14 +15,14 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 {
 step host; nvidia-smi -L; nproc; python3 -c "import cupy, numpy, pyarrow, ucxx, trio; print('cupy', cupy.__version__, \
 'numpy', numpy.__version__, 'pyarrow', pyarrow.__version__, 'ucxx', ucxx.__version__, 'trio', trio.__version__)"
-step gpu tests; timeout 150 python3 -m pytest -q -m "gpu or ucx" \
+step gpu tests; timeout 120 python3 -m pytest -q -m "gpu or ucx" \
     --require-gpu tests/ipc/test_gpu.py tests/ipc/test_client.py tests/avp/test_avp_device.py
-step ipc_gpu; timeout 200 python3 -m benchmarks ipc_gpu
-step trace, a new connection per fetch; timeout 60 python3 -m benchmarks.ipc_trace --memory cupy --total-mib 1024 \
+step ipc_gpu; timeout 180 python3 -m benchmarks ipc_gpu
+step trace, a new connection per fetch; timeout 50 python3 -m benchmarks.ipc_trace --memory cupy --total-mib 1024 \
     --runs 4 --profile --out /tmp/trace-new && cp /tmp/trace-new/summary-cupy.json "$OUT/trace-new.json"
-step trace, kept connection; timeout 60 python3 -m benchmarks.ipc_trace --memory cupy --total-mib 1024 --runs 5 \
+step trace, kept connection; timeout 50 python3 -m benchmarks.ipc_trace --memory cupy --total-mib 1024 --runs 5 \
     --kept --out /tmp/trace-kept && cp /tmp/trace-kept/summary-cupy.json "$OUT/trace-kept.json"
-step workers; timeout 150 python3 -m benchmarks workers --quick
-step ipc on CPU; timeout 200 python3 -m benchmarks ipc --quick
+step workers; timeout 100 python3 -m benchmarks workers --quick
+step ipc on CPU; timeout 90 python3 -m benchmarks ipc --quick
 step done
 } 2>&1 | tee "$OUT/log.txt"
