@@ -25,8 +25,8 @@ from evergreen_trio.ipc.transports.registry import transport_for
 from evergreen_trio.ipc.uri import IpcUri, parse_uri
 
 S = TypeVar("S", bound=MessagePump[Any])
-OpenConnection = Callable[[bytes], AbstractAsyncContextManager[Connection]]
-"""Connect and send want_data with this ticket (a transport's ``connect``)."""
+OpenConnection = Callable[[bytes | None], AbstractAsyncContextManager[Connection]]
+"""Connect and send want_data with this ticket, or connect only (a transport's ``connect``)."""
 
 
 def ticket_bytes(ticket: bytes | str) -> bytes:
@@ -36,7 +36,8 @@ def ticket_bytes(ticket: bytes | str) -> bytes:
 class IpcClient:
     """Streams from one server, one at a time, over one kept connection.
 
-    The connection lives in a task of the client's nursery, so any task may fetch. A stream
+    :func:`connect` opens it at once, so a connection error comes from ``connect`` and the first
+    fetch finds it open; the connection lives in a task of the client's nursery, so any task may fetch. A stream
     left before its end closes the connection (what was still in flight goes with it); the
     next fetch opens another. So does a fetch that finds the kept connection closed by the
     server (``idle_timeout_s``): its stream's first message never came, so it is asked again,
@@ -97,7 +98,11 @@ class IpcClient:
             raise
         return stream
 
-    async def _hold(self, key: bytes, task_status: trio.TaskStatus[Connection]) -> None:
+    async def open(self) -> None:
+        """Open the connection now, without a request (the first fetch would otherwise open it)."""
+        self._connection = await self._nursery.start(self._hold, None)
+
+    async def _hold(self, key: bytes | None, task_status: trio.TaskStatus[Connection]) -> None:
         with trio.CancelScope() as holder:
             self._holder = holder
             async with self._open_connection(key) as connection:
@@ -113,26 +118,34 @@ class IpcClient:
 
 @asynccontextmanager
 async def open_client(
-    uri: str | IpcUri, open_connection: OpenConnection, limits: IpcLimits
+    uri: str | IpcUri, open_connection: OpenConnection, limits: IpcLimits, *, eager: bool
 ) -> AsyncIterator[IpcClient]:
-    """An :class:`IpcClient` whose connection closes when the block ends."""
+    """An :class:`IpcClient` whose connection closes when the block ends; ``eager``: opened first.
+
+    A client for one fetch is not eager: its connection goes out with its request, one round
+    trip fewer over TCP.
+    """
     parsed = parse_uri(uri) if isinstance(uri, str) else uri
     async with open_quiet_nursery() as nursery:
         try:
-            yield IpcClient(nursery, parsed, open_connection, limits)
+            client = IpcClient(nursery, parsed, open_connection, limits)
+            if eager:
+                await client.open()
+            yield client
         finally:
             nursery.cancel_scope.cancel()
 
 
 def connect(
-    uri: str | IpcUri, *, limits: IpcLimits = DEFAULT_LIMITS, pool: BufferPool | None = None
+    uri: str | IpcUri, *, limits: IpcLimits = DEFAULT_LIMITS, pool: BufferPool | None = None, eager: bool = True
 ) -> AbstractAsyncContextManager[IpcClient]:
-    """A client that keeps its connection to ``uri`` between fetches (opened by the first).
+    """A client that keeps its connection to ``uri`` between fetches; raises TransportError when no server answers.
 
     ``async with connect(uri) as client:`` then ``client.fetch(ticket)`` / ``client.fetch_table(ticket)``
-    as often as needed; each fetch after the first skips the connection's set-up.
+    as often as needed; no fetch pays for the connection's set-up. ``eager=False`` leaves opening it
+    to the first fetch.
     """
     parsed = parse_uri(uri) if isinstance(uri, str) else uri
     buffers = pool if pool is not None else BufferPool(limits.pool_bytes)
     transport = transport_for(parsed.scheme)
-    return open_client(parsed, lambda key: transport.connect(parsed, key, limits, buffers), limits)
+    return open_client(parsed, lambda key: transport.connect(parsed, key, limits, buffers), limits, eager=eager)

@@ -93,16 +93,24 @@ def device_catalog_entry(
     """A table's messages with every body copied once to the device (CuPy's by default).
 
     The bodies are device ``uint8`` arrays (where :class:`OutgoingMessage` normally holds a
-    ``pyarrow.Buffer``); the copies are finished before this returns, so UCX never reads
-    a buffer that a stream is still writing.
+    ``pyarrow.Buffer``), slices of one allocation: UCX's ``cuda_ipc`` maps a peer's memory
+    per allocation, so a client's first fetch maps it once instead of once per body. The
+    copies are finished before this returns, so UCX never reads a buffer that a stream is
+    still writing.
     """
     memory = memory if memory is not None else cupy_memory()
-    out = []
-    for message in messages_from_table(table, max_chunksize):
-        if message.body is None or not message.body.size:
+    messages = messages_from_table(table, max_chunksize)
+    sizes = [message.body.size if message.body is not None else 0 for message in messages]
+    device = memory.allocate(sum(sizes))
+    out, offset = [], 0
+    for message, size in zip(messages, sizes, strict=True):
+        if message.body is None or not size:
             out.append(message)
-        else:
-            out.append(replace(message, body=memory.from_host(np.frombuffer(message.body, np.uint8))))
+            continue
+        body = device[offset : offset + size]
+        body[...] = memory.from_host(np.frombuffer(message.body, np.uint8))
+        out.append(replace(message, body=body))
+        offset += size
     memory.synchronize()
     return out
 
@@ -204,12 +212,12 @@ class DeviceClient:
 
 @asynccontextmanager
 async def connect_device(
-    uri: str | IpcUri, *, limits: IpcLimits = DEFAULT_LIMITS, memory: DeviceMemory | None = None
+    uri: str | IpcUri, *, limits: IpcLimits = DEFAULT_LIMITS, memory: DeviceMemory | None = None, eager: bool = True
 ) -> AsyncIterator[DeviceClient]:
-    """A client that keeps its ``ucx://`` connection between device fetches (opened by the first).
+    """A client that keeps its ``ucx://`` connection between device fetches (see :func:`connect`).
 
     Raises UriError for a URI that is not ``ucx://`` and IpcError without CuPy / a device (when
-    ``memory`` is not given), before connecting.
+    ``memory`` is not given), before connecting; TransportError when no server answers.
     """
     parsed = _ucx_uri(uri)
     memory = memory if memory is not None else cupy_memory()
@@ -217,12 +225,13 @@ async def connect_device(
     from evergreen_trio.ipc.transports.ucx import connect_ucx
 
     @asynccontextmanager
-    async def open_connection(key: bytes) -> AsyncIterator[Connection]:
+    async def open_connection(key: bytes | None) -> AsyncIterator[Connection]:
         async with connect_ucx(parsed, limits, BufferPool(limits.pool_bytes), device=memory.allocate) as channel:
-            await channel.send_request(parsed.want_data, key)
+            if key is not None:
+                await channel.send_request(parsed.want_data, key)
             yield Connection(channel, HostBodies())
 
-    async with open_client(parsed, open_connection, limits) as client:
+    async with open_client(parsed, open_connection, limits, eager=eager) as client:
         yield DeviceClient(client, memory)
 
 
@@ -240,7 +249,9 @@ async def open_device(
     Raises UriError for a URI that is not ``ucx://``, IpcError without CuPy / a device
     (when ``memory`` is not given), and the usual IPC errors while streaming.
     """
-    async with connect_device(uri, limits=limits, memory=memory) as client, client.open(ticket, host=host) as stream:
+    async with connect_device(uri, limits=limits, memory=memory, eager=False) as client, client.open(
+        ticket, host=host
+    ) as stream:
         yield stream
 
 
@@ -253,5 +264,5 @@ async def fetch_device(
     host: bool = False,
 ) -> tuple[list[DeviceBatch], pa.Table | None]:
     """The whole stream as device batches, and (with ``host=True``) the host table."""
-    async with connect_device(uri, limits=limits, memory=memory) as client:
+    async with connect_device(uri, limits=limits, memory=memory, eager=False) as client:
         return await client.fetch(ticket, host=host)

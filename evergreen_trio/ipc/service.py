@@ -135,7 +135,9 @@ async def fetch(
     parsed = parse_uri(uri) if isinstance(uri, str) else uri
     pool = pool if pool is not None else BufferPool(limits.pool_bytes)
     if data_uri is None:
-        async with connect(parsed, limits=limits, pool=pool) as client, client.fetch(ticket, copy=copy) as stream:
+        async with connect(parsed, limits=limits, pool=pool, eager=False) as client, client.fetch(
+            ticket, copy=copy
+        ) as stream:
             yield stream
         return
     key = ticket_bytes(ticket)

@@ -8,7 +8,7 @@ import pytest
 import trio
 from ipc_helpers import sample_table
 
-from evergreen_trio.ipc import Catalog, IpcLimits, RequestRefusedError, ServeOptions, connect, serve
+from evergreen_trio.ipc import Catalog, IpcLimits, RequestRefusedError, ServeOptions, TransportError, connect, serve
 from evergreen_trio.ipc.gpu import DeviceMemory, connect_device, device_catalog_entry
 
 SCHEMES = [
@@ -111,3 +111,14 @@ async def test_device_fetches_share_one_connection(nursery: trio.Nursery) -> Non
                 assert all(isinstance(batch.body, np.ndarray) for batch in batches)
             assert client.client.connections == 1
     nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("eager", [True, False])
+async def test_no_server_is_a_transport_error_from_connect_or_the_first_fetch(eager: bool) -> None:
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    port = listener.socket.getsockname()[1]
+    await listener.aclose()
+    with trio.fail_after(GUARD_S), pytest.raises(TransportError, match="expected a listening server"):
+        async with connect(f"tcp://127.0.0.1:{port}?want_data=1", eager=eager) as client:
+            assert not eager, "an eager client connects before its block runs"
+            await client.fetch_table("t")

@@ -224,9 +224,10 @@ class Transport(Protocol):
         ...
 
     def connect(
-        self, uri: IpcUri, ticket: bytes, limits: IpcLimits, pool: BufferPool
+        self, uri: IpcUri, ticket: bytes | None, limits: IpcLimits, pool: BufferPool
     ) -> AbstractAsyncContextManager[Connection]:
-        """Connect, send want_data with ``ticket``; raises TransportError when no server answers."""
+        """Connect and send want_data with ``ticket`` (none: connect only); raises TransportError when no
+        server answers."""
         ...
 
 

@@ -583,7 +583,7 @@ class ShmTransport:
                 os.rmdir(workdir)
 
     def connect(
-        self, uri: IpcUri, ticket: bytes, limits: IpcLimits, pool: BufferPool
+        self, uri: IpcUri, ticket: bytes | None, limits: IpcLimits, pool: BufferPool
     ) -> AbstractAsyncContextManager[Connection]:
         async def open_stream() -> trio.SocketStream:
             return await _open_unix(uri.path)

@@ -249,14 +249,14 @@ async def _host_bodies(stream: trio.SocketStream) -> BodyResolver:
 @asynccontextmanager
 async def open_framed_client(
     uri: IpcUri,
-    ticket: bytes,
+    ticket: bytes | None,
     limits: IpcLimits,
     pool: BufferPool,
     open_stream: OpenStream,
     accepts: BodyType = BodyType.RAW,
     handshake: Handshake = _host_bodies,
 ) -> AsyncIterator[Connection]:
-    """Open a socket stream, send want_data, run ``handshake`` (within the connect timeout).
+    """Open a socket stream, send want_data (with a ticket), run ``handshake`` (within the connect timeout).
 
     Raises TransportError when no server answers in ``limits.connect_timeout_s``.
     """
@@ -265,8 +265,9 @@ async def open_framed_client(
             socket_stream = await open_stream()
             channel = StreamClientChannel(FramedSocket(socket_stream, limits, pool), accepts)
             try:
-                # want_data goes out before any handshake reply comes in: one round trip fewer.
-                await channel.send_request(uri.want_data, ticket)
+                if ticket is not None:
+                    # want_data goes out before any handshake reply comes in: one round trip fewer.
+                    await channel.send_request(uri.want_data, ticket)
                 bodies = await handshake(socket_stream)
             except BaseException:
                 await trio.aclose_forcefully(socket_stream)
@@ -298,7 +299,7 @@ class TcpTransport:
         await trio.serve_listeners(ConnectionCap(options.limits.max_connections, "tcp").wrap(handle), [listener])
 
     def connect(
-        self, uri: IpcUri, ticket: bytes, limits: IpcLimits, pool: BufferPool
+        self, uri: IpcUri, ticket: bytes | None, limits: IpcLimits, pool: BufferPool
     ) -> AbstractAsyncContextManager[Connection]:
         async def open_stream() -> trio.SocketStream:
             return await trio.open_tcp_stream(uri.host, uri.port)

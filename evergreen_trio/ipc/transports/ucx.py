@@ -264,10 +264,11 @@ class UcxTransport:
 
     @asynccontextmanager
     async def connect(
-        self, uri: IpcUri, ticket: bytes, limits: IpcLimits, pool: BufferPool
+        self, uri: IpcUri, ticket: bytes | None, limits: IpcLimits, pool: BufferPool
     ) -> AsyncIterator[Connection]:
         async with connect_ucx(uri, limits, pool) as channel:
-            await channel.send_request(uri.want_data, ticket)
+            if ticket is not None:
+                await channel.send_request(uri.want_data, ticket)
             yield Connection(channel, HostBodies())
 
 
