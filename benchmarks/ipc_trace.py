@@ -107,16 +107,7 @@ rows = total // (8 * columns)
 table = pa.table({f"c{i}": np.random.default_rng(i).random(rows) for i in range(columns)})
 catalog = Catalog()
 chunk = body // (8 * columns)
-if memory == "cupy" and os.environ.get("IPC_TRACE_SEPARATE"):
-    import dataclasses
-    from evergreen_trio.ipc.arrow import messages_from_table
-    from evergreen_trio.ipc.gpu import cupy_memory
-    device = cupy_memory()
-    catalog.add_messages("t", [dataclasses.replace(m, body=device.from_host(np.frombuffer(m.body, np.uint8)))
-                               if m.body is not None and m.body.size else m
-                               for m in messages_from_table(table, chunk)])
-    device.synchronize()
-elif memory == "cupy":
+if memory == "cupy":
     from evergreen_trio.ipc.gpu import device_catalog_entry
     catalog.add_messages("t", device_catalog_entry(table, max_chunksize=chunk))
 else:
@@ -253,8 +244,6 @@ def main() -> None:
     parser.add_argument("--body-mib", type=int, default=64)
     parser.add_argument("--runs", type=int, default=4, help="fetches, the first included")
     parser.add_argument("--kept", action="store_true", help="every fetch over one kept connection (connect)")
-    parser.add_argument("--separate", action="store_true",
-                        help="cupy: the server allocates each body apart (device_catalog_entry makes one allocation)")
     parser.add_argument("--profile", action="store_true", help="one more fetch under cProfile on each end")
     parser.add_argument("--out", type=Path, help="keep raw events and profiles here")
     args = parser.parse_args()
@@ -264,8 +253,6 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), *sys.path])}
     if args.profile:
         env["IPC_TRACE_PROFILE"] = "1"
-    if args.separate:
-        env["IPC_TRACE_SEPARATE"] = "1"
     body = args.body_mib * MiB
     server_out = str(out / f"server-{args.memory}.json")
     proc, uri = start_server(args.total_mib * MiB, body, args.memory, server_out, env)
@@ -286,7 +273,7 @@ def main() -> None:
     (out / f"summary-{args.memory}.json").write_text(json.dumps(rows, indent=1))
     print(f"\n## ipc_trace: {args.total_mib} MiB in {args.body_mib} MiB bodies, memory={args.memory}, "
           f"{'kept connection' if args.kept else 'a connection per fetch'}"
-          f"{', bodies allocated apart' if args.separate else ''}, UCX_TLS={os.environ.get('UCX_TLS', '(default)')}\n")
+          f", UCX_TLS={os.environ.get('UCX_TLS', '(default)')}\n")
     keys = list(rows[0])
     print("| " + " | ".join(["fetch", *keys]) + " |")
     print("|" + "---|" * (len(keys) + 1))

@@ -93,24 +93,16 @@ def device_catalog_entry(
     """A table's messages with every body copied once to the device (CuPy's by default).
 
     The bodies are device ``uint8`` arrays (where :class:`OutgoingMessage` normally holds a
-    ``pyarrow.Buffer``), slices of one allocation: UCX's ``cuda_ipc`` maps a peer's memory
-    per allocation, so a client's first fetch maps it once instead of once per body. The
-    copies are finished before this returns, so UCX never reads a buffer that a stream is
-    still writing.
+    ``pyarrow.Buffer``); the copies are finished before this returns, so UCX never reads
+    a buffer that a stream is still writing.
     """
     memory = memory if memory is not None else cupy_memory()
-    messages = messages_from_table(table, max_chunksize)
-    sizes = [message.body.size if message.body is not None else 0 for message in messages]
-    device = memory.allocate(sum(sizes))
-    out, offset = [], 0
-    for message, size in zip(messages, sizes, strict=True):
-        if message.body is None or not size:
+    out = []
+    for message in messages_from_table(table, max_chunksize):
+        if message.body is None or not message.body.size:
             out.append(message)
-            continue
-        body = device[offset : offset + size]
-        body[...] = memory.from_host(np.frombuffer(message.body, np.uint8))
-        out.append(replace(message, body=body))
-        offset += size
+        else:
+            out.append(replace(message, body=memory.from_host(np.frombuffer(message.body, np.uint8))))
     memory.synchronize()
     return out
 
