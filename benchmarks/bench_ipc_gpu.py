@@ -202,5 +202,8 @@ def run(quick: bool = False) -> None:
     for name, lines in (("ucxx send_recv", peer_proto), *protocols.items()):
         print(f"\nUCX_PROTO_INFO ({name}):")
         print("\n".join(f"  {line}" for line in lines) or "  (nothing printed)")
-    write_results("ipc_gpu", rows, ucx_tls=env["UCX_TLS"], protocols={"ucxx send_recv": peer_proto, **protocols},
-                  quick=quick)
+    import cupy  # optional: the gpu extra
+
+    host = f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {os.cpu_count()} cores"
+    write_results("ipc_gpu", rows, host=host, ucx_tls=env["UCX_TLS"],
+                  protocols={"ucxx send_recv": peer_proto, **protocols}, quick=quick)

@@ -25,6 +25,7 @@ AREAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ipc": ("Arrow Dissociated IPC, 256 MiB table", ()),
     "ipc_gpu": ("GPU bodies over UCX vs ucxx send_recv", ()),
     "picker": ("Endpoint Picker through Envoy (wrk)", ("vs envoy direct", "added p50")),
+    "workers": ("`serve --workers N` against one worker", ()),
 }
 """Area -> (heading, substrings a row's case must contain; empty: every row with a peer)."""
 
@@ -42,7 +43,8 @@ def area_table(area: str, heading: str, only: tuple[str, ...], result: dict[str,
         f"#### {heading}",
         "",
         f"`python -m benchmarks {area}`{' --quick' if result.get('quick') else ''}; Python "
-        f"{machine.get('python', '?')}; `benchmarks/results/{area}.json`.",
+        f"{machine.get('python', '?')}{'; ' + result['host'] if result.get('host') else ''}; "
+        f"`benchmarks/results/{area}.json`.",
         "",
         "| case | ours | peer (same run) | ratio |",
         "|---|---:|---|---:|",
