@@ -50,4 +50,6 @@ nitpick_ignore = [
     ("py:class", "CollectorRegistry"),  # prometheus_client's, in SessionMetrics's constructor
     # The picker's per-endpoint counter cell behind a Ticket (built by InflightLoad, never by users).
     ("py:class", "_Counter"),
+    # How an IpcClient opens its connection (connect() and connect_device() build it, never users).
+    ("py:class", "OpenConnection"),
 ]

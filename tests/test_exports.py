@@ -44,9 +44,10 @@ PINNED = {
     },
     "evergreen_trio.ipc": {
         "BodyMismatchError", "BufferPool", "Catalog", "ConnectionLostError", "DEFAULT_LIMITS",
-        "FlatbufferError", "FramingError", "IpcError", "IpcLimits", "IpcStream", "IpcUri", "LimitExceededError",
+        "FlatbufferError", "FramingError", "IpcClient", "IpcError", "IpcLimits", "IpcStream", "IpcUri",
+        "LimitExceededError",
         "RequestRefusedError", "Role", "SequenceError", "ServeOptions", "SharedMemoryError", "TransportError",
-        "UnknownTicketError", "UriError", "fetch", "fetch_table", "parse_uri", "serve",
+        "UnknownTicketError", "UriError", "connect", "fetch", "fetch_table", "parse_uri", "serve",
     },
     "evergreen_trio.picker": {
         "ConfigError", "Endpoint", "EnvoyError", "MetricsError", "Picker", "PickerConfig", "PickerError",

@@ -57,7 +57,7 @@ class IpcClient:
 
     def fetch(self, ticket: bytes | str, *, copy: bool = False) -> AbstractAsyncContextManager[IpcStream]:
         """Send want_data and yield the stream of ``pyarrow.RecordBatch`` (as :func:`fetch`)."""
-        return self.open_stream(ticket, lambda connection: IpcStream(
+        return self._open_stream(ticket, lambda connection: IpcStream(
             connection.channel, free_data=self.uri.free_data, bodies=connection.bodies, limits=self.limits, copy=copy))
 
     async def fetch_table(self, ticket: bytes | str) -> pa.Table:
@@ -66,8 +66,9 @@ class IpcClient:
             return await stream.read_all()
 
     @asynccontextmanager
-    async def open_stream(self, ticket: bytes | str, make_stream: Callable[[Connection], S]) -> AsyncIterator[S]:
-        """Yield ``make_stream``'s stream once its first message (the schema) has arrived."""
+    async def _open_stream(self, ticket: bytes | str, make_stream: Callable[[Connection], S]) -> AsyncIterator[S]:
+        """Yield ``make_stream``'s stream once its first message (the schema) has arrived (``fetch`` and
+        the GPU client's ``open`` are this with their stream types)."""
         key = ticket_bytes(ticket)
         async with self._lock:
             stream = await self._start(key, make_stream)

@@ -193,7 +193,7 @@ class DeviceClient:
 
     def open(self, ticket: bytes | str, *, host: bool = False) -> AbstractAsyncContextManager[DeviceStream]:
         """Send want_data and yield the :class:`DeviceStream` once its schema has arrived."""
-        return self.client.open_stream(ticket, lambda connection: DeviceStream(
+        return self.client._open_stream(ticket, lambda connection: DeviceStream(
             connection.channel, self.memory, limits=self.client.limits, host=host))
 
     async def fetch(self, ticket: bytes | str, *, host: bool = False) -> tuple[list[DeviceBatch], pa.Table | None]:
