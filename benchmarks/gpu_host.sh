@@ -16,7 +16,7 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 step host; nvidia-smi -L; nproc; python3 -c "import cupy, numpy, pyarrow, ucxx, trio; print('cupy', cupy.__version__, \
 'numpy', numpy.__version__, 'pyarrow', pyarrow.__version__, 'ucxx', ucxx.__version__, 'trio', trio.__version__)"
 step gpu tests; timeout 120 python3 -m pytest -q -m "gpu or ucx" \
-    --require-gpu tests/ipc/test_gpu.py tests/ipc/test_client.py tests/avp/test_avp_device.py
+    --require-gpu tests/ipc/test_gpu.py tests/ipc/test_ipc_client.py tests/avp/test_avp_device.py
 step ipc_gpu; timeout 180 python3 -m benchmarks ipc_gpu
 step trace, a new connection per fetch; timeout 50 python3 -m benchmarks.ipc_trace --memory cupy --total-mib 1024 \
     --runs 4 --profile --out /tmp/trace-new && cp /tmp/trace-new/summary-cupy.json "$OUT/trace-new.json"
