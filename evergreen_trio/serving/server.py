@@ -36,6 +36,7 @@ from evergreen_trio.nursery_session import (
 )
 from evergreen_trio.refs import RefResolver, resolver_map
 from evergreen_trio.serving.auth import Authorizer, Peer
+from evergreen_trio.serving.expiry import DEADLINE_PASSED, SessionExpiry
 from evergreen_trio.serving.metrics import SessionMetrics
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,6 @@ of the caps, so a short life bounds what idle peers can hold)."""
 FORGET_STEP = 4096
 """A finished session's graph is freed this many entries per scheduling pass (see ``SessionGraph.forget``)."""
 
-_DEADLINE_PASSED = "the call's deadline (grpc-timeout) passed"
 
 SESSION_WINDOW_BYTES = 4 * 1024 * 1024
 """The HTTP/2 stream and connection window a session server grants (grpclib's default, which it served with)."""
@@ -165,6 +165,7 @@ class Server(ActionRegistry):
         self._draining = False
         self._session_closed: trio.Event | None = None
         self._expiring = trio.Lock()  # see _expired
+        self._expiry = SessionExpiry(self.first_message_timeout, self.idle_timeout, self._expired)
 
     @property
     def open_sessions(self) -> int:
@@ -191,6 +192,8 @@ class Server(ActionRegistry):
         them finish. Raises ``OSError`` when the address cannot be bound.
         """
         self._authorize_plain = _plain(self.authorize)  # once, not per session
+        # The timeouts as they are when serving starts.
+        self._expiry = SessionExpiry(self.first_message_timeout, self.idle_timeout, self._expired)
         sessions: StreamMethod[Outbound] = StreamMethod(
             START_SESSION, SessionMessage, self._run_session, pack_messages, admit=self._admit_session,
             abandon=self._forget)
@@ -203,6 +206,7 @@ class Server(ActionRegistry):
                 bound = await nursery.start(partial(
                     serve_grpc, methods, host, port, limits=wire_limits(limits), timeouts=wire_timeouts(limits),
                     ssl_context=self.tls, reuse_port=reuse_port, before_close=self._end_open_sessions))
+                nursery.start_soon(self._expiry.run)
                 self.health.set(ready=not self._draining, live=True)
                 task_status.started(bound)
         finally:
@@ -259,10 +263,11 @@ class Server(ActionRegistry):
                 session = ServerSession(stream, self.options, self.actions, self.targets)
                 session.principal = principal  # type: ignore[assignment]
                 with trio.CancelScope() as scope:
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(self._expire, stream, session, scope)
+                    watched = self._expiry.watch(stream, session, scope)
+                    try:
                         await session.run_session()
-                        nursery.cancel_scope.cancel()
+                    finally:
+                        self._expiry.forget(watched)
                 # Its status is on its way: free what it held in steps (FORGET_STEP entries each).
                 while not session.graph.forget(FORGET_STEP):
                     await trio.lowlevel.checkpoint()
@@ -300,7 +305,7 @@ class Server(ActionRegistry):
         at = trio.current_time() + timeout * (1.0 + random.random() / 10)
         why = f"no message within {timeout:g} s of opening the session"
         if stream.deadline is not None and stream.deadline < at:
-            at, why = stream.deadline, _DEADLINE_PASSED
+            at, why = stream.deadline, DEADLINE_PASSED
         with trio.move_on_at(at):
             # A deadline already past when the task starts ends it here, even when nothing below has
             # to wait (the whole input came with the headers): no session starts after its deadline.
@@ -347,38 +352,6 @@ class Server(ActionRegistry):
             stream.finish(StatusCode.INTERNAL, "the server could not check the credentials")
             return False, None
         return True, principal
-
-    async def _expire(self, stream: MessageStream[Outbound], session: ServerSession, scope: trio.CancelScope) -> None:
-        """End the session with DEADLINE_EXCEEDED at its deadline, or when it stays silent too long:
-        the status goes out first (a stream keeps its first status), then the session is cancelled.
-
-        The idle timeout gets up to 10% more, at random, as the first-message one (see ``_opened``).
-        """
-        started = trio.current_time()
-        jitter = 1.0 + random.random() / 10
-        while True:
-            now = trio.current_time()
-            candidates: list[tuple[float, str]] = []
-            if stream.deadline is not None:
-                candidates.append((stream.deadline, _DEADLINE_PASSED))
-            if stream.received == 0:  # the peer ended its stream without a message
-                timeout = self.first_message_timeout
-                candidates.append(
-                    (started + timeout * jitter, f"no message within {timeout:g} s of opening the session")
-                )
-            elif self.idle_timeout is not None:
-                idle_until = stream.last_activity + self.idle_timeout * jitter
-                if session.running_actions:
-                    idle_until = max(idle_until, now + self.idle_timeout)
-                candidates.append((idle_until, f"no message either way for {self.idle_timeout:g} s"))
-            if not candidates:
-                await trio.sleep_forever()
-            at, why = min(candidates)
-            if now >= at:
-                await self._expired(stream, why)
-                scope.cancel()
-                return
-            await trio.sleep_until(at)
 
     async def _expired(self, stream: MessageStream[Outbound], why: str) -> None:
         """End an expired session's stream with DEADLINE_EXCEEDED, in its turn: one session per
