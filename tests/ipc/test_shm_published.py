@@ -281,7 +281,9 @@ async def test_free_data_of_published_offsets_releases_nothing(
     with trio.fail_after(GUARD_S):
         async with fetch(str(uri), "t", copy=True) as stream:
             for _ in range(2):
-                await stream._channel.send_request(uri.free_data, encode_free_data([offset]))
+                # Past the publication, the server may close the connection on the first free.
+                with contextlib.suppress(*(() if published else (ConnectionLostError,))):
+                    await stream._channel.send_request(uri.free_data, encode_free_data([offset]))
             if published:
                 assert pa.Table.from_batches([batch async for batch in stream]).equals(table)
             else:
