@@ -11,7 +11,8 @@ from __future__ import annotations
 import socket
 
 import trio
-from hyperframe.frame import Frame, SettingsFrame, WindowUpdateFrame
+from h2_frames import parse_frames
+from hyperframe.frame import SettingsFrame, WindowUpdateFrame
 
 from benchmarks.security_session import PREFACE, echo_once
 from evergreen_trio import Server
@@ -28,14 +29,6 @@ SETTINGS = PREFACE + SettingsFrame(0).serialize()
 
 
 
-def _frames(data: bytes) -> list[Frame]:
-    frames = []
-    while len(data) >= 9:
-        frame, length = Frame.parse_frame_header(memoryview(data[:9]))
-        frame.parse_body(memoryview(data[9 : 9 + length]))
-        frames.append(frame)
-        data = data[9 + length :]
-    return frames
 
 
 async def test_a_flood_of_connections_is_served_while_a_legitimate_session_is(nursery_: trio.Nursery) -> None:
@@ -59,7 +52,7 @@ async def test_a_flood_of_connections_is_served_while_a_legitimate_session_is(nu
         for client in clients:
             client.setblocking(False)
         await trio.sleep(0.1)
-        first = _frames(clients[0].recv(1 << 16))
+        first = parse_frames(clients[0].recv(1 << 16))
         settings = [f for f in first if isinstance(f, SettingsFrame) and "ACK" not in f.flags]
         assert len(settings) == 1, first
         assert settings[0].settings[SettingsFrame.MAX_CONCURRENT_STREAMS] == 100

@@ -12,7 +12,8 @@ import hpack
 import trio
 from google.protobuf.wrappers_pb2 import BytesValue
 from grpclib.const import Status
-from hyperframe.frame import Frame, GoAwayFrame, HeadersFrame, PingFrame, SettingsFrame
+from h2_frames import parse_frames
+from hyperframe.frame import GoAwayFrame, HeadersFrame, PingFrame, SettingsFrame
 
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.server import StreamMethod, WireTimeouts, serve_grpc
@@ -237,13 +238,7 @@ async def test_a_silent_peer_with_an_open_stream_is_pinged_then_closed() -> None
             while chunk := await sock.recv(65536):  # read everything, answer nothing
                 received += chunk
         sock.close()
-        frames = []
-        while len(received) >= 9:
-            frame, length = Frame.parse_frame_header(memoryview(received[:9]))
-            frame.parse_body(memoryview(received[9 : 9 + length]))
-            frames.append(frame)
-            received = received[9 + length :]
-        kinds = [type(f) for f in frames]
+        kinds = [type(f) for f in parse_frames(received)]
         assert PingFrame in kinds and GoAwayFrame in kinds, kinds
         assert kinds.index(PingFrame) < kinds.index(GoAwayFrame)
         nursery.cancel_scope.cancel()
