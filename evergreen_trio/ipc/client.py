@@ -8,6 +8,7 @@ needs it and keeps it for the next, as a gRPC channel or an HTTP/2 connection is
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
@@ -80,18 +81,18 @@ class IpcClient:
 
     async def _start(self, key: bytes, make_stream: Callable[[Connection], S]) -> S:
         if self._connection is not None:
-            try:
-                await self._connection.channel.send_request(self.uri.want_data, key)
-                stream = make_stream(self._connection)
-                await stream.wait_schema()
-                return stream
-            except ConnectionLostError:
-                self._drop()  # closed while kept (idle): ask again on a new one
-            except BaseException:
-                self._drop()
-                raise
+            with contextlib.suppress(ConnectionLostError):  # closed while kept (idle): ask again on a new one
+                return await self._begin(make_stream, key)
         self._connection = await self._nursery.start(self._hold, key)
+        return await self._begin(make_stream, None)
+
+    async def _begin(self, make_stream: Callable[[Connection], S], key: bytes | None) -> S:
+        """Send want_data (``key``: not sent with the connection) and wait for the stream's schema; any
+        failure drops the connection."""
+        assert self._connection is not None
         try:
+            if key is not None:
+                await self._connection.channel.send_request(self.uri.want_data, key)
             stream = make_stream(self._connection)
             await stream.wait_schema()
         except BaseException:
