@@ -52,7 +52,7 @@ class IpcClient:
         self._open_connection = open_connection
         self._lock = trio.Lock()
         self._connection: Connection | None = None
-        self._holder: trio.CancelScope | None = None
+        self._release: trio.Event | None = None
         self.connections = 0
         """Connections opened so far."""
 
@@ -105,17 +105,19 @@ class IpcClient:
         self._connection = await self._nursery.start(self._hold, None)
 
     async def _hold(self, key: bytes | None, task_status: trio.TaskStatus[Connection]) -> None:
-        with trio.CancelScope() as holder:
-            self._holder = holder
-            async with self._open_connection(key) as connection:
-                self.connections += 1
-                task_status.started(connection)
-                await trio.sleep_forever()
+        # Closed by an event, not by cancelling this task: the connection closes as a fetch's own
+        # would, and no Cancelled (whose traceback holds the canceller's frames) keeps it alive in a
+        # reference cycle until the garbage collector runs (CPython 3.13 kept the mapped segment so).
+        release = self._release = trio.Event()
+        async with self._open_connection(key) as connection:
+            self.connections += 1
+            task_status.started(connection)
+            await release.wait()
 
     def _drop(self) -> None:
-        if self._holder is not None:
-            self._holder.cancel()
-        self._connection = self._holder = None
+        if self._release is not None:
+            self._release.set()
+        self._connection = self._release = None
 
 
 @asynccontextmanager
@@ -135,7 +137,7 @@ async def open_client(
                 await client.open()
             yield client
         finally:
-            nursery.cancel_scope.cancel()
+            client._drop()
 
 
 def connect(

@@ -19,7 +19,7 @@ import trio
 from evergreen_trio.ipc._nursery import open_quiet_nursery
 from evergreen_trio.ipc.arena import past_room, window_extent
 from evergreen_trio.ipc.arrow import OutgoingMessage, messages_from_file, messages_from_table
-from evergreen_trio.ipc.client import ticket_bytes
+from evergreen_trio.ipc.client import connect, ticket_bytes
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
 from evergreen_trio.ipc.errors import UnknownTicketError
 from evergreen_trio.ipc.pool import BufferPool
@@ -134,13 +134,14 @@ async def fetch(
     """
     parsed = parse_uri(uri) if isinstance(uri, str) else uri
     pool = pool if pool is not None else BufferPool(limits.pool_bytes)
+    if data_uri is None:
+        async with connect(parsed, limits=limits, pool=pool, eager=False) as client, client.fetch(
+            ticket, copy=copy
+        ) as stream:
+            yield stream
+        return
     key = ticket_bytes(ticket)
     async with transport_for(parsed.scheme).connect(parsed, key, limits, pool) as connection:
-        if data_uri is None:
-            yield IpcStream(
-                connection.channel, free_data=parsed.free_data, bodies=connection.bodies, limits=limits, copy=copy
-            )
-            return
         data_parsed = parse_uri(data_uri) if isinstance(data_uri, str) else data_uri
         async with transport_for(data_parsed.scheme).connect(data_parsed, key, limits, pool) as data:
             merged = MergedChannel(connection.channel, data.channel)

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pyarrow as pa
 import pytest
 import trio
-from ipc_helpers import sample_table
+from ipc_helpers import client_mappings, sample_table
 
-from evergreen_trio.ipc import Catalog, IpcLimits, RequestRefusedError, ServeOptions, TransportError, connect, serve
+from evergreen_trio.ipc import (
+    Catalog,
+    IpcLimits,
+    RequestRefusedError,
+    ServeOptions,
+    TransportError,
+    connect,
+    fetch_table,
+    serve,
+)
 from evergreen_trio.ipc.gpu import DeviceMemory, connect_device, device_catalog_entry
 
 SCHEMES = [
@@ -78,6 +89,27 @@ async def test_an_unknown_ticket_is_refused_and_the_client_fetches_on(scheme: st
             with pytest.raises(RequestRefusedError, match="unknown ticket b'nope'"):
                 await client.fetch_table("nope")
             assert (await client.fetch_table("small")).equals(sample_table(100))
+    nursery.cancel_scope.cancel()
+
+
+async def test_a_closed_client_leaves_no_cycle_holding_its_mapping(nursery: trio.Nursery) -> None:
+    """Its connection is let go at once, not when the garbage collector next runs: closing it by
+    cancelling the task that held it left a Cancelled whose traceback held the connection (and the
+    client's mapping of the segment) in a reference cycle on CPython 3.13."""
+    uri = await nursery.start(serve, "shm://", catalog(), ServeOptions(publish=False))
+    gc.collect()  # what earlier tests left for the collector
+    gc.disable()
+    try:
+        with trio.fail_after(GUARD_S):
+            async with connect(uri) as client, client.fetch("t") as stream:
+                rows = sum([batch.num_rows async for batch in stream])
+            assert rows == 20_000
+            del client, stream
+            assert client_mappings() == []
+            assert (await fetch_table(uri, "t")).num_rows == 20_000
+            assert client_mappings() == []
+    finally:
+        gc.enable()
     nursery.cancel_scope.cancel()
 
 

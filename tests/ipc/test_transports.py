@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 import trio
 import trio.testing
-from ipc_helpers import sample_messages, sample_table
+from ipc_helpers import client_mappings, memfd_mappings, sample_messages, sample_table
 
 from evergreen_trio.ipc import Catalog, Role, ServeOptions, fetch, fetch_table, serve
 from evergreen_trio.ipc.arrow import OutgoingMessage
@@ -48,15 +48,6 @@ SCHEMES = [
     pytest.param("ucx://127.0.0.1:0", marks=pytest.mark.ucx),
 ]
 GUARD_S = 30  # a hang guard, not a timing assertion
-
-
-def memfd_mappings() -> list[str]:
-    return [line for line in Path("/proc/self/maps").read_text().splitlines() if "memfd:evergreen-ipc" in line]
-
-
-def client_mappings() -> list[str]:
-    """Shared memory mapped by clients (read-only); a server's own mappings are writable."""
-    return [line for line in memfd_mappings() if " r--s " in line]
 
 
 def ucx_inflight() -> list[int]:

@@ -18,6 +18,7 @@ import array
 import collections
 import contextlib
 import fcntl
+import itertools
 import math
 import mmap
 import os
@@ -61,6 +62,10 @@ F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 
 MAX_SEGMENTS = 2
 """Descriptors a client maps from the handshake: its segment and the server's publication."""
+
+_SEGMENT_NUMBERS = itertools.count(1)
+"""Numbers segment names across every server of the process: two servers' segments never share a name
+in ``/proc/PID/maps``."""
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 
@@ -195,7 +200,6 @@ class SegmentPool:
         self.most = most
         self.live = 0
         self._idle: list[SharedSegment] = []
-        self._count = 0
 
     def free(self) -> bool:
         """Whether :meth:`take` would give a segment."""
@@ -213,8 +217,7 @@ class SegmentPool:
         return segment
 
     def _new(self) -> SharedSegment:
-        self._count += 1
-        return SharedSegment(f"evergreen-ipc-{os.getpid()}-{self._count}", self.size)
+        return SharedSegment(f"evergreen-ipc-{os.getpid()}-{next(_SEGMENT_NUMBERS)}", self.size)
 
     def warm(self, nbytes: int) -> None:
         """Fill the idle list with segments prefaulted up to ``nbytes``, before any client comes.
