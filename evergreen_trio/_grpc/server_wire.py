@@ -28,11 +28,48 @@ from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Any, Generic, Protocol, TypeVar
 
-import hpack
 from google.protobuf.message import DecodeError, Message
 from grpclib.const import Status
 
 from evergreen_trio._grpc.errors import RpcAbortError
+from evergreen_trio._grpc.http2 import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    DEFAULT_FRAME_SIZE,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADERS,
+    MAX_WINDOW,
+    NO_ERROR,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    REFUSED_STREAM,
+    RST_STREAM,
+    SETTINGS,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
+    SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
+    STREAM_CLOSED,
+    WINDOW_UPDATE,
+    HeaderDecoder,
+    ProtocolViolation,
+    frame,
+    header_frames,
+    hpack_int,
+    literal,
+)
 from evergreen_trio.limits import check_limits
 
 log = logging.getLogger(__name__)
@@ -42,22 +79,8 @@ Rep = TypeVar("Rep", bound=Message)
 ReqIn = TypeVar("ReqIn", bound=Message, contravariant=True)
 RepOut = TypeVar("RepOut", bound=Message, covariant=True)
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
-END_STREAM = ACK = 0x1
-END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
-NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x3
-STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x9
-ENHANCE_YOUR_CALM = 0xB
-SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
-SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
-MAX_WINDOW = 2**31 - 1
-DEFAULT_WINDOW = 65_535
-DEFAULT_FRAME_SIZE = 16_384
 MAX_ECHOED_CHARS = 64  # of untrusted input (a request path) in a grpc-message
 MAX_STATUS_MESSAGE_CHARS = 512  # of a processor's status message, before percent-encoding
-MAX_CACHED_HEADER_BLOCKS = 16  # decoded header blocks kept per connection (a client's repeat)
-MAX_CACHED_HEADER_BLOCK_BYTES = 1024  # larger blocks are decoded every time
 
 
 @dataclass(frozen=True)
@@ -192,52 +215,12 @@ class Method(Protocol):
     def open(self, call: Call) -> StreamProcessor[Any, Any]: ...
 
 
-class _ConnectionError(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _frame(kind: int, flags: int, stream_id: int, payload: bytes | bytearray = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
-
-
 def refusal(message: str) -> bytes:
     """What a server sends a connection it will not serve (past its connection cap): an empty
     SETTINGS (its preface) and GOAWAY ENHANCE_YOUR_CALM with last stream 0, so the client knows
     no request was processed and backs off before it retries."""
     payload = (0).to_bytes(4, "big") + ENHANCE_YOUR_CALM.to_bytes(4, "big") + message.encode()[:256]
-    return _frame(SETTINGS, 0, 0) + _frame(GOAWAY, 0, 0, payload)
-
-
-def _header_frames(stream_id: int, flags: int, block: bytes, max_frame: int) -> bytes:
-    """HEADERS with ``flags`` (END_HEADERS added), split into CONTINUATION frames past ``max_frame``."""
-    if len(block) <= max_frame:
-        return _frame(HEADERS, flags | END_HEADERS, stream_id, block)
-    chunks = [block[i : i + max_frame] for i in range(0, len(block), max_frame)]
-    out = [_frame(HEADERS, flags, stream_id, chunks[0])]
-    out += [_frame(CONTINUATION, 0, stream_id, chunk) for chunk in chunks[1:-1]]
-    out.append(_frame(CONTINUATION, END_HEADERS, stream_id, chunks[-1]))
-    return b"".join(out)
-
-
-def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _literal(name: str, value: str) -> bytes:
-    """A header field as 'literal without indexing, new name' (no Huffman, no table state)."""
-    raw_name, raw_value = name.encode("ascii"), value.encode("ascii")
-    return b"\x00" + _hpack_int(len(raw_name), 7) + raw_name + _hpack_int(len(raw_value), 7) + raw_value
+    return frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, payload)
 
 
 def _percent_encode(message: str) -> str:
@@ -253,15 +236,15 @@ def _sanitize(untrusted: bytes) -> str:
 
 
 # ":status: 200" is static entry 8; content-type is static name 31.
-_RESPONSE_HEADERS = b"\x88" + _hpack_int(31, 4) + _hpack_int(16, 7) + b"application/grpc"
-_OK_TRAILERS = _literal("grpc-status", "0")
-_HTTP_415 = b"\x00" + _hpack_int(len(b":status"), 7) + b":status" + _hpack_int(3, 7) + b"415"
+_RESPONSE_HEADERS = b"\x88" + hpack_int(31, 4) + hpack_int(16, 7) + b"application/grpc"
+_OK_TRAILERS = literal("grpc-status", "0")
+_HTTP_415 = b"\x00" + hpack_int(len(b":status"), 7) + b":status" + hpack_int(3, 7) + b"415"
 
 
 def _status_block(status: Status, message: str | None) -> bytes:
-    block = _literal("grpc-status", str(status.value))
+    block = literal("grpc-status", str(status.value))
     if message:
-        block += _literal("grpc-message", _percent_encode(message[:MAX_STATUS_MESSAGE_CHARS]))
+        block += literal("grpc-message", _percent_encode(message[:MAX_STATUS_MESSAGE_CHARS]))
     return block
 
 
@@ -342,10 +325,7 @@ class GrpcWireConnection:
         self._buffered = 0
         self._credit_high = 0  # an upper bound of every open stream's credit
         self._last_stream_id = 0
-        self._decoder = hpack.Decoder(max_header_list_size=self.limits.max_header_list_bytes)
-        # Decoded header blocks by their bytes, valid while the HPACK table does not change: a
-        # gRPC client's request headers repeat (Envoy's are the same block on every stream).
-        self._block_cache: dict[bytes, dict[bytes, bytes]] = {}
+        self._decoder = HeaderDecoder(self.limits.max_header_list_bytes)
         self._header_block: bytearray | None = None  # an unfinished HEADERS + CONTINUATION block
         self._header_stream = 0
         self._header_flags = 0
@@ -368,9 +348,9 @@ class GrpcWireConnection:
             (SETTINGS_INITIAL_WINDOW_SIZE, window),
             (SETTINGS_MAX_HEADER_LIST_SIZE, self.limits.max_header_list_bytes),
         ))
-        self._out += _frame(SETTINGS, 0, 0, settings)
+        self._out += frame(SETTINGS, 0, 0, settings)
         if window > DEFAULT_WINDOW:
-            self._out += _frame(WINDOW_UPDATE, 0, 0, (window - DEFAULT_WINDOW).to_bytes(4, "big"))
+            self._out += frame(WINDOW_UPDATE, 0, 0, (window - DEFAULT_WINDOW).to_bytes(4, "big"))
 
     @property
     def handshake_complete(self) -> bool:
@@ -397,11 +377,11 @@ class GrpcWireConnection:
         self._buffer += data
         try:
             self._process()
-        except _ConnectionError as exc:
+        except ProtocolViolation as exc:
             hint = " (a TLS client on a plaintext port?)" if not self._preface_seen and data[:2] == b"\x16\x03" else ""
             self._fail(exc, hint)
 
-    def _fail(self, exc: _ConnectionError, hint: str = "") -> None:
+    def _fail(self, exc: ProtocolViolation, hint: str = "") -> None:
         log.info("grpc_wire.protocol_error peer=%s code=%d error=%s%s", self.peer or "?", exc.code, exc, hint)
         self._goaway(exc.code, str(exc))
 
@@ -436,7 +416,7 @@ class GrpcWireConnection:
                     continue
                 stream.parked = False
                 self._deliver(stream, end=stream.remote_closed, resumed=True)
-        except _ConnectionError as exc:  # past the stream-error budget
+        except ProtocolViolation as exc:  # past the stream-error budget
             self._fail(exc)
 
     def _unpark(self, stream_id: int) -> None:
@@ -450,7 +430,7 @@ class GrpcWireConnection:
     def ping(self) -> None:
         """Queue a PING (keepalive: the shell counts any input that follows as the peer's answer)."""
         if not self.closed:
-            self._out += _frame(PING, 0, 0, b"keepaliv")
+            self._out += frame(PING, 0, 0, b"keepaliv")
 
     def abort_streams(self) -> None:
         """Tell every open stream's processor its stream is gone (the shell calls this when the
@@ -461,7 +441,7 @@ class GrpcWireConnection:
             _abort(stream)
 
     def _goaway(self, code: int, message: str) -> None:
-        self._out += _frame(GOAWAY, 0, 0, self._last_stream_id.to_bytes(4, "big")
+        self._out += frame(GOAWAY, 0, 0, self._last_stream_id.to_bytes(4, "big")
                             + code.to_bytes(4, "big") + message.encode()[:256])
         self.abort_streams()
         self._blocked_on_stream.clear()
@@ -477,10 +457,10 @@ class GrpcWireConnection:
         if not self._preface_seen:
             if len(buffer) < len(PREFACE):
                 if not PREFACE.startswith(bytes(buffer)):
-                    raise _ConnectionError(PROTOCOL_ERROR, "expected the HTTP/2 client preface")
+                    raise ProtocolViolation(PROTOCOL_ERROR, "expected the HTTP/2 client preface")
                 return
             if buffer[: len(PREFACE)] != PREFACE:
-                raise _ConnectionError(PROTOCOL_ERROR, "expected the HTTP/2 client preface")
+                raise ProtocolViolation(PROTOCOL_ERROR, "expected the HTTP/2 client preface")
             del buffer[: len(PREFACE)]
             self._preface_seen = True
         pos = 0
@@ -494,7 +474,7 @@ class GrpcWireConnection:
                     break
                 length = int.from_bytes(buffer[pos : pos + 3], "big")
                 if length > DEFAULT_FRAME_SIZE:
-                    raise _ConnectionError(FRAME_SIZE_ERROR, f"expected frames of at most {DEFAULT_FRAME_SIZE} "
+                    raise ProtocolViolation(FRAME_SIZE_ERROR, f"expected frames of at most {DEFAULT_FRAME_SIZE} "
                                                              f"bytes, got {length}")
                 if size - pos < 9 + length:
                     break
@@ -514,7 +494,7 @@ class GrpcWireConnection:
         """Return connection window unless input and replies buffered reach the cap (backpressure)."""
         window = self.limits.window_bytes
         if self._unacked >= window // 2 and self._buffered + window <= max(self.limits.max_buffered_bytes, window):
-            self._out += _frame(WINDOW_UPDATE, 0, 0, self._unacked.to_bytes(4, "big"))
+            self._out += frame(WINDOW_UPDATE, 0, 0, self._unacked.to_bytes(4, "big"))
             self._unacked = 0
 
     def _replenish_stream(self, stream: _Stream) -> None:
@@ -531,7 +511,7 @@ class GrpcWireConnection:
         consumed = stream.unacked if needed > window else max(0, stream.unacked - len(inbound))
         # Half a window at a time, or sooner when the peer is (nearly) out of credit.
         if consumed and (consumed >= window // 2 or window - stream.unacked < window // 2):
-            self._out += _frame(WINDOW_UPDATE, 0, stream.id, consumed.to_bytes(4, "big"))
+            self._out += frame(WINDOW_UPDATE, 0, stream.id, consumed.to_bytes(4, "big"))
             stream.unacked -= consumed
 
     def _strike(self, what: str) -> None:
@@ -541,14 +521,14 @@ class GrpcWireConnection:
             self._strike_second, self._strikes = second, 0
         self._strikes += 1
         if self._strikes > self.limits.max_stream_errors_per_second:
-            raise _ConnectionError(ENHANCE_YOUR_CALM, f"more than {self.limits.max_stream_errors_per_second} "
+            raise ProtocolViolation(ENHANCE_YOUR_CALM, f"more than {self.limits.max_stream_errors_per_second} "
                                                       f"streams reset, refused or failed in a second (last: {what})")
 
     def _refused(self, what: str) -> None:
         """Count a refused stream: against the per-second budget, and against ``max_refused_streams``."""
         self._refusals += 1
         if self._refusals > self.limits.max_refused_streams:
-            raise _ConnectionError(ENHANCE_YOUR_CALM, f"more than {self.limits.max_refused_streams} streams "
+            raise ProtocolViolation(ENHANCE_YOUR_CALM, f"more than {self.limits.max_refused_streams} streams "
                                                       f"refused (last: {what})")
         self._strike(what)
 
@@ -556,67 +536,67 @@ class GrpcWireConnection:
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._header_block is not None and kind != CONTINUATION:
-            raise _ConnectionError(PROTOCOL_ERROR, f"expected CONTINUATION, got frame type {kind}")
+            raise ProtocolViolation(PROTOCOL_ERROR, f"expected CONTINUATION, got frame type {kind}")
         if not self._settings_seen and (kind != SETTINGS or flags & ACK):
-            raise _ConnectionError(PROTOCOL_ERROR, f"expected SETTINGS after the preface, got frame type {kind}")
+            raise ProtocolViolation(PROTOCOL_ERROR, f"expected SETTINGS after the preface, got frame type {kind}")
         handler = _HANDLERS.get(kind)
         if handler is not None:  # unknown frame types are ignored (RFC 9113 section 4.1)
             handler(self, flags, stream_id, payload)
 
     def _ping(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id or len(payload) != 8:
-            raise _ConnectionError(PROTOCOL_ERROR if stream_id else FRAME_SIZE_ERROR,
+            raise ProtocolViolation(PROTOCOL_ERROR if stream_id else FRAME_SIZE_ERROR,
                                    "expected PING with 8 bytes on stream 0")
         if not flags & ACK:
-            self._out += _frame(PING, ACK, 0, payload)
+            self._out += frame(PING, ACK, 0, payload)
 
     def _rst_stream(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id or len(payload) != 4:
-            raise _ConnectionError(PROTOCOL_ERROR if not stream_id else FRAME_SIZE_ERROR,
+            raise ProtocolViolation(PROTOCOL_ERROR if not stream_id else FRAME_SIZE_ERROR,
                                    "expected RST_STREAM with 4 bytes on a stream")
         stream = self._streams.get(stream_id)
         if stream is not None:
             self._remove(stream)
             self._strike("RST_STREAM")
         elif stream_id > self._last_stream_id:
-            raise _ConnectionError(PROTOCOL_ERROR, f"expected RST_STREAM on a used stream, got idle {stream_id}")
+            raise ProtocolViolation(PROTOCOL_ERROR, f"expected RST_STREAM on a used stream, got idle {stream_id}")
         # A reset of a stream this side already answered costs nothing and is no strike: Envoy
         # resets every ext_proc stream the picker answered, one per request.
 
     def _priority(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id or len(payload) != 5:
-            raise _ConnectionError(PROTOCOL_ERROR if not stream_id else FRAME_SIZE_ERROR,
+            raise ProtocolViolation(PROTOCOL_ERROR if not stream_id else FRAME_SIZE_ERROR,
                                    "expected PRIORITY with 5 bytes on a stream")
 
     def _goaway_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id or len(payload) < 8:
-            raise _ConnectionError(PROTOCOL_ERROR, "expected GOAWAY with at least 8 bytes on stream 0")
+            raise ProtocolViolation(PROTOCOL_ERROR, "expected GOAWAY with at least 8 bytes on stream 0")
         # The client opens no more streams: the connection closes once its open ones have ended.
         self._peer_gone = True
         if not self._streams:
             self._goaway(NO_ERROR, "the client sent GOAWAY")
 
     def _push_promise(self, flags: int, stream_id: int, payload: bytes) -> None:
-        raise _ConnectionError(PROTOCOL_ERROR, "expected no PUSH_PROMISE from a client")
+        raise ProtocolViolation(PROTOCOL_ERROR, "expected no PUSH_PROMISE from a client")
 
     def _unpad(self, flags: int, payload: bytes) -> bytes:
         if not flags & PADDED:
             return payload
         if not payload or payload[0] >= len(payload):
-            raise _ConnectionError(PROTOCOL_ERROR, "expected padding shorter than the frame")
+            raise ProtocolViolation(PROTOCOL_ERROR, "expected padding shorter than the frame")
         return payload[1 : len(payload) - payload[0]]
 
     def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id:
-            raise _ConnectionError(PROTOCOL_ERROR, "expected DATA on a stream, got stream 0")
+            raise ProtocolViolation(PROTOCOL_ERROR, "expected DATA on a stream, got stream 0")
         self._unacked += len(payload)
         if self._unacked > self.limits.window_bytes:
-            raise _ConnectionError(FLOW_CONTROL_ERROR, "peer sent past the connection window")
+            raise ProtocolViolation(FLOW_CONTROL_ERROR, "peer sent past the connection window")
         data = self._unpad(flags, payload)
         stream = self._streams.get(stream_id)
         if stream is None:
             if stream_id > self._last_stream_id:
-                raise _ConnectionError(PROTOCOL_ERROR, f"expected DATA on an open stream, got idle stream {stream_id}")
+                raise ProtocolViolation(PROTOCOL_ERROR, f"expected DATA on an open stream, got idle stream {stream_id}")
             return  # a stream this side already ended or reset
         if stream.remote_closed:
             self._reset(stream, STREAM_CLOSED)
@@ -632,11 +612,11 @@ class GrpcWireConnection:
 
     def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id:
-            raise _ConnectionError(PROTOCOL_ERROR, "expected HEADERS on a stream, got stream 0")
+            raise ProtocolViolation(PROTOCOL_ERROR, "expected HEADERS on a stream, got stream 0")
         block = self._unpad(flags, payload)
         if flags & PRIORITY_FLAG:
             if len(block) < 5:
-                raise _ConnectionError(FRAME_SIZE_ERROR, "expected a 5-byte priority in HEADERS")
+                raise ProtocolViolation(FRAME_SIZE_ERROR, "expected a 5-byte priority in HEADERS")
             block = block[5:]
         self._header_block = bytearray(block)
         self._header_stream, self._header_flags = stream_id, flags
@@ -646,14 +626,14 @@ class GrpcWireConnection:
 
     def _continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
         if self._header_block is None or stream_id != self._header_stream:
-            raise _ConnectionError(PROTOCOL_ERROR, "expected CONTINUATION only right after HEADERS of its stream")
+            raise ProtocolViolation(PROTOCOL_ERROR, "expected CONTINUATION only right after HEADERS of its stream")
         self._header_frame_count += 1
         if self._header_frame_count > self.limits.max_header_frames:
-            raise _ConnectionError(ENHANCE_YOUR_CALM, f"expected a header block in at most "
+            raise ProtocolViolation(ENHANCE_YOUR_CALM, f"expected a header block in at most "
                                                       f"{self.limits.max_header_frames} frames")
         self._header_block += payload
         if len(self._header_block) > self.limits.max_header_list_bytes:
-            raise _ConnectionError(PROTOCOL_ERROR, f"expected a header block of at most "
+            raise ProtocolViolation(PROTOCOL_ERROR, f"expected a header block of at most "
                                                    f"{self.limits.max_header_list_bytes} bytes")
         if flags & END_HEADERS:
             self._end_headers()
@@ -662,7 +642,7 @@ class GrpcWireConnection:
         assert self._header_block is not None
         block, stream_id, flags = bytes(self._header_block), self._header_stream, self._header_flags
         self._header_block = None
-        fields = self._decode(block)  # always decoded: HPACK state is per connection
+        fields = self._decoder.decode(block)  # always decoded: HPACK state is per connection
         stream = self._streams.get(stream_id)
         if stream is not None:  # trailers from the client
             if not flags & END_STREAM:
@@ -673,17 +653,17 @@ class GrpcWireConnection:
         if stream_id <= self._last_stream_id:
             return  # a stream this side already ended
         if stream_id % 2 == 0:
-            raise _ConnectionError(PROTOCOL_ERROR, f"expected an odd client stream id, got {stream_id}")
+            raise ProtocolViolation(PROTOCOL_ERROR, f"expected an odd client stream id, got {stream_id}")
         if self._peer_gone:
             return  # opened after the client's GOAWAY: ignored, as it has no stream to be answered on
         self._last_stream_id = stream_id
         if len(self._streams) >= self.limits.max_concurrent_streams:
-            self._out += _frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big"))
+            self._out += frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big"))
             self._refused("refused stream")
             return
         if fields.get(b":method") != b"POST" or not fields.get(b"content-type", b"").startswith(b"application/grpc"):
-            self._out += _frame(HEADERS, END_HEADERS | END_STREAM, stream_id, _HTTP_415)
-            self._out += _frame(RST_STREAM, 0, stream_id, NO_ERROR.to_bytes(4, "big"))
+            self._out += frame(HEADERS, END_HEADERS | END_STREAM, stream_id, _HTTP_415)
+            self._out += frame(RST_STREAM, 0, stream_id, NO_ERROR.to_bytes(4, "big"))
             self._strike("not a gRPC request")
             return
         raw_path = fields.get(b":path", b"")
@@ -719,36 +699,15 @@ class GrpcWireConnection:
         stream.remote_closed = bool(flags & END_STREAM)
         self._flush(stream)
 
-    def _decode(self, block: bytes) -> dict[bytes, bytes]:
-        """The fields of a header block; a repeated block costs a lookup while the table is unchanged."""
-        cache = self._block_cache
-        fields = cache.get(block)
-        if fields is not None:
-            return fields
-        table = self._decoder.header_table
-        entries = table.dynamic_entries
-        before = (entries[0] if entries else None, len(entries), table.maxsize)
-        try:
-            headers = self._decoder.decode(block, raw=True)
-        except (hpack.HPACKError, ValueError, IndexError) as exc:
-            raise _ConnectionError(COMPRESSION_ERROR, f"expected a valid HPACK block ({type(exc).__name__})") from None
-        fields = {bytes(k): bytes(v) for k, v in headers}
-        # An insertion makes a new first entry, an eviction or resize changes the length or size.
-        if before[0] is not (entries[0] if entries else None) or before[1:] != (len(entries), table.maxsize):
-            cache.clear()  # and this block is not kept: decoding it again changes the table again
-        elif len(cache) < MAX_CACHED_HEADER_BLOCKS and len(block) <= MAX_CACHED_HEADER_BLOCK_BYTES:
-            cache[block] = fields
-        return fields
-
     def _settings(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id:
-            raise _ConnectionError(PROTOCOL_ERROR, "expected SETTINGS on stream 0")
+            raise ProtocolViolation(PROTOCOL_ERROR, "expected SETTINGS on stream 0")
         if flags & ACK:
             if payload:
-                raise _ConnectionError(FRAME_SIZE_ERROR, "expected an empty SETTINGS ACK")
+                raise ProtocolViolation(FRAME_SIZE_ERROR, "expected an empty SETTINGS ACK")
             return
         if len(payload) % 6:
-            raise _ConnectionError(FRAME_SIZE_ERROR, "expected SETTINGS of 6-byte entries")
+            raise ProtocolViolation(FRAME_SIZE_ERROR, "expected SETTINGS of 6-byte entries")
         self._settings_seen = True
         grew = False
         for offset in range(0, len(payload), 6):
@@ -756,31 +715,32 @@ class GrpcWireConnection:
             value = int.from_bytes(payload[offset + 2 : offset + 6], "big")
             if key == SETTINGS_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
-                    raise _ConnectionError(FLOW_CONTROL_ERROR, f"expected an initial window <= {MAX_WINDOW}")
+                    raise ProtocolViolation(FLOW_CONTROL_ERROR, f"expected an initial window <= {MAX_WINDOW}")
                 if value + self._credit_high > MAX_WINDOW:
                     # Rare: tighten the bound to the open streams' real credits before deciding.
                     self._credit_high = max((s.credit for s in self._streams.values()), default=0)
                     if value + self._credit_high > MAX_WINDOW:
-                        raise _ConnectionError(FLOW_CONTROL_ERROR, "initial window change overflows a stream window "
+                        raise ProtocolViolation(FLOW_CONTROL_ERROR, "initial window change overflows a stream window "
                                                                    "past 2^31-1 (RFC 9113 section 6.9.2)")
                 grew |= value > self._peer_stream_window
                 self._peer_stream_window = value
             elif key == SETTINGS_MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME_SIZE <= value <= 16_777_215:
-                    raise _ConnectionError(PROTOCOL_ERROR, f"expected a max frame size in 16384..16777215, got {value}")
+                    raise ProtocolViolation(PROTOCOL_ERROR,
+                                            f"expected a max frame size in 16384..16777215, got {value}")
                 self._peer_frame_size = value
-        self._out += _frame(SETTINGS, ACK, 0)
+        self._out += frame(SETTINGS, ACK, 0)
         if grew:  # only a larger stream window can unblock a stream
             self._flush_blocked(self._blocked_on_stream)
         self._replenish_connection()
 
     def _window_update(self, flags: int, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
-            raise _ConnectionError(FRAME_SIZE_ERROR, "expected a 4-byte WINDOW_UPDATE")
+            raise ProtocolViolation(FRAME_SIZE_ERROR, "expected a 4-byte WINDOW_UPDATE")
         increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
         if not stream_id:
             if not increment or self._send_window + increment > MAX_WINDOW:
-                raise _ConnectionError(FLOW_CONTROL_ERROR if increment else PROTOCOL_ERROR,
+                raise ProtocolViolation(FLOW_CONTROL_ERROR if increment else PROTOCOL_ERROR,
                                        "expected a connection window increment in 1..2^31-1 in total")
             self._send_window += increment
             self._flush_blocked(self._blocked_on_connection)
@@ -877,7 +837,7 @@ class GrpcWireConnection:
         """Queue what flow control allows of ``stream``'s replies, then its trailers."""
         out = self._out
         if stream.pending and not stream.headers_sent:
-            out += _frame(HEADERS, END_HEADERS, stream.id, _RESPONSE_HEADERS)
+            out += frame(HEADERS, END_HEADERS, stream.id, _RESPONSE_HEADERS)
             stream.headers_sent = True
         pending = stream.pending
         while pending:
@@ -885,7 +845,7 @@ class GrpcWireConnection:
                        self._peer_frame_size)
             if size <= 0:
                 break
-            out += _frame(DATA, 0, stream.id, pending[:size])
+            out += frame(DATA, 0, stream.id, pending[:size])
             del pending[:size]
             if not stream.streaming:
                 self._buffered -= size
@@ -902,10 +862,10 @@ class GrpcWireConnection:
             self._replenish_stream(stream)
             return
         block = stream.trailers if stream.headers_sent else _RESPONSE_HEADERS + stream.trailers
-        out += _header_frames(stream.id, END_STREAM, block, self._peer_frame_size)
+        out += header_frames(stream.id, END_STREAM, block, self._peer_frame_size)
         if not stream.remote_closed:
             # Tell the client to stop sending on a stream whose answer is complete.
-            out += _frame(RST_STREAM, 0, stream.id, NO_ERROR.to_bytes(4, "big"))
+            out += frame(RST_STREAM, 0, stream.id, NO_ERROR.to_bytes(4, "big"))
         self._remove(stream)
 
     def _flush_blocked(self, blocked: dict[int, _Stream]) -> None:
@@ -919,7 +879,7 @@ class GrpcWireConnection:
             self._flush(stream)
 
     def _reset(self, stream: _Stream, code: int) -> None:
-        self._out += _frame(RST_STREAM, 0, stream.id, code.to_bytes(4, "big"))
+        self._out += frame(RST_STREAM, 0, stream.id, code.to_bytes(4, "big"))
         self._remove(stream)
         self._strike(f"stream reset with code {code}")
 

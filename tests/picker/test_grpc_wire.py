@@ -21,8 +21,9 @@ from hpack import NeverIndexedHeaderTuple
 from hypothesis import given
 from hypothesis import strategies as st
 
-from evergreen_trio._grpc import server_wire as grpc_wire
+from evergreen_trio._grpc import http2
 from evergreen_trio._grpc.errors import RpcAbortError
+from evergreen_trio._grpc.http2 import HeaderDecoder
 from evergreen_trio._grpc.server import serve_grpc
 from evergreen_trio._grpc.server_wire import PREFACE, GrpcWireConnection, SyncBidiMethod, WireLimits
 
@@ -367,7 +368,7 @@ def _blocks() -> list[bytes]:
 def test_cached_header_blocks_decode_as_hpack_does(sequence: list[bytes]) -> None:
     # Replayed in any order, repeated blocks decode as a fresh decoder decodes them, including
     # blocks that change the table each time (never answered from the cache).
-    server = GrpcWireConnection({PATH: METHOD})
+    decoder = HeaderDecoder(64 * 1024)
     reference = hpack.Decoder()
     for block in sequence:
         try:
@@ -375,7 +376,7 @@ def test_cached_header_blocks_decode_as_hpack_does(sequence: list[bytes]) -> Non
         except (hpack.HPACKError, IndexError):
             expected = None
         try:
-            got: dict[bytes, bytes] | None = server._decode(block)
+            got: dict[bytes, bytes] | None = decoder.decode(block)
         except Exception:
             got = None
         assert got == expected
@@ -385,22 +386,22 @@ def test_cached_header_blocks_decode_as_hpack_does(sequence: list[bytes]) -> Non
 
 def test_header_block_cache_is_capped_in_blocks_and_bytes() -> None:
     encoder = hpack.Encoder()
-    server = GrpcWireConnection({PATH: METHOD})
+    decoder = HeaderDecoder(64 * 1024)
     reference = hpack.Decoder()
 
     def check(block: bytes) -> None:
-        assert server._decode(block) == {bytes(k): bytes(v) for k, v in reference.decode(block, raw=True)}
+        assert decoder.decode(block) == {bytes(k): bytes(v) for k, v in reference.decode(block, raw=True)}
 
-    count = grpc_wire.MAX_CACHED_HEADER_BLOCKS + 5
+    count = http2.MAX_CACHED_HEADER_BLOCKS + 5
     for i in range(count):  # each inserts into the table: none is kept
         check(bytes(encoder.encode([("x-n", str(i))])))
-    assert not server._block_cache
+    assert not decoder._cache
     for i in range(count):  # each only refers to a table entry: kept, up to the cap
         check(bytes([0x80 | (62 + i)]))
-    assert len(server._block_cache) == grpc_wire.MAX_CACHED_HEADER_BLOCKS
-    server._block_cache.clear()
-    value = "v" * grpc_wire.MAX_CACHED_HEADER_BLOCK_BYTES
+    assert len(decoder._cache) == http2.MAX_CACHED_HEADER_BLOCKS
+    decoder._cache.clear()
+    value = "v" * http2.MAX_CACHED_HEADER_BLOCK_BYTES
     large = bytes(encoder.encode([NeverIndexedHeaderTuple("x-big", value)], huffman=False))
     check(large)
     check(large)
-    assert not server._block_cache
+    assert not decoder._cache

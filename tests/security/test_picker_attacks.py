@@ -21,6 +21,7 @@ import trio
 from frames import ECHO, ECHO_PATH, Outcome, RawClient, frame, grpcio_echo, settings
 
 from evergreen_trio._grpc import server_wire as grpc_wire
+from evergreen_trio._grpc.http2 import header_frames
 from evergreen_trio._grpc.server import WireTimeouts, serve_grpc
 from evergreen_trio._grpc.server_wire import END_HEADERS, END_STREAM, HEADERS, GrpcWireConnection, WireLimits
 
@@ -81,7 +82,7 @@ async def test_unknown_path_is_not_reflected_and_failures_hit_the_budget(port: i
 
 def test_header_blocks_past_the_peer_frame_size_are_split() -> None:
     block = bytes(range(256)) * 200  # 51,200 bytes
-    raw = grpc_wire._header_frames(3, END_STREAM, block, 16_384)
+    raw = header_frames(3, END_STREAM, block, 16_384)
     frames, pos = [], 0
     while pos < len(raw):
         length = int.from_bytes(raw[pos : pos + 3], "big")
