@@ -13,7 +13,9 @@ from frames import (  # the picker wire's frame constants, as the raw attack cli
     END_STREAM,
     GOAWAY,
     HEADERS,
+    PING,
     RST_STREAM,
+    SETTINGS,
     SETTINGS_INITIAL_WINDOW_SIZE,
     WINDOW_UPDATE,
     frame,
@@ -255,7 +257,7 @@ def test_grpc_timeout_fits_eight_digits_rounded_up(seconds: float, header: str) 
     assert encode_timeout(seconds) == header
 
 
-def test_calls_the_server_ends_first_do_not_pile_up_in_h2() -> None:
+def test_calls_the_server_ends_first_do_not_pile_up() -> None:
     """A server ends each call (trailers) while the client's request still waits for window: each is
     reset when released, so none stays open against the server's stream limit."""
     conn, _ = opened()
@@ -269,4 +271,73 @@ def test_calls_the_server_ends_first_do_not_pile_up_in_h2() -> None:
         assert [e.status.name for e in conn.receive(frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers_only))
                 if isinstance(e, StreamEnded)] == ["OK"]
         conn.release(sid)
-    assert conn.room() and conn._h2.open_outbound_streams == 1  # the call opened() left open
+    assert conn.room() and conn._open == 1  # the call opened() left open
+
+
+def test_the_request_headers_decode_as_hpack_reads_them() -> None:
+    """Our header block (static table and literals, no table state) read by a real HPACK decoder."""
+    conn = ClientConnection("example.org:443", scheme="https")
+    conn.initiate()
+    sid = conn.start_stream("/pkg.Svc/Method", metadata={"X-Token": "t0k"}, timeout=0.5, max_message_bytes=LIMIT)
+    wire = conn.data_to_send()
+    assert wire.startswith(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+    assert [k for k in kinds(wire) if k[1]] == [(HEADERS, sid)]
+    start = wire.rindex(bytes((HEADERS, END_HEADERS))) - 3
+    size = int.from_bytes(wire[start : start + 3], "big")
+    assert hpack.Decoder().decode(wire[start + 9 : start + 9 + size]) == [
+        (":method", "POST"), (":scheme", "https"), (":path", "/pkg.Svc/Method"), (":authority", "example.org:443"),
+        ("te", "trailers"), ("content-type", "application/grpc"), ("grpc-timeout", "500000u"), ("x-token", "t0k")]
+
+
+def test_settings_and_pings_are_acknowledged_and_the_stream_limit_kept() -> None:
+    conn = ClientConnection("server:1")
+    conn.initiate()
+    conn.data_to_send()
+    conn.receive(settings((0x3, 2)) + frame(PING, 0, 0, b"12345678"))
+    assert conn.settled
+    answer = conn.data_to_send()
+    assert kinds(answer) == [(SETTINGS, 0), (PING, 0)] and answer.endswith(b"12345678")
+    first = conn.start_stream("/s/M", max_message_bytes=LIMIT)
+    assert conn.room() and conn.start_stream("/s/M", max_message_bytes=LIMIT) is not None and not conn.room()
+    assert first is not None
+    conn.reset_stream(first)
+    assert conn.room()
+
+
+def test_data_frames_follow_the_servers_max_frame_size() -> None:
+    conn = ClientConnection("server:1")
+    conn.initiate()
+    conn.receive(settings((0x5, 32_768), (SETTINGS_INITIAL_WINDOW_SIZE, 1 << 20))
+                 + frame(WINDOW_UPDATE, 0, 0, (1 << 20).to_bytes(4, "big")))
+    sid = conn.start_stream("/s/M", max_message_bytes=LIMIT)
+    assert sid is not None
+    conn.data_to_send()
+    conn.send_message(sid, b"d" * 100_000)
+    sizes, wire = [], conn.data_to_send()
+    while wire:
+        size = int.from_bytes(wire[:3], "big")
+        sizes.append(size)
+        wire = wire[9 + size :]
+    assert sizes == [32_768, 32_768, 32_768, 100_005 - 3 * 32_768]
+
+
+@pytest.mark.parametrize(
+    ("answer", "status", "text"),
+    [
+        (lambda s: frame(DATA, 0, s, message(b"x")), "INTERNAL", "DATA before its response headers"),
+        (lambda s: frame(HEADERS, END_HEADERS, s, REPLY) + frame(HEADERS, END_HEADERS, s, OK), "INTERNAL",
+         "trailers that do not end the stream"),
+        (lambda s: frame(0x5, END_HEADERS, s, (2).to_bytes(4, "big") + REPLY), "UNAVAILABLE", "PUSH_PROMISE"),
+        (lambda s: frame(DATA, 0, s + 2, message(b"x")), "UNAVAILABLE", "never opened"),
+        (lambda s: frame(HEADERS, 0, s, REPLY) + frame(DATA, 0, s), "UNAVAILABLE", "expected CONTINUATION"),
+        (lambda s: frame(HEADERS, 0, s, REPLY) + frame(CONTINUATION, 0, s) * 70, "UNAVAILABLE", "over 64 frames"),
+        (lambda s: frame(WINDOW_UPDATE, 0, 0, (2**31 - 1).to_bytes(4, "big")), "UNAVAILABLE", "past 2^31-1"),
+    ],
+    ids=["data-first", "trailers-not-ending", "push", "idle-stream", "no-continuation", "continuation-flood",
+         "window-overflow"],
+)
+def test_each_protocol_breach_is_one_final_status(answer: object, status: str, text: str) -> None:
+    conn, [sid] = opened()
+    events = conn.receive(answer(sid))  # type: ignore[operator]
+    final = [e for e in events if isinstance(e, StreamEnded)]
+    assert len(final) == 1 and final[0].status.name == status and text in final[0].message, final

@@ -1,0 +1,120 @@
+"""The client's own HTTP/2 (``_grpc/client_wire.py``) against a real gRPC server: grpcio's C core, which
+uses HPACK's dynamic table, its own window sizes and SETTINGS, and ends calls with trailers or resets."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+import trio
+from google.protobuf.wrappers_pb2 import BytesValue
+from grpclib.const import Status
+
+from evergreen_trio._grpc.client import ClientOptions, open_client_channel
+from evergreen_trio._grpc.errors import RpcAbortError
+
+PATH = "/test.Echo/Chat"
+GUARD_S = 30  # a hang guard, not a timing assertion
+
+
+def chat(requests: Iterator[BytesValue], context: grpc.ServicerContext) -> Iterator[BytesValue]:
+    """Echo each message; ``fail`` aborts NOT_FOUND, ``sleep`` outlives the caller's deadline, ``meta``
+    answers with the caller's ``x-key`` metadata."""
+    for request in requests:
+        if request.value == b"fail":
+            context.abort(grpc.StatusCode.NOT_FOUND, "no such thing: 100%")
+        if request.value == b"sleep":
+            time.sleep(2)
+        if request.value == b"meta":
+            yield BytesValue(value=dict(context.invocation_metadata())["x-key"].encode())
+            continue
+        yield request
+
+
+@pytest.fixture
+def grpcio_port() -> Iterator[int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
+        ("grpc.max_receive_message_length", 8 << 20),
+        ("grpc.max_send_message_length", 8 << 20)])
+    handler = grpc.method_handlers_generic_handler("test.Echo", {"Chat": grpc.stream_stream_rpc_method_handler(
+        chat, request_deserializer=BytesValue.FromString, response_serializer=BytesValue.SerializeToString)})
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield port
+    finally:
+        server.stop(None)
+
+
+def unwrapped(error: BaseException) -> BaseException:
+    """The one error inside the nurseries' groups."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+async def exchange(port: int, values: list[bytes], options: ClientOptions | None = None) -> list[bytes]:
+    """One call: send ``values``, half-close, read every answer."""
+    answers: list[bytes] = []
+    async with (
+        open_client_channel("127.0.0.1", port) as channel,
+        channel.open_stream(PATH, BytesValue, lambda items: items, options=options) as stream,
+    ):
+        for value in values:
+            await stream.outbound.put(BytesValue(value=value))
+        stream.finish()
+        while batch := await stream.inbound.get_batch():
+            answers += [message.value for message in batch]  # type: ignore[attr-defined]
+    return answers
+
+
+async def test_messages_both_ways_past_every_window(grpcio_port: int) -> None:
+    """Sixteen 1 MiB messages each way: more than grpcio's windows and ours, so both sides wait for
+    WINDOW_UPDATEs and DATA is split into frames."""
+    values = [bytes([i]) * (1 << 20) for i in range(16)] + [b"small"]
+    with trio.fail_after(GUARD_S):
+        assert await exchange(grpcio_port, values) == values
+
+
+async def test_an_abort_gives_the_servers_status_and_message(grpcio_port: int) -> None:
+    with trio.fail_after(GUARD_S), pytest.raises(BaseException) as caught:
+        await exchange(grpcio_port, [b"first", b"fail"])
+    error = unwrapped(caught.value)
+    assert isinstance(error, RpcAbortError), error
+    assert error.status is Status.NOT_FOUND and error.message == "no such thing: 100%"
+
+
+async def test_timeout_and_metadata_reach_the_server(grpcio_port: int) -> None:
+    options = ClientOptions(metadata={"x-key": "sesame"}, timeout=10.0)
+    with trio.fail_after(GUARD_S):
+        assert await exchange(grpcio_port, [b"meta"], options) == [b"sesame"]
+    with trio.fail_after(GUARD_S), pytest.raises(BaseException) as caught:
+        await exchange(grpcio_port, [b"sleep"], ClientOptions(timeout=0.2))
+    error = unwrapped(caught.value)
+    assert isinstance(error, RpcAbortError) and error.status is Status.DEADLINE_EXCEEDED, error
+
+
+async def test_many_calls_on_one_connection_within_the_servers_stream_limit(grpcio_port: int) -> None:
+    """40 calls at once on one connection all finish (grpcio's HPACK table, filled by the first answers,
+    decodes the later ones)."""
+    results: list[list[bytes]] = []
+
+    async def one(channel: object, i: int) -> None:
+        async with channel.open_stream(  # type: ignore[attr-defined]
+                PATH, BytesValue, lambda items: items) as stream:
+            await stream.outbound.put(BytesValue(value=b"call %d" % i))
+            stream.finish()
+            answers = []
+            while batch := await stream.inbound.get_batch():
+                answers += [message.value for message in batch]
+            results.append(answers)
+
+    with trio.fail_after(GUARD_S):
+        async with open_client_channel("127.0.0.1", grpcio_port) as channel, trio.open_nursery() as nursery:
+            for i in range(40):
+                nursery.start_soon(one, channel, i)
+    assert sorted(results) == sorted([[b"call %d" % i] for i in range(40)])
