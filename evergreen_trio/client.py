@@ -8,7 +8,6 @@ session on it (as many, one after another or at once, as the server allows per c
 from __future__ import annotations
 
 import contextlib
-import math
 import ssl
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -233,15 +232,22 @@ async def connect(
 
 
 async def _receive(session: ClientSession, scope: trio.CancelScope, seconds: float | None) -> None:
+    if seconds is None:
+        await _serve(session, scope)
+        return
     # The client's side of the deadline: a server that does not answer in time is not waited for.
-    with trio.move_on_after(math.inf if seconds is None else seconds) as timer:
-        try:
-            await session.serve()
-        except SessionError as error:
-            _abort(session, scope, error)
+    with trio.move_on_after(seconds) as timer:
+        await _serve(session, scope)
     if timer.cancelled_caught:
         why = f"no answer within the {seconds:g} s timeout"
         _abort(session, scope, SessionAbortedError(why, code=StatusCode.DEADLINE_EXCEEDED))
+
+
+async def _serve(session: ClientSession, scope: trio.CancelScope) -> None:
+    try:
+        await session.serve()
+    except SessionError as error:
+        _abort(session, scope, error)
 
 
 def _abort(session: ClientSession, scope: trio.CancelScope, error: SessionError) -> None:

@@ -499,12 +499,15 @@ class ClientChannel:
             yield session
         finally:
             session.finish()
-            with trio.CancelScope(shield=True):
-                await session.wait_closed()
+            if not session.closed:  # a shielded wait only when there is one (a scope costs a timer's bookkeeping)
+                with trio.CancelScope(shield=True):
+                    await session.wait_closed()
 
     async def _start(self, call: _Call, path: str, options: ClientOptions) -> _Connection:
         """Start ``call`` on a connection with room for it, reopening the connection if the server
         went away; raises :class:`RpcAbortError` when it cannot (within the call's deadline)."""
+        if not self._closed and self._connection.open(call, path, options):
+            return self._connection  # the common case: room on the open connection, no wait and no timer
         with trio.move_on_at(call.deadline):
             while True:
                 if self._closed:

@@ -107,6 +107,11 @@ class Handoff(Generic[T]):
     def _full(self) -> bool:
         return len(self._items) >= self._capacity and not self._closed
 
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`wait` returns at once: an item is queued, or the handoff is closed."""
+        return not self._empty()
+
     def _empty(self) -> bool:
         return not self._items and not self._closed
 
@@ -184,6 +189,11 @@ class MessageStream(Generic[T]):
         if self.final is None:
             self.final = FinalStatus(status if isinstance(status, Status) else Status(status), message)
             self.outbound.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the transport has sent everything and released the stream."""
+        return self._done.is_set()
 
     async def wait_closed(self) -> None:
         """Wait until the transport has sent everything and released the stream (no scheduling pass

@@ -278,8 +278,9 @@ class Server(ActionRegistry):
             # The final status goes out on the connection's writer: a session stays open until it has, so
             # that a stopping server (``_end_open_sessions``) waits for it before it says GOAWAY
             # (which ends this wait however slow the client is to read).
-            with trio.CancelScope(shield=True):
-                await stream.wait_closed()
+            if not stream.closed:
+                with trio.CancelScope(shield=True):
+                    await stream.wait_closed()
             self._forget(stream)
 
     def _forget(self, stream: MessageStream[Outbound]) -> None:
@@ -301,8 +302,11 @@ class Server(ActionRegistry):
         objects). Both steps end at ``first_message_timeout`` (up to 10% more, at random, so that
         sessions a flood opened together do not all end in one pass) or the call's deadline.
         """
+        now = trio.current_time()
+        if self.authorize is None and stream.inbound.ready and (stream.deadline is None or stream.deadline > now):
+            return True, None  # the first message came with the headers (the common case): no wait, no timer
         timeout = self.first_message_timeout
-        at = trio.current_time() + timeout * (1.0 + random.random() / 10)
+        at = now + timeout * (1.0 + random.random() / 10)
         why = f"no message within {timeout:g} s of opening the session"
         if stream.deadline is not None and stream.deadline < at:
             at, why = stream.deadline, DEADLINE_PASSED
