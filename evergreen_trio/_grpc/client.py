@@ -29,6 +29,7 @@ from grpclib.const import Status
 from evergreen_trio._grpc.client_wire import ClientConnection, MessageReceived
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.limits import TransportLimits
+from evergreen_trio._grpc.sockets import write_now
 from evergreen_trio._grpc.streams import INBOUND_CAPACITY, OUTBOUND_CAPACITY, Handoff, MessageStream
 from evergreen_trio.errors import ConfigurationError
 
@@ -333,7 +334,9 @@ class _Connection:
                 out = b"".join(self._outgoing) if self._outgoing else b""
                 self._outgoing.clear()
                 if data := out + self.core.data_to_send():
-                    await self.stream.send_all(data)
+                    sent = write_now(self.stream, data)
+                    if sent < len(data):
+                        await self.stream.send_all(memoryview(data)[sent:])
                     self._sent.set()
                     self._sent = trio.Event()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:

@@ -30,6 +30,7 @@ from grpclib.const import Status
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.limits import OUT_OF_RESOURCES_ERRNOS
 from evergreen_trio._grpc.server_wire import Call, GrpcWireConnection, Method, SyncBidiMethod, WireLimits, refusal
+from evergreen_trio._grpc.sockets import write_now
 from evergreen_trio._grpc.streams import FinalStatus, HandoffClosedError, MessageStream
 
 log = logging.getLogger(__name__)
@@ -475,9 +476,10 @@ class _Server:
             lock.acquire_nowait()
         try:
             out = connection.wire.data_to_send()
-            if out:
+            sent = write_now(connection.stream, out) if out else 0
+            if sent < len(out):  # the socket is full: wait, within the send timeout
                 with trio.fail_after(self.timeouts.send_s):
-                    await connection.stream.send_all(out)
+                    await connection.stream.send_all(memoryview(out)[sent:])
         finally:
             lock.release()
 
