@@ -14,6 +14,7 @@ import trio
 
 from benchmarks.bench_session import new_server, one_echo
 from evergreen_trio import Client
+from evergreen_trio._grpc import sockets
 
 LOG: list[str] = []
 
@@ -36,7 +37,7 @@ PASSES = Passes()
 
 
 def _log_socket_io() -> None:
-    send_all, receive_some = trio.SocketStream.send_all, trio.SocketStream.receive_some
+    send_all, receive_some, write_now = trio.SocketStream.send_all, trio.SocketStream.receive_some, sockets.write_now
 
     async def logged_send_all(self: trio.SocketStream, data: Any) -> None:
         if PASSES.on:
@@ -49,7 +50,14 @@ def _log_socket_io() -> None:
             LOG.append(f"      reads {len(data)} B")
         return data
 
+    def logged_write_now(stream: trio.abc.Stream, data: Any) -> int:
+        sent = write_now(stream, data)
+        if PASSES.on and sent:
+            LOG.append(f"      sends {sent} B")
+        return sent
+
     trio.SocketStream.send_all = logged_send_all  # type: ignore[method-assign]
+    sockets.write_now = logged_write_now  # type: ignore[assignment]
     trio.SocketStream.receive_some = logged_receive_some  # type: ignore[method-assign]
 
 

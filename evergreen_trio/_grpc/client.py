@@ -26,10 +26,10 @@ import trio
 from google.protobuf.message import DecodeError, Message
 from grpclib.const import Status
 
+from evergreen_trio._grpc import sockets
 from evergreen_trio._grpc.client_wire import ClientConnection, MessageReceived
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.limits import TransportLimits
-from evergreen_trio._grpc.sockets import write_now
 from evergreen_trio._grpc.streams import INBOUND_CAPACITY, OUTBOUND_CAPACITY, Handoff, MessageStream
 from evergreen_trio.errors import ConfigurationError
 
@@ -334,7 +334,7 @@ class _Connection:
                 out = b"".join(self._outgoing) if self._outgoing else b""
                 self._outgoing.clear()
                 if data := out + self.core.data_to_send():
-                    sent = write_now(self.stream, data)
+                    sent = sockets.write_now(self.stream, data)
                     if sent < len(data):
                         await self.stream.send_all(memoryview(data)[sent:])
                     self._sent.set()

@@ -27,10 +27,10 @@ import trio
 from google.protobuf.message import Message
 from grpclib.const import Status
 
+from evergreen_trio._grpc import sockets
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.limits import OUT_OF_RESOURCES_ERRNOS
 from evergreen_trio._grpc.server_wire import Call, GrpcWireConnection, Method, SyncBidiMethod, WireLimits, refusal
-from evergreen_trio._grpc.sockets import write_now
 from evergreen_trio._grpc.streams import FinalStatus, HandoffClosedError, MessageStream
 
 log = logging.getLogger(__name__)
@@ -476,7 +476,7 @@ class _Server:
             lock.acquire_nowait()
         try:
             out = connection.wire.data_to_send()
-            sent = write_now(connection.stream, out) if out else 0
+            sent = sockets.write_now(connection.stream, out) if out else 0
             if sent < len(out):  # the socket is full: wait, within the send timeout
                 with trio.fail_after(self.timeouts.send_s):
                     await connection.stream.send_all(memoryview(out)[sent:])
