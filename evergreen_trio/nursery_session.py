@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -161,7 +162,7 @@ class Session:
         self.actions: dict[str, ActionSpec] = {}
         self.targets: frozenset[str] = frozenset({""})
         self.principal: str | None = None
-        self._prefix = secrets.token_hex(4)
+        self._prefix = f"{random.getrandbits(32):08x}"  # tells the two ends' ids apart; no secret (one session's graph)
         self._ids = itertools.count(1)
         self._private: set[str] = set()
         self._ran: list[str] = []
