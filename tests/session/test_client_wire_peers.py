@@ -1,11 +1,15 @@
-"""The client's own HTTP/2 (``_grpc/client_wire.py``) against a real gRPC server: grpcio's C core, which
-uses HPACK's dynamic table, its own window sizes and SETTINGS, and ends calls with trailers or resets."""
+"""The client's own HTTP/2 (``_grpc/client_wire.py``) against real gRPC servers: grpcio's C core, which
+uses HPACK's dynamic table, its own window sizes and SETTINGS, and ends calls with trailers or resets;
+and grpclib on ``h2`` (the library the client used before), in a process of its own."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,6 +19,7 @@ from grpclib.const import Status
 
 from evergreen_trio._grpc.client import ClientOptions, open_client_channel
 from evergreen_trio._grpc.errors import RpcAbortError
+from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Chunk, NodeFragment, SessionMessage
 
 PATH = "/test.Echo/Chat"
 GUARD_S = 30  # a hang guard, not a timing assertion
@@ -48,6 +53,21 @@ def grpcio_port() -> Iterator[int]:
         yield port
     finally:
         server.stop(None)
+
+
+@pytest.fixture
+def grpclib_port() -> Iterator[int]:
+    root = Path(__file__).parents[2]
+    server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("grpclib_echo_server.py"))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root,
+                              env={"PYTHONPATH": str(root), "PATH": ""})
+    try:
+        assert server.stdout is not None
+        yield int(server.stdout.readline())
+    finally:
+        assert server.stdin is not None
+        server.stdin.close()
+        server.wait(30)
 
 
 def unwrapped(error: BaseException) -> BaseException:
@@ -118,3 +138,24 @@ async def test_many_calls_on_one_connection_within_the_servers_stream_limit(grpc
             for i in range(40):
                 nursery.start_soon(one, channel, i)
     assert sorted(results) == sorted([[b"call %d" % i] for i in range(40)])
+
+
+async def test_sessions_messages_through_a_grpclib_server(grpclib_port: int) -> None:
+    """Its StartSession echo: small and 1 MiB messages (past h2's 64 KiB default windows), in order."""
+    sizes = [1, 1 << 20, 10, 3 << 20, 0]
+    sent = [SessionMessage(node_fragments=[NodeFragment(id=f"n{i}", chunk_fragment=Chunk(data=b"s" * size))])
+            for i, size in enumerate(sizes)]
+    answers: list[SessionMessage] = []
+    with trio.fail_after(GUARD_S):
+        for _ in range(3):  # three calls on one connection
+            async with (
+                open_client_channel("127.0.0.1", grpclib_port) as channel,
+                channel.open_stream("/evergreen.v2.EvergreenService/StartSession", SessionMessage,
+                                    lambda items: items, options=ClientOptions(max_message_bytes=8 << 20)) as stream,
+            ):
+                for message in sent:
+                    await stream.outbound.put(message)
+                stream.finish()
+                while batch := await stream.inbound.get_batch():
+                    answers += batch  # type: ignore[arg-type]
+    assert answers == sent * 3
