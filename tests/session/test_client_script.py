@@ -28,8 +28,11 @@ def test_the_client_script_streams_reuses_and_cancels() -> None:
 
 def test_ctrl_c_mid_stream_ends_the_script_with_a_plain_keyboard_interrupt() -> None:
     with spawn_server() as server:
+        # As from a terminal: a suite started in the background (``cmd &``) ignores SIGINT, and its
+        # children would inherit that and never see the Ctrl-C.
         script = subprocess.Popen([sys.executable, str(SCRIPT), server.address, "--forever"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             assert script.stdout is not None
             streamed = 0
