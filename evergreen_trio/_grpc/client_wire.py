@@ -44,7 +44,6 @@ from evergreen_trio._grpc.http2 import (
     MAX_FRAME_SIZE_SETTING,
     MAX_WINDOW,
     NO_ERROR,
-    PADDED,
     PING,
     PREFACE,
     PRIORITY,
@@ -67,6 +66,7 @@ from evergreen_trio._grpc.http2 import (
     indexed_name_literal,
     literal_bytes,
     settings_frame,
+    unpad,
 )
 from evergreen_trio._grpc.http2 import frame as http2_frame
 
@@ -444,7 +444,7 @@ class ClientConnection:
             raise ProtocolViolation(FLOW_CONTROL_ERROR, "DATA past the connection window")
         if self._idle(stream_id):
             raise ProtocolViolation(PROTOCOL_ERROR, f"DATA on stream {stream_id}, never opened")
-        data = _unpad(flags, payload)
+        data = unpad(flags, payload)
         stream = self._streams.get(stream_id)
         if stream is None or stream.closed or stream.remote_closed:
             if size:  # a call already over here: its data only fills the connection window
@@ -466,7 +466,7 @@ class ClientConnection:
     def _headers(self, flags: int, stream_id: int, payload: bytes, out: list[Event]) -> None:
         if not stream_id:
             raise ProtocolViolation(PROTOCOL_ERROR, "HEADERS on stream 0")
-        block = _unpad(flags, payload)
+        block = unpad(flags, payload)
         if flags & PRIORITY_FLAG:
             if len(block) < 5:
                 raise ProtocolViolation(FRAME_SIZE_ERROR, "HEADERS too short for its priority")
@@ -691,14 +691,6 @@ class ClientConnection:
             if not stream.done:
                 self._ended(stream_id, stream, status, why, out)
         return out
-
-
-def _unpad(flags: int, payload: bytes) -> bytes:
-    if not flags & PADDED:
-        return payload
-    if not payload or payload[0] >= len(payload):
-        raise ProtocolViolation(PROTOCOL_ERROR, "padding as long as the frame")
-    return payload[1 : len(payload) - payload[0]]
 
 
 _FrameHandler = Callable[[ClientConnection, int, int, bytes, list[Event]], None]

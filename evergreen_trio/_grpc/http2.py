@@ -86,6 +86,16 @@ def indexed_name_literal(index: int, value: bytes) -> bytes:
     return hpack_int(index, 4) + hpack_int(len(value), 7) + value
 
 
+def unpad(flags: int, payload: bytes) -> bytes:
+    """A DATA or HEADERS payload without its padding; raises :class:`ProtocolViolation` for padding as
+    long as the frame."""
+    if not flags & PADDED:
+        return payload
+    if not payload or payload[0] >= len(payload):
+        raise ProtocolViolation(PROTOCOL_ERROR, "expected padding shorter than the frame")
+    return payload[1 : len(payload) - payload[0]]
+
+
 class HeaderDecoder:
     """``hpack.Decoder`` for one connection; a repeated block costs a lookup while the table is unchanged
     (a gRPC peer's headers repeat on every stream, as Envoy's and grpcio's do)."""

@@ -47,7 +47,6 @@ from evergreen_trio._grpc.http2 import (
     HEADERS,
     MAX_WINDOW,
     NO_ERROR,
-    PADDED,
     PING,
     PREFACE,
     PRIORITY,
@@ -69,6 +68,7 @@ from evergreen_trio._grpc.http2 import (
     header_frames,
     hpack_int,
     literal,
+    unpad,
 )
 from evergreen_trio.limits import check_limits
 
@@ -579,20 +579,13 @@ class GrpcWireConnection:
     def _push_promise(self, flags: int, stream_id: int, payload: bytes) -> None:
         raise ProtocolViolation(PROTOCOL_ERROR, "expected no PUSH_PROMISE from a client")
 
-    def _unpad(self, flags: int, payload: bytes) -> bytes:
-        if not flags & PADDED:
-            return payload
-        if not payload or payload[0] >= len(payload):
-            raise ProtocolViolation(PROTOCOL_ERROR, "expected padding shorter than the frame")
-        return payload[1 : len(payload) - payload[0]]
-
     def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id:
             raise ProtocolViolation(PROTOCOL_ERROR, "expected DATA on a stream, got stream 0")
         self._unacked += len(payload)
         if self._unacked > self.limits.window_bytes:
             raise ProtocolViolation(FLOW_CONTROL_ERROR, "peer sent past the connection window")
-        data = self._unpad(flags, payload)
+        data = unpad(flags, payload)
         stream = self._streams.get(stream_id)
         if stream is None:
             if stream_id > self._last_stream_id:
@@ -613,7 +606,7 @@ class GrpcWireConnection:
     def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id:
             raise ProtocolViolation(PROTOCOL_ERROR, "expected HEADERS on a stream, got stream 0")
-        block = self._unpad(flags, payload)
+        block = unpad(flags, payload)
         if flags & PRIORITY_FLAG:
             if len(block) < 5:
                 raise ProtocolViolation(FRAME_SIZE_ERROR, "expected a 5-byte priority in HEADERS")

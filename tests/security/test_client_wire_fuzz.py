@@ -171,10 +171,19 @@ def test_a_whole_call_gives_its_messages_then_ok() -> None:
          "UNAVAILABLE", "GOAWAY ENHANCE_YOUR_CALM: calm down"),
         (lambda s: b"\x00\x00\x04\x00\x00\x00\x00\x00\x00junk", "UNAVAILABLE", "broke the HTTP/2 protocol"),
         (lambda s: b"\xff\xff\xff\x00\x00\x00\x00\x00\x01", "UNAVAILABLE", "a frame of 16777215 bytes, over the"),
+        (lambda s: frame(DATA, 0, s, message(b"x")), "INTERNAL", "DATA before its response headers"),
+        (lambda s: frame(HEADERS, END_HEADERS, s, REPLY) + frame(HEADERS, END_HEADERS, s, OK), "INTERNAL",
+         "trailers that do not end the stream"),
+        (lambda s: frame(0x5, END_HEADERS, s, (2).to_bytes(4, "big") + REPLY), "UNAVAILABLE", "PUSH_PROMISE"),
+        (lambda s: frame(DATA, 0, s + 2, message(b"x")), "UNAVAILABLE", "never opened"),
+        (lambda s: frame(HEADERS, 0, s, REPLY) + frame(DATA, 0, s), "UNAVAILABLE", "expected CONTINUATION"),
+        (lambda s: frame(HEADERS, 0, s, REPLY) + frame(CONTINUATION, 0, s) * 70, "UNAVAILABLE", "over 64 frames"),
+        (lambda s: frame(WINDOW_UPDATE, 0, 0, (2**31 - 1).to_bytes(4, "big")), "UNAVAILABLE", "past 2^31-1"),
     ],
     ids=["trailers-only", "http-404", "bad-grpc-status", "no-grpc-status", "not-grpc", "cut-message",
          "no-trailers", "over-the-limit", "compressed", "refused", "goaway", "bad-frame",
-         "huge-frame-refused-on-its-header"],
+         "huge-frame-refused-on-its-header", "data-first", "trailers-not-ending", "push", "idle-stream",
+         "no-continuation", "continuation-flood", "window-overflow"],
 )
 def test_each_bad_answer_is_one_final_status(answer: object, status: str, text: str) -> None:
     conn, [sid] = opened()
@@ -319,25 +328,3 @@ def test_data_frames_follow_the_servers_max_frame_size() -> None:
         sizes.append(size)
         wire = wire[9 + size :]
     assert sizes == [32_768, 32_768, 32_768, 100_005 - 3 * 32_768]
-
-
-@pytest.mark.parametrize(
-    ("answer", "status", "text"),
-    [
-        (lambda s: frame(DATA, 0, s, message(b"x")), "INTERNAL", "DATA before its response headers"),
-        (lambda s: frame(HEADERS, END_HEADERS, s, REPLY) + frame(HEADERS, END_HEADERS, s, OK), "INTERNAL",
-         "trailers that do not end the stream"),
-        (lambda s: frame(0x5, END_HEADERS, s, (2).to_bytes(4, "big") + REPLY), "UNAVAILABLE", "PUSH_PROMISE"),
-        (lambda s: frame(DATA, 0, s + 2, message(b"x")), "UNAVAILABLE", "never opened"),
-        (lambda s: frame(HEADERS, 0, s, REPLY) + frame(DATA, 0, s), "UNAVAILABLE", "expected CONTINUATION"),
-        (lambda s: frame(HEADERS, 0, s, REPLY) + frame(CONTINUATION, 0, s) * 70, "UNAVAILABLE", "over 64 frames"),
-        (lambda s: frame(WINDOW_UPDATE, 0, 0, (2**31 - 1).to_bytes(4, "big")), "UNAVAILABLE", "past 2^31-1"),
-    ],
-    ids=["data-first", "trailers-not-ending", "push", "idle-stream", "no-continuation", "continuation-flood",
-         "window-overflow"],
-)
-def test_each_protocol_breach_is_one_final_status(answer: object, status: str, text: str) -> None:
-    conn, [sid] = opened()
-    events = conn.receive(answer(sid))  # type: ignore[operator]
-    final = [e for e in events if isinstance(e, StreamEnded)]
-    assert len(final) == 1 and final[0].status.name == status and text in final[0].message, final
