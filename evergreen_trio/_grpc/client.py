@@ -474,16 +474,17 @@ class ClientChannel:
         when it has one). No task is started for it.
         """
         options = options or ClientOptions()
-        holder: list[_Connection] = []
-        call: _Call
+        # The started call, for the stream's handoffs to reach; emptied at the end, so that the stream
+        # and its call (which holds the stream) are freed by reference counting, not left as a cycle.
+        link: list[tuple[_Connection, _Call]] = []
 
         def consumed(size: int) -> None:
-            if holder:
-                holder[0].consumed(call, size)
+            if link:
+                link[0][0].consumed(link[0][1], size)
 
         def wake() -> None:
-            if holder:
-                holder[0].ready(call)
+            if link:
+                link[0][0].ready(link[0][1])
 
         session: MessageStream[T] = MessageStream(pack, inbound=_Inbound(INBOUND_CAPACITY, consumed),
                                                   outbound=_Outbound(OUTBOUND_CAPACITY, wake))
@@ -497,7 +498,7 @@ class ClientChannel:
             session.inbound.close(error)
             session._mark_closed()
         else:
-            holder.append(connection)
+            link.append((connection, call))
         try:
             yield session
         finally:
@@ -505,6 +506,7 @@ class ClientChannel:
             if not session.closed:  # a shielded wait only when there is one (a scope costs a timer's bookkeeping)
                 with trio.CancelScope(shield=True):
                     await session.wait_closed()
+            link.clear()
 
     async def _start(self, call: _Call, path: str, options: ClientOptions) -> _Connection:
         """Start ``call`` on a connection with room for it, reopening the connection if the server
