@@ -503,9 +503,7 @@ class ClientChannel:
             yield session
         finally:
             session.finish()
-            if not session.closed:  # a shielded wait only when there is one (a scope costs a timer's bookkeeping)
-                with trio.CancelScope(shield=True):
-                    await session.wait_closed()
+            await session.wait_closed(shield=True)
             link.clear()
 
     async def _start(self, call: _Call, path: str, options: ClientOptions) -> _Connection:

@@ -190,15 +190,16 @@ class MessageStream(Generic[T]):
             self.final = FinalStatus(status if isinstance(status, Status) else Status(status), message)
             self.outbound.close()
 
-    @property
-    def closed(self) -> bool:
-        """Whether the transport has sent everything and released the stream."""
-        return self._done.is_set()
-
-    async def wait_closed(self) -> None:
-        """Wait until the transport has sent everything and released the stream (no scheduling pass
-        when it already has: a client leaving a finished session goes on in the same step)."""
-        if not self._done.is_set():
+    async def wait_closed(self, *, shield: bool = False) -> None:
+        """Wait until the transport has sent everything and released the stream (``shield``: whatever
+        cancels the caller). No scheduling pass and no cancel scope when it already has: a client leaving
+        a finished session goes on in the same step."""
+        if self._done.is_set():
+            return
+        if shield:
+            with trio.CancelScope(shield=True):
+                await self._done.wait()
+        else:
             await self._done.wait()
 
     def release(self) -> None:

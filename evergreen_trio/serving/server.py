@@ -278,9 +278,7 @@ class Server(ActionRegistry):
             # The final status goes out on the connection's writer: a session stays open until it has, so
             # that a stopping server (``_end_open_sessions``) waits for it before it says GOAWAY
             # (which ends this wait however slow the client is to read).
-            if not stream.closed:
-                with trio.CancelScope(shield=True):
-                    await stream.wait_closed()
+            await stream.wait_closed(shield=True)
             self._forget(stream)
 
     def _forget(self, stream: MessageStream[Outbound]) -> None:
