@@ -334,9 +334,7 @@ class _Connection:
                 out = b"".join(self._outgoing) if self._outgoing else b""
                 self._outgoing.clear()
                 if data := out + self.core.data_to_send():
-                    sent = sockets.write_now(self.stream, data)
-                    if sent < len(data):
-                        await self.stream.send_all(memoryview(data)[sent:])
+                    await sockets.send(self.stream, data)
                     self._sent.set()
                     self._sent = trio.Event()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:

@@ -476,10 +476,8 @@ class _Server:
             lock.acquire_nowait()
         try:
             out = connection.wire.data_to_send()
-            sent = sockets.write_now(connection.stream, out) if out else 0
-            if sent < len(out):  # the socket is full: wait, within the send timeout
-                with trio.fail_after(self.timeouts.send_s):
-                    await connection.stream.send_all(memoryview(out)[sent:])
+            if out:
+                await sockets.send(connection.stream, out, timeout=self.timeouts.send_s)
         finally:
             lock.release()
 

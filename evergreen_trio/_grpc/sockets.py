@@ -8,6 +8,7 @@ the writers try this first and wait (with their timeout) only for what is left.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -26,3 +27,13 @@ def write_now(stream: trio.abc.Stream, data: bytes | bytearray | memoryview) -> 
         return 0
     except OSError as error:
         raise trio.BrokenResourceError(f"socket connection broken: {error}") from error
+
+
+async def send(stream: trio.abc.Stream, data: bytes, *, timeout: float = math.inf) -> None:  # noqa: ASYNC109
+    """Send all of ``data``: what the socket takes at once without yielding, the rest with ``send_all``
+    within ``timeout`` seconds (``trio.TooSlowError`` past it). The timer is set only when there is a wait
+    (a caller's ``fail_after`` would cost a deadline on every send)."""
+    sent = write_now(stream, data)
+    if sent < len(data):  # the socket is full: wait
+        with trio.fail_after(timeout):
+            await stream.send_all(memoryview(data)[sent:])
