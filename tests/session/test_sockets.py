@@ -37,7 +37,7 @@ async def test_send_waits_for_the_rest_within_its_timeout() -> None:
     stream = trio.SocketStream(left)
     with right:
         await send(stream, b"small")  # taken at once
-        assert right.recv(16) == b"small"
+        assert await right.recv(16) == b"small"
         with pytest.raises(trio.TooSlowError):
             await send(stream, b"x" * 50_000_000, timeout=0.2)  # a peer that does not read
         await stream.aclose()
