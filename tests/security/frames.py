@@ -17,6 +17,7 @@ import hpack
 import trio
 from google.protobuf.wrappers_pb2 import BytesValue
 
+from evergreen_trio._grpc.http2 import ERROR_NAMES
 from evergreen_trio._grpc.server_wire import (
     CONTINUATION,
     DATA,
@@ -35,8 +36,6 @@ from evergreen_trio._grpc.server_wire import (
 )
 
 ECHO_PATH = "/test.Echo/Chat"
-ERROR_NAMES = {0x0: "NO_ERROR", 0x1: "PROTOCOL_ERROR", 0x3: "FLOW_CONTROL_ERROR", 0x7: "REFUSED_STREAM",
-               0x8: "CANCEL", 0x9: "COMPRESSION_ERROR", 0xB: "ENHANCE_YOUR_CALM"}
 
 
 class Echo:
