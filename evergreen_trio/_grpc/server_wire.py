@@ -45,6 +45,7 @@ from evergreen_trio._grpc.http2 import (
     FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
+    MAX_FRAME_SIZE_SETTING,
     MAX_WINDOW,
     NO_ERROR,
     PING,
@@ -68,6 +69,7 @@ from evergreen_trio._grpc.http2 import (
     header_frames,
     hpack_int,
     literal,
+    settings_frame,
     unpad,
 )
 from evergreen_trio.limits import check_limits
@@ -343,12 +345,9 @@ class GrpcWireConnection:
         self._opened = 0  # streams opened in this slice of input
         self._strike_second = 0
         window = self.limits.window_bytes
-        settings = b"".join(key.to_bytes(2, "big") + value.to_bytes(4, "big") for key, value in (
-            (SETTINGS_MAX_CONCURRENT_STREAMS, self.limits.max_concurrent_streams),
-            (SETTINGS_INITIAL_WINDOW_SIZE, window),
-            (SETTINGS_MAX_HEADER_LIST_SIZE, self.limits.max_header_list_bytes),
-        ))
-        self._out += frame(SETTINGS, 0, 0, settings)
+        self._out += settings_frame((SETTINGS_MAX_CONCURRENT_STREAMS, self.limits.max_concurrent_streams),
+                                    (SETTINGS_INITIAL_WINDOW_SIZE, window),
+                                    (SETTINGS_MAX_HEADER_LIST_SIZE, self.limits.max_header_list_bytes))
         if window > DEFAULT_WINDOW:
             self._out += frame(WINDOW_UPDATE, 0, 0, (window - DEFAULT_WINDOW).to_bytes(4, "big"))
 
@@ -718,7 +717,7 @@ class GrpcWireConnection:
                 grew |= value > self._peer_stream_window
                 self._peer_stream_window = value
             elif key == SETTINGS_MAX_FRAME_SIZE:
-                if not DEFAULT_FRAME_SIZE <= value <= 16_777_215:
+                if not DEFAULT_FRAME_SIZE <= value <= MAX_FRAME_SIZE_SETTING:
                     raise ProtocolViolation(PROTOCOL_ERROR,
                                             f"expected a max frame size in 16384..16777215, got {value}")
                 self._peer_frame_size = value
