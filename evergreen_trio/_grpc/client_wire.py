@@ -62,6 +62,7 @@ from evergreen_trio._grpc.http2 import (
     WINDOW_UPDATE,
     HeaderDecoder,
     ProtocolViolation,
+    goaway_frame,
     header_frames,
     indexed_name_literal,
     literal_bytes,
@@ -278,7 +279,7 @@ class ClientConnection:
     def close(self, reason: str) -> None:
         """GOAWAY(NO_ERROR): this side is done with the connection."""
         if not self.closed:
-            self._out += http2_frame(GOAWAY, 0, 0, bytes(4) + NO_ERROR.to_bytes(4, "big"))
+            self._out += goaway_frame(0, NO_ERROR)
             self._end_all(Status.UNAVAILABLE, reason)
 
     # -- input --------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ class ClientConnection:
             self._process(out)
         except ProtocolViolation as error:
             # GOAWAY naming the error; what this read held after the bad frame is lost with it.
-            self._out += http2_frame(GOAWAY, 0, 0, bytes(4) + error.code.to_bytes(4, "big") + str(error).encode()[:256])
+            self._out += goaway_frame(0, error.code, str(error))
             out.extend(self._end_all(Status.UNAVAILABLE, f"the server broke the HTTP/2 protocol: {error}"))
         return out
 

@@ -48,6 +48,11 @@ def settings_frame(*entries: tuple[int, int]) -> bytes:
     return frame(SETTINGS, 0, 0, b"".join(key.to_bytes(2, "big") + value.to_bytes(4, "big") for key, value in entries))
 
 
+def goaway_frame(last_stream_id: int, code: int, message: str = "") -> bytes:
+    """GOAWAY with ``code`` and at most 256 bytes of ``message`` as its debug data."""
+    return frame(GOAWAY, 0, 0, last_stream_id.to_bytes(4, "big") + code.to_bytes(4, "big") + message.encode()[:256])
+
+
 def header_frames(stream_id: int, flags: int, block: bytes, max_frame: int) -> bytes:
     """HEADERS with ``flags`` (END_HEADERS added), split into CONTINUATION frames past ``max_frame``."""
     if len(block) <= max_frame:

@@ -66,6 +66,7 @@ from evergreen_trio._grpc.http2 import (
     HeaderDecoder,
     ProtocolViolation,
     frame,
+    goaway_frame,
     header_frames,
     hpack_int,
     literal,
@@ -221,8 +222,7 @@ def refusal(message: str) -> bytes:
     """What a server sends a connection it will not serve (past its connection cap): an empty
     SETTINGS (its preface) and GOAWAY ENHANCE_YOUR_CALM with last stream 0, so the client knows
     no request was processed and backs off before it retries."""
-    payload = (0).to_bytes(4, "big") + ENHANCE_YOUR_CALM.to_bytes(4, "big") + message.encode()[:256]
-    return frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, payload)
+    return frame(SETTINGS, 0, 0) + goaway_frame(0, ENHANCE_YOUR_CALM, message)
 
 
 def _percent_encode(message: str) -> str:
@@ -440,8 +440,7 @@ class GrpcWireConnection:
             _abort(stream)
 
     def _goaway(self, code: int, message: str) -> None:
-        self._out += frame(GOAWAY, 0, 0, self._last_stream_id.to_bytes(4, "big")
-                            + code.to_bytes(4, "big") + message.encode()[:256])
+        self._out += goaway_frame(self._last_stream_id, code, message)
         self.abort_streams()
         self._blocked_on_stream.clear()
         self._blocked_on_connection.clear()
