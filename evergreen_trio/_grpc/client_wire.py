@@ -66,6 +66,7 @@ from evergreen_trio._grpc.http2 import (
     header_frames,
     indexed_name_literal,
     literal_bytes,
+    settings_entries,
     settings_frame,
     unpad,
 )
@@ -347,12 +348,8 @@ class ClientConnection:
             if payload:
                 raise ProtocolViolation(FRAME_SIZE_ERROR, "a SETTINGS ACK with a payload")
             return
-        if len(payload) % 6:
-            raise ProtocolViolation(FRAME_SIZE_ERROR, "SETTINGS not made of 6-byte entries")
         grew = False
-        for offset in range(0, len(payload), 6):
-            key = int.from_bytes(payload[offset : offset + 2], "big")
-            value = int.from_bytes(payload[offset + 2 : offset + 6], "big")
+        for key, value in settings_entries(payload):
             if key == SETTINGS_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise ProtocolViolation(FLOW_CONTROL_ERROR, f"an initial window over {MAX_WINDOW}")

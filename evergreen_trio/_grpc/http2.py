@@ -48,6 +48,15 @@ def settings_frame(*entries: tuple[int, int]) -> bytes:
     return frame(SETTINGS, 0, 0, b"".join(key.to_bytes(2, "big") + value.to_bytes(4, "big") for key, value in entries))
 
 
+def settings_entries(payload: bytes) -> list[tuple[int, int]]:
+    """A SETTINGS payload's (identifier, value) pairs; raises :class:`ProtocolViolation` FRAME_SIZE_ERROR
+    when it is not made of 6-byte entries."""
+    if len(payload) % 6:
+        raise ProtocolViolation(FRAME_SIZE_ERROR, "expected SETTINGS of 6-byte entries")
+    return [(int.from_bytes(payload[at : at + 2], "big"), int.from_bytes(payload[at + 2 : at + 6], "big"))
+            for at in range(0, len(payload), 6)]
+
+
 def goaway_frame(last_stream_id: int, code: int, message: str = "") -> bytes:
     """GOAWAY with ``code`` and at most 256 bytes of ``message`` as its debug data."""
     return frame(GOAWAY, 0, 0, last_stream_id.to_bytes(4, "big") + code.to_bytes(4, "big") + message.encode()[:256])

@@ -70,6 +70,7 @@ from evergreen_trio._grpc.http2 import (
     header_frames,
     hpack_int,
     literal,
+    settings_entries,
     settings_frame,
     unpad,
 )
@@ -697,13 +698,10 @@ class GrpcWireConnection:
             if payload:
                 raise ProtocolViolation(FRAME_SIZE_ERROR, "expected an empty SETTINGS ACK")
             return
-        if len(payload) % 6:
-            raise ProtocolViolation(FRAME_SIZE_ERROR, "expected SETTINGS of 6-byte entries")
+        entries = settings_entries(payload)
         self._settings_seen = True
         grew = False
-        for offset in range(0, len(payload), 6):
-            key = int.from_bytes(payload[offset : offset + 2], "big")
-            value = int.from_bytes(payload[offset + 2 : offset + 6], "big")
+        for key, value in entries:
             if key == SETTINGS_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise ProtocolViolation(FLOW_CONTROL_ERROR, f"expected an initial window <= {MAX_WINDOW}")
