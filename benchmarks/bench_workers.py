@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from benchmarks._harness import Row, print_table, run_plain_asyncio, write_results
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
@@ -112,6 +113,14 @@ def _serve(workers: int, cores: Sequence[int] | None) -> tuple[subprocess.Popen[
         process.kill()
         raise RuntimeError(f"serve printed {line!r}")
     return process, line.split()[3]
+
+
+def siblings(core: int) -> str:
+    """The logical CPUs sharing ``core``'s physical core, as Linux lists them ("" where it does not say)."""
+    try:
+        return Path(f"/sys/devices/system/cpu/cpu{core}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _stop(process: subprocess.Popen[str]) -> None:
@@ -205,8 +214,13 @@ def run(quick: bool = False) -> None:
         print(f"\ngoal >= {GOAL} x N of one worker: not measurable here (no N > 1 on cores of its own)")
     for note in notes:
         print(note)
+    # SMT: a server core whose sibling runs a load process shares a physical core with it.
+    topology = {core: siblings(core) for core in cores}
+    smt = any("," in listed or "-" in listed for listed in topology.values())
+    host = f"{len(cores)} cores, {'SMT: some share a physical core' if smt else 'one thread per physical core'}"
+    print(host)
     path = write_results("workers", rows, quick=quick, cpus=len(cores), seconds=seconds, notes=notes,
-                         load_average_before=busy)
+                         load_average_before=busy, thread_siblings=topology, host=host)
     print(f"\nwrote {path}")
 
 

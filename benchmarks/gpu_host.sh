@@ -24,5 +24,6 @@ step trace, kept connection; timeout 50 python3 -m benchmarks.ipc_trace --memory
     --kept --out /tmp/trace-kept && cp /tmp/trace-kept/summary-cupy.json "$OUT/trace-kept.json"
 step workers; timeout 100 python3 -m benchmarks workers --quick
 step ipc on CPU; timeout 90 python3 -m benchmarks ipc --quick
+step session; timeout 90 python3 -m benchmarks session
 step done
 } 2>&1 | tee "$OUT/log.txt"
