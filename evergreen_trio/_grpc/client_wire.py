@@ -105,11 +105,14 @@ class MessageReceived:
 
 @dataclass(frozen=True, slots=True)
 class StreamEnded:
-    """``stream_id`` is over (nothing more arrives on it) with this final status."""
+    """``stream_id`` is over (nothing more arrives on it) with this final status. ``unprocessed``: the
+    server said it did not process the call (REFUSED_STREAM before any response, or a GOAWAY whose
+    last stream id is below it), so it may be sent again, on this connection or another."""
 
     stream_id: int
     status: Status
     message: str
+    unprocessed: bool = False
 
 
 Event = MessageReceived | StreamEnded
@@ -268,6 +271,8 @@ class ClientConnection:
         if stream.received > stream.acked:
             self._credit_connection(stream.received - stream.acked)
         self._reset(stream_id, stream, CANCEL)
+        if not self.accepting:
+            self._close_if_done()
 
     def consumed(self, stream_id: int, size: int) -> None:
         """``size`` bytes of whole messages (their :attr:`MessageReceived.size`) were taken: their
@@ -428,10 +433,20 @@ class ClientConnection:
     def _goaway(self, flags: int, stream_id: int, payload: bytes, out: list[Event]) -> None:
         if stream_id or len(payload) < 8:
             raise ProtocolViolation(PROTOCOL_ERROR, "a GOAWAY of under 8 bytes, or on a stream")
-        # Calls the server would still have finished end here too (as they did with h2 and grpclib).
+        last = int.from_bytes(payload[:4], "big") & MAX_STREAM_ID
         code, said = int.from_bytes(payload[4:8], "big"), _text(payload[8:])
         why = f"the server went away (GOAWAY {_code_name(code)}{': ' + said if said else ''})"
-        out.extend(self._end_all(Status.UNAVAILABLE, why))
+        self.accepting = False
+        self.reason = why
+        # RFC 9113, 6.8: streams up to ``last`` may still complete (a graceful shutdown lets them run
+        # out); those above it were not processed, so they may be sent again on another connection
+        # (unless the server answered one all the same: then it ends, with nothing to say it may be).
+        for above_id, stream in self._streams.items():
+            if above_id > last and not stream.done:
+                stream.remote_closed = True
+                self._closed(stream)
+                self._ended(above_id, stream, Status.UNAVAILABLE, why, out, unprocessed=not stream.headers_seen)
+        self._close_if_done()
 
     def _data(self, flags: int, stream_id: int, payload: bytes, out: list[Event]) -> None:
         if not stream_id:
@@ -666,19 +681,29 @@ class ClientConnection:
             return
         status = _RESET_STATUS.get(code, Status.UNAVAILABLE)
         why = f"the stream ended without a status (reset by the server: {_code_name(code)})"
-        self._ended(stream_id, stream, status, why, out)
+        self._ended(stream_id, stream, status, why, out,
+                    unprocessed=code == REFUSED_STREAM and not stream.headers_seen)
 
     def _fail(self, stream_id: int, stream: _Stream, status: Status, why: str, out: list[Event]) -> None:
         """This side gives up on the call (bad input on it): reset, and end it with ``status``."""
         self._reset(stream_id, stream, CANCEL)
         self._ended(stream_id, stream, status, why, out)
 
-    def _ended(self, stream_id: int, stream: _Stream, status: Status, why: str, out: list[Event]) -> None:
+    def _ended(self, stream_id: int, stream: _Stream, status: Status, why: str, out: list[Event], *,
+               unprocessed: bool = False) -> None:
         stream.done = True
         stream.final = (status, why)
         stream.buffer = bytearray()
         self._drop_output(stream)
-        out.append(StreamEnded(stream_id, status, why))
+        out.append(StreamEnded(stream_id, status, why, unprocessed))
+        if not self.accepting:
+            self._close_if_done()
+
+    def _close_if_done(self) -> None:
+        """After the server's GOAWAY, once its last call is over: GOAWAY back, and the connection is closed."""
+        if not self.closed and all(stream.done for stream in self._streams.values()):
+            self._out += goaway_frame(0, NO_ERROR)
+            self.closed = True
 
     def _end_all(self, status: Status, why: str) -> list[Event]:
         self.accepting = False

@@ -112,7 +112,9 @@ async def test_a_stream_never_answered_ends_at_the_timeout(nursery: trio.Nursery
     [
         (b"\x00\x00\x05\x00\x00\x00\x00\x00\x01" + b"\x00\x06\x40\x00\x00", StatusCode.RESOURCE_EXHAUSTED,
          "a message of 104857600 bytes, over the"),
-        (b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" + b"\x00\x00\x00\x01\x00\x00\x00\x0b", StatusCode.UNAVAILABLE,
+        # A GOAWAY below the stream it already answered: the call ends (a last stream id at or above
+        # it would let it run on).
+        (b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" + b"\x00\x00\x00\x00\x00\x00\x00\x0b", StatusCode.UNAVAILABLE,
          "GOAWAY ENHANCE_YOUR_CALM"),
         (b"\x00\x00\x04\x00\x00\x00\x00\x00\x00junk", StatusCode.UNAVAILABLE, "broke the HTTP/2 protocol"),
         (b"\x00\x00\x04\x03\x00\x00\x00\x00\x01\x00\x00\x00\x07", StatusCode.UNAVAILABLE, "REFUSED_STREAM"),

@@ -21,6 +21,7 @@ from frames import (  # the picker wire's frame constants, as the raw attack cli
     frame,
     settings,
 )
+from grpclib.const import Status
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -64,14 +65,17 @@ def kinds(wire: bytes) -> list[tuple[int, int]]:
     return out
 
 
-def check(conn: ClientConnection, events: list[object], ended: set[int]) -> None:
+def check(conn: ClientConnection, events: list[object], ended: set[int], answered: set[int] | None = None) -> None:
+    answered = set() if answered is None else answered
     for event in events:
         assert isinstance(event, MessageReceived | StreamEnded)
         if isinstance(event, MessageReceived):
             assert len(event.body) <= LIMIT and event.size == len(event.body) + 5
             assert event.stream_id not in ended
+            answered.add(event.stream_id)
         else:
             assert event.stream_id not in ended, "two final statuses"
+            assert not (event.unprocessed and event.stream_id in answered), "answered, yet to be sent again"
             ended.add(event.stream_id)
     for stream in conn._streams.values():
         assert len(stream.buffer) <= LIMIT + 5 + 16_384
@@ -115,22 +119,25 @@ def test_framed_conversations_never_raise_and_keep_the_accounting(
 ) -> None:
     conn, ids = opened(3)
     ended: set[int] = set()
+    answered: set[int] = set()
     data = b"".join(sequence)
     for offset in range(0, len(data), chunk):
         events = conn.receive(data[offset : offset + chunk])
-        check(conn, events, ended)
+        check(conn, events, ended, answered)
         if consume:
             for event in events:
                 if isinstance(event, MessageReceived):
                     conn.consumed(event.stream_id, event.size)
         conn.data_to_send()
+    if conn.closed:  # by the server: each call had its final status
+        assert set(ids) <= ended
     for stream_id in ids:
         conn.send_message(stream_id, b"x" * 100)
         conn.end_stream(stream_id)
         conn.release(stream_id)
     conn.data_to_send()
-    if conn.closed:
-        assert set(ids) <= ended
+    if not conn.accepting:  # after a GOAWAY, the last call's end closes the connection
+        assert conn.closed
 
 
 def test_a_whole_call_gives_its_messages_then_ok() -> None:
@@ -167,7 +174,7 @@ def test_a_whole_call_gives_its_messages_then_ok() -> None:
         (lambda s: frame(HEADERS, END_HEADERS, s, REPLY) + frame(DATA, 0, s, message(b"x", flag=1)),
          "UNIMPLEMENTED", "compressed"),
         (lambda s: frame(RST_STREAM, 0, s, (7).to_bytes(4, "big")), "UNAVAILABLE", "REFUSED_STREAM"),
-        (lambda s: frame(GOAWAY, 0, 0, s.to_bytes(4, "big") + (11).to_bytes(4, "big") + b"calm down"),
+        (lambda s: frame(GOAWAY, 0, 0, (s - 1).to_bytes(4, "big") + (11).to_bytes(4, "big") + b"calm down"),
          "UNAVAILABLE", "GOAWAY ENHANCE_YOUR_CALM: calm down"),
         (lambda s: b"\x00\x00\x04\x00\x00\x00\x00\x00\x00junk", "UNAVAILABLE", "broke the HTTP/2 protocol"),
         (lambda s: b"\xff\xff\xff\x00\x00\x00\x00\x00\x01", "UNAVAILABLE", "a frame of 16777215 bytes, over the"),
@@ -190,6 +197,49 @@ def test_each_bad_answer_is_one_final_status(answer: object, status: str, text: 
     events = conn.receive(answer(sid))  # type: ignore[operator]
     final = [e for e in events if isinstance(e, StreamEnded)]
     assert len(final) == 1 and final[0].status.name == status and text in final[0].message, final
+
+
+def goaway(last: int, code: int = 0, said: bytes = b"") -> bytes:
+    return frame(GOAWAY, 0, 0, last.to_bytes(4, "big") + code.to_bytes(4, "big") + said)
+
+
+def test_a_goaway_ends_only_the_calls_above_its_last_stream_and_says_they_were_not_processed() -> None:
+    """RFC 9113, 6.8, as a graceful shutdown uses it: calls up to the last stream id run on to their end;
+    those above it end UNAVAILABLE, marked as not processed (the shell may send them again); no new
+    call starts; the last call's end closes the connection, with a GOAWAY back."""
+    conn, [first, second, third] = opened(3)
+    events = conn.receive(frame(HEADERS, END_HEADERS, first, REPLY) + goaway(second, said=b"Server shutdown"))
+    assert events == [StreamEnded(third, Status.UNAVAILABLE, "the server went away (GOAWAY NO_ERROR: Server shutdown)",
+                                  unprocessed=True)]
+    assert not conn.accepting and not conn.closed
+    events = conn.receive(frame(DATA, 0, first, message(b"answer"))
+                          + frame(HEADERS, END_HEADERS | END_STREAM, first, OK)
+                          + frame(HEADERS, END_HEADERS | END_STREAM, second, REPLY + OK))
+    assert [(type(e).__name__, e.stream_id) for e in events] == [
+        ("MessageReceived", first), ("StreamEnded", first), ("StreamEnded", second)]
+    assert all(not e.unprocessed for e in events if isinstance(e, StreamEnded))
+    assert conn.closed and (GOAWAY, 0) in kinds(conn.data_to_send())
+
+
+def test_a_second_goaway_lowers_the_last_stream_and_a_released_call_closes_the_connection() -> None:
+    """grpc-core's graceful shutdown: GOAWAY(2^31-1), then GOAWAY(the real last stream id)."""
+    conn, [first, second] = opened(2)
+    assert conn.receive(goaway(2**31 - 1)) == []
+    [event] = conn.receive(goaway(first))
+    assert isinstance(event, StreamEnded) and event.stream_id == second and event.unprocessed
+    assert not conn.closed
+    conn.release(first)  # the caller gave up on it: nothing is left to wait for
+    assert conn.closed
+
+
+def test_a_refused_stream_is_unprocessed_only_before_its_response() -> None:
+    conn, [early, late] = opened(2)
+    refused = (7).to_bytes(4, "big")
+    events = conn.receive(frame(RST_STREAM, 0, early, refused) + frame(HEADERS, END_HEADERS, late, REPLY)
+                          + frame(RST_STREAM, 0, late, refused))
+    ended = [(e.stream_id, e.unprocessed) for e in events if isinstance(e, StreamEnded)]
+    assert ended == [(early, True), (late, False)]
+    assert conn.accepting
 
 
 def test_response_headers_over_the_header_list_limit_end_the_connection() -> None:

@@ -39,16 +39,22 @@ def chat(requests: Iterator[BytesValue], context: grpc.ServicerContext) -> Itera
         yield request
 
 
-@pytest.fixture
-def grpcio_port() -> Iterator[int]:
+def grpcio_server(*options: tuple[str, int]) -> tuple[grpc.Server, int]:
+    """A started grpcio server of ``chat`` and its port."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
         ("grpc.max_receive_message_length", 8 << 20),
-        ("grpc.max_send_message_length", 8 << 20)])
+        ("grpc.max_send_message_length", 8 << 20), *options])
     handler = grpc.method_handlers_generic_handler("test.Echo", {"Chat": grpc.stream_stream_rpc_method_handler(
         chat, request_deserializer=BytesValue.FromString, response_serializer=BytesValue.SerializeToString)})
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    return server, port
+
+
+@pytest.fixture
+def grpcio_port() -> Iterator[int]:
+    server, port = grpcio_server()
     try:
         yield port
     finally:
@@ -138,6 +144,35 @@ async def test_many_calls_on_one_connection_within_the_servers_stream_limit(grpc
             for i in range(40):
                 nursery.start_soon(one, channel, i)
     assert sorted(results) == sorted([[b"call %d" % i] for i in range(40)])
+
+
+async def test_a_call_in_flight_runs_to_its_end_through_a_graceful_shutdown() -> None:
+    """grpcio's ``stop(grace)`` says GOAWAY at once and lets the calls in flight finish within the grace.
+    The client's call goes on through it (it used to end UNAVAILABLE at the GOAWAY), and the
+    connection closes after it."""
+    server, port = grpcio_server()
+    try:
+        with trio.fail_after(GUARD_S):
+            async with (
+                open_client_channel("127.0.0.1", port) as channel,
+                channel.open_stream(PATH, BytesValue, lambda items: items) as stream,
+            ):
+                await stream.outbound.put(BytesValue(value=b"before"))
+                assert [m.value for m in await stream.inbound.get_batch()] == [b"before"]  # type: ignore[attr-defined]
+                stopped = server.stop(GUARD_S)
+                connection = channel._connection
+                while connection.core.accepting:  # noqa: ASYNC110 (nothing to wait on says the GOAWAY came)
+                    await trio.sleep(0.01)
+                await stream.outbound.put(BytesValue(value=b"after"))
+                stream.finish()
+                answers = []
+                while batch := await stream.inbound.get_batch():
+                    answers += [m.value for m in batch]  # type: ignore[attr-defined]
+                assert answers == [b"after"]
+            assert connection.core.closed
+    finally:
+        server.stop(None)
+    assert stopped.wait(GUARD_S)
 
 
 async def test_sessions_messages_through_a_grpclib_server(grpclib_port: int) -> None:
