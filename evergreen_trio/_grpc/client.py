@@ -54,6 +54,15 @@ CLOSE_SECONDS = 0.5
 MAX_BACKOFF_SECONDS = 5.0
 """The longest wait between two connection attempts."""
 
+REPLAY_BYTES = 256 * 1024
+"""What a call keeps of the messages it sent until the server's first answer, to send them again if the
+server says it did not process the call (grpc-core's default per-call retry buffer); past it, such a
+call ends UNAVAILABLE instead."""
+
+TRANSPARENT_RETRIES = 3
+"""How many times one call is sent again after the server said it did not process it (REFUSED_STREAM, or
+above a GOAWAY's last stream id): a server that refuses every stream cannot keep a call going round."""
+
 _METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
 _RESERVED = (":", "grpc-")
 
@@ -157,17 +166,46 @@ class _Outbound(Handoff[T]):
 
 
 class _Call:
-    """One stream of a connection."""
+    """One call (a stream of a connection; another one's if it is sent again)."""
 
-    __slots__ = ("deadline", "finishing", "reply_type", "session", "stream_id", "timeout")
+    __slots__ = ("deadline", "finishing", "link", "options", "path", "replay", "replay_bytes", "reply_type", "retries",
+                 "retrying", "session", "stream_id", "timeout")
 
-    def __init__(self, session: MessageStream[Any], reply_type: type[Message], timeout: float | None) -> None:
+    def __init__(self, session: MessageStream[Any], reply_type: type[Message], path: str, options: ClientOptions,
+                 link: list[tuple[_Connection, _Call]]) -> None:
         self.session = session
         self.reply_type = reply_type
-        self.timeout = timeout
-        self.deadline = math.inf if timeout is None else trio.current_time() + timeout
+        self.path = path
+        self.options = options
+        self.timeout = options.timeout
+        self.deadline = math.inf if self.timeout is None else trio.current_time() + self.timeout
+        self.link = link  # (connection, self) while on a connection: the stream's handoffs reach it so
         self.stream_id = 0
         self.finishing = False  # its end (half-close or reset) was sent
+        # What was sent until the server's first answer, kept to send again (None: answered, or past
+        # REPLAY_BYTES); how many times it was sent again; the wait to do so, cancelled with the stream.
+        self.replay: list[bytes] | None = []
+        self.replay_bytes = 0
+        self.retries = 0
+        self.retrying: trio.CancelScope | None = None
+
+    def keep(self, body: bytes) -> None:
+        """Keep a message sent, for a replay, within ``REPLAY_BYTES``."""
+        if self.replay is not None:
+            self.replay_bytes += len(body)
+            if self.replay_bytes > REPLAY_BYTES:
+                self.replay = None
+            else:
+                self.replay.append(body)
+
+    def close_stream(self, error: RpcAbortError | None) -> None:
+        """The call is over: its stream's reader sees ``error`` (None: OK) after what it received."""
+        session = self.session
+        session.inbound.close(error)
+        outbound = session.outbound
+        assert isinstance(outbound, _Outbound)
+        outbound.abandon(error)
+        session._mark_closed()
 
 
 class _Connection:
@@ -188,6 +226,8 @@ class _Connection:
         self._blocked: set[_Call] = set()  # calls whose items wait for the server's window
         self._scope = trio.CancelScope()
         self._finished = trio.Event()
+        # Sends again a call the server did not process (the channel's); None: such a call just ends.
+        self.retry: Callable[[_Call, _Connection], None] | None = None
 
     def usable(self) -> bool:
         return self.core.accepting
@@ -198,12 +238,17 @@ class _Connection:
         """Start ``call`` on this connection now; False when it does not fit (no room, or going away)."""
         if not self.core.accepting or not self.core.room():
             return False
-        stream_id = self.core.start_stream(path, metadata=options.metadata, timeout=options.timeout,
+        timeout = options.timeout  # sent again: what is left of it
+        if call.retries and timeout is not None:
+            timeout = max(call.deadline - trio.current_time(), 0.0)
+        stream_id = self.core.start_stream(path, metadata=options.metadata, timeout=timeout,
                                            max_message_bytes=options.max_message_bytes)
         if stream_id is None:
             return False
         call.stream_id = stream_id
         self.calls[stream_id] = call
+        for body in call.replay if call.retries and call.replay else ():
+            self.core.send_message(stream_id, body)
         if call.deadline < math.inf:
             heapq.heappush(self._deadlines, (call.deadline, stream_id))
             self._waiting.deadline = min(self._waiting.deadline, call.deadline)
@@ -216,20 +261,19 @@ class _Connection:
 
     def end(self, call: _Call, status: Status, message: str) -> None:
         """The stream is over: its reader sees ``status`` after what was already received."""
+        if self._detach(call):
+            call.close_stream(None if status is Status.OK else RpcAbortError(status, message or status.name))
+
+    def _detach(self, call: _Call) -> bool:
+        """Take ``call`` off this connection (False if it was not on it)."""
         if self.calls.pop(call.stream_id, None) is None:
-            return
-        session = call.session
-        error = None if status is Status.OK else RpcAbortError(status, message or status.name)
-        session.inbound.close(error)
-        outbound = session.outbound
-        assert isinstance(outbound, _Outbound)
-        outbound.abandon(error)
+            return False
         self.core.release(call.stream_id)
         self._ready.pop(call, None)
-        session._mark_closed()
         self.room.set()
         self.room = trio.Event()
         self._send_soon()  # what release() gave back (window updates)
+        return True
 
     def end_all(self, why: str) -> None:
         for event in self.core.connection_lost(why):
@@ -319,6 +363,13 @@ class _Connection:
             assert isinstance(inbound, _Inbound)
             inbound.deliver(message, event.size)
             call.session.received += 1
+            call.replay = None  # answered: the server processed it
+        elif (event.unprocessed and call.replay is not None and call.retries < TRANSPARENT_RETRIES
+              and self.retry is not None and self._detach(call)):
+            log.debug("grpc.call_not_processed target=%s stream=%d: %s; sending it again", self.target,
+                      event.stream_id, event.message)
+            call.link.clear()
+            self.retry(call, self)
         else:
             self.end(call, event.status, event.message)
 
@@ -357,7 +408,10 @@ class _Connection:
                 break
             session.last_activity = trio.current_time()
             for message in session.pack(batch):
-                self.core.send_message(stream_id, message.SerializeToString())
+                body = message.SerializeToString()
+                self.core.send_message(stream_id, body)
+                if call.replay is not None:
+                    call.keep(body)
         if outbound.drained and not call.finishing:
             call.finishing = True
             final = session.final
@@ -455,6 +509,7 @@ class ClientChannel:
         self._reconnecting = trio.Lock()
         self._closed = False
         self._connections = [connection]  # the current one last; earlier ones end when the server is done
+        connection.retry = self._retry
 
     @asynccontextmanager
     async def open_stream(
@@ -487,9 +542,9 @@ class ClientChannel:
         session: MessageStream[T] = MessageStream(pack, inbound=_Inbound(INBOUND_CAPACITY, consumed),
                                                   outbound=_Outbound(OUTBOUND_CAPACITY, wake))
         session.peer = self.target
-        call = _Call(session, reply_type, options.timeout)
+        call = _Call(session, reply_type, path, options, link)
         try:
-            connection = await self._start(call, path, options)
+            connection = await self._start(call)
         except RpcAbortError as error:
             # Its reader learns why; what is put meanwhile goes nowhere (a closed outbound would make
             # the first put fail first, with no reason given).
@@ -499,14 +554,47 @@ class ClientChannel:
             link.append((connection, call))
         try:
             yield session
+        except BaseException:
+            if call.retrying is not None:  # no waiting, shielded, for a call to be sent again
+                call.retrying.cancel()
+            raise
         finally:
             session.finish()
             await session.wait_closed(shield=True)
             link.clear()
 
-    async def _start(self, call: _Call, path: str, options: ClientOptions) -> _Connection:
+    def _retry(self, call: _Call, refused_by: _Connection) -> None:
+        """Send ``call`` again (its connection took it off: the server did not process it)."""
+        call.retries += 1
+        call.finishing = False
+        call.retrying = trio.CancelScope()
+        self._nursery.start_soon(self._restart, call, refused_by)
+
+    async def _restart(self, call: _Call, refused_by: _Connection) -> None:
+        error = RpcAbortError(Status.CANCELLED, "the call was cancelled while it was being sent again")
+        connection = None
+        assert call.retrying is not None
+        try:
+            with call.retrying:
+                # Refused on a connection still open, with calls of its own: its server has less room than
+                # it said (grpcio counts a stream until its handler ends); wait for one to end first.
+                if refused_by.usable() and refused_by.calls:
+                    with trio.move_on_at(call.deadline):
+                        await refused_by.room.wait()
+                connection = await self._start(call)
+        except RpcAbortError as failed:
+            error = failed
+        finally:
+            call.retrying = None
+            if connection is None:
+                call.close_stream(error)
+            else:
+                call.link.append((connection, call))
+
+    async def _start(self, call: _Call) -> _Connection:
         """Start ``call`` on a connection with room for it, reopening the connection if the server
         went away; raises :class:`RpcAbortError` when it cannot (within the call's deadline)."""
+        path, options = call.path, call.options
         if not self._closed and self._connection.open(call, path, options):
             return self._connection  # the common case: room on the open connection, no wait and no timer
         with trio.move_on_at(call.deadline):
@@ -528,6 +616,7 @@ class ClientChannel:
                             fresh = await _connect(self._host, self._port, self._tls, self._connect_timeout)
                         except ConnectFailedError as error:
                             raise RpcAbortError(Status.UNAVAILABLE, error.message) from None
+                        fresh.retry = self._retry
                         self._connection = fresh
                         self._connections = [c for c in self._connections if not c.core.closed] + [fresh]
                         self._nursery.start_soon(fresh.run)

@@ -2,7 +2,8 @@
 
 Each answer it can give (garbage, silence, a stream never answered, an oversized message, GOAWAY or a
 broken frame mid-stream, a refused stream) ends in one plain :class:`SessionAbortedError` naming what
-happened, within the client's deadlines; never a hang, never an exception group.
+happened, within the client's deadlines; never a hang, never an exception group. A call the server
+says it did not process is sent again, a bounded number of times.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import h2.events
 import h2.settings
 import pytest
 import trio
+from google.protobuf.wrappers_pb2 import BytesValue
 
 from evergreen_trio import Client, NodeRef, SessionAbortedError, StatusCode, text
+from evergreen_trio._grpc.client import REPLAY_BYTES, TRANSPARENT_RETRIES, open_client_channel
+from evergreen_trio._grpc.errors import RpcAbortError
 
 Behaviour = Callable[[trio.SocketStream], Awaitable[None]]
 
@@ -137,7 +141,11 @@ async def test_a_bad_answer_mid_stream_is_one_status(
     assert error.code is code and said in str(error), error
 
 
-async def test_after_a_goaway_the_next_session_opens_a_new_connection(nursery: trio.Nursery) -> None:
+async def test_a_server_that_never_processes_a_call_gets_it_a_bounded_number_of_times(nursery: trio.Nursery) -> None:
+    """GOAWAY(last stream 0) on every connection, as the call arrives: the call was not processed, so
+    it is sent again on a new connection, at most TRANSPARENT_RETRIES times; then the session ends
+    UNAVAILABLE naming the GOAWAY, and the next session starts on a new connection too."""
+
     async def go_away(stream: trio.SocketStream) -> None:
         conn = await speak(stream)
         await request(stream, conn)
@@ -153,6 +161,101 @@ async def test_after_a_goaway_the_next_session_opens_a_new_connection(nursery: t
                     async with client.session() as session:
                         call = await session.run("ECHO", {"input": text("x")}, ["output"])
                         await call["output"].read_bytes()
+    assert accepted[0] == 2 * (1 + TRANSPARENT_RETRIES)
+
+
+async def read_message(stream: trio.SocketStream, conn: h2.connection.H2Connection) -> tuple[int, bytes]:
+    """Read until the client's first whole gRPC message; its stream id and the message, framed."""
+    received = b""
+    while len(received) < 5 or len(received) < 5 + int.from_bytes(received[1:5], "big"):
+        data = await stream.receive_some(65536)
+        if not data:
+            raise trio.BrokenResourceError
+        for event in conn.receive_data(data):
+            if isinstance(event, h2.events.DataReceived):
+                stream_id, received = event.stream_id, received + event.data
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        await stream.send_all(conn.data_to_send())
+    return stream_id, received
+
+
+def echo_answer(conn: h2.connection.H2Connection, stream_id: int, message: bytes) -> bytes:
+    conn.send_headers(stream_id, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+    conn.send_data(stream_id, message)
+    conn.send_headers(stream_id, [(b"grpc-status", b"0")], end_stream=True)
+    return conn.data_to_send()
+
+
+@pytest.mark.parametrize("size", [10, REPLAY_BYTES + 1])
+async def test_a_call_not_processed_is_sent_again_with_what_it_sent(nursery: trio.Nursery, size: int) -> None:
+    """A server restarting as the call arrives (GOAWAY below it), then a new connection that answers:
+    the call, its message included, goes again on the new connection and gets its answer, unseen by
+    the caller. A call that sent more than REPLAY_BYTES before any answer keeps no copy: it ends
+    UNAVAILABLE."""
+    seen: list[bytes] = []
+
+    async def restart_once(stream: trio.SocketStream) -> None:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+        conn.initiate_connection()
+        conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 1 << 20})
+        conn.increment_flow_control_window(1 << 20)
+        await stream.send_all(conn.data_to_send())
+        stream_id, message = await read_message(stream, conn)
+        seen.append(message)
+        if len(seen) == 1:
+            conn.close_connection(last_stream_id=0, additional_data=b"restarting")
+            await stream.send_all(conn.data_to_send())
+        else:
+            await stream.send_all(echo_answer(conn, stream_id, message))
+        await trio.sleep_forever()
+
+    address, accepted = await hostile(nursery, restart_once)
+    host, port = address.rsplit(":", 1)
+    value = b"v" * size
+    answers: list[bytes] = []
+    fails = pytest.raises(BaseException) if size > REPLAY_BYTES else contextlib.nullcontext()
+    with trio.fail_after(10), fails as caught:
+        async with (
+            open_client_channel(host, int(port)) as channel,
+            channel.open_stream("/test.Echo/Chat", BytesValue, lambda items: items) as stream,
+        ):
+            await stream.outbound.put(BytesValue(value=value))
+            stream.finish()
+            while batch := await stream.inbound.get_batch():
+                answers += [message.value for message in batch]  # type: ignore[attr-defined]
+    if size > REPLAY_BYTES:
+        error = caught.value  # type: ignore[union-attr]
+        while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:  # the channel's nursery
+            error = error.exceptions[0]
+        assert isinstance(error, RpcAbortError) and "GOAWAY NO_ERROR: restarting" in error.message, error
+        assert accepted[0] == 1
+    else:
+        assert answers == [value] and accepted[0] == 2 and seen[0] == seen[1]
+
+
+async def test_a_session_cancelled_while_its_call_waits_to_be_sent_again_ends_at_once(
+    nursery: trio.Nursery,
+) -> None:
+    """The call was not processed (GOAWAY below it); the new connection's server never says a word,
+    so sending it again would wait for the connect timeout. The caller's cancellation ends that wait:
+    leaving the block does not sit out a shielded wait."""
+    async def go_away_then_mute(stream: trio.SocketStream) -> None:
+        if accepted[0] == 1:
+            conn = await speak(stream)
+            await request(stream, conn)
+            conn.close_connection(last_stream_id=0)
+            await stream.send_all(conn.data_to_send())
+        await trio.sleep_forever()
+
+    address, accepted = await hostile(nursery, go_away_then_mute)
+    async with Client(address, connect_timeout=30) as client:
+        start = trio.current_time()
+        with trio.move_on_after(0.5) as cancelled:
+            async with client.session() as session:
+                call = await session.run("ECHO", {"input": text("x")}, ["output"])
+                await call["output"].read_bytes()
+        assert cancelled.cancelled_caught
+        assert trio.current_time() - start < 10  # not the 30 s connect timeout
     assert accepted[0] == 2
 
 
