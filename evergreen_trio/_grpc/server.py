@@ -481,6 +481,16 @@ class _Server:
         finally:
             lock.release()
 
+    async def go_away(self, message: str) -> None:
+        """A graceful GOAWAY on every connection: its open streams go on, new ones go elsewhere; each
+        write bounded."""
+        for connection in list(self.connections):
+            connection.wire.go_away(message)
+            with trio.move_on_after(_REFUSAL_SEND_S), contextlib.suppress(
+                    trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+                await self._send(connection)
+            connection.lot.unpark_all()  # a connection whose last stream had ended is closed now
+
     async def say_goodbye(self) -> None:
         """GOAWAY on every connection (streams still open are aborted), each write bounded."""
         for connection in list(self.connections):
@@ -488,6 +498,11 @@ class _Server:
             with trio.move_on_after(_REFUSAL_SEND_S), contextlib.suppress(
                     trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
                 await self._send(connection)
+
+
+async def _go_away_when(server: _Server, going_away: trio.Event) -> None:
+    await going_away.wait()
+    await server.go_away("the server is draining")
 
 
 def _drop_unread(stream: trio.SocketStream) -> None:
@@ -512,6 +527,7 @@ async def serve_grpc(
     ssl_context: SSLContextSource | None = None,
     reuse_port: bool = False,
     before_close: Callable[[], Awaitable[object]] | None = None,
+    going_away: trio.Event | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``methods`` over gRPC on ``host:port`` until cancelled; ``started`` gets the bound port.
@@ -520,7 +536,9 @@ async def serve_grpc(
     reloaded certificate applies to new connections) each connection is TLS with ALPN ``h2``.
     ``reuse_port``: see :func:`bind`. Cancelled, it stops accepting, runs ``before_close`` (so that
     open streams end with a status of their own) while connections are still served, sends GOAWAY
-    on each, then cancels what is left. Raises :class:`OSError` when the port cannot be bound.
+    on each, then cancels what is left. Once ``going_away`` is set (a drain), every connection open
+    then gets a graceful GOAWAY (see :meth:`GrpcWireConnection.go_away`): clients send new streams
+    elsewhere. Raises :class:`OSError` when the port cannot be bound.
     """
     sock = bind(host, port, reuse_port=reuse_port)
     bound: int = sock.getsockname()[1]
@@ -531,6 +549,8 @@ async def serve_grpc(
             tasks: trio.CancelScope = await nursery.start(server.run_tasks)
             try:
                 nursery.start_soon(server.accept_loop, trio.SocketListener(listening))
+                if going_away is not None:
+                    nursery.start_soon(_go_away_when, server, going_away)
                 task_status.started(bound)
                 await trio.sleep_forever()
             finally:

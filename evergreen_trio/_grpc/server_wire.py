@@ -339,6 +339,8 @@ class GrpcWireConnection:
         self._unacked = 0
         self._unparked: list[int] = []  # parked streams whose processor has its replies
         self._peer_gone = False  # the client sent GOAWAY
+        self._going_away = False  # this side sent a graceful GOAWAY (go_away): streams above it are not taken
+        self._ignored_id = 0  # the highest stream id opened after either GOAWAY, not taken: its frames are dropped
         # Called when a parked stream becomes ready: the shell then calls resume_unparked and writes.
         self.on_wake: Callable[[], object] = lambda: None
         self._strikes = 0
@@ -393,6 +395,18 @@ class GrpcWireConnection:
         """Queue GOAWAY NO_ERROR (the shell's timeouts and shutdown) and mark the connection closed."""
         if not self.closed:
             self._goaway(NO_ERROR, message)
+
+    def go_away(self, message: str) -> None:
+        """A graceful shutdown: queue GOAWAY NO_ERROR naming the last stream taken. Open streams go on to
+        their end; streams the client opens after it are not taken (the client may send them again on
+        another connection); the connection is closed when its last stream ends."""
+        if self.closed or self._going_away:
+            return
+        if not self._streams:
+            self._goaway(NO_ERROR, message)
+            return
+        self._going_away = True
+        self._out += goaway_frame(self._last_stream_id, NO_ERROR, message)
 
     @property
     def has_unparked(self) -> bool:
@@ -557,7 +571,7 @@ class GrpcWireConnection:
         if stream is not None:
             self._remove(stream)
             self._strike("RST_STREAM")
-        elif stream_id > self._last_stream_id:
+        elif stream_id > max(self._last_stream_id, self._ignored_id):
             raise ProtocolViolation(PROTOCOL_ERROR, f"expected RST_STREAM on a used stream, got idle {stream_id}")
         # A reset of a stream this side already answered costs nothing and is no strike: Envoy
         # resets every ext_proc stream the picker answered, one per request.
@@ -587,9 +601,9 @@ class GrpcWireConnection:
         data = unpad(flags, payload)
         stream = self._streams.get(stream_id)
         if stream is None:
-            if stream_id > self._last_stream_id:
+            if stream_id > max(self._last_stream_id, self._ignored_id):
                 raise ProtocolViolation(PROTOCOL_ERROR, f"expected DATA on an open stream, got idle stream {stream_id}")
-            return  # a stream this side already ended or reset
+            return  # a stream this side already ended, reset, or did not take
         if stream.remote_closed:
             self._reset(stream, STREAM_CLOSED)
             return
@@ -646,8 +660,11 @@ class GrpcWireConnection:
             return  # a stream this side already ended
         if stream_id % 2 == 0:
             raise ProtocolViolation(PROTOCOL_ERROR, f"expected an odd client stream id, got {stream_id}")
-        if self._peer_gone:
-            return  # opened after the client's GOAWAY: ignored, as it has no stream to be answered on
+        if self._peer_gone or self._going_away:
+            # Opened after the client's GOAWAY (no stream to be answered on) or after ours (above its
+            # last stream id: the client knows it was not taken). Its later frames are dropped too.
+            self._ignored_id = max(self._ignored_id, stream_id)
+            return
         self._last_stream_id = stream_id
         if len(self._streams) >= self.limits.max_concurrent_streams:
             self._out += frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big"))
@@ -881,8 +898,8 @@ class GrpcWireConnection:
     def _remove(self, stream: _Stream) -> None:
         self._streams.pop(stream.id, None)
         _abort(stream)
-        if self._peer_gone and not self._streams and not self.closed:
-            self._goaway(NO_ERROR, "the client sent GOAWAY")
+        if (self._peer_gone or self._going_away) and not self._streams and not self.closed:
+            self._goaway(NO_ERROR, "the client sent GOAWAY" if self._peer_gone else "the last stream ended")
         self._unblock(stream)
         if stream.inbound or stream.pending:
             self._buffered -= len(stream.inbound) + (0 if stream.streaming else len(stream.pending))

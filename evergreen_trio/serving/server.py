@@ -163,6 +163,7 @@ class Server(ActionRegistry):
         # Principals of the sessions a plain authorize admitted before they were counted.
         self._admitted: weakref.WeakKeyDictionary[MessageStream[Outbound], object] = weakref.WeakKeyDictionary()
         self._draining = False
+        self._going_away: trio.Event | None = None  # set by drain: connections get a graceful GOAWAY
         self._session_closed: trio.Event | None = None
         self._expiring = trio.Lock()  # see _expired
         self._expiry = SessionExpiry(self.first_message_timeout, self.idle_timeout, self._expired)
@@ -201,11 +202,15 @@ class Server(ActionRegistry):
         if self.reflection:
             methods += reflection_methods([SERVICE, "grpc.health.v1.Health"])
         limits = self.transport_limits
+        self._going_away = trio.Event()
+        if self._draining:
+            self._going_away.set()
         try:
             async with trio.open_nursery() as nursery:
                 bound = await nursery.start(partial(
                     serve_grpc, methods, host, port, limits=wire_limits(limits), timeouts=wire_timeouts(limits),
-                    ssl_context=self.tls, reuse_port=reuse_port, before_close=self._end_open_sessions))
+                    ssl_context=self.tls, reuse_port=reuse_port, before_close=self._end_open_sessions,
+                    going_away=self._going_away))
                 nursery.start_soon(self._expiry.run)
                 self.health.set(ready=not self._draining, live=True)
                 task_status.started(bound)
@@ -215,11 +220,15 @@ class Server(ActionRegistry):
     async def drain(self, grace: float = DRAIN_GRACE_SECONDS) -> int:
         """Stop accepting sessions and let the open ones finish, for at most ``grace`` seconds.
 
-        From now on readiness answers NOT_SERVING (liveness stays SERVING) and a new session
-        ends at once with UNAVAILABLE (no handler runs; the client may retry elsewhere). Returns
-        how many sessions are still open; cancelling :meth:`serve` then ends them with UNAVAILABLE.
+        From now on readiness answers NOT_SERVING (liveness stays SERVING), each connection open now
+        gets a graceful GOAWAY (its open sessions go on; its client opens new ones on a new
+        connection, which behind a load balancer reaches another server), and a new session ends at
+        once with UNAVAILABLE (no handler runs; the client may retry elsewhere). Returns how many
+        sessions are still open; cancelling :meth:`serve` then ends them with UNAVAILABLE.
         """
         self._draining = True
+        if self._going_away is not None:
+            self._going_away.set()
         self.health.set(ready=False, live=True)
         log.info("server.draining open=%d grace_s=%s", len(self._open), grace)
         with trio.move_on_after(grace):

@@ -7,7 +7,7 @@ import signal
 import trio
 from ops_helpers import health, held_echo, serve, wait_health
 
-from evergreen_trio import Server, SessionAbortedError, connect, text
+from evergreen_trio import Client, Server, SessionAbortedError, connect, text
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.serving.server import SERVICE
 
@@ -102,6 +102,37 @@ async def test_a_second_signal_ends_a_long_drain_at_once() -> None:
             server.signal(signal.SIGINT)
             assert await server.process.wait() == 0
     assert result == ["UNAVAILABLE"]
+
+
+async def test_a_drain_moves_a_reused_clients_next_session_to_a_new_connection() -> None:
+    """A draining server says GOAWAY on each connection: a reused `Client`'s open session goes on to
+    its end, that connection then closes, and the client's next session opens a new connection
+    (behind a load balancer, to another server; here the same one, which refuses it while draining).
+    Without it the client kept sending new sessions to the draining server on its old connection."""
+    server = Server()
+    register_builtin_actions(server)
+    with trio.fail_after(HANG_GUARD):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            async with Client(f"127.0.0.1:{port}") as client:
+                async with client.session() as session:
+                    call = await session.run("ECHO", {"input": text("before")}, ["output"])
+                    assert await call["output"].read_text() == "before"
+                    assert client._channel is not None
+                    first = client._channel._connection
+                    nursery.start_soon(server.drain, HANG_GUARD)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert not first.core.accepting  # the GOAWAY came
+                    call = await session.run("ECHO", {"input": text("after")}, ["output"])
+                    assert await call["output"].read_text() == "after"
+                await first._finished.wait()  # closed once its last session ended
+                try:
+                    async with client.session() as late:
+                        await late.run("ECHO", {"input": text("late")}, ["output"])
+                except SessionAbortedError as refused:
+                    assert refused.code.name == "UNAVAILABLE" and "draining" in str(refused)
+                assert client._channel._connection is not first
+            nursery.cancel_scope.cancel()
 
 
 async def test_a_draining_server_that_is_cancelled_ends_its_sessions_with_unavailable() -> None:

@@ -242,3 +242,44 @@ async def test_a_silent_peer_with_an_open_stream_is_pinged_then_closed() -> None
         assert PingFrame in kinds and GoAwayFrame in kinds, kinds
         assert kinds.index(PingFrame) < kinds.index(GoAwayFrame)
         nursery.cancel_scope.cancel()
+
+
+def test_a_graceful_goaway_lets_open_streams_end_and_drops_later_ones_quietly() -> None:
+    """``go_away`` (a draining server): GOAWAY NO_ERROR naming the last stream taken; that stream goes
+    on to its status; a stream the client opened before it saw the GOAWAY is not taken, and its
+    DATA is dropped, not a protocol error; the last stream's end closes the connection (a second
+    GOAWAY). The frames are read raw: h2 treats a received GOAWAY as the connection's end."""
+    method = Opener(Streaming)
+    peer = peer_with(method)
+    taken = open_stream(peer)
+    peer.send(taken, b"still here", end=True)
+    late = peer.client.get_next_available_stream_id()
+    peer.client.send_headers(late, [(":method", "POST"), (":scheme", "http"), (":path", PATH), (":authority", "x"),
+                                    ("content-type", "application/grpc"), ("te", "trailers")])
+    peer.client.send_data(late, b"\0\0\0\0\x02hi", end_stream=True)
+    in_flight = peer.client.data_to_send()
+    peer.server.go_away("the server is draining")
+    peer.server.receive_data(in_flight)  # sent before the client saw the GOAWAY
+    frames = parse_frames(peer.server.data_to_send())
+    assert [(f.last_stream_id, f.error_code) for f in frames if isinstance(f, GoAwayFrame)] == [(taken, 0)]
+    assert all(f.stream_id != late for f in frames)
+    assert len(method.opened) == 1 and not peer.server.closed
+    processor = method.opened[0]
+    assert isinstance(processor, Streaming) and processor.received == [b"still here"]
+    processor.queued = [BytesValue(value=b"answer")]
+    processor.final = RpcAbortError(Status.OK, "")
+    out = b""
+    for _ in range(2):
+        processor.wake()
+        peer.server.resume_unparked()
+        out += peer.server.data_to_send()
+    frames = parse_frames(out)
+    assert [(type(f).__name__, f.stream_id) for f in frames] == [
+        ("HeadersFrame", taken), ("DataFrame", taken), ("HeadersFrame", taken), ("GoAwayFrame", 0)]
+    assert peer.server.closed
+
+
+def test_a_graceful_goaway_with_no_open_stream_closes_at_once() -> None:
+    peer = peer_with(Opener(Streaming))
+    peer.server.go_away("the server is draining")
+    assert peer.server.closed
