@@ -490,6 +490,8 @@ async def _settle(stream: trio.abc.Stream, core: ClientConnection, target: str,
         core.receive(data)
         if core.closed:
             await trio.aclose_forcefully(stream)
+            if core.went_away:  # at once: a server at its connection cap, or shutting down
+                raise ConnectFailedError(f"{target} turned the connection away: {core.reason}", retryable=True)
             raise ConnectFailedError(f"{target} does not speak gRPC's HTTP/2: {core.reason}", retryable=False)
     return _Connection(stream, core, target)
 

@@ -162,8 +162,8 @@ class ClientConnection:
 
     Call :meth:`initiate`, then send :meth:`data_to_send` whenever it has bytes, and feed every byte
     read to :meth:`receive`. ``settled`` turns true with the server's first SETTINGS; ``accepting``
-    is false once no new stream may be opened (the server went away, or the connection failed);
-    ``closed`` once nothing more will arrive on it (``reason`` says why).
+    is false once no new stream may be opened (the server went away, ``went_away``, or the connection
+    failed); ``closed`` once nothing more will arrive on it (``reason`` says why).
     """
 
     def __init__(self, authority: str, *, scheme: str = "http", window: int = WINDOW_BYTES) -> None:
@@ -191,6 +191,7 @@ class ClientConnection:
         self.settled = False
         self.accepting = True
         self.closed = False
+        self.went_away = False  # the server's GOAWAY (not a broken connection) stopped new streams
         self.reason = ""
 
     def initiate(self) -> None:
@@ -437,6 +438,7 @@ class ClientConnection:
         code, said = int.from_bytes(payload[4:8], "big"), _text(payload[8:])
         why = f"the server went away (GOAWAY {_code_name(code)}{': ' + said if said else ''})"
         self.accepting = False
+        self.went_away = True
         self.reason = why
         # RFC 9113, 6.8: streams up to ``last`` may still complete (a graceful shutdown lets them run
         # out); those above it were not processed, so they may be sent again on another connection

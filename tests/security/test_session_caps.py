@@ -19,7 +19,7 @@ from benchmarks.security_session import (
     one_peer_sessions,
     unauthenticated_streams,
 )
-from evergreen_trio import Server, connect, text
+from evergreen_trio import Client, Server, SessionAbortedError, connect, text
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.serving.auth import Peer, UnauthenticatedError
 from evergreen_trio.serving.server import IDLE_TIMEOUT_SECONDS
@@ -135,3 +135,39 @@ async def test_refusing_a_connection_keeps_the_ones_already_served(nursery_: tri
         await refused.aclose()
         call = await session.run("ECHO", {"input": text("still served")}, ["output"])
         assert await call["output"].read_text() == "still served"
+
+
+async def test_a_client_turned_away_at_the_cap_is_told_so_and_retries(nursery_: trio.Nursery) -> None:
+    """A session client past the server's connection cap gets the server's GOAWAY as its reason (not
+    "does not speak gRPC's HTTP/2"), as a failure ``retries`` tries again: with ``retries``, a late
+    session gets in once the held one has ended."""
+    _, port = await start(nursery_, max_connections=1)
+    address = f"127.0.0.1:{port}"
+    holding, release = trio.Event(), trio.Event()
+    retried: list[str] = []
+
+    async def hold() -> None:
+        async with connect(address) as session:
+            call = await session.run("ECHO", {"input": text("held")}, ["output"])
+            assert await call["output"].read_text() == "held"
+            holding.set()
+            await release.wait()
+
+    async def late_with_retries() -> None:
+        async with Client(address, retries=50, backoff=0.05) as client, client.session() as late:
+            call = await late.run("ECHO", {"input": text("later")}, ["output"])
+            retried.append(await call["output"].read_text())
+
+    with trio.fail_after(30):  # a hang guard
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hold)
+            await holding.wait()
+            with pytest.raises(SessionAbortedError) as turned_away:
+                async with connect(address) as late:
+                    await late.run("ECHO", {"input": text("late")}, ["output"])
+            error = str(turned_away.value)
+            assert "turned the connection away" in error and "GOAWAY ENHANCE_YOUR_CALM" in error, error
+            nursery.start_soon(late_with_retries)
+            await trio.sleep(0.2)  # turned away at least once meanwhile
+            release.set()
+    assert retried == ["later"]
