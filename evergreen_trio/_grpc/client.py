@@ -179,7 +179,7 @@ class _Call:
         self.options = options
         self.timeout = options.timeout
         self.deadline = math.inf if self.timeout is None else trio.current_time() + self.timeout
-        self.link = link  # (connection, self) while on a connection: the stream's handoffs reach it so
+        self.link = link  # [(connection, self)] while on a connection: how the stream's handoffs reach it
         self.stream_id = 0
         self.finishing = False  # its end (half-close or reset) was sent
         # What was sent until the server's first answer, kept to send again (None: answered, or past
@@ -234,14 +234,15 @@ class _Connection:
 
     # -- streams --------------------------------------------------------------------------------
 
-    def open(self, call: _Call, path: str, options: ClientOptions) -> bool:
+    def open(self, call: _Call) -> bool:
         """Start ``call`` on this connection now; False when it does not fit (no room, or going away)."""
         if not self.core.accepting or not self.core.room():
             return False
+        options = call.options
         timeout = options.timeout  # sent again: what is left of it
         if call.retries and timeout is not None:
             timeout = max(call.deadline - trio.current_time(), 0.0)
-        stream_id = self.core.start_stream(path, metadata=options.metadata, timeout=timeout,
+        stream_id = self.core.start_stream(call.path, metadata=options.metadata, timeout=timeout,
                                            max_message_bytes=options.max_message_bytes)
         if stream_id is None:
             return False
@@ -364,10 +365,10 @@ class _Connection:
             inbound.deliver(message, event.size)
             call.session.received += 1
             call.replay = None  # answered: the server processed it
-        elif (event.unprocessed and call.replay is not None and call.retries < TRANSPARENT_RETRIES
-              and self.retry is not None and self._detach(call)):
+        elif event.unprocessed and call.replay is not None and call.retries < TRANSPARENT_RETRIES and self.retry:
             log.debug("grpc.call_not_processed target=%s stream=%d: %s; sending it again", self.target,
                       event.stream_id, event.message)
+            self._detach(call)
             call.link.clear()
             self.retry(call, self)
         else:
@@ -596,15 +597,14 @@ class ClientChannel:
     async def _start(self, call: _Call) -> _Connection:
         """Start ``call`` on a connection with room for it, reopening the connection if the server
         went away; raises :class:`RpcAbortError` when it cannot (within the call's deadline)."""
-        path, options = call.path, call.options
-        if not self._closed and self._connection.open(call, path, options):
+        if not self._closed and self._connection.open(call):
             return self._connection  # the common case: room on the open connection, no wait and no timer
         with trio.move_on_at(call.deadline):
             while True:
                 if self._closed:
                     raise RpcAbortError(Status.UNAVAILABLE, f"the connection to {self.target} was closed")
                 connection = self._connection
-                if connection.open(call, path, options):
+                if connection.open(call):
                     return connection
                 if connection.usable():  # full: wait for one of its streams to end
                     if not connection.calls:
