@@ -556,8 +556,12 @@ class Session:
                 self._failure_text(f"{describe(context.action)} failed", exc, event="action.failed")) from exc
         finally:
             self._running -= 1
-            if self._running == 0 and self._idle is not None:
-                self._idle.set()
+            if self._running == 0:
+                # The idle timeout counts from the last action's end, not from the last message before
+                # it ran: its outputs may still be on their way out when the expiry timer looks.
+                self.stream.last_activity = trio.current_time()
+                if self._idle is not None:
+                    self._idle.set()
             if code is StatusCode.OK:
                 self._check_served()
             if self.options.metrics is not None:

@@ -61,3 +61,25 @@ async def test_ended_sessions_are_let_go_and_the_heap_is_rebuilt(autojump_clock:
     gc.collect()
     assert all(ref() is None for ref in refs)  # an ended session is not kept by its entry
     assert len(expiry._heap) < COMPACT_AFTER * 2  # rebuilt along the way
+
+
+async def test_the_idle_clock_restarts_when_the_last_action_ends(autojump_clock: trio.testing.MockClock) -> None:
+    """A session quiet while its action ran counts its idle time from the action's end: else the
+    timer, looking between the action's end and its outputs going out, found it idle since the
+    message that started it (a running action keeps a quiet session open, then ended it)."""
+    from evergreen_trio import text
+    from tests.session.test_scheduling import Link
+
+    link = Link()
+
+    @link.server.action("SLOW", inputs=["input"], outputs=["output"])
+    async def slow(ctx: object) -> None:
+        await trio.sleep(30)
+
+    async def body(session: object) -> None:
+        started = trio.current_time()
+        call = await session.run("SLOW", {"input": text("x")}, ["output"])  # type: ignore[attr-defined]
+        assert await call["output"].read_bytes() == b""
+        assert link.served_stream.last_activity >= started + 30
+
+    await link.session(body)  # type: ignore[arg-type]

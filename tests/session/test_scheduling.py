@@ -63,6 +63,7 @@ class Link:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(relay, client_stream, server_stream)
             nursery.start_soon(relay, server_stream, client_stream)
+            self.served_stream = server_stream
             served = ServerSession(server_stream, self.options, self.server.actions, self.server.targets)
             nursery.start_soon(served.run_session)
             nursery.start_soon(session.serve)
