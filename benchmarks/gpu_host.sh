@@ -22,6 +22,7 @@ step trace, a new connection per fetch; timeout 50 python3 -m benchmarks.ipc_tra
     --runs 4 --profile --out /tmp/trace-new && cp /tmp/trace-new/summary-cupy.json "$OUT/trace-new.json"
 step trace, kept connection; timeout 50 python3 -m benchmarks.ipc_trace --memory cupy --total-mib 1024 --runs 5 \
     --kept --out /tmp/trace-kept && cp /tmp/trace-kept/summary-cupy.json "$OUT/trace-kept.json"
+step first fetch, pool fresh or grown; timeout 60 python3 -m benchmarks.ipc_first_fetch
 step workers; timeout 100 python3 -m benchmarks workers --quick
 step ipc on CPU; timeout 90 python3 -m benchmarks ipc --quick
 step session; timeout 90 python3 -m benchmarks session
