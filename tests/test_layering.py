@@ -60,6 +60,8 @@ FACE_EXCEPTIONS = {
     "benchmarks/bench_ipc.py": {"evergreen_trio.ipc.transports.ucx_bridge"},
     # The GPU area pins the same transports plus the CUDA ones, and measures the device path itself.
     "benchmarks/bench_ipc_gpu.py": {"evergreen_trio.ipc.transports.ucx_bridge", "evergreen_trio.ipc.gpu"},
+    # Its first-fetch companion pins the same transports for its server and client children.
+    "benchmarks/ipc_first_fetch.py": {"evergreen_trio.ipc.transports.ucx_bridge"},
     # The pass map logs the gRPC writers' direct socket writes.
     "benchmarks/session_passes.py": {"evergreen_trio._grpc"},
     # The trace wraps the UCX bridge of both ends to time each step, on the device path too.
