@@ -22,8 +22,9 @@ from evergreen_trio.ipc.transports.ucx_bridge import CUDA_TLS, DEFAULT_TLS
 TOTAL = 4 << 30
 
 CLIENT = r"""
-import statistics, sys, time, trio, cupy
-from evergreen_trio.ipc.gpu import connect_device, init_cuda
+import statistics, sys, time, cupy
+from benchmarks.bench_ipc_gpu import _kept_connection
+from evergreen_trio.ipc.gpu import init_cuda
 from evergreen_trio.ipc.transports.ucx_bridge import create_context
 uri, mode, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
 init_cuda()
@@ -35,20 +36,10 @@ if mode == "grown":
     del block
     cupy.cuda.Device().synchronize()
     grow_ms = (time.perf_counter() - started) * 1e3
-async def main():
-    rates = []
-    async with connect_device(uri) as client:
-        for _ in range(4):
-            started = time.perf_counter()
-            batches, _ = await client.fetch("t")
-            rates.append(sum(int(b.body.nbytes) for b in batches) / (time.perf_counter() - started) / 1e9)
-            del batches
-    return rates
-rates = trio.run(main)
-steady = statistics.median(rates[1:])
-later = ", ".join(f"{rate:.1f}" for rate in rates[1:])
-print(f"{mode}: pool grown in {grow_ms:.1f} ms; first {rates[0]:.1f} GB/s, later {later}; "
-      f"first / steady {rates[0] / steady:.2f}x", flush=True)
+first, later = _kept_connection(uri, 3)
+steady = statistics.median(later)
+print(f"{mode}: pool grown in {grow_ms:.1f} ms; first {first:.1f} GB/s, later {', '.join(f'{r:.1f}' for r in later)}; "
+      f"first / steady {first / steady:.2f}x", flush=True)
 """
 
 
