@@ -482,22 +482,23 @@ class _Server:
             lock.release()
 
     async def go_away(self, message: str) -> None:
-        """A graceful GOAWAY on every connection: its open streams go on, new ones go elsewhere; each
-        write bounded."""
-        for connection in list(self.connections):
-            connection.wire.go_away(message)
-            with trio.move_on_after(_REFUSAL_SEND_S), contextlib.suppress(
-                    trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
-                await self._send(connection)
+        """A graceful GOAWAY on every connection: its open streams go on, new ones go elsewhere."""
+        for connection in await self._tell_each(lambda wire: wire.go_away(message)):
             connection.lot.unpark_all()  # a connection whose last stream had ended is closed now
 
     async def say_goodbye(self) -> None:
-        """GOAWAY on every connection (streams still open are aborted), each write bounded."""
-        for connection in list(self.connections):
-            connection.wire.close("the server is shutting down")
+        """GOAWAY on every connection (streams still open are aborted)."""
+        await self._tell_each(lambda wire: wire.close("the server is shutting down"))
+
+    async def _tell_each(self, tell: Callable[[GrpcWireConnection], None]) -> list[_Connection]:
+        """``tell`` each connection's wire, then write what it queued (each write bounded); the connections."""
+        connections = list(self.connections)
+        for connection in connections:
+            tell(connection.wire)
             with trio.move_on_after(_REFUSAL_SEND_S), contextlib.suppress(
                     trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
                 await self._send(connection)
+        return connections
 
 
 async def _go_away_when(server: _Server, going_away: trio.Event) -> None:
