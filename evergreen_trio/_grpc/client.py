@@ -169,7 +169,7 @@ class _Call:
     """One call (a stream of a connection; another one's if it is sent again)."""
 
     __slots__ = ("deadline", "finishing", "link", "options", "path", "replay", "replay_bytes", "reply_type", "retries",
-                 "retrying", "session", "stream_id", "timeout")
+                 "retrying", "session", "stream_id")
 
     def __init__(self, session: MessageStream[Any], reply_type: type[Message], path: str, options: ClientOptions,
                  link: list[tuple[_Connection, _Call]]) -> None:
@@ -177,8 +177,7 @@ class _Call:
         self.reply_type = reply_type
         self.path = path
         self.options = options
-        self.timeout = options.timeout
-        self.deadline = math.inf if self.timeout is None else trio.current_time() + self.timeout
+        self.deadline = math.inf if options.timeout is None else trio.current_time() + options.timeout
         self.link = link  # [(connection, self)] while on a connection: how the stream's handoffs reach it
         self.stream_id = 0
         self.finishing = False  # its end (half-close or reset) was sent
@@ -429,7 +428,7 @@ class _Connection:
             call = self.calls.get(stream_id)
             if call is not None:
                 self.core.reset_stream(stream_id)
-                timeout = call.timeout if call.timeout is not None else 0.0
+                timeout = call.options.timeout if call.options.timeout is not None else 0.0
                 self.end(call, Status.DEADLINE_EXCEEDED, f"no answer within {timeout:g} s")
 
 
@@ -622,7 +621,7 @@ class ClientChannel:
                         self._connection = fresh
                         self._connections = [c for c in self._connections if not c.core.closed] + [fresh]
                         self._nursery.start_soon(fresh.run)
-        raise RpcAbortError(Status.DEADLINE_EXCEEDED, f"no answer within {call.timeout:g} s")
+        raise RpcAbortError(Status.DEADLINE_EXCEEDED, f"no answer within {call.options.timeout:g} s")
 
     async def _close(self) -> None:
         self._closed = True

@@ -437,9 +437,6 @@ class ClientConnection:
         last = int.from_bytes(payload[:4], "big") & MAX_STREAM_ID
         code, said = int.from_bytes(payload[4:8], "big"), _text(payload[8:])
         why = f"the server went away (GOAWAY {_code_name(code)}{': ' + said if said else ''})"
-        self.accepting = False
-        self.went_away = True
-        self.reason = why
         # RFC 9113, 6.8: streams up to ``last`` may still complete (a graceful shutdown lets them run
         # out); those above it were not processed, so they may be sent again on another connection
         # (unless the server answered one all the same: then it ends, with nothing to say it may be).
@@ -448,6 +445,10 @@ class ClientConnection:
                 stream.remote_closed = True
                 self._closed(stream)
                 self._ended(above_id, stream, Status.UNAVAILABLE, why, out, unprocessed=not stream.headers_seen)
+        # Set after the loop: while accepting, _ended does not look over every stream for each one it ends.
+        self.accepting = False
+        self.went_away = True
+        self.reason = why
         self._close_if_done()
 
     def _data(self, flags: int, stream_id: int, payload: bytes, out: list[Event]) -> None:
