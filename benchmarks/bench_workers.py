@@ -214,7 +214,7 @@ def run(quick: bool = False) -> None:
         print(f"\ngoal >= {GOAL} x N of one worker: not measurable here (no N > 1 on cores of its own)")
     for note in notes:
         print(note)
-    # SMT: a server core whose sibling runs a load process shares a physical core with it.
+    # SMT: where a core's siblings list more than one CPU, a server and a load process may share a physical core.
     topology = {core: siblings(core) for core in cores}
     smt = any("," in listed or "-" in listed for listed in topology.values())
     host = f"{len(cores)} cores, {'SMT: some share a physical core' if smt else 'one thread per physical core'}"

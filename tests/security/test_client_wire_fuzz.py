@@ -43,6 +43,10 @@ def message(body: bytes, flag: int = 0) -> bytes:
     return bytes((flag,)) + len(body).to_bytes(4, "big") + body
 
 
+def goaway(last: int, code: int = 0, said: bytes = b"") -> bytes:
+    return frame(GOAWAY, 0, 0, last.to_bytes(4, "big") + code.to_bytes(4, "big") + said)
+
+
 def opened(streams: int = 1) -> tuple[ClientConnection, list[int]]:
     conn = ClientConnection("server:1", window=WINDOW)
     conn.initiate()
@@ -105,8 +109,7 @@ frames = st.one_of(
     st.builds(lambda s, n: frame(WINDOW_UPDATE, 0, s, n.to_bytes(4, "big")), stream_ids, st.integers(0, 2**31 - 1)),
     st.builds(lambda v: settings((SETTINGS_INITIAL_WINDOW_SIZE, v)), st.integers(0, 2**31 - 1)),
     st.builds(lambda s, c: frame(RST_STREAM, 0, s, c.to_bytes(4, "big")), stream_ids, st.integers(0, 15)),
-    st.builds(lambda s, c, d: frame(GOAWAY, 0, 0, s.to_bytes(4, "big") + c.to_bytes(4, "big") + d),
-              st.integers(0, 9), st.integers(0, 15), st.binary(max_size=20)),
+    st.builds(goaway, st.integers(0, 9), st.integers(0, 15), st.binary(max_size=20)),
     st.builds(lambda k, f, s, p: frame(k, f, s, p), st.integers(0, 12), st.integers(0, 255), stream_ids,
               st.binary(max_size=20)),
 )
@@ -174,7 +177,7 @@ def test_a_whole_call_gives_its_messages_then_ok() -> None:
         (lambda s: frame(HEADERS, END_HEADERS, s, REPLY) + frame(DATA, 0, s, message(b"x", flag=1)),
          "UNIMPLEMENTED", "compressed"),
         (lambda s: frame(RST_STREAM, 0, s, (7).to_bytes(4, "big")), "UNAVAILABLE", "REFUSED_STREAM"),
-        (lambda s: frame(GOAWAY, 0, 0, (s - 1).to_bytes(4, "big") + (11).to_bytes(4, "big") + b"calm down"),
+        (lambda s: goaway(s - 1, 11, b"calm down"),
          "UNAVAILABLE", "GOAWAY ENHANCE_YOUR_CALM: calm down"),
         (lambda s: b"\x00\x00\x04\x00\x00\x00\x00\x00\x00junk", "UNAVAILABLE", "broke the HTTP/2 protocol"),
         (lambda s: b"\xff\xff\xff\x00\x00\x00\x00\x00\x01", "UNAVAILABLE", "a frame of 16777215 bytes, over the"),
@@ -197,10 +200,6 @@ def test_each_bad_answer_is_one_final_status(answer: object, status: str, text: 
     events = conn.receive(answer(sid))  # type: ignore[operator]
     final = [e for e in events if isinstance(e, StreamEnded)]
     assert len(final) == 1 and final[0].status.name == status and text in final[0].message, final
-
-
-def goaway(last: int, code: int = 0, said: bytes = b"") -> bytes:
-    return frame(GOAWAY, 0, 0, last.to_bytes(4, "big") + code.to_bytes(4, "big") + said)
 
 
 def test_a_goaway_ends_only_the_calls_above_its_last_stream_and_says_they_were_not_processed() -> None:
