@@ -300,3 +300,22 @@ async def test_a_client_goaway_mid_read_closes_the_connection_quietly(nursery_: 
     await client.aclose()
     await wait_for(lambda: server.open_sessions == 0, "the session of the closed connection ended")
     await legit_session_completes(port)
+
+
+async def test_frames_on_streams_a_draining_server_did_not_take_are_dropped_quietly(nursery_: trio.Nursery) -> None:
+    """A drain's GOAWAY names the last stream taken; a client that then opens, feeds and resets a new
+    stream (as a racing or hostile peer may) gets no protocol error: the open session still ends OK
+    and the connection closes after it."""
+    server, port = await start(nursery_)
+    client = await RawH2.open(port)
+    await client.send(client.headers(1))
+    await wait_for(lambda: server.open_sessions == 1, "the first session is open")
+    nursery_.start_soon(server.drain, 30)
+    await client.until(lambda c: c.goaway is not None, 10)
+    assert (client.goaway, client.goaway_last_stream) == (0, 1)
+    await client.send(client.headers(3) + client.data(3, echo_message(b"late")) + client.reset(3, CANCEL))
+    await client.send(client.data(1, echo_message(b"still here"), end_stream=True))
+    await client.until(lambda c: 1 in c.statuses and c.closed, 10)
+    assert client.statuses[1].startswith("0"), client.statuses
+    assert 3 not in client.statuses and client.goaway == 0  # no PROTOCOL_ERROR GOAWAY
+    await client.aclose()
