@@ -50,7 +50,7 @@ PINNED = {
         "UnknownTicketError", "UriError", "connect", "fetch", "fetch_table", "parse_uri", "serve",
     },
     "evergreen_trio.picker": {
-        "ConfigError", "Endpoint", "EnvoyError", "MetricsError", "Picker", "PickerConfig", "PickerError",
+        "ConfigError", "Endpoint", "EnvoyError", "MetricsError", "Picker", "PickerConfig", "PickerDrain", "PickerError",
         "PickerPorts", "PoolConfig", "PoolSnapshot", "find_envoy", "gateway_config", "load_config", "parse_config",
         "parse_engine_metrics", "run_envoy", "run_picker", "write_gateway_config",
     },

@@ -53,6 +53,7 @@ STREAM_BATCH = 64
 
 CLOSE_TIMEOUT_SECONDS = 5.0
 """How long a stopping server spends telling its connections to go away (GOAWAY) before it closes them."""
+_STOPPING = "the server is stopping"
 
 SSLContextSource = ssl.SSLContext | Callable[[], ssl.SSLContext]
 
@@ -293,6 +294,8 @@ class _Server:
         self.active = 0
         self.refused = 0  # connections refused since the cap was last reached
         self.connections: set[_Connection] = set()
+        self.stopping = False  # a graceful stop: every connection, even one accepted before it, goes away
+        self._connection_ended: trio.Event | None = None
         self._methods = methods
         self.methods: dict[str, Method] = {}
         self._task_methods: list[_TaskMethod] = []
@@ -364,6 +367,8 @@ class _Server:
                     return
                 stream, certificate = tls, tls.getpeercert() or None
             wire = GrpcWireConnection(self.methods, self.limits, peer=peer, peer_certificate=certificate)
+            if self.stopping:  # accepted before the port closed, its TLS handshake done after the GOAWAYs
+                wire.go_away(_STOPPING)
             connection = _Connection(stream, wire, peer)
             self.connections.add(connection)
             try:
@@ -378,6 +383,8 @@ class _Server:
                 _drop_unread(raw)
         finally:
             self.active -= 1
+            if self._connection_ended is not None:
+                self._connection_ended.set()
             await trio.aclose_forcefully(raw)
 
     async def _tls_handshake(self, stream: trio.SSLStream[trio.SocketStream], deadline: float, peer: str) -> bool:
@@ -486,6 +493,14 @@ class _Server:
         for connection in await self._tell_each(lambda wire: wire.go_away(message)):
             connection.lot.unpark_all()  # a connection whose last stream had ended is closed now
 
+    async def stop_gracefully(self) -> None:
+        """A graceful GOAWAY on every connection; returns once the last has closed (after its last stream)."""
+        self.stopping = True
+        await self.go_away(_STOPPING)
+        while self.active:
+            self._connection_ended = trio.Event()
+            await self._connection_ended.wait()
+
     async def say_goodbye(self) -> None:
         """GOAWAY on every connection (streams still open are aborted)."""
         await self._tell_each(lambda wire: wire.close("the server is shutting down"))
@@ -499,6 +514,18 @@ class _Server:
                     trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
                 await self._send(connection)
         return connections
+
+
+class GracefulStop:
+    """Asks :func:`serve_grpc` for a graceful stop: ``await stop()`` returns once it is over."""
+
+    def __init__(self) -> None:
+        self.requested = trio.Event()
+        self.done = trio.Event()
+
+    async def __call__(self) -> None:
+        self.requested.set()
+        await self.done.wait()
 
 
 async def _go_away_when(server: _Server, going_away: trio.Event) -> None:
@@ -529,6 +556,7 @@ async def serve_grpc(
     reuse_port: bool = False,
     before_close: Callable[[], Awaitable[object]] | None = None,
     going_away: trio.Event | None = None,
+    graceful_stop: GracefulStop | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``methods`` over gRPC on ``host:port`` until cancelled; ``started`` gets the bound port.
@@ -539,7 +567,9 @@ async def serve_grpc(
     open streams end with a status of their own) while connections are still served, sends GOAWAY
     on each, then cancels what is left. Once ``going_away`` is set (a drain), every connection open
     then gets a graceful GOAWAY (see :meth:`GrpcWireConnection.go_away`): clients send new streams
-    elsewhere. Raises :class:`OSError` when the port cannot be bound.
+    elsewhere. Once ``graceful_stop`` is called (as grpc-go's ``GracefulStop``), the port closes,
+    every connection gets a graceful GOAWAY, and it returns once the last has closed (its streams
+    ended); the call returns then too. Bound it by cancelling. Raises :class:`OSError` when the port cannot be bound.
     """
     sock = bind(host, port, reuse_port=reuse_port)
     bound: int = sock.getsockname()[1]
@@ -549,11 +579,20 @@ async def serve_grpc(
         async with trio.open_nursery() as nursery:
             tasks: trio.CancelScope = await nursery.start(server.run_tasks)
             try:
-                nursery.start_soon(server.accept_loop, trio.SocketListener(listening))
-                if going_away is not None:
-                    nursery.start_soon(_go_away_when, server, going_away)
-                task_status.started(bound)
-                await trio.sleep_forever()
+                async with trio.open_nursery() as accepting:
+                    accepting.start_soon(server.accept_loop, trio.SocketListener(listening))
+                    if going_away is not None:
+                        nursery.start_soon(_go_away_when, server, going_away)
+                    task_status.started(bound)
+                    if graceful_stop is None:
+                        await trio.sleep_forever()
+                    await graceful_stop.requested.wait()
+                    accepting.cancel_scope.cancel()
+                listening.close()
+                log.info("grpc_wire.stopping port=%d connections=%d", bound, server.active)
+                await server.stop_gracefully()
+                graceful_stop.done.set()
+                nursery.cancel_scope.cancel()
             finally:
                 with trio.CancelScope(shield=True):
                     with trio.move_on_after(CLOSE_TIMEOUT_SECONDS):

@@ -1,6 +1,7 @@
 """The Endpoint Picker: an Envoy ext_proc server routing LLM requests by live model-server state.
 
-Public entry points: :func:`run_picker` (the Trio runtime), :func:`gateway_config` and
+Public entry points: :func:`run_picker` (the Trio runtime, stopped gracefully with a
+:class:`PickerDrain`), :func:`gateway_config` and
 :func:`write_gateway_config` (the Envoy bootstrap), :func:`run_envoy` (a real Envoy as a Trio
 task), :func:`load_config` / :func:`parse_config` (YAML and Kubernetes manifests).
 """
@@ -15,7 +16,7 @@ from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_con
 from evergreen_trio.picker.envoy_process import find_envoy, run_envoy
 from evergreen_trio.picker.errors import ConfigError, EnvoyError, MetricsError, PickerError
 from evergreen_trio.picker.processor import Picker
-from evergreen_trio.picker.runtime import PickerPorts, run_picker
+from evergreen_trio.picker.runtime import PickerDrain, PickerPorts, run_picker
 from evergreen_trio.picker.scheduler import PoolSnapshot
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "MetricsError",
     "Picker",
     "PickerConfig",
+    "PickerDrain",
     "PickerError",
     "PickerPorts",
     "PoolConfig",

@@ -27,8 +27,17 @@ from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_con
 from evergreen_trio.picker.epp_flags import add_reference_flags, apply_reference_flags, go_bool
 from evergreen_trio.picker.errors import ConfigError, PickerError
 from evergreen_trio.picker.flow_control.config import go_duration
-from evergreen_trio.picker.runtime import Discovery, LeaderElection, ObjectiveWatch, PickerPorts, run_picker
+from evergreen_trio.picker.runtime import (
+    DRAIN_WINDOW_SECONDS,
+    Discovery,
+    LeaderElection,
+    ObjectiveWatch,
+    PickerDrain,
+    PickerPorts,
+    run_picker,
+)
 from evergreen_trio.serving.evergreen_front import add_front_arguments, front_from_args
+from evergreen_trio.serving.signals import with_stop_deadline
 
 log = logging.getLogger(__name__)
 REFERENCE_POOL_GROUP = "inference.networking.k8s.io"
@@ -67,6 +76,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     picker.add_argument("--model-server-metrics-path", metavar="PATH", help="scrape path (default /metrics)")
     picker.add_argument("--model-server-metrics-scheme", default="http", choices=["http"],
                         help="scrape scheme (http only)")
+    picker.add_argument("--drain-timeout", metavar="DURATION",
+                        help="on SIGTERM: NOT_SERVING and the Lease released at once, ext_proc served this long "
+                             "(default 30s with --pool-name, as the reference; 0s with --config)")
+    picker.add_argument("--stop-grace", default="90s", metavar="DURATION",
+                        help="then the port closes with a GOAWAY and the streams in flight get this long "
+                             "to end (default 90s)")
     add_reference_flags(picker)
     picker.set_defaults(run=run_picker_command)
 
@@ -100,6 +115,7 @@ class PickerSettings:
     discovery: Discovery | None
     leader_election: LeaderElection | None
     objectives: ObjectiveWatch | None = None
+    drain: PickerDrain = dataclasses.field(default_factory=PickerDrain)
 
 
 def _pool_overrides(config: PickerConfig, args: argparse.Namespace) -> PickerConfig:
@@ -174,10 +190,18 @@ def picker_settings(args: argparse.Namespace, config: PickerConfig) -> PickerSet
     if args.cert_path and not Path(args.cert_path).is_dir():
         raise ConfigError("--cert-path", "a directory with tls.crt and tls.key", args.cert_path)
     host = args.host or ("0.0.0.0" if cluster else "127.0.0.1")
+    drain = _drain(args, cluster)
     discovery, election, objectives = _cluster_parts(args, config) if cluster else (None, None, None)
     from evergreen_trio.picker.tls import ext_proc_context  # cryptography: the `picker` extra
 
-    return PickerSettings(config, host, ext_proc_context(secure, args.cert_path), discovery, election, objectives)
+    return PickerSettings(config, host, ext_proc_context(secure, args.cert_path), discovery, election, objectives,
+                          drain)
+
+
+def _drain(args: argparse.Namespace, cluster: bool) -> PickerDrain:
+    default_window = DRAIN_WINDOW_SECONDS if cluster else 0.0
+    window = default_window if args.drain_timeout is None else go_duration(args.drain_timeout, "--drain-timeout")
+    return PickerDrain(window, go_duration(args.stop_grace, "--stop-grace"))
 
 
 def run_picker_command(args: argparse.Namespace) -> int:
@@ -204,8 +228,9 @@ def run_picker_command(args: argparse.Namespace) -> int:
     return serve_until_signal(partial(
         run_picker, settings.config, host=settings.host, grpc_port=args.grpc_port,
         health_port=args.grpc_health_port, metrics_port=args.metrics_port, ssl_context=settings.ssl_context,
-        discovery=settings.discovery, leader_election=settings.leader_election, objectives=settings.objectives),
-        started=announce,
+        discovery=settings.discovery, leader_election=settings.leader_election, objectives=settings.objectives,
+        drain=settings.drain),
+        started=announce, drain=with_stop_deadline(settings.drain.drain),
         address=f"{settings.host} (ports {args.grpc_port}, {args.grpc_health_port}, {args.metrics_port})")
 
 

@@ -22,7 +22,7 @@ from grpclib.const import Status
 
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.health import ServerHealth
-from evergreen_trio._grpc.server import SSLContextSource, serve_grpc
+from evergreen_trio._grpc.server import GracefulStop, SSLContextSource, serve_grpc
 from evergreen_trio._grpc.server_wire import SyncBidiMethod, WireLimits
 from evergreen_trio._http import HttpGetError, KeepAliveGetter
 from evergreen_trio.picker.config import Endpoint, PickerConfig
@@ -46,6 +46,14 @@ Discovery = Callable[[Callable[[Sequence[Endpoint]], None]], Awaitable[None]]
 ObjectiveWatch = Callable[[Callable[[Mapping[str, int]], None]], Awaitable[None]]
 # Leader election: called with ``on_leader``, which it calls with True/False as leadership changes.
 LeaderElection = Callable[[Callable[[bool], None]], Awaitable[None]]
+
+DRAIN_WINDOW_SECONDS = 30.0
+"""How long a draining picker serves ext_proc on, NOT_SERVING: the reference EPP's ``--drain-timeout``
+default, time for Kubernetes to take the pod out of the Service and for Envoy to learn of it."""
+STOP_GRACE_SECONDS = 90.0
+"""How long the ext_proc streams in flight after the window may take to end (one that observes a
+response lasts as long as it). With the window, 120 s: inside the 130 s termination grace period
+the reference chart gives the pod."""
 
 
 @dataclass(frozen=True)
@@ -210,8 +218,32 @@ class Scrapers:
             await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape)
 
 
+class PickerDrain:
+    """A graceful stop of :func:`run_picker`, the reference EPP's on SIGTERM; ``await drain()`` runs it.
+
+    At once, every readiness name answers NOT_SERVING (``liveness`` stays SERVING: a probe must
+    not restart a draining picker) and a leader releases its Lease, so Kubernetes takes the pod
+    out of the Service and another replica takes over. ext_proc is served on for ``window_s``:
+    Envoy sends requests here until it learns of that. Then the ext_proc port closes, each
+    connection gets a graceful GOAWAY, and the streams in flight have ``grace_s`` to end.
+    Cancelling ``run_picker`` afterwards ends whatever is left.
+    """
+
+    def __init__(self, window_s: float = DRAIN_WINDOW_SECONDS, grace_s: float = STOP_GRACE_SECONDS) -> None:
+        self.window_s = window_s
+        self.grace_s = grace_s
+        self.requested = trio.Event()
+        self.done = trio.Event()
+
+    async def drain(self) -> None:
+        """Start the drain (a second call joins the first) and return once it is over."""
+        self.requested.set()
+        await self.done.wait()
+
+
 class Readiness:
-    """Readiness = endpoints known (static, or discovery listed them) + each scraped once + leader.
+    """Readiness = endpoints known (static, or discovery listed them) + each scraped once + leader,
+    and not draining.
 
     ``liveness`` is SERVING from the start; every name in ``READINESS_NAMES`` and ``""``
     follow readiness, as the reference picker's health server does.
@@ -222,17 +254,45 @@ class Readiness:
         self.synced = not discovered
         self.leader = not elected
         self.scraped = False
+        self.draining = False
         self.health = ServerHealth(("", *READINESS_NAMES))
         self.health.set(ready=False, live=True)
+
+    def drain(self) -> None:
+        """NOT_SERVING from now on, live still."""
+        self.draining = True
+        self._publish()
 
     def update(self, snapshot: PoolSnapshot) -> None:
         # Latched: a pod added later is scraped within a refresh interval, and readiness must not
         # flap on every scale-up while it is.
         self.scraped = self.scraped or (self.synced and snapshot.first_scrape_done)
-        ready = self.scraped and self.leader
+        self._publish()
+
+    def _publish(self) -> None:
+        ready = self.scraped and self.leader and not self.draining
         if ready != self.health.ready:
             log.info("picker.%s pool=%s", "ready" if ready else "not_ready", self.pool)
             self.health.set(ready=ready, live=True)
+
+
+async def _drain_when_asked(drain: PickerDrain, readiness: Readiness, election: trio.CancelScope,
+                            ext_proc: GracefulStop) -> None:
+    await drain.requested.wait()
+    log.info("picker.draining window_s=%g grace_s=%g: NOT_SERVING, ext_proc served through the window",
+             drain.window_s, drain.grace_s)
+    readiness.drain()
+    election.cancel()  # the election's own cleanup releases the Lease
+    await trio.sleep(drain.window_s)
+    with trio.move_on_after(drain.grace_s) as grace:
+        await ext_proc()
+    log.info("picker.drained%s", " grace_over=true: cancelling the streams left" if grace.cancelled_caught else "")
+    drain.done.set()
+
+
+async def _elect_in(scope: trio.CancelScope, election: LeaderElection, on_leader: Callable[[bool], None]) -> None:
+    with scope:  # a drain cancels it, so that the Lease is released first
+        await election(on_leader)
 
 
 def wire_limits(config: PickerConfig) -> WireLimits:
@@ -254,6 +314,7 @@ async def run_picker(
     discovery: Discovery | None = None,
     leader_election: LeaderElection | None = None,
     objectives: ObjectiveWatch | None = None,
+    drain: PickerDrain | None = None,
     task_status: trio.TaskStatus[PickerPorts] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the Endpoint Picker until cancelled; ``started`` gets the bound :class:`PickerPorts`.
@@ -262,7 +323,7 @@ async def run_picker(
     connection, for reloading). ``discovery`` replaces the static endpoint list; with
     ``leader_election`` only the leader reports ready. See
     :class:`~evergreen_trio.picker.runtime.Readiness`. ``objectives`` follows the cluster's
-    InferenceObjectives (:mod:`evergreen_trio.picker.k8s`).
+    InferenceObjectives (:mod:`evergreen_trio.picker.k8s`). ``drain``: see :class:`PickerDrain`.
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = PickerMetrics(config.pool.name, labels=ModelLabels.for_config(config))
@@ -286,6 +347,7 @@ async def run_picker(
         request_type=ep.ProcessingRequest,
         new_processor=lambda: _GrpcStream(picker, metrics),
     )
+    election, ext_proc = trio.CancelScope(), GracefulStop()
     async with trio.open_nursery() as nursery:
         scrapers = Scrapers(nursery, config, snapshot, after_scrape)
         if discovery is None:
@@ -305,16 +367,19 @@ async def run_picker(
                 readiness.leader = leader
                 readiness.update(snapshot)
 
-            nursery.start_soon(leader_election, on_leader)
+            nursery.start_soon(_elect_in, election, leader_election, on_leader)
         if objectives is not None:
             nursery.start_soon(objectives, picker.set_cluster_objectives)
         if picker.flow is not None:
             nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0], new_flow_wake)
         grpc_bound = await nursery.start(partial(
-            serve_grpc, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context))
+            serve_grpc, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context,
+            graceful_stop=ext_proc))
         health_bound = await nursery.start(serve_grpc, readiness.health.methods, host, health_port)
         metrics_bound = await nursery.start(serve_metrics, metrics.registry, host, metrics_port)
         ports = PickerPorts(grpc_bound, health_bound, metrics_bound)
         log.info("picker.serving pool=%s grpc=%d health=%d metrics=%d tls=%s", config.pool.name,
                  *vars(ports).values(), ssl_context is not None)
+        if drain is not None:
+            nursery.start_soon(_drain_when_asked, drain, readiness, election, ext_proc)
         task_status.started(ports)

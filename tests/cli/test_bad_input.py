@@ -127,6 +127,8 @@ def pool_yaml(tmp_path: Path) -> Path:
         (["picker", "--pool-name", "p", "--zap-log-level", "loud"], ["--zap-log-level", "'loud'"]),
         (["picker", "--pool-name", "p", "-v", "x"], ["--v", "'x'"]),
         (["picker", "--pool-name", "p", "--log-level", "warn"], ["--log-level", "'warn'"]),
+        (["picker", "--pool-name", "p", "--drain-timeout", "soon"], ["--drain-timeout", "'soon'"]),
+        (["picker", "--pool-name", "p", "--stop-grace=-1s"], ["--stop-grace", "'-1s'"]),
         (["avp", "serve", "--port", "70000"], ["--port", "70000"]),
         (["avp", "serve", "--token-file", "/nonexistent/token"], ["--token-file", "/nonexistent/token"]),
         (["gateway-config", "--evergreen", "nowhere"], ["--evergreen", "nowhere"]),

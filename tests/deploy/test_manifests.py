@@ -15,6 +15,7 @@ from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._wire import SERVICE
 from evergreen_trio.cli import build_parser
 from evergreen_trio.picker.config import load_config
+from evergreen_trio.picker.runtime import DRAIN_WINDOW_SECONDS, STOP_GRACE_SECONDS
 
 DEPLOY = Path(__file__).parents[2] / "deploy" / "kubernetes"
 Doc = Mapping[str, Any]
@@ -84,8 +85,12 @@ def test_picker_deployment_ports_probes_and_args_agree_with_its_service() -> Non
     service = DOCS[("Service", "evergreen-picker")]
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert {p["targetPort"] for p in service["spec"]["ports"]} == set(container_ports.values())
-    for probe in ("readinessProbe", "livenessProbe"):  # as the official chart, with one replica
-        assert container[probe]["grpc"] == {"port": 9003, "service": "inference-extension"}
+    assert container["readinessProbe"]["grpc"] == {"port": 9003, "service": "inference-extension"}
+    # Liveness stays SERVING while the picker drains, so the probe does not restart it mid-drain.
+    assert container["livenessProbe"]["grpc"] == {"port": 9003, "service": ServerHealth.LIVENESS}
+    # A SIGTERM's drain (cluster mode: the reference's 30 s window, then the stop grace) fits the pod's grace.
+    assert pod["spec"]["terminationGracePeriodSeconds"] > DRAIN_WINDOW_SECONDS + STOP_GRACE_SECONDS
+    assert "--drain-timeout" not in args and "--stop-grace" not in args
 
 
 def test_picker_config_is_mounted_and_valid_for_the_pool(tmp_path: Path) -> None:

@@ -45,7 +45,12 @@ def run_cli(
 
 @asynccontextmanager
 async def picker_process(args: Sequence[str], env: Mapping[str, str] | None = None) -> AsyncIterator[RunningPicker]:
-    """Start the picker, wait for its 'grpc ... health ... metrics ...' line, stop it with SIGTERM."""
+    """Start the picker, wait for its 'grpc ... health ... metrics ...' line, stop it with SIGTERM.
+
+    Unless ``args`` set ``--drain-timeout``, it is 0s: a cluster-mode picker would serve on for
+    30 s after the SIGTERM, which only the drain tests wait for."""
+    if not any(arg.startswith("--drain-timeout") for arg in args):
+        args = [*args, "--drain-timeout=0s"]
     process = await trio.lowlevel.open_process([*PICKER, *args], env=cli_env(env), stdout=subprocess.PIPE)
     assert process.stdout is not None
     try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import queue
+import threading
 from collections.abc import Sequence
 from functools import partial
 
@@ -24,7 +26,7 @@ from hypothesis import strategies as st
 from evergreen_trio._grpc import http2
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.http2 import HeaderDecoder
-from evergreen_trio._grpc.server import serve_grpc
+from evergreen_trio._grpc.server import GracefulStop, serve_grpc
 from evergreen_trio._grpc.server_wire import PREFACE, GrpcWireConnection, SyncBidiMethod, WireLimits
 
 PATH = "/test.Echo/Chat"
@@ -350,6 +352,54 @@ async def test_grpcio_client_over_tcp(nursery: trio.Nursery) -> None:
     assert replies == [b"x", b"stop"] and code == grpc.StatusCode.OK
     _, code, details = await trio.to_thread.run_sync(call, [b"fail"])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details == "asked to fail: é%"
+
+
+async def test_a_graceful_stop_closes_the_port_and_returns_once_the_open_stream_ended(nursery: trio.Nursery) -> None:
+    """grpc-go's ``GracefulStop``: no new connection, a GOAWAY NO_ERROR on the open one, whose stream
+    goes on (a grpcio client sends on it after the stop began) to its OK; then the stop is over."""
+    stop = GracefulStop()
+    port = await nursery.start(partial(serve_grpc, [METHOD], "127.0.0.1", 0, graceful_stop=stop))
+    requests: queue.Queue[bytes | None] = queue.Queue()
+    first_reply = threading.Event()
+
+    def call() -> tuple[list[bytes], grpc.StatusCode]:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            rpc = channel.stream_stream(PATH, request_serializer=BytesValue.SerializeToString,
+                                        response_deserializer=BytesValue.FromString)
+            calls = rpc(BytesValue(value=v) for v in iter(requests.get, None))
+            replies = []
+            for reply in calls:
+                replies.append(reply.value)
+                first_reply.set()
+            return replies, calls.code()
+
+    result: list[tuple[list[bytes], grpc.StatusCode]] = []
+    called = trio.Event()
+
+    async def run_call() -> None:
+        result.append(await trio.to_thread.run_sync(call))
+        called.set()
+
+    nursery.start_soon(run_call)
+    requests.put(b"a")
+    assert await trio.to_thread.run_sync(first_reply.wait, 10)
+    stopped = trio.Event()
+
+    async def run_stop() -> None:
+        await stop()
+        stopped.set()
+
+    nursery.start_soon(run_stop)
+    await trio.sleep(0.2)
+    assert not stopped.is_set()
+    with pytest.raises(OSError):
+        await trio.open_tcp_stream("127.0.0.1", port)
+    requests.put(b"b")
+    requests.put(None)
+    with trio.fail_after(10):
+        await stopped.wait()
+        await called.wait()
+    assert result == [([b"a", b"b", b"end"], grpc.StatusCode.OK)]
 
 
 def _blocks() -> list[bytes]:
