@@ -42,6 +42,7 @@ from evergreen_trio._grpc.http2 import (
     GOAWAY,
     HEADERS,
     MAX_FRAME_SIZE_SETTING,
+    MAX_STREAM_ID,
     MAX_WINDOW,
     NO_ERROR,
     PING,
@@ -81,7 +82,6 @@ MAX_HEADER_LIST_BYTES = 64 * 1024
 MAX_HEADER_FRAMES = 64
 """HEADERS + CONTINUATION frames of one header block, at most (the server wire's default too)."""
 
-MAX_STREAM_ID = 2**31 - 1
 
 _HTTP_STATUS = {b"400": Status.INTERNAL, b"401": Status.UNAUTHENTICATED, b"403": Status.PERMISSION_DENIED,
                 b"404": Status.UNIMPLEMENTED, b"429": Status.UNAVAILABLE, b"502": Status.UNAVAILABLE,

@@ -54,6 +54,9 @@ STREAM_BATCH = 64
 CLOSE_TIMEOUT_SECONDS = 5.0
 """How long a stopping server spends telling its connections to go away (GOAWAY) before it closes them."""
 _STOPPING = "the server is stopping"
+GOAWAY_ACK_TIMEOUT_SECONDS = 2.0
+"""How long a graceful GOAWAY's final step waits for the client's PING ACK (see
+:meth:`GrpcWireConnection.go_away`); a client that does not answer gets it then."""
 
 SSLContextSource = ssl.SSLContext | Callable[[], ssl.SSLContext]
 
@@ -368,7 +371,7 @@ class _Server:
                 stream, certificate = tls, tls.getpeercert() or None
             wire = GrpcWireConnection(self.methods, self.limits, peer=peer, peer_certificate=certificate)
             if self.stopping:  # accepted before the port closed, its TLS handshake done after the GOAWAYs
-                wire.go_away(_STOPPING)
+                wire.go_away(_STOPPING)  # no stream yet: closed at once
             connection = _Connection(stream, wire, peer)
             self.connections.add(connection)
             try:
@@ -488,15 +491,26 @@ class _Server:
         finally:
             lock.release()
 
-    async def go_away(self, message: str) -> None:
-        """A graceful GOAWAY on every connection: its open streams go on, new ones go elsewhere."""
-        for connection in await self._tell_each(lambda wire: wire.go_away(message)):
+    async def go_away(self, message: str, *, two_steps: bool = False) -> None:
+        """A graceful GOAWAY on every connection: its open streams go on, new ones go elsewhere. In
+        ``two_steps`` the final GOAWAY of each goes on its client's PING ACK, or after
+        ``GOAWAY_ACK_TIMEOUT_SECONDS`` (see :meth:`GrpcWireConnection.go_away`)."""
+        connections = await self._tell_each(lambda wire: wire.go_away(message, two_steps=two_steps))
+        if two_steps:
+            assert self.nursery is not None
+            self.nursery.start_soon(self._finish_going_away)
+        for connection in connections:
+            connection.lot.unpark_all()  # a connection whose last stream had ended is closed now
+
+    async def _finish_going_away(self) -> None:
+        await trio.sleep(GOAWAY_ACK_TIMEOUT_SECONDS)
+        for connection in await self._tell_each(GrpcWireConnection.finish_going_away):
             connection.lot.unpark_all()  # a connection whose last stream had ended is closed now
 
     async def stop_gracefully(self) -> None:
         """A graceful GOAWAY on every connection; returns once the last has closed (after its last stream)."""
         self.stopping = True
-        await self.go_away(_STOPPING)
+        await self.go_away(_STOPPING, two_steps=True)  # every stream taken is served
         while self.active:
             self._connection_ended = trio.Event()
             await self._connection_ended.wait()
@@ -530,6 +544,8 @@ class GracefulStop:
 
 async def _go_away_when(server: _Server, going_away: trio.Event) -> None:
     await going_away.wait()
+    # One step: a draining server refuses new streams anyway, so those that race the GOAWAY do
+    # better above its last stream id, where clients know to send them again elsewhere.
     await server.go_away("the server is draining")
 
 

@@ -46,6 +46,7 @@ from evergreen_trio._grpc.http2 import (
     GOAWAY,
     HEADERS,
     MAX_FRAME_SIZE_SETTING,
+    MAX_STREAM_ID,
     MAX_WINDOW,
     NO_ERROR,
     PING,
@@ -85,6 +86,7 @@ RepOut = TypeVar("RepOut", bound=Message, covariant=True)
 
 MAX_ECHOED_CHARS = 64  # of untrusted input (a request path) in a grpc-message
 MAX_STATUS_MESSAGE_CHARS = 512  # of a processor's status message, before percent-encoding
+GOAWAY_PING = b"goaway\x00\x00"  # the opaque data of go_away's PING, whose ACK sends the final GOAWAY
 
 
 @dataclass(frozen=True)
@@ -340,6 +342,7 @@ class GrpcWireConnection:
         self._unparked: list[int] = []  # parked streams whose processor has its replies
         self._peer_gone = False  # the client sent GOAWAY
         self._going_away = False  # this side sent a graceful GOAWAY (go_away): streams above it are not taken
+        self._goaway_message: str | None = None  # go_away's first GOAWAY is out; the final one waits
         self._ignored_id = 0  # the highest stream id opened after either GOAWAY, not taken: its frames are dropped
         # Called when a parked stream becomes ready: the shell then calls resume_unparked and writes.
         self.on_wake: Callable[[], object] = lambda: None
@@ -396,11 +399,32 @@ class GrpcWireConnection:
         if not self.closed:
             self._goaway(NO_ERROR, message)
 
-    def go_away(self, message: str) -> None:
-        """A graceful shutdown: queue GOAWAY NO_ERROR naming the last stream taken. Open streams go on to
-        their end; streams the client opens after it are not taken (the client may send them again on
-        another connection); the connection is closed when its last stream ends."""
-        if self.closed or self._going_away:
+    def go_away(self, message: str, *, two_steps: bool = False) -> None:
+        """A graceful shutdown: GOAWAY NO_ERROR naming the last stream taken. Open streams go on to
+        their end; streams the client opens after it are not taken (their frames are dropped; the
+        client knows it may send them again elsewhere); the connection is closed when the last open
+        stream ends.
+
+        ``two_steps``, as RFC 9113 (section 6.8), grpc-go and grpc-core do it: first GOAWAY naming
+        2^31-1, and a PING. The client opens no stream once it has read them, and its PING ACK
+        comes after every stream it opened before, each taken; the ACK (or the shell, calling
+        :meth:`finish_going_away`) sends the final GOAWAY. For a server that serves what it takes;
+        one that would refuse those streams anyway does better to leave them to be sent elsewhere.
+        """
+        if self.closed or self._going_away or self._goaway_message is not None:
+            return
+        self._goaway_message = message
+        if not two_steps:
+            self.finish_going_away()
+            return
+        self._out += goaway_frame(MAX_STREAM_ID, NO_ERROR, message)
+        self._out += frame(PING, 0, 0, GOAWAY_PING)
+
+    def finish_going_away(self) -> None:
+        """The final GOAWAY of a two-step :meth:`go_away`, sent on the PING ACK; the shell calls it
+        when the ACK is late (a client that does not answer PINGs keeps no connection open)."""
+        message = self._goaway_message
+        if message is None or self.closed or self._going_away:
             return
         if not self._streams:
             self._goaway(NO_ERROR, message)
@@ -562,6 +586,8 @@ class GrpcWireConnection:
                                    "expected PING with 8 bytes on stream 0")
         if not flags & ACK:
             self._out += frame(PING, ACK, 0, payload)
+        elif payload == GOAWAY_PING:
+            self.finish_going_away()
 
     def _rst_stream(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id or len(payload) != 4:

@@ -23,6 +23,7 @@ from hpack import NeverIndexedHeaderTuple
 from hypothesis import given
 from hypothesis import strategies as st
 
+from benchmarks.security_session import RawH2
 from evergreen_trio._grpc import http2
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.http2 import HeaderDecoder
@@ -400,6 +401,42 @@ async def test_a_graceful_stop_closes_the_port_and_returns_once_the_open_stream_
         await stopped.wait()
         await called.wait()
     assert result == [([b"a", b"b", b"end"], grpc.StatusCode.OK)]
+
+
+def _message(value: bytes) -> bytes:
+    body = BytesValue(value=value).SerializeToString()
+    return b"\0" + len(body).to_bytes(4, "big") + body
+
+
+async def test_a_graceful_stop_takes_the_stream_that_raced_its_goaway_even_from_a_client_deaf_to_pings(
+        nursery: trio.Nursery) -> None:
+    """The stop's GOAWAY comes in two steps (RFC 9113 section 6.8, as grpc-go's): first naming 2^31-1,
+    with a PING. A stream the client opened before it read them (here: after, not answering the
+    PING) is taken and served; the final GOAWAY, naming it, comes without the ACK after
+    ``GOAWAY_ACK_TIMEOUT_SECONDS``; a stream opened after that is not taken. Over a real socket."""
+    stop = GracefulStop()
+    port = await nursery.start(partial(serve_grpc, [METHOD], "127.0.0.1", 0, graceful_stop=stop))
+    client = await RawH2.open(port)
+    await client.send(client.headers(1, path=PATH) + client.data(1, _message(b"first")))
+    assert await client.until(lambda c: bool(c.settings), 10)  # SETTINGS exchanged
+    client.answer = False  # PINGs go unanswered from now on
+    stopped = trio.Event()
+
+    async def run_stop() -> None:
+        await stop()
+        stopped.set()
+
+    nursery.start_soon(run_stop)
+    assert await client.until(lambda c: c.goaway_last_stream == 2**31 - 1, 10)
+    await client.send(client.headers(3, path=PATH) + client.data(3, _message(b"raced"), end_stream=True))
+    assert await client.until(lambda c: c.goaway_last_stream == 3, 10)
+    await client.send(client.headers(5, path=PATH) + client.data(5, _message(b"late"), end_stream=True))
+    await client.send(client.data(1, _message(b"last"), end_stream=True))
+    assert await client.until(lambda c: {1, 3} <= c.statuses.keys() and c.closed, 10)
+    assert client.statuses == {1: "0 ", 3: "0 "} and client.goaway == 0
+    with trio.fail_after(10):
+        await stopped.wait()
+    await client.aclose()
 
 
 def _blocks() -> list[bytes]:

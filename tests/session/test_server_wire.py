@@ -16,8 +16,9 @@ from h2_frames import parse_frames
 from hyperframe.frame import GoAwayFrame, HeadersFrame, PingFrame, SettingsFrame
 
 from evergreen_trio._grpc.errors import RpcAbortError
+from evergreen_trio._grpc.http2 import ACK, PING, frame
 from evergreen_trio._grpc.server import StreamMethod, WireTimeouts, serve_grpc
-from evergreen_trio._grpc.server_wire import Call, StreamProcessor, WireLimits
+from evergreen_trio._grpc.server_wire import GOAWAY_PING, Call, StreamProcessor, WireLimits
 from evergreen_trio._grpc.streams import MessageStream
 from tests.picker.test_grpc_wire import PATH, Peer
 
@@ -244,42 +245,72 @@ async def test_a_silent_peer_with_an_open_stream_is_pinged_then_closed() -> None
         nursery.cancel_scope.cancel()
 
 
-def test_a_graceful_goaway_lets_open_streams_end_and_drops_later_ones_quietly() -> None:
-    """``go_away`` (a draining server): GOAWAY NO_ERROR naming the last stream taken; that stream goes
-    on to its status; a stream the client opened before it saw the GOAWAY is not taken, and its
-    DATA is dropped, not a protocol error; the last stream's end closes the connection (a second
-    GOAWAY). The frames are read raw: h2 treats a received GOAWAY as the connection's end."""
+def test_a_graceful_goaway_in_two_steps_takes_the_streams_that_raced_it_and_drops_later_ones_quietly() -> None:
+    """``go_away`` (a graceful stop), in two steps: GOAWAY NO_ERROR naming 2^31-1, and a PING. A
+    stream the client opened before it saw them is taken; the PING's ACK brings the final GOAWAY,
+    naming the last stream taken; a stream opened after that is not taken, and its DATA is dropped,
+    not a protocol error. The open streams go on to their statuses, and the last one's end closes
+    the connection. The frames are read raw: h2 treats a received GOAWAY as the connection's end."""
     method = Opener(Streaming)
     peer = peer_with(method)
     taken = open_stream(peer)
     peer.send(taken, b"still here", end=True)
-    late = peer.client.get_next_available_stream_id()
-    peer.client.send_headers(late, [(":method", "POST"), (":scheme", "http"), (":path", PATH), (":authority", "x"),
-                                    ("content-type", "application/grpc"), ("te", "trailers")])
-    peer.client.send_data(late, b"\0\0\0\0\x02hi", end_stream=True)
+    raced = peer.client.get_next_available_stream_id()
+    request = [(":method", "POST"), (":scheme", "http"), (":path", PATH), (":authority", "x"),
+               ("content-type", "application/grpc"), ("te", "trailers")]
+    peer.client.send_headers(raced, request)
+    peer.client.send_data(raced, b"\0\0\0\0\x02hi", end_stream=True)
     in_flight = peer.client.data_to_send()
-    peer.server.go_away("the server is draining")
-    peer.server.receive_data(in_flight)  # sent before the client saw the GOAWAY
+    peer.server.go_away("the server is stopping", two_steps=True)
     frames = parse_frames(peer.server.data_to_send())
-    assert [(f.last_stream_id, f.error_code) for f in frames if isinstance(f, GoAwayFrame)] == [(taken, 0)]
-    assert all(f.stream_id != late for f in frames)
-    assert len(method.opened) == 1 and not peer.server.closed
-    processor = method.opened[0]
-    assert isinstance(processor, Streaming) and processor.received == [b"still here"]
-    processor.queued = [BytesValue(value=b"answer")]
-    processor.final = RpcAbortError(Status.OK, "")
+    assert [(f.last_stream_id, f.error_code) for f in frames if isinstance(f, GoAwayFrame)] == [(2**31 - 1, 0)]
+    assert [f.opaque_data for f in frames if isinstance(f, PingFrame)] == [GOAWAY_PING]
+    peer.server.receive_data(in_flight)  # sent before the client saw the GOAWAY
+    assert len(method.opened) == 2
+    peer.server.receive_data(frame(PING, ACK, 0, GOAWAY_PING))
+    frames = parse_frames(peer.server.data_to_send())
+    assert [(f.last_stream_id, f.error_code) for f in frames if isinstance(f, GoAwayFrame)] == [(raced, 0)]
+    late = peer.client.get_next_available_stream_id()
+    peer.client.send_headers(late, request)
+    peer.client.send_data(late, b"\0\0\0\0\x02hi", end_stream=True)
+    peer.server.receive_data(peer.client.data_to_send())
+    assert len(method.opened) == 2 and not parse_frames(peer.server.data_to_send()) and not peer.server.closed
     out = b""
-    for _ in range(2):
-        processor.wake()
-        peer.server.resume_unparked()
-        out += peer.server.data_to_send()
+    for processor in method.opened:
+        assert isinstance(processor, Streaming)
+        processor.queued = [BytesValue(value=b"answer")]
+        processor.final = RpcAbortError(Status.OK, "")
+        for _ in range(2):
+            processor.wake()
+            peer.server.resume_unparked()
+            out += peer.server.data_to_send()
+    assert method.opened[0].received == [b"still here"]  # type: ignore[attr-defined]
     frames = parse_frames(out)
     assert [(type(f).__name__, f.stream_id) for f in frames] == [
-        ("HeadersFrame", taken), ("DataFrame", taken), ("HeadersFrame", taken), ("GoAwayFrame", 0)]
+        ("HeadersFrame", taken), ("DataFrame", taken), ("HeadersFrame", taken),
+        ("HeadersFrame", raced), ("DataFrame", raced), ("HeadersFrame", raced), ("GoAwayFrame", 0)]
     assert peer.server.closed
 
 
-def test_a_graceful_goaway_with_no_open_stream_closes_at_once() -> None:
+def test_a_graceful_goaway_not_acknowledged_is_finished_by_the_shell() -> None:
+    """A client that does not answer the PING: ``finish_going_away`` (the shell's timer) sends the
+    final GOAWAY; with no stream open, the connection closes then."""
+    peer = peer_with(Opener(Streaming))
+    peer.server.go_away("the server is stopping", two_steps=True)
+    assert not peer.server.closed
+    peer.server.data_to_send()
+    peer.server.finish_going_away()
+    frames = parse_frames(peer.server.data_to_send())
+    assert [(f.last_stream_id, f.error_code) for f in frames if isinstance(f, GoAwayFrame)] == [(0, 0)]
+    assert peer.server.closed
+
+
+def test_a_graceful_goaway_with_no_open_stream_closes_at_once_or_in_two_steps_on_the_ping_ack() -> None:
     peer = peer_with(Opener(Streaming))
     peer.server.go_away("the server is draining")
+    assert peer.server.closed
+    peer = peer_with(Opener(Streaming))
+    peer.server.go_away("the server is stopping", two_steps=True)
+    assert not peer.server.closed
+    peer.server.receive_data(frame(PING, ACK, 0, GOAWAY_PING))
     assert peer.server.closed
