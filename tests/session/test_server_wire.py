@@ -14,6 +14,8 @@ from google.protobuf.wrappers_pb2 import BytesValue
 from grpclib.const import Status
 from h2_frames import parse_frames
 from hyperframe.frame import GoAwayFrame, HeadersFrame, PingFrame, SettingsFrame
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.http2 import ACK, PING, frame
@@ -314,3 +316,46 @@ def test_a_graceful_goaway_with_no_open_stream_closes_at_once_or_in_two_steps_on
     assert not peer.server.closed
     peer.server.receive_data(frame(PING, ACK, 0, GOAWAY_PING))
     assert peer.server.closed
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["open", "ack", "finish", "end_one", "go_away"]), max_size=24), st.booleans())
+def test_a_graceful_goaway_never_takes_a_stream_above_its_final_goaway(actions: list[str], two_steps: bool) -> None:
+    """Streams opened, PING ACKs, the shell's timer and the streams' ends in any order around a
+    ``go_away``: nothing raises; a stream is taken exactly when no final GOAWAY naming a lower
+    stream came before it; once the final GOAWAY is out and no stream is open, the connection is closed."""
+    method = Opener(Streaming)
+    peer = peer_with(method)
+    final: int | None = None  # the last stream id the final GOAWAY named
+    opened: list[int] = []
+    for action in actions:
+        if action == "open":
+            stream_id = peer.client.get_next_available_stream_id()
+            peer.client.send_headers(stream_id, [(":method", "POST"), (":scheme", "http"), (":path", PATH),
+                                                 (":authority", "x"), ("content-type", "application/grpc")])
+            peer.server.receive_data(peer.client.data_to_send())
+            if final is None and not peer.server.closed:
+                opened.append(stream_id)
+        elif action == "ack":
+            peer.server.receive_data(frame(PING, ACK, 0, GOAWAY_PING))
+        elif action == "finish":
+            peer.server.finish_going_away()
+        elif action == "go_away":
+            peer.server.go_away("the server is stopping", two_steps=two_steps)
+        else:
+            for processor in method.opened:
+                assert isinstance(processor, Streaming)
+                if processor.final is None:
+                    processor.final = RpcAbortError(Status.OK, "")
+                    processor.wake()
+                    peer.server.resume_unparked()
+                    break
+        for goaway in parse_frames(peer.server.data_to_send()):
+            if isinstance(goaway, GoAwayFrame) and goaway.last_stream_id != 2**31 - 1:
+                final = goaway.last_stream_id if final is None else final
+                assert goaway.last_stream_id in (final, 0) and goaway.error_code == 0
+        assert len(method.opened) == len(opened)
+        if final is not None:
+            assert all(stream_id <= final for stream_id in opened)
+            if all(p.final is not None for p in method.opened):  # type: ignore[attr-defined]
+                assert peer.server.closed
