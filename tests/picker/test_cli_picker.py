@@ -144,3 +144,20 @@ def test_a_port_in_use_is_one_line_and_exit_1(tmp_path: Path) -> None:
     assert result.returncode == 1
     (line,) = [ln for ln in result.stderr.splitlines() if "evergreen-trio picker" in ln]
     assert "Address already in use" in line and "Traceback" not in result.stderr
+
+
+async def test_sigterm_turns_readiness_off_at_once_and_a_second_signal_ends_the_drain(tmp_path: Path) -> None:
+    """The drain window (``--drain-timeout``): readiness NOT_SERVING at once, liveness SERVING and
+    the ext_proc port still open; a second SIGTERM stops the process then, exit status 0."""
+    config = tmp_path / "picker.yaml"
+    config.write_text("pool:\n  endpoints: ['127.0.0.2:1']\n")
+    async with picker_process(["--config", str(config), *EPHEMERAL_PORTS, "--drain-timeout", "5m"]) as picker:
+        await wait_health("127.0.0.1", picker.health, "readiness")
+        picker.process.send_signal(signal.SIGTERM)
+        await wait_health("127.0.0.1", picker.health, "readiness", want="NOT_SERVING", timeout_s=10)
+        assert await trio.to_thread.run_sync(health, "127.0.0.1", picker.health, "liveness") == "SERVING"
+        stream = await trio.open_tcp_stream("127.0.0.1", picker.grpc)
+        await stream.aclose()
+        picker.process.send_signal(signal.SIGTERM)
+        with trio.fail_after(10):
+            assert await picker.process.wait() == 0
