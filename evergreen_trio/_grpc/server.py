@@ -495,17 +495,14 @@ class _Server:
         """A graceful GOAWAY on every connection: its open streams go on, new ones go elsewhere. In
         ``two_steps`` the final GOAWAY of each goes on its client's PING ACK, or after
         ``GOAWAY_ACK_TIMEOUT_SECONDS`` (see :meth:`GrpcWireConnection.go_away`)."""
-        connections = await self._tell_each(lambda wire: wire.go_away(message, two_steps=two_steps))
+        await self._tell_each(lambda wire: wire.go_away(message, two_steps=two_steps))
         if two_steps:
             assert self.nursery is not None
             self.nursery.start_soon(self._finish_going_away)
-        for connection in connections:
-            connection.lot.unpark_all()  # a connection whose last stream had ended is closed now
 
     async def _finish_going_away(self) -> None:
         await trio.sleep(GOAWAY_ACK_TIMEOUT_SECONDS)
-        for connection in await self._tell_each(GrpcWireConnection.finish_going_away):
-            connection.lot.unpark_all()  # a connection whose last stream had ended is closed now
+        await self._tell_each(GrpcWireConnection.finish_going_away)
 
     async def stop_gracefully(self) -> None:
         """A graceful GOAWAY on every connection; returns once the last has closed (after its last stream)."""
@@ -519,15 +516,15 @@ class _Server:
         """GOAWAY on every connection (streams still open are aborted)."""
         await self._tell_each(lambda wire: wire.close("the server is shutting down"))
 
-    async def _tell_each(self, tell: Callable[[GrpcWireConnection], None]) -> list[_Connection]:
-        """``tell`` each connection's wire, then write what it queued (each write bounded); the connections."""
-        connections = list(self.connections)
-        for connection in connections:
+    async def _tell_each(self, tell: Callable[[GrpcWireConnection], None]) -> None:
+        """``tell`` each connection's wire, write what it queued (each write bounded), and wake its
+        writer task: one whose wire ``tell`` closed (its last stream had ended) then ends the connection."""
+        for connection in list(self.connections):
             tell(connection.wire)
             with trio.move_on_after(_REFUSAL_SEND_S), contextlib.suppress(
                     trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
                 await self._send(connection)
-        return connections
+            connection.lot.unpark_all()
 
 
 class GracefulStop:

@@ -162,8 +162,7 @@ class Server(ActionRegistry):
         self._authorize_plain = False  # set by serve: authorize runs in _admit_session
         # Principals of the sessions a plain authorize admitted before they were counted.
         self._admitted: weakref.WeakKeyDictionary[MessageStream[Outbound], object] = weakref.WeakKeyDictionary()
-        self._draining = False
-        self._going_away: trio.Event | None = None  # set by drain: connections get a graceful GOAWAY
+        self._draining = trio.Event()  # set by drain: sessions refused, connections get a graceful GOAWAY
         self._session_closed: trio.Event | None = None
         self._expiring = trio.Lock()  # see _expired
         self._expiry = SessionExpiry(self.first_message_timeout, self.idle_timeout, self._expired)
@@ -176,7 +175,7 @@ class Server(ActionRegistry):
     @property
     def draining(self) -> bool:
         """True once ``drain`` began: new sessions are refused, open ones finish."""
-        return self._draining
+        return self._draining.is_set()
 
     async def serve(
         self,
@@ -202,17 +201,14 @@ class Server(ActionRegistry):
         if self.reflection:
             methods += reflection_methods([SERVICE, "grpc.health.v1.Health"])
         limits = self.transport_limits
-        self._going_away = trio.Event()
-        if self._draining:
-            self._going_away.set()
         try:
             async with trio.open_nursery() as nursery:
                 bound = await nursery.start(partial(
                     serve_grpc, methods, host, port, limits=wire_limits(limits), timeouts=wire_timeouts(limits),
                     ssl_context=self.tls, reuse_port=reuse_port, before_close=self._end_open_sessions,
-                    going_away=self._going_away))
+                    going_away=self._draining))
                 nursery.start_soon(self._expiry.run)
-                self.health.set(ready=not self._draining, live=True)
+                self.health.set(ready=not self.draining, live=True)
                 task_status.started(bound)
         finally:
             self.health.set(ready=False, live=False)
@@ -226,9 +222,7 @@ class Server(ActionRegistry):
         once with UNAVAILABLE (no handler runs; the client may retry elsewhere). Returns how many
         sessions are still open; cancelling :meth:`serve` then ends them with UNAVAILABLE.
         """
-        self._draining = True
-        if self._going_away is not None:
-            self._going_away.set()
+        self._draining.set()
         self.health.set(ready=False, live=True)
         log.info("server.draining open=%d grace_s=%s", len(self._open), grace)
         with trio.move_on_after(grace):
@@ -242,7 +236,7 @@ class Server(ActionRegistry):
         """Admit a new session before its task starts, or raise RpcAbortError with the status that
         refuses it: UNAVAILABLE while draining, a plain ``authorize``'s refusal (before the session
         counts), RESOURCE_EXHAUSTED past ``max_sessions`` or the peer's ``max_sessions_per_peer``."""
-        if self._draining:
+        if self._draining.is_set():
             self.metrics.aborted("draining")
             raise RpcAbortError(Status.UNAVAILABLE, "the server is draining; open the session elsewhere")
         if self._authorize_plain:
