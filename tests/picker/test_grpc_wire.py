@@ -20,6 +20,7 @@ import trio
 from google.protobuf.wrappers_pb2 import BytesValue
 from grpclib.const import Status
 from hpack import NeverIndexedHeaderTuple
+from hyperframe.frame import PingFrame
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -28,7 +29,7 @@ from evergreen_trio._grpc import http2
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.http2 import HeaderDecoder
 from evergreen_trio._grpc.server import GracefulStop, serve_grpc
-from evergreen_trio._grpc.server_wire import PREFACE, GrpcWireConnection, SyncBidiMethod, WireLimits
+from evergreen_trio._grpc.server_wire import GOAWAY_PING, PREFACE, GrpcWireConnection, SyncBidiMethod, WireLimits
 
 PATH = "/test.Echo/Chat"
 
@@ -437,6 +438,23 @@ async def test_a_graceful_stop_takes_the_stream_that_raced_its_goaway_even_from_
     with trio.fail_after(10):
         await stopped.wait()
     await client.aclose()
+
+
+async def test_a_spoofed_goaway_ping_ack_before_any_stop_changes_nothing(nursery: trio.Nursery) -> None:
+    """A client acknowledging the graceful stop's PING it was never sent (hostile, or confused): no
+    GOAWAY, no error; its stream is served to OK and the server keeps serving others."""
+    port = await nursery.start(partial(serve_grpc, [METHOD], "127.0.0.1", 0))
+    client = await RawH2.open(port)
+    spoofed = PingFrame(0, flags=["ACK"], opaque_data=GOAWAY_PING).serialize()
+    await client.send(spoofed + client.headers(1, path=PATH) + spoofed
+                      + client.data(1, _message(b"x"), end_stream=True))
+    assert await client.until(lambda c: 1 in c.statuses, 10)
+    assert client.statuses == {1: "0 "} and client.goaway is None and not client.closed
+    await client.aclose()
+    second = await RawH2.open(port)
+    await second.send(second.headers(1, path=PATH) + second.data(1, _message(b"y"), end_stream=True))
+    assert await second.until(lambda c: 1 in c.statuses, 10) and second.statuses == {1: "0 "}
+    await second.aclose()
 
 
 def _blocks() -> list[bytes]:
