@@ -157,11 +157,13 @@ class PickRequest:
 @dataclass
 class Schedule:
     """A scheduling result: the primary (decode) profile's endpoints best first, the prefill
-    endpoint when P/D chose one, and every profile's picks by profile name."""
+    endpoint when P/D chose one, every profile's picks by profile name, and the primary profile's
+    weighted score of every candidate it scored (empty when it runs no scorer)."""
 
     endpoints: list[str]
     prefill: str | None = None
     profiles: dict[str, list[str]] = field(default_factory=dict)
+    scores: dict[str, float] = field(default_factory=dict)
 
 
 # Bytes per token when no tokenizer is configured (what llm-d-router's estimates assume too).
@@ -301,15 +303,15 @@ class Scheduler:
         handler = self.config.handler
         if handler is None:
             profile = next(iter(profiles.values()))
-            picked = self.run_profile(profile, request, candidates, count)
+            picked, scores = self.run_profile(profile, request, candidates, count)
             if not picked:
                 raise RequestError(503, f"no ready endpoint passed profile {profile.name!r}'s filters")
-            return Schedule(picked, None, {profile.name: picked})
+            return Schedule(picked, None, {profile.name: picked}, scores)
         result: dict[str, list[str]] = {}
         prefill = profiles.get(handler.prefill)
         if handler.stage_order == "prefill-first" and prefill is not None:
-            result[prefill.name] = self.run_profile(prefill, request, candidates, 1)
-        decode = self.run_profile(profiles[handler.decode], request, candidates, count)
+            result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
+        decode, scores = self.run_profile(profiles[handler.decode], request, candidates, count)
         if not decode:
             raise RequestError(503, f"no ready decode endpoint (profile {handler.decode!r})")
         result[handler.decode] = decode
@@ -317,23 +319,25 @@ class Scheduler:
             block_bytes = self.prefix_geometry()[0]
             cached = self.prefix_matches.get(decode[0], 0) * block_bytes // BYTES_PER_TOKEN
             if handler.prefill_decider.disaggregate(request.prompt_bytes // BYTES_PER_TOKEN, cached):
-                result[prefill.name] = self.run_profile(prefill, request, candidates, 1)
+                result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
         prefill_pick = result.get(handler.prefill)
-        return Schedule(decode, prefill_pick[0] if prefill_pick else None, result)
+        return Schedule(decode, prefill_pick[0] if prefill_pick else None, result, scores)
 
     def run_profile(self, profile: Profile, request: PickRequest, candidates: Sequence[EndpointState],
-                    count: int) -> list[str]:
-        """Filter, score and pick up to ``count`` addresses by ``profile`` (best first; [] if none passed)."""
+                    count: int) -> tuple[list[str], dict[str, float]]:
+        """Filter, score and pick up to ``count`` addresses by ``profile`` (best first; [] if none
+        passed), with the scores of the candidates that passed (empty when the profile has no scorer)."""
         for plugin in profile.filters:
             keeps = plugin.params.keeps  # type: ignore[attr-defined]  # every filter type has keeps(labels)
             candidates = [s for s in candidates if keeps(s.endpoint.label_map)]
         if not candidates:
-            return []
+            return [], {}
         scores = self.scores(request, candidates, profile)
+        reported = scores if profile.scorers else {}
         if profile.random_pick:
-            return self.rng.sample(list(scores), min(count, len(scores)))
+            return self.rng.sample(list(scores), min(count, len(scores))), reported
         order = sorted(scores, key=lambda a: (scores[a], self.rng.random()), reverse=True)
-        return order[:count]
+        return order[:count], reported
 
     def scores(self, request: PickRequest, candidates: Sequence[EndpointState],
                profile: Profile | None = None) -> dict[str, float]:
