@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import ssl
 from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -79,7 +80,7 @@ async def _send(conn: h11.Connection, stream: trio.abc.Stream, event: h11.Event,
 
 
 async def _connection(
-    handler: Handler, max_body: int, read_timeout: float, stream: trio.SocketStream, send_timeout: float = math.inf
+    handler: Handler, max_body: int, read_timeout: float, stream: trio.abc.Stream, send_timeout: float = math.inf
 ) -> None:
     conn = h11.Connection(h11.SERVER)
     try:
@@ -120,6 +121,22 @@ async def _connection(
         await stream.aclose()
 
 
+async def _tls_connection(handler: Handler, max_body: int, read_timeout: float, stream: trio.SocketStream,
+                          send_timeout: float, context: ssl.SSLContext | Callable[[], ssl.SSLContext]) -> None:
+    tls = trio.SSLStream(stream, context if isinstance(context, ssl.SSLContext) else context(), server_side=True)
+    shaken = False
+    with trio.move_on_after(read_timeout):
+        try:
+            await tls.do_handshake()
+            shaken = True
+        except trio.BrokenResourceError as exc:  # not TLS, or a client certificate refused
+            log.info("http.tls_handshake_failed error=%s", exc.__cause__ or exc)
+    if not shaken:
+        await trio.aclose_forcefully(stream)
+        return
+    await _connection(handler, max_body, read_timeout, tls, send_timeout)
+
+
 async def serve_http(
     handler: Handler,
     host: str,
@@ -130,6 +147,7 @@ async def serve_http(
     max_connections: int = 256,
     send_timeout: float = math.inf,
     max_connections_per_client: int | None = None,
+    ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` on ``host:port`` until cancelled; ``started`` gets the bound port.
@@ -137,7 +155,8 @@ async def serve_http(
     A connection is closed when a request (or, kept alive, the next one) takes longer than
     ``read_timeout`` to arrive, or when one write waits longer than ``send_timeout`` for the peer to
     read; past ``max_connections`` open at once, or ``max_connections_per_client`` from one remote
-    address, a new one is closed at once (one warning per burst).
+    address, a new one is closed at once (one warning per burst). With ``ssl_context`` (or a callable
+    asked per connection, for reloading) each connection is TLS, its handshake bounded by ``read_timeout``.
     """
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound: int = listeners[0].socket.getsockname()[1]
@@ -168,7 +187,10 @@ async def serve_http(
         open_connections += 1
         per_client[client] = held + 1
         try:
-            await _connection(handler, max_body, read_timeout, stream, send_timeout)
+            if ssl_context is None:
+                await _connection(handler, max_body, read_timeout, stream, send_timeout)
+            else:
+                await _tls_connection(handler, max_body, read_timeout, stream, send_timeout, ssl_context)
         finally:
             open_connections -= 1
             per_client[client] -= 1

@@ -187,7 +187,7 @@ class _TaskStream:
         stream.inbound.close(RpcAbortError(status, why))
         stream.finish(status, why)
 
-    def on_closed(self) -> None:
+    def on_closed(self, status: Status) -> None:
         stream = self.stream
         stream.inbound.notify = stream.outbound.notify = None
         stream.inbound.close()

@@ -95,6 +95,8 @@ class WireLimits:
 
     ``max_message_bytes`` fits ext_proc: the largest buffered request body
     (``ExtProcConfig.max_request_body_bytes``, 16 MiB) plus 64 KiB for headers and framing.
+    A reply longer than ``max_send_message_bytes`` is not sent: its stream ends RESOURCE_EXHAUSTED
+    instead (grpc-go's ``MaxSendMsgSize``; its default, 2**31 - 1, is the gRPC length prefix's limit).
     ``window_bytes`` is both the stream and the connection window; stream credit is returned only
     for consumed input. ``max_buffered_bytes`` caps input buffered in partial messages plus
     replies waiting for the peer's window: past it the connection window is not returned.
@@ -115,6 +117,7 @@ class WireLimits:
     max_concurrent_streams: int = 1024
     max_header_list_bytes: int = 64 * 1024
     max_message_bytes: int = 16 * 1024 * 1024 + 64 * 1024
+    max_send_message_bytes: int = (1 << 31) - 1
     window_bytes: int = 16 * 1024 * 1024
     max_buffered_bytes: int = 48 * 1024 * 1024
     max_header_frames: int = 64
@@ -149,8 +152,9 @@ class StreamProcessor(Protocol[ReqIn, RepOut]):
     unsent replies stay under a window's worth) and delivers input while ``parked`` is false.
     Its stream does not end with the client's input: ``on_end`` is called, and the stream ends
     once ``finished`` is true after a ``resume()`` (OK), or ``resume()`` raises
-    :class:`RpcAbortError` (that status). ``on_closed()``, if defined, is called once the stream
-    is gone from the connection, whichever way it ended.
+    :class:`RpcAbortError` (that status). ``on_closed(status)``, if defined, is called once the
+    stream is gone from the connection, whichever way it ended, with the status it was answered
+    (CANCELLED when it was reset, or its connection closed, before an answer).
     """
 
     @property
@@ -267,6 +271,7 @@ class _Stream:
         "processor",
         "remote_closed",
         "starved",
+        "status",
         "streaming",
         "trailers",
         "unacked",
@@ -288,6 +293,7 @@ class _Stream:
         self.credit = 0
         self.pending = bytearray()  # framed gRPC messages not yet sent (flow control)
         self.trailers: bytes | None = None  # header block to send once ``pending`` is out
+        self.status: Status | None = None  # what ``trailers`` says
         self.headers_sent = False
         self.remote_closed = False
         self.unacked = 0  # bytes received since the last stream WINDOW_UPDATE
@@ -805,7 +811,7 @@ class GrpcWireConnection:
             if resumed:
                 replies.extend(processor.resume())  # type: ignore[attr-defined]
                 if processor.finished:
-                    stream.trailers = _OK_TRAILERS
+                    stream.trailers, stream.status = _OK_TRAILERS, Status.OK
                     stream.completed = True
                 elif stream.streaming:
                     stream.parked = getattr(processor, "parked", False)
@@ -829,7 +835,7 @@ class GrpcWireConnection:
                     ) from None
                 replies.extend(processor.on_message(message))
                 if processor.finished:
-                    stream.trailers = _OK_TRAILERS
+                    stream.trailers, stream.status = _OK_TRAILERS, Status.OK
                     stream.completed = True
                 elif getattr(processor, "parked", False):
                     stream.parked = True
@@ -841,21 +847,30 @@ class GrpcWireConnection:
                 replies.extend(processor.on_end())
                 if not stream.streaming:
                     stream.completed = True
-                    stream.trailers = _OK_TRAILERS
+                    stream.trailers, stream.status = _OK_TRAILERS, Status.OK
         except RpcAbortError as exc:
-            stream.trailers = _status_block(exc.status, exc.message)
+            stream.trailers, stream.status = _status_block(exc.status, exc.message), exc.status
             failed = True
         except Exception as exc:  # a processor bug must not take the connection down
             log.exception("grpc_wire.processor_failed path=%s", method.path)
-            stream.trailers = _status_block(Status.UNKNOWN, type(exc).__name__)
+            stream.trailers, stream.status = _status_block(Status.UNKNOWN, type(exc).__name__), Status.UNKNOWN
             failed = True
+        outgoing: list[bytes] = []
+        for reply in replies:
+            data = reply.SerializeToString()
+            if len(data) > self.limits.max_send_message_bytes:  # as grpc-go's MaxSendMsgSize answers
+                stream.status = Status.RESOURCE_EXHAUSTED
+                stream.trailers = _status_block(stream.status, f"trying to send message larger than "
+                                                f"max ({len(data)} vs. {self.limits.max_send_message_bytes})")
+                failed = True
+                break
+            outgoing.append(data)
         if stream.trailers is not None and inbound:
             inbound.clear()  # input after the answer is never read
         if before:
             self._buffered -= before - len(inbound)
         pending = len(stream.pending)
-        for reply in replies:
-            data = reply.SerializeToString()
+        for data in outgoing:
             stream.pending += b"\x00" + len(data).to_bytes(4, "big") + data
         if not stream.streaming:
             self._buffered += len(stream.pending) - pending
@@ -934,17 +949,18 @@ class GrpcWireConnection:
 
 
 def _abort(stream: _Stream) -> None:
-    """Call the processor's ``on_abort`` once, unless its stream completed, then its ``on_closed``;
-    a failure is logged."""
+    """Call the processor's ``on_abort`` once, unless its stream completed, then its ``on_closed``
+    with the stream's status; a failure is logged."""
     processor = stream.processor
     if processor is None:
         return
     stream.processor = None
-    for hook in ("on_abort", "on_closed") if not stream.completed else ("on_closed",):
+    calls = (("on_abort", ()), ("on_closed", (stream.status or Status.CANCELLED,)))
+    for hook, args in calls if not stream.completed else calls[1:]:
         callback = getattr(processor, hook, None)
         if callback is not None:
             try:
-                callback()
+                callback(*args)
             except Exception:  # a processor bug must not take the connection down
                 log.exception("grpc_wire.%s_failed path=%s", hook, stream.method.path if stream.method else "?")
     stream.completed = True

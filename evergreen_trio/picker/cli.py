@@ -24,9 +24,10 @@ from evergreen_trio._cli import UsageError, port, serve_until_signal
 from evergreen_trio._grpc.server import SSLContextSource
 from evergreen_trio.picker.config import PickerConfig, load_config, parse_config, parse_duration
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
+from evergreen_trio.picker.epp_config import alpha_plugins
 from evergreen_trio.picker.epp_flags import add_reference_flags, apply_reference_flags, go_bool
 from evergreen_trio.picker.errors import ConfigError, PickerError
-from evergreen_trio.picker.flow_control.config import go_duration
+from evergreen_trio.picker.flow_control.config import go_duration, quantity
 from evergreen_trio.picker.runtime import (
     DRAIN_WINDOW_SECONDS,
     Discovery,
@@ -82,6 +83,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     picker.add_argument("--stop-grace", default="90s", metavar="DURATION",
                         help="then the port closes with a GOAWAY and the streams in flight get this long "
                              "to end (default 90s)")
+    flag = partial(picker.add_argument, type=go_bool, nargs="?", const=True, default=False, metavar="BOOL")
+    flag("--allow-experimental-plugins", help="allow the reference's Alpha plugin types in the config")
+    flag("--emit-endpoint-scores", help="each candidate's score in envoy.lb/x-gateway-destination-endpoint-scores")
+    flag("--disable-endpoint-subset-filter", help="ignore Envoy's envoy.lb.subset_hint metadata")
+    flag("--enable-grpc-stream-metrics", help="the llm_d_epp_extproc_stream* metrics")
+    picker.add_argument("--grpc-max-recv-msg-size", metavar="SIZE",
+                        help="largest ext_proc message taken, e.g. 10MiB (default: the largest body cap + 64 KiB)")
+    picker.add_argument("--grpc-max-send-msg-size", metavar="SIZE", help="largest ext_proc reply sent (default: any)")
+    picker.add_argument("--tls-min-version", metavar="VERSION", help="ext_proc TLS floor: VersionTLS12 (default), ...")
+    picker.add_argument("--tls-cipher-suites", metavar="SUITE,...", help="ext_proc TLS 1.2 suites, Go crypto/tls names")
+    picker.add_argument("--metrics-cert-dir", metavar="DIR", help="TLS on the metrics port: tls.crt and tls.key there")
+    picker.add_argument("--metrics-client-ca-file", metavar="FILE",
+                        help="with --metrics-cert-dir: scrapers need a client certificate this CA signed")
     add_reference_flags(picker)
     picker.set_defaults(run=run_picker_command)
 
@@ -116,6 +130,7 @@ class PickerSettings:
     leader_election: LeaderElection | None
     objectives: ObjectiveWatch | None = None
     drain: PickerDrain = dataclasses.field(default_factory=PickerDrain)
+    metrics_ssl_context: SSLContextSource | None = None
 
 
 def _pool_overrides(config: PickerConfig, args: argparse.Namespace) -> PickerConfig:
@@ -131,6 +146,33 @@ def _pool_overrides(config: PickerConfig, args: argparse.Namespace) -> PickerCon
             raise ConfigError("--model-server-metrics-path", "a path starting with '/'", args.model_server_metrics_path)
         pool = dataclasses.replace(pool, metrics_path=args.model_server_metrics_path)
     return dataclasses.replace(config, pool=pool)
+
+
+def _ext_proc_overrides(config: PickerConfig, args: argparse.Namespace) -> PickerConfig:
+    """The reference's ext_proc flags over the config's values."""
+    ext_proc = dataclasses.replace(
+        config.ext_proc, emit_endpoint_scores=config.ext_proc.emit_endpoint_scores or args.emit_endpoint_scores,
+        honor_subset_hint=config.ext_proc.honor_subset_hint and not args.disable_endpoint_subset_filter,
+        stream_metrics=config.ext_proc.stream_metrics or args.enable_grpc_stream_metrics)
+    if args.grpc_max_recv_msg_size is not None:
+        size = message_size(args.grpc_max_recv_msg_size, "--grpc-max-recv-msg-size")
+        ext_proc = dataclasses.replace(ext_proc, max_receive_message_bytes=size)
+    if args.grpc_max_send_msg_size is not None:
+        size = message_size(args.grpc_max_send_msg_size, "--grpc-max-send-msg-size")
+        ext_proc = dataclasses.replace(ext_proc, max_send_message_bytes=size)
+    return dataclasses.replace(config, ext_proc=ext_proc)
+
+
+def message_size(text: str, flag: str) -> int | None:
+    """The reference's gRPC message size flag: a Kubernetes quantity with an optional ``B``
+    (``10MiB``, ``25MB``, ``4194304``); 0 means gRPC's default, None here."""
+    value = text.strip()
+    if len(value) > 1 and value[-1] in "Bb":
+        value = value[:-1]
+    size = quantity(value, flag)
+    if size >= 1 << 63:
+        raise ConfigError(flag, "a size below 2**63", text)
+    return size or None
 
 
 def _cluster_parts(args: argparse.Namespace,
@@ -185,17 +227,25 @@ def picker_settings(args: argparse.Namespace, config: PickerConfig) -> PickerSet
                 raise ConfigError("--" + flag.replace("_", "-"), "--pool-name (cluster mode) with it", "--config")
         if args.ha_enable_leader_election:
             raise ConfigError("--ha-enable-leader-election", "--pool-name (cluster mode) with it", "--config")
-    config = _pool_overrides(config, args)
+    config = _ext_proc_overrides(_pool_overrides(config, args), args)
+    if not args.allow_experimental_plugins:
+        for plugin in alpha_plugins(config.epp):
+            raise PickerError(f"plugin {plugin.name!r} (type {plugin.type!r}) has Alpha stability level, "
+                              f"but --allow-experimental-plugins is not set")
+    if args.metrics_cert_dir and not args.metrics_client_ca_file and args.epp_metrics_endpoint_auth is False:
+        raise ConfigError("--metrics-cert-dir", "--metrics-client-ca-file with it when --metrics-endpoint-auth=false "
+                          "(metrics TLS without authentication)", args.metrics_cert_dir)
     secure = cluster if args.secure_serving is None else args.secure_serving
     if args.cert_path and not Path(args.cert_path).is_dir():
         raise ConfigError("--cert-path", "a directory with tls.crt and tls.key", args.cert_path)
     host = args.host or ("0.0.0.0" if cluster else "127.0.0.1")
     drain = _drain(args, cluster)
     discovery, election, objectives = _cluster_parts(args, config) if cluster else (None, None, None)
-    from evergreen_trio.picker.tls import ext_proc_context  # cryptography: the `picker` extra
+    from evergreen_trio.picker.tls import TlsProfile, ext_proc_context, metrics_context  # the `picker` extra
 
-    return PickerSettings(config, host, ext_proc_context(secure, args.cert_path), discovery, election, objectives,
-                          drain)
+    profile = TlsProfile.from_flags(args.tls_min_version, args.tls_cipher_suites)
+    return PickerSettings(config, host, ext_proc_context(secure, args.cert_path, profile), discovery, election,
+                          objectives, drain, metrics_context(args.metrics_cert_dir, args.metrics_client_ca_file))
 
 
 def _drain(args: argparse.Namespace, cluster: bool) -> PickerDrain:
@@ -228,8 +278,8 @@ def run_picker_command(args: argparse.Namespace) -> int:
     return serve_until_signal(partial(
         run_picker, settings.config, host=settings.host, grpc_port=args.grpc_port,
         health_port=args.grpc_health_port, metrics_port=args.metrics_port, ssl_context=settings.ssl_context,
-        discovery=settings.discovery, leader_election=settings.leader_election, objectives=settings.objectives,
-        drain=settings.drain),
+        metrics_ssl_context=settings.metrics_ssl_context, discovery=settings.discovery,
+        leader_election=settings.leader_election, objectives=settings.objectives, drain=settings.drain),
         started=announce, drain=with_stop_deadline(settings.drain.drain),
         address=f"{settings.host} (ports {args.grpc_port}, {args.grpc_health_port}, {args.metrics_port})")
 

@@ -169,6 +169,14 @@ class ExtProcConfig:
     ``observe_responses`` false ends each ext_proc stream as soon as the request is routed (unless
     the model name must be rewritten back in the response): Envoy then skips the response
     round trips, and token usage and served-endpoint reports are not collected.
+
+    The reference picker's flags: ``max_receive_message_bytes`` / ``max_send_message_bytes``
+    (``--grpc-max-recv-msg-size`` / ``--grpc-max-send-msg-size``; None: a message holds the
+    largest body cap plus 64 KiB, and replies are not capped); ``emit_endpoint_scores``
+    (``--emit-endpoint-scores``: the primary profile's score of every candidate in
+    ``envoy.lb/x-gateway-destination-endpoint-scores``); ``honor_subset_hint`` false
+    (``--disable-endpoint-subset-filter``) ignores Envoy's ``envoy.lb.subset_hint``;
+    ``stream_metrics`` (``--enable-grpc-stream-metrics``) adds the ``llm_d_epp_extproc_stream*`` metrics.
     """
 
     destination_mode: DestinationMode = DestinationMode.SINGLE
@@ -177,6 +185,11 @@ class ExtProcConfig:
     max_request_body_bytes: int = 16 * 1024 * 1024
     max_response_body_bytes: int = 16 * 1024 * 1024
     streamed_chunk_bytes: int = 62_000
+    max_receive_message_bytes: int | None = None
+    max_send_message_bytes: int | None = None
+    emit_endpoint_scores: bool = False
+    honor_subset_hint: bool = True
+    stream_metrics: bool = False
 
 
 @dataclass(frozen=True)

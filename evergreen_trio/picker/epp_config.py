@@ -36,6 +36,7 @@ from typing import Any
 from evergreen_trio.picker.checks import mapping, sequence
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.plugins import (
+    ALPHA_TYPES,
     AlwaysDecider,
     Category,
     DisaggHandler,
@@ -97,6 +98,11 @@ class EppConfig:
     plugins: Mapping[str, Plugin]
     feature_gates: tuple[str, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+def alpha_plugins(epp: EppConfig | None) -> list[Plugin]:
+    """The declared plugins of a type llm-d-router registers as Alpha (:data:`ALPHA_TYPES`)."""
+    return [plugin for plugin in epp.plugins.values() if plugin.type in ALPHA_TYPES] if epp is not None else []
 
 
 def is_endpoint_picker_config(doc: Mapping[str, Any]) -> bool:

@@ -569,6 +569,21 @@ NOT_IMPLEMENTED_LIST = (
 )
 
 
+# llm-d-router's Alpha plugin types (cmd/epp/runner/runner.go registers each type with its stability):
+# the reference refuses a config declaring one unless it runs with --allow-experimental-plugins.
+ALPHA_TYPES = frozenset({
+    "agent-identity", "burst-prefix-cache-producer", "dcgm-data-source", "dcgm-extractor",
+    "disaggregatedset-rollout-screener", "endpoint-attribute-filter", "endpoint-attribute-scorer",
+    "header-label-affinity-scorer", "header-profile-handler", "multicluster-approx-prefix-cache-producer",
+    "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
+    "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
+    "multicluster-session-affinity-filter", "p2p-source-producer", "priority-holdback-policy",
+    "priority-then-time-eviction-order-policy", "session-affinity-filter", "session-affinity-scorer",
+    "sheddable-eviction-filter", "soft-reflective-ceiling-policy", "topology-affinity-filter",
+    "topology-affinity-scorer", "topology-extractor", "utilization-filter",
+})
+
+
 class _NotImplemented:
     """The not-implemented list minus whatever has been registered since (by another module)."""
 

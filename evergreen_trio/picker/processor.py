@@ -47,6 +47,7 @@ DESTINATION = "x-gateway-destination-endpoint"
 FALLBACK = "x-gateway-destination-endpoint-fallback"
 SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
+SCORES = "x-gateway-destination-endpoint-scores"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 MODEL_REWRITE = "x-gateway-model-name-rewrite"
@@ -88,7 +89,8 @@ class StreamReport:
 @dataclass
 class Route:
     """A routing decision: endpoints best first, the model names, the prompt hashes, a new body,
-    and the prefill endpoint when P/D disaggregates the request."""
+    the prefill endpoint when P/D disaggregates the request, and the scores to report (with
+    ``emit_endpoint_scores``)."""
 
     endpoints: list[str]
     client_model: str | None = None
@@ -99,6 +101,7 @@ class Route:
     prefill: str | None = None
     load: Ticket | None = None  # its share of the endpoint's in-flight load, released once
     prefill_load: Ticket | None = None  # the prefill pod's, released at the first response chunk
+    scores: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -217,7 +220,8 @@ class Picker:
             prefill_ticket = inflight.dispatch(
                 schedule.prefill, self.scheduler.uncached_tokens(pick, [schedule.prefill])[schedule.prefill])
         return Route(endpoints, admission.client_model, admission.target_model, admission.hashes, admission.body,
-                     prefill=schedule.prefill, load=ticket, prefill_load=prefill_ticket)
+                     prefill=schedule.prefill, load=ticket, prefill_load=prefill_ticket,
+                     scores=schedule.scores if self.config.ext_proc.emit_endpoint_scores else {})
 
     @staticmethod
     def _failed(report: StreamReport, admission: Admission, exc: RequestError) -> None:
@@ -384,7 +388,7 @@ class ExtProcStream:
             raise ExtProcError("expected one request_headers message per stream, got a second")
         self.headers = _headers(message.request_headers)
         value = _metadata_value(message.metadata_context, SUBSET_NAMESPACE, SUBSET)
-        if value is not None:
+        if value is not None and self.picker.config.ext_proc.honor_subset_hint:
             self.subset = frozenset(_struct_strings(value))
         if message.request_headers.end_of_stream or self.request_mode == NONE:
             return self._decide(None, "headers")
@@ -479,6 +483,10 @@ class ExtProcStream:
         fields = metadata.fields[LB_NAMESPACE].struct_value.fields  # Struct.update's generic walk costs more
         for key, address in lb.items():
             fields[key].string_value = address
+        if route.scores:
+            scores = fields[SCORES].struct_value.fields
+            for address, score in route.scores.items():
+                scores[address].number_value = score
         if phase == "headers":
             return ep.ProcessingResponse(
                 request_headers=ep.HeadersResponse(response=ep.CommonResponse(

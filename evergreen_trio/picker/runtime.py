@@ -84,6 +84,8 @@ class _GrpcStream:
         self._picker, self._metrics = picker, metrics
         self._started = time.monotonic()
         self._running = False
+        if metrics.streams is not None:
+            metrics.streams.opened()
         # A stream Envoy resets gets neither on_end nor finished: record it when it is dropped.
         weakref.finalize(self, _record_dropped, metrics, self._stream, self._started)
 
@@ -133,6 +135,10 @@ class _GrpcStream:
     def on_abort(self) -> None:
         self._stream.on_abort()
         self._record()
+
+    def on_closed(self, status: Status) -> None:
+        if self._metrics.streams is not None:
+            self._metrics.streams.closed(status, time.monotonic() - self._started)
 
     def _record(self) -> None:
         if not self._stream.report.recorded:
@@ -297,10 +303,14 @@ async def _elect_in(scope: trio.CancelScope, election: LeaderElection, on_leader
 
 def wire_limits(config: PickerConfig) -> WireLimits:
     """The ext_proc port's limits for ``config``: a message holds at most one whole body (BUFFERED
-    sends it in one) plus 64 KiB of headers and framing, so the body caps bound each message."""
-    body = max(config.ext_proc.max_request_body_bytes, config.ext_proc.max_response_body_bytes)
-    message = body + 64 * 1024
-    return WireLimits(max_message_bytes=message, max_buffered_bytes=max(WireLimits.max_buffered_bytes, 2 * message))
+    sends it in one) plus 64 KiB of headers and framing, so the body caps bound each message,
+    unless ``max_receive_message_bytes`` says otherwise; replies up to ``max_send_message_bytes``."""
+    ext_proc = config.ext_proc
+    message = ext_proc.max_receive_message_bytes or (
+        max(ext_proc.max_request_body_bytes, ext_proc.max_response_body_bytes) + 64 * 1024)
+    return WireLimits(max_message_bytes=message,
+                      max_send_message_bytes=ext_proc.max_send_message_bytes or WireLimits.max_send_message_bytes,
+                      max_buffered_bytes=max(WireLimits.max_buffered_bytes, 2 * message))
 
 
 async def run_picker(
@@ -311,6 +321,7 @@ async def run_picker(
     health_port: int = 9003,
     metrics_port: int = 9090,
     ssl_context: SSLContextSource | None = None,
+    metrics_ssl_context: SSLContextSource | None = None,
     discovery: Discovery | None = None,
     leader_election: LeaderElection | None = None,
     objectives: ObjectiveWatch | None = None,
@@ -320,13 +331,14 @@ async def run_picker(
     """Run the Endpoint Picker until cancelled; ``started`` gets the bound :class:`PickerPorts`.
 
     Port 0 picks a free port. ``ssl_context`` serves ext_proc over TLS (a callable is asked per
-    connection, for reloading). ``discovery`` replaces the static endpoint list; with
-    ``leader_election`` only the leader reports ready. See
+    connection, for reloading), ``metrics_ssl_context`` the metrics port. ``discovery`` replaces
+    the static endpoint list; with ``leader_election`` only the leader reports ready. See
     :class:`~evergreen_trio.picker.runtime.Readiness`. ``objectives`` follows the cluster's
     InferenceObjectives (:mod:`evergreen_trio.picker.k8s`). ``drain``: see :class:`PickerDrain`.
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
-    metrics = PickerMetrics(config.pool.name, labels=ModelLabels.for_config(config))
+    metrics = PickerMetrics(config.pool.name, labels=ModelLabels.for_config(config),
+                            stream_metrics=config.ext_proc.stream_metrics)
     picker = Picker(config, snapshot)
     readiness = Readiness(config.pool.name, discovered=discovery is not None, elected=leader_election is not None)
 
@@ -376,7 +388,8 @@ async def run_picker(
             serve_grpc, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context,
             graceful_stop=ext_proc))
         health_bound = await nursery.start(serve_grpc, readiness.health.methods, host, health_port)
-        metrics_bound = await nursery.start(serve_metrics, metrics.registry, host, metrics_port)
+        metrics_bound = await nursery.start(partial(serve_metrics, metrics.registry, host, metrics_port,
+                                                    ssl_context=metrics_ssl_context))
         ports = PickerPorts(grpc_bound, health_bound, metrics_bound)
         log.info("picker.serving pool=%s grpc=%d health=%d metrics=%d tls=%s", config.pool.name,
                  *vars(ports).values(), ssl_context is not None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+from grpclib.const import Status
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
@@ -33,6 +34,7 @@ _INPUT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
                         262144, 524288, 1048576)
 _OUTPUT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _NTPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_STREAM_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600)
 _MODEL = ["model_name", "target_model_name"]
 # Labelled series kept at hand per picker; label values are already bounded (model names folded,
 # pool endpoints, plugin names), this only caps the map against a pool that churns for months.
@@ -44,15 +46,45 @@ def error_code(status: int) -> str:
     return ERROR_CODES.get(status, "Internal" if status >= 500 else "BadRequest")
 
 
+def go_code(status: Status) -> str:
+    """A gRPC status as Go's ``codes.Code.String()`` names it (``OK``, ``Canceled``, ``InvalidArgument``)."""
+    if status is Status.CANCELLED:
+        return "Canceled"
+    return "OK" if status is Status.OK else status.name.title().replace("_", "")
+
+
+class StreamMetrics:
+    """llm-d-router's opt-in ext_proc stream metrics (``--enable-grpc-stream-metrics``): the streams
+    open, how long each stayed open, and how many ended with each gRPC code."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.inflight = Gauge("llm_d_epp_extproc_streams_inflight", "Number of ext_proc gRPC streams currently open.",
+                              registry=registry)
+        self.duration = Histogram("llm_d_epp_extproc_stream_duration_seconds",
+                                  "Duration an ext_proc gRPC stream stays open, in seconds.",
+                                  buckets=_STREAM_BUCKETS, registry=registry)
+        self.ended = Counter("llm_d_epp_extproc_streams", "Total ext_proc gRPC streams completed, by gRPC status code.",
+                             ["code"], registry=registry)
+
+    def opened(self) -> None:
+        self.inflight.inc()
+
+    def closed(self, status: Status, duration_s: float) -> None:
+        self.inflight.dec()
+        self.duration.observe(duration_s)
+        self.ended.labels(go_code(status)).inc()
+
+
 class PickerMetrics:
     """The reference's metrics plus ours (served endpoints, tokens by kind).
 
     Model names are folded by ``labels`` (:class:`~evergreen_trio.picker.guards.ModelLabels`:
     unlisted and surplus names become ``other``), so clients cannot grow the label set.
+    ``streams`` (:class:`StreamMetrics`) only with ``stream_metrics``, as the reference registers them.
     """
 
     def __init__(self, pool: str, registry: CollectorRegistry | None = None,
-                 labels: ModelLabels | None = None) -> None:
+                 labels: ModelLabels | None = None, *, stream_metrics: bool = False) -> None:
         self.pool = pool
         self.labels = labels if labels is not None else ModelLabels()
         self._series: dict[tuple[Any, tuple[str, ...]], Any] = {}
@@ -113,6 +145,7 @@ class PickerMetrics:
                                  ["priority", "inference_pool"], registry=r)
         self.saturation = Gauge("llm_d_epp_flow_control_pool_saturation", "The saturation detector's reading",
                                 ["inference_pool"], registry=r)
+        self.streams = StreamMetrics(r) if stream_metrics else None
 
     def _series_of(self, metric: _M, *values: str) -> _M:
         """``metric.labels(*values)``, without prometheus_client's checks and lock after the first time

@@ -11,6 +11,8 @@ record into prometheus_client's multiprocess files and the supervisor serves the
 from __future__ import annotations
 
 import re
+import ssl
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -112,13 +114,15 @@ async def serve_metrics(
     *,
     send_timeout: float = SCRAPE_SEND_TIMEOUT,
     max_connections_per_client: int = MAX_SCRAPE_CONNECTIONS_PER_CLIENT,
+    ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The Prometheus exporter: ``GET`` (any path) renders ``registry``; other methods get 405.
 
     Serves until cancelled; ``started`` gets the bound port (0 picks a free one). A client that
     does not read a response within ``send_timeout`` is disconnected; one remote address holds at
-    most ``max_connections_per_client`` of the port's ``MAX_SCRAPE_CONNECTIONS``.
+    most ``max_connections_per_client`` of the port's ``MAX_SCRAPE_CONNECTIONS``. ``ssl_context``
+    serves it over TLS (a callable is asked per connection, for reloading).
     """
 
     # Rendering runs in a worker thread, one at a time: a scrape never holds the Trio thread that
@@ -133,7 +137,7 @@ async def serve_metrics(
 
     await serve_http(handle, host, port, max_body=MAX_REQUEST_BODY, max_connections=MAX_SCRAPE_CONNECTIONS,
                      send_timeout=send_timeout, max_connections_per_client=max_connections_per_client,
-                     task_status=task_status)
+                     ssl_context=ssl_context, task_status=task_status)
 
 
 __all__ = [

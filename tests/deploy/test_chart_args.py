@@ -1,5 +1,6 @@
 """Our CLI started with exactly the arguments the official inferencepool chart gives the reference
-EPP container (tests/deploy/chart/, with origin), and with our own manifests' and Dockerfile's:
+EPP container, and llm-d-router's own deployment (tests/deploy/chart/, with origin), and with our
+own manifests' and Dockerfile's:
 it comes up, is reached from another address, and answers the probes the manifests declare.
 
 Two things differ from a pod, both for this machine: the ports are ephemeral (appended
@@ -118,6 +119,27 @@ async def test_the_charts_args_run_our_picker(nursery: trio.Nursery, tmp_path: P
             await wait_health(OTHER_ADDRESS, picker.health, service)
         if values["replicas"] > 1:  # HA: the chart probes liveness/readiness; we are the only candidate
             assert container["readinessProbe"]["grpc"]["service"] == "readiness"
+
+
+async def test_llm_d_routers_own_deployment_args_run_our_picker(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """llm-d-router's deployment (chart/llm-d-router-deployment.yaml) passes flags the inferencepool chart
+    does not: ``--allow-experimental-plugins=true``, ``--v 4``, ``--metrics-endpoint-auth=...``."""
+    text = (CHART / "llm-d-router-deployment.yaml").read_text()
+    variables = {"EPP_NAME": "epp", "EPP_REPLICA_COUNT": "1", "EPP_IMAGE": "epp:dev", "POOL_NAME": "pool",
+                 "NAMESPACE": NAMESPACE, "METRICS_ENDPOINT_AUTH": "true", "ENABLE_LEADER_ELECTION": "false"}
+    for name, value in variables.items():
+        text = text.replace("${" + name + "}", value)
+    (container,) = yaml.safe_load(text)["spec"]["template"]["spec"]["containers"]
+    (tmp_path / "epp-config.yaml").write_text((CHART / "default-plugins.yaml").read_text())
+    args = [str(tmp_path / a.removeprefix("/etc/epp/")) if a.startswith("/etc/epp/") else a for a in container["args"]]
+    for flag in ("--grpc-port", "--grpc-health-port"):  # ephemeral ports instead
+        index = args.index(flag)
+        del args[index : index + 2]
+    assert "--allow-experimental-plugins=true" in args
+    kubeconfig = await pool_cluster(nursery, tmp_path, "inference.networking.k8s.io")
+    async with picker_process([*args, *EPHEMERAL_PORTS], {"KUBECONFIG": str(kubeconfig)}) as picker:
+        for probe in ("readinessProbe", "livenessProbe"):
+            await wait_health(OTHER_ADDRESS, picker.health, container[probe]["grpc"]["service"])
 
 
 async def test_our_deployment_args_run_and_are_reached_from_another_address(

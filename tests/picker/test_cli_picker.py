@@ -112,6 +112,15 @@ async def test_high_availability_one_ready_leader_and_takeover(nursery: trio.Nur
     (["--pool-name", "p", "--kubeconfig", "/nonexistent/kubeconfig"], "expected cluster access from"),
     (["--pool-name", "p", "--pool-group", "example.com"], "--pool-group"),
     (["--pool-name", "p", "--cert-path", "/nonexistent"], "--cert-path"),
+    (["--config", "{ok}", "--grpc-max-recv-msg-size", "lots"], "--grpc-max-recv-msg-size: expected a quantity"),
+    (["--config", "{ok}", "--grpc-max-send-msg-size=16E"], "a size below 2**63"),
+    (["--config", "{ok}", "--tls-min-version", "TLS1.2"], "one of VersionTLS10, VersionTLS11"),
+    (["--config", "{ok}", "--tls-cipher-suites", "TLS_FAST"], "Go crypto/tls cipher suite names, got 'TLS_FAST'"),
+    (["--config", "{ok}", "--tls-cipher-suites", "TLS_RSA_WITH_RC4_128_SHA"], "a suite OpenSSL"),
+    (["--config", "{ok}", "--metrics-client-ca-file", "ca.pem"], "--metrics-cert-dir with it"),
+    (["--config", "{ok}", "--metrics-cert-dir", "/nonexistent"], "/nonexistent/tls.crt"),
+    (["--config", "{ok}", "--metrics-cert-dir", "/tmp", "--metrics-endpoint-auth=false"], "without authentication"),
+    (["--config", "{ok}", "--emit-endpoint-scores=perhaps"], "expected true or false"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
     kubeconfig = write_kubeconfig(tmp_path, 1)

@@ -212,6 +212,19 @@ def test_compressed_and_oversized_messages() -> None:
     assert peer.trailers(big)["grpc-status"] == str(Status.RESOURCE_EXHAUSTED.value)
 
 
+def test_a_reply_over_the_send_cap_ends_its_stream_resource_exhausted_after_the_replies_before_it() -> None:
+    """``--grpc-max-send-msg-size``: grpc-go fails the call at a reply over the cap; so does the wire."""
+    peer = Peer(limits=WireLimits(max_send_message_bytes=10))
+    stream, other = peer.open(), peer.open()
+    peer.send(stream, b"short", b"x" * 20, b"after")
+    assert peer.replies(stream) == [b"short"]
+    trailers = peer.trailers(stream)
+    assert trailers["grpc-status"] == str(Status.RESOURCE_EXHAUSTED.value)
+    assert trailers["grpc-message"].startswith("trying to send message larger than max (22 vs. 10)")
+    peer.send(other, b"fine", end=True)
+    assert peer.replies(other) == [b"fine", b"end"] and not peer.server.closed
+
+
 def test_large_messages_respect_both_flow_control_windows() -> None:
     peer = Peer(limits=WireLimits(window_bytes=100_000), window=20_000)
     stream = peer.open()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from evergreen_trio.picker import telemetry as telemetry_module
 from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ExtProcError
-from evergreen_trio.picker.processor import DESTINATION, FALLBACK, Picker, StreamReport
+from evergreen_trio.picker.processor import DESTINATION, FALLBACK, SCORES, Picker, StreamReport
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
 from evergreen_trio.picker.usage import Usage
@@ -196,6 +197,36 @@ def test_subset_hint(subset: struct_pb2.Value) -> None:
     stream.on_message(request_headers(subset=subset))
     (head, *_) = stream.on_message(request_body(b'{"model":"plain"}'))
     assert lb_metadata(head)[DESTINATION] == C
+
+
+def with_ext_proc(picker: Picker, **changes: object) -> Picker:
+    config = dataclasses.replace(picker.config, ext_proc=dataclasses.replace(picker.config.ext_proc, **changes))
+    return Picker(config, picker.snapshot, rng=random.Random(3))
+
+
+def test_a_disabled_subset_filter_ignores_the_hint() -> None:
+    """``--disable-endpoint-subset-filter``: the hint names C, the least loaded endpoint (A) is picked."""
+    stream = with_ext_proc(make_picker(), honor_subset_hint=False).new_stream()
+    hint = struct_pb2.Value(list_value=struct_pb2.ListValue(values=[struct_pb2.Value(string_value=C)]))
+    stream.on_message(request_headers(subset=hint))
+    (head, *_) = stream.on_message(request_body(b'{"model":"plain"}'))
+    assert lb_metadata(head)[DESTINATION] == A
+
+
+def test_endpoint_scores_are_emitted_only_when_asked() -> None:
+    """``--emit-endpoint-scores``: every candidate's score under ``envoy.lb`` (the reference's key), the
+    destination the best of them; nothing more without the flag."""
+    stream = with_ext_proc(make_picker(), emit_endpoint_scores=True).new_stream()
+    stream.on_message(request_headers())
+    (head, *_) = stream.on_message(request_body(b'{"model":"plain"}'))
+    lb = head.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    scores = {address: value.number_value for address, value in lb[SCORES].struct_value.fields.items()}
+    assert set(scores) == {A, B, C} and scores[A] > scores[B] > scores[C]
+    assert lb[DESTINATION].string_value == max(scores, key=scores.__getitem__)
+    stream = make_picker().new_stream()
+    stream.on_message(request_headers())
+    (head, *_) = stream.on_message(request_body(b'{"model":"plain"}'))
+    assert SCORES not in head.dynamic_metadata.fields["envoy.lb"].struct_value.fields
 
 
 def test_empty_subset_is_503() -> None:

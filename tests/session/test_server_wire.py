@@ -62,6 +62,7 @@ class Streaming:
         self.final: RpcAbortError | None = None
         self.ended_input = False
         self.closed = 0
+        self.statuses: list[Status] = []
         self.aborted = 0
         self.wake = lambda: None
 
@@ -84,8 +85,9 @@ class Streaming:
     def on_abort(self) -> None:
         self.aborted += 1
 
-    def on_closed(self) -> None:
+    def on_closed(self, status: Status) -> None:
         self.closed += 1
+        self.statuses.append(status)
 
 
 def peer_with(method: Opener, limits: WireLimits | None = None) -> Peer:
@@ -157,6 +159,7 @@ def test_a_streaming_stream_outlives_the_clients_end_and_ends_with_its_status() 
     assert peer.replies(stream_id) == [b"out"]
     assert peer.trailers(stream_id)["grpc-status"] == "0"
     assert (processor.closed, processor.aborted) == (1, 0)
+    assert processor.statuses == [Status.OK]
 
 
 def test_a_streaming_stream_fails_with_the_status_resume_raises_and_a_reset_aborts_it() -> None:
@@ -174,6 +177,7 @@ def test_a_streaming_stream_fails_with_the_status_resume_raises_and_a_reset_abor
     peer.pump()
     assert (first.closed, first.aborted) == (1, 1)  # a stream failed with a status is aborted too
     assert (second.closed, second.aborted) == (1, 1)
+    assert (first.statuses, second.statuses) == ([Status.DEADLINE_EXCEEDED], [Status.CANCELLED])
 
 
 def test_unread_replies_of_a_streaming_stream_stop_its_output_not_its_input() -> None:
