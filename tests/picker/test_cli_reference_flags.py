@@ -9,6 +9,7 @@ import http.client
 import socket
 import ssl
 import sys
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -174,3 +175,32 @@ async def test_metrics_over_tls_with_client_certificates(nursery: trio.Nursery, 
             await trio.to_thread.run_sync(scrape, picker.metrics)
         await wait_health("127.0.0.1", picker.health, "readiness")  # still serving after both
         assert "inference_pool_ready_pods" in await trio.to_thread.run_sync(scrape, picker.metrics, context)
+
+
+async def test_hostile_clients_of_a_tls_metrics_port_are_closed_and_it_serves_on(nursery: trio.Nursery,
+                                                                                   tmp_path: Path) -> None:
+    """A silent connection is closed at the read timeout (its handshake is bounded by it), garbage is
+    closed at once; a scraper with a certificate is served after both (over real sockets)."""
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+
+    async def handle(request: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, [], b"ok")
+
+    port = await nursery.start(partial(serve_http, handle, "127.0.0.1", 0, read_timeout=0.5,
+                                       ssl_context=server_context))
+
+    async def closed_after(data: bytes) -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(data)
+        with trio.fail_after(10):
+            while await stream.receive_some(65536):
+                pass
+        await stream.aclose()
+
+    await closed_after(b"")
+    await closed_after(bytes(range(256)) * 256)
+    client = ssl.create_default_context()
+    ca.configure_trust(client)
+    assert await trio.to_thread.run_sync(scrape, port, client) == "ok"
