@@ -32,6 +32,7 @@ from evergreen_trio.picker.runtime import (
     DRAIN_WINDOW_SECONDS,
     Discovery,
     LeaderElection,
+    MetricsAuthSource,
     ObjectiveWatch,
     PickerDrain,
     PickerPorts,
@@ -88,6 +89,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     flag("--emit-endpoint-scores", help="each candidate's score in envoy.lb/x-gateway-destination-endpoint-scores")
     flag("--disable-endpoint-subset-filter", help="ignore Envoy's envoy.lb.subset_hint metadata")
     flag("--enable-grpc-stream-metrics", help="the llm_d_epp_extproc_stream* metrics")
+    flag("--metrics-endpoint-auth", default=None,
+         help="scrapes need a Kubernetes token allowed to GET the path (default true with --pool-name)")
     picker.add_argument("--grpc-max-recv-msg-size", metavar="SIZE",
                         help="largest ext_proc message taken, e.g. 10MiB (default: the largest body cap + 64 KiB)")
     picker.add_argument("--grpc-max-send-msg-size", metavar="SIZE", help="largest ext_proc reply sent (default: any)")
@@ -131,6 +134,7 @@ class PickerSettings:
     objectives: ObjectiveWatch | None = None
     drain: PickerDrain = dataclasses.field(default_factory=PickerDrain)
     metrics_ssl_context: SSLContextSource | None = None
+    metrics_auth: MetricsAuthSource | None = None
 
 
 def _pool_overrides(config: PickerConfig, args: argparse.Namespace) -> PickerConfig:
@@ -175,11 +179,12 @@ def message_size(text: str, flag: str) -> int | None:
     return size or None
 
 
-def _cluster_parts(args: argparse.Namespace,
-                   config: PickerConfig) -> tuple[Discovery, LeaderElection | None, ObjectiveWatch]:
+def _cluster_parts(args: argparse.Namespace, config: PickerConfig, metrics_auth: bool,
+                   ) -> tuple[Discovery, LeaderElection | None, ObjectiveWatch, MetricsAuthSource | None]:
     # Imported here: the static mode needs no Kubernetes client.
     from evergreen_trio.picker.k8s import ClusterAccess, PoolRef, lease_election, parse_selector, pool_discovery
     from evergreen_trio.picker.k8s.discovery import pool_resource
+    from evergreen_trio.picker.k8s.metrics_auth import MetricsAuth
 
     pool_resource(args.pool_group)  # ConfigError now for a group we cannot watch
     access = ClusterAccess.load(args.kubeconfig)
@@ -199,7 +204,8 @@ def _cluster_parts(args: argparse.Namespace,
         election = partial(lease_election, access, namespace, f"epp-{args.pool_name}", identity)
     from evergreen_trio.picker.k8s.objectives import objective_watch
 
-    return discovery, election, partial(objective_watch, access, namespace, config.pool.name)
+    return (discovery, election, partial(objective_watch, access, namespace, config.pool.name),
+            MetricsAuth(access).serving if metrics_auth else None)
 
 
 def config_source(args: argparse.Namespace) -> str:
@@ -232,20 +238,25 @@ def picker_settings(args: argparse.Namespace, config: PickerConfig) -> PickerSet
         for plugin in alpha_plugins(config.epp):
             raise PickerError(f"plugin {plugin.name!r} (type {plugin.type!r}) has Alpha stability level, "
                               f"but --allow-experimental-plugins is not set")
-    if args.metrics_cert_dir and not args.metrics_client_ca_file and args.epp_metrics_endpoint_auth is False:
-        raise ConfigError("--metrics-cert-dir", "--metrics-client-ca-file with it when --metrics-endpoint-auth=false "
+    auth = cluster if args.metrics_endpoint_auth is None else args.metrics_endpoint_auth
+    if auth and not cluster:
+        raise ConfigError("--metrics-endpoint-auth", "--pool-name (cluster mode) with it", "--config")
+    if args.metrics_cert_dir and not args.metrics_client_ca_file and not auth:
+        raise ConfigError("--metrics-cert-dir", "--metrics-client-ca-file with it, or --metrics-endpoint-auth "
                           "(metrics TLS without authentication)", args.metrics_cert_dir)
     secure = cluster if args.secure_serving is None else args.secure_serving
     if args.cert_path and not Path(args.cert_path).is_dir():
         raise ConfigError("--cert-path", "a directory with tls.crt and tls.key", args.cert_path)
     host = args.host or ("0.0.0.0" if cluster else "127.0.0.1")
     drain = _drain(args, cluster)
-    discovery, election, objectives = _cluster_parts(args, config) if cluster else (None, None, None)
+    discovery, election, objectives, metrics_auth = (
+        _cluster_parts(args, config, auth) if cluster else (None, None, None, None))
     from evergreen_trio.picker.tls import TlsProfile, ext_proc_context, metrics_context  # the `picker` extra
 
     profile = TlsProfile.from_flags(args.tls_min_version, args.tls_cipher_suites)
     return PickerSettings(config, host, ext_proc_context(secure, args.cert_path, profile), discovery, election,
-                          objectives, drain, metrics_context(args.metrics_cert_dir, args.metrics_client_ca_file))
+                          objectives, drain, metrics_context(args.metrics_cert_dir, args.metrics_client_ca_file),
+                          metrics_auth)
 
 
 def _drain(args: argparse.Namespace, cluster: bool) -> PickerDrain:
@@ -278,7 +289,8 @@ def run_picker_command(args: argparse.Namespace) -> int:
     return serve_until_signal(partial(
         run_picker, settings.config, host=settings.host, grpc_port=args.grpc_port,
         health_port=args.grpc_health_port, metrics_port=args.metrics_port, ssl_context=settings.ssl_context,
-        metrics_ssl_context=settings.metrics_ssl_context, discovery=settings.discovery,
+        metrics_ssl_context=settings.metrics_ssl_context, metrics_auth=settings.metrics_auth,
+        discovery=settings.discovery,
         leader_election=settings.leader_election, objectives=settings.objectives, drain=settings.drain),
         started=announce, drain=with_stop_deadline(settings.drain.drain),
         address=f"{settings.host} (ports {args.grpc_port}, {args.grpc_health_port}, {args.metrics_port})")

@@ -32,7 +32,6 @@ IGNORED_BOOL_FLAGS = {
     "--tracing": "no OpenTelemetry tracing",
     "--health-checking": "gRPC health is always served",
     "--enable-pprof": "no pprof (Go profiler)",
-    "--metrics-endpoint-auth": "the metrics endpoint has no authentication",
     "--enable-cert-reload": "certificates under --cert-path are always reloaded on change",
     "--model-server-metrics-https-insecure-skip-verify": "metrics are scraped over http",
     "--zap-devel": "one log format",

@@ -13,12 +13,14 @@ import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from functools import partial
 
 import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpclib.const import Status
+from prometheus_client import CollectorRegistry
 
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.health import ServerHealth
@@ -33,7 +35,7 @@ from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.processor import ExtProcStream, Picker
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
-from evergreen_trio.serving.metrics import serve_metrics
+from evergreen_trio.serving.metrics import Authorize, serve_metrics
 
 log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -46,6 +48,8 @@ Discovery = Callable[[Callable[[Sequence[Endpoint]], None]], Awaitable[None]]
 ObjectiveWatch = Callable[[Callable[[Mapping[str, int]], None]], Awaitable[None]]
 # Leader election: called with ``on_leader``, which it calls with True/False as leadership changes.
 LeaderElection = Callable[[Callable[[bool], None]], Awaitable[None]]
+# The metrics port's scrape check, opened while the port serves (MetricsAuth.serving, in cluster mode).
+MetricsAuthSource = Callable[[], AbstractAsyncContextManager[Authorize]]
 
 DRAIN_WINDOW_SECONDS = 30.0
 """How long a draining picker serves ext_proc on, NOT_SERVING: the reference EPP's ``--drain-timeout``
@@ -301,6 +305,16 @@ async def _elect_in(scope: trio.CancelScope, election: LeaderElection, on_leader
         await election(on_leader)
 
 
+async def _serve_metrics(registry: CollectorRegistry, host: str, port: int, ssl_context: SSLContextSource | None,
+                         auth: MetricsAuthSource | None, *, task_status: trio.TaskStatus[int]) -> None:
+    if auth is None:
+        await serve_metrics(registry, host, port, ssl_context=ssl_context, task_status=task_status)
+        return
+    async with auth() as authorize:
+        await serve_metrics(registry, host, port, ssl_context=ssl_context, authorize=authorize,
+                            task_status=task_status)
+
+
 def wire_limits(config: PickerConfig) -> WireLimits:
     """The ext_proc port's limits for ``config``: a message holds at most one whole body (BUFFERED
     sends it in one) plus 64 KiB of headers and framing, so the body caps bound each message,
@@ -322,6 +336,7 @@ async def run_picker(
     metrics_port: int = 9090,
     ssl_context: SSLContextSource | None = None,
     metrics_ssl_context: SSLContextSource | None = None,
+    metrics_auth: MetricsAuthSource | None = None,
     discovery: Discovery | None = None,
     leader_election: LeaderElection | None = None,
     objectives: ObjectiveWatch | None = None,
@@ -331,7 +346,8 @@ async def run_picker(
     """Run the Endpoint Picker until cancelled; ``started`` gets the bound :class:`PickerPorts`.
 
     Port 0 picks a free port. ``ssl_context`` serves ext_proc over TLS (a callable is asked per
-    connection, for reloading), ``metrics_ssl_context`` the metrics port. ``discovery`` replaces
+    connection, for reloading), ``metrics_ssl_context`` the metrics port, whose scrapes
+    ``metrics_auth`` checks while it serves (see ``MetricsAuth.serving``). ``discovery`` replaces
     the static endpoint list; with ``leader_election`` only the leader reports ready. See
     :class:`~evergreen_trio.picker.runtime.Readiness`. ``objectives`` follows the cluster's
     InferenceObjectives (:mod:`evergreen_trio.picker.k8s`). ``drain``: see :class:`PickerDrain`.
@@ -388,8 +404,8 @@ async def run_picker(
             serve_grpc, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context,
             graceful_stop=ext_proc))
         health_bound = await nursery.start(serve_grpc, readiness.health.methods, host, health_port)
-        metrics_bound = await nursery.start(partial(serve_metrics, metrics.registry, host, metrics_port,
-                                                    ssl_context=metrics_ssl_context))
+        metrics_bound = await nursery.start(_serve_metrics, metrics.registry, host, metrics_port,
+                                            metrics_ssl_context, metrics_auth)
         ports = PickerPorts(grpc_bound, health_bound, metrics_bound)
         log.info("picker.serving pool=%s grpc=%d health=%d metrics=%d tls=%s", config.pool.name,
                  *vars(ports).values(), ssl_context is not None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import trio
@@ -107,6 +107,10 @@ class SessionMetrics:
         self._bytes_out.inc(nbytes)
 
 
+Authorize = Callable[[str, str, Mapping[str, str]], Awaitable[tuple[int, str] | None]]
+"""A check of each scrape: ``(method, path, headers)`` -> None to serve it, else ``(status, text)``."""
+
+
 async def serve_metrics(
     registry: CollectorRegistry,
     host: str,
@@ -115,6 +119,7 @@ async def serve_metrics(
     send_timeout: float = SCRAPE_SEND_TIMEOUT,
     max_connections_per_client: int = MAX_SCRAPE_CONNECTIONS_PER_CLIENT,
     ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None,
+    authorize: Authorize | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The Prometheus exporter: ``GET`` (any path) renders ``registry``; other methods get 405.
@@ -122,7 +127,9 @@ async def serve_metrics(
     Serves until cancelled; ``started`` gets the bound port (0 picks a free one). A client that
     does not read a response within ``send_timeout`` is disconnected; one remote address holds at
     most ``max_connections_per_client`` of the port's ``MAX_SCRAPE_CONNECTIONS``. ``ssl_context``
-    serves it over TLS (a callable is asked per connection, for reloading).
+    serves it over TLS (a callable is asked per connection, for reloading). ``authorize`` is asked
+    first with each request's method, path and headers (names in lower case): None serves it, a
+    ``(status, text)`` answers that instead.
     """
 
     # Rendering runs in a worker thread, one at a time: a scrape never holds the Trio thread that
@@ -130,6 +137,10 @@ async def serve_metrics(
     render = trio.CapacityLimiter(1)
 
     async def handle(request: HttpRequest) -> HttpResponse:
+        if authorize is not None:
+            refused = await authorize(request.method, request.target.split("?", 1)[0], request.headers)
+            if refused is not None:
+                return HttpResponse(refused[0], [("content-type", "text/plain")], refused[1].encode() + b"\n")
         if request.method != "GET":
             return HttpResponse(405, [("allow", "GET")])
         body = await trio.to_thread.run_sync(generate_latest, registry, limiter=render)
@@ -143,6 +154,7 @@ async def serve_metrics(
 __all__ = [
     "ACTION_BUCKETS",
     "MAX_REQUEST_BODY",
+    "Authorize",
     "SessionMetrics",
     "abort_reason",
     "serve_metrics",

@@ -14,8 +14,13 @@ leader election use, speaking the real protocol so the real client library (ligh
   :meth:`KubeApiServer.stop` / :meth:`KubeApiServer.start` take the server away and back on
   the same port with its state kept (an API server restart).
 
-Tests change the cluster with :meth:`put` and :meth:`delete`. Not covered: authentication
-(any token is accepted), PATCH, DELETE over HTTP, continue tokens (lists come in one chunk).
+- TokenReview and SubjectAccessReview (POST ``/apis/authentication.k8s.io/v1/tokenreviews`` and
+  ``/apis/authorization.k8s.io/v1/subjectaccessreviews``): a token in :attr:`KubeApiServer.users`
+  authenticates as that user; a non-resource request is allowed when
+  ``(username, verb, path)`` is in :attr:`KubeApiServer.grants`.
+
+Tests change the cluster with :meth:`put` and :meth:`delete`. Not covered: authenticating the
+client itself (any token is accepted), PATCH, DELETE over HTTP, continue tokens (lists come in one chunk).
 """
 
 from __future__ import annotations
@@ -78,6 +83,9 @@ def _matches_fields(obj: Obj, selector: str) -> bool:
     return True
 
 
+_REVIEWS = ("/apis/authentication.k8s.io/v1/tokenreviews", "/apis/authorization.k8s.io/v1/subjectaccessreviews")
+
+
 def _parse_path(path: str) -> tuple[str, str, str | None] | None:
     """``(collection, namespace, name)``; collection is ``api/v1/pods`` or ``apis/G/V/plural``."""
     parts = path.strip("/").split("/")
@@ -103,6 +111,8 @@ class KubeApiServer:
         self.history = history
         self.bookmark_interval_s = bookmark_interval_s
         self.requests: list[str] = []  # "METHOD target", for assertions
+        self.users: dict[str, Obj] = {}  # bearer token -> TokenReview's status.user
+        self.grants: set[tuple[str, str, str]] = set()  # (username, verb, non-resource path) allowed
         self.port = 0
         self._changed = trio.Event()
         self._scope: trio.CancelScope | None = None
@@ -177,6 +187,8 @@ class KubeApiServer:
         self.requests.append(f"{request.method} {request.target}")
         url = urlsplit(request.target)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        if request.method == "POST" and url.path.rstrip("/") in _REVIEWS:
+            return self._review(url.path.rstrip("/"), request.body)
         parsed = _parse_path(url.path)
         if parsed is None:
             return self._json(404, _status(404, "NotFound", f"the server could not find {url.path}"))
@@ -193,6 +205,21 @@ class KubeApiServer:
         if request.method in ("POST", "PUT"):
             return self._write(request, collection, namespace, name)
         return self._json(405, _status(405, "MethodNotAllowed", f"{request.method} is not supported here"))
+
+    def _review(self, path: str, body: bytes) -> HttpResponse:
+        try:
+            review = json.loads(body)
+            spec = review["spec"]
+        except (ValueError, KeyError, TypeError):
+            return self._json(400, _status(400, "BadRequest", "expected a review with a spec"))
+        if path == _REVIEWS[0]:
+            user = self.users.get(spec.get("token", ""))
+            review["status"] = {"authenticated": True, "user": user} if user else {"authenticated": False}
+        else:
+            attributes = spec.get("nonResourceAttributes") or {}
+            grant = (spec.get("user", ""), attributes.get("verb", ""), attributes.get("path", ""))
+            review["status"] = {"allowed": grant in self.grants}
+        return self._json(201, review)
 
     def _json(self, status: int, body: Mapping[str, Any]) -> HttpResponse:
         return HttpResponse(status, [("content-type", "application/json")], json.dumps(body).encode())

@@ -48,7 +48,8 @@ def option(args: list[str], name: str) -> str:
 @pytest.mark.parametrize("key", sorted(DOCS))
 def test_every_manifest_has_the_basics(key: tuple[str, str]) -> None:
     doc = DOCS[key]
-    body = {"ConfigMap": "data", "Role": "rules", "RoleBinding": "subjects", "ServiceAccount": "metadata"}
+    body = {"ConfigMap": "data", "Role": "rules", "RoleBinding": "subjects", "ServiceAccount": "metadata",
+            "ClusterRole": "rules", "ClusterRoleBinding": "subjects"}
     assert isinstance(doc["apiVersion"], str) and doc[body.get(key[0], "spec")]
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
 
@@ -118,6 +119,14 @@ def test_picker_may_read_what_it_watches() -> None:
     for group, resource in (("", "pods"), ("inference.networking.k8s.io", "inferencepools")):
         assert {(group, resource, verb) for verb in ("get", "list", "watch")} <= granted
     assert {("coordination.k8s.io", "leases", verb) for verb in ("get", "create", "update")} <= granted
+    # The metrics port's reviews (--metrics-endpoint-auth, on in cluster mode) are cluster-scoped.
+    cluster_binding = DOCS[("ClusterRoleBinding", "evergreen-picker-auth")]
+    assert [(s["kind"], s["name"]) for s in cluster_binding["subjects"]] == [("ServiceAccount", account)]
+    cluster_rules = DOCS[("ClusterRole", cluster_binding["roleRef"]["name"])]["rules"]
+    assert {(g, r, v) for rule in cluster_rules for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]} == {("authentication.k8s.io", "tokenreviews", "create"),
+                                        ("authorization.k8s.io", "subjectaccessreviews", "create")}
+    assert "--metrics-endpoint-auth=false" not in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_model_servers_match_the_pool_selector_and_port() -> None:

@@ -93,3 +93,12 @@ async def start_sims(nursery: trio.Nursery, hosts: tuple[str, ...], model: str =
     for host in hosts:
         await nursery.start(partial(run_sim, SimConfig(model=model), host=host, port=port))
     return port
+
+
+def metrics_reader(api: KubeApiServer, path: str = "/metrics") -> dict[str, str]:
+    """Headers of a scraper the stand-in authenticates (a Prometheus service account) and allows to
+    GET ``path``: the picker's metrics port checks them in cluster mode (``--metrics-endpoint-auth``)."""
+    user = "system:serviceaccount:monitoring:prometheus"
+    api.users["prometheus-token"] = {"username": user, "uid": "1", "groups": ["system:serviceaccounts"]}
+    api.grants.add((user, "get", path))
+    return {"authorization": "Bearer prometheus-token"}

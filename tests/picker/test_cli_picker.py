@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import signal
 import socket
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
-from kube_fakes import NAMESPACE, PODS, POOLS_V1, KubeApiServer, pod, pool_v1, start_sims, write_kubeconfig
+from kube_fakes import (
+    NAMESPACE,
+    PODS,
+    POOLS_V1,
+    KubeApiServer,
+    metrics_reader,
+    pod,
+    pool_v1,
+    start_sims,
+    write_kubeconfig,
+)
 from picker_cli import EPHEMERAL_PORTS, health, picker_process, run_cli, wait_health
 
 from evergreen_trio.picker.runtime import EXT_PROC_SERVICE
@@ -49,7 +60,7 @@ async def cluster(nursery: trio.Nursery, tmp_path: Path) -> tuple[KubeApiServer,
 
 
 async def test_cluster_mode_serves_every_health_name_on_all_interfaces(nursery: trio.Nursery, tmp_path: Path) -> None:
-    _, kubeconfig, _ = await cluster(nursery, tmp_path)
+    api, kubeconfig, _ = await cluster(nursery, tmp_path)
     args = ["--pool-name", "pool", "--pool-namespace", NAMESPACE, "--config-text", EPP_CONFIG,
             "--secure-serving=false", "--kubeconfig", str(kubeconfig), *EPHEMERAL_PORTS]
     async with picker_process(args) as picker:
@@ -57,7 +68,8 @@ async def test_cluster_mode_serves_every_health_name_on_all_interfaces(nursery: 
         await wait_health(OTHER_ADDRESS, picker.health, "inference-extension")
         for name in ("inference-extension", EXT_PROC_SERVICE, "", "liveness", "readiness"):
             assert await trio.to_thread.run_sync(health, OTHER_ADDRESS, picker.health, name) == "SERVING", name
-        metrics = await trio.to_thread.run_sync(httpx.get, f"http://{OTHER_ADDRESS}:{picker.metrics}/metrics")
+        metrics = await trio.to_thread.run_sync(partial(
+            httpx.get, f"http://{OTHER_ADDRESS}:{picker.metrics}/metrics", headers=metrics_reader(api)))
         assert metrics.status_code == 200 and "inference_pool_ready_pods" in metrics.text
         assert 'inference_pool_ready_pods{name="pool"} 2.0' in metrics.text
 
@@ -73,6 +85,39 @@ async def test_static_mode_stays_on_loopback_unless_told(tmp_path: Path) -> None
         assert await trio.to_thread.run_sync(health, OTHER_ADDRESS, picker.health, "liveness") == "SERVING"
 
 
+async def test_cluster_mode_metrics_need_a_token_the_cluster_allows(nursery: trio.Nursery, tmp_path: Path) -> None:
+    """``--metrics-endpoint-auth`` (on in cluster mode, as the reference): TokenReview, then
+    SubjectAccessReview for ``get`` of the path; answers cached, so a scraper costs no review per
+    scrape and is still served while the API server is away; a new token then gets 500."""
+    api, kubeconfig, _ = await cluster(nursery, tmp_path)
+    reader = metrics_reader(api)
+    api.users["mallory-token"] = {"username": "mallory"}
+    args = ["--pool-name", "pool", "--pool-namespace", NAMESPACE, "--secure-serving=false",
+            "--kubeconfig", str(kubeconfig), *EPHEMERAL_PORTS]
+    async with picker_process(args) as picker:
+        await wait_health("127.0.0.1", picker.health, "readiness")
+
+        async def scrape(path: str = "/metrics", **headers: str) -> httpx.Response:
+            url = f"http://127.0.0.1:{picker.metrics}{path}"
+            return await trio.to_thread.run_sync(partial(httpx.get, url, headers=headers))
+
+        assert (await scrape()).status_code == 401
+        assert (await scrape(authorization="Bearer not-a-token")).status_code == 401
+        assert (await scrape(authorization="Basic cHJvbWV0aGV1cw==")).status_code == 401
+        denied = await scrape(authorization="Bearer mallory-token")
+        assert denied.status_code == 403 and denied.text == "Authorization denied for user mallory\n"
+        assert (await scrape("/debug", **reader)).status_code == 403  # allowed /metrics only
+        served = await scrape(**reader)
+        assert served.status_code == 200 and "inference_pool_ready_pods" in served.text
+        reviews = [r for r in api.requests if "review" in r]
+        assert (await scrape(**reader)).status_code == 200
+        assert [r for r in api.requests if "review" in r] == reviews  # cached
+        api.stop()
+        assert (await scrape(**reader)).status_code == 200
+        failed = await scrape(authorization="Bearer new-token")
+        assert failed.status_code == 500 and failed.text == "Authentication failed\n"
+
+
 async def test_reference_flags_are_accepted_and_logged(nursery: trio.Nursery, tmp_path: Path) -> None:
     _, kubeconfig, _ = await cluster(nursery, tmp_path)
     args = ["--pool-name", "pool", "--pool-group", "inference.networking.k8s.io", "--zap-encoder", "json",
@@ -82,6 +127,8 @@ async def test_reference_flags_are_accepted_and_logged(nursery: trio.Nursery, tm
             "--kubeconfig", str(kubeconfig), *EPHEMERAL_PORTS]
     async with picker_process(args, {"NAMESPACE": NAMESPACE}) as picker:
         await wait_health("127.0.0.1", picker.health, "inference-extension")
+        metrics = await trio.to_thread.run_sync(httpx.get, f"http://127.0.0.1:{picker.metrics}/metrics")
+        assert metrics.status_code == 200  # --metrics-endpoint-auth=false: no token needed
 
 
 async def test_high_availability_one_ready_leader_and_takeover(nursery: trio.Nursery, tmp_path: Path) -> None:
@@ -118,8 +165,11 @@ async def test_high_availability_one_ready_leader_and_takeover(nursery: trio.Nur
     (["--config", "{ok}", "--tls-cipher-suites", "TLS_FAST"], "Go crypto/tls cipher suite names, got 'TLS_FAST'"),
     (["--config", "{ok}", "--tls-cipher-suites", "TLS_RSA_WITH_RC4_128_SHA"], "a suite OpenSSL"),
     (["--config", "{ok}", "--metrics-client-ca-file", "ca.pem"], "--metrics-cert-dir with it"),
-    (["--config", "{ok}", "--metrics-cert-dir", "/nonexistent"], "/nonexistent/tls.crt"),
-    (["--config", "{ok}", "--metrics-cert-dir", "/tmp", "--metrics-endpoint-auth=false"], "without authentication"),
+    (["--config", "{ok}", "--metrics-cert-dir", "/nonexistent", "--metrics-client-ca-file", "ca.pem"],
+     "/nonexistent/tls.crt"),
+    (["--config", "{ok}", "--metrics-cert-dir", "/tmp"], "without authentication"),
+    (["--pool-name", "p", "--metrics-cert-dir", "/tmp", "--metrics-endpoint-auth=false"], "without authentication"),
+    (["--config", "{ok}", "--metrics-endpoint-auth"], "--metrics-endpoint-auth: expected --pool-name"),
     (["--config", "{ok}", "--emit-endpoint-scores=perhaps"], "expected true or false"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:

@@ -10,7 +10,17 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from kube_fakes import NAMESPACE, PODS, POOLS_V1, KubeApiServer, pod, pool_v1, start_sims, write_kubeconfig
+from kube_fakes import (
+    NAMESPACE,
+    PODS,
+    POOLS_V1,
+    KubeApiServer,
+    metrics_reader,
+    pod,
+    pool_v1,
+    start_sims,
+    write_kubeconfig,
+)
 from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
 from picker_fakes import free_port
 
@@ -67,7 +77,7 @@ async def test_envoy_routes_to_discovered_pods(nursery: trio.Nursery, tmp_path: 
                     await ask(i)
             bad = await client.post("/v1/completions", json={"prompt": "no model"})
             assert bad.status_code == 400
-            metrics = await client.get(f"http://127.0.0.1:{picker.metrics}/metrics")
+            metrics = await client.get(f"http://127.0.0.1:{picker.metrics}/metrics", headers=metrics_reader(api))
         text = metrics.text
         labels = 'model_name="food-review",target_model_name="food-review"'
         assert f"inference_objective_request_total{{{labels}}} {i - 100 + 12}.0" in text
