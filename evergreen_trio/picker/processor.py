@@ -103,7 +103,8 @@ class Route:
 
 @dataclass
 class Admission:
-    """A parsed request waiting for its pick: model names, priority, flow key, prompt estimates."""
+    """A parsed request waiting for its pick: model names, priority, flow key, prompt estimates,
+    and its headers (for the plugins that read them)."""
 
     started: float
     subset: frozenset[str] | None = None
@@ -117,6 +118,7 @@ class Admission:
     prompt_bytes: int = 0
     block_bytes: int = 0
     output_cap: int | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 class Picker:
@@ -152,7 +154,8 @@ class Picker:
               subset: frozenset[str] | None, report: StreamReport) -> Admission:
         """Read what scheduling needs from the request (its flow key too); RequestError for 400/404."""
         started = time.perf_counter()
-        admission = Admission(started=started, subset=subset, byte_size=len(body) if body is not None else 0)
+        admission = Admission(started=started, subset=subset, byte_size=len(body) if body is not None else 0,
+                              headers=headers)
         try:
             if self.flow is not None:
                 admission.fairness_id = fairness_id(headers)
@@ -191,7 +194,7 @@ class Picker:
         # Flow control admitted it: the legacy shedding of sheddable requests at saturation no longer applies.
         priority = max(admission.priority, 0) if self.flow is not None else admission.priority
         pick = PickRequest(admission.target_model, priority, admission.hashes, admission.subset,
-                           admission.prompt_bytes)
+                           admission.prompt_bytes, admission.headers)
         try:
             schedule = self.scheduler.schedule(pick, self.pick_count)
             endpoints = schedule.endpoints

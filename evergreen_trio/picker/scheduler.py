@@ -11,6 +11,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import xxhash
 
@@ -18,7 +19,8 @@ from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, Sc
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
-from evergreen_trio.picker.plugins import PrefixScorerParams, Profile
+from evergreen_trio.picker.pickers import PICKERS, PickerFunction
+from evergreen_trio.picker.plugins import Plugin, PrefixScorerParams, Profile
 
 
 @dataclass
@@ -145,13 +147,15 @@ class PrefixIndex:
 @dataclass(frozen=True)
 class PickRequest:
     """What a pick needs: the target model, its priority, the prompt hashes, an optional subset,
-    and the prompt's length in bytes (P/D deciders estimate its tokens from it)."""
+    the prompt's length in bytes (P/D deciders estimate its tokens from it), and the request's
+    headers (names in lower case) for the plugins that read them."""
 
     model: str | None
     priority: int
     hashes: Sequence[int] = ()
     subset: frozenset[str] | None = None
     prompt_bytes: int = 0
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -168,8 +172,8 @@ class Schedule:
 
 # Bytes per token when no tokenizer is configured (what llm-d-router's estimates assume too).
 BYTES_PER_TOKEN = 4
-# A scorer: (scheduler, request, candidates, their fresh metrics by address, plugin params) ->
-# a score in [0, 1] per address it has an opinion on. Other modules add types with register_scorer.
+# A scorer: (scheduler, request, candidates, their fresh metrics by address, plugin params or its
+# PluginState) -> a score in [0, 1] per address it has an opinion on. Other modules add types with register_scorer.
 ScorerFunction = Callable[
     ["Scheduler", PickRequest, Sequence[EndpointState], Mapping[str, EndpointMetrics], object], Mapping[str, float]]
 
@@ -219,11 +223,41 @@ SCORERS: dict[str, ScorerFunction] = {
     "prefix-cache-scorer": _prefix_scores,
     **LOAD_SCORERS,  # in-flight and load scorers: evergreen_trio.picker.inflight
 }
+# A filter that needs more than the pod's labels: (scheduler, request, candidates, plugin params or
+# its PluginState) -> the candidates it keeps. Filter types not listed here are read by their params' keeps(labels).
+FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
+FILTERS: dict[str, FilterFunction] = {}
+
+
+class PluginState(Protocol):
+    """One declared plugin's state, for a stateful type: made from its params by the type's factory
+    in :data:`PLUGIN_STATES`, and passed to its scorer or filter function in place of the params."""
+
+    def scheduled(self, request: PickRequest, schedule: Schedule) -> None:
+        """A schedule succeeded (the reference's PreRequest: the request is about to be sent)."""
+
+
+PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {}
 
 
 def register_scorer(scorer_type: str, function: ScorerFunction) -> None:
     """Run ``function`` for profile scorers of ``scorer_type`` (its plugin type must be registered too)."""
     SCORERS[scorer_type] = function
+
+
+def register_filter(filter_type: str, function: FilterFunction) -> None:
+    """Run ``function`` for profile filters of ``filter_type`` (its plugin type must be registered too)."""
+    FILTERS[filter_type] = function
+
+
+def register_picker(picker_type: str, function: PickerFunction) -> None:
+    """Pick with ``function`` in profiles whose picker is of ``picker_type`` (registered too)."""
+    PICKERS[picker_type] = function
+
+
+def register_state(plugin_type: str, factory: Callable[[object], PluginState]) -> None:
+    """Give each declared plugin of ``plugin_type`` a state made by ``factory(params)``."""
+    PLUGIN_STATES[plugin_type] = factory
 
 
 def choose_target(model: ModelConfig, rng: random.Random) -> str:
@@ -249,6 +283,13 @@ class Scheduler:
         # seconds spent per scorer (keyed by the reference's plugin type names).
         self.prefix_matches: dict[str, int] = {}
         self.scorer_seconds: dict[str, float] = {}
+        # Stateful plugins' states by plugin name (one per declared plugin, shared by its profiles).
+        self.plugin_states: dict[str, PluginState] = {}
+        for profile in self.config.effective_profiles:
+            for plugin in (*profile.filters, *(s.plugin for s in profile.scorers)):
+                factory = PLUGIN_STATES.get(plugin.type)
+                if factory is not None and plugin.name not in self.plugin_states:
+                    self.plugin_states[plugin.name] = factory(plugin.params)
 
     def saturation(self) -> float:
         """Mean over endpoints of max(queue/threshold, kv/threshold); stale or down counts 1.0."""
@@ -286,8 +327,15 @@ class Scheduler:
         Without a handler the one profile picks. With a :class:`DisaggHandler` (decode-first) the
         decode profile picks, then the decider looks at the prompt's tokens not cached on the
         decode pick and may run the prefill profile (an empty prefill pick means no P/D);
-        prefill-first runs prefill (when that profile exists) and then decode.
+        prefill-first runs prefill (when that profile exists) and then decode. Stateful plugins
+        then learn the result.
         """
+        schedule = self._run_profiles(request, count)
+        for state in self.plugin_states.values():
+            state.scheduled(request, schedule)
+        return schedule
+
+    def _run_profiles(self, request: PickRequest, count: int) -> Schedule:
         candidates = self.snapshot.ready_states()
         if request.subset is not None:
             candidates = [s for s in candidates if s.endpoint.address in request.subset]
@@ -328,16 +376,21 @@ class Scheduler:
         """Filter, score and pick up to ``count`` addresses by ``profile`` (best first; [] if none
         passed), with the scores of the candidates that passed (empty when the profile has no scorer)."""
         for plugin in profile.filters:
-            keeps = plugin.params.keeps  # type: ignore[attr-defined]  # every filter type has keeps(labels)
-            candidates = [s for s in candidates if keeps(s.endpoint.label_map)]
+            function = FILTERS.get(plugin.type)
+            if function is not None:
+                candidates = function(self, request, candidates, self._params(plugin))
+            else:
+                keeps = plugin.params.keeps  # type: ignore[attr-defined]  # the other filter types have keeps(labels)
+                candidates = [s for s in candidates if keeps(s.endpoint.label_map)]
         if not candidates:
             return [], {}
         scores = self.scores(request, candidates, profile)
         reported = scores if profile.scorers else {}
-        if profile.random_pick:
-            return self.rng.sample(list(scores), min(count, len(scores))), reported
-        order = sorted(scores, key=lambda a: (scores[a], self.rng.random()), reverse=True)
-        return order[:count], reported
+        return PICKERS[profile.picker](self.rng, scores, count), reported
+
+    def _params(self, plugin: Plugin) -> object:
+        """What ``plugin``'s function gets: its state for a stateful type, else its params."""
+        return self.plugin_states.get(plugin.name, plugin.params)
 
     def scores(self, request: PickRequest, candidates: Sequence[EndpointState],
                profile: Profile | None = None) -> dict[str, float]:
@@ -356,7 +409,7 @@ class Scheduler:
                 continue
             started = clock()
             for address, score in SCORERS[scorer.plugin.type](self, request, candidates, fresh,
-                                                              scorer.plugin.params).items():
+                                                              self._params(scorer.plugin)).items():
                 result[address] += scorer.weight * score
             key = scorer.plugin.type
             self.scorer_seconds[key] = self.scorer_seconds.get(key, 0.0) + clock() - started
