@@ -15,6 +15,7 @@ from typing import Protocol
 
 import xxhash
 
+from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
@@ -173,7 +174,8 @@ class Schedule:
 # Bytes per token when no tokenizer is configured (what llm-d-router's estimates assume too).
 BYTES_PER_TOKEN = 4
 # A scorer: (scheduler, request, candidates, their fresh metrics by address, plugin params or its
-# PluginState) -> a score in [0, 1] per address it has an opinion on. Other modules add types with register_scorer.
+# PluginState) -> a score in [0, 1] per address it has an opinion on. Other modules add types
+# with register_scorer.
 ScorerFunction = Callable[
     ["Scheduler", PickRequest, Sequence[EndpointState], Mapping[str, EndpointMetrics], object], Mapping[str, float]]
 
@@ -222,11 +224,13 @@ SCORERS: dict[str, ScorerFunction] = {
     "lora-affinity-scorer": _lora_scores,
     "prefix-cache-scorer": _prefix_scores,
     **LOAD_SCORERS,  # in-flight and load scorers: evergreen_trio.picker.inflight
+    **AFFINITY_SCORERS,  # evergreen_trio.picker.affinity
 }
 # A filter that needs more than the pod's labels: (scheduler, request, candidates, plugin params or
-# its PluginState) -> the candidates it keeps. Filter types not listed here are read by their params' keeps(labels).
+# its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
+# params' keeps(labels).
 FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
-FILTERS: dict[str, FilterFunction] = {}
+FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS}
 
 
 class PluginState(Protocol):
@@ -237,7 +241,7 @@ class PluginState(Protocol):
         """A schedule succeeded (the reference's PreRequest: the request is about to be sent)."""
 
 
-PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {}
+PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {**AFFINITY_STATES}
 
 
 def register_scorer(scorer_type: str, function: ScorerFunction) -> None:
