@@ -160,7 +160,7 @@ class NoHitLRU:
                 scores[address] = max(0.0, 1.0 - (len(never) + positions[address]) / last)
         return scores
 
-    def scheduled(self, request: PickRequest, schedule: Schedule) -> None:
+    def scheduled(self, request: PickRequest, schedule: Schedule, now: float) -> None:
         """After a successful schedule: a cold request's primary and ``prefill`` picks become the most recent."""
         scored, self._scored = self._scored, None
         if scored is None or scored[0] is not request or not scored[1]:

@@ -162,13 +162,15 @@ class PickRequest:
 @dataclass
 class Schedule:
     """A scheduling result: the primary (decode) profile's endpoints best first, the prefill
-    endpoint when P/D chose one, every profile's picks by profile name, and the primary profile's
-    weighted score of every candidate it scored (empty when it runs no scorer)."""
+    endpoint when P/D chose one, every profile's picks by profile name, the primary profile's
+    weighted score of every candidate it scored (empty when it runs no scorer), and the headers
+    plugins set on the response to the client."""
 
     endpoints: list[str]
     prefill: str | None = None
     profiles: dict[str, list[str]] = field(default_factory=dict)
     scores: dict[str, float] = field(default_factory=dict)
+    response_headers: dict[str, str] = field(default_factory=dict)
 
 
 # Bytes per token when no tokenizer is configured (what llm-d-router's estimates assume too).
@@ -237,8 +239,9 @@ class PluginState(Protocol):
     """One declared plugin's state, for a stateful type: made from its params by the type's factory
     in :data:`PLUGIN_STATES`, and passed to its scorer or filter function in place of the params."""
 
-    def scheduled(self, request: PickRequest, schedule: Schedule) -> None:
-        """A schedule succeeded (the reference's PreRequest: the request is about to be sent)."""
+    def scheduled(self, request: PickRequest, schedule: Schedule, now: float) -> None:
+        """A schedule succeeded at ``now`` (the reference's PreRequest: the request is about to be
+        sent); the state may set response headers on ``schedule``."""
 
 
 PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {**AFFINITY_STATES}
@@ -287,13 +290,17 @@ class Scheduler:
         # seconds spent per scorer (keyed by the reference's plugin type names).
         self.prefix_matches: dict[str, int] = {}
         self.scorer_seconds: dict[str, float] = {}
-        # Stateful plugins' states by plugin name (one per declared plugin, shared by its profiles).
+        # Stateful plugins' states by plugin name: one per declared plugin, shared by its profiles,
+        # and one for a declared plugin no profile lists (the reference runs its PreRequest and
+        # response hooks all the same).
+        declared = [*(config.epp.plugins.values() if config.epp is not None else ()),
+                    *(p for profile in self.config.effective_profiles
+                      for p in (*profile.filters, *(s.plugin for s in profile.scorers)))]
         self.plugin_states: dict[str, PluginState] = {}
-        for profile in self.config.effective_profiles:
-            for plugin in (*profile.filters, *(s.plugin for s in profile.scorers)):
-                factory = PLUGIN_STATES.get(plugin.type)
-                if factory is not None and plugin.name not in self.plugin_states:
-                    self.plugin_states[plugin.name] = factory(plugin.params)
+        for plugin in declared:
+            factory = PLUGIN_STATES.get(plugin.type)
+            if factory is not None and plugin.name not in self.plugin_states:
+                self.plugin_states[plugin.name] = factory(plugin.params)
 
     def saturation(self) -> float:
         """Mean over endpoints of max(queue/threshold, kv/threshold); stale or down counts 1.0."""
@@ -335,8 +342,9 @@ class Scheduler:
         then learn the result.
         """
         schedule = self._run_profiles(request, count)
+        now = self.snapshot.clock()
         for state in self.plugin_states.values():
-            state.scheduled(request, schedule)
+            state.scheduled(request, schedule, now)
         return schedule
 
     def _run_profiles(self, request: PickRequest, count: int) -> Schedule:

@@ -111,13 +111,13 @@ def test_no_hit_lru_prefers_the_least_recently_used_after_cold_requests() -> Non
     def cold_to(target: str) -> None:
         request = PickRequest("m", 0)
         lru.score(request, endpoints, {})
-        lru.scheduled(request, _schedule(target))
+        lru.scheduled(request, _schedule(target), 0.0)
 
     cold_to("a")
     assert lru.score(PickRequest("m", 0), endpoints, {}) == {"b": 1.0, "c": 0.5, "a": 0.0}
     warm = PickRequest("m", 0)
     assert set(lru.score(warm, endpoints, {"a": 5}).values()) == {0.5}
-    lru.scheduled(warm, _schedule("b"))  # a warm request leaves the LRU alone
+    lru.scheduled(warm, _schedule("b"), 0.0)  # a warm request leaves the LRU alone
     assert list(lru.lru) == ["a"]
     cold_to("b")
     assert lru.score(PickRequest("m", 0), endpoints, {}) == {"c": 1.0, "a": 0.5, "b": 0.0}
@@ -129,16 +129,16 @@ def test_no_hit_lru_records_the_primary_and_prefill_picks_of_the_scored_request_
     lru = NoHitLRU(NoHitLRUParams(lru_size=2))
     first, other = PickRequest("m", 0), PickRequest("m", 0)
     lru.score(first, ["d1", "p1"], {})
-    lru.scheduled(other, _schedule("d1"))  # not the request it scored: nothing learned
+    lru.scheduled(other, _schedule("d1"), 0.0)  # not the request it scored: nothing learned
     assert not lru.lru
     lru.score(first, ["d1", "p1"], {})
-    lru.scheduled(first, _schedule("d1", "p1"))
+    lru.scheduled(first, _schedule("d1", "p1"), 0.0)
     assert list(lru.lru) == ["d1", "p1"]
-    lru.scheduled(first, _schedule("x"))  # the scoring is used once
+    lru.scheduled(first, _schedule("x"), 0.0)  # the scoring is used once
     assert list(lru.lru) == ["d1", "p1"]
     request = PickRequest("m", 0)
     lru.score(request, ["d2"], {})
-    lru.scheduled(request, _schedule("d2"))  # over lruSize: the least recent goes
+    lru.scheduled(request, _schedule("d2"), 0.0)  # over lruSize: the least recent goes
     assert list(lru.lru) == ["p1", "d2"]
 
 
@@ -147,7 +147,7 @@ def test_no_hit_lru_ranks_by_position_in_the_whole_lru() -> None:
     for target in ("x", "y", "a"):  # x and y are not candidates below, but they hold LRU positions
         request = PickRequest("m", 0)
         lru.score(request, [target], {})
-        lru.scheduled(request, _schedule(target))
+        lru.scheduled(request, _schedule(target), 0.0)
     assert lru.score(PickRequest("m", 0), ["a", "b", "c"], {}) == {"b": 1.0, "c": 0.5, "a": 0.0}
 
 
