@@ -22,6 +22,7 @@ from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import Plugin, PrefixScorerParams, Profile
+from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
 
 
 @dataclass
@@ -227,12 +228,13 @@ SCORERS: dict[str, ScorerFunction] = {
     "prefix-cache-scorer": _prefix_scores,
     **LOAD_SCORERS,  # in-flight and load scorers: evergreen_trio.picker.inflight
     **AFFINITY_SCORERS,  # evergreen_trio.picker.affinity
+    **SESSION_SCORERS,  # evergreen_trio.picker.session
 }
 # A filter that needs more than the pod's labels: (scheduler, request, candidates, plugin params or
 # its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
 # params' keeps(labels).
 FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
-FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS}
+FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS}
 
 
 class PluginState(Protocol):
@@ -244,7 +246,7 @@ class PluginState(Protocol):
         sent); the state may set response headers on ``schedule``."""
 
 
-PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {**AFFINITY_STATES}
+PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {**AFFINITY_STATES, **SESSION_STATES}
 
 
 def register_scorer(scorer_type: str, function: ScorerFunction) -> None:
