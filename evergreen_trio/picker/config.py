@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from evergreen_trio.picker.affinity import PREFIX_READERS
 from evergreen_trio.picker.checks import integer, mapping, number, sequence, string
 from evergreen_trio.picker.engine_metrics import ENGINE_ALIASES, ENGINE_METRICS, EngineConfig
 from evergreen_trio.picker.epp_config import EppConfig, is_endpoint_picker_config, read_endpoint_picker_config
@@ -158,8 +159,12 @@ class SchedulerConfig:
 
     @cached_property
     def uses_prefix(self) -> bool:
-        """Whether a request's prompt must be hashed: a profile scores the prefix, or P/D decides on it."""
-        return self.handler is not None or any(p.weight("prefix-cache-scorer") for p in self.effective_profiles)
+        """Whether a request's prompt must be hashed: a profile scores the prefix or filters or
+        scores by its matches, or P/D decides on it."""
+        return self.handler is not None or any(
+            p.weight("prefix-cache-scorer") or any(f.type in PREFIX_READERS for f in p.filters)
+            or any(s.weight and s.plugin.type in PREFIX_READERS for s in p.scorers)
+            for p in self.effective_profiles)
 
 
 @dataclass(frozen=True)

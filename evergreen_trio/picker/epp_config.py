@@ -140,7 +140,7 @@ def _profile(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Profile:
         raise ConfigError(f"{path}.name", "a profile name", name)
     filters: list[Plugin] = []
     scorers: list[WeightedScorer] = []
-    random_pick = False
+    picker = "max-score-picker"
     for i, item in enumerate(sequence(entry.get("plugins") or [], f"{path}.plugins")):
         ref_path = f"{path}.plugins[{i}]"
         ref = mapping(item, ref_path)
@@ -157,16 +157,17 @@ def _profile(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Profile:
         elif plugin.category is Category.SCORER:
             scorers.append(WeightedScorer(plugin, float(weight)))
         elif plugin.category is Category.PICKER:
-            random_pick = plugin.type == "random-picker"
-    return Profile(name, tuple(filters), tuple(scorers), random_pick)
+            picker = plugin.type
+    return Profile(name, tuple(filters), tuple(scorers), picker)
 
 
 def _default_profile(plugins: Mapping[str, Plugin]) -> Profile:
     """No ``schedulingProfiles``: the reference's default, one profile with every declared plugin."""
     chosen = [p for p in plugins.values() if p.category in (Category.FILTER, Category.SCORER)]
+    pickers = [p.type for p in plugins.values() if p.category is Category.PICKER]
     return Profile("default", tuple(p for p in chosen if p.category is Category.FILTER),
                    tuple(WeightedScorer(p, 1.0) for p in chosen if p.category is Category.SCORER),
-                   any(p.type == "random-picker" for p in plugins.values()))
+                   pickers[-1] if pickers else "max-score-picker")
 
 
 def _handler(plugins: Mapping[str, Plugin], profiles: Mapping[str, Profile]) -> DisaggHandler | None:

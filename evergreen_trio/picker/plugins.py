@@ -266,6 +266,14 @@ def _by_label(params: Params) -> LabelFilter:
 # -- scorers, pickers, producers ------------------------------------------------------------------
 
 
+def prefix_producer_name(params: Params) -> None:
+    """Check ``prefixMatchInfoProducerName``: empty (the default producer) or the one producer we run."""
+    name = params.text("prefixMatchInfoProducerName", "")
+    if name not in ("", "approx-prefix-cache-producer"):
+        raise ConfigError(params.where("prefixMatchInfoProducerName"), "approx-prefix-cache-producer (the one we run)",
+                          name)
+
+
 @dataclass(frozen=True)
 class PrefixScorerParams:
     """``prefix-cache-scorer``: score = w * min(1, matched tokens / scale)^2 + (1 - w) * match ratio."""
@@ -281,9 +289,7 @@ def _prefix_scorer(params: Params) -> PrefixScorerParams:
     scale = params.integer("matchLengthScaleTokens", 8192, minimum=0)
     if weight > 0 and scale <= 0:
         raise ConfigError(params.where("matchLengthScaleTokens"), "> 0 when matchLengthWeight > 0", scale)
-    if params.text("prefixMatchInfoProducerName", "approx-prefix-cache-producer") != "approx-prefix-cache-producer":
-        raise ConfigError(params.where("prefixMatchInfoProducerName"), "approx-prefix-cache-producer (the one we run)",
-                          params.raw["prefixMatchInfoProducerName"])
+    prefix_producer_name(params)
     legacy = []
     for key, field in (("hashBlockSize", "prefix_block_tokens"), ("maxPrefixBlocksToMatch", "max_prefix_blocks"),
                        ("lruCapacityPerServer", "prefix_cache_capacity")):
@@ -321,12 +327,12 @@ def _prefix_producer(params: Params) -> PrefixProducerParams:
 
 @dataclass(frozen=True)
 class PickerParams:
-    """``max-score-picker`` / ``random-picker``: how many endpoints the profile returns (1 by default)."""
+    """A picker's ``maxNumOfEndpoints`` (1 by default; the count returned follows ``extProc.destinationMode``)."""
 
     max_endpoints: int = 1
 
 
-def _picker(params: Params) -> PickerParams:
+def picker_params(params: Params) -> PickerParams:
     return PickerParams(params.integer("maxNumOfEndpoints", 1, minimum=1))
 
 
@@ -515,8 +521,8 @@ register("prefix-cache-scorer", PluginType(
 register("approx-prefix-cache-producer", PluginType(
     Category.PRODUCER, ("autoTune", "blockSizeTokens", "blockSize", "maxPrefixBlocksToMatch", "maxPrefixTokensToMatch",
                         "lruCapacityPerServer"), _prefix_producer))
-register("max-score-picker", PluginType(Category.PICKER, ("maxNumOfEndpoints",), _picker))
-register("random-picker", PluginType(Category.PICKER, ("maxNumOfEndpoints",), _picker))
+register("max-score-picker", PluginType(Category.PICKER, ("maxNumOfEndpoints",), picker_params))
+register("random-picker", PluginType(Category.PICKER, ("maxNumOfEndpoints",), picker_params))
 register("single-profile-handler", PluginType(Category.PROFILE_HANDLER))
 register("disagg-profile-handler", PluginType(
     Category.PROFILE_HANDLER, ("stageOrder", "profiles", "deciders", *_DISAGG_LEGACY), _disagg))
@@ -607,13 +613,13 @@ class WeightedScorer:
 
 @dataclass(frozen=True)
 class Profile:
-    """One scheduling profile: filters in order, weighted scorers, and whether the pick is random
-    (``random-picker``) rather than the best score (``max-score-picker``, the default)."""
+    """One scheduling profile: filters in order, weighted scorers, and its picker's type
+    (``max-score-picker`` by default)."""
 
     name: str
     filters: tuple[Plugin, ...] = ()
     scorers: tuple[WeightedScorer, ...] = ()
-    random_pick: bool = False
+    picker: str = "max-score-picker"
 
     def weight(self, scorer_type: str) -> float:
         """The summed weight of this profile's scorers of ``scorer_type``."""

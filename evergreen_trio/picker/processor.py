@@ -89,8 +89,8 @@ class StreamReport:
 @dataclass
 class Route:
     """A routing decision: endpoints best first, the model names, the prompt hashes, a new body,
-    the prefill endpoint when P/D disaggregates the request, and the scores to report (with
-    ``emit_endpoint_scores``)."""
+    the prefill endpoint when P/D disaggregates the request, the scores to report (with
+    ``emit_endpoint_scores``), and the headers plugins set on the response (session affinity's token)."""
 
     endpoints: list[str]
     client_model: str | None = None
@@ -102,11 +102,13 @@ class Route:
     load: Ticket | None = None  # its share of the endpoint's in-flight load, released once
     prefill_load: Ticket | None = None  # the prefill pod's, released at the first response chunk
     scores: Mapping[str, float] = field(default_factory=dict)
+    response_headers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
 class Admission:
-    """A parsed request waiting for its pick: model names, priority, flow key, prompt estimates."""
+    """A parsed request waiting for its pick: model names, priority, flow key, prompt estimates,
+    and its headers (for the plugins that read them)."""
 
     started: float
     subset: frozenset[str] | None = None
@@ -120,6 +122,7 @@ class Admission:
     prompt_bytes: int = 0
     block_bytes: int = 0
     output_cap: int | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 class Picker:
@@ -155,7 +158,8 @@ class Picker:
               subset: frozenset[str] | None, report: StreamReport) -> Admission:
         """Read what scheduling needs from the request (its flow key too); RequestError for 400/404."""
         started = time.perf_counter()
-        admission = Admission(started=started, subset=subset, byte_size=len(body) if body is not None else 0)
+        admission = Admission(started=started, subset=subset, byte_size=len(body) if body is not None else 0,
+                              headers=headers)
         try:
             if self.flow is not None:
                 admission.fairness_id = fairness_id(headers)
@@ -194,7 +198,7 @@ class Picker:
         # Flow control admitted it: the legacy shedding of sheddable requests at saturation no longer applies.
         priority = max(admission.priority, 0) if self.flow is not None else admission.priority
         pick = PickRequest(admission.target_model, priority, admission.hashes, admission.subset,
-                           admission.prompt_bytes)
+                           admission.prompt_bytes, admission.headers)
         try:
             schedule = self.scheduler.schedule(pick, self.pick_count)
             endpoints = schedule.endpoints
@@ -221,7 +225,8 @@ class Picker:
                 schedule.prefill, self.scheduler.uncached_tokens(pick, [schedule.prefill])[schedule.prefill])
         return Route(endpoints, admission.client_model, admission.target_model, admission.hashes, admission.body,
                      prefill=schedule.prefill, load=ticket, prefill_load=prefill_ticket,
-                     scores=schedule.scores if self.config.ext_proc.emit_endpoint_scores else {})
+                     scores=schedule.scores if self.config.ext_proc.emit_endpoint_scores else {},
+                     response_headers=schedule.response_headers)
 
     @staticmethod
     def _failed(report: StreamReport, admission: Admission, exc: RequestError) -> None:
@@ -466,7 +471,7 @@ class ExtProcStream:
         """The response for ``phase`` that sends the request to ``route``."""
         self.route = route
         rewrites_back = route.target_model is not None and route.target_model != route.client_model
-        self.finished = not (self.limits.observe_responses or rewrites_back)
+        self.finished = not (self.limits.observe_responses or rewrites_back or route.response_headers)
         mode = self.picker.config.ext_proc.destination_mode
         value = ",".join(route.endpoints) if mode is DestinationMode.LIST else route.endpoints[0]
         set_headers = [_header_option(DESTINATION, value)]
@@ -525,15 +530,25 @@ class ExtProcStream:
         self.rewrite_sse = rewrite is not None and sse
         if message.response_headers.end_of_stream or self.response_mode == NONE:
             self.response_ended = True
-            return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
+            mutation = self._response_mutation()
+            if mutation is None:
+                return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
+            return [ep.ProcessingResponse(response_headers=ep.HeadersResponse(
+                response=ep.CommonResponse(header_mutation=mutation)))]
         if self.response_mode == FULL_DUPLEX and rewrite is not None and not sse:
             self.response_held = True
             return []
-        mutation = None
-        if rewrite is not None and "content-length" in headers:
-            mutation = ep.HeaderMutation(remove_headers=["content-length"])
+        removed = ["content-length"] if rewrite is not None and "content-length" in headers else []
         return [ep.ProcessingResponse(response_headers=ep.HeadersResponse(
-            response=ep.CommonResponse(header_mutation=mutation)))]
+            response=ep.CommonResponse(header_mutation=self._response_mutation(remove=removed))))]
+
+    def _response_mutation(self, *, remove: Sequence[str] = (),
+                           set_: Sequence[tuple[str, str]] = ()) -> ep.HeaderMutation | None:
+        """The response headers' mutation: ``remove`` and ``set_`` those, and set the headers the
+        route's plugins asked for (None when there is nothing to change)."""
+        plugins = self.route.response_headers.items() if self.route is not None else ()
+        added = [_header_option(key, value) for key, value in (*set_, *plugins)]
+        return ep.HeaderMutation(set_headers=added, remove_headers=remove) if added or remove else None
 
     def _response_body(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         if not self.response_started or self.response_ended:
@@ -601,7 +616,7 @@ class ExtProcStream:
         data = self.reader.finish()
         self.response_held = False
         headers = ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
-            header_mutation=ep.HeaderMutation(set_headers=[_header_option("content-length", str(len(data)))]))))
+            header_mutation=self._response_mutation(set_=[("content-length", str(len(data)))]))))
         return [headers, *self._response_chunks(data, end_of_stream)]
 
     def _response_chunks(self, data: bytes, end_of_stream: bool) -> list[ep.ProcessingResponse]:

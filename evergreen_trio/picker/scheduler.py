@@ -11,14 +11,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import xxhash
 
+from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
-from evergreen_trio.picker.plugins import PrefixScorerParams, Profile
+from evergreen_trio.picker.pickers import PICKERS, PickerFunction
+from evergreen_trio.picker.plugins import Plugin, PrefixScorerParams, Profile
+from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
 
 
 @dataclass
@@ -145,31 +149,36 @@ class PrefixIndex:
 @dataclass(frozen=True)
 class PickRequest:
     """What a pick needs: the target model, its priority, the prompt hashes, an optional subset,
-    and the prompt's length in bytes (P/D deciders estimate its tokens from it)."""
+    the prompt's length in bytes (P/D deciders estimate its tokens from it), and the request's
+    headers (names in lower case) for the plugins that read them."""
 
     model: str | None
     priority: int
     hashes: Sequence[int] = ()
     subset: frozenset[str] | None = None
     prompt_bytes: int = 0
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
 class Schedule:
     """A scheduling result: the primary (decode) profile's endpoints best first, the prefill
-    endpoint when P/D chose one, every profile's picks by profile name, and the primary profile's
-    weighted score of every candidate it scored (empty when it runs no scorer)."""
+    endpoint when P/D chose one, every profile's picks by profile name, the primary profile's
+    weighted score of every candidate it scored (empty when it runs no scorer), and the headers
+    plugins set on the response to the client."""
 
     endpoints: list[str]
     prefill: str | None = None
     profiles: dict[str, list[str]] = field(default_factory=dict)
     scores: dict[str, float] = field(default_factory=dict)
+    response_headers: dict[str, str] = field(default_factory=dict)
 
 
 # Bytes per token when no tokenizer is configured (what llm-d-router's estimates assume too).
 BYTES_PER_TOKEN = 4
-# A scorer: (scheduler, request, candidates, their fresh metrics by address, plugin params) ->
-# a score in [0, 1] per address it has an opinion on. Other modules add types with register_scorer.
+# A scorer: (scheduler, request, candidates, their fresh metrics by address, plugin params or its
+# PluginState) -> a score in [0, 1] per address it has an opinion on. Other modules add types
+# with register_scorer.
 ScorerFunction = Callable[
     ["Scheduler", PickRequest, Sequence[EndpointState], Mapping[str, EndpointMetrics], object], Mapping[str, float]]
 
@@ -218,12 +227,46 @@ SCORERS: dict[str, ScorerFunction] = {
     "lora-affinity-scorer": _lora_scores,
     "prefix-cache-scorer": _prefix_scores,
     **LOAD_SCORERS,  # in-flight and load scorers: evergreen_trio.picker.inflight
+    **AFFINITY_SCORERS,  # evergreen_trio.picker.affinity
+    **SESSION_SCORERS,  # evergreen_trio.picker.session
 }
+# A filter that needs more than the pod's labels: (scheduler, request, candidates, plugin params or
+# its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
+# params' keeps(labels).
+FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
+FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS}
+
+
+class PluginState(Protocol):
+    """One declared plugin's state, for a stateful type: made from its params by the type's factory
+    in :data:`PLUGIN_STATES`, and passed to its scorer or filter function in place of the params."""
+
+    def scheduled(self, request: PickRequest, schedule: Schedule, now: float) -> None:
+        """A schedule succeeded at ``now`` (the reference's PreRequest: the request is about to be
+        sent); the state may set response headers on ``schedule``."""
+
+
+PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {**AFFINITY_STATES, **SESSION_STATES}
 
 
 def register_scorer(scorer_type: str, function: ScorerFunction) -> None:
     """Run ``function`` for profile scorers of ``scorer_type`` (its plugin type must be registered too)."""
     SCORERS[scorer_type] = function
+
+
+def register_filter(filter_type: str, function: FilterFunction) -> None:
+    """Run ``function`` for profile filters of ``filter_type`` (its plugin type must be registered too)."""
+    FILTERS[filter_type] = function
+
+
+def register_picker(picker_type: str, function: PickerFunction) -> None:
+    """Pick with ``function`` in profiles whose picker is of ``picker_type`` (registered too)."""
+    PICKERS[picker_type] = function
+
+
+def register_state(plugin_type: str, factory: Callable[[object], PluginState]) -> None:
+    """Give each declared plugin of ``plugin_type`` a state made by ``factory(params)``."""
+    PLUGIN_STATES[plugin_type] = factory
 
 
 def choose_target(model: ModelConfig, rng: random.Random) -> str:
@@ -249,6 +292,17 @@ class Scheduler:
         # seconds spent per scorer (keyed by the reference's plugin type names).
         self.prefix_matches: dict[str, int] = {}
         self.scorer_seconds: dict[str, float] = {}
+        # Stateful plugins' states by plugin name: one per declared plugin, shared by its profiles,
+        # and one for a declared plugin no profile lists (the reference runs its PreRequest and
+        # response hooks all the same).
+        declared = [*(config.epp.plugins.values() if config.epp is not None else ()),
+                    *(p for profile in self.config.effective_profiles
+                      for p in (*profile.filters, *(s.plugin for s in profile.scorers)))]
+        self.plugin_states: dict[str, PluginState] = {}
+        for plugin in declared:
+            factory = PLUGIN_STATES.get(plugin.type)
+            if factory is not None and plugin.name not in self.plugin_states:
+                self.plugin_states[plugin.name] = factory(plugin.params)
 
     def saturation(self) -> float:
         """Mean over endpoints of max(queue/threshold, kv/threshold); stale or down counts 1.0."""
@@ -286,8 +340,16 @@ class Scheduler:
         Without a handler the one profile picks. With a :class:`DisaggHandler` (decode-first) the
         decode profile picks, then the decider looks at the prompt's tokens not cached on the
         decode pick and may run the prefill profile (an empty prefill pick means no P/D);
-        prefill-first runs prefill (when that profile exists) and then decode.
+        prefill-first runs prefill (when that profile exists) and then decode. Stateful plugins
+        then learn the result.
         """
+        schedule = self._run_profiles(request, count)
+        now = self.snapshot.clock()
+        for state in self.plugin_states.values():
+            state.scheduled(request, schedule, now)
+        return schedule
+
+    def _run_profiles(self, request: PickRequest, count: int) -> Schedule:
         candidates = self.snapshot.ready_states()
         if request.subset is not None:
             candidates = [s for s in candidates if s.endpoint.address in request.subset]
@@ -328,16 +390,21 @@ class Scheduler:
         """Filter, score and pick up to ``count`` addresses by ``profile`` (best first; [] if none
         passed), with the scores of the candidates that passed (empty when the profile has no scorer)."""
         for plugin in profile.filters:
-            keeps = plugin.params.keeps  # type: ignore[attr-defined]  # every filter type has keeps(labels)
-            candidates = [s for s in candidates if keeps(s.endpoint.label_map)]
+            function = FILTERS.get(plugin.type)
+            if function is not None:
+                candidates = function(self, request, candidates, self._params(plugin))
+            else:
+                keeps = plugin.params.keeps  # type: ignore[attr-defined]  # the other filter types have keeps(labels)
+                candidates = [s for s in candidates if keeps(s.endpoint.label_map)]
         if not candidates:
             return [], {}
         scores = self.scores(request, candidates, profile)
         reported = scores if profile.scorers else {}
-        if profile.random_pick:
-            return self.rng.sample(list(scores), min(count, len(scores))), reported
-        order = sorted(scores, key=lambda a: (scores[a], self.rng.random()), reverse=True)
-        return order[:count], reported
+        return PICKERS[profile.picker](self.rng, scores, count), reported
+
+    def _params(self, plugin: Plugin) -> object:
+        """What ``plugin``'s function gets: its state for a stateful type, else its params."""
+        return self.plugin_states.get(plugin.name, plugin.params)
 
     def scores(self, request: PickRequest, candidates: Sequence[EndpointState],
                profile: Profile | None = None) -> dict[str, float]:
@@ -356,7 +423,7 @@ class Scheduler:
                 continue
             started = clock()
             for address, score in SCORERS[scorer.plugin.type](self, request, candidates, fresh,
-                                                              scorer.plugin.params).items():
+                                                              self._params(scorer.plugin)).items():
                 result[address] += scorer.weight * score
             key = scorer.plugin.type
             self.scorer_seconds[key] = self.scorer_seconds.get(key, 0.0) + clock() - started

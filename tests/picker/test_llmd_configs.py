@@ -39,6 +39,7 @@ EXPECTED = {
     "epp-mm-embeddings-cache-config.yaml": "token-producer",
     "epp-precise-prefix-cache-config.yaml": "token-producer",
     "pd-epp-config.yaml": None,
+    "perf-optimized-baseline-plugins.yaml": None,
     "pd-topology-epp-config.yaml": "topology-extractor",
     "probabilistic-admitter-epp-config.yaml": "probabilistic-admitter",
     "sim-e-p-d-epp-config.yaml": "always-disagg-multimodal-decider",
@@ -78,6 +79,13 @@ def test_chart_default() -> None:
     assert config.pool.metrics_path == "/metrics" and config.pool.engines == EngineConfig()
     sglang = load_config(FIXTURES / "chart-default-plugins-sglang.yaml", cluster_pool="pool")
     assert sglang.pool.engines.default_engine == "sglang" and sglang.pool.engines.engine_of({}) == "sglang"
+
+
+def test_perf_optimized_baseline_runs_the_no_hit_lru_scorer() -> None:
+    s = load_config(FIXTURES / "perf-optimized-baseline-plugins.yaml", cluster_pool="pool").scheduler
+    (profile,) = s.profiles
+    assert profile.weight("no-hit-lru-scorer") == 2 and profile.weight("prefix-cache-scorer") == 3
+    assert s.uses_prefix and s.max_prefix_tokens == 100_000
 
 
 def test_pd_config() -> None:
