@@ -26,6 +26,16 @@ from picker_cli import EPHEMERAL_PORTS, health, picker_process, run_cli, wait_he
 
 from evergreen_trio.picker.runtime import EXT_PROC_SERVICE
 
+ALPHA_CONFIG = """\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- {type: header-label-affinity-scorer, name: zone, parameters: {headerName: x-zone, labelKey: zone}}
+- type: queue-scorer
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: zone, weight: 1}, {pluginRef: queue-scorer, weight: 1}]
+"""
 EPP_CONFIG = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
@@ -118,6 +128,15 @@ async def test_cluster_mode_metrics_need_a_token_the_cluster_allows(nursery: tri
         assert failed.status_code == 500 and failed.text == "Authentication failed\n"
 
 
+async def test_an_alpha_plugin_runs_with_allow_experimental_plugins(nursery: trio.Nursery, tmp_path: Path) -> None:
+    _, kubeconfig, _ = await cluster(nursery, tmp_path)
+    args = ["--pool-name", "pool", "--pool-namespace", NAMESPACE, "--config-text", ALPHA_CONFIG,
+            "--allow-experimental-plugins=true", "--secure-serving=false", "--kubeconfig", str(kubeconfig),
+            *EPHEMERAL_PORTS]
+    async with picker_process(args) as picker:
+        await wait_health("127.0.0.1", picker.health, "readiness")
+
+
 async def test_reference_flags_are_accepted_and_logged(nursery: trio.Nursery, tmp_path: Path) -> None:
     _, kubeconfig, _ = await cluster(nursery, tmp_path)
     args = ["--pool-name", "pool", "--pool-group", "inference.networking.k8s.io", "--zap-encoder", "json",
@@ -157,6 +176,8 @@ async def test_high_availability_one_ready_leader_and_takeover(nursery: trio.Nur
     (["--pool-name", "p", "--config-text", "kind: EndpointPickerConfig\napiVersion: inference.networking.x-k8s.io"
       "/v1alpha1\nplugins: [{type: magic-scorer}]\n"], "magic-scorer"),
     (["--pool-name", "p", "--kubeconfig", "/nonexistent/kubeconfig"], "expected cluster access from"),
+    (["--pool-name", "p", "--config-text", ALPHA_CONFIG], "plugin 'zone' (type 'header-label-affinity-scorer') has "
+     "Alpha stability level, but --allow-experimental-plugins is not set"),
     (["--pool-name", "p", "--pool-group", "example.com"], "--pool-group"),
     (["--pool-name", "p", "--cert-path", "/nonexistent"], "--cert-path"),
     (["--config", "{ok}", "--grpc-max-recv-msg-size", "lots"], "--grpc-max-recv-msg-size: expected a quantity"),
