@@ -169,7 +169,7 @@ class _Call:
     """One call (a stream of a connection; another one's if it is sent again)."""
 
     __slots__ = ("deadline", "finishing", "link", "options", "path", "replay", "replay_bytes", "reply_type", "retries",
-                 "retrying", "session", "stream_id")
+                 "retrying", "session", "stream_id", "strikes")
 
     def __init__(self, session: MessageStream[Any], reply_type: type[Message], path: str, options: ClientOptions,
                  link: list[tuple[_Connection, _Call]]) -> None:
@@ -182,10 +182,11 @@ class _Call:
         self.stream_id = 0
         self.finishing = False  # its end (half-close or reset) was sent
         # What was sent until the server's first answer, kept to send again (None: answered, or past
-        # REPLAY_BYTES); how many times it was sent again; the wait to do so, cancelled with the stream.
+        # REPLAY_BYTES); how many times it was sent again, and of those how many count against
+        # TRANSPARENT_RETRIES (see Channel._retry); the wait to do so, cancelled with the stream.
         self.replay: list[bytes] | None = []
         self.replay_bytes = 0
-        self.retries = 0
+        self.retries = self.strikes = 0
         self.retrying: trio.CancelScope | None = None
 
     def keep(self, body: bytes) -> None:
@@ -364,7 +365,7 @@ class _Connection:
             inbound.deliver(message, event.size)
             call.session.received += 1
             call.replay = None  # answered: the server processed it
-        elif event.unprocessed and call.replay is not None and call.retries < TRANSPARENT_RETRIES and self.retry:
+        elif event.unprocessed and call.replay is not None and call.strikes < TRANSPARENT_RETRIES and self.retry:
             log.debug("grpc.call_not_processed target=%s stream=%d: %s; sending it again", self.target,
                       event.stream_id, event.message)
             self._detach(call)
@@ -566,23 +567,31 @@ class ClientChannel:
             link.clear()
 
     def _retry(self, call: _Call, refused_by: _Connection) -> None:
-        """Send ``call`` again (its connection took it off: the server did not process it)."""
+        """Send ``call`` again (its connection took it off: the server did not process it).
+
+        A refusal while the connection still carries other calls is its server counting streams
+        longer than it said (grpcio counts one until its handler thread ends): the call waits for
+        one of those to end before it is sent again, so that wait, not :data:`TRANSPARENT_RETRIES`,
+        bounds it (under load one call may be refused several times while the others progress).
+        """
         call.retries += 1
+        # Taken now: one ending before the restart task runs counts (it has made room already).
+        room = refused_by.room if refused_by.usable() and refused_by.calls else None
+        if room is None:
+            call.strikes += 1
         call.finishing = False
         call.retrying = trio.CancelScope()
-        self._nursery.start_soon(self._restart, call, refused_by)
+        self._nursery.start_soon(self._restart, call, room)
 
-    async def _restart(self, call: _Call, refused_by: _Connection) -> None:
+    async def _restart(self, call: _Call, room: trio.Event | None) -> None:
         error = RpcAbortError(Status.CANCELLED, "the call was cancelled while it was being sent again")
         connection = None
         assert call.retrying is not None
         try:
             with call.retrying:
-                # Refused on a connection still open, with calls of its own: its server has less room than
-                # it said (grpcio counts a stream until its handler ends); wait for one to end first.
-                if refused_by.usable() and refused_by.calls:
+                if room is not None:
                     with trio.move_on_at(call.deadline):
-                        await refused_by.room.wait()
+                        await room.wait()
                 connection = await self._start(call)
         except RpcAbortError as failed:
             error = failed

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.settings
 import pytest
@@ -20,7 +21,7 @@ import trio
 from google.protobuf.wrappers_pb2 import BytesValue
 
 from evergreen_trio import Client, NodeRef, SessionAbortedError, StatusCode, text
-from evergreen_trio._grpc.client import REPLAY_BYTES, TRANSPARENT_RETRIES, open_client_channel
+from evergreen_trio._grpc.client import REPLAY_BYTES, TRANSPARENT_RETRIES, ClientChannel, open_client_channel
 from evergreen_trio._grpc.errors import RpcAbortError
 
 Behaviour = Callable[[trio.SocketStream], Awaitable[None]]
@@ -332,3 +333,56 @@ async def test_a_ping_flood_from_a_server_that_reads_nothing_is_bounded(nursery:
     assert aborted.value.code is StatusCode.DEADLINE_EXCEEDED
     assert max(seen) > 64 * 1024, "the flood did not reach the client"
     assert max(seen) <= OUTGOING_BYTES + 128 * 1024, max(seen)
+
+
+async def test_a_call_refused_while_others_run_is_sent_again_until_taken(nursery: trio.Nursery) -> None:
+    """A server that counts streams longer than it says (grpcio counts one until its handler thread
+    ends) refuses a call while its others run. Each such refusal waits for one of them to end and
+    does not count against TRANSPARENT_RETRIES: the call is taken however often it was refused (here
+    twice the cap), while a server refusing with nothing else running still ends it at the cap."""
+    held_calls, refusals = 2 * TRANSPARENT_RETRIES, 2 * TRANSPARENT_RETRIES
+
+    async def busy(stream: trio.SocketStream) -> None:
+        conn = await speak(stream)
+        held: list[int] = []
+        waiting: list[int] = []  # the refused call's streams, until every other call is held
+        refused = 0
+        while data := await stream.receive_some(65536):
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.DataReceived) and event.data:
+                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                    (waiting if event.data.endswith(b"refuse me") else held).append(event.stream_id)
+            while waiting and len(held) + refused >= held_calls:
+                stream_id = waiting.pop()
+                if refused < refusals:
+                    refused += 1
+                    conn.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+                    stream_id = held.pop(0)  # one of the others ends: room for the refused one
+                    conn.send_headers(stream_id, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+                else:
+                    taken = BytesValue(value=b"taken").SerializeToString()
+                    conn.send_headers(stream_id, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+                    conn.send_data(stream_id, b"\x00" + len(taken).to_bytes(4, "big") + taken)
+                conn.send_headers(stream_id, [(b"grpc-status", b"0")], end_stream=True)
+            await stream.send_all(conn.data_to_send())
+
+    address, _ = await hostile(nursery, busy)
+    host, port = address.rsplit(":", 1)
+    answers: dict[bytes, list[bytes]] = {}
+
+    async def call(channel: ClientChannel, value: bytes) -> None:
+        async with channel.open_stream("/test.Echo/Chat", BytesValue, lambda items: items) as stream:
+            await stream.outbound.put(BytesValue(value=value))
+            stream.finish()
+            answers[value] = []
+            while batch := await stream.inbound.get_batch():
+                answers[value] += [m.value for m in batch]
+
+    with trio.fail_after(10):
+        async with open_client_channel(host, int(port)) as channel, trio.open_nursery() as calls:
+            for i in range(held_calls):
+                calls.start_soon(call, channel, b"other %d" % i)
+            await trio.sleep(0.2)  # the others first: the refusals come while they run
+            calls.start_soon(call, channel, b"refuse me")
+    assert answers.pop(b"refuse me") == [b"taken"]
+    assert answers == {b"other %d" % i: [] for i in range(held_calls)}
