@@ -157,8 +157,9 @@ async def _flow_control(gate: FlowGate, interval_s: float, wake: trio.Event, new
     ``interval_s``; on the way out (shutdown) every queued request gets its 503."""
     try:
         while True:
-            deadline = min(gate.next_deadline(), trio.current_time() + interval_s)
-            with trio.move_on_at(deadline):
+            # The queue's deadlines are on its own clock (the pool snapshot's), not Trio's.
+            wait_s = gate.next_deadline() - gate.queue.clock()
+            with trio.move_on_after(min(max(wait_s, 0.0), interval_s)):
                 await wake.wait()
             wake = new_wake()
             gate.poll()

@@ -496,6 +496,29 @@ async def test_the_shell_polls_each_interval_and_after_scrapes_and_sheds_on_shut
     assert gate.queue.closed and len(gate.queue) == 0
 
 
+async def test_the_shell_waits_for_a_queued_deadline_on_the_queues_own_clock() -> None:
+    """The queue's deadlines are on the pool snapshot's clock, Trio's is another (it starts at a
+    random offset): a queued request with a budget made the shell poll without waiting at all."""
+    import trio
+
+    from evergreen_trio.picker.runtime import _flow_control
+
+    picker = concurrency_picker()
+    gate = picker.flow
+    assert gate is not None
+    for _ in range(4):
+        start(picker)  # three fill the pool, the fourth waits with the default budget
+    assert len(gate.queue) == 1 and gate.next_deadline() < math.inf
+    polls = [0]
+    poll = gate.poll
+    gate.poll = lambda: (polls.__setitem__(0, polls[0] + 1), poll())[1]  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_flow_control, gate, 0.05, trio.Event(), trio.Event)
+        await trio.sleep(0.3)
+        nursery.cancel_scope.cancel()
+    assert polls[0] <= 20  # one per interval (about 6); it was thousands
+
+
 # -- wire ------------------------------------------------------------------------------------------
 
 
