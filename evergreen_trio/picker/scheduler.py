@@ -19,6 +19,7 @@ from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, A
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.filters import LOAD_FILTERS
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import Plugin, PrefixScorerParams, Profile
@@ -234,7 +235,7 @@ SCORERS: dict[str, ScorerFunction] = {
 # its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
 # params' keeps(labels).
 FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
-FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS}
+FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS, **LOAD_FILTERS}
 
 
 class PluginState(Protocol):
