@@ -49,6 +49,7 @@ class Category(enum.Enum):
     DATA_SOURCE = "data-source"
     EXTRACTOR = "extractor"
     PARSER = "parser"
+    ADMITTER = "admitter"
     OTHER = "other"
 
 

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import xxhash
 
+from evergreen_trio.picker.admission import admit, declared_admitters
 from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.contextlength import CONTEXT_FILTERS, CONTEXT_SCORERS
@@ -291,6 +292,9 @@ class Scheduler:
         self.prefix = PrefixIndex(config.scheduler.prefix_cache_capacity)
         self.rng = rng or random.Random()
         self.inflight = InflightLoad(config.scheduler.load)
+        # With flow control on, it alone holds back sheddable requests at saturation (as the reference).
+        self.legacy_shedding = config.flow_control is None
+        self.admitters = declared_admitters(config.epp.plugins.values()) if config.epp is not None else []
         # Of the last pick, for the stream's report: leading blocks each candidate held, and
         # seconds spent per scorer (keyed by the reference's plugin type names).
         self.prefix_matches: dict[str, int] = {}
@@ -334,11 +338,13 @@ class Scheduler:
         return tokens * cfg.chars_per_token, max_blocks
 
     def pick(self, request: PickRequest, count: int = 1) -> list[str]:
-        """Up to ``count`` endpoint addresses, best first; RequestError 503 or 429 when none."""
+        """Up to ``count`` endpoint addresses, best first; RequestError 503 or 429 when none, 500
+        when an admitter denies the request."""
         return self.schedule(request, count).endpoints
 
     def schedule(self, request: PickRequest, count: int = 1) -> Schedule:
-        """Run the profiles the handler chooses; RequestError 503 or 429 when no endpoint fits.
+        """Run the profiles the handler chooses; RequestError 503 or 429 when no endpoint fits, 500
+        when an admitter denies the request.
 
         Without a handler the one profile picks. With a :class:`DisaggHandler` (decode-first) the
         decode profile picks, then the decider looks at the prompt's tokens not cached on the
@@ -359,8 +365,9 @@ class Scheduler:
         if not candidates:
             what = "in the subset hint" if request.subset is not None else "in the pool"
             raise RequestError(503, f"no ready endpoint {what}")
-        if request.priority < 0 and self.saturation() >= 1.0:
+        if request.priority < 0 and self.legacy_shedding and self.saturation() >= 1.0:
             raise RequestError(429, "pool saturated: sheddable request dropped")
+        admit(self.admitters, request.priority, [s.metrics for s in candidates], self.rng.random)
         self.scorer_seconds = {}
         self.prefix_matches = (self.prefix.matches(request.hashes, (s.endpoint.address for s in candidates))
                                if request.hashes else {})
