@@ -261,6 +261,14 @@ def test_loads_from_a_file(tmp_path: Path) -> None:
     assert plugins["defaults"].params == ProbabilisticAdmitter(5, 0.8, 5.0, 300.0)
 
 
+def test_the_reference_example_config_loads() -> None:
+    path = Path(__file__).parent / "fixtures" / "llm-d-router" / "probabilistic-admitter-epp-config.yaml"
+    config = load_config(path, cluster_pool="pool")
+    assert config.flow_control is None  # no flowControl gate
+    scheduler = Scheduler(config, PoolSnapshot((), 2.0, lambda: 0.0))
+    assert scheduler.admitters == [ProbabilisticAdmitter()]
+
+
 @pytest.mark.parametrize(("parameters", "field"), [
     ("{queueDepthThreshold: 0}", f"{P}.queueDepthThreshold"),
     ("{queueDepthThreshold: -3}", f"{P}.queueDepthThreshold"),
