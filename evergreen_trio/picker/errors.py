@@ -23,7 +23,7 @@ class ConfigError(PickerError, ConfigurationError):
 
 
 class RequestError(PickerError):
-    """A request the picker answers itself with an HTTP error status (400, 404, 413, 429, 503)."""
+    """A request the picker answers itself with an HTTP error status (400, 404, 413, 429, 500, 502, 503)."""
 
     def __init__(self, status: int, message: str) -> None:
         self.status = status
