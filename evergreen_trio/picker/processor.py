@@ -441,7 +441,7 @@ class ExtProcStream:
         try:
             admission = self.picker.admit(self.headers.get(":path", ""), self.headers, body, self.subset, self.report)
         except RequestError as exc:
-            return [self._immediate(exc.status, exc.message), *after]
+            return [self._immediate(exc.status, exc.message, exc.dropped_reason), *after]
 
         def finish(outcome: Outcome) -> list[ep.ProcessingResponse]:
             if outcome is not Outcome.DISPATCHED:
@@ -449,7 +449,7 @@ class ExtProcStream:
             try:
                 route = self.picker.pick(admission, self.report)
             except RequestError as exc:
-                return [self._immediate(exc.status, exc.message), *after]
+                return [self._immediate(exc.status, exc.message, exc.dropped_reason), *after]
             first = self._decision(route, phase)
             if duplex_end is None:
                 return [first, *after]

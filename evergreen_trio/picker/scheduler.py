@@ -22,6 +22,7 @@ from evergreen_trio.picker.contextlength import CONTEXT_FILTERS, CONTEXT_SCORERS
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.filters import LOAD_FILTERS
+from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import Plugin, PrefixScorerParams, Profile
@@ -177,6 +178,11 @@ class Schedule:
     response_headers: dict[str, str] = field(default_factory=dict)
 
 
+# Filters that leave none of a non-empty candidate set mean the pool is busy, not broken: the reference
+# answers as flow control's capacity rejection (scheduling/scheduler_profile.go): 429, this message,
+# this drop reason. The legacy shedding of sheddable requests gives the same reason.
+NO_ENDPOINTS = "no endpoints available for the given request"
+SATURATED = Outcome.REJECTED_SATURATED.reason
 # Bytes per token when no tokenizer is configured (what llm-d-router's estimates assume too).
 BYTES_PER_TOKEN = 4
 # A scorer: (scheduler, request, candidates, their fresh metrics by address, plugin params or its
@@ -366,7 +372,7 @@ class Scheduler:
             what = "in the subset hint" if request.subset is not None else "in the pool"
             raise RequestError(503, f"no ready endpoint {what}")
         if request.priority < 0 and self.legacy_shedding and self.saturation() >= 1.0:
-            raise RequestError(429, "pool saturated: sheddable request dropped")
+            raise RequestError(429, "pool saturated: sheddable request dropped", SATURATED)
         admit(self.admitters, request.priority, [s.metrics for s in candidates], self.rng.random)
         self.scorer_seconds = {}
         self.prefix_matches = (self.prefix.matches(request.hashes, (s.endpoint.address for s in candidates))
@@ -377,7 +383,7 @@ class Scheduler:
             profile = next(iter(profiles.values()))
             picked, scores = self.run_profile(profile, request, candidates, count)
             if not picked:
-                raise RequestError(503, f"no ready endpoint passed profile {profile.name!r}'s filters")
+                raise RequestError(429, f"{NO_ENDPOINTS}: profile {profile.name!r}'s filters kept none", SATURATED)
             return Schedule(picked, None, {profile.name: picked}, scores)
         result: dict[str, list[str]] = {}
         prefill = profiles.get(handler.prefill)
@@ -385,7 +391,8 @@ class Scheduler:
             result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
         decode, scores = self.run_profile(profiles[handler.decode], request, candidates, count)
         if not decode:
-            raise RequestError(503, f"no ready decode endpoint (profile {handler.decode!r})")
+            raise RequestError(429, f"{NO_ENDPOINTS}: decode profile {handler.decode!r}'s filters kept none",
+                               SATURATED)
         result[handler.decode] = decode
         if handler.stage_order == "decode-first" and prefill is not None and handler.prefill_decider is not None:
             block_bytes = self.prefix_geometry()[0]

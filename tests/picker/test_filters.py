@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_processor import request_body, request_headers, set_headers
 
 from evergreen_trio.picker.config import PickerConfig, load_config, parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
@@ -26,6 +27,7 @@ from evergreen_trio.picker.filters import (
     utilization,
 )
 from evergreen_trio.picker.plugins import NOT_IMPLEMENTED, PLUGIN_TYPES, Category
+from evergreen_trio.picker.processor import Picker
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -132,9 +134,9 @@ schedulingProfiles:
     assert scheduler.pick(PickRequest("m", 0)) == [C]  # B now has 2 requests in flight
     scheduler.inflight.dispatch(C, 0)
     scheduler.inflight.dispatch(C, 0)
-    with pytest.raises(RequestError) as caught:  # every endpoint over a cap, no fallback
+    with pytest.raises(RequestError) as caught:  # every endpoint over a cap, no fallback: busy, not broken
         scheduler.pick(PickRequest("m", 0))
-    assert caught.value.status == 503
+    assert (caught.value.status, caught.value.dropped_reason) == (429, "rejected-saturated")
     for ticket in tickets:
         ticket.release()
     assert scheduler.pick(PickRequest("m", 0)) == [B]
@@ -199,3 +201,19 @@ def test_bad_parameters_name_the_field(parameters: str, field: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(HEAD + f"plugins:\n- {entry}\n", cluster_pool="p")
     assert caught.value.field == field, caught.value
+
+
+def test_filters_keeping_none_answer_429_with_the_saturated_drop_reason_on_the_stream() -> None:
+    """As llm-d-router's scheduler profile: a busy pool, not a broken one (an empty pool is 503)."""
+    config, scheduler = _scheduler("""plugins:
+- {type: utilization-filter, name: cap, parameters: {conditions: [{metric: waiting-queue, maxValue: 1}]}}
+schedulingProfiles:
+- {name: default, plugins: [{pluginRef: cap}]}
+""", (EndpointMetrics(waiting=2), EndpointMetrics(waiting=3), EndpointMetrics(waiting=6)))
+    stream = Picker(config, scheduler.snapshot, rng=random.Random(5)).new_stream()
+    stream.on_message(request_headers())
+    (answer,) = stream.on_message(request_body(b'{"model":"m"}'))
+    immediate = answer.immediate_response
+    assert immediate.status.code == 429
+    assert set_headers(immediate.headers)["x-llm-d-request-dropped-reason"] == "rejected-saturated"
+    assert b"no endpoints available for the given request" in immediate.body
