@@ -152,9 +152,9 @@ def _profile(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Profile:
         weight = ref.get("weight", 1)
         if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
             raise ConfigError(f"{ref_path}.weight", "a number >= 0", weight)
-        if plugin.category is Category.FILTER:
+        if plugin.is_filter:
             filters.append(plugin)
-        elif plugin.category is Category.SCORER:
+        if plugin.category is Category.SCORER:
             scorers.append(WeightedScorer(plugin, float(weight)))
         elif plugin.category is Category.PICKER:
             picker = plugin.type
@@ -165,7 +165,7 @@ def _default_profile(plugins: Mapping[str, Plugin]) -> Profile:
     """No ``schedulingProfiles``: the reference's default, one profile with every declared plugin."""
     chosen = [p for p in plugins.values() if p.category in (Category.FILTER, Category.SCORER)]
     pickers = [p.type for p in plugins.values() if p.category is Category.PICKER]
-    return Profile("default", tuple(p for p in chosen if p.category is Category.FILTER),
+    return Profile("default", tuple(p for p in chosen if p.is_filter),
                    tuple(WeightedScorer(p, 1.0) for p in chosen if p.category is Category.SCORER),
                    pickers[-1] if pickers else "max-score-picker")
 

@@ -23,11 +23,13 @@ class ConfigError(PickerError, ConfigurationError):
 
 
 class RequestError(PickerError):
-    """A request the picker answers itself with an HTTP error status (400, 404, 413, 429, 503)."""
+    """A request the picker answers itself with an HTTP error status (400, 404, 413, 429, 500, 502, 503),
+    and for a request dropped under load the reference's ``x-llm-d-request-dropped-reason``."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, dropped_reason: str = "") -> None:
         self.status = status
         self.message = message
+        self.dropped_reason = dropped_reason
         super().__init__(f"HTTP {status}: {message}")
 
 

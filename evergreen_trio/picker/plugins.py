@@ -49,6 +49,7 @@ class Category(enum.Enum):
     DATA_SOURCE = "data-source"
     EXTRACTOR = "extractor"
     PARSER = "parser"
+    ADMITTER = "admitter"
     OTHER = "other"
 
 
@@ -139,13 +140,16 @@ class PluginType:
     """How to read one plugin type: its category, parameter names and parser.
 
     ``parse`` gets the checked :class:`Params` and returns the plugin's frozen parameters.
-    ``replaced_by`` marks a deprecated alias (its use logs a line).
+    ``replaced_by`` marks a deprecated alias (its use logs a line). ``also_filter`` marks a scorer
+    that filters too: a profile listing it runs it among its filters as well (the reference adds
+    a plugin to every profile role it implements).
     """
 
     category: Category
     parameters: tuple[str, ...] = ()
     parse: Callable[[Params], object] = lambda params: None
     replaced_by: str | None = None
+    also_filter: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,12 @@ class Plugin:
     @property
     def category(self) -> Category:
         return PLUGIN_TYPES[self.type].category
+
+    @property
+    def is_filter(self) -> bool:
+        """Whether a profile runs it among its filters: a filter, or a scorer that filters too."""
+        kind = PLUGIN_TYPES[self.type]
+        return kind.category is Category.FILTER or kind.also_filter
 
 
 PLUGIN_TYPES: dict[str, PluginType] = {}

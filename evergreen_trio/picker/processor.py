@@ -150,7 +150,7 @@ class Picker:
 
     def route(self, path: str, headers: Mapping[str, str], body: bytes | None,
               subset: frozenset[str] | None, report: StreamReport | None = None) -> Route:
-        """Decide where a request goes, noting it in ``report``; RequestError for 400/404/429/503."""
+        """Decide where a request goes, noting it in ``report``; RequestError for 400/404/429/500/503."""
         report = report if report is not None else StreamReport()
         return self.pick(self.admit(path, headers, body, subset, report), report)
 
@@ -194,10 +194,8 @@ class Picker:
         return admission
 
     def pick(self, admission: Admission, report: StreamReport) -> Route:
-        """Pick endpoints for an admitted request and count it in flight; RequestError for 429/503."""
-        # Flow control admitted it: the legacy shedding of sheddable requests at saturation no longer applies.
-        priority = max(admission.priority, 0) if self.flow is not None else admission.priority
-        pick = PickRequest(admission.target_model, priority, admission.hashes, admission.subset,
+        """Pick endpoints for an admitted request and count it in flight; RequestError for 429/500/503."""
+        pick = PickRequest(admission.target_model, admission.priority, admission.hashes, admission.subset,
                            admission.prompt_bytes, admission.headers)
         try:
             schedule = self.scheduler.schedule(pick, self.pick_count)
@@ -443,7 +441,7 @@ class ExtProcStream:
         try:
             admission = self.picker.admit(self.headers.get(":path", ""), self.headers, body, self.subset, self.report)
         except RequestError as exc:
-            return [self._immediate(exc.status, exc.message), *after]
+            return [self._immediate(exc.status, exc.message, exc.dropped_reason), *after]
 
         def finish(outcome: Outcome) -> list[ep.ProcessingResponse]:
             if outcome is not Outcome.DISPATCHED:
@@ -451,7 +449,7 @@ class ExtProcStream:
             try:
                 route = self.picker.pick(admission, self.report)
             except RequestError as exc:
-                return [self._immediate(exc.status, exc.message), *after]
+                return [self._immediate(exc.status, exc.message, exc.dropped_reason), *after]
             first = self._decision(route, phase)
             if duplex_end is None:
                 return [first, *after]

@@ -15,10 +15,14 @@ from typing import Protocol
 
 import xxhash
 
+from evergreen_trio.picker.admission import admit, declared_admitters
 from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
+from evergreen_trio.picker.contextlength import CONTEXT_FILTERS, CONTEXT_SCORERS
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.filters import LOAD_FILTERS
+from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import Plugin, PrefixScorerParams, Profile
@@ -174,6 +178,11 @@ class Schedule:
     response_headers: dict[str, str] = field(default_factory=dict)
 
 
+# Filters that leave none of a non-empty candidate set mean the pool is busy, not broken: the reference
+# answers as flow control's capacity rejection (scheduling/scheduler_profile.go): 429, this message,
+# this drop reason. The legacy shedding of sheddable requests gives the same reason.
+NO_ENDPOINTS = "no endpoints available for the given request"
+SATURATED = Outcome.REJECTED_SATURATED.reason
 # Bytes per token when no tokenizer is configured (what llm-d-router's estimates assume too).
 BYTES_PER_TOKEN = 4
 # A scorer: (scheduler, request, candidates, their fresh metrics by address, plugin params or its
@@ -229,12 +238,13 @@ SCORERS: dict[str, ScorerFunction] = {
     **LOAD_SCORERS,  # in-flight and load scorers: evergreen_trio.picker.inflight
     **AFFINITY_SCORERS,  # evergreen_trio.picker.affinity
     **SESSION_SCORERS,  # evergreen_trio.picker.session
+    **CONTEXT_SCORERS,  # evergreen_trio.picker.contextlength
 }
 # A filter that needs more than the pod's labels: (scheduler, request, candidates, plugin params or
 # its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
 # params' keeps(labels).
 FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
-FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS}
+FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS, **LOAD_FILTERS, **CONTEXT_FILTERS}
 
 
 class PluginState(Protocol):
@@ -288,6 +298,9 @@ class Scheduler:
         self.prefix = PrefixIndex(config.scheduler.prefix_cache_capacity)
         self.rng = rng or random.Random()
         self.inflight = InflightLoad(config.scheduler.load)
+        # With flow control on, it alone holds back sheddable requests at saturation (as the reference).
+        self.legacy_shedding = config.flow_control is None
+        self.admitters = declared_admitters(config.epp.plugins.values()) if config.epp is not None else []
         # Of the last pick, for the stream's report: leading blocks each candidate held, and
         # seconds spent per scorer (keyed by the reference's plugin type names).
         self.prefix_matches: dict[str, int] = {}
@@ -331,11 +344,13 @@ class Scheduler:
         return tokens * cfg.chars_per_token, max_blocks
 
     def pick(self, request: PickRequest, count: int = 1) -> list[str]:
-        """Up to ``count`` endpoint addresses, best first; RequestError 503 or 429 when none."""
+        """Up to ``count`` endpoint addresses, best first; RequestError 503 or 429 when none, 500
+        when an admitter denies the request."""
         return self.schedule(request, count).endpoints
 
     def schedule(self, request: PickRequest, count: int = 1) -> Schedule:
-        """Run the profiles the handler chooses; RequestError 503 or 429 when no endpoint fits.
+        """Run the profiles the handler chooses; RequestError 503 or 429 when no endpoint fits, 500
+        when an admitter denies the request.
 
         Without a handler the one profile picks. With a :class:`DisaggHandler` (decode-first) the
         decode profile picks, then the decider looks at the prompt's tokens not cached on the
@@ -356,8 +371,9 @@ class Scheduler:
         if not candidates:
             what = "in the subset hint" if request.subset is not None else "in the pool"
             raise RequestError(503, f"no ready endpoint {what}")
-        if request.priority < 0 and self.saturation() >= 1.0:
-            raise RequestError(429, "pool saturated: sheddable request dropped")
+        if request.priority < 0 and self.legacy_shedding and self.saturation() >= 1.0:
+            raise RequestError(429, "pool saturated: sheddable request dropped", SATURATED)
+        admit(self.admitters, request.priority, [s.metrics for s in candidates], self.rng.random)
         self.scorer_seconds = {}
         self.prefix_matches = (self.prefix.matches(request.hashes, (s.endpoint.address for s in candidates))
                                if request.hashes else {})
@@ -367,7 +383,7 @@ class Scheduler:
             profile = next(iter(profiles.values()))
             picked, scores = self.run_profile(profile, request, candidates, count)
             if not picked:
-                raise RequestError(503, f"no ready endpoint passed profile {profile.name!r}'s filters")
+                raise RequestError(429, f"{NO_ENDPOINTS}: profile {profile.name!r}'s filters kept none", SATURATED)
             return Schedule(picked, None, {profile.name: picked}, scores)
         result: dict[str, list[str]] = {}
         prefill = profiles.get(handler.prefill)
@@ -375,7 +391,8 @@ class Scheduler:
             result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
         decode, scores = self.run_profile(profiles[handler.decode], request, candidates, count)
         if not decode:
-            raise RequestError(503, f"no ready decode endpoint (profile {handler.decode!r})")
+            raise RequestError(429, f"{NO_ENDPOINTS}: decode profile {handler.decode!r}'s filters kept none",
+                               SATURATED)
         result[handler.decode] = decode
         if handler.stage_order == "decode-first" and prefill is not None and handler.prefill_decider is not None:
             block_bytes = self.prefix_geometry()[0]

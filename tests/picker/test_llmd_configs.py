@@ -41,7 +41,7 @@ EXPECTED = {
     "pd-epp-config.yaml": None,
     "perf-optimized-baseline-plugins.yaml": None,
     "pd-topology-epp-config.yaml": "topology-extractor",
-    "probabilistic-admitter-epp-config.yaml": "probabilistic-admitter",
+    "probabilistic-admitter-epp-config.yaml": None,
     "sim-e-p-d-epp-config.yaml": "always-disagg-multimodal-decider",
     "sim-e-pd-epp-config.yaml": "always-disagg-multimodal-decider",
     "sim-epp-config.yaml": None,

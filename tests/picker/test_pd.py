@@ -105,11 +105,12 @@ def test_no_prefill_candidate_proceeds_without_prefill() -> None:
     assert result.prefill is None and result.profiles["prefill"] == [] and result.endpoints
 
 
-def test_no_decode_candidate_is_503() -> None:
+def test_no_decode_candidate_is_429_saturated_as_the_reference() -> None:
     config, scheduler = make(roles=[(PREFILL_1, "prefill"), (PREFILL_2, "encode")])
     with pytest.raises(RequestError) as caught:
         scheduler.schedule(request(config, "z" * 400))
-    assert caught.value.status == 503 and "decode" in caught.value.message
+    assert caught.value.status == 429 and "decode" in caught.value.message
+    assert caught.value.dropped_reason == "rejected-saturated"
 
 
 def test_no_prefill_decider_means_no_pd() -> None:
