@@ -353,6 +353,7 @@ class ExtProcStream:
         if route.load is not None:
             if self.response_ended or self.finished:
                 route.load.release()
+                self._completed()
             elif first_chunk and not self.picker.config.scheduler.load.add_estimated_output_tokens:
                 route.load.release_prompt()  # the first chunk came: prefill is done
 
@@ -371,6 +372,12 @@ class ExtProcStream:
             for ticket in (self.route.load, self.route.prefill_load):
                 if ticket is not None:
                     ticket.release()
+            self._completed()
+
+    def _completed(self) -> None:
+        """The routed request is over: flow control's program-aware policies learn its usage (once)."""
+        if self.item is not None and self.picker.flow is not None:
+            self.picker.flow.completed(self.item, self.report.usage)
 
     def resume(self) -> Sequence[ep.ProcessingResponse]:
         """The replies a parked request's outcome left (the wire calls this once unparked)."""
@@ -452,6 +459,8 @@ class ExtProcStream:
                 route = self.picker.pick(admission, self.report)
             except RequestError as exc:
                 return [self._immediate(exc.status, exc.message), *after]
+            if self.item is not None and self.picker.flow is not None:
+                self.picker.flow.started(self.item)
             first = self._decision(route, phase)
             if duplex_end is None:
                 return [first, *after]

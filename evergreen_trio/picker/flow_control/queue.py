@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Iterator
+import random
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from evergreen_trio.picker.flow_control.config import EDF, ROUND_ROBIN, BandConfig, FlowControlConfig
+from evergreen_trio.picker.flow_control.program_aware import ProgramAware
 
 DROPPED_REASON = "x-llm-d-request-dropped-reason"
 
@@ -64,7 +66,11 @@ def message(outcome: Outcome) -> str:
 
 @dataclass(eq=False)
 class QueueItem:
-    """One queued request: its flow key, size, when it came, and whom to tell how it left."""
+    """One queued request: its flow key, size, when it came, and whom to tell how it left.
+
+    ``program_picked``: a program-aware pick chose it (its wait then counts in that policy's
+    mean); ``running``: scheduled and not yet completed (see :meth:`FlowGate.started`).
+    """
 
     fairness_id: str
     priority: int
@@ -73,6 +79,8 @@ class QueueItem:
     enqueued_at: float = 0.0
     outcome: Outcome | None = None
     seq: int = 0
+    program_picked: bool = False
+    running: bool = False
 
 
 @dataclass
@@ -91,9 +99,12 @@ class FlowQueue:
     (after the item left every structure, so a callback may enqueue again).
     """
 
-    def __init__(self, config: FlowControlConfig, clock: Callable[[], float]) -> None:
+    def __init__(self, config: FlowControlConfig, clock: Callable[[], float], rng: random.Random | None = None,
+                 ) -> None:
         self.config = config
         self.clock = clock
+        rng = rng or random.Random()
+        self.programs = {name: ProgramAware(params, clock(), rng) for name, params in config.programs}
         self._bands: dict[int, _Band] = {}
         self.requests = 0
         self.bytes = 0
@@ -193,18 +204,29 @@ class FlowQueue:
 
     def _next(self) -> QueueItem | None:
         for priority in sorted(self._bands, reverse=True):
-            band = self._bands[priority]
-            if band.config.fairness == ROUND_ROBIN:
-                keys = sorted(band.flows)  # llm-d: sorted flow keys, the one after the last picked, else the first
-                if not keys:
-                    continue
-                start = keys.index(band.last_flow) + 1 if band.last_flow in band.flows else 0
-                band.last_flow = keys[start % len(keys)]
-                return next(iter(band.flows[band.last_flow].values()))
-            heads = [next(iter(flow.values())) for flow in band.flows.values()]
-            if heads:
-                return min(heads, key=lambda item: self._key(band, item))
+            item = self._pick(self._bands[priority])
+            if item is not None:
+                return item
         return None
+
+    def _pick(self, band: _Band) -> QueueItem | None:
+        """The band's fairness policy picks a flow, whose head goes next."""
+        heads: Mapping[str, QueueItem] = {key: next(iter(flow.values())) for key, flow in band.flows.items()}
+        if not heads:
+            return None
+        if band.config.fairness == ROUND_ROBIN:
+            keys = sorted(heads)  # llm-d: sorted flow keys, the one after the last picked, else the first
+            start = keys.index(band.last_flow) + 1 if band.last_flow is not None and band.last_flow in heads else 0
+            band.last_flow = keys[start % len(keys)]
+            return heads[band.last_flow]
+        if band.config.fairness_name is not None:  # program-aware-fairness
+            program = self.programs[band.config.fairness_name]
+            chosen = program.pick({key: head.enqueued_at for key, head in heads.items()}, self.clock())
+            if chosen is None:
+                return None
+            heads[chosen].program_picked = True
+            return heads[chosen]
+        return min(heads.values(), key=lambda item: self._key(band, item))
 
     # -- bookkeeping ----------------------------------------------------------------------------
 

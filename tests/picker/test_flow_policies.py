@@ -1,0 +1,264 @@
+"""Flow control's reference policies beyond FCFS/EDF and round robin/global strict:
+``program-aware-fairness`` (the reference's plugin, strategy and metrics tests ported), its
+config, its place in the queue and its hooks in the ext_proc stream."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from google.protobuf import struct_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from evergreen_trio.picker.config import load_config, parse_config
+from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.flow_control.config import BandConfig, FlowControlConfig
+from evergreen_trio.picker.flow_control.program_aware import (
+    PROGRAM_AWARE,
+    ProgramAware,
+    ProgramAwareParams,
+)
+from evergreen_trio.picker.flow_control.queue import FlowQueue, Outcome, QueueItem
+from evergreen_trio.picker.plugins import NOT_IMPLEMENTED
+from evergreen_trio.picker.usage import Usage
+from tests.picker.test_flow_control import Clock, epp, flow_picker, start
+from tests.picker.test_processor import request_body, request_headers, response_body, response_headers
+
+FIXTURES = Path(__file__).parent / "fixtures" / "llm-d-router"
+
+
+def program_aware(**changes: float) -> ProgramAware:
+    return ProgramAware(ProgramAwareParams(**changes), 0.0, random.Random(1))
+
+
+# -- program-aware-fairness: config ---------------------------------------------------------------
+
+
+def test_program_aware_is_implemented_and_the_reference_sample_loads() -> None:
+    assert PROGRAM_AWARE not in NOT_IMPLEMENTED
+    flow = load_config(FIXTURES / "sim-program-aware-config.yaml", cluster_pool="pool").flow_control
+    assert flow is not None and flow.programs == ((PROGRAM_AWARE, ProgramAwareParams()),)
+    assert flow.default_band.fairness == PROGRAM_AWARE and flow.default_band.fairness_name == PROGRAM_AWARE
+    assert flow.band(7).fairness_name == PROGRAM_AWARE  # bands made from the template share the plugin
+
+
+def test_program_aware_parameters_and_shared_instances() -> None:
+    flow = parse_config(epp("""  priorityBands:
+  - {priority: 1, fairnessPolicyRef: fair}
+  - {priority: 2, fairnessPolicyRef: fair}
+  - {priority: 3, fairnessPolicyRef: other}""", """- type: program-aware-fairness
+  name: fair
+  parameters: {strategy: las, lasWeightService: 0.7, lasWeightHeadWait: 0.3, lasHalfLifeSeconds: 0,
+               evictionTtlSeconds: 0, evictionSweepSeconds: 1}
+- {type: program-aware-fairness, name: other, parameters: {strategy: ''}}
+- {type: program-aware-fairness, name: unused}""")).flow_control
+    assert flow is not None
+    assert dict(flow.programs) == {"fair": ProgramAwareParams(0.0, 1.0, 0.7, 0.3, 0.0), "other": ProgramAwareParams(),
+                                   "unused": ProgramAwareParams()}
+    assert [flow.band(p).fairness_name for p in (1, 2, 3, 0)] == ["fair", "fair", "other", None]
+    queue = FlowQueue(flow, Clock())
+    assert sorted(queue.programs) == ["fair", "other", "unused"]
+
+
+@pytest.mark.parametrize(("parameters", "field"), [
+    ("{strategy: wfq}", "strategy"),
+    ("{evictionTtlSeconds: -1}", "evictionTtlSeconds"),
+    ("{evictionSweepSeconds: 0}", "evictionSweepSeconds"),
+    ("{lasWeightService: -0.1}", "lasWeightService"),
+    ("{lasWeightHeadWait: .nan}", "lasWeightHeadWait"),
+    ("{lasHalfLifeSeconds: -1}", "lasHalfLifeSeconds"),
+    ("{lasDecayFactor: 0.99997}", "lasDecayFactor"),
+    ("{lasWeightService: high}", "lasWeightService"),
+])
+def test_bad_program_aware_parameter_names_the_field(parameters: str, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(epp("", f"- {{type: program-aware-fairness, parameters: {parameters}}}"))
+    assert info.value.field == f"EndpointPickerConfig.plugins[1].parameters.{field}"
+
+
+def test_program_aware_must_be_declared_to_be_referenced() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(epp("  defaultPriorityBand: {fairnessPolicyRef: program-aware-fairness}"))
+    assert info.value.field == "EndpointPickerConfig.flowControl.defaultPriorityBand.fairnessPolicyRef"
+
+
+# -- program-aware-fairness: the reference's tests -------------------------------------------------
+
+
+def test_pick_nothing_from_no_flows() -> None:
+    assert program_aware().pick({}, 0.0) is None
+
+
+def test_las_prefers_lower_service_and_cold_start_uses_head_wait() -> None:
+    policy = program_aware(weight_service=1.0, weight_head_wait=0.0, half_life_s=0.0)
+    policy.completed("alpha", Usage(1000, 0), 0.0)
+    policy.completed("beta", Usage(10, 0), 0.0)
+    assert policy.pick({"alpha": 0.0, "beta": 0.0}, 0.0) == "beta"
+    cold = program_aware(weight_service=1.0, weight_head_wait=1.0)
+    assert cold.pick({"alpha": 9.5, "beta": 9.95}, 10.0) == "alpha"
+
+
+def test_an_idle_program_service_decays_without_being_visited() -> None:
+    policy = program_aware(weight_service=1.0, weight_head_wait=0.0, half_life_s=1.0)
+    heavy = policy.program("heavy", 0.0)
+    heavy.service, heavy.decayed_at = 1000.0, 0.0
+    light = policy.program("light", 10.0)
+    light.service, light.decayed_at = 10.0, 10.0
+    assert policy.pick({"heavy": 10.0, "light": 10.0}, 10.0) == "heavy"  # 1000 / 2**10 < 10
+    assert policy.programs["heavy"].service == pytest.approx(1000 / 1024)
+
+
+def test_completion_adds_prompt_plus_twice_completion_after_pending_decay() -> None:
+    policy = program_aware(half_life_s=1.0)
+    policy.completed("alpha", Usage(100, 50), 5.0)
+    assert policy.service(policy.programs["alpha"], 5.0) == 200.0
+    policy.completed("alpha", None, 6.0)  # no usage learned: no tokens, the decay still applies
+    assert policy.programs["alpha"].service == 100.0
+    policy.completed("alpha", Usage(None, 5), 7.0)
+    assert policy.programs["alpha"].service == 60.0  # 100 halves to 50 before the +10 lands
+    flat = program_aware(half_life_s=0.0)
+    flat.completed("alpha", Usage(100, 0), 0.0)
+    assert flat.service(flat.programs["alpha"], 3600.0) == 100.0
+
+
+def test_dispatch_counts_and_the_mean_wait_of_picked_requests() -> None:
+    policy = program_aware()
+    policy.dispatched("alpha", 0.95, 1.0)
+    policy.dispatched("alpha", 0.85, 1.0)
+    policy.dispatched("alpha", None, 1.0)  # not chosen by a program-aware pick: no wait observed
+    alpha = policy.programs["alpha"]
+    assert (alpha.in_flight, alpha.dispatched, alpha.wait_count) == (3, 3, 2)
+    assert alpha.mean_wait_ms == pytest.approx(100.0, abs=1)
+    policy.completed("alpha", None, 2.0)
+    assert (alpha.in_flight, alpha.last_completion) == (2, 2.0)
+
+
+def test_idle_programs_are_forgotten_on_the_sweep_schedule() -> None:
+    policy = program_aware(eviction_ttl_s=1.0, eviction_sweep_s=10.0)
+    policy.program("never-completed", 0.0)
+    policy.dispatched("in-flight", None, 0.0)
+    policy.dispatched("recent", None, 0.0)
+    policy.completed("recent", None, 9.5)
+    policy.program("probe", 9.9)
+    assert sorted(policy.programs) == ["in-flight", "never-completed", "probe", "recent"]  # no sweep before 10 s
+    policy.program("probe", 10.2)  # the sweep at 10 s: idle for more than 1 s and nothing in flight
+    assert sorted(policy.programs) == ["in-flight", "probe", "recent"]
+    policy.program("probe", 25.0)  # the one at 20 s
+    assert sorted(policy.programs) == ["in-flight", "probe"]
+    kept = program_aware(eviction_ttl_s=0.0, eviction_sweep_s=1.0)
+    kept.program("alpha", 0.0)
+    kept.program("beta", 1e6)
+    assert sorted(kept.programs) == ["alpha", "beta"]
+
+
+def test_a_forgotten_program_starts_again_from_zero_service() -> None:
+    policy = program_aware(half_life_s=0.0, eviction_ttl_s=1.0, eviction_sweep_s=1.0)
+    policy.dispatched("alpha", None, 0.0)
+    policy.completed("alpha", Usage(100, 0), 0.0)
+    assert policy.service(policy.program("alpha", 5.0), 5.0) == 0.0
+    policy.completed("beta", Usage(100, 0), 0.0)  # a completion never dispatched: in flight -1, kept (as llm-d)
+    assert policy.program("beta", 50.0).in_flight == -1
+
+
+def test_ties_are_broken_at_random() -> None:
+    policy = program_aware(weight_service=1.0, weight_head_wait=0.0)
+    assert {policy.pick({"a": 0.0, "b": 0.0, "c": 0.0}, 0.0) for _ in range(60)} == {"a", "b", "c"}
+
+
+# -- program-aware-fairness: in the queue ----------------------------------------------------------
+
+
+def fair_queue(clock: Clock, **changes: float) -> FlowQueue:
+    config = FlowControlConfig(default_band=BandConfig(fairness=PROGRAM_AWARE, fairness_name="fair"),
+                               programs=(("fair", ProgramAwareParams(**changes)),))
+    return FlowQueue(config, clock, random.Random(2))
+
+
+def queued(queue: FlowQueue, log: list[str], name: str, flow: str) -> QueueItem:
+    item = QueueItem(flow, 0, 1, lambda outcome: log.append(name))
+    assert queue.enqueue(item)
+    return item
+
+
+def test_the_queue_serves_the_least_served_program_and_marks_its_pick() -> None:
+    clock = Clock()
+    queue = fair_queue(clock, weight_service=1.0, weight_head_wait=0.0)
+    program = queue.programs["fair"]
+    program.completed("heavy", Usage(500, 0), clock.now)
+    log: list[str] = []
+    heavy = queued(queue, log, "heavy", "heavy")
+    light = queued(queue, log, "light", "light")
+    assert queue.dispatch(lambda: 0.0, limit=1) == 1 and log == ["light"]
+    assert light.program_picked and not heavy.program_picked
+    other = FlowQueue(FlowControlConfig(programs=(("fair", ProgramAwareParams()),)), clock)
+    item = queued(other, log, "strict", "x")
+    other.dispatch(lambda: 0.0)
+    assert not item.program_picked  # a global-strict band does not stash the enqueue time
+
+
+@settings(max_examples=50)
+@given(st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=6),
+       st.floats(min_value=0.0, max_value=1.0), st.floats(min_value=0.01, max_value=1.0))
+def test_backlogged_programs_with_equal_costs_are_each_served_every_n_picks(
+        backlogs: list[int], weight_wait: float, weight_service: float) -> None:
+    clock = Clock()
+    queue = fair_queue(clock, weight_service=weight_service, weight_head_wait=weight_wait, half_life_s=30.0)
+    program = queue.programs["fair"]
+    log: list[str] = []
+    for depth in range(max(backlogs)):
+        for i, backlog in enumerate(backlogs):
+            if depth < backlog:
+                queued(queue, log, f"p{i}", f"p{i}")
+    left = {f"p{i}": backlog for i, backlog in enumerate(backlogs)}
+    last_served = dict.fromkeys(left, -1)
+    for step in range(sum(backlogs)):
+        assert all(step - last_served[flow] <= len(backlogs) for flow, n in left.items() if n)
+        clock.now += 0.001
+        assert queue.dispatch(lambda: 0.0, limit=1) == 1
+        last_served[log[-1]] = step
+        left[log[-1]] -= 1
+        program.dispatched(log[-1], None, clock.now)
+        program.completed(log[-1], Usage(10, 5), clock.now)
+    assert not len(queue) and sorted(log) == sorted(f"p{i}" for i, n in enumerate(backlogs) for _ in range(n))
+
+
+# -- program-aware-fairness: the ext_proc stream's hooks -------------------------------------------
+
+
+def test_streams_feed_the_program_aware_policy_dispatch_then_usage() -> None:
+    picker = flow_picker("  defaultPriorityBand: {fairnessPolicyRef: program-aware-fairness}",
+                         "- {type: program-aware-fairness, parameters: {lasHalfLifeSeconds: 0}}")
+    assert picker.flow is not None
+    program = picker.flow.queue.programs[PROGRAM_AWARE]
+    stream, replies = start(picker, extra=(("x-llm-d-inference-fairness-id", "tenant-a"),))
+    assert replies and stream.item.program_picked  # type: ignore[attr-defined]
+    tenant = program.programs["tenant-a"]
+    assert (tenant.in_flight, tenant.dispatched, tenant.wait_count) == (1, 1, 1)
+    stream.on_message(response_headers())  # type: ignore[attr-defined]
+    usage = {"usage": {"prompt_tokens": 7, "completion_tokens": 4}}
+    stream.on_message(response_body(json.dumps(usage).encode()))  # type: ignore[attr-defined]
+    assert (tenant.in_flight, tenant.service) == (0, 15.0)
+    stream.on_abort()  # type: ignore[attr-defined]  # the stream's end after the response's: counted once
+    assert (tenant.in_flight, tenant.service) == (0, 15.0)
+    gone, _ = start(picker)
+    gone.on_abort()  # type: ignore[attr-defined]  # a dispatched stream reset before its response
+    default = program.programs["default-flow"]
+    assert (default.in_flight, default.dispatched, default.service) == (0, 1, 0.0)
+
+
+def test_a_request_that_fails_scheduling_is_not_counted() -> None:
+    picker = flow_picker("  defaultPriorityBand: {fairnessPolicyRef: program-aware-fairness}",
+                         "- {type: program-aware-fairness}")
+    assert picker.flow is not None
+    stream = picker.new_stream()
+    stream.on_message(request_headers(subset=struct_pb2.Value(string_value="10.9.9.9:1")))
+    (reply,) = stream.on_message(request_body(b'{"model": "plain", "prompt": "hi"}'))
+    assert reply.immediate_response.status.code == 503 and stream.item is not None
+    assert stream.item.outcome is Outcome.DISPATCHED and not stream.item.running
+    entry = picker.flow.queue.programs[PROGRAM_AWARE].programs["default-flow"]  # seen by the pick
+    assert (entry.dispatched, entry.in_flight) == (0, 0)
+    stream.on_abort()
+    assert entry.in_flight == 0
