@@ -149,8 +149,8 @@ class ProgramAware:
         """A scheduled request of the program ended (its response, or its stream): its tokens add
         to the program's service after the pending decay."""
         entry = self.program(program_id, now)
-        prompt = usage.prompt_tokens or 0 if usage is not None else 0
-        completion = usage.completion_tokens or 0 if usage is not None else 0
+        prompt = (usage.prompt_tokens or 0) if usage is not None else 0
+        completion = (usage.completion_tokens or 0) if usage is not None else 0
         self.service(entry, now)
         entry.service += _INPUT_TOKEN_WEIGHT * prompt + _OUTPUT_TOKEN_WEIGHT * completion
         entry.in_flight -= 1
@@ -161,9 +161,12 @@ class ProgramAware:
         if ttl <= 0:
             return
         sweeps = (now - self._sweep_origin) // interval
-        if not math.isfinite(sweeps) or sweeps <= self._sweeps:
+        if not math.isfinite(sweeps):  # an interval so small the count overflows: it sweeps all the time
+            at = now
+        elif sweeps > self._sweeps:
+            self._sweeps = int(sweeps)
+            at = self._sweep_origin + sweeps * interval
+        else:
             return
-        self._sweeps = int(sweeps)
-        at = self._sweep_origin + sweeps * interval
         for program_id in [p for p, e in self.programs.items() if e.in_flight == 0 and at - e.last_completion > ttl]:
             del self.programs[program_id]
