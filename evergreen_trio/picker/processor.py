@@ -325,6 +325,7 @@ class ExtProcStream:
         self.parked = False
         self.on_unpark: Callable[[], None] | None = None
         self.item: QueueItem | None = None
+        self.received_at: float | None = None  # when the request headers came (the pool's clock)
         self._resumed: list[ep.ProcessingResponse] = []
         self._finish: Callable[[Outcome], list[ep.ProcessingResponse]] | None = None
 
@@ -399,6 +400,7 @@ class ExtProcStream:
         if self.headers:
             raise ExtProcError("expected one request_headers message per stream, got a second")
         self.headers = _headers(message.request_headers)
+        self.received_at = self.picker.snapshot.clock()
         value = _metadata_value(message.metadata_context, SUBSET_NAMESPACE, SUBSET)
         if value is not None and self.picker.config.ext_proc.honor_subset_hint:
             self.subset = frozenset(_struct_strings(value))
@@ -470,7 +472,8 @@ class ExtProcStream:
         if self.picker.flow is None:
             return finish(Outcome.DISPATCHED)
         self._finish = finish
-        self.item = QueueItem(admission.fairness_id, admission.priority, admission.byte_size, self._on_outcome)
+        self.item = QueueItem(admission.fairness_id, admission.priority, admission.byte_size, self._on_outcome,
+                              admission.headers, self.received_at)
         self.picker.flow.submit(self.item)
         if self.item.outcome is None:
             self.parked = True

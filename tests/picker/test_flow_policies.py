@@ -1,6 +1,6 @@
-"""Flow control's reference policies beyond FCFS/EDF and round robin/global strict:
-``program-aware-fairness`` (the reference's plugin, strategy and metrics tests ported), its
-config, its place in the queue and its hooks in the ext_proc stream."""
+"""Flow control's reference policies beyond FCFS/EDF and round robin/global strict, each with the
+reference's tests ported, its config, its place in the queue and in the ext_proc stream:
+``program-aware-fairness`` and ``slo-deadline-ordering-policy``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from evergreen_trio.picker.flow_control.program_aware import (
     ProgramAwareParams,
 )
 from evergreen_trio.picker.flow_control.queue import FlowQueue, Outcome, QueueItem
+from evergreen_trio.picker.flow_control.slo_deadline import MAX_TTFT_MS, SLO_DEADLINE, rank, ttft_slo_ms
 from evergreen_trio.picker.plugins import NOT_IMPLEMENTED
 from evergreen_trio.picker.usage import Usage
 from tests.picker.test_flow_control import Clock, epp, flow_picker, start
@@ -262,3 +263,150 @@ def test_a_request_that_fails_scheduling_is_not_counted() -> None:
     assert (entry.dispatched, entry.in_flight) == (0, 0)
     stream.on_abort()
     assert entry.in_flight == 0
+
+
+# -- slo-deadline-ordering-policy ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("headers", "expected"), [
+    ({"x-llm-d-slo-ttft-ms": "200"}, 200),
+    ({"x-slo-ttft-ms": "150"}, 150),
+    ({"x-llm-d-slo-ttft-ms": "200", "x-slo-ttft-ms": "50"}, 200),
+    ({"x-llm-d-slo-ttft-ms": "", "x-slo-ttft-ms": "50"}, None),  # the first present wins, even empty
+    ({"x-llm-d-slo-ttft-ms": " 30\t"}, 30),
+    ({"x-llm-d-slo-ttft-ms": "+30"}, 30),
+    ({"x-llm-d-slo-ttft-ms": "-0"}, 0),
+    ({"x-llm-d-slo-ttft-ms": "\xa030\x85"}, 30),
+    ({"x-llm-d-slo-ttft-ms": "\x1c30"}, None),  # not Go whitespace
+    ({"x-llm-d-slo-ttft-ms": "-1"}, None),
+    ({"x-llm-d-slo-ttft-ms": "x"}, None),
+    ({"x-llm-d-slo-ttft-ms": "1.5"}, None),
+    ({"x-llm-d-slo-ttft-ms": "1_000"}, None),
+    ({"x-llm-d-slo-ttft-ms": "\u0663"}, None),
+    ({"x-llm-d-slo-ttft-ms": str(MAX_TTFT_MS)}, MAX_TTFT_MS),
+    ({"x-llm-d-slo-ttft-ms": str(MAX_TTFT_MS + 1)}, None),
+    ({"x-llm-d-slo-ttft-ms": str(2**63 - 1)}, None),  # would overflow Go's Duration
+    ({"x-llm-d-slo-ttft-ms": str(2**64)}, None),
+    ({"x-some-header": "200"}, None),
+    ({}, None),
+])
+def test_ttft_slo_header(headers: dict[str, str], expected: int | None) -> None:
+    assert ttft_slo_ms(headers) == expected
+
+
+def test_slo_ranks_as_the_reference_less() -> None:
+    now = 1000.0
+
+    def slo(received: float, ms: str | None) -> tuple[float, int]:
+        return rank({} if ms is None else {"x-llm-d-slo-ttft-ms": ms}, received)
+
+    a, b, c, d = slo(now, "100"), slo(now, "50"), slo(now + 0.02, "50"), slo(now, None)
+    e, f = slo(now - 1, "1050"), slo(now, str(2**63 - 1))
+    assert b < a and c < a and a < d and e < b and a < f
+    assert rank({"x-llm-d-slo-ttft-ms": "200"}, now)[0] == round(now * 1e9) + 200_000_000
+    assert slo(now, None) < slo(now + 1, "x")  # no deadline: first come first served
+
+
+def slo_queue(clock: Clock, fairness: str = "global-strict-fairness-policy") -> FlowQueue:
+    return FlowQueue(FlowControlConfig(default_band=BandConfig(fairness=fairness, ordering=SLO_DEADLINE)), clock)
+
+
+def slo_item(log: list[str], name: str, flow: str, ms: str | None, received: float) -> QueueItem:
+    headers = {} if ms is None else {"x-llm-d-slo-ttft-ms": ms}
+    return QueueItem(flow, 0, 1, lambda outcome: log.append(name), headers, received)
+
+
+def test_slo_orders_within_a_flow_and_across_flows() -> None:
+    clock = Clock()
+    log: list[str] = []
+    queue = slo_queue(clock)
+    for item in (slo_item(log, "loose", "a", "5000", 100.0), slo_item(log, "none", "a", None, 99.0),
+                 slo_item(log, "tight", "a", "100", 100.5), slo_item(log, "other", "b", "300", 100.0),
+                 slo_item(log, "late-none", "b", None, 99.5)):
+        assert queue.enqueue(item)
+    queue.dispatch(lambda: 0.0)
+    assert log == ["other", "tight", "loose", "none", "late-none"]
+    log.clear()
+    queue = slo_queue(clock, "round-robin-fairness-policy")
+    for item in (slo_item(log, "a-loose", "a", "900", 100.0), slo_item(log, "a-tight", "a", "10", 100.0),
+                 slo_item(log, "b-none", "b", None, 100.0), slo_item(log, "b-tight", "b", "1", 100.0)):
+        queue.enqueue(item)
+    queue.dispatch(lambda: 0.0)
+    assert log == ["a-tight", "b-tight", "a-loose", "b-none"]
+
+
+def test_slo_queue_without_arrival_time_uses_the_enqueue_time_and_cancels_stay_cheap() -> None:
+    clock = Clock()
+    log: list[str] = []
+    queue = slo_queue(clock)
+    items = [slo_item(log, str(i), "a", str(1000 - 2 * i), None) for i in range(200)]  # later ones due first
+    for item in items:
+        queue.enqueue(item)
+        clock.now += 0.001
+    assert items[0].received_at == 100.0
+    for item in items[1:190]:
+        queue.cancel(item)
+    flow = queue._bands[0].flows["a"]
+    assert flow.heap is not None and len(flow.heap) <= 2 * len(flow.items) + 16
+    log.clear()
+    queue.dispatch(lambda: 0.0)
+    assert log == [str(i) for i in range(199, 189, -1)] + ["0"]
+
+
+@settings(max_examples=100)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.one_of(st.none(), st.integers(-5, 3000).map(str),
+                                                             st.sampled_from(["", "x", " 7 "])),
+                          st.integers(0, 2000), st.booleans()), min_size=1, max_size=40),
+       st.sampled_from(["global-strict-fairness-policy", "round-robin-fairness-policy"]))
+def test_slo_dispatch_order_is_the_deadline_order(
+        specs: list[tuple[str, str | None, int, bool]], fairness: str) -> None:
+    clock = Clock()
+    log: list[str] = []
+    queue = slo_queue(clock, fairness)
+    made = []
+    for i, (flow, ms, received_ms, cancel) in enumerate(specs):
+        item = slo_item(log, str(i), flow, ms, received_ms / 1000)
+        assert queue.enqueue(item)
+        made.append((item, cancel))
+    for item, cancel in made:
+        if cancel:
+            queue.cancel(item)
+    log.clear()
+    queue.dispatch(lambda: 0.0)
+    kept = [item for item, cancel in made if not cancel]
+    order = {item.seq: (rank(item.headers, item.received_at or 0.0), item.seq) for item in kept}
+    dispatched = [made[int(name)][0] for name in log]
+    assert sorted(i.seq for i in dispatched) == sorted(i.seq for i in kept)
+    for flow in "abc":  # within a flow: earliest deadline, then arrival, then enqueue order
+        seqs = [i.seq for i in dispatched if i.fairness_id == flow]
+        assert seqs == sorted(seqs, key=order.__getitem__)
+    if fairness == "global-strict-fairness-policy":  # across flows too: one total order
+        assert [i.seq for i in dispatched] == sorted(order, key=order.__getitem__)
+
+
+def test_slo_deadline_config_and_the_stream_passes_its_headers() -> None:
+    plugins = "- {type: slo-deadline-ordering-policy, name: slo}"
+    flow = parse_config(epp("  defaultPriorityBand: {orderingPolicyRef: slo}", plugins)).flow_control
+    assert flow is not None and flow.default_band.ordering == SLO_DEADLINE and SLO_DEADLINE not in NOT_IMPLEMENTED
+    for section, extra, field in (
+            ("  defaultPriorityBand: {orderingPolicyRef: slo-deadline-ordering-policy}", "",
+             "flowControl.defaultPriorityBand.orderingPolicyRef"),  # not injected: declare it, as in llm-d
+            ("", "- {type: slo-deadline-ordering-policy, parameters: {header: x}}", "plugins[1].parameters.header")):
+        with pytest.raises(ConfigError) as info:
+            parse_config(epp(section, extra))
+        assert info.value.field == f"EndpointPickerConfig.{field}"
+    picker = flow_picker("  saturationDetector: {pluginRef: concurrency-detector}\n"
+                         "  defaultPriorityBand: {orderingPolicyRef: slo}",
+                         plugins + "\n- {type: concurrency-detector, parameters: {maxConcurrency: 1}}")
+    assert picker.flow is not None
+    clock = Clock()
+    picker.snapshot.clock = picker.flow.queue.clock = clock  # type: ignore[method-assign]
+    busy = [start(picker)[0] for _ in range(3)]
+    loose, _ = start(picker, extra=(("x-llm-d-slo-ttft-ms", "5000"),))
+    clock.now += 1.0
+    tight, _ = start(picker, extra=(("x-slo-ttft-ms", "100"),))
+    assert loose.item.received_at == 100.0 and tight.item.received_at == 101.0  # type: ignore[attr-defined]
+    assert loose.parked and tight.parked  # type: ignore[attr-defined]
+    busy[0].on_abort()  # type: ignore[attr-defined]
+    picker.flow.poll()
+    assert not tight.parked and loose.parked  # type: ignore[attr-defined]

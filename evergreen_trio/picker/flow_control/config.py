@@ -36,13 +36,14 @@ from evergreen_trio.picker.checks import integer, mapping, sequence, string
 from evergreen_trio.picker.epp_config import EppConfig, register_feature_gate, register_section
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.flow_control.program_aware import PROGRAM_AWARE, ProgramAwareParams
+from evergreen_trio.picker.flow_control.slo_deadline import SLO_DEADLINE
 from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, register
 
 FEATURE_GATE = "flowControl"
 FCFS, EDF = "fcfs-ordering-policy", "edf-ordering-policy"
 GLOBAL_STRICT, ROUND_ROBIN = "global-strict-fairness-policy", "round-robin-fairness-policy"
 UTILIZATION, CONCURRENCY = "utilization-detector", "concurrency-detector"
-ORDERING_POLICIES = (FCFS, EDF)
+ORDERING_POLICIES = (FCFS, EDF, SLO_DEADLINE)
 FAIRNESS_POLICIES = (GLOBAL_STRICT, ROUND_ROBIN, PROGRAM_AWARE)
 DETECTORS = (UTILIZATION, CONCURRENCY)
 # The usage-limit policy llm-d uses by default (a ceiling of 1.0 for every band): accepted, no parameters.

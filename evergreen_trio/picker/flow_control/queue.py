@@ -7,24 +7,27 @@ while ``saturation()`` stays below 1.0 (and stops at the first band it cannot se
 blocking, so lower priorities never overtake); :meth:`~FlowQueue.expire` evicts requests past
 their queue-wait budget. A band picks its next flow with its fairness policy
 (``global-strict-fairness-policy``: the flow whose head request comes first by the ordering
-policy; ``round-robin-fairness-policy``: the flows in turn, sorted by id) and a flow its next
-request with its ordering policy (``fcfs-ordering-policy``: first enqueued;
-``edf-ordering-policy``: earliest deadline = enqueue time + TTL, no deadline last).
+policy; ``round-robin-fairness-policy``: the flows in turn, sorted by id;
+``program-aware-fairness``: :mod:`.program_aware`) and a flow its next request with its ordering
+policy (``fcfs-ordering-policy``: first enqueued; ``edf-ordering-policy``: earliest deadline =
+enqueue time + TTL, no deadline last; ``slo-deadline-ordering-policy``: :mod:`.slo_deadline`).
 
-Every request here gets the same TTL, so within a flow enqueue order is deadline order too: a flow
-is an insertion-ordered dict (removal of a cancelled request is O(1)), and the ordering policy
-matters when heads of different flows are compared. Empty flows and bands are dropped at once,
-so memory follows what is queued, which the band and global caps bound.
+Every request here gets the same TTL, so within a flow enqueue order is EDF's deadline order too:
+a flow is an insertion-ordered dict (removal of a cancelled request is O(1)), plus a heap where
+the SLO deadline orders it. Empty flows and bands are dropped at once, so memory follows what is
+queued, which the band and global caps bound.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 import math
 import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from evergreen_trio.picker.flow_control import slo_deadline
 from evergreen_trio.picker.flow_control.config import EDF, ROUND_ROBIN, BandConfig, FlowControlConfig
 from evergreen_trio.picker.flow_control.program_aware import ProgramAware
 
@@ -66,8 +69,9 @@ def message(outcome: Outcome) -> str:
 
 @dataclass(eq=False)
 class QueueItem:
-    """One queued request: its flow key, size, when it came, and whom to tell how it left.
+    """One queued request: its flow key, size, headers, when it came, and whom to tell how it left.
 
+    ``received_at`` is when its request headers came (the queue's clock; None: when enqueued);
     ``program_picked``: a program-aware pick chose it (its wait then counts in that policy's
     mean); ``running``: scheduled and not yet completed (see :meth:`FlowGate.started`).
     """
@@ -76,6 +80,8 @@ class QueueItem:
     priority: int
     byte_size: int
     on_outcome: Callable[[Outcome], None]
+    headers: Mapping[str, str] = field(default_factory=dict)
+    received_at: float | None = None
     enqueued_at: float = 0.0
     outcome: Outcome | None = None
     seq: int = 0
@@ -84,9 +90,46 @@ class QueueItem:
 
 
 @dataclass
+class _Flow:
+    """One flow's requests: ``items`` in enqueue order (O(1) removal; the first is the oldest) and,
+    in a band ordered by SLO deadline, a heap of (deadline, arrival, seq) whose removed entries are
+    dropped when they surface (and the heap rebuilt once they are most of it)."""
+
+    items: dict[int, QueueItem] = field(default_factory=dict)
+    heap: list[tuple[float, int, int]] | None = None
+
+    def add(self, item: QueueItem, rank: tuple[float, int] | None) -> None:
+        self.items[item.seq] = item
+        if rank is not None:
+            self.heap = self.heap if self.heap is not None else []
+            heapq.heappush(self.heap, (*rank, item.seq))
+
+    def remove(self, seq: int) -> bool:
+        if self.items.pop(seq, None) is None:
+            return False
+        if self.heap is not None and len(self.heap) > 2 * len(self.items) + 16:
+            self.heap = [entry for entry in self.heap if entry[2] in self.items]
+            heapq.heapify(self.heap)
+        return True
+
+    def head(self) -> QueueItem:
+        """The request its ordering policy serves next."""
+        if self.heap is None:
+            return next(iter(self.items.values()))
+        while self.heap[0][2] not in self.items:
+            heapq.heappop(self.heap)
+        return self.items[self.heap[0][2]]
+
+    def head_rank(self) -> tuple[float, int, int]:
+        self.head()
+        assert self.heap is not None
+        return self.heap[0]
+
+
+@dataclass
 class _Band:
     config: BandConfig
-    flows: dict[str, dict[int, QueueItem]] = field(default_factory=dict)
+    flows: dict[str, _Flow] = field(default_factory=dict)
     requests: int = 0
     bytes: int = 0
     last_flow: str | None = None  # round robin's cursor
@@ -133,7 +176,11 @@ class FlowQueue:
             band = self._bands[item.priority] = _Band(config)
         self._seq += 1
         item.seq, item.enqueued_at = self._seq, self.clock()
-        band.flows.setdefault(item.fairness_id, {})[item.seq] = item
+        if item.received_at is None:
+            item.received_at = item.enqueued_at
+        by_slo = config.ordering == slo_deadline.SLO_DEADLINE
+        rank = slo_deadline.rank(item.headers, item.received_at) if by_slo else None
+        band.flows.setdefault(item.fairness_id, _Flow()).add(item, rank)
         band.requests += 1
         band.bytes += item.byte_size
         self.requests += 1
@@ -184,8 +231,8 @@ class FlowQueue:
         """When :meth:`expire` next has work (inf: never, until something changes)."""
         if not self.requests or self.ttl() <= 0:
             return math.inf
-        # Each flow's first item is its oldest: the earliest deadline is among the heads.
-        return min(self._deadline(next(iter(flow.values())))
+        # Each flow's first item is its oldest: the earliest deadline is among them.
+        return min(self._deadline(next(iter(flow.items.values())))
                    for band in self._bands.values() for flow in band.flows.values())
 
     def shutdown(self) -> None:
@@ -197,10 +244,14 @@ class FlowQueue:
 
     # -- policies -------------------------------------------------------------------------------
 
-    def _key(self, band: _Band, item: QueueItem) -> tuple[float, int]:
+    def _key(self, band: _Band, flow: _Flow) -> tuple[float, ...]:
+        """Its head's place in the band's ordering, to compare flows by (global strict)."""
+        if flow.heap is not None:
+            return flow.head_rank()
+        head = flow.head()
         if band.config.ordering == EDF:
-            return (self._deadline(item), item.seq)
-        return (float(item.seq), item.seq)
+            return (self._deadline(head), head.seq)
+        return (head.seq,)
 
     def _next(self) -> QueueItem | None:
         for priority in sorted(self._bands, reverse=True):
@@ -211,7 +262,7 @@ class FlowQueue:
 
     def _pick(self, band: _Band) -> QueueItem | None:
         """The band's fairness policy picks a flow, whose head goes next."""
-        heads: Mapping[str, QueueItem] = {key: next(iter(flow.values())) for key, flow in band.flows.items()}
+        heads: Mapping[str, QueueItem] = {key: flow.head() for key, flow in band.flows.items()}
         if not heads:
             return None
         if band.config.fairness == ROUND_ROBIN:
@@ -226,21 +277,22 @@ class FlowQueue:
                 return None
             heads[chosen].program_picked = True
             return heads[chosen]
-        return min(heads.values(), key=lambda item: self._key(band, item))
+        best = min(band.flows, key=lambda key: self._key(band, band.flows[key]))
+        return heads[best]
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
     def _items(self) -> Iterator[QueueItem]:
         for band in list(self._bands.values()):
             for flow in list(band.flows.values()):
-                yield from list(flow.values())
+                yield from list(flow.items.values())
 
     def _remove(self, item: QueueItem) -> bool:
         band = self._bands.get(item.priority)
         flow = band.flows.get(item.fairness_id) if band is not None else None
-        if band is None or flow is None or flow.pop(item.seq, None) is None:
+        if band is None or flow is None or not flow.remove(item.seq):
             return False
-        if not flow:
+        if not flow.items:
             del band.flows[item.fairness_id]
         band.requests -= 1
         band.bytes -= item.byte_size
