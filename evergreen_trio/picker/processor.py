@@ -136,6 +136,8 @@ class Picker:
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight) if config.flow_control else None
         # InferenceObjective name -> priority: the config's, and in cluster mode the watched CRDs' over them.
         self.objectives: Mapping[str, int] = dict(config.objectives)
+        if self.flow is not None:
+            self.flow.provision(self.objectives.values())
         mode = config.ext_proc.destination_mode
         self.pick_count = {DestinationMode.SINGLE: 1, DestinationMode.FALLBACK: 2}.get(
             mode, config.ext_proc.max_endpoints_in_list)
@@ -143,6 +145,8 @@ class Picker:
     def set_cluster_objectives(self, objectives: Mapping[str, int]) -> None:
         """The InferenceObjectives watched in the cluster (they win over the config's of the same name)."""
         self.objectives = {**self.config.objectives, **objectives}
+        if self.flow is not None:
+            self.flow.provision(self.objectives.values())
 
     def new_stream(self) -> ExtProcStream:
         """The sans-IO state of one ext_proc stream (one HTTP request through Envoy)."""

@@ -1,11 +1,16 @@
 """Flow control's reference policies beyond FCFS/EDF and round robin/global strict, each with the
 reference's tests ported, its config, its place in the queue and in the ext_proc stream:
-``program-aware-fairness`` and ``slo-deadline-ordering-policy``."""
+``program-aware-fairness``, ``slo-deadline-ordering-policy`` and the usage-limit policies
+(``static-usage-limit-policy``'s threshold, ``priority-holdback-policy``,
+``soft-reflective-ceiling-policy``)."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -16,17 +21,30 @@ from hypothesis import strategies as st
 from evergreen_trio.picker.config import load_config, parse_config
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.flow_control.config import BandConfig, FlowControlConfig
+from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.flow_control.program_aware import (
     PROGRAM_AWARE,
     ProgramAware,
     ProgramAwareParams,
 )
-from evergreen_trio.picker.flow_control.queue import FlowQueue, Outcome, QueueItem
+from evergreen_trio.picker.flow_control.queue import DISPATCH_TICK_S, FlowQueue, Outcome, QueueItem
 from evergreen_trio.picker.flow_control.slo_deadline import MAX_TTFT_MS, SLO_DEADLINE, rank, ttft_slo_ms
+from evergreen_trio.picker.flow_control.usage_limits import (
+    DOMAINS,
+    USAGE_LIMIT_POLICIES,
+    PriorityHoldback,
+    SoftReflectiveCeiling,
+    StaticUsageLimit,
+    UsageLimit,
+    UsageLimitParams,
+    _go_round,
+)
+from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.plugins import NOT_IMPLEMENTED
+from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.usage import Usage
 from tests.picker.test_flow_control import Clock, epp, flow_picker, start
-from tests.picker.test_processor import request_body, request_headers, response_body, response_headers
+from tests.picker.test_processor import make_picker, request_body, request_headers, response_body, response_headers
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llm-d-router"
 
@@ -410,3 +428,208 @@ def test_slo_deadline_config_and_the_stream_passes_its_headers() -> None:
     busy[0].on_abort()  # type: ignore[attr-defined]
     picker.flow.poll()
     assert not tight.parked and loose.parked  # type: ignore[attr-defined]
+
+
+# -- usage-limit policies ----------------------------------------------------------------------------
+
+
+def holdback(low: float, high: float = 1.0, domain: str = "rank") -> UsageLimit:
+    return UsageLimit(PriorityHoldback(low, high, domain))
+
+
+def test_usage_limit_configs() -> None:
+    def usage(section: str, plugins: str = "") -> object:
+        flow = parse_config(epp(section, plugins)).flow_control
+        assert flow is not None
+        return flow.usage_limit
+
+    assert usage("") == StaticUsageLimit(1.0)
+    assert usage("", "- {type: static-usage-limit-policy, parameters: {threshold: 0.8}}") == StaticUsageLimit(0.8)
+    assert usage("  usageLimitPolicyPluginRef: ''", "- {type: static-usage-limit-policy, parameters: {threshold: 2}}"
+                 ) == StaticUsageLimit(2.0)  # the reference checks no range
+    assert usage("  usageLimitPolicyPluginRef: hb", "- {type: priority-holdback-policy, name: hb, parameters: "
+                 "{shape: linear, domain: value, minCeiling: 0.4, maxCeiling: 0.9}}"
+                 ) == PriorityHoldback(0.4, 0.9, "value")
+    assert usage("  usageLimitPolicyPluginRef: hb", "- {type: priority-holdback-policy, name: hb, parameters: "
+                 "{minCeiling: 0}}") == PriorityHoldback(0.0, 1.0, "rank")
+    assert usage("  usageLimitPolicyPluginRef: soft-reflective-ceiling-policy",
+                 "- {type: soft-reflective-ceiling-policy, parameters: {}}") == SoftReflectiveCeiling()
+    # A declared plugin named like llm-d's default is the default, whatever its type (as the reference resolves it).
+    assert usage("", "- {type: soft-reflective-ceiling-policy, name: static-usage-limit-policy}"
+                 ) == SoftReflectiveCeiling()
+    no_section = parse_config(epp("", "- {type: static-usage-limit-policy, parameters: {threshold: 0.5}}").replace(
+        "flowControl:\n  {}\n", "")).flow_control
+    assert no_section is not None and no_section.usage_limit == StaticUsageLimit(0.5)
+    sample = load_config(FIXTURES / "soft-reflective-ceiling-epp-config.yaml", cluster_pool="pool").flow_control
+    assert sample is not None and sample.usage_limit == SoftReflectiveCeiling()
+    for kind in USAGE_LIMIT_POLICIES:
+        assert kind not in NOT_IMPLEMENTED
+
+
+@pytest.mark.parametrize(("plugin", "field"), [
+    ("{type: priority-holdback-policy}", "minCeiling"),
+    ("{type: priority-holdback-policy, parameters: {domain: rank}}", "minCeiling"),
+    ("{type: priority-holdback-policy, parameters: {minCeiling: null}}", "minCeiling"),
+    ("{type: priority-holdback-policy, parameters: {shape: sigmoid, minCeiling: 0.5}}", "shape"),
+    ("{type: priority-holdback-policy, parameters: {domain: unknown, minCeiling: 0.5}}", "domain"),
+    ("{type: priority-holdback-policy, parameters: {minCeiling: -0.1}}", "minCeiling"),
+    ("{type: priority-holdback-policy, parameters: {minCeiling: 1.0}}", "minCeiling"),
+    ("{type: priority-holdback-policy, parameters: {minCeiling: 0.5, maxCeiling: 0.0}}", "maxCeiling"),
+    ("{type: priority-holdback-policy, parameters: {minCeiling: 0.5, maxCeiling: 1.1}}", "maxCeiling"),
+    ("{type: priority-holdback-policy, parameters: {minCeiling: 0.5, maxCeiling: 0.5}}", "minCeiling"),
+    ("{type: priority-holdback-policy, parameters: {minCeiling: 0.8, maxCeiling: 0.5}}", "minCeiling"),
+    ("{type: priority-holdback-policy, parameters: {minCeiling: low}}", "minCeiling"),
+    ("{type: priority-holdback-policy, parameters: {minCeiling: 0.5, ceiling: 1}}", "ceiling"),
+    ("{type: soft-reflective-ceiling-policy, parameters: {threshold: 0.5}}", "threshold"),
+    ("{type: static-usage-limit-policy, parameters: {threshold: .nan}}", "threshold"),
+    ("{type: static-usage-limit-policy, parameters: {threshold: high}}", "threshold"),
+    ("{type: static-usage-limit-policy, parameters: {ceiling: 1}}", "ceiling"),
+])
+def test_bad_usage_limit_parameter_names_the_field(plugin: str, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(epp("", f"- {plugin}"))
+    assert info.value.field == f"EndpointPickerConfig.plugins[1].parameters.{field}"
+
+
+@pytest.mark.parametrize(("section", "plugins"), [
+    ("  usageLimitPolicyPluginRef: priority-holdback-policy", ""),  # not injected: declare it
+    ("  usageLimitPolicyPluginRef: fair", "- {type: program-aware-fairness, name: fair}"),
+    ("  usageLimitPolicyPluginRef: 3", ""),
+])
+def test_bad_usage_limit_reference_names_the_field(section: str, plugins: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(epp(section, plugins))
+    assert info.value.field == "EndpointPickerConfig.flowControl.usageLimitPolicyPluginRef"
+
+
+def test_priority_holdback_ceilings_as_the_reference() -> None:
+    approx = pytest.approx
+    assert holdback(0.5).ceilings(0.5, []) == []
+    for policy in (holdback(0.5), holdback(0.5, domain="value"), holdback(0.5, 0.9)):
+        assert policy.ceilings(0.5, [10]) == [policy.params.max_ceiling]  # type: ignore[union-attr]
+    rank, value = holdback(0.5), holdback(0.5, domain="value")
+    assert rank.ceilings(0, [100, 10]) == approx([1.0, 0.5])
+    assert rank.ceilings(0, [100, 50, 10]) == approx([1.0, 0.75, 0.5])
+    assert rank.ceilings(0, [100, 75, 50, 10]) == approx([1.0, 0.8333333, 0.6666666, 0.5])
+    assert rank.ceilings(0, [1000, 2, 1]) == approx(rank.ceilings(0, [100, 50, 10]))
+    assert holdback(0.0).ceilings(0, [10, 5, 1]) == approx([1.0, 0.5, 0.0])
+    assert holdback(0.8, 0.9).ceilings(0, [10, 5, 1]) == approx([0.9, 0.85, 0.8])
+    assert value.ceilings(0, [100, 10]) == approx([1.0, 0.5])
+    assert value.ceilings(0, [90, 50, 10]) == approx([1.0, 0.75, 0.5])
+    assert value.ceilings(0, [100, 50, 10]) == approx([1.0, 0.7222222, 0.5])
+    assert value.ceilings(0, [100, 2, 1]) == approx([1.0, 0.50505, 0.5], abs=1e-5)
+    assert value.ceilings(0, [10, 10, 10]) == [1.0, 1.0, 1.0]
+    assert value.ceilings(0, [100, 10, 10]) == approx([1.0, 0.5, 0.5])
+    low, middle, high = value.ceilings(0, [10, -5, -20])[::-1]
+    assert (high, low) == approx((1.0, 0.5)) and low < middle < high
+    assert rank.ceilings(0, [100, 55, 10]) == approx(value.ceilings(0, [100, 55, 10]))
+
+
+@given(st.lists(st.integers(-1000, 1000), min_size=1, max_size=12, unique=True),
+       st.floats(0.0, 0.99), st.floats(0.01, 1.0), st.sampled_from(DOMAINS), st.floats(0.0, 2.0))
+def test_ceilings_never_rise_down_the_priorities(
+        levels: list[int], low: float, span: float, domain: str, saturation: float) -> None:
+    priorities = sorted(levels, reverse=True)
+    high = min(1.0, low + span)
+    if low >= high:
+        return
+    hold = holdback(low, high, domain).ceilings(saturation, priorities)
+    assert hold[0] == pytest.approx(high) and all(low - 1e-9 <= c <= high + 1e-9 for c in hold)
+    soft = UsageLimit(SoftReflectiveCeiling())
+    for ceilings in (hold, *(soft.ceilings(saturation, priorities) for _ in range(4))):
+        assert all(a >= b - 1e-12 for a, b in itertools.pairwise(ceilings))
+
+
+def test_soft_reflective_ceilings_as_the_reference() -> None:
+    policy = UsageLimit(SoftReflectiveCeiling())
+    assert policy.ceilings(0.9, []) == []
+    for saturation in (0.0, 0.5, 0.99, 1.0):
+        assert policy.ceilings(saturation, [100]) == [1.0]
+    for saturation in (0.0, 0.3, 0.5, 0.7, 0.99, 1.0, 1.5):
+        assert policy.ceilings(saturation, [100, 0, -50])[0] == 1.0
+    assert policy.ceilings(0.3, [100, 0, -50]) == [1.0, 1.0, 1.0]
+    assert policy.ceilings(1.0, [100, 0, -50]) == [1.0, 0.0, 0.0]
+    first, second, *gated = policy.ceilings(0.7, [100, 50, 0, -50])
+    assert (first, second) == (1.0, 1.0) and set(gated) <= {0.0, 1.0} and len(set(gated)) == 1
+    for saturation, pattern in ((0.7, [0.0, 1.0] * 3), (0.75, [0.0, 0.0, 1.0] * 2)):
+        policy = UsageLimit(SoftReflectiveCeiling())
+        assert [policy.ceilings(saturation, [100, -50]) for _ in pattern] == [[1.0, p] for p in pattern]
+    assert len(policy.ceilings(0.7, [100, 50, 0, -50])) == 4  # the levels may grow between calls
+    policy = UsageLimit(SoftReflectiveCeiling())
+    for _ in range(3):
+        policy.ceilings(0.6, [100, 0, -50])
+    opened = [policy.ceilings(0.7, [100, 0, -50]) for _ in range(100)]
+    assert all(c[1] == c[2] for c in opened) and sum(c[2] for c in opened) == 50  # open together, half the time
+    assert _go_round(2.5) == 3 and _go_round(1.5) == 2 and _go_round(-2.5) == -3 and _go_round(2.4999) == 2
+
+
+def usage_queue(clock: Clock, usage: UsageLimitParams, *bands: int) -> FlowQueue:
+    config = FlowControlConfig(bands=tuple(BandConfig(p) for p in bands), usage_limit=usage)
+    return FlowQueue(config, clock)
+
+
+def test_holdback_gates_lower_bands_first_and_idle_levels_count() -> None:
+    clock = Clock()
+    log: list[str] = []
+    queue = usage_queue(clock, PriorityHoldback(0.4, 1.0), 10, -10)
+    assert queue.priorities() == [10, 0, -10]  # configured bands and 0, idle or not
+    for name, priority in (("low", -10), ("mid", 0), ("high", 10)):
+        queue.enqueue(QueueItem(name, priority, 1, lambda outcome, name=name: log.append(name)))
+    assert queue.dispatch(lambda: 0.75) == 1 and log == ["high"]  # ceilings 1.0, 0.7, 0.4
+    assert queue.dispatch(lambda: 0.5) == 1 and log == ["high", "mid"]
+    assert queue.dispatch(lambda: 0.4) == 0  # -10's ceiling 0.4 is reached (0 is now idle but counts)
+    assert queue.dispatch(lambda: 0.39) == 1 and log == ["high", "mid", "low"]
+    alone = usage_queue(clock, PriorityHoldback(0.4, 0.9))
+    alone.provision([5])
+    assert alone.priorities() == [5, 0]
+    alone.enqueue(QueueItem("x", 0, 1, lambda outcome: log.append("zero")))
+    assert alone.dispatch(lambda: 0.5) == 0  # two levels (5 provisioned by an objective): 0 gets 0.4
+    alone.provision([])
+    assert alone.dispatch(lambda: 0.5) == 1  # 0 alone: maxCeiling 0.9
+    assert alone.dispatch(lambda: 0.95) == 0 and alone.retry_at == math.inf
+
+
+def test_static_threshold_gates_every_band() -> None:
+    clock = Clock()
+    log: list[str] = []
+    queue = usage_queue(clock, StaticUsageLimit(0.8))
+    queue.enqueue(QueueItem("x", 3, 1, lambda outcome: log.append("x")))
+    assert queue.dispatch(lambda: 0.8) == 0 and queue.dispatch(lambda: 0.79) == 1
+
+
+def test_soft_reflective_opens_gated_bands_one_cycle_in_period_and_asks_for_the_next_tick() -> None:
+    clock = Clock()
+    log: list[str] = []
+    config = FlowControlConfig(bands=(BandConfig(10),), usage_limit=SoftReflectiveCeiling())
+    gate = FlowGate(config, PoolSnapshot((), 1.0, clock), InflightLoad())
+    queue = gate.queue
+    for i in range(4):
+        queue.enqueue(QueueItem("low", 0, 1, lambda outcome, i=i: log.append(f"low{i}")))
+    queue.enqueue(QueueItem("high", 10, 1, lambda outcome: log.append("high")))
+    # Saturation 0.75 and two levels: band 0 is past its ceiling (0.25): open one cycle in 3.
+    assert queue.dispatch(lambda: 0.75) == 1 and log == ["high"]  # tick 1 (shut) still serves band 10; 2 shuts
+    assert queue.retry_at == clock.now + DISPATCH_TICK_S and gate.next_deadline() == queue.retry_at
+    assert queue.dispatch(lambda: 0.75) == 1 and log[-1] == "low0"  # tick 3 opens; tick 4 shuts
+    assert queue.dispatch(lambda: 0.75) == 0  # tick 5
+    assert queue.dispatch(lambda: 0.75) == 1 and log[-1] == "low1"  # tick 6, then 7
+    assert queue.dispatch(lambda: 0.3) == 2 and queue.retry_at == math.inf and gate.next_deadline() == math.inf
+
+
+def test_the_picker_provisions_the_objectives_priorities() -> None:
+    picker = make_picker("objectives: [{name: urgent, priority: 5}]\n---" + epp("  priorityBands: [{priority: 2}]"
+                                                                               ).split("---", 1)[1])
+    assert picker.flow is not None and picker.flow.queue.priorities() == [5, 2, 0]
+    picker.set_cluster_objectives({"batch": -3})
+    assert picker.flow.queue.priorities() == [5, 2, 0, -3]
+    picker.set_cluster_objectives({"urgent": 1})
+    assert picker.flow.queue.priorities() == [2, 1, 0]
+
+
+def test_the_docs_holdback_example_gives_the_ceilings_it_says() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "picker.md").read_text()
+    (example,) = [b for b in re.findall(r"^```yaml\n(.*?)^```", doc, re.M | re.S) if "priority-holdback-policy" in b]
+    flow = parse_config(epp().split("---", 1)[0] + "---\napiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
+                        "featureGates: [flowControl]\n" + example).flow_control
+    assert flow is not None
+    queue = FlowQueue(flow, Clock())
+    assert queue.usage_limit.ceilings(0.5, queue.priorities()) == pytest.approx([0.9, 0.65, 0.4])

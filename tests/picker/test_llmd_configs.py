@@ -51,7 +51,7 @@ EXPECTED = {
     "sim-epp-tokenizer-vllm-http-config.yaml": "token-producer",
     "sim-pd-epp-config.yaml": None,
     "sim-program-aware-config.yaml": None,
-    "soft-reflective-ceiling-epp-config.yaml": "soft-reflective-ceiling-policy",
+    "soft-reflective-ceiling-epp-config.yaml": None,
 }
 
 

@@ -8,6 +8,8 @@ expired and dispatches again.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from evergreen_trio.picker.flow_control.config import FlowControlConfig
 from evergreen_trio.picker.flow_control.detectors import saturation
 from evergreen_trio.picker.flow_control.queue import FlowQueue, QueueItem
@@ -59,6 +61,12 @@ class FlowGate:
         for program in self.queue.programs.values():
             program.completed(item.fairness_id, usage, now)
 
+    def provision(self, priorities: Iterable[int]) -> None:
+        """The InferenceObjectives' priorities (all of them, each time they change): llm-d keeps a
+        band for each, which the usage-limit policies count even while it is empty."""
+        self.queue.provision(priorities)
+
     def next_deadline(self) -> float:
-        """When a queued request's budget runs out next (inf: none)."""
-        return self.queue.next_deadline()
+        """When to poll next: a queued request's budget runs out, or a soft reflective ceiling that
+        shut the last dispatch may open (inf: none)."""
+        return min(self.queue.next_deadline(), self.queue.retry_at)

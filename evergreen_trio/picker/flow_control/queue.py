@@ -3,7 +3,8 @@
 :class:`FlowQueue` is what llm-d-router's flow controller does, as plain calls: :meth:`~FlowQueue.enqueue`
 admits a request into its priority band's flow (keyed by fairness id) or rejects it when the band
 or the whole queue is full; :meth:`~FlowQueue.dispatch` hands out requests, highest band first,
-while ``saturation()`` stays below 1.0 (and stops at the first band it cannot serve: head-of-line
+while ``saturation()`` stays below each priority level's ceiling from the usage-limit policy
+(:mod:`.usage_limits`; 1.0 by default) and stops at the first level it reaches (head-of-line
 blocking, so lower priorities never overtake); :meth:`~FlowQueue.expire` evicts requests past
 their queue-wait budget. A band picks its next flow with its fairness policy
 (``global-strict-fairness-policy``: the flow whose head request comes first by the ordering
@@ -24,14 +25,16 @@ import enum
 import heapq
 import math
 import random
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from evergreen_trio.picker.flow_control import slo_deadline
 from evergreen_trio.picker.flow_control.config import EDF, ROUND_ROBIN, BandConfig, FlowControlConfig
 from evergreen_trio.picker.flow_control.program_aware import ProgramAware
+from evergreen_trio.picker.flow_control.usage_limits import UsageLimit
 
 DROPPED_REASON = "x-llm-d-request-dropped-reason"
+DISPATCH_TICK_S = 0.001  # llm-d's flow controller runs a dispatch cycle every millisecond
 
 
 class Outcome(enum.Enum):
@@ -148,6 +151,11 @@ class FlowQueue:
         self.clock = clock
         rng = rng or random.Random()
         self.programs = {name: ProgramAware(params, clock(), rng) for name, params in config.programs}
+        self.usage_limit = UsageLimit(config.usage_limit)
+        self._static = frozenset((0, *(band.priority for band in config.bands)))
+        self._desired: frozenset[int] = frozenset()
+        # When a soft reflective ceiling shut the last dispatch cycle: poll again then (inf: no need).
+        self.retry_at = math.inf
         self._bands: dict[int, _Band] = {}
         self.requests = 0
         self.bytes = 0
@@ -193,16 +201,26 @@ class FlowQueue:
             self._deliver(item, Outcome.CANCELLED)
 
     def dispatch(self, saturation: Callable[[], float], *, limit: int | None = None) -> int:
-        """Dispatch while ``saturation() < 1.0``, highest band first; the number dispatched."""
+        """Run dispatch cycles, one request each, until a cycle hands out none; the number dispatched."""
         count = 0
-        while self.requests and (limit is None or count < limit) and saturation() < 1.0:
-            item = self._next()
+        self.retry_at = math.inf
+        while self.requests and (limit is None or count < limit):
+            item = self._cycle(saturation())
             if item is None:
                 break
             self._remove(item)
             self._deliver(item, Outcome.DISPATCHED)
             count += 1
         return count
+
+    def provision(self, priorities: Iterable[int]) -> None:
+        """The priorities the InferenceObjectives give: their bands count as levels even when empty."""
+        self._desired = frozenset(priorities)
+
+    def priorities(self) -> list[int]:
+        """The priority levels llm-d's registry holds, highest first: the configured bands and 0,
+        the InferenceObjectives' priorities, and any band holding requests."""
+        return sorted(self._static | self._desired | self._bands.keys(), reverse=True)
 
     def set_pool_empty(self, empty: bool) -> None:
         """Follow the pool: with no endpoints ``noEndpointRequestTTL`` applies; a change restarts budgets."""
@@ -253,9 +271,18 @@ class FlowQueue:
             return (self._deadline(head), head.seq)
         return (head.seq,)
 
-    def _next(self) -> QueueItem | None:
-        for priority in sorted(self._bands, reverse=True):
-            item = self._pick(self._bands[priority])
+    def _cycle(self, saturation: float) -> QueueItem | None:
+        """One dispatch cycle: the usage-limit policy's ceilings for the priority levels, highest
+        first; the first level whose ceiling ``saturation`` reaches ends the cycle (head-of-line
+        blocking, so lower priorities never overtake); else the first band with a request gives its pick."""
+        priorities = self.priorities()
+        for priority, ceiling in zip(priorities, self.usage_limit.ceilings(saturation, priorities), strict=True):
+            if saturation >= ceiling:
+                if self.usage_limit.alternating:  # the reference's 1 ms dispatch ticker would try again
+                    self.retry_at = self.clock() + DISPATCH_TICK_S
+                return None
+            band = self._bands.get(priority)
+            item = self._pick(band) if band is not None else None
             if item is not None:
                 return item
         return None
