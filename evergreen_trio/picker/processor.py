@@ -136,6 +136,8 @@ class Picker:
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight) if config.flow_control else None
         # InferenceObjective name -> priority: the config's, and in cluster mode the watched CRDs' over them.
         self.objectives: Mapping[str, int] = dict(config.objectives)
+        if self.flow is not None:
+            self.flow.provision(self.objectives.values())
         mode = config.ext_proc.destination_mode
         self.pick_count = {DestinationMode.SINGLE: 1, DestinationMode.FALLBACK: 2}.get(
             mode, config.ext_proc.max_endpoints_in_list)
@@ -143,6 +145,8 @@ class Picker:
     def set_cluster_objectives(self, objectives: Mapping[str, int]) -> None:
         """The InferenceObjectives watched in the cluster (they win over the config's of the same name)."""
         self.objectives = {**self.config.objectives, **objectives}
+        if self.flow is not None:
+            self.flow.provision(self.objectives.values())
 
     def new_stream(self) -> ExtProcStream:
         """The sans-IO state of one ext_proc stream (one HTTP request through Envoy)."""
@@ -323,6 +327,7 @@ class ExtProcStream:
         self.parked = False
         self.on_unpark: Callable[[], None] | None = None
         self.item: QueueItem | None = None
+        self.received_at: float | None = None  # when the request headers came (the pool's clock)
         self._resumed: list[ep.ProcessingResponse] = []
         self._finish: Callable[[Outcome], list[ep.ProcessingResponse]] | None = None
 
@@ -351,6 +356,7 @@ class ExtProcStream:
         if route.load is not None:
             if self.response_ended or self.finished:
                 route.load.release()
+                self._completed()
             elif first_chunk and not self.picker.config.scheduler.load.add_estimated_output_tokens:
                 route.load.release_prompt()  # the first chunk came: prefill is done
 
@@ -369,6 +375,12 @@ class ExtProcStream:
             for ticket in (self.route.load, self.route.prefill_load):
                 if ticket is not None:
                     ticket.release()
+            self._completed()
+
+    def _completed(self) -> None:
+        """The routed request is over: flow control's program-aware policies learn its usage (once)."""
+        if self.item is not None and self.picker.flow is not None:
+            self.picker.flow.completed(self.item, self.report.usage)
 
     def resume(self) -> Sequence[ep.ProcessingResponse]:
         """The replies a parked request's outcome left (the wire calls this once unparked)."""
@@ -390,6 +402,7 @@ class ExtProcStream:
         if self.headers:
             raise ExtProcError("expected one request_headers message per stream, got a second")
         self.headers = _headers(message.request_headers)
+        self.received_at = self.picker.snapshot.clock()
         value = _metadata_value(message.metadata_context, SUBSET_NAMESPACE, SUBSET)
         if value is not None and self.picker.config.ext_proc.honor_subset_hint:
             self.subset = frozenset(_struct_strings(value))
@@ -450,6 +463,8 @@ class ExtProcStream:
                 route = self.picker.pick(admission, self.report)
             except RequestError as exc:
                 return [self._immediate(exc.status, exc.message, exc.dropped_reason), *after]
+            if self.item is not None and self.picker.flow is not None:
+                self.picker.flow.started(self.item)
             first = self._decision(route, phase)
             if duplex_end is None:
                 return [first, *after]
@@ -459,7 +474,8 @@ class ExtProcStream:
         if self.picker.flow is None:
             return finish(Outcome.DISPATCHED)
         self._finish = finish
-        self.item = QueueItem(admission.fairness_id, admission.priority, admission.byte_size, self._on_outcome)
+        self.item = QueueItem(admission.fairness_id, admission.priority, admission.byte_size, self._on_outcome,
+                              admission.headers, self.received_at)
         self.picker.flow.submit(self.item)
         if self.item.outcome is None:
             self.parked = True

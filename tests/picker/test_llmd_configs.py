@@ -50,8 +50,8 @@ EXPECTED = {
     "sim-epp-no-hit-lru.yaml": "precise-prefix-cache-producer",
     "sim-epp-tokenizer-vllm-http-config.yaml": "token-producer",
     "sim-pd-epp-config.yaml": None,
-    "sim-program-aware-config.yaml": "program-aware-fairness",
-    "soft-reflective-ceiling-epp-config.yaml": "soft-reflective-ceiling-policy",
+    "sim-program-aware-config.yaml": None,
+    "soft-reflective-ceiling-epp-config.yaml": None,
 }
 
 

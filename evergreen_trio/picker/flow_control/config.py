@@ -19,7 +19,8 @@ As llm-d-router reads them::
 A band's ``maxBytes`` and ``maxRequests`` default to 1G and 5000 (0 means the default, as in
 llm-d); the global ones are unlimited unless set. Quantities are Kubernetes quantities (``1Gi``,
 ``500M``, ``2k``), durations Go's (``1m30s``). Policy and detector references name a plugin
-declared in ``plugins`` or a built-in type (each built-in type also answers to its own name).
+declared in ``plugins`` or a stateless built-in type by its own name (:data:`PLUGIN_TYPES`; the
+others, like ``program-aware-fairness``, must be declared, as in llm-d).
 Every problem is one :class:`ConfigError` naming the field. The plugin types and the section are
 registered with :mod:`evergreen_trio.picker.plugins` and :mod:`evergreen_trio.picker.epp_config` on import.
 """
@@ -34,18 +35,25 @@ from typing import Any
 from evergreen_trio.picker.checks import integer, mapping, sequence, string
 from evergreen_trio.picker.epp_config import EppConfig, register_feature_gate, register_section
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.flow_control.program_aware import PROGRAM_AWARE, ProgramAwareParams
+from evergreen_trio.picker.flow_control.slo_deadline import SLO_DEADLINE
+from evergreen_trio.picker.flow_control.usage_limits import (
+    STATIC_USAGE_LIMIT,
+    USAGE_LIMIT_POLICIES,
+    StaticUsageLimit,
+    UsageLimitParams,
+)
 from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, register
 
 FEATURE_GATE = "flowControl"
 FCFS, EDF = "fcfs-ordering-policy", "edf-ordering-policy"
 GLOBAL_STRICT, ROUND_ROBIN = "global-strict-fairness-policy", "round-robin-fairness-policy"
 UTILIZATION, CONCURRENCY = "utilization-detector", "concurrency-detector"
-ORDERING_POLICIES = (FCFS, EDF)
-FAIRNESS_POLICIES = (GLOBAL_STRICT, ROUND_ROBIN)
+ORDERING_POLICIES = (FCFS, EDF, SLO_DEADLINE)
+FAIRNESS_POLICIES = (GLOBAL_STRICT, ROUND_ROBIN, PROGRAM_AWARE)
 DETECTORS = (UTILIZATION, CONCURRENCY)
-# The usage-limit policy llm-d uses by default (a ceiling of 1.0 for every band): accepted, no parameters.
-STATIC_USAGE_LIMIT = "static-usage-limit-policy"
-PLUGIN_TYPES = (*ORDERING_POLICIES, *FAIRNESS_POLICIES, *DETECTORS, STATIC_USAGE_LIMIT)
+# The types a reference may name without declaring them (llm-d injects some; the stateless ones).
+PLUGIN_TYPES = (FCFS, EDF, GLOBAL_STRICT, ROUND_ROBIN, *DETECTORS, STATIC_USAGE_LIMIT)
 DEFAULT_BAND_MAX_BYTES = 1_000_000_000
 DEFAULT_BAND_MAX_REQUESTS = 5000
 DEFAULT_TTL_S = 60.0
@@ -62,6 +70,8 @@ class BandConfig:
     max_requests: int = DEFAULT_BAND_MAX_REQUESTS
     fairness: str = GLOBAL_STRICT
     ordering: str = FCFS
+    # The declared plugin a stateful fairness policy (program-aware-fairness) is: bands naming it share it.
+    fairness_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,9 @@ class FlowControlConfig:
     default_band: BandConfig = field(default_factory=BandConfig)
     default_negative_band: BandConfig | None = None
     detector: UtilizationDetector | ConcurrencyDetector = field(default_factory=UtilizationDetector)
+    # Every declared program-aware-fairness plugin (each follows all requests, referenced or not).
+    programs: tuple[tuple[str, ProgramAwareParams], ...] = ()
+    usage_limit: UsageLimitParams = field(default_factory=StaticUsageLimit)
 
     def band(self, priority: int) -> BandConfig:
         """The band a priority lands in: a configured one, else a copy of the default template."""
@@ -104,7 +117,8 @@ class FlowControlConfig:
             if band.priority == priority:
                 return band
         template = self.default_negative_band if priority < 0 and self.default_negative_band else self.default_band
-        return BandConfig(priority, template.max_bytes, template.max_requests, template.fairness, template.ordering)
+        return BandConfig(priority, template.max_bytes, template.max_requests, template.fairness, template.ordering,
+                          template.fairness_name)
 
 
 def queue_wait(config: FlowControlConfig | None) -> float | None:
@@ -182,13 +196,14 @@ def _concurrency(params: Params) -> ConcurrencyDetector:
                                params.number("headroom", 0.0))
 
 
-for _policy in (*ORDERING_POLICIES, *FAIRNESS_POLICIES, STATIC_USAGE_LIMIT):
-    register(_policy, PluginType(Category.OTHER))  # llm-d's policies take no parameters
+for _policy in (FCFS, EDF, GLOBAL_STRICT, ROUND_ROBIN):
+    register(_policy, PluginType(Category.OTHER))  # these llm-d policies take no parameters
 register(UTILIZATION, PluginType(Category.OTHER, (
     "queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold", "headroom"), _utilization))
 register(CONCURRENCY, PluginType(Category.OTHER, (
     "concurrencyMode", "maxConcurrency", "maxTokenConcurrency", "headroom", "inFlightLoadProducerName"), _concurrency))
-_BUILT_IN = {UTILIZATION: UtilizationDetector(), CONCURRENCY: ConcurrencyDetector()}
+_BUILT_IN = {UTILIZATION: UtilizationDetector(), CONCURRENCY: ConcurrencyDetector(),
+             STATIC_USAGE_LIMIT: StaticUsageLimit()}
 
 
 def _ref(value: object, plugins: Mapping[str, Plugin], kinds: tuple[str, ...], path: str) -> Plugin:
@@ -206,11 +221,18 @@ def _band(doc: Mapping[str, Any], plugins: Mapping[str, Plugin], path: str, *, t
     priority = 0 if template else integer(doc.get("priority"), f"{path}.priority")
     max_bytes = quantity(doc.get("maxBytes", 0), f"{path}.maxBytes") or DEFAULT_BAND_MAX_BYTES
     max_requests = quantity(doc.get("maxRequests", 0), f"{path}.maxRequests") or DEFAULT_BAND_MAX_REQUESTS
-    fairness = _ref(doc["fairnessPolicyRef"], plugins, FAIRNESS_POLICIES, f"{path}.fairnessPolicyRef").type if (
-        "fairnessPolicyRef" in doc) else GLOBAL_STRICT
-    ordering = _ref(doc["orderingPolicyRef"], plugins, ORDERING_POLICIES, f"{path}.orderingPolicyRef").type if (
-        "orderingPolicyRef" in doc) else FCFS
-    return BandConfig(priority, max_bytes, max_requests, fairness, ordering)
+    fairness = _ref(_or_default(doc.get("fairnessPolicyRef"), GLOBAL_STRICT), plugins, FAIRNESS_POLICIES,
+                    f"{path}.fairnessPolicyRef")
+    ordering = _ref(_or_default(doc.get("orderingPolicyRef"), FCFS), plugins, ORDERING_POLICIES,
+                    f"{path}.orderingPolicyRef")
+    name = fairness.name if fairness.type == PROGRAM_AWARE else None
+    return BandConfig(priority, max_bytes, max_requests, fairness.type, ordering.type, name)
+
+
+def _or_default(ref: object, default: str) -> object:
+    """An unset or empty reference names llm-d's default plugin (injected under its type's name
+    unless a plugin of that name is declared)."""
+    return default if ref is None or ref == "" else ref
 
 
 def gate_enabled(gates: Sequence[str]) -> bool:
@@ -259,14 +281,19 @@ def read_section(raw: object, path: str, plugins: Mapping[str, Plugin]) -> dict[
         _known(detector_doc, ("pluginRef",), where)
         detector_ref = string(detector_doc.get("pluginRef", UTILIZATION), f"{where}.pluginRef")
         _ref(detector_ref, plugins, DETECTORS, f"{where}.pluginRef")
-    if "usageLimitPolicyPluginRef" in section:
-        _ref(section["usageLimitPolicyPluginRef"], plugins, (STATIC_USAGE_LIMIT,), f"{path}.usageLimitPolicyPluginRef")
+    usage_limit = _ref(_or_default(section.get("usageLimitPolicyPluginRef"), STATIC_USAGE_LIMIT), plugins,
+                       USAGE_LIMIT_POLICIES, f"{path}.usageLimitPolicyPluginRef").params
+    assert isinstance(usage_limit, UsageLimitParams)
     if section.get("enableEviction", False) is not False:
         raise ConfigError(f"{path}.enableEviction", "false (in-flight eviction is not supported)",
                           section["enableEviction"])
     detector = _detector(plugins, detector_ref)
     return {"flow_control": FlowControlConfig(max_bytes, max_requests, ttl, no_endpoint_ttl, tuple(bands), default,
-                                              negative, detector)}
+                                              negative, detector, _programs(plugins), usage_limit)}
+
+
+def _programs(plugins: Mapping[str, Plugin]) -> tuple[tuple[str, ProgramAwareParams], ...]:
+    return tuple((p.name, p.params) for p in plugins.values() if isinstance(p.params, ProgramAwareParams))
 
 
 def _detector(plugins: Mapping[str, Plugin], name: str) -> UtilizationDetector | ConcurrencyDetector:
@@ -287,4 +314,4 @@ def flow_control_config(epp: EppConfig) -> FlowControlConfig | None:
     config = epp.extra.get("flow_control")
     if isinstance(config, FlowControlConfig):
         return config
-    return FlowControlConfig(detector=_detector(epp.plugins, UTILIZATION))
+    return read_section({}, f"EndpointPickerConfig.{_SECTION}", epp.plugins)["flow_control"]

@@ -8,11 +8,14 @@ expired and dispatches again.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from evergreen_trio.picker.flow_control.config import FlowControlConfig
 from evergreen_trio.picker.flow_control.detectors import saturation
 from evergreen_trio.picker.flow_control.queue import FlowQueue, QueueItem
 from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.scheduler import PoolSnapshot
+from evergreen_trio.picker.usage import Usage
 
 
 class FlowGate:
@@ -40,6 +43,30 @@ class FlowGate:
         self.queue.expire()
         self.queue.dispatch(self.saturation)
 
+    def started(self, item: QueueItem) -> None:
+        """``item`` was dispatched and scheduled (the reference's PreRequest): the program-aware
+        policies count it in flight."""
+        now = self.snapshot.clock()
+        item.running = True
+        for program in self.queue.programs.values():
+            program.dispatched(item.fairness_id, item.enqueued_at if item.program_picked else None, now)
+
+    def completed(self, item: QueueItem, usage: Usage | None) -> None:
+        """A started ``item``'s response ended, or its stream did (the reference's end-of-stream
+        hook): the program-aware policies add its tokens to its program's service. Once per item."""
+        if not item.running:
+            return
+        item.running = False
+        now = self.snapshot.clock()
+        for program in self.queue.programs.values():
+            program.completed(item.fairness_id, usage, now)
+
+    def provision(self, priorities: Iterable[int]) -> None:
+        """The InferenceObjectives' priorities (all of them, each time they change): llm-d keeps a
+        band for each, which the usage-limit policies count even while it is empty."""
+        self.queue.provision(priorities)
+
     def next_deadline(self) -> float:
-        """When a queued request's budget runs out next (inf: none)."""
-        return self.queue.next_deadline()
+        """When to poll next: a queued request's budget runs out, or a soft reflective ceiling that
+        shut the last dispatch may open (inf: none)."""
+        return min(self.queue.next_deadline(), self.queue.retry_at)

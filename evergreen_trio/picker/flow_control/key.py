@@ -19,7 +19,8 @@ DEFAULT_FAIRNESS_ID = "default-flow"
 MAX_FAIRNESS_ID_CHARS = 256
 
 
-def _first(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+def first_header(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    """The value of the first of ``names`` present (even empty), as llm-d reads aliased headers."""
     for name in names:
         value = headers.get(name)
         if value is not None:
@@ -30,7 +31,7 @@ def _first(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
 def fairness_id(headers: Mapping[str, str]) -> str:
     """The request's fairness id (``default-flow`` when absent or empty); RequestError 400 when it is
     longer than :data:`MAX_FAIRNESS_ID_CHARS` or holds anything but visible ASCII."""
-    value = (_first(headers, FAIRNESS_HEADERS) or "").strip()
+    value = (first_header(headers, FAIRNESS_HEADERS) or "").strip()
     if not value:
         return DEFAULT_FAIRNESS_ID
     if len(value) > MAX_FAIRNESS_ID_CHARS or not all(0x21 <= ord(c) <= 0x7E for c in value):
@@ -41,5 +42,5 @@ def fairness_id(headers: Mapping[str, str]) -> str:
 
 def objective_name(headers: Mapping[str, str]) -> str | None:
     """The InferenceObjective the request names, if any (an unknown name just sets no priority)."""
-    value = _first(headers, OBJECTIVE_HEADERS)
+    value = first_header(headers, OBJECTIVE_HEADERS)
     return value.strip() or None if value is not None else None

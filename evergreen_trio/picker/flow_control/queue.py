@@ -3,30 +3,38 @@
 :class:`FlowQueue` is what llm-d-router's flow controller does, as plain calls: :meth:`~FlowQueue.enqueue`
 admits a request into its priority band's flow (keyed by fairness id) or rejects it when the band
 or the whole queue is full; :meth:`~FlowQueue.dispatch` hands out requests, highest band first,
-while ``saturation()`` stays below 1.0 (and stops at the first band it cannot serve: head-of-line
+while ``saturation()`` stays below each priority level's ceiling from the usage-limit policy
+(:mod:`.usage_limits`; 1.0 by default) and stops at the first level it reaches (head-of-line
 blocking, so lower priorities never overtake); :meth:`~FlowQueue.expire` evicts requests past
 their queue-wait budget. A band picks its next flow with its fairness policy
 (``global-strict-fairness-policy``: the flow whose head request comes first by the ordering
-policy; ``round-robin-fairness-policy``: the flows in turn, sorted by id) and a flow its next
-request with its ordering policy (``fcfs-ordering-policy``: first enqueued;
-``edf-ordering-policy``: earliest deadline = enqueue time + TTL, no deadline last).
+policy; ``round-robin-fairness-policy``: the flows in turn, sorted by id;
+``program-aware-fairness``: :mod:`.program_aware`) and a flow its next request with its ordering
+policy (``fcfs-ordering-policy``: first enqueued; ``edf-ordering-policy``: earliest deadline =
+enqueue time + TTL, no deadline last; ``slo-deadline-ordering-policy``: :mod:`.slo_deadline`).
 
-Every request here gets the same TTL, so within a flow enqueue order is deadline order too: a flow
-is an insertion-ordered dict (removal of a cancelled request is O(1)), and the ordering policy
-matters when heads of different flows are compared. Empty flows and bands are dropped at once,
-so memory follows what is queued, which the band and global caps bound.
+Every request here gets the same TTL, so within a flow enqueue order is EDF's deadline order too:
+a flow is an insertion-ordered dict (removal of a cancelled request is O(1)), plus a heap where
+the SLO deadline orders it. Empty flows and bands are dropped at once, so memory follows what is
+queued, which the band and global caps bound.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 import math
-from collections.abc import Callable, Iterator
+import random
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from evergreen_trio.picker.flow_control import slo_deadline
 from evergreen_trio.picker.flow_control.config import EDF, ROUND_ROBIN, BandConfig, FlowControlConfig
+from evergreen_trio.picker.flow_control.program_aware import ProgramAware
+from evergreen_trio.picker.flow_control.usage_limits import UsageLimit
 
 DROPPED_REASON = "x-llm-d-request-dropped-reason"
+DISPATCH_TICK_S = 0.001  # llm-d's flow controller runs a dispatch cycle every millisecond
 
 
 class Outcome(enum.Enum):
@@ -64,21 +72,67 @@ def message(outcome: Outcome) -> str:
 
 @dataclass(eq=False)
 class QueueItem:
-    """One queued request: its flow key, size, when it came, and whom to tell how it left."""
+    """One queued request: its flow key, size, headers, when it came, and whom to tell how it left.
+
+    ``received_at`` is when its request headers came (the queue's clock; None: when enqueued);
+    ``program_picked``: a program-aware pick chose it (its wait then counts in that policy's
+    mean); ``running``: scheduled and not yet completed (see :meth:`FlowGate.started`).
+    """
 
     fairness_id: str
     priority: int
     byte_size: int
     on_outcome: Callable[[Outcome], None]
+    headers: Mapping[str, str] = field(default_factory=dict)
+    received_at: float | None = None
     enqueued_at: float = 0.0
     outcome: Outcome | None = None
     seq: int = 0
+    program_picked: bool = False
+    running: bool = False
+
+
+@dataclass
+class _Flow:
+    """One flow's requests: ``items`` in enqueue order (O(1) removal; the first is the oldest) and,
+    in a band ordered by SLO deadline, a heap of (deadline, arrival, seq) whose removed entries are
+    dropped when they surface (and the heap rebuilt once they are most of it)."""
+
+    items: dict[int, QueueItem] = field(default_factory=dict)
+    heap: list[tuple[float, int, int]] | None = None
+
+    def add(self, item: QueueItem, rank: tuple[float, int] | None) -> None:
+        self.items[item.seq] = item
+        if rank is not None:
+            self.heap = self.heap if self.heap is not None else []
+            heapq.heappush(self.heap, (*rank, item.seq))
+
+    def remove(self, seq: int) -> bool:
+        if self.items.pop(seq, None) is None:
+            return False
+        if self.heap is not None and len(self.heap) > 2 * len(self.items) + 16:
+            self.heap = [entry for entry in self.heap if entry[2] in self.items]
+            heapq.heapify(self.heap)
+        return True
+
+    def head(self) -> QueueItem:
+        """The request its ordering policy serves next."""
+        if self.heap is None:
+            return next(iter(self.items.values()))
+        while self.heap[0][2] not in self.items:
+            heapq.heappop(self.heap)
+        return self.items[self.heap[0][2]]
+
+    def head_rank(self) -> tuple[float, int, int]:
+        self.head()
+        assert self.heap is not None
+        return self.heap[0]
 
 
 @dataclass
 class _Band:
     config: BandConfig
-    flows: dict[str, dict[int, QueueItem]] = field(default_factory=dict)
+    flows: dict[str, _Flow] = field(default_factory=dict)
     requests: int = 0
     bytes: int = 0
     last_flow: str | None = None  # round robin's cursor
@@ -91,9 +145,17 @@ class FlowQueue:
     (after the item left every structure, so a callback may enqueue again).
     """
 
-    def __init__(self, config: FlowControlConfig, clock: Callable[[], float]) -> None:
+    def __init__(self, config: FlowControlConfig, clock: Callable[[], float], rng: random.Random | None = None,
+                 ) -> None:
         self.config = config
         self.clock = clock
+        rng = rng or random.Random()
+        self.programs = {name: ProgramAware(params, clock(), rng) for name, params in config.programs}
+        self.usage_limit = UsageLimit(config.usage_limit)
+        self._static = frozenset((0, *(band.priority for band in config.bands)))
+        self._desired: frozenset[int] = frozenset()
+        # When a soft reflective ceiling shut the last dispatch cycle: poll again then (inf: no need).
+        self.retry_at = math.inf
         self._bands: dict[int, _Band] = {}
         self.requests = 0
         self.bytes = 0
@@ -122,7 +184,11 @@ class FlowQueue:
             band = self._bands[item.priority] = _Band(config)
         self._seq += 1
         item.seq, item.enqueued_at = self._seq, self.clock()
-        band.flows.setdefault(item.fairness_id, {})[item.seq] = item
+        if item.received_at is None:
+            item.received_at = item.enqueued_at
+        by_slo = config.ordering == slo_deadline.SLO_DEADLINE
+        rank = slo_deadline.rank(item.headers, item.received_at) if by_slo else None
+        band.flows.setdefault(item.fairness_id, _Flow()).add(item, rank)
         band.requests += 1
         band.bytes += item.byte_size
         self.requests += 1
@@ -135,16 +201,26 @@ class FlowQueue:
             self._deliver(item, Outcome.CANCELLED)
 
     def dispatch(self, saturation: Callable[[], float], *, limit: int | None = None) -> int:
-        """Dispatch while ``saturation() < 1.0``, highest band first; the number dispatched."""
+        """Run dispatch cycles, one request each, until a cycle hands out none; the number dispatched."""
         count = 0
-        while self.requests and (limit is None or count < limit) and saturation() < 1.0:
-            item = self._next()
+        self.retry_at = math.inf
+        while self.requests and (limit is None or count < limit):
+            item = self._cycle(saturation())
             if item is None:
                 break
             self._remove(item)
             self._deliver(item, Outcome.DISPATCHED)
             count += 1
         return count
+
+    def provision(self, priorities: Iterable[int]) -> None:
+        """The priorities the InferenceObjectives give: their bands count as levels even when empty."""
+        self._desired = frozenset(priorities)
+
+    def priorities(self) -> list[int]:
+        """The priority levels llm-d's registry holds, highest first: the configured bands and 0,
+        the InferenceObjectives' priorities, and any band holding requests."""
+        return sorted(self._static | self._desired | self._bands.keys(), reverse=True)
 
     def set_pool_empty(self, empty: bool) -> None:
         """Follow the pool: with no endpoints ``noEndpointRequestTTL`` applies; a change restarts budgets."""
@@ -173,8 +249,8 @@ class FlowQueue:
         """When :meth:`expire` next has work (inf: never, until something changes)."""
         if not self.requests or self.ttl() <= 0:
             return math.inf
-        # Each flow's first item is its oldest: the earliest deadline is among the heads.
-        return min(self._deadline(next(iter(flow.values())))
+        # Each flow's first item is its oldest: the earliest deadline is among them.
+        return min(self._deadline(next(iter(flow.items.values())))
                    for band in self._bands.values() for flow in band.flows.values())
 
     def shutdown(self) -> None:
@@ -186,39 +262,64 @@ class FlowQueue:
 
     # -- policies -------------------------------------------------------------------------------
 
-    def _key(self, band: _Band, item: QueueItem) -> tuple[float, int]:
+    def _key(self, band: _Band, flow: _Flow) -> tuple[float, ...]:
+        """Its head's place in the band's ordering, to compare flows by (global strict)."""
+        if flow.heap is not None:
+            return flow.head_rank()
+        head = flow.head()
         if band.config.ordering == EDF:
-            return (self._deadline(item), item.seq)
-        return (float(item.seq), item.seq)
+            return (self._deadline(head), head.seq)
+        return (head.seq,)
 
-    def _next(self) -> QueueItem | None:
-        for priority in sorted(self._bands, reverse=True):
-            band = self._bands[priority]
-            if band.config.fairness == ROUND_ROBIN:
-                keys = sorted(band.flows)  # llm-d: sorted flow keys, the one after the last picked, else the first
-                if not keys:
-                    continue
-                start = keys.index(band.last_flow) + 1 if band.last_flow in band.flows else 0
-                band.last_flow = keys[start % len(keys)]
-                return next(iter(band.flows[band.last_flow].values()))
-            heads = [next(iter(flow.values())) for flow in band.flows.values()]
-            if heads:
-                return min(heads, key=lambda item: self._key(band, item))
+    def _cycle(self, saturation: float) -> QueueItem | None:
+        """One dispatch cycle: the usage-limit policy's ceilings for the priority levels, highest
+        first; the first level whose ceiling ``saturation`` reaches ends the cycle (head-of-line
+        blocking, so lower priorities never overtake); else the first band with a request gives its pick."""
+        priorities = self.priorities()
+        for priority, ceiling in zip(priorities, self.usage_limit.ceilings(saturation, priorities), strict=True):
+            if saturation >= ceiling:
+                if self.usage_limit.alternating:  # the reference's 1 ms dispatch ticker would try again
+                    self.retry_at = self.clock() + DISPATCH_TICK_S
+                return None
+            band = self._bands.get(priority)
+            item = self._pick(band) if band is not None else None
+            if item is not None:
+                return item
         return None
+
+    def _pick(self, band: _Band) -> QueueItem | None:
+        """The band's fairness policy picks a flow, whose head goes next."""
+        heads: Mapping[str, QueueItem] = {key: flow.head() for key, flow in band.flows.items()}
+        if not heads:
+            return None
+        if band.config.fairness == ROUND_ROBIN:
+            keys = sorted(heads)  # llm-d: sorted flow keys, the one after the last picked, else the first
+            start = keys.index(band.last_flow) + 1 if band.last_flow is not None and band.last_flow in heads else 0
+            band.last_flow = keys[start % len(keys)]
+            return heads[band.last_flow]
+        if band.config.fairness_name is not None:  # program-aware-fairness
+            program = self.programs[band.config.fairness_name]
+            chosen = program.pick({key: head.enqueued_at for key, head in heads.items()}, self.clock())
+            if chosen is None:
+                return None
+            heads[chosen].program_picked = True
+            return heads[chosen]
+        best = min(band.flows, key=lambda key: self._key(band, band.flows[key]))
+        return heads[best]
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
     def _items(self) -> Iterator[QueueItem]:
         for band in list(self._bands.values()):
             for flow in list(band.flows.values()):
-                yield from list(flow.values())
+                yield from list(flow.items.values())
 
     def _remove(self, item: QueueItem) -> bool:
         band = self._bands.get(item.priority)
         flow = band.flows.get(item.fairness_id) if band is not None else None
-        if band is None or flow is None or flow.pop(item.seq, None) is None:
+        if band is None or flow is None or not flow.remove(item.seq):
             return False
-        if not flow:
+        if not flow.items:
             del band.flows[item.fairness_id]
         band.requests -= 1
         band.bytes -= item.byte_size
