@@ -1,13 +1,14 @@
 """Response bodies: token usage from JSON and SSE, and the target -> client model name rewrite.
 
 SSE bodies are handled line by line with a bounded carry-over, so an event split across chunks
-is read whole, and usage fields spread over several events are merged (later values win).
+is read whole, and usage fields spread over several events are merged (later values win). Each
+request parser says how its responses carry usage (:class:`ResponseFormat`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +33,9 @@ def _count(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def usage_of(doc: object) -> Usage | None:
-    """Usage of one decoded JSON document (chat/completions, or the Responses API's names)."""
+def usage_of(doc: object, streamed: bool = False) -> Usage | None:
+    """Usage of one decoded JSON document (chat/completions, or the Responses API's names), a whole
+    body or an SSE event alike."""
     if not isinstance(doc, Mapping):
         return None
     usage = doc.get("usage")
@@ -60,20 +62,27 @@ def _swap_model(doc: Any, target: str, client: str) -> bool:
     return changed
 
 
+UsageOf = Callable[[object, bool], "Usage | None"]
+"""Usage of one decoded JSON document: a whole response body (False) or one SSE event's data (True)."""
+
+
 class ResponseBody:
-    """Incremental reader of one response body: usage, plus the optional model name rewrite.
+    """Incremental reader of one response body: usage (read by ``usage``; None reads none), plus
+    the optional model name rewrite.
 
     ``feed`` returns the bytes to pass on (SSE: the complete lines so far; JSON: nothing until
     ``finish``, which returns the whole body), so a rewrite never splits an event.
     """
 
-    def __init__(self, *, sse: bool, rewrite: tuple[str, str] | None, max_bytes: int) -> None:
+    def __init__(self, *, sse: bool, rewrite: tuple[str, str] | None, max_bytes: int,
+                 usage: UsageOf | None = usage_of) -> None:
         self.sse = sse
         self.usage = Usage()
         self.rewritten = False
         self._rewrite = rewrite
         self._max = max_bytes
         self._buffer = bytearray()
+        self._usage_of = usage
 
     def feed(self, chunk: bytes) -> bytes:
         self._buffer += chunk
@@ -99,11 +108,16 @@ class ResponseBody:
             doc = json.loads(rest)
         except (ValueError, RecursionError):
             return rest
-        self.usage = self.usage.merged(usage_of(doc) or Usage())
+        self._merge(doc, False)
         if self._rewrite and _swap_model(doc, *self._rewrite):
             self.rewritten = True
             return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
         return rest
+
+    def _merge(self, doc: object, streamed: bool) -> None:
+        found = self._usage_of(doc, streamed) if self._usage_of is not None else None
+        if found is not None:
+            self.usage = self.usage.merged(found)
 
     def _lines(self, data: bytes) -> bytes:
         out = []
@@ -121,9 +135,7 @@ class ResponseBody:
             except (ValueError, RecursionError):
                 out.append(line)
                 continue
-            found = usage_of(doc)
-            if found is not None:
-                self.usage = self.usage.merged(found)
+            self._merge(doc, True)
             if self._rewrite and _swap_model(doc, *self._rewrite):
                 self.rewritten = True
                 ending = line[len(stripped) :]
@@ -131,3 +143,18 @@ class ResponseBody:
             else:
                 out.append(line)
         return b"".join(out)
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """How a request parser reads its responses: ``usage`` over JSON bodies and SSE events (None:
+    no usage)."""
+
+    usage: UsageOf | None = usage_of
+
+    def reader(self, *, sse: bool, rewrite: tuple[str, str] | None, max_bytes: int) -> ResponseBody:
+        return ResponseBody(sse=sse, rewrite=rewrite, max_bytes=max_bytes, usage=self.usage)
+
+
+OPENAI_RESPONSES = ResponseFormat()
+"""OpenAI usage shapes (chat/completions, the Responses API), read from JSON and SSE bodies."""
