@@ -53,9 +53,11 @@ def usage_of(doc: object, streamed: bool = False) -> Usage | None:
 
 
 def _swap_model(doc: Any, target: str, client: str) -> bool:
-    """Replace ``model == target`` by ``client`` in the document and a nested ``response``."""
+    """Replace ``model == target`` by ``client`` in the document and a nested ``response`` (the
+    Responses API's events) or ``message`` (the Anthropic ``message_start`` event)."""
     changed = False
-    for obj in (doc, doc.get("response") if isinstance(doc, dict) else None):
+    nested = (doc.get("response"), doc.get("message")) if isinstance(doc, dict) else ()
+    for obj in (doc, *nested):
         if isinstance(obj, dict) and obj.get("model") == target:
             obj["model"] = client
             changed = True

@@ -1,2 +1,23 @@
 """Request parsers: llm-d-router's ``requestHandler.parsers`` plugin types (one module each,
-sans-IO)."""
+sans-IO), and the registry that picks one by the request's path (:mod:`.registry`).
+
+Importing this package registers every parser type.
+"""
+
+from evergreen_trio.picker.parsers.anthropic import ANTHROPIC
+from evergreen_trio.picker.parsers.openai import OPENAI
+from evergreen_trio.picker.parsers.passthrough import PASSTHROUGH
+from evergreen_trio.picker.parsers.registry import ParserRegistry, RequestParser, request_path
+from evergreen_trio.picker.parsers.vllmhttp import VLLM_HTTP
+from evergreen_trio.picker.plugins import Plugin
+
+PARSERS: tuple[RequestParser, ...] = (OPENAI, ANTHROPIC, VLLM_HTTP, PASSTHROUGH)
+"""Every parser type this picker implements."""
+
+DEFAULT_PARSERS = (OPENAI, ANTHROPIC, VLLM_HTTP, PASSTHROUGH)
+"""The parsers of a config that lists none, in order (the reference's ensureParsers)."""
+
+DEFAULT_REGISTRY = ParserRegistry([Plugin(parser.type, parser.type, parser) for parser in DEFAULT_PARSERS])
+"""The registry of :data:`DEFAULT_PARSERS`."""
+
+__all__ = ["DEFAULT_PARSERS", "DEFAULT_REGISTRY", "PARSERS", "ParserRegistry", "RequestParser", "request_path"]
