@@ -22,6 +22,7 @@ PACKAGE = "evergreen_trio._proto"
 UNITS = (
     (PROTO_DIR, PROTO_DIR / "evergreen", ""),
     (PROTO_DIR / "avp", PROTO_DIR / "avp", "avp"),
+    (PROTO_DIR / "vertexai", PROTO_DIR / "vertexai", "vertexai"),
 )
 
 

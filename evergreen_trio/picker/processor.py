@@ -541,7 +541,8 @@ class ExtProcStream:
                 self.report.served = list(route.served)
         rewrite = None
         response = route.response if route is not None else OPENAI_RESPONSES
-        if route is not None and route.target_model and route.client_model and route.target_model != route.client_model:
+        if (route is not None and route.target_model and route.client_model and route.target_model != route.client_model
+                and response.rewrites):
             rewrite = (route.target_model, route.client_model)
         sse = headers.get("content-type", "").startswith("text/event-stream")
         self.reader = response.reader(sse=sse, rewrite=rewrite, max_bytes=self.limits.max_response_body_bytes)

@@ -1,4 +1,5 @@
-"""Response bodies: token usage from JSON and SSE, and the target -> client model name rewrite.
+"""Response bodies: token usage from JSON, SSE and gRPC messages, and the target -> client model
+name rewrite.
 
 SSE bodies are handled line by line with a bounded carry-over, so an event split across chunks
 is read whole, and usage fields spread over several events are merged (later values win). Each
@@ -147,14 +148,62 @@ class ResponseBody:
         return b"".join(out)
 
 
+_FRAME_HEADER = 5  # gRPC's message prefix: a compression flag, then a 4-byte big-endian length
+
+
+class GrpcResponseBody(ResponseBody):
+    """A gRPC response body: the usage each length-prefixed message carries (``message_usage``).
+
+    Messages split across chunks are read whole; the body is passed on untouched (no rewrite). A
+    compressed message, or one longer than ``max_bytes``, ends the reading (as the reference's
+    parsers fail on it).
+    """
+
+    def __init__(self, message_usage: Callable[[bytes], Usage | None], max_bytes: int) -> None:
+        super().__init__(sse=False, rewrite=None, max_bytes=max_bytes, usage=None)
+        self._message_usage = message_usage
+        self._stopped = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._stopped:
+            return b""
+        buffer = self._buffer
+        buffer += chunk
+        while len(buffer) >= _FRAME_HEADER:
+            length = int.from_bytes(buffer[1:_FRAME_HEADER], "big")
+            if buffer[0] == 1 or length > self._max:
+                self._stopped = True
+                buffer.clear()
+                break
+            if len(buffer) < _FRAME_HEADER + length:
+                break
+            found = self._message_usage(bytes(buffer[_FRAME_HEADER : _FRAME_HEADER + length]))
+            if found is not None:
+                self.usage = self.usage.merged(found)
+            del buffer[: _FRAME_HEADER + length]
+        return b""
+
+    def finish(self) -> bytes:
+        self._buffer.clear()
+        return b""
+
+
 @dataclass(frozen=True)
 class ResponseFormat:
     """How a request parser reads its responses: ``usage`` over JSON bodies and SSE events (None:
-    no usage)."""
+    no usage), or ``grpc_usage`` over gRPC messages (no model rewrite then)."""
 
     usage: UsageOf | None = usage_of
+    grpc_usage: Callable[[bytes], Usage | None] | None = None
+
+    @property
+    def rewrites(self) -> bool:
+        """Whether the target model name is rewritten back to the client's in the response."""
+        return self.grpc_usage is None
 
     def reader(self, *, sse: bool, rewrite: tuple[str, str] | None, max_bytes: int) -> ResponseBody:
+        if self.grpc_usage is not None:
+            return GrpcResponseBody(self.grpc_usage, max_bytes)
         return ResponseBody(sse=sse, rewrite=rewrite, max_bytes=max_bytes, usage=self.usage)
 
 

@@ -9,10 +9,11 @@ from evergreen_trio.picker.parsers.openai import OPENAI
 from evergreen_trio.picker.parsers.passthrough import PASSTHROUGH
 from evergreen_trio.picker.parsers.registry import ParserRegistry, RequestParser, request_path
 from evergreen_trio.picker.parsers.sglanghttp import SGLANG_HTTP
+from evergreen_trio.picker.parsers.vertexai import VERTEX_AI
 from evergreen_trio.picker.parsers.vllmhttp import VLLM_HTTP
 from evergreen_trio.picker.plugins import Plugin
 
-PARSERS: tuple[RequestParser, ...] = (OPENAI, ANTHROPIC, VLLM_HTTP, SGLANG_HTTP, PASSTHROUGH)
+PARSERS: tuple[RequestParser, ...] = (OPENAI, ANTHROPIC, VLLM_HTTP, SGLANG_HTTP, VERTEX_AI, PASSTHROUGH)
 """Every parser type this picker implements."""
 
 DEFAULT_PARSERS = (OPENAI, ANTHROPIC, VLLM_HTTP, PASSTHROUGH)
