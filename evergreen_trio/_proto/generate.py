@@ -23,6 +23,7 @@ UNITS = (
     (PROTO_DIR, PROTO_DIR / "evergreen", ""),
     (PROTO_DIR / "avp", PROTO_DIR / "avp", "avp"),
     (PROTO_DIR / "vertexai", PROTO_DIR / "vertexai", "vertexai"),
+    (PROTO_DIR / "vllm", PROTO_DIR / "vllm", "vllm"),
 )
 
 

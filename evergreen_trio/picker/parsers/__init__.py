@@ -10,10 +10,12 @@ from evergreen_trio.picker.parsers.passthrough import PASSTHROUGH
 from evergreen_trio.picker.parsers.registry import ParserRegistry, RequestParser, request_path
 from evergreen_trio.picker.parsers.sglanghttp import SGLANG_HTTP
 from evergreen_trio.picker.parsers.vertexai import VERTEX_AI
+from evergreen_trio.picker.parsers.vllmgrpc import VLLM_GRPC
 from evergreen_trio.picker.parsers.vllmhttp import VLLM_HTTP
 from evergreen_trio.picker.plugins import Plugin
 
-PARSERS: tuple[RequestParser, ...] = (OPENAI, ANTHROPIC, VLLM_HTTP, SGLANG_HTTP, VERTEX_AI, PASSTHROUGH)
+PARSERS: tuple[RequestParser, ...] = (
+    OPENAI, ANTHROPIC, VLLM_HTTP, SGLANG_HTTP, VERTEX_AI, VLLM_GRPC, PASSTHROUGH)
 """Every parser type this picker implements."""
 
 DEFAULT_PARSERS = (OPENAI, ANTHROPIC, VLLM_HTTP, PASSTHROUGH)
