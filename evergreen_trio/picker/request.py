@@ -101,15 +101,22 @@ def token_text(ids: Sequence[int], width: int) -> str:
 
 
 def content_text(value: object) -> str:
-    """Concatenated text of a prompt-ish value: a string, a list of strings or content parts."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        return "".join(content_text(item) for item in value)
-    if isinstance(value, Mapping):
-        parts = [value.get("role"), value.get("text"), value.get("content"), value.get("input_text")]
-        return "".join(content_text(part) for part in parts if part is not None)
-    return ""
+    """Concatenated text of a prompt-ish value: a string, a list of strings or content parts.
+
+    Walked with a stack, not recursion: a client's nesting depth must not reach Python's limit.
+    """
+    texts: list[str] = []
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            texts.append(item)
+        elif isinstance(item, list):
+            pending.extend(reversed(item))
+        elif isinstance(item, Mapping):
+            parts = (item.get("input_text"), item.get("content"), item.get("text"), item.get("role"))
+            pending.extend(part for part in parts if part is not None)
+    return "".join(texts)
 
 
 def api_prompt(api: Api, body: Mapping[str, Any]) -> str:

@@ -126,6 +126,16 @@ def test_a_field_of_the_wrong_type_is_400(fields: dict[str, Any]) -> None:
     assert caught.value.status == 400 and "messages request" in caught.value.message
 
 
+@pytest.mark.parametrize("depth", [50, 300, 2000])
+def test_deeply_nested_content_is_read_or_refused(depth: int) -> None:
+    content = '[{"type":"tool_result","content":' * depth + '"x"' + "}]" * depth
+    body = ('{"model":"m","messages":[{"role":"user","content":' + content + "}]}").encode()
+    try:
+        assert parse(body).prompt == "userx"
+    except RequestError as exc:
+        assert exc.status == 400 and depth > 50
+
+
 def test_what_go_accepts() -> None:
     """Null leaves a zero value, fields match case-insensitively, unknown fields and any JSON in
     ``input``/``input_schema`` pass; the map keeps ``model`` and ``stream`` exact."""
