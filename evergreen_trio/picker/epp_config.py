@@ -35,7 +35,8 @@ from typing import Any
 
 from evergreen_trio.picker.checks import mapping, sequence
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.parsers import DEFAULT_REGISTRY, ParserRegistry
+from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
+from evergreen_trio.picker.parsers.registry import ParserRegistry
 from evergreen_trio.picker.plugins import (
     ALPHA_TYPES,
     PLUGIN_TYPES,

@@ -39,7 +39,8 @@ from evergreen_trio.picker.flow_control.queue import DROPPED_REASON, Outcome, Qu
 from evergreen_trio.picker.flow_control.queue import message as outcome_message
 from evergreen_trio.picker.guards import rewrite_allowed
 from evergreen_trio.picker.inflight import Ticket
-from evergreen_trio.picker.parsers import DEFAULT_REGISTRY, request_path
+from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
+from evergreen_trio.picker.parsers.registry import request_path
 from evergreen_trio.picker.request import rewrite_model
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseBody, ResponseFormat, Usage

@@ -56,7 +56,7 @@ class InferenceRequest:
     prompt_bytes: int = 0
     """The prompt's length in UTF-8."""
     text: str = ""
-    """The body as decoded text (what :func:`rewrite_model` splices into)."""
+    """The body as decoded text (what ``rewrite_model`` splices into)."""
     model_span: tuple[int, int] | None = None
     """Where the top-level ``model`` value lies in ``text``; None when the body is re-serialized instead."""
     output_cap: int | None = None
@@ -73,7 +73,7 @@ class InferenceRequest:
 
     def hashed_prompt(self, chars_per_token: int, max_chars: int) -> str:
         """The prompt to hash, at least its first ``max_chars`` characters: the text, or the token
-        ids as :func:`token_text` renders them (block boundaries then fall between tokens)."""
+        ids as ``token_text`` renders them (block boundaries then fall between tokens)."""
         if self.token_ids is None:
             return self.prompt
         return token_text(self.token_ids[: max_chars // chars_per_token + 1], chars_per_token)

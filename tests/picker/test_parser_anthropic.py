@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from evergreen_trio.picker.errors import RequestError
-from evergreen_trio.picker.parsers import request_path
 from evergreen_trio.picker.parsers.anthropic import ANTHROPIC, ANTHROPIC_RESPONSES
+from evergreen_trio.picker.parsers.registry import request_path
 from evergreen_trio.picker.processor import DESTINATION
 from evergreen_trio.picker.request import InferenceRequest
 from evergreen_trio.picker.usage import Usage

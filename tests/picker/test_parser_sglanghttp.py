@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from evergreen_trio.picker.errors import RequestError
-from evergreen_trio.picker.parsers import request_path
+from evergreen_trio.picker.parsers.registry import request_path
 from evergreen_trio.picker.parsers.sglanghttp import SGLANG_HTTP, SGLANG_RESPONSES
 from evergreen_trio.picker.request import InferenceRequest
 from evergreen_trio.picker.usage import Usage

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from evergreen_trio.picker.errors import RequestError
-from evergreen_trio.picker.parsers import request_path
+from evergreen_trio.picker.parsers.registry import request_path
 from evergreen_trio.picker.parsers.vllmhttp import VLLM_HTTP
 from evergreen_trio.picker.request import InferenceRequest, token_text
 from evergreen_trio.picker.scheduler import prefix_hashes

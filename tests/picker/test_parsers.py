@@ -18,9 +18,15 @@ from hypothesis import strategies as st
 from evergreen_trio.picker.config import load_config, parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError, RequestError
-from evergreen_trio.picker.parsers import DEFAULT_REGISTRY, PARSERS, ParserRegistry, RequestParser, request_path
+from evergreen_trio.picker.parsers import DEFAULT_REGISTRY, PARSERS
 from evergreen_trio.picker.parsers.passthrough import PASSTHROUGH
-from evergreen_trio.picker.parsers.registry import forwarded, match_path_suffix
+from evergreen_trio.picker.parsers.registry import (
+    ParserRegistry,
+    RequestParser,
+    forwarded,
+    match_path_suffix,
+    request_path,
+)
 from evergreen_trio.picker.plugins import NOT_IMPLEMENTED, PLUGIN_TYPES, Category, Plugin
 from evergreen_trio.picker.processor import DESTINATION, MODEL_REWRITE, ExtProcStream, Picker
 from evergreen_trio.picker.request import InferenceRequest

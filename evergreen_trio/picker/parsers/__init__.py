@@ -7,7 +7,7 @@ Importing this package registers every parser type.
 from evergreen_trio.picker.parsers.anthropic import ANTHROPIC
 from evergreen_trio.picker.parsers.openai import OPENAI
 from evergreen_trio.picker.parsers.passthrough import PASSTHROUGH
-from evergreen_trio.picker.parsers.registry import ParserRegistry, RequestParser, request_path
+from evergreen_trio.picker.parsers.registry import ParserRegistry, RequestParser
 from evergreen_trio.picker.parsers.sglanghttp import SGLANG_HTTP
 from evergreen_trio.picker.parsers.vertexai import VERTEX_AI
 from evergreen_trio.picker.parsers.vllmgrpc import VLLM_GRPC
@@ -23,5 +23,3 @@ DEFAULT_PARSERS = (OPENAI, ANTHROPIC, VLLM_HTTP, PASSTHROUGH)
 
 DEFAULT_REGISTRY = ParserRegistry([Plugin(parser.type, parser.type, parser) for parser in DEFAULT_PARSERS])
 """The registry of :data:`DEFAULT_PARSERS`."""
-
-__all__ = ["DEFAULT_PARSERS", "DEFAULT_REGISTRY", "PARSERS", "ParserRegistry", "RequestParser", "request_path"]

@@ -29,8 +29,8 @@ GO_SPACE = "\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\
 @dataclass(frozen=True)
 class RequestParser:
     """One parser type: the path suffixes it claims (none: a fallback for every path) and how it
-    reads a request from its path (:func:`request_path`), headers and body (RequestError(400) for
-    one it refuses)."""
+    reads a request from its path (``request_path``), headers and body (RequestError(400) for one
+    it refuses)."""
 
     type: str
     paths: tuple[str, ...]
@@ -115,5 +115,5 @@ class ParserRegistry:
         raise RequestError(400, f"no parser registered matching path suffix for: {path[:256]}")
 
     def parse(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
-        """The request as the parser of ``path`` (its :func:`request_path`) reads it."""
+        """The request as the parser of ``path`` (its ``request_path``) reads it."""
         return self.resolve(path).parse(path, headers, body)
