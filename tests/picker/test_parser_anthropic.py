@@ -11,11 +11,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from evergreen_trio.picker.config import parse_config
+from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.parsers.anthropic import ANTHROPIC, ANTHROPIC_RESPONSES
 from evergreen_trio.picker.parsers.registry import request_path
-from evergreen_trio.picker.processor import DESTINATION
+from evergreen_trio.picker.processor import DESTINATION, Picker
 from evergreen_trio.picker.request import InferenceRequest
+from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.usage import Usage
 from tests.picker.test_parsers import forwarded_body, parsers_config, picker_with, send
 from tests.picker.test_processor import lb_metadata, response_body, response_headers, status
@@ -208,6 +211,13 @@ def test_a_model_is_needed_unless_the_rewrite_header_names_one() -> None:
     _, replies = send(picker_with(), "/v1/messages", body)
     assert status(replies) == 400
     assert json.loads(replies[0].immediate_response.body)["error"]["message"] == "model not found in request body"
+    # With no models configured, the header's target is written into the body, as the reference does.
+    config = parse_config("pool: {endpoints: ['10.0.0.1:8000']}\n")
+    picker = Picker(config, PoolSnapshot(config.pool.endpoints, 2.0, lambda: 0.0))
+    picker.snapshot.update("10.0.0.1:8000", EndpointMetrics())
+    stream, replies = send(picker, "/v1/messages", body, [("x-gateway-model-name-rewrite", "claude-x")])
+    assert json.loads(forwarded_body(replies)) == {"messages": HELLO, "model": "claude-x"}
+    assert (stream.report.client_model, stream.report.target_model) == ("", "claude-x")
 
 
 # -- fuzzing ----------------------------------------------------------------------------------------
