@@ -30,7 +30,7 @@ SANS_IO_CORES = (
     "ipc/config.py", "ipc/errors.py", "ipc/flatbuf.py", "ipc/framing.py", "ipc/reassembly.py", "ipc/uri.py",
     "picker/config.py", "picker/engine_metrics.py", "picker/epp_config.py", "picker/errors.py",
     "_grpc/server_wire.py", "picker/plugins.py",
-    "picker/processor.py", "picker/request.py", "picker/scheduler.py", "picker/usage.py",
+    "picker/processor.py", "picker/request.py", "picker/scheduler.py", "picker/usage.py", "picker/parsers/*.py",
     "sim/api.py", "sim/config.py", "sim/errors.py", "sim/model.py",
     "generate/config.py", "generate/errors.py", "generate/openai.py", "generate/sse.py",
     "testing/model.py", "errors.py", "limits.py", "_wire.py", "_memory.py", "nodes.py",

@@ -22,6 +22,8 @@ PACKAGE = "evergreen_trio._proto"
 UNITS = (
     (PROTO_DIR, PROTO_DIR / "evergreen", ""),
     (PROTO_DIR / "avp", PROTO_DIR / "avp", "avp"),
+    (PROTO_DIR / "vertexai", PROTO_DIR / "vertexai", "vertexai"),
+    (PROTO_DIR / "vllm", PROTO_DIR / "vllm", "vllm"),
 )
 
 

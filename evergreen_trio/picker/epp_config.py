@@ -35,8 +35,11 @@ from typing import Any
 
 from evergreen_trio.picker.checks import mapping, sequence
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
+from evergreen_trio.picker.parsers.registry import ParserRegistry
 from evergreen_trio.picker.plugins import (
     ALPHA_TYPES,
+    PLUGIN_TYPES,
     AlwaysDecider,
     Category,
     DisaggHandler,
@@ -91,13 +94,15 @@ def register_section(name: str, reader: SectionReader) -> None:
 
 @dataclass(frozen=True)
 class EppConfig:
-    """What one ``EndpointPickerConfig`` sets: scheduler fields, pool overrides, the plugins by name."""
+    """What one ``EndpointPickerConfig`` sets: scheduler fields, pool overrides, the plugins by name,
+    and the request parsers (``requestHandler.parsers``, or the default ones)."""
 
     scheduler: Mapping[str, Any]
     pool: Mapping[str, Any]
     plugins: Mapping[str, Plugin]
     feature_gates: tuple[str, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
+    parsers: ParserRegistry = DEFAULT_REGISTRY
 
 
 def alpha_plugins(epp: EppConfig | None) -> list[Plugin]:
@@ -246,17 +251,35 @@ def _data_layer(doc: Mapping[str, Any], plugins: Mapping[str, Plugin]) -> None:
             _ref(mapping(extractor, where).get("pluginRef"), f"{where}.pluginRef", plugins, Category.EXTRACTOR)
 
 
-def _request_handler(doc: Mapping[str, Any], plugins: Mapping[str, Plugin]) -> None:
-    sections = {"requestHandler": mapping(doc.get("requestHandler") or {}, f"{KIND}.requestHandler")}
-    if "parser" in doc:
-        sections["parser"] = {"parsers": [doc["parser"]]}
-    for name, section in sections.items():
-        for key in section:
-            if key != "parsers":
-                raise ConfigError(f"{KIND}.{name}.{key}", "one of ['parsers']", key)
-        for i, raw in enumerate(sequence(section.get("parsers") or [], f"{KIND}.{name}.parsers")):
-            where = f"{KIND}.{name}.parsers[{i}]"
-            _ref(mapping(raw, where).get("pluginRef"), f"{where}.pluginRef", plugins, Category.PARSER)
+def _parser(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Plugin:
+    entry = mapping(raw, path)
+    for key in entry:
+        if key != "pluginRef":
+            raise ConfigError(f"{path}.{key}", "one of ['pluginRef']", key)
+    name = entry.get("pluginRef")
+    if isinstance(name, str) and name not in plugins and name in PLUGIN_TYPES:
+        # As the reference: a name not declared but naming a plugin type is a plugin of that type.
+        plugins = {name: read_plugin({"type": name}, f"{path}.pluginRef")}
+    return _ref(name, f"{path}.pluginRef", plugins, Category.PARSER)
+
+
+def _request_handler(doc: Mapping[str, Any], plugins: Mapping[str, Plugin]) -> ParserRegistry:
+    """The parsers ``requestHandler.parsers`` lists (or the deprecated top-level ``parser``, when
+    it lists none); the default ones when neither does."""
+    path = f"{KIND}.requestHandler"
+    section = mapping(doc.get("requestHandler") or {}, path)
+    for key in section:
+        if key != "parsers":
+            raise ConfigError(f"{path}.{key}", "one of ['parsers']", key)
+    refs = [(f"{path}.parsers[{i}]", raw) for i, raw in enumerate(sequence(section.get("parsers") or [],
+                                                                           f"{path}.parsers"))]
+    if doc.get("parser") is not None:
+        deprecated(f"{KIND}.parser", "requestHandler.parsers")
+        if not refs:
+            refs = [(f"{KIND}.parser", doc["parser"])]
+    if not refs:
+        return DEFAULT_REGISTRY
+    return ParserRegistry([_parser(raw, where, plugins) for where, raw in refs])
 
 
 def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
@@ -284,7 +307,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
         profiles["default"] = _default_profile(plugins)
     handler = _handler(plugins, profiles)
     _data_layer(doc, plugins)
-    _request_handler(doc, plugins)
+    parsers = _request_handler(doc, plugins)
     first = next(iter(profiles.values()))
     values: dict[str, Any] = {field: first.weight(kind) for kind, field in SCORERS.items()}
     values.update(_prefix_values(plugins), profiles=tuple(profiles.values()), handler=handler)
@@ -311,7 +334,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
     for name, reader in SECTIONS.items():
         if name in doc:
             extra.update(reader(doc[name], f"{KIND}.{name}", plugins))
-    return EppConfig(values, _pool_values(plugins), plugins, gates, extra)
+    return EppConfig(values, _pool_values(plugins), plugins, gates, extra, parsers)
 
 
 def scheduler_values(doc: Mapping[str, Any]) -> dict[str, Any]:

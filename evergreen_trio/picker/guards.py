@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from evergreen_trio.picker.config import ModelConfig, PickerConfig
 from evergreen_trio.picker.errors import RequestError
+
+if TYPE_CHECKING:  # config imports the request parsers, which import this module
+    from evergreen_trio.picker.config import ModelConfig, PickerConfig
 
 log = logging.getLogger(__name__)
 

@@ -555,7 +555,6 @@ register("metrics-data-source", PluginType(
                            "clientKeyPath", "interval"), _metrics_source))
 register("core-metrics-extractor", PluginType(
     Category.EXTRACTOR, ("engineLabelKey", "defaultEngine", "engineConfigs"), _core_extractor))
-register("openai-parser", PluginType(Category.PARSER))
 
 # llm-d-router (ebab68792) plugin types this picker does not run: a config naming one fails at
 # startup with a line saying so. Types another module registers are taken off at lookup.

@@ -38,10 +38,12 @@ from evergreen_trio.picker.flow_control.key import (
 from evergreen_trio.picker.flow_control.queue import DROPPED_REASON, Outcome, QueueItem
 from evergreen_trio.picker.flow_control.queue import message as outcome_message
 from evergreen_trio.picker.guards import rewrite_allowed
-from evergreen_trio.picker.inflight import Ticket, output_cap
-from evergreen_trio.picker.request import parse_body, rewrite_model
+from evergreen_trio.picker.inflight import Ticket
+from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
+from evergreen_trio.picker.parsers.registry import request_path
+from evergreen_trio.picker.request import rewrite_model
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
-from evergreen_trio.picker.usage import ResponseBody, Usage
+from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseBody, ResponseFormat, Usage
 
 DESTINATION = "x-gateway-destination-endpoint"
 FALLBACK = "x-gateway-destination-endpoint-fallback"
@@ -103,6 +105,8 @@ class Route:
     prefill_load: Ticket | None = None  # the prefill pod's, released at the first response chunk
     scores: Mapping[str, float] = field(default_factory=dict)
     response_headers: Mapping[str, str] = field(default_factory=dict)
+    skip_response: bool = False  # the parser's: end the stream once routed
+    response: ResponseFormat = OPENAI_RESPONSES  # the parser's: how the response's usage is read
 
 
 @dataclass
@@ -123,6 +127,8 @@ class Admission:
     block_bytes: int = 0
     output_cap: int | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
+    skip_response: bool = False
+    response: ResponseFormat = OPENAI_RESPONSES
 
 
 class Picker:
@@ -133,6 +139,7 @@ class Picker:
         self.snapshot = snapshot
         self.rng = rng or random.Random()
         self.scheduler = Scheduler(config, snapshot, self.rng)
+        self.parsers = config.epp.parsers if config.epp is not None else DEFAULT_REGISTRY
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight) if config.flow_control else None
         # InferenceObjective name -> priority: the config's, and in cluster mode the watched CRDs' over them.
         self.objectives: Mapping[str, int] = dict(config.objectives)
@@ -154,7 +161,8 @@ class Picker:
 
     def route(self, path: str, headers: Mapping[str, str], body: bytes | None,
               subset: frozenset[str] | None, report: StreamReport | None = None) -> Route:
-        """Decide where a request goes, noting it in ``report``; RequestError for 400/404/429/500/503."""
+        """Decide where a request to ``path`` goes, noting it in ``report``; RequestError for
+        400/404/429/500/503."""
         report = report if report is not None else StreamReport()
         return self.pick(self.admit(path, headers, body, subset, report), report)
 
@@ -168,27 +176,36 @@ class Picker:
             if self.flow is not None:
                 admission.fairness_id = fairness_id(headers)
             if body is not None:
-                request = parse_body(path, body)
-                admission.client_model = request.model
-                model = self.config.model(request.model)
-                if model is None and self.config.models:
-                    raise RequestError(404, f"model {request.model!r} matches no configured model")
-                if model is not None:
-                    admission.priority = model.priority
+                request = self.parsers.parse(path, headers, body)
+                admission.skip_response, admission.response = request.skip_response, request.response
+                model = None
+                if request.model:  # a parser reading no model (passthrough) leaves the model checks out
+                    admission.client_model = request.model
+                    model = self.config.model(request.model)
+                    if model is None and self.config.models:
+                        raise RequestError(404, f"model {request.model!r} matches no configured model")
+                    if model is not None:
+                        admission.priority = model.priority
                 rewrite = headers.get(MODEL_REWRITE)
                 if rewrite and not rewrite_allowed(self.config, model, rewrite):
                     raise RequestError(404, f"{MODEL_REWRITE} {rewrite[:64]!r} is not a target model of "
                                             f"{request.model[:64]!r}")
-                target = rewrite or (choose_target(model, self.rng) if model is not None else request.model)
+                target = rewrite or None
+                if request.rewritable:  # else the body goes as received, as the reference's director does
+                    target = rewrite or (choose_target(model, self.rng) if model is not None else request.model)
+                    if not target:
+                        raise RequestError(400, "model not found in request body")
+                    if target != request.model:
+                        admission.body = rewrite_model(request, target)
                 admission.target_model = target
-                if target != request.model:
-                    admission.body = rewrite_model(request, target)
+                chars_per_token = self.config.scheduler.chars_per_token
                 if self.config.scheduler.uses_prefix:
                     admission.block_bytes, max_blocks = self.scheduler.prefix_geometry()
-                    admission.hashes = prefix_hashes(target, request.prompt, self.config.scheduler,
+                    prompt = request.hashed_prompt(chars_per_token, max_blocks * admission.block_bytes)
+                    admission.hashes = prefix_hashes(target or "", prompt, self.config.scheduler,
                                                      admission.block_bytes, max_blocks)
-                admission.prompt_bytes = request.prompt_bytes
-                admission.output_cap = output_cap(request.body)
+                admission.prompt_bytes = request.prompt_size(chars_per_token)
+                admission.output_cap = request.output_cap
             objective = objective_name(headers)
             if objective is not None and objective in self.objectives:
                 admission.priority = self.objectives[objective]
@@ -228,7 +245,8 @@ class Picker:
         return Route(endpoints, admission.client_model, admission.target_model, admission.hashes, admission.body,
                      prefill=schedule.prefill, load=ticket, prefill_load=prefill_ticket,
                      scores=schedule.scores if self.config.ext_proc.emit_endpoint_scores else {},
-                     response_headers=schedule.response_headers)
+                     response_headers=schedule.response_headers, skip_response=admission.skip_response,
+                     response=admission.response)
 
     @staticmethod
     def _failed(report: StreamReport, admission: Admission, exc: RequestError) -> None:
@@ -452,7 +470,7 @@ class ExtProcStream:
         """
         self.routed = True
         try:
-            admission = self.picker.admit(self.headers.get(":path", ""), self.headers, body, self.subset, self.report)
+            admission = self.picker.admit(request_path(self.headers), self.headers, body, self.subset, self.report)
         except RequestError as exc:
             return [self._immediate(exc.status, exc.message, exc.dropped_reason), *after]
 
@@ -485,7 +503,8 @@ class ExtProcStream:
         """The response for ``phase`` that sends the request to ``route``."""
         self.route = route
         rewrites_back = route.target_model is not None and route.target_model != route.client_model
-        self.finished = not (self.limits.observe_responses or rewrites_back or route.response_headers)
+        self.finished = route.skip_response or not (
+            self.limits.observe_responses or rewrites_back or route.response_headers)
         mode = self.picker.config.ext_proc.destination_mode
         value = ",".join(route.endpoints) if mode is DestinationMode.LIST else route.endpoints[0]
         set_headers = [_header_option(DESTINATION, value)]
@@ -537,10 +556,12 @@ class ExtProcStream:
                 self.picker.record_served(route, address)
                 self.report.served = list(route.served)
         rewrite = None
-        if route is not None and route.target_model and route.client_model and route.target_model != route.client_model:
+        response = route.response if route is not None else OPENAI_RESPONSES
+        if (route is not None and route.target_model and route.client_model and route.target_model != route.client_model
+                and response.rewrites):
             rewrite = (route.target_model, route.client_model)
         sse = headers.get("content-type", "").startswith("text/event-stream")
-        self.reader = ResponseBody(sse=sse, rewrite=rewrite, max_bytes=self.limits.max_response_body_bytes)
+        self.reader = response.reader(sse=sse, rewrite=rewrite, max_bytes=self.limits.max_response_body_bytes)
         self.rewrite_sse = rewrite is not None and sse
         if message.response_headers.end_of_stream or self.response_mode == NONE:
             self.response_ended = True

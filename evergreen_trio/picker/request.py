@@ -1,17 +1,25 @@
-"""OpenAI-style request bodies: the API by path suffix, ``model``, ``stream`` and the prompt text."""
+"""Request bodies as the picker schedules them: :class:`InferenceRequest`, what every request
+parser returns, and the OpenAI-style body (the API by path suffix, ``model``, ``stream`` and the
+prompt text) that ``openai-parser`` reads.
+
+JSON bodies are read by :func:`load_object`, with bounded work (:func:`check_json_cost`) and the
+top-level ``model`` value located, so a model rewrite splices the body instead of re-serializing it.
+"""
 
 from __future__ import annotations
 
 import enum
 import json
 import re
-from _json import make_scanner, scanstring
-from collections.abc import Mapping
+from _json import scanstring
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.guards import check_json_cost, utf8
+from evergreen_trio.picker.inflight import output_cap
+from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseFormat
 
 
 class Api(enum.Enum):
@@ -36,7 +44,9 @@ def api_for_path(path: str) -> Api:
 
 @dataclass(frozen=True)
 class InferenceRequest:
-    """What scheduling needs from a body: the model, whether it streams, the prompt text."""
+    """What scheduling needs from a body: the model (empty when the parser reads none), whether it
+    streams, the prompt (text, or token ids), the client's output cap, and how the request is
+    forwarded and its response read."""
 
     api: Api
     model: str
@@ -46,51 +56,114 @@ class InferenceRequest:
     prompt_bytes: int = 0
     """The prompt's length in UTF-8."""
     text: str = ""
-    """The body as decoded text (what :func:`rewrite_model` splices into)."""
+    """The body as decoded text (what ``rewrite_model`` splices into)."""
     model_span: tuple[int, int] | None = None
     """Where the top-level ``model`` value lies in ``text``; None when the body is re-serialized instead."""
+    output_cap: int | None = None
+    """The client's own cap on output tokens, when it set one."""
+    rewritable: bool = True
+    """Whether a target model is written into the forwarded body (``body`` is the JSON object sent);
+    otherwise the body goes as received, and only ``x-gateway-model-name-rewrite`` names a target."""
+    skip_response: bool = False
+    """Route the request, then end its ext_proc stream: its response is not processed."""
+    token_ids: Sequence[int] | None = None
+    """A pre-tokenized prompt (``prompt`` is empty then)."""
+    response: ResponseFormat = OPENAI_RESPONSES
+    """How the parser reads the response's usage."""
+
+    def hashed_prompt(self, chars_per_token: int, max_chars: int) -> str:
+        """The prompt to hash, at least its first ``max_chars`` characters: the text, or the token
+        ids as ``token_text`` renders them (block boundaries then fall between tokens)."""
+        if self.token_ids is None:
+            return self.prompt
+        return token_text(self.token_ids[: max_chars // chars_per_token + 1], chars_per_token)
+
+    def prompt_size(self, chars_per_token: int) -> int:
+        """The prompt's size in bytes, a token prompt's at ``chars_per_token`` bytes a token (the
+        token estimate divides by it)."""
+        return self.prompt_bytes if self.token_ids is None else len(self.token_ids) * chars_per_token
 
 
-def _text(value: object) -> str:
-    """Concatenated text of a prompt-ish value: a string, a list of strings or content parts."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        return "".join(_text(item) for item in value)
-    if isinstance(value, Mapping):
-        parts = [value.get("role"), value.get("text"), value.get("content"), value.get("input_text")]
-        return "".join(_text(part) for part in parts if part is not None)
-    return ""
+_DIGITS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+_PAIRS = [low + high for high in _DIGITS for low in _DIGITS]  # 12 bits as two base-64 digits
 
 
-def _prompt(api: Api, body: Mapping[str, Any]) -> str:
+def token_text(ids: Sequence[int], width: int) -> str:
+    """Token ids as text of ``width`` ASCII characters each: base-64 digits of the id, low first
+    (4 digits tell apart ids below 2**24; a narrower width keeps the low digits, a wider one pads)."""
+    quads = (_PAIRS[i & 4095] + _PAIRS[(i >> 12) & 4095] for i in ids)
+    if width == 4:
+        return "".join(quads)
+    if width > 4:
+        pad = "=" * (width - 4)
+        return "".join(quad + pad for quad in quads)
+    return "".join(quad[:width] for quad in quads)
+
+
+def content_text(value: object) -> str:
+    """Concatenated text of a prompt-ish value: a string, a list of strings or content parts.
+
+    Walked with a stack, not recursion: a client's nesting depth must not reach Python's limit.
+    """
+    texts: list[str] = []
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            texts.append(item)
+        elif isinstance(item, list):
+            pending.extend(reversed(item))
+        elif isinstance(item, Mapping):
+            parts = (item.get("input_text"), item.get("content"), item.get("text"), item.get("role"))
+            pending.extend(part for part in parts if part is not None)
+    return "".join(texts)
+
+
+def api_prompt(api: Api, body: Mapping[str, Any]) -> str:
     if api is Api.CHAT:
-        return _text(body.get("messages"))
+        return content_text(body.get("messages"))
     if api is Api.EMBEDDINGS:
-        return _text(body.get("input"))
+        return content_text(body.get("input"))
     if api is Api.RESPONSES:
-        return _text(body.get("instructions")) + _text(body.get("input"))
-    return _text(body.get("prompt"))
+        return content_text(body.get("instructions")) + content_text(body.get("input"))
+    return content_text(body.get("prompt"))
 
 
-def parse_body(path: str, body: bytes) -> InferenceRequest:
-    """Parse a request body; a body that is not a JSON object with a string ``model`` is a 400."""
+def _detect_and_decode(body: bytes) -> str:
+    return body.decode(json.detect_encoding(body), "surrogatepass")
+
+
+_DECODER = json.JSONDecoder()
+
+
+def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Callable[[bytes], str] = _detect_and_decode,
+                ) -> tuple[dict[str, Any], str, tuple[int, int] | None]:
+    """``body`` as a JSON object (parsed by ``decoder`` from the text ``decode`` makes of it), the
+    text, and where its ``model`` value lies (see :func:`rewrite_model`); RequestError(413) for a
+    body too costly to parse, RequestError(400) for one that is not a JSON object."""
     check_json_cost(body)
     try:
-        text = body.decode(json.detect_encoding(body), "surrogatepass")
-        doc, model_span = _object_and_model_span(text)
+        text = decode(body)
+        doc, model_span = _object_and_model_span(text, decoder)
     except (ValueError, RecursionError) as exc:
         raise RequestError(400, f"request body is not valid JSON ({type(exc).__name__})") from None
     if not isinstance(doc, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(doc).__name__}")
+    return doc, text, model_span
+
+
+def parse_body(path: str, body: bytes) -> InferenceRequest:
+    """Parse a request body; a body that is not a JSON object with a string ``model`` is a 400."""
+    doc, text, model_span = load_object(body)
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError(400, "request body lacks a string 'model' field")
     api = api_for_path(path)
-    prompt = _prompt(api, doc)
+    prompt = api_prompt(api, doc)
     utf8(model, "model")
     prompt_bytes = len(prompt) if prompt.isascii() else len(utf8(prompt, "prompt"))
-    return InferenceRequest(api, model, doc.get("stream") is True, prompt, doc, prompt_bytes, text, model_span)
+    return InferenceRequest(api, model, doc.get("stream") is True, prompt, doc, prompt_bytes, text, model_span,
+                            output_cap(doc))
 
 
 def rewrite_model(request: InferenceRequest, model: str) -> bytes:
@@ -107,21 +180,23 @@ def rewrite_model(request: InferenceRequest, model: str) -> bytes:
     return utf8(text, "body")
 
 
-_SCAN = make_scanner(json.JSONDecoder())  # type: ignore[arg-type]  # a decoder is the context (typeshed TODO)
-"""The C scanner json.loads uses: the value starting at an index, and where it ends."""
 _SPACE = re.compile(r"[ \t\n\r]*")
 MAX_SPLICED_MEMBERS = 64
 """A body with more top-level members is parsed by ``json.loads`` and re-serialized to rewrite its
 model: walking members costs Python work per member, a whole value costs C work."""
 
 
-def _object_and_model_span(text: str) -> tuple[Any, tuple[int, int] | None]:
-    """``text`` parsed as JSON (ValueError if it is not), and where a top-level object's last
-    ``model`` value lies (None for anything else, or an object of many members)."""
+def _object_and_model_span(text: str, decoder: json.JSONDecoder) -> tuple[Any, tuple[int, int] | None]:
+    """``text`` parsed by ``decoder`` (ValueError if it is not JSON), and where a top-level object's
+    last ``model`` value lies (None for anything else, or an object of many members).
+
+    Values are read by the decoder's C scanner (``scan_once``: the value at an index, and where it
+    ends); the top-level object is built from its members by the decoder's ``object_pairs_hook``.
+    """
     start = _SPACE.match(text).end()  # type: ignore[union-attr]
     if text[start : start + 1] != "{":
-        return json.loads(text), None
-    doc: dict[str, Any] = {}
+        return decoder.decode(text), None
+    pairs: list[tuple[str, Any]] = []
     span = None
     index = _SPACE.match(text, start + 1).end()  # type: ignore[union-attr]
     if text[index : index + 1] == "}":
@@ -136,9 +211,10 @@ def _object_and_model_span(text: str) -> tuple[Any, tuple[int, int] | None]:
                 raise ValueError(f"expected ':' at {index}")
             index = _SPACE.match(text, index + 1).end()  # type: ignore[union-attr]
             try:
-                doc[key], end = _SCAN(text, index)
+                value, end = decoder.scan_once(text, index)  # type: ignore[attr-defined]
             except StopIteration:
                 raise ValueError(f"expected a value at {index}") from None
+            pairs.append((key, value))
             if key == "model":
                 span = (index, end)
             index = _SPACE.match(text, end).end()  # type: ignore[union-attr]
@@ -149,7 +225,8 @@ def _object_and_model_span(text: str) -> tuple[Any, tuple[int, int] | None]:
             if separator != ",":
                 raise ValueError(f"expected ',' or '}}' at {index}")
         else:
-            return json.loads(text), None
+            return decoder.decode(text), None
     if index != len(text):
         raise ValueError(f"extra data at {index}")
-    return doc, span
+    hook = decoder.object_pairs_hook
+    return (hook(pairs) if hook is not None else dict(pairs)), span

@@ -1,13 +1,15 @@
-"""Response bodies: token usage from JSON and SSE, and the target -> client model name rewrite.
+"""Response bodies: token usage from JSON, SSE and gRPC messages, and the target -> client model
+name rewrite.
 
 SSE bodies are handled line by line with a bounded carry-over, so an event split across chunks
-is read whole, and usage fields spread over several events are merged (later values win).
+is read whole, and usage fields spread over several events are merged (later values win). Each
+request parser says how its responses carry usage (:class:`ResponseFormat`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +34,9 @@ def _count(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def usage_of(doc: object) -> Usage | None:
-    """Usage of one decoded JSON document (chat/completions, or the Responses API's names)."""
+def usage_of(doc: object, streamed: bool = False) -> Usage | None:
+    """Usage of one decoded JSON document (chat/completions, or the Responses API's names), a whole
+    body or an SSE event alike."""
     if not isinstance(doc, Mapping):
         return None
     usage = doc.get("usage")
@@ -51,29 +54,38 @@ def usage_of(doc: object) -> Usage | None:
 
 
 def _swap_model(doc: Any, target: str, client: str) -> bool:
-    """Replace ``model == target`` by ``client`` in the document and a nested ``response``."""
+    """Replace ``model == target`` by ``client`` in the document and a nested ``response`` (the
+    Responses API's events) or ``message`` (the Anthropic ``message_start`` event)."""
     changed = False
-    for obj in (doc, doc.get("response") if isinstance(doc, dict) else None):
+    nested = (doc.get("response"), doc.get("message")) if isinstance(doc, dict) else ()
+    for obj in (doc, *nested):
         if isinstance(obj, dict) and obj.get("model") == target:
             obj["model"] = client
             changed = True
     return changed
 
 
+UsageOf = Callable[[object, bool], "Usage | None"]
+"""Usage of one decoded JSON document: a whole response body (False) or one SSE event's data (True)."""
+
+
 class ResponseBody:
-    """Incremental reader of one response body: usage, plus the optional model name rewrite.
+    """Incremental reader of one response body: usage (read by ``usage``; None reads none), plus
+    the optional model name rewrite.
 
     ``feed`` returns the bytes to pass on (SSE: the complete lines so far; JSON: nothing until
     ``finish``, which returns the whole body), so a rewrite never splits an event.
     """
 
-    def __init__(self, *, sse: bool, rewrite: tuple[str, str] | None, max_bytes: int) -> None:
+    def __init__(self, *, sse: bool, rewrite: tuple[str, str] | None, max_bytes: int,
+                 usage: UsageOf | None = usage_of) -> None:
         self.sse = sse
         self.usage = Usage()
         self.rewritten = False
         self._rewrite = rewrite
         self._max = max_bytes
         self._buffer = bytearray()
+        self._usage_of = usage
 
     def feed(self, chunk: bytes) -> bytes:
         self._buffer += chunk
@@ -99,11 +111,16 @@ class ResponseBody:
             doc = json.loads(rest)
         except (ValueError, RecursionError):
             return rest
-        self.usage = self.usage.merged(usage_of(doc) or Usage())
+        self._merge(doc, False)
         if self._rewrite and _swap_model(doc, *self._rewrite):
             self.rewritten = True
             return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
         return rest
+
+    def _merge(self, doc: object, streamed: bool) -> None:
+        found = self._usage_of(doc, streamed) if self._usage_of is not None else None
+        if found is not None:
+            self.usage = self.usage.merged(found)
 
     def _lines(self, data: bytes) -> bytes:
         out = []
@@ -121,9 +138,7 @@ class ResponseBody:
             except (ValueError, RecursionError):
                 out.append(line)
                 continue
-            found = usage_of(doc)
-            if found is not None:
-                self.usage = self.usage.merged(found)
+            self._merge(doc, True)
             if self._rewrite and _swap_model(doc, *self._rewrite):
                 self.rewritten = True
                 ending = line[len(stripped) :]
@@ -131,3 +146,66 @@ class ResponseBody:
             else:
                 out.append(line)
         return b"".join(out)
+
+
+_FRAME_HEADER = 5  # gRPC's message prefix: a compression flag, then a 4-byte big-endian length
+
+
+class GrpcResponseBody(ResponseBody):
+    """A gRPC response body: the usage each length-prefixed message carries (``message_usage``).
+
+    Messages split across chunks are read whole; the body is passed on untouched (no rewrite). A
+    compressed message, or one longer than ``max_bytes``, ends the reading (as the reference's
+    parsers fail on it).
+    """
+
+    def __init__(self, message_usage: Callable[[bytes], Usage | None], max_bytes: int) -> None:
+        super().__init__(sse=False, rewrite=None, max_bytes=max_bytes, usage=None)
+        self._message_usage = message_usage
+        self._stopped = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._stopped:
+            return b""
+        buffer = self._buffer
+        buffer += chunk
+        while len(buffer) >= _FRAME_HEADER:
+            length = int.from_bytes(buffer[1:_FRAME_HEADER], "big")
+            if buffer[0] == 1 or length > self._max:
+                self._stopped = True
+                buffer.clear()
+                break
+            if len(buffer) < _FRAME_HEADER + length:
+                break
+            found = self._message_usage(bytes(buffer[_FRAME_HEADER : _FRAME_HEADER + length]))
+            if found is not None:
+                self.usage = self.usage.merged(found)
+            del buffer[: _FRAME_HEADER + length]
+        return b""
+
+    def finish(self) -> bytes:
+        self._buffer.clear()
+        return b""
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """How a request parser reads its responses: ``usage`` over JSON bodies and SSE events (None:
+    no usage), or ``grpc_usage`` over gRPC messages (no model rewrite then)."""
+
+    usage: UsageOf | None = usage_of
+    grpc_usage: Callable[[bytes], Usage | None] | None = None
+
+    @property
+    def rewrites(self) -> bool:
+        """Whether the target model name is rewritten back to the client's in the response."""
+        return self.grpc_usage is None
+
+    def reader(self, *, sse: bool, rewrite: tuple[str, str] | None, max_bytes: int) -> ResponseBody:
+        if self.grpc_usage is not None:
+            return GrpcResponseBody(self.grpc_usage, max_bytes)
+        return ResponseBody(sse=sse, rewrite=rewrite, max_bytes=max_bytes, usage=self.usage)
+
+
+OPENAI_RESPONSES = ResponseFormat()
+"""OpenAI usage shapes (chat/completions, the Responses API), read from JSON and SSE bodies."""

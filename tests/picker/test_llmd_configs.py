@@ -30,7 +30,7 @@ HEAD = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
 EXPECTED = {
     "chart-default-plugins.yaml": None,
     "chart-default-plugins-sglang.yaml": None,
-    "chart-payload-agnostic.yaml": "passthrough-parser",
+    "chart-payload-agnostic.yaml": None,
     "dp-epp-config.yaml": "data-parallel-profile-handler",
     "epp-burst-prefix-cache-config.yaml": "token-producer",
     "epp-config.yaml": None,

@@ -50,6 +50,16 @@ def test_bad_bodies_are_400(body: bytes) -> None:
     assert info.value.status == 400
 
 
+@pytest.mark.parametrize("depth", [10, 600, 900, 5000])
+def test_a_deeply_nested_prompt_is_read_or_refused_never_raised(depth: int) -> None:
+    """The prompt is walked without recursion: nesting the JSON parser takes is read, deeper is 400."""
+    body = ('{"model":"m","prompt":' + "[" * depth + '"x"' + "]" * depth + "}").encode()
+    try:
+        assert parse_body("/v1/completions", body).prompt == "x"
+    except RequestError as exc:
+        assert exc.status == 400 and depth > 900
+
+
 def test_rewrite_model_keeps_other_fields() -> None:
     request = parse_body("/v1/completions", b'{"model": "a",\n "prompt": "p\\u00e9"}')
     assert rewrite_model(request, "b\u00e9") == '{"model": "b\u00e9",\n "prompt": "p\\u00e9"}'.encode()
