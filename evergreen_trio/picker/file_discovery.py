@@ -9,8 +9,9 @@ InferencePool (or the static ``pool.endpoints``) as the source of endpoints. The
         port: "8000"          # a string, 1..65535
         labels: {app: vllm}
 
-:func:`parse_endpoints_file` is sans-IO; :func:`file_discovery` reads the file once and, with
-``watchFile: true``, polls it from a Trio task (the reference uses fsnotify).
+:func:`parse_endpoints_file` reads its bytes (sans-IO, here); the Trio shell that reads the file
+and, with ``watchFile: true``, polls it is :mod:`evergreen_trio.picker.file_watch` (the reference
+uses fsnotify).
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import trio
 import yaml
 
 from evergreen_trio.picker.errors import ConfigError, PickerError
@@ -30,13 +30,11 @@ from evergreen_trio.picker.plugins import Category, Params, PluginType, register
 
 if TYPE_CHECKING:
     from evergreen_trio.picker.config import Endpoint, PoolConfig
-    from evergreen_trio.picker.runtime import Discovery
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_TYPE = "file-discovery"
 MAX_FILE_SIZE = 1 << 20  # the reference's 1 MiB cap
-POLL_INTERVAL = 1.0  # seconds between two reads of a watched file
 _GO_ATOI = re.compile(r"[+-]?[0-9]+")
 
 
@@ -138,19 +136,6 @@ def parse_endpoints_file(data: bytes) -> tuple[list[FileEndpoint], list[str]]:
     return endpoints, errors
 
 
-def read_endpoints_file(path: str) -> tuple[list[FileEndpoint], list[str]]:
-    """:func:`parse_endpoints_file` of the file at ``path`` (read up to one byte past the cap)."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_FILE_SIZE + 1)
-    except OSError as exc:
-        raise EndpointsFileError(f"reading {path}: {exc.strerror or exc}") from None
-    try:
-        return parse_endpoints_file(data)
-    except EndpointsFileError as exc:
-        raise EndpointsFileError(f"{path}: {exc}") from None
-
-
 def to_endpoints(entries: Sequence[FileEndpoint], pool: PoolConfig) -> list[Endpoint]:
     """The picker's endpoints: one per identity (a later entry replaces an earlier one of the same
     namespace/name, as the reference's upsert does), then one per address."""
@@ -171,62 +156,6 @@ class FileDiscovery:
 
     path: str
     watch_file: bool = False
-
-    def discovery(self, pool: PoolConfig) -> Discovery:
-        """The runtime's Discovery for this file (the pool gives each endpoint's engine)."""
-
-        async def run(on_endpoints: Callable[[Sequence[Endpoint]], None]) -> None:
-            await file_discovery(self.path, self.watch_file, pool, on_endpoints)
-
-        return run
-
-
-async def file_discovery(path: str, watch: bool, pool: PoolConfig,
-                         on_endpoints: Callable[[Sequence[Endpoint]], None], *,
-                         interval: float = POLL_INTERVAL) -> None:
-    """Load ``path`` (any error, a skipped entry included, is fatal as in the reference), then with
-    ``watch`` re-read it every ``interval`` seconds and report each changed set; a failed reload
-    keeps the last set and logs one line, a reload with bad entries applies the good ones."""
-    try:
-        entries, errors = read_endpoints_file(path)
-    except EndpointsFileError as exc:
-        raise PickerError(f"file-discovery: initial load failed: {exc}") from None
-    if errors:
-        raise PickerError(f"file-discovery: initial load failed: {path}: {'; '.join(errors)}")
-    current = to_endpoints(entries, pool)
-    on_endpoints(current)
-    if not watch:
-        await trio.sleep_forever()
-    logger.info("file-discovery: watching %s for changes", path)
-    last = _snapshot(path)
-    while True:
-        await trio.sleep(interval)
-        seen = _snapshot(path)
-        if seen == last:
-            continue
-        last = seen
-        try:
-            entries, errors = read_endpoints_file(path)
-        except EndpointsFileError as exc:
-            logger.error("file-discovery: failed to reload endpoints file, keeping %d endpoints: %s",
-                         len(current), exc)
-            continue
-        if errors:
-            logger.error("file-discovery: failed to reload endpoints file: %s", "; ".join(errors))
-        endpoints = to_endpoints(entries, pool)
-        if endpoints != current:
-            current = endpoints
-            logger.info("file-discovery: endpoints file changed, %d endpoints", len(current))
-            on_endpoints(current)
-
-
-def _snapshot(path: str) -> bytes | None:
-    """The file's content (None when unreadable): a change of it is what a reload follows."""
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(MAX_FILE_SIZE + 1)
-    except OSError:
-        return None
 
 
 def _parse(params: Params) -> FileDiscovery:

@@ -17,13 +17,8 @@ from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
 
 from evergreen_trio.picker.config import Endpoint, PoolConfig, parse_config
 from evergreen_trio.picker.errors import ConfigError, PickerError
-from evergreen_trio.picker.file_discovery import (
-    MAX_FILE_SIZE,
-    EndpointsFileError,
-    FileDiscovery,
-    file_discovery,
-    parse_endpoints_file,
-)
+from evergreen_trio.picker.file_discovery import MAX_FILE_SIZE, EndpointsFileError, FileDiscovery, parse_endpoints_file
+from evergreen_trio.picker.file_watch import file_discovery
 
 TWO = b"""
 endpoints:
