@@ -27,6 +27,8 @@ from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_con
 from evergreen_trio.picker.epp_config import alpha_plugins
 from evergreen_trio.picker.epp_flags import add_reference_flags, apply_reference_flags, go_bool
 from evergreen_trio.picker.errors import ConfigError, PickerError
+from evergreen_trio.picker.file_discovery import FileDiscovery
+from evergreen_trio.picker.file_watch import discovery_for
 from evergreen_trio.picker.flow_control.config import go_duration, quantity
 from evergreen_trio.picker.runtime import (
     DRAIN_WINDOW_SECONDS,
@@ -251,6 +253,10 @@ def picker_settings(args: argparse.Namespace, config: PickerConfig) -> PickerSet
     drain = _drain(args, cluster)
     discovery, election, objectives, metrics_auth = (
         _cluster_parts(args, config, auth) if cluster else (None, None, None, None))
+    declared = config.epp.discovery if config.epp is not None else None
+    if declared is not None and isinstance(declared.params, FileDiscovery):
+        # As the reference's runner: a dataLayer.discovery plugin replaces the InferencePool.
+        discovery = discovery_for(declared.params, config.pool)
     from evergreen_trio.picker.tls import TlsProfile, ext_proc_context, metrics_context  # the `picker` extra
 
     profile = TlsProfile.from_flags(args.tls_min_version, args.tls_cipher_suites)

@@ -319,7 +319,8 @@ def _pool(
         raise ConfigError("pool.name", f"the InferencePool's name {name!r}", doc["name"])
     endpoints: list[Endpoint] = []
     if discovered and "endpoints" in doc:
-        raise ConfigError("pool.endpoints", "no static endpoints with --pool-name (they are discovered)", "a list")
+        raise ConfigError("pool.endpoints", "no static endpoints (--pool-name or dataLayer.discovery lists them)",
+                          "a list")
     raw = [] if discovered else sequence(doc.get("endpoints"), "pool.endpoints")
     if not raw and not discovered:
         raise ConfigError("pool.endpoints", "at least one endpoint", raw)
@@ -469,15 +470,17 @@ def _config_from_documents(documents: Sequence[object], cluster_pool: str | None
         else:
             expected = "EndpointPickerConfig, InferencePool, InferenceModel or InferenceObjective"
             raise ConfigError(f"document[{index}].kind", expected, kind)
-    if cluster_pool is not None and plain is None:
+    epp = read_endpoint_picker_config(picker_config) if picker_config is not None else None
+    # The InferencePool or a dataLayer.discovery plugin lists the endpoints.
+    discovered = cluster_pool is not None or (epp is not None and epp.discovery is not None)
+    if discovered and plain is None:
         plain = {}
-    if plain is None or ("pool" not in plain and cluster_pool is None):
+    if plain is None or ("pool" not in plain and not discovered):
         raise ConfigError("pool", "a 'pool' section with static endpoints", None)
     _no_unknown(plain, {"pool", "models", "objectives", "scheduler", "extProc"}, "")
-    epp = read_endpoint_picker_config(picker_config) if picker_config is not None else None
     pool_values = dict(epp.pool) if epp is not None else {}
     pool = _pool(mapping(plain.get("pool", {}), "pool"), name=pool_name, default_port=default_port,
-                 discovered=cluster_pool is not None, engines=pool_values.pop("engines", None))
+                 discovered=discovered, engines=pool_values.pop("engines", None))
     pool = dataclasses.replace(pool, **pool_values)
     for i, item in enumerate(sequence(plain.get("models", []), "models")):
         entry = mapping(item, f"models[{i}]")

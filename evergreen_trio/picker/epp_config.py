@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from evergreen_trio.picker import file_discovery  # noqa: F401  (registers file-discovery)
 from evergreen_trio.picker.checks import mapping, sequence
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
@@ -103,6 +104,7 @@ class EppConfig:
     feature_gates: tuple[str, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
     parsers: ParserRegistry = DEFAULT_REGISTRY
+    discovery: Plugin | None = None  # dataLayer.discovery: it lists the endpoints
 
 
 def alpha_plugins(epp: EppConfig | None) -> list[Plugin]:
@@ -234,12 +236,13 @@ def _pool_values(plugins: Mapping[str, Plugin]) -> dict[str, Any]:
     return values
 
 
-def _data_layer(doc: Mapping[str, Any], plugins: Mapping[str, Plugin]) -> None:
+def _data_layer(doc: Mapping[str, Any], plugins: Mapping[str, Plugin]) -> Plugin | None:
+    """Check ``dataLayer``; the plugin ``discovery.pluginRef`` names, if any."""
     path = f"{KIND}.dataLayer"
     layer = mapping(doc.get("dataLayer") or {}, path)
     for key in layer:
-        if key != "sources":
-            raise ConfigError(f"{path}.{key}", "one of ['sources'] (discovery is the InferencePool's)", key)
+        if key not in ("sources", "discovery"):
+            raise ConfigError(f"{path}.{key}", "one of ['discovery', 'sources']", key)
     for i, raw in enumerate(sequence(layer.get("sources") or [], f"{path}.sources")):
         source = mapping(raw, f"{path}.sources[{i}]")
         for key in source:
@@ -249,6 +252,13 @@ def _data_layer(doc: Mapping[str, Any], plugins: Mapping[str, Plugin]) -> None:
         for j, extractor in enumerate(sequence(source.get("extractors") or [], f"{path}.sources[{i}].extractors")):
             where = f"{path}.sources[{i}].extractors[{j}]"
             _ref(mapping(extractor, where).get("pluginRef"), f"{where}.pluginRef", plugins, Category.EXTRACTOR)
+    if layer.get("discovery") is None:
+        return None
+    discovery = mapping(layer["discovery"], f"{path}.discovery")
+    for key in discovery:
+        if key != "pluginRef":
+            raise ConfigError(f"{path}.discovery.{key}", "one of ['pluginRef']", key)
+    return _ref(discovery.get("pluginRef"), f"{path}.discovery.pluginRef", plugins, Category.DISCOVERY)
 
 
 def _parser(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Plugin:
@@ -306,7 +316,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
     if not profiles:
         profiles["default"] = _default_profile(plugins)
     handler = _handler(plugins, profiles)
-    _data_layer(doc, plugins)
+    discovery = _data_layer(doc, plugins)
     parsers = _request_handler(doc, plugins)
     first = next(iter(profiles.values()))
     values: dict[str, Any] = {field: first.weight(kind) for kind, field in SCORERS.items()}
@@ -334,7 +344,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
     for name, reader in SECTIONS.items():
         if name in doc:
             extra.update(reader(doc[name], f"{KIND}.{name}", plugins))
-    return EppConfig(values, _pool_values(plugins), plugins, gates, extra, parsers)
+    return EppConfig(values, _pool_values(plugins), plugins, gates, extra, parsers, discovery)
 
 
 def scheduler_values(doc: Mapping[str, Any]) -> dict[str, Any]:

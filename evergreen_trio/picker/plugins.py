@@ -48,6 +48,7 @@ class Category(enum.Enum):
     PRODUCER = "producer"
     DATA_SOURCE = "data-source"
     EXTRACTOR = "extractor"
+    DISCOVERY = "discovery"
     PARSER = "parser"
     ADMITTER = "admitter"
     OTHER = "other"

@@ -278,7 +278,7 @@ BAD_DOCS = [
      "EndpointPickerConfig.schedulingProfiles[0].plugins[0].weight"),
     (PD + "schedulingProfiles: [{name: a, extra: 1}]", "EndpointPickerConfig.schedulingProfiles[0].extra"),
     (PD + "dataLayer: {sources: [{pluginRef: queue-scorer}]}", "EndpointPickerConfig.dataLayer.sources[0].pluginRef"),
-    (PD + "dataLayer: {discovery: {}}", "EndpointPickerConfig.dataLayer.discovery"),
+    (PD + "dataLayer: {discovery: {}}", "EndpointPickerConfig.dataLayer.discovery.pluginRef"),
     (PD + "requestHandler: {parsers: [{pluginRef: queue-scorer}]}",
      "EndpointPickerConfig.requestHandler.parsers[0].pluginRef"),
     (HEAD + "plugins: [{type: pd-profile-handler}]\nschedulingProfiles: [{name: decode}]",
