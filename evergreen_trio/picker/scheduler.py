@@ -154,7 +154,8 @@ class PrefixIndex:
 class PickRequest:
     """What a pick needs: the target model, its priority, the prompt hashes, an optional subset,
     the prompt's length in bytes (P/D deciders estimate its tokens from it), and the request's
-    headers (names in lower case) for the plugins that read them."""
+    headers (names in lower case) and attributes (by (data type, producer) key, see
+    :mod:`evergreen_trio.picker.attributes`) for the plugins that read them."""
 
     model: str | None
     priority: int
@@ -162,6 +163,7 @@ class PickRequest:
     subset: frozenset[str] | None = None
     prompt_bytes: int = 0
     headers: Mapping[str, str] = field(default_factory=dict)
+    attributes: Mapping[tuple[str, str], str] = field(default_factory=dict)
 
 
 @dataclass
