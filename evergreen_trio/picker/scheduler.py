@@ -27,6 +27,7 @@ from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_to
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import Plugin, PrefixScorerParams, Profile
 from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
+from evergreen_trio.picker.testing_filter import TESTING_FILTERS
 
 
 @dataclass
@@ -246,7 +247,8 @@ SCORERS: dict[str, ScorerFunction] = {
 # its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
 # params' keeps(labels).
 FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
-FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS, **LOAD_FILTERS, **CONTEXT_FILTERS}
+FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS, **LOAD_FILTERS, **CONTEXT_FILTERS,
+                                      **TESTING_FILTERS}
 
 
 class PluginState(Protocol):
