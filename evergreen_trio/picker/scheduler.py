@@ -25,7 +25,7 @@ from evergreen_trio.picker.filters import LOAD_FILTERS
 from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
-from evergreen_trio.picker.plugins import Plugin, PrefixScorerParams, Profile
+from evergreen_trio.picker.plugins import DisaggHandler, Plugin, PrefixScorerParams, Profile
 from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
 from evergreen_trio.picker.testing_filter import TESTING_FILTERS
 
@@ -356,7 +356,8 @@ class Scheduler:
         """Run the profiles the handler chooses; RequestError 503 or 429 when no endpoint fits, 500
         when an admitter denies the request.
 
-        Without a handler the one profile picks. With a :class:`DisaggHandler` (decode-first) the
+        Without a handler the one profile picks; with a ``header-profile-handler`` the one a header
+        names (429 when it names none). With a :class:`DisaggHandler` (decode-first) the
         decode profile picks, then the decider looks at the prompt's tokens not cached on the
         decode pick and may run the prefill profile (an empty prefill pick means no P/D);
         prefill-first runs prefill (when that profile exists) and then decode. Stateful plugins
@@ -383,8 +384,8 @@ class Scheduler:
                                if request.hashes else {})
         profiles = {p.name: p for p in self.config.effective_profiles}
         handler = self.config.handler
-        if handler is None:
-            profile = next(iter(profiles.values()))
+        if not isinstance(handler, DisaggHandler):
+            profile = profiles[handler.choose(request.headers, profiles) if handler else next(iter(profiles))]
             picked, scores = self.run_profile(profile, request, candidates, count)
             if not picked:
                 raise RequestError(429, f"{NO_ENDPOINTS}: profile {profile.name!r}'s filters kept none", SATURATED)
