@@ -30,6 +30,7 @@ from evergreen_trio.picker.engine_metrics import ENGINE_ALIASES, ENGINE_METRICS,
 from evergreen_trio.picker.epp_config import EppConfig, is_endpoint_picker_config, read_endpoint_picker_config
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.flow_control.config import FlowControlConfig, flow_control_config
+from evergreen_trio.picker.headerprofile import HeaderProfileHandler
 from evergreen_trio.picker.inflight import LoadConfig, producer_config
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, Profile, WeightedScorer, deferred_deprecations
 
@@ -121,7 +122,8 @@ class SchedulerConfig:
     scheduling profiles with their handler.
 
     ``profiles`` empty means one profile of the four flat weights. ``handler`` None runs the one
-    profile; a :class:`~evergreen_trio.picker.plugins.DisaggHandler` runs decode and prefill profiles (P/D). With
+    profile; a :class:`~evergreen_trio.picker.plugins.DisaggHandler` runs decode and prefill profiles (P/D), a
+    :class:`~evergreen_trio.picker.headerprofile.HeaderProfileHandler` the one a request header names. With
     ``prefix_auto_tune`` the block size is the model servers' scraped one; ``max_prefix_tokens``
     (when > 0) caps the hashed prefix in tokens, else ``max_prefix_blocks`` caps it in blocks.
     """
@@ -140,7 +142,7 @@ class SchedulerConfig:
     prefix_auto_tune: bool = False
     max_prefix_tokens: int = 0
     profiles: tuple[Profile, ...] = ()
-    handler: DisaggHandler | None = None
+    handler: DisaggHandler | HeaderProfileHandler | None = None
 
     @property
     def prefix_block_bytes(self) -> int:
@@ -161,7 +163,7 @@ class SchedulerConfig:
     def uses_prefix(self) -> bool:
         """Whether a request's prompt must be hashed: a profile scores the prefix or filters or
         scores by its matches, or P/D decides on it."""
-        return self.handler is not None or any(
+        return isinstance(self.handler, DisaggHandler) or any(
             p.weight("prefix-cache-scorer") or any(f.type in PREFIX_READERS for f in p.filters)
             or any(s.weight and s.plugin.type in PREFIX_READERS for s in p.scorers)
             for p in self.effective_profiles)

@@ -36,6 +36,7 @@ from typing import Any
 from evergreen_trio.picker import file_discovery  # noqa: F401  (registers file-discovery)
 from evergreen_trio.picker.checks import mapping, sequence
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.headerprofile import HeaderProfileHandler
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import ParserRegistry
 from evergreen_trio.picker.plugins import (
@@ -177,7 +178,8 @@ def _default_profile(plugins: Mapping[str, Plugin]) -> Profile:
                    pickers[-1] if pickers else "max-score-picker")
 
 
-def _handler(plugins: Mapping[str, Plugin], profiles: Mapping[str, Profile]) -> DisaggHandler | None:
+def _handler(plugins: Mapping[str, Plugin],
+             profiles: Mapping[str, Profile]) -> DisaggHandler | HeaderProfileHandler | None:
     handlers = [p for p in plugins.values() if p.category is Category.PROFILE_HANDLER]
     if len(handlers) > 1:
         raise ConfigError(f"{KIND}.plugins", "at most one profile handler", [h.name for h in handlers])
@@ -187,6 +189,8 @@ def _handler(plugins: Mapping[str, Plugin], profiles: Mapping[str, Profile]) -> 
             raise ConfigError(f"{KIND}.schedulingProfiles", "one profile (the single-profile-handler)",
                               f"{len(profiles)} profiles")
         return None
+    if isinstance(handler.params, HeaderProfileHandler):
+        return handler.params  # its profiles are named per request: nothing to check against them here
     assert isinstance(handler.params, DisaggParams)
     params = handler.params
     where = f"{KIND}.plugins[{list(plugins).index(handler.name)}].parameters"

@@ -25,6 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from evergreen_trio.picker.attributes import AttributeKey, flow_fairness_id, request_attributes
 from evergreen_trio.picker.config import DestinationMode, PickerConfig
 from evergreen_trio.picker.errors import ExtProcError, RequestError
 from evergreen_trio.picker.flow_control.gate import FlowGate
@@ -32,7 +33,6 @@ from evergreen_trio.picker.flow_control.key import (
     DEFAULT_FAIRNESS_ID,
     FAIRNESS_HEADERS,
     OBJECTIVE_HEADERS,
-    fairness_id,
     objective_name,
 )
 from evergreen_trio.picker.flow_control.queue import DROPPED_REASON, Outcome, QueueItem
@@ -112,7 +112,7 @@ class Route:
 @dataclass
 class Admission:
     """A parsed request waiting for its pick: model names, priority, flow key, prompt estimates,
-    and its headers (for the plugins that read them)."""
+    and its headers and request attributes (for the plugins that read them)."""
 
     started: float
     subset: frozenset[str] | None = None
@@ -127,6 +127,7 @@ class Admission:
     block_bytes: int = 0
     output_cap: int | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
+    attributes: Mapping[AttributeKey, str] = field(default_factory=dict)
     skip_response: bool = False
     response: ResponseFormat = OPENAI_RESPONSES
 
@@ -140,6 +141,7 @@ class Picker:
         self.rng = rng or random.Random()
         self.scheduler = Scheduler(config, snapshot, self.rng)
         self.parsers = config.epp.parsers if config.epp is not None else DEFAULT_REGISTRY
+        self.plugins = tuple(config.epp.plugins.values()) if config.epp is not None else ()
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight) if config.flow_control else None
         # InferenceObjective name -> priority: the config's, and in cluster mode the watched CRDs' over them.
         self.objectives: Mapping[str, int] = dict(config.objectives)
@@ -173,8 +175,9 @@ class Picker:
         admission = Admission(started=started, subset=subset, byte_size=len(body) if body is not None else 0,
                               headers=headers)
         try:
+            admission.attributes = request_attributes(self.plugins, headers)
             if self.flow is not None:
-                admission.fairness_id = fairness_id(headers)
+                admission.fairness_id = flow_fairness_id(headers, admission.attributes)
             if body is not None:
                 request = self.parsers.parse(path, headers, body)
                 admission.skip_response, admission.response = request.skip_response, request.response
@@ -217,7 +220,7 @@ class Picker:
     def pick(self, admission: Admission, report: StreamReport) -> Route:
         """Pick endpoints for an admitted request and count it in flight; RequestError for 429/500/503."""
         pick = PickRequest(admission.target_model, admission.priority, admission.hashes, admission.subset,
-                           admission.prompt_bytes, admission.headers)
+                           admission.prompt_bytes, admission.headers, admission.attributes)
         try:
             schedule = self.scheduler.schedule(pick, self.pick_count)
             endpoints = schedule.endpoints

@@ -25,8 +25,9 @@ from evergreen_trio.picker.filters import LOAD_FILTERS
 from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
-from evergreen_trio.picker.plugins import Plugin, PrefixScorerParams, Profile
+from evergreen_trio.picker.plugins import DisaggHandler, Plugin, PrefixScorerParams, Profile
 from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
+from evergreen_trio.picker.testing_filter import TESTING_FILTERS
 
 
 @dataclass
@@ -154,7 +155,8 @@ class PrefixIndex:
 class PickRequest:
     """What a pick needs: the target model, its priority, the prompt hashes, an optional subset,
     the prompt's length in bytes (P/D deciders estimate its tokens from it), and the request's
-    headers (names in lower case) for the plugins that read them."""
+    headers (names in lower case) and attributes (by (data type, producer) key, see
+    :mod:`evergreen_trio.picker.attributes`) for the plugins that read them."""
 
     model: str | None
     priority: int
@@ -162,6 +164,7 @@ class PickRequest:
     subset: frozenset[str] | None = None
     prompt_bytes: int = 0
     headers: Mapping[str, str] = field(default_factory=dict)
+    attributes: Mapping[tuple[str, str], str] = field(default_factory=dict)
 
 
 @dataclass
@@ -244,7 +247,8 @@ SCORERS: dict[str, ScorerFunction] = {
 # its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
 # params' keeps(labels).
 FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
-FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS, **LOAD_FILTERS, **CONTEXT_FILTERS}
+FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS, **LOAD_FILTERS, **CONTEXT_FILTERS,
+                                      **TESTING_FILTERS}
 
 
 class PluginState(Protocol):
@@ -352,7 +356,8 @@ class Scheduler:
         """Run the profiles the handler chooses; RequestError 503 or 429 when no endpoint fits, 500
         when an admitter denies the request.
 
-        Without a handler the one profile picks. With a :class:`DisaggHandler` (decode-first) the
+        Without a handler the one profile picks; with a ``header-profile-handler`` the one a header
+        names (429 when it names none). With a :class:`DisaggHandler` (decode-first) the
         decode profile picks, then the decider looks at the prompt's tokens not cached on the
         decode pick and may run the prefill profile (an empty prefill pick means no P/D);
         prefill-first runs prefill (when that profile exists) and then decode. Stateful plugins
@@ -379,8 +384,8 @@ class Scheduler:
                                if request.hashes else {})
         profiles = {p.name: p for p in self.config.effective_profiles}
         handler = self.config.handler
-        if handler is None:
-            profile = next(iter(profiles.values()))
+        if not isinstance(handler, DisaggHandler):
+            profile = profiles[handler.choose(request.headers, profiles) if handler else next(iter(profiles))]
             picked, scores = self.run_profile(profile, request, candidates, count)
             if not picked:
                 raise RequestError(429, f"{NO_ENDPOINTS}: profile {profile.name!r}'s filters kept none", SATURATED)

@@ -8,10 +8,11 @@ Both types take the same parameters and pin a session to one endpoint, by one of
   encoded, in ``encodedEndpointHeaderConfig.header`` (``x-session-token``); a request sending it
   back prefers that endpoint. Nothing is stored. The token names the endpoint by its address
   (the reference's names the pod as ``namespace/name``: each picker reads only its own tokens).
-- ``session_id``: the client names its session in a header (``sessionIdConfig.sources``, by
-  default ``x-session-id``); the first pick of a session binds it to the endpoint, a binding unused
-  for ``evictionTtlSeconds`` (300) goes at the next sweep (every ``evictionSweepSeconds``, 10), and
-  a session moves only when its endpoint was not among the candidates.
+- ``session_id``: the client names its session in a header or a request attribute from
+  ``agent-identity`` or ``session-id-producer`` (``sessionIdConfig.sources``, by default the header
+  ``x-session-id``; the first non-blank one wins); the first pick of a session binds it to the
+  endpoint, a binding unused for ``evictionTtlSeconds`` (300) goes at the next sweep (every
+  ``evictionSweepSeconds``, 10), and a session moves only when its endpoint was not among the candidates.
 
 The scorer gives the session's endpoint 1 and the others 0; the filter keeps the session's endpoint
 alone when it is a candidate, else every candidate. ``profileName`` chooses whose pick is bound or
@@ -28,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from evergreen_trio.picker.attributes import AttributeKey
 from evergreen_trio.picker.checks import sequence
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
@@ -51,11 +53,12 @@ def normalize_header(name: str) -> str:
 
 @dataclass(frozen=True)
 class SessionParams:
-    """One session affinity plugin's parameters, defaults applied (``sources``: header names)."""
+    """One session affinity plugin's parameters, defaults applied (``sources``: a header name, or
+    an attribute's (data type, producer) key)."""
 
     strategy: str = ENCODED_ENDPOINT_HEADER
     token_header: str = DEFAULT_TOKEN_HEADER
-    sources: tuple[str, ...] = (DEFAULT_SESSION_ID_HEADER,)
+    sources: tuple[str | AttributeKey, ...] = (DEFAULT_SESSION_ID_HEADER,)
     ttl_s: float = 300.0
     sweep_s: float = 10.0
     profile: str = ""
@@ -68,18 +71,16 @@ def _session_params(params: Params) -> SessionParams:
     # The reference checks the session_id settings only under that strategy: read them, check them then.
     ttl = ids.number("evictionTtlSeconds", 0.0, minimum=-math.inf) or 300.0
     sweep = ids.number("evictionSweepSeconds", 0.0, minimum=-math.inf) or 10.0
-    sources = []
+    sources: list[str | AttributeKey] = []
     listed = ids.raw.get("sources")
     for i, raw in enumerate(sequence([] if listed is None else listed, ids.where("sources"))):
         source = Params(raw, ids.where(f"sources[{i}]"), "sources", ("header", "attribute", "producer"))
         header, attribute = source.text("header", ""), source.text("attribute", "")
-        source.text("producer", "")
+        producer = source.text("producer", "")
         if strategy == SESSION_ID and bool(header) == bool(attribute):
             raise ConfigError(source.path, "exactly one of header or attribute", dict(source.raw))
-        if strategy == SESSION_ID and attribute:
-            raise ConfigError(source.where("attribute"), "a header source (request attributes come from producers "
-                              "this picker does not implement)", attribute)
-        sources.append(normalize_header(header))
+        # The reference reads a source by its header when one is set (then the producer is unused).
+        sources.append(normalize_header(header) if header else (attribute, producer))
     if strategy == SESSION_ID and ttl <= 0:
         raise ConfigError(ids.where("evictionTtlSeconds"), "> 0", ttl)
     if strategy == SESSION_ID and sweep <= 0:
@@ -113,11 +114,11 @@ class SessionAffinity:
         self._sweep_origin: float | None = None
         self._last_sweep = 0.0  # sweeps done since the origin
 
-    def session_id(self, headers: Mapping[str, str]) -> str:
-        """The first non-blank value among the source headers (trimmed), else ""."""
-        for header in self.params.sources:
-            value = headers.get(header, "").strip()
-            if value:
+    def session_id(self, request: PickRequest) -> str:
+        """The first non-blank value among the source headers and attributes (trimmed), else ""."""
+        for source in self.params.sources:
+            found = request.headers.get(source) if isinstance(source, str) else request.attributes.get(source)
+            if value := (found or "").strip():
                 return value
         return ""
 
@@ -128,7 +129,7 @@ class SessionAffinity:
             wanted = decode_token(request.headers.get(self.params.token_header, ""))
             return wanted if wanted and wanted in candidates else None
         self._sweep(now)
-        session = self.session_id(request.headers) if candidates else ""
+        session = self.session_id(request) if candidates else ""
         bound = self.bindings.get(session, ("", 0.0))[0] if session else ""
         if not bound:
             return None
@@ -149,7 +150,7 @@ class SessionAffinity:
                 schedule.response_headers[self.params.token_header] = encode_token(picked)
             return
         self._sweep(now)
-        session = self.session_id(request.headers)
+        session = self.session_id(request)
         if not session or not picked:
             return
         bound = self.bindings.get(session)

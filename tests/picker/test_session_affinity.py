@@ -104,10 +104,12 @@ def test_session_id_moves_only_on_a_genuine_absence() -> None:
 
 
 def test_session_id_sources_in_order_trimmed() -> None:
-    state = SessionAffinity(SessionParams(strategy="session_id", sources=("x-a", "x-b")))
-    assert state.session_id({"x-a": "  ", "x-b": " s2 "}) == "s2"
-    assert state.session_id({"x-a": "s1", "x-b": "s2"}) == "s1"
-    assert state.session_id({}) == ""
+    state = SessionAffinity(SessionParams(strategy="session_id", sources=("x-a", ("agent-identity", ""), "x-b")))
+    assert state.session_id(_request(**{"x-a": "  ", "x-b": " s2 "})) == "s2"
+    assert state.session_id(_request(**{"x-a": "s1", "x-b": "s2"})) == "s1"
+    assert state.session_id(PickRequest("m", 0, headers={"x-b": "s2"},
+                                        attributes={("agent-identity", ""): " a1 "})) == "a1"
+    assert state.session_id(_request()) == ""
 
 
 def test_session_id_profile_name_binds_that_profiles_pick() -> None:
@@ -250,7 +252,7 @@ P = "EndpointPickerConfig.plugins[0].parameters"
     ("{strategy: session_id, sessionIdConfig: {sources: [{header: a, attribute: b}]}}",
      f"{P}.sessionIdConfig.sources[0]"),
     ("{strategy: session_id, sessionIdConfig: {sources: [{producer: p}]}}", f"{P}.sessionIdConfig.sources[0]"),
-    ("{strategy: session_id, sessionIdConfig: {sources: [{attribute: agent-identity}]}}",
+    ("{strategy: session_id, sessionIdConfig: {sources: [{attribute: 5}]}}",
      f"{P}.sessionIdConfig.sources[0].attribute"),
     ("{strategy: session_id, sessionIdConfig: {sources: {header: a}}}", f"{P}.sessionIdConfig.sources"),
     ("{strategy: session_id, sessionIdConfig: {evictionTtlSeconds: -5}}", f"{P}.sessionIdConfig.evictionTtlSeconds"),

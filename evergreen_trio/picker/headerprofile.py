@@ -1,0 +1,54 @@
+"""``header-profile-handler``, sans-IO, as llm-d-router's
+``scheduling/profilehandler/headerprofile``: each request runs exactly one scheduling profile, the
+one a request header names, and that profile's pick is the request's.
+
+- One configured profile: it always runs, whatever the header says.
+- Else the header's value (``headerName``, default ``EPP-Profile``, compared in lower case;
+  the value trimmed, matched verbatim) names the profile; a missing or blank header runs
+  ``defaultProfile`` (default ``decode``).
+- A value naming no profile, or a default that is not one, runs none: the request is refused
+  with 429, as the reference's scheduler reports it (the reason is logged, not sent).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.plugins import Category, Params, PluginType, register
+
+log = logging.getLogger(__name__)
+
+HEADER_PROFILE_HANDLER = "header-profile-handler"
+
+
+@dataclass(frozen=True)
+class HeaderProfileHandler:
+    """The header naming the profile (lower case) and the profile run without it."""
+
+    header: str = "epp-profile"
+    default_profile: str = "decode"
+
+    def choose(self, headers: Mapping[str, str], profiles: Collection[str]) -> str:
+        """The profile to run; RequestError 429 when the header or the default names none."""
+        if len(profiles) == 1:
+            return next(iter(profiles))
+        value = headers.get(self.header, "").strip()
+        name = value or self.default_profile
+        if name in profiles:
+            return name
+        reason = (f"no scheduling profile configured for {self.header!r} header value {value!r}" if value else
+                  f"defaultProfile {self.default_profile!r} is not a configured scheduling profile")
+        log.info("picker.no_profile_selected reason=%s registered=%s", reason, sorted(profiles))
+        raise RequestError(429, "failed to run any scheduler profile for the request")
+
+
+def _header_profile_handler(params: Params) -> HeaderProfileHandler:
+    header = params.text("headerName", "").strip().lower() or "epp-profile"
+    return HeaderProfileHandler(header, params.text("defaultProfile", "").strip() or "decode")
+
+
+register(HEADER_PROFILE_HANDLER,
+         PluginType(Category.PROFILE_HANDLER, ("headerName", "defaultProfile"), _header_profile_handler))
