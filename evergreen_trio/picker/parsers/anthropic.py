@@ -17,29 +17,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.parsers import gojson
-from evergreen_trio.picker.parsers.gojson import Mismatch, boolean, raw, slice_of, string, struct
+from evergreen_trio.picker.parsers.gojson import Spec, boolean, raw, slice_of, string, string_or_blocks, struct
 from evergreen_trio.picker.parsers.registry import RequestParser, forwarded, register_parser
 from evergreen_trio.picker.request import Api, InferenceRequest, content_text
 from evergreen_trio.picker.usage import ResponseFormat, Usage
 
-
-def _content(value: object, path: str) -> Any:
-    """AnthropicContent: a string (null is an empty one) or an array of content blocks."""
-    if value is None or isinstance(value, str):
-        return value or ""
-    if isinstance(value, list):
-        try:
-            return _BLOCKS(value, path)
-        except Mismatch:
-            pass
-    raise Mismatch(path, "AnthropicContent (a string or an array of content blocks)", value)
-
-
-_BLOCKS = slice_of(struct(
+_content = string_or_blocks("AnthropicContent", lambda: _BLOCKS)
+_BLOCKS: Spec = slice_of(struct(
     "AnthropicContentBlock", type=string, text=string,
     source=struct("AnthropicImageSource", type=string, media_type=string, data=string, url=string),
     id=string, name=string, input=raw, tool_use_id=string, content=_content, thinking=string))

@@ -169,6 +169,23 @@ def slice_of(element: Spec) -> Spec:
     return decode
 
 
+def string_or_blocks(go_type: str, blocks: Callable[[], Spec]) -> Spec:
+    """A content type the reference unmarshals from a string (null: an empty one) or else an array
+    of content blocks (``blocks()``, asked late so that a block may hold content in turn)."""
+
+    def decode(value: object, path: str) -> Any:
+        if value is None or isinstance(value, str):
+            return value or ""
+        if isinstance(value, list):
+            try:
+                return blocks()(value, path)
+            except Mismatch:
+                pass
+        raise Mismatch(path, f"{go_type} (a string or an array of content blocks)", value)
+
+    return decode
+
+
 def map_of(element: Spec) -> Spec:
     def decode(value: object, path: str) -> dict[str, Any] | None:
         if value is None:

@@ -15,33 +15,30 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
 
 from google.protobuf.message import DecodeError
 
 from evergreen_trio._proto.vertexai import vertexai_pb2 as pb
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.parsers import gojson
-from evergreen_trio.picker.parsers.gojson import Mismatch, boolean, map_of, raw, slice_of, string, struct
+from evergreen_trio.picker.parsers.gojson import (
+    Mismatch,
+    Spec,
+    boolean,
+    map_of,
+    raw,
+    slice_of,
+    string,
+    string_or_blocks,
+    struct,
+)
 from evergreen_trio.picker.parsers.grpc import FrameError, grpc_payload
 from evergreen_trio.picker.parsers.registry import RequestParser, forwarded, register_parser
 from evergreen_trio.picker.request import Api, InferenceRequest, content_text
 from evergreen_trio.picker.usage import ResponseFormat, Usage, usage_of
 
-
-def _content(value: object, path: str) -> Any:
-    """The openai parser's Content: a string (null is an empty one) or an array of content blocks."""
-    if value is None or isinstance(value, str):
-        return value or ""
-    if isinstance(value, list):
-        try:
-            return _BLOCKS(value, path)
-        except Mismatch:
-            pass
-    raise Mismatch(path, "Content (a string or an array of content blocks)", value)
-
-
-_BLOCKS = slice_of(struct(
+_content = string_or_blocks("Content", lambda: _BLOCKS)  # the openai parser's Content
+_BLOCKS: Spec = slice_of(struct(
     "ContentBlock", type=string, text=string, image_url=struct("ImageBlock", url=string),
     input_audio=struct("AudioBlock", data=string, format=string), video_url=struct("VideoBlock", url=string)))
 _CHAT_COMPLETIONS = struct(
