@@ -63,5 +63,7 @@ async def test_a_new_servers_first_fetches_take_no_page_faults(nursery: trio.Nur
                     del batch
                 await stream.flush_frees()
             assert got == rows
-            assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 256
+            # A first touch of the 64 MiB would be 16,384 faults; the rest of the process (pytest,
+            # an xdist worker's IO thread) takes a few hundred.
+            assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1024
     nursery.cancel_scope.cancel()
