@@ -45,7 +45,9 @@ def distributions(extras: Sequence[str]) -> set[str]:
 
 def hidden_modules(allowed: Sequence[str]) -> set[str]:
     """Top-level modules that only the extras outside ``allowed`` provide."""
-    kept = distributions(allowed) | {_name(r) for r in PROJECT["dependencies"]} | {"pytest", "pytest-trio"}
+    # pytest-xdist too: CI's two workers load it into every pytest, this one's child included.
+    kept = (distributions(allowed) | {_name(r) for r in PROJECT["dependencies"]}
+            | {"pytest", "pytest-trio", "pytest-xdist"})
     others = distributions([extra for extra in PROJECT["optional-dependencies"] if extra not in allowed]) - kept
     owners = importlib.metadata.packages_distributions()
     return {top for top, dists in owners.items()

@@ -21,10 +21,8 @@ def collect(folder: str, extras: str) -> list[str]:
     """The child's summary lines (skips, errors, the count) after it collected ``folder``."""
     env = {**os.environ, "EVERGREEN_TRIO_ONLY_EXTRAS": extras,
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    # pytest-xdist (CI's two workers) is a developer tool, not in any extra: its plugin is left out.
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "only_extras", "-p", "no:xdist", "--collect-only",
-                           "-q", "-rs", folder], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "only_extras", "--collect-only", "-q", "-rs",
+                           folder], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = [line for line in done.stdout.splitlines() if "::" not in line and line.strip()]
     assert not [line for line in summary if line.startswith("ERROR")], summary
