@@ -33,13 +33,16 @@ def discovery_for(params: FileDiscovery, pool: PoolConfig) -> Discovery:
     return run
 
 
-def read_endpoints_file(path: str) -> tuple[list[FileEndpoint], list[str]]:
-    """:func:`parse_endpoints_file` of the file at ``path`` (read up to one byte past the cap)."""
+def _read(path: str) -> bytes:
+    """The file's bytes, up to one past the cap (:func:`parse_endpoints_file` refuses more)."""
     try:
         with open(path, "rb") as fh:
-            data = fh.read(MAX_FILE_SIZE + 1)
+            return fh.read(MAX_FILE_SIZE + 1)
     except OSError as exc:
         raise EndpointsFileError(f"reading {path}: {exc.strerror or exc}") from None
+
+
+def _parse(path: str, data: bytes) -> tuple[list[FileEndpoint], list[str]]:
     try:
         return parse_endpoints_file(data)
     except EndpointsFileError as exc:
@@ -53,7 +56,8 @@ async def file_discovery(path: str, watch: bool, pool: PoolConfig,
     ``watch`` re-read it every ``interval`` seconds and report each changed set; a failed reload
     keeps the last set and logs one line, a reload with bad entries applies the good ones."""
     try:
-        entries, errors = read_endpoints_file(path)
+        data = _read(path)
+        entries, errors = _parse(path, data)
     except EndpointsFileError as exc:
         raise PickerError(f"file-discovery: initial load failed: {exc}") from None
     if errors:
@@ -63,18 +67,23 @@ async def file_discovery(path: str, watch: bool, pool: PoolConfig,
     if not watch:
         await trio.sleep_forever()
     logger.info("file-discovery: watching %s for changes", path)
-    last = _snapshot(path)
+    last: bytes | None = data  # the bytes the current set came from (None: the file was unreadable)
     while True:
         await trio.sleep(interval)
-        seen = _snapshot(path)
-        if seen == last:
-            continue
-        last = seen
         try:
-            entries, errors = read_endpoints_file(path)
+            data = _read(path)
         except EndpointsFileError as exc:
-            logger.error("file-discovery: failed to reload endpoints file, keeping %d endpoints: %s",
-                         len(current), exc)
+            if last is not None:  # once per outage
+                _keeping(current, exc)
+            last = None
+            continue
+        if data == last:
+            continue
+        last = data
+        try:
+            entries, errors = _parse(path, data)
+        except EndpointsFileError as exc:
+            _keeping(current, exc)
             continue
         if errors:
             logger.error("file-discovery: failed to reload endpoints file: %s", "; ".join(errors))
@@ -85,12 +94,5 @@ async def file_discovery(path: str, watch: bool, pool: PoolConfig,
             on_endpoints(current)
 
 
-def _snapshot(path: str) -> bytes | None:
-    """The file's content (None when unreadable): a change of it is what a reload follows."""
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(MAX_FILE_SIZE + 1)
-    except OSError:
-        return None
-
-
+def _keeping(current: Sequence[Endpoint], exc: EndpointsFileError) -> None:
+    logger.error("file-discovery: failed to reload endpoints file, keeping %d endpoints: %s", len(current), exc)
