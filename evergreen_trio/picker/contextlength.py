@@ -15,13 +15,13 @@ is length 0.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.gotext import GO_SPACE, atoi
 from evergreen_trio.picker.plugins import Category, Params, PluginType, register
 
 if TYPE_CHECKING:
@@ -31,12 +31,6 @@ CONTEXT_LENGTH = "context-length-aware"
 DEFAULT_LABEL = "llm-d.ai/context-length-range"
 UNLABELLED_SCORE = 0.5
 MAX_FALLBACK_SCORE = 0.3
-# Go's strconv.Atoi: an optional sign and ASCII digits, within int64; strings.TrimSpace's
-# whitespace (unicode.IsSpace, which differs from str.strip's).
-_GO_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
-_GO_INT_RANGE = range(-(2**63), 2**63)
-_GO_SPACE = "\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a" \
-            "\u2028\u2029\u202f\u205f\u3000"
 
 
 @dataclass(frozen=True)
@@ -59,13 +53,9 @@ def parse_range(text: str) -> tuple[int, int] | None:
     bounds = text.split("-")
     if len(bounds) != 2:
         return None
-    values = []
-    for bound in bounds:
-        bound = bound.strip(_GO_SPACE)
-        if not _GO_INT.fullmatch(bound) or int(bound) not in _GO_INT_RANGE:
-            return None
-        values.append(int(bound))
-    low, high = values
+    low, high = (atoi(bound.strip(GO_SPACE)) for bound in bounds)
+    if low is None or high is None:
+        return None
     return (low, high) if low <= high else None
 
 

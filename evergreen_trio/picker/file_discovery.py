@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from evergreen_trio.picker.errors import ConfigError, PickerError
+from evergreen_trio.picker.gotext import atoi
 from evergreen_trio.picker.plugins import Category, Params, PluginType, register
 
 if TYPE_CHECKING:
@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_TYPE = "file-discovery"
 MAX_FILE_SIZE = 1 << 20  # the reference's 1 MiB cap
-_GO_ATOI = re.compile(r"[+-]?[0-9]+")
 
 
 class EndpointsFileError(PickerError):
@@ -125,14 +124,13 @@ def parse_endpoints_file(data: bytes) -> tuple[list[FileEndpoint], list[str]]:
     endpoints: list[FileEndpoint] = []
     errors: list[str] = []
     for e in parsed:
-        port = e["port"]
+        port = atoi(e["port"])
         if not valid_ipv4(e["address"]):
             errors.append(f"endpoint {e['name']!r}: invalid IPv4 address {e['address']!r}")
-        elif not _GO_ATOI.fullmatch(port) or not 1 <= int(port) <= 65535:
-            errors.append(f"endpoint {e['name']!r}: invalid port {port!r}")
+        elif port is None or not 1 <= port <= 65535:
+            errors.append(f"endpoint {e['name']!r}: invalid port {e['port']!r}")
         else:
-            endpoints.append(FileEndpoint(e["namespace"] or "default", e["name"], e["address"], int(port),
-                                          e["labels"]))
+            endpoints.append(FileEndpoint(e["namespace"] or "default", e["name"], e["address"], port, e["labels"]))
     return endpoints, errors
 
 

@@ -10,27 +10,22 @@ deadlines (all the invalid ones too) go first come, first served by arrival.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 
 from evergreen_trio.picker.flow_control.key import first_header
+from evergreen_trio.picker.gotext import GO_SPACE, atoi
 from evergreen_trio.picker.plugins import Category, PluginType, register
 
 SLO_DEADLINE = "slo-deadline-ordering-policy"
 TTFT_SLO_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
 # Go's time.Duration(ms) * time.Millisecond must not overflow int64.
 MAX_TTFT_MS = (2**63 - 1) // 1_000_000
-_INTEGER = re.compile(r"[+-]?[0-9]+")
-_GO_SPACE = " \t\n\v\f\r\x85\xa0"  # what Go's strings.TrimSpace trims from a Latin-1 header value
 
 
 def ttft_slo_ms(headers: Mapping[str, str]) -> int | None:
     """The request's TTFT SLO in milliseconds, None when missing or invalid."""
-    text = (first_header(headers, TTFT_SLO_HEADERS) or "").strip(_GO_SPACE)
-    if not _INTEGER.fullmatch(text):
-        return None
-    ms = int(text)
-    return ms if 0 <= ms <= MAX_TTFT_MS else None
+    ms = atoi((first_header(headers, TTFT_SLO_HEADERS) or "").strip(GO_SPACE))
+    return ms if ms is not None and 0 <= ms <= MAX_TTFT_MS else None
 
 
 def rank(headers: Mapping[str, str], received_at: float) -> tuple[float, int]:

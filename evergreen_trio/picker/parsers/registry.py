@@ -15,16 +15,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.gotext import GO_SPACE
 from evergreen_trio.picker.plugins import Category, Plugin, PluginType, register
 from evergreen_trio.picker.request import Api, InferenceRequest
 from evergreen_trio.picker.usage import ResponseFormat
 
 log = logging.getLogger(__name__)
-
-# Go's strings.TrimSpace: unicode.IsSpace's runes.
-GO_SPACE = "\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a" \
-           "\u2028\u2029\u202f\u205f\u3000"
-
 
 @dataclass(frozen=True)
 class RequestParser:

@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.gotext import GO_SPACE
 from evergreen_trio.picker.parsers import gojson
 from evergreen_trio.picker.parsers.gojson import INT, Mismatch, boolean, raw, struct
-from evergreen_trio.picker.parsers.registry import GO_SPACE, RequestParser, register_parser
+from evergreen_trio.picker.parsers.registry import RequestParser, register_parser
 from evergreen_trio.picker.request import Api, InferenceRequest
 from evergreen_trio.picker.usage import ResponseFormat, Usage
 
