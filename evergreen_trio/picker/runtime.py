@@ -13,7 +13,7 @@ import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -308,10 +308,7 @@ async def _elect_in(scope: trio.CancelScope, election: LeaderElection, on_leader
 
 async def _serve_metrics(registry: CollectorRegistry, host: str, port: int, ssl_context: SSLContextSource | None,
                          auth: MetricsAuthSource | None, *, task_status: trio.TaskStatus[int]) -> None:
-    if auth is None:
-        await serve_metrics(registry, host, port, ssl_context=ssl_context, task_status=task_status)
-        return
-    async with auth() as authorize:
+    async with auth() if auth is not None else nullcontext() as authorize:
         await serve_metrics(registry, host, port, ssl_context=ssl_context, authorize=authorize,
                             task_status=task_status)
 
