@@ -99,13 +99,13 @@ def _fetch_device(uri: str) -> int:
     return trio.run(main)
 
 
-def _kept_connection(uri: str, runs: int) -> tuple[float, list[float]]:
+def _kept_connection(uri: str, runs: int, memory: Any = None) -> tuple[float, list[float]]:
     """GB/s of each fetch over one kept connection: the first (which opens it), then the later ones."""
     from evergreen_trio.ipc.gpu import connect_device  # imports CuPy
 
     async def main() -> list[float]:
         rates = []
-        async with connect_device(uri) as client:
+        async with connect_device(uri, memory=memory) as client:
             for _ in range(runs + 1):
                 started = time.perf_counter()
                 batches, _ = await client.fetch("t")

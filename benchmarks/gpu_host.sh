@@ -2,6 +2,8 @@
 # Every GPU and many-core check in one run, for a lent GPU host whose python3 has CuPy, pyarrow, numpy
 # and grpcio but not our other dependencies: those come as cp312 wheels in .whl/ (docs/ipc.md, "GPU
 # host"). Results go under $OUT (default ./gpu-host-out): the log, the results JSON, trace summaries.
+# With arguments, only those steps run (e.g. `bash benchmarks/gpu_host.sh tests ipc_gpu first_fetch`,
+# to fit a short lease); the steps: tests ipc_gpu trace_new trace_kept first_fetch workers ipc session.
 set -u
 OUT=${OUT:-$PWD/gpu-host-out}
 mkdir -p "$OUT/r"
@@ -12,19 +14,27 @@ if [ -d .whl ]; then
     export PYTHONPATH=/tmp/site:$PWD
 fi
 step() { echo; echo "=== $* ($(date +%T))"; }
+tests() {
+    timeout 150 python3 -m pytest -q -m "gpu or ucx" --require-gpu \
+        tests/ipc/test_gpu.py tests/ipc/test_ipc_client.py tests/avp/test_avp_device.py
+}
+ipc_gpu() { timeout 180 python3 -m benchmarks ipc_gpu; }
+trace_new() {
+    timeout 50 python3 -m benchmarks.ipc_trace --memory cupy --total-mib 1024 --runs 4 --profile --out /tmp/trace-new \
+        && cp /tmp/trace-new/summary-cupy.json "$OUT/trace-new.json"
+}
+trace_kept() {
+    timeout 50 python3 -m benchmarks.ipc_trace --memory cupy --total-mib 1024 --runs 5 --kept --out /tmp/trace-kept \
+        && cp /tmp/trace-kept/summary-cupy.json "$OUT/trace-kept.json"
+}
+first_fetch() { timeout 120 python3 -m benchmarks.ipc_first_fetch; }
+workers() { timeout 100 python3 -m benchmarks workers --quick; }
+ipc() { timeout 90 python3 -m benchmarks ipc --quick; }
+session() { timeout 90 python3 -m benchmarks session; }
+[ $# -gt 0 ] || set -- tests ipc_gpu trace_new trace_kept first_fetch workers ipc session
 {
 step host; nvidia-smi -L; nproc; python3 -c "import cupy, numpy, pyarrow, ucxx, trio; print('cupy', cupy.__version__, \
 'numpy', numpy.__version__, 'pyarrow', pyarrow.__version__, 'ucxx', ucxx.__version__, 'trio', trio.__version__)"
-step gpu tests; timeout 120 python3 -m pytest -q -m "gpu or ucx" \
-    --require-gpu tests/ipc/test_gpu.py tests/ipc/test_ipc_client.py tests/avp/test_avp_device.py
-step ipc_gpu; timeout 180 python3 -m benchmarks ipc_gpu
-step trace, a new connection per fetch; timeout 50 python3 -m benchmarks.ipc_trace --memory cupy --total-mib 1024 \
-    --runs 4 --profile --out /tmp/trace-new && cp /tmp/trace-new/summary-cupy.json "$OUT/trace-new.json"
-step trace, kept connection; timeout 50 python3 -m benchmarks.ipc_trace --memory cupy --total-mib 1024 --runs 5 \
-    --kept --out /tmp/trace-kept && cp /tmp/trace-kept/summary-cupy.json "$OUT/trace-kept.json"
-step first fetch, pool fresh or grown; timeout 60 python3 -m benchmarks.ipc_first_fetch
-step workers; timeout 100 python3 -m benchmarks workers --quick
-step ipc on CPU; timeout 90 python3 -m benchmarks ipc --quick
-step session; timeout 90 python3 -m benchmarks session
+for name in "$@"; do step "$name"; "$name"; done
 step done
 } 2>&1 | tee "$OUT/log.txt"

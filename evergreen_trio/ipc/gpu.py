@@ -32,6 +32,7 @@ import pyarrow as pa
 from evergreen_trio.ipc.arrow import OutgoingMessage, messages_from_table
 from evergreen_trio.ipc.client import IpcClient, open_client
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
+from evergreen_trio.ipc.device_pool import DEFAULT_GROWTH_CAP, PoolGrowth, growing_allocator
 from evergreen_trio.ipc.errors import IpcError, UriError
 from evergreen_trio.ipc.flatbuf import MessageHeader, MessageKind
 from evergreen_trio.ipc.pool import BufferPool
@@ -76,11 +77,24 @@ class DeviceMemory:
     """Wait for copies issued so far (before UCX reads a buffer a stream may still write)."""
 
 
-def cupy_memory() -> DeviceMemory:
-    """CuPy's device memory on the current device (the CUDA context is created first)."""
+def cupy_memory(*, growth_cap: int = DEFAULT_GROWTH_CAP, pool: Any = None) -> DeviceMemory:
+    """CuPy's device memory on the current device (the CUDA context is created first).
+
+    Bodies come from ``pool`` (a ``cupy.cuda.MemoryPool``), grown ahead of them in steps that
+    double up to ``growth_cap`` bytes (:class:`~evergreen_trio.ipc.device_pool.PoolGrowth`;
+    ``0`` allocates each body on its own). By default that is CuPy's default pool while it is
+    CuPy's allocator; under another allocator (``cupy.cuda.set_allocator``, RMM's, say) bodies
+    come from that allocator as ``cupy.empty`` would, with no growth ahead.
+    """
+    growth = PoolGrowth(growth_cap)
     cupy = init_cuda()
+    if pool is None and getattr(cupy.cuda.get_allocator(), "__self__", None) is cupy.get_default_memory_pool():
+        pool = cupy.get_default_memory_pool()
+    allocate = (
+        growing_allocator(cupy, pool, growth) if pool is not None else lambda nbytes: cupy.empty(nbytes, cupy.uint8)
+    )
     return DeviceMemory(
-        allocate=lambda nbytes: cupy.empty(nbytes, cupy.uint8),
+        allocate=allocate,
         from_host=cupy.asarray,
         to_host=cupy.asnumpy,
         synchronize=lambda: cupy.cuda.get_current_stream().synchronize(),

@@ -21,8 +21,9 @@ from ipc_helpers import sample_table
 from evergreen_trio.ipc import Catalog, ServeOptions, serve
 from evergreen_trio.ipc.arrow import OutgoingMessage, messages_from_table
 from evergreen_trio.ipc.config import IpcLimits
+from evergreen_trio.ipc.device_pool import DEFAULT_GROWTH_CAP
 from evergreen_trio.ipc.errors import ConnectionLostError, IpcError, LimitExceededError, UriError
-from evergreen_trio.ipc.gpu import DeviceMemory, device_catalog_entry, fetch_device
+from evergreen_trio.ipc.gpu import DeviceMemory, cupy_memory, device_catalog_entry, fetch_device
 
 GUARD_S = 60  # a hang guard, not a timing assertion
 
@@ -48,6 +49,31 @@ async def test_gpu_fetch_wants_a_ucx_uri() -> None:
 async def test_gpu_fetch_without_cupy_is_a_typed_error() -> None:
     with pytest.raises(IpcError, match="CuPy"):
         await fetch_device("ucx://127.0.0.1:1?want_data=1", "t")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("growth_cap", "driver_calls"), [(DEFAULT_GROWTH_CAP, 7), (0, 64)])
+def test_cupy_memory_grows_a_fresh_pool_in_few_driver_allocations(growth_cap: int, driver_calls: int) -> None:
+    """64 bodies of 1 MiB from a fresh CuPy pool: each rise of the pool's total is one ``cudaMalloc``.
+
+    Every body is its own allocation all the same: filled, they keep their own bytes, and dropped,
+    each goes back to the pool.
+    """
+    import cupy
+
+    pool = cupy.cuda.MemoryPool()
+    memory = cupy_memory(growth_cap=growth_cap, pool=pool)
+    bodies, rises, total = [], 0, 0
+    for i in range(64):
+        body = memory.allocate(1 << 20)
+        body.fill(i)
+        bodies.append(body)
+        rises, total = rises + (pool.total_bytes() > total), max(total, pool.total_bytes())
+    assert memory.allocate(0).nbytes == 0
+    assert rises == driver_calls
+    assert [(int(b.min()), int(b.max())) for b in bodies] == [(i, i) for i in range(64)]
+    del bodies, body
+    assert pool.used_bytes() == 0
 
 
 async def server_left_alone() -> None:
