@@ -27,7 +27,8 @@ PACKAGE = ROOT / "evergreen_trio"
 SANS_IO_CORES = (
     "dag/*.py",
     "avp/codec.py", "avp/errors.py", "avp/handshake.py", "avp/incremental.py", "avp/kv.py", "avp/message.py",
-    "ipc/config.py", "ipc/errors.py", "ipc/flatbuf.py", "ipc/framing.py", "ipc/reassembly.py", "ipc/uri.py",
+    "ipc/config.py", "ipc/device_pool.py", "ipc/errors.py", "ipc/flatbuf.py", "ipc/framing.py", "ipc/reassembly.py",
+    "ipc/uri.py",
     "picker/config.py", "picker/engine_metrics.py", "picker/epp_config.py", "picker/errors.py",
     "_grpc/server_wire.py", "picker/plugins.py",
     "picker/processor.py", "picker/request.py", "picker/scheduler.py", "picker/usage.py", "picker/parsers/*.py",
