@@ -29,7 +29,13 @@ from evergreen_trio.picker.checks import integer, mapping, number, sequence, str
 from evergreen_trio.picker.engine_metrics import ENGINE_ALIASES, ENGINE_METRICS, EngineConfig
 from evergreen_trio.picker.epp_config import EppConfig, is_endpoint_picker_config, read_endpoint_picker_config
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.flow_control.config import FlowControlConfig, flow_control_config
+from evergreen_trio.picker.flow_control.config import (
+    ConcurrencyDetector,
+    FlowControlConfig,
+    UtilizationDetector,
+    flow_control_config,
+    saturation_detector,
+)
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
 from evergreen_trio.picker.inflight import LoadConfig, producer_config
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, Profile, WeightedScorer, deferred_deprecations
@@ -210,6 +216,8 @@ class PickerConfig:
     ext_proc: ExtProcConfig = ExtProcConfig()
     flow_control: FlowControlConfig | None = None  # featureGates: [flowControl] in an EndpointPickerConfig
     epp: EppConfig | None = None  # the EndpointPickerConfig as read (plugins by name, feature gates, sections)
+    # Behind the legacy admission (flow control off); None: the scheduler's thresholds with the pool's staleness.
+    saturation_detector: UtilizationDetector | ConcurrencyDetector | None = None
 
     def model(self, name: str) -> ModelConfig | None:
         """The configured model ``name``, or None when it is not configured."""
@@ -511,6 +519,7 @@ def _config_from_documents(documents: Sequence[object], cluster_pool: str | None
         ext_proc=_ext_proc(mapping(plain.get("extProc", {}), "extProc")),
         flow_control=flow_control_config(epp) if epp is not None else None,
         epp=epp,
+        saturation_detector=saturation_detector(epp, pool.staleness_threshold_s) if epp is not None else None,
     )
 
 

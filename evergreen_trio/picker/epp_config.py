@@ -326,6 +326,9 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
     values: dict[str, Any] = {field: first.weight(kind) for kind, field in SCORERS.items()}
     values.update(_prefix_values(plugins), profiles=tuple(profiles.values()), handler=handler)
     saturation = mapping(doc.get("saturationDetector") or {}, f"{KIND}.saturationDetector")
+    if "pluginRef" in saturation:
+        doc = _migrate_detector_ref(doc, saturation)
+        saturation = {}
     for key, value in saturation.items():
         path = f"{KIND}.saturationDetector.{key}"
         if key in _SATURATION:
@@ -333,7 +336,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
                 raise ConfigError(path, "a positive number", value)
             values[_SATURATION[key]] = float(value)
         elif key != "metricsStalenessThreshold":  # the pool's, set by --metrics-staleness-threshold
-            raise ConfigError(path, f"one of {sorted([*_SATURATION, 'metricsStalenessThreshold'])}", key)
+            raise ConfigError(path, f"one of {sorted([*_SATURATION, 'metricsStalenessThreshold', 'pluginRef'])}", key)
     raw_gates = sequence(doc.get("featureGates") or [], f"{KIND}.featureGates")
     for i, gate in enumerate(raw_gates):
         # A gate is "name", "name=true" or "name=false", as llm-d's parser takes them.
@@ -349,6 +352,19 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
         if name in doc:
             extra.update(reader(doc[name], f"{KIND}.{name}", plugins))
     return EppConfig(values, _pool_values(plugins), plugins, gates, extra, parsers, discovery)
+
+
+def _migrate_detector_ref(doc: Mapping[str, Any], saturation: Mapping[str, Any]) -> Mapping[str, Any]:
+    """llm-d-router's deprecated top-level ``saturationDetector: {pluginRef}`` stands for
+    ``flowControl.saturationDetector`` unless that is set (its config loader copies it so); the
+    thresholds form (``queueDepthThreshold``...) is the Gateway API Inference Extension's older one."""
+    if len(saturation) > 1:
+        raise ConfigError(f"{KIND}.saturationDetector", "either pluginRef or the thresholds "
+                          f"({', '.join(sorted(_SATURATION))}), not both", sorted(saturation))
+    flow = mapping(doc.get("flowControl") or {}, f"{KIND}.flowControl")
+    if "saturationDetector" in flow:
+        return doc
+    return {**doc, "flowControl": {**flow, "saturationDetector": {"pluginRef": saturation["pluginRef"]}}}
 
 
 def scheduler_values(doc: Mapping[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from evergreen_trio.picker.contextlength import CONTEXT_FILTERS, CONTEXT_SCORERS
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.filters import LOAD_FILTERS
+from evergreen_trio.picker.flow_control.config import UtilizationDetector
+from evergreen_trio.picker.flow_control.detectors import saturation as detector_saturation
 from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
@@ -304,6 +306,8 @@ class Scheduler:
         self.inflight = InflightLoad(config.scheduler.load)
         # With flow control on, it alone holds back sheddable requests at saturation (as the reference).
         self.legacy_shedding = config.flow_control is None
+        self.shed_detector = config.saturation_detector or UtilizationDetector(
+            config.scheduler.queue_threshold, config.scheduler.kv_cache_threshold, snapshot.staleness_s)
         self.admitters = declared_admitters(config.epp.plugins.values()) if config.epp is not None else []
         # Of the last pick, for the stream's report: leading blocks each candidate held, and
         # seconds spent per scorer (keyed by the reference's plugin type names).
@@ -322,17 +326,8 @@ class Scheduler:
                 self.plugin_states[plugin.name] = factory(plugin.params)
 
     def saturation(self) -> float:
-        """Mean over endpoints of max(queue/threshold, kv/threshold); stale or down counts 1.0."""
-        states = self.snapshot.states.values()
-        now = self.snapshot.clock()
-        total = 0.0
-        for state in states:
-            if state.metrics is None or not self.snapshot.is_fresh(state, now):
-                total += 1.0
-            else:
-                total += max(state.metrics.waiting / self.config.queue_threshold,
-                             state.metrics.kv_usage / self.config.kv_cache_threshold)
-        return total / len(states) if states else 1.0
+        """What the legacy admission's detector reads now (1.0 and above: shed sheddable requests)."""
+        return detector_saturation(self.shed_detector, self.snapshot, self.inflight)
 
     def prefix_geometry(self) -> tuple[int, int]:
         """(block bytes, max blocks) for hashing prompts now.

@@ -59,6 +59,7 @@ DEFAULT_BAND_MAX_REQUESTS = 5000
 DEFAULT_TTL_S = 60.0
 CONCURRENCY_MODES = ("requests", "tokens", "hybrid")
 _SECTION = "flowControl"
+_DETECTOR_KEY = "saturation_detector"  # in EppConfig.extra: the detector flowControl.saturationDetector names
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class UtilizationDetector:
     """``utilization-detector``: mean over endpoints of max(waiting / queue, kv / kv threshold);
     an endpoint without metrics as fresh as ``metrics_staleness_s`` counts 1.0."""
 
-    queue_depth_threshold: int = 5
+    queue_depth_threshold: float = 5
     kv_cache_util_threshold: float = 0.8
     metrics_staleness_s: float = 0.2
     headroom: float = 0.0
@@ -247,9 +248,11 @@ def gate_enabled(gates: Sequence[str]) -> bool:
     return enabled
 
 
-def read_section(raw: object, path: str, plugins: Mapping[str, Plugin]) -> dict[str, FlowControlConfig]:
-    """The ``flowControl:`` section -> ``{"flow_control": FlowControlConfig}`` (validated whether or
-    not the gate is on: a typo must not wait for the gate to be turned on)."""
+def read_section(raw: object, path: str, plugins: Mapping[str, Plugin]) -> dict[str, Any]:
+    """The ``flowControl:`` section -> ``{"flow_control": FlowControlConfig}``, and its
+    ``saturationDetector`` as ``"saturation_detector"`` when the section names one (validated
+    whether or not the gate is on: a typo must not wait for the gate to be turned on, and the
+    legacy admission reads the detector with the gate off, as llm-d-router's)."""
     section = mapping(raw or {}, path)
     _known(section, ("maxBytes", "maxRequests", "defaultRequestTTL", "noEndpointRequestTTL", "priorityBands",
                      "defaultPriorityBand", "defaultNegativePriorityBand", "saturationDetector",
@@ -288,8 +291,12 @@ def read_section(raw: object, path: str, plugins: Mapping[str, Plugin]) -> dict[
         raise ConfigError(f"{path}.enableEviction", "false (in-flight eviction is not supported)",
                           section["enableEviction"])
     detector = _detector(plugins, detector_ref)
-    return {"flow_control": FlowControlConfig(max_bytes, max_requests, ttl, no_endpoint_ttl, tuple(bands), default,
-                                              negative, detector, _programs(plugins), usage_limit)}
+    read: dict[str, Any] = {"flow_control": FlowControlConfig(
+        max_bytes, max_requests, ttl, no_endpoint_ttl, tuple(bands), default, negative, detector, _programs(plugins),
+        usage_limit)}
+    if section.get("saturationDetector") is not None:
+        read[_DETECTOR_KEY] = detector
+    return read
 
 
 def _programs(plugins: Mapping[str, Plugin]) -> tuple[tuple[str, ProgramAwareParams], ...]:
@@ -307,11 +314,30 @@ register_section("flowControl", read_section)
 register_feature_gate(FEATURE_GATE)
 
 
+def saturation_detector(epp: EppConfig, pool_staleness_s: float) -> UtilizationDetector | ConcurrencyDetector:
+    """The detector behind the legacy admission (the ``flowControl`` gate off): sheddable requests
+    are dropped while it reads >= 1.0.
+
+    As llm-d-router: ``flowControl.saturationDetector`` (or the deprecated top-level
+    ``saturationDetector.pluginRef``), else the ``utilization-detector`` (declared under that name,
+    or built in with its defaults). The Gateway API Inference Extension's older top-level
+    thresholds (``queueDepthThreshold``, ``kvCacheUtilThreshold``) make a utilization detector of
+    them that reads metrics as fresh as the pool's ``metricsStalenessThreshold``.
+    """
+    named = epp.extra.get(_DETECTOR_KEY)
+    if isinstance(named, UtilizationDetector | ConcurrencyDetector):
+        return named
+    if "queue_threshold" in epp.scheduler or "kv_cache_threshold" in epp.scheduler:
+        return UtilizationDetector(epp.scheduler.get("queue_threshold", 5.0),
+                                   epp.scheduler.get("kv_cache_threshold", 0.8), pool_staleness_s)
+    return _detector(epp.plugins, UTILIZATION)
+
+
 def flow_control_config(epp: EppConfig) -> FlowControlConfig | None:
     """The flow control layer an ``EndpointPickerConfig`` turns on, or None when its gate is off."""
     if not gate_enabled(epp.feature_gates):
         return None
-    config = epp.extra.get("flow_control")
-    if isinstance(config, FlowControlConfig):
-        return config
-    return read_section({}, f"EndpointPickerConfig.{_SECTION}", epp.plugins)["flow_control"]
+    config = epp.extra.get("flow_control") or read_section({}, f"EndpointPickerConfig.{_SECTION}", epp.plugins)[
+        "flow_control"]
+    assert isinstance(config, FlowControlConfig)
+    return config

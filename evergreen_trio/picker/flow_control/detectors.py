@@ -9,9 +9,13 @@ detectors' scheduling-filter role in llm-d, which profiles here do not have: it 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from evergreen_trio.picker.flow_control.config import ConcurrencyDetector, UtilizationDetector
 from evergreen_trio.picker.inflight import InflightLoad
-from evergreen_trio.picker.scheduler import PoolSnapshot
+
+if TYPE_CHECKING:  # the scheduler runs these detectors for the legacy admission
+    from evergreen_trio.picker.scheduler import PoolSnapshot
 
 
 def utilization(config: UtilizationDetector, snapshot: PoolSnapshot) -> float:
