@@ -20,11 +20,6 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
-
 from evergreen_trio.picker.errors import ConfigError, PickerError
 
 log = logging.getLogger(__name__)
@@ -95,6 +90,12 @@ def _openssl_names(ids: list[int]) -> str:
 
 def self_signed_pem(common_name: str = "evergreen-trio-picker", days: int = 365) -> tuple[bytes, bytes]:
     """A fresh P-256 key and a self-signed certificate for it, both PEM: ``(cert, key)``."""
+    # Only a self-signed certificate needs cryptography: a plaintext or file-backed picker runs without it.
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = datetime.datetime.now(datetime.UTC)
