@@ -16,10 +16,11 @@ from evergreen_trio.picker.errors import ConfigError, RequestError
 from evergreen_trio.picker.flow_control.config import ConcurrencyDetector, UtilizationDetector
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler
 
+IDLE = EndpointMetrics()
 CONCURRENCY = "plugins:\n- {type: concurrency-detector, name: slots, parameters: {maxConcurrency: 1}}\n"
 
 
-def scheduler(text: str, metrics: EndpointMetrics = EndpointMetrics(), age_s: float = 0.0) -> Scheduler:
+def scheduler(text: str, metrics: EndpointMetrics = IDLE, age_s: float = 0.0) -> Scheduler:
     """Both endpoints scraped ``age_s`` ago (the pool's own staleness threshold is 2 s)."""
     config = parse_config(POOL + HEAD + text)
     now = [0.0]

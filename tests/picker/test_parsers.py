@@ -21,6 +21,7 @@ from evergreen_trio.picker.errors import ConfigError, RequestError
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY, PARSERS
 from evergreen_trio.picker.parsers.passthrough import PASSTHROUGH
 from evergreen_trio.picker.parsers.registry import (
+    MAX_RESOLVED_PATHS,
     ParserRegistry,
     RequestParser,
     forwarded,
@@ -171,6 +172,19 @@ def test_request_path(headers: Mapping[str, str], path: str) -> None:
 ])
 def test_match_path_suffix(path: str, suffix: str, matches: bool) -> None:
     assert match_path_suffix(path, suffix) is matches
+
+
+@given(st.lists(st.text(max_size=40).map(lambda tail: "/v1/" + tail), min_size=1, max_size=50))
+def test_resolved_paths_match_the_claims_and_stay_bounded(paths: list[str]) -> None:
+    """A client's paths are resolved as the claims say, remembered in a map that never outgrows its cap
+    (a flood of distinct paths included)."""
+    registry = ParserRegistry([Plugin(p.type, p.type, p) for p in DEFAULT_REGISTRY.parsers])
+    for path in [*paths, *(f"/v1/{i}" for i in range(MAX_RESOLVED_PATHS + 10)), *paths]:
+        claimed = [(len(s), parser) for parser in registry.parsers for s in parser.paths
+                   if match_path_suffix(path, s)]
+        expected = max(claimed, key=lambda c: c[0])[1] if claimed else registry.fallback
+        assert registry.resolve(path) is expected
+        assert len(registry._resolved) <= MAX_RESOLVED_PATHS
 
 
 @pytest.mark.parametrize(("path", "kind"), [

@@ -60,6 +60,9 @@ def request_path(headers: Mapping[str, str]) -> str:
     return "/v1/completions"
 
 
+MAX_RESOLVED_PATHS = 256
+
+
 def _suffix(claim: str) -> str:
     return claim.strip(GO_SPACE).strip("/")
 
@@ -77,6 +80,8 @@ class ParserRegistry:
         self.parsers: list[RequestParser] = []
         self.fallback: RequestParser | None = None
         self._claims: list[tuple[RequestParser, tuple[str, ...]]] = []
+        # Paths come from clients: resolved ones are kept in a bounded map, cleared when full.
+        self._resolved: dict[str, RequestParser] = {}
         taken: set[str] = set()
         for index, plugin in enumerate(plugins):
             parser = plugin.params
@@ -99,10 +104,20 @@ class ParserRegistry:
 
     def resolve(self, path: str) -> RequestParser:
         """The parser of ``path``; RequestError(400) when none claims it and there is no fallback."""
+        parser = self._resolved.get(path)
+        if parser is None:
+            parser = self._resolve(path)
+            if len(self._resolved) >= MAX_RESOLVED_PATHS:
+                self._resolved.clear()
+            self._resolved[path] = parser
+        return parser
+
+    def _resolve(self, path: str) -> RequestParser:
         best, best_length = None, 0
+        trimmed = path.strip(GO_SPACE).removesuffix("/")  # as match_path_suffix trims it
         for parser, suffixes in self._claims:
             for suffix in suffixes:
-                if len(suffix) > best_length and match_path_suffix(path, suffix):
+                if len(suffix) > best_length and trimmed.endswith(suffix):
                     best, best_length = parser, len(suffix)
         if best is not None:
             return best
