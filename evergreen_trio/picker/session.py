@@ -33,6 +33,7 @@ from evergreen_trio.picker.attributes import AttributeKey
 from evergreen_trio.picker.checks import sequence
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.gotext import trim_space
 from evergreen_trio.picker.plugins import Category, Params, PluginType, register
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ class SessionAffinity:
         """The first non-blank value among the source headers and attributes (trimmed), else ""."""
         for source in self.params.sources:
             found = request.headers.get(source) if isinstance(source, str) else request.attributes.get(source)
-            if value := (found or "").strip():
+            if value := trim_space(found or ""):
                 return value
         return ""
 
