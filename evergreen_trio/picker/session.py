@@ -100,7 +100,9 @@ def _session_params(params: Params) -> SessionParams:
 
 
 def decode_token(token: str) -> str:
-    """The endpoint a session token names; "" when there is none or it is not standard base64."""
+    """The endpoint a session token names; "" when there is none or it is not standard base64
+    (Go's ``base64.StdEncoding``, which skips ``\\r`` and ``\\n``)."""
+    token = token.replace("\r", "").replace("\n", "")
     try:
         return base64.b64decode(token, validate=True).decode("utf-8", "replace") if token else ""
     except (binascii.Error, ValueError):
