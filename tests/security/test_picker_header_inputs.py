@@ -8,7 +8,8 @@ lower case, the last of a repeated header wins, values trimmed as Go's ``strings
 their bytes, names compared byte for byte), then a well-formed request is served on the same
 connection (a new stream) and on a new one. Values: at and over the ext_proc message cap, repeated
 thousands of times, bytes that are no UTF-8, controls, NUL, empty, naming no profile, endpoint or
-session, and a flood of new session and agent ids, whose bindings stay bounded.
+session, and a flood of new session and agent ids: session affinity's bindings and, under flow
+control, program-aware-fairness's programs (an agent identity is a fairness id) stay bounded.
 """
 
 from __future__ import annotations
@@ -86,20 +87,31 @@ class Running:
 
 
 @pytest.fixture
-async def picker(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> Running:
-    made: list[Picker] = []
+def made(monkeypatch: pytest.MonkeyPatch) -> list[Picker]:
+    """The Picker each run_picker makes, to read its plugins' state."""
+    pickers: list[Picker] = []
 
-    class Recorded(Picker):  # run_picker makes its Picker: keep it, to read the plugins' state
+    class Recorded(Picker):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            made.append(self)
+            pickers.append(self)
 
     monkeypatch.setattr(runtime, "Picker", Recorded)
+    return pickers
+
+
+async def start(nursery: trio.Nursery, cfg: PickerConfig) -> PickerPorts:
+    ports: PickerPorts = await nursery.start(partial(run_picker, cfg, grpc_port=0, health_port=0, metrics_port=0))
+    await wait_routable(ports.grpc)
+    return ports
+
+
+@pytest.fixture
+async def picker(nursery: trio.Nursery, made: list[Picker]) -> Running:
     idle = f"127.0.0.1:{await nursery.start(serve_fake_engine, 0)}"
     busy = f"127.0.0.1:{await nursery.start(serve_fake_engine, 8)}"
     cfg = config(idle, busy)
-    ports: PickerPorts = await nursery.start(partial(run_picker, cfg, grpc_port=0, health_port=0, metrics_port=0))
-    await wait_routable(ports.grpc)
+    ports = await start(nursery, cfg)
     (running_picker,) = made
     with trio.fail_after(10):
         while len(running_picker.snapshot.ready_states()) < 2:  # noqa: ASYNC110 (the scrapers' state)
@@ -163,11 +175,12 @@ def expected(running: Running, pairs: Pairs) -> tuple[int, str | None]:
     return 200, endpoint
 
 
-def legit_served(running: Running, connection: grpc.Channel) -> None:
-    """A well-formed request is routed on ``connection`` (a new stream) and on a new connection."""
-    for target in (connection, running.ports.grpc):
+def legit_served(connection: grpc.Channel, port: int, idle: str) -> None:
+    """A well-formed request is routed to ``idle`` on ``connection`` (a new stream) and on a new
+    connection to ``port``."""
+    for target in (connection, port):
         got = ext_proc(target, LEGIT_BODY)
-        assert (got.status, got.endpoint) == (200, running.idle), got
+        assert (got.status, got.endpoint) == (200, idle), got
 
 
 def answer(connection: grpc.Channel, pairs: Pairs | Mapping[str, str]) -> tuple[int, str | None]:
@@ -232,7 +245,7 @@ async def test_hostile_header_values_get_the_references_answer_and_the_port_serv
             @given(requests)
             def one_request(sent: list[tuple[str, bytes]]) -> None:
                 assert answer(connection, sent) == expected(picker, sent)
-                legit_served(picker, connection)
+                legit_served(connection, picker.ports.grpc, picker.idle)
 
             for case in edge_requests(picker):
                 one_request = example(case)(one_request)
@@ -284,7 +297,7 @@ async def test_a_value_at_the_message_cap_is_answered_and_one_byte_over_is_resou
             with pytest.raises(grpc.RpcError) as refused:
                 answer(connection, at_cap(picker, pairs, 0, filler, extra=1))
             assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-            legit_served(picker, connection)
+            legit_served(connection, picker.ports.grpc, picker.idle)
 
     await trio.to_thread.run_sync(check)
     assert all(len(key) <= MAX_SESSION_KEY_CHARS for key in picker.sessions.bindings)
@@ -303,7 +316,7 @@ async def test_two_thousand_repeated_headers_the_last_wins(picker: Running) -> N
             assert answer(connection, {SID: "repeated-1999"}) == (200, picker.busy)  # the last was bound
             assert answer(connection, {SID: "repeated-0"}) == (200, picker.idle)
             assert answer(connection, [*sids[:5], (STAGE, b"pinned"), (STAGE, b"nope")]) == (429, None)
-            legit_served(picker, connection)
+            legit_served(connection, picker.ports.grpc, picker.idle)
 
     await trio.to_thread.run_sync(check)
 
@@ -325,8 +338,48 @@ async def test_a_flood_of_new_session_and_agent_ids_keeps_the_bindings_bounded(p
             assert answer(connection, {SID: last, STAGE: "pinned", SELECTION: picker.busy}) == (200, picker.busy)
             assert answer(connection, {SID: last}) == (200, picker.idle)  # bound to its first pick
             assert answer(connection, {SID: first}) == (200, picker.idle)  # evicted: bound anew
-            legit_served(picker, connection)
+            legit_served(connection, picker.ports.grpc, picker.idle)
 
     await trio.to_thread.run_sync(check)
     assert len(picker.sessions.bindings) == 100
     assert all(len(key) <= MAX_SESSION_KEY_CHARS for key in picker.sessions.bindings)
+
+
+FLOW = """pool: {{name: flow, endpoints: ['{idle}']}}
+extProc: {{observeResponses: false}}
+---
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- {{type: queue-scorer}}
+- {{type: agent-identity}}
+- {{type: program-aware-fairness, name: fair}}
+flowControl:
+  defaultPriorityBand: {{fairnessPolicyRef: fair}}
+"""
+
+
+async def test_a_flood_of_agent_ids_keeps_flow_controls_programs_bounded(nursery: trio.Nursery,
+                                                                          made: list[Picker]) -> None:
+    """With flow control an agent identity is the request's fairness id, a program-aware-fairness
+    program: 300 new ones with the bound lowered to 100 leave the 100 most recent; identities that
+    are no fairness id (NUL, 300 chars, no ASCII, blank) queue in default-flow."""
+    idle = f"127.0.0.1:{await nursery.start(serve_fake_engine, 0)}"
+    ports = await start(nursery, parse_config(FLOW.format(idle=idle)))
+    (running_picker,) = made
+    assert running_picker.flow is not None
+    fair = running_picker.flow.queue.programs["fair"]
+    fair.max_programs = 100
+
+    def check() -> None:
+        with channel(ports.grpc) as connection:
+            for i in range(300):
+                assert answer(connection, {"x-claude-code-session-id": f"agent-{i:04d}"}) == (200, idle)
+            for hostile in (b"\x00", b"a" * 300, "\u00e9".encode(), b" \t"):
+                assert answer(connection, [("x-claude-code-session-id", hostile)]) == (200, idle)
+            legit_served(connection, ports.grpc, idle)
+
+    await trio.to_thread.run_sync(check)
+    assert len(fair.programs) == 100
+    assert "agent-0299" in fair.programs and "agent-0000" not in fair.programs and "default-flow" in fair.programs
