@@ -10,7 +10,8 @@ An attribute is keyed as the reference's ``DataKey``: (data type, producer name)
   header is queued under that identity.
 - ``session-id-producer`` stores the trimmed value of ``headerName`` (a request header) or of the
   cookie ``cookieName`` in the ``cookie`` header (exactly one is set) under
-  ``("SessionIDDataKey", <plugin name>)``; nothing when it is absent or blank.
+  ``("SessionIDDataKey", <plugin name>)``; nothing when it is absent or blank. Trimmed as Go's
+  ``strings.TrimSpace`` trims the raw bytes (:func:`~evergreen_trio.picker.gotext.trim_space`).
 
 Session affinity's ``sessionIdConfig.sources`` read them as ``attribute`` (and ``producer``).
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from evergreen_trio.picker.checks import sequence
 from evergreen_trio.picker.errors import ConfigError, RequestError
 from evergreen_trio.picker.flow_control.key import DEFAULT_FAIRNESS_ID, FAIRNESS_HEADERS, fairness_id, first_header
+from evergreen_trio.picker.gotext import header_text, trim_space
 from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, register
 
 AGENT_IDENTITY = "agent-identity"
@@ -72,12 +74,12 @@ def _session_id_producer(params: Params) -> SessionIdProducerParams:
 
 def cookie_value(header: str, name: str) -> str:
     """The value of cookie ``name`` in a ``cookie`` header ("" when absent): pairs split on ";",
-    each trimmed and cut at its first "="; the first pair named ``name`` wins."""
+    each trimmed and cut at its first "="; the first pair named ``name`` (its bytes) wins."""
     if not header or not name:
         return ""
     for pair in header.split(";"):
-        key, eq, value = pair.strip().partition("=")
-        if eq and key == name:
+        key, eq, value = trim_space(pair).partition("=")
+        if eq and header_text(key) == name:
             return value
     return ""
 
@@ -95,7 +97,7 @@ def request_attributes(plugins: Iterable[Plugin], headers: Mapping[str, str]) ->
         elif isinstance(params, SessionIdProducerParams):
             raw = headers.get(params.header, "") if params.header else cookie_value(headers.get("cookie", ""),
                                                                                     params.cookie)
-            if value := raw.strip():
+            if value := trim_space(raw):
                 attributes[(SESSION_ID_DATA_TYPE, plugin.name)] = value
     return attributes
 
@@ -109,7 +111,7 @@ def flow_fairness_id(headers: Mapping[str, str], attributes: Mapping[AttributeKe
     it is set (RequestError 400 when invalid), else the agent identity, else ``default-flow``.
     An identity that is no valid fairness id (see :func:`fairness_id`) queues in ``default-flow``
     rather than failing a request for a session header it did not mean as a flow key."""
-    if (first_header(headers, FAIRNESS_HEADERS) or "").strip():
+    if trim_space(first_header(headers, FAIRNESS_HEADERS) or ""):
         return fairness_id(headers)
     try:
         return fairness_id({FAIRNESS_HEADERS[0]: attributes.get(AGENT_IDENTITY_KEY, "")})

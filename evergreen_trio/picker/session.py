@@ -13,6 +13,10 @@ Both types take the same parameters and pin a session to one endpoint, by one of
   ``x-session-id``; the first non-blank one wins); the first pick of a session binds it to the
   endpoint, a binding unused for ``evictionTtlSeconds`` (300) goes at the next sweep (every
   ``evictionSweepSeconds``, 10), and a session moves only when its endpoint was not among the candidates.
+  Session ids come from clients, so the bindings are bounded: at most :data:`MAX_SESSION_BINDINGS`
+  per plugin (the least recently bound goes first, the one the TTL would drop first; the reference
+  keeps every binding until its TTL), and an id longer than :data:`MAX_SESSION_KEY_CHARS` is bound
+  under its SHA-256 digest.
 
 The scorer gives the session's endpoint 1 and the others 0; the filter keeps the session's endpoint
 alone when it is a candidate, else every candidate. ``profileName`` chooses whose pick is bound or
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +38,7 @@ from evergreen_trio.picker.attributes import AttributeKey
 from evergreen_trio.picker.checks import sequence
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.gotext import trim_space
 from evergreen_trio.picker.plugins import Category, Params, PluginType, register
 
 if TYPE_CHECKING:
@@ -44,6 +50,10 @@ ENCODED_ENDPOINT_HEADER = "encoded_endpoint_header"
 SESSION_ID = "session_id"
 DEFAULT_TOKEN_HEADER = "x-session-token"
 DEFAULT_SESSION_ID_HEADER = "x-session-id"
+MAX_SESSION_BINDINGS = 65_536
+"""session_id bindings one plugin keeps (a few hundred bytes each)."""
+MAX_SESSION_KEY_CHARS = 256
+"""A longer session id is bound under its digest: a binding costs the same whatever the header held."""
 
 
 def normalize_header(name: str) -> str:
@@ -90,7 +100,9 @@ def _session_params(params: Params) -> SessionParams:
 
 
 def decode_token(token: str) -> str:
-    """The endpoint a session token names; "" when there is none or it is not standard base64."""
+    """The endpoint a session token names; "" when there is none or it is not standard base64
+    (Go's ``base64.StdEncoding``, which skips ``\\r`` and ``\\n``)."""
+    token = token.replace("\r", "").replace("\n", "")
     try:
         return base64.b64decode(token, validate=True).decode("utf-8", "replace") if token else ""
     except (binascii.Error, ValueError):
@@ -107,7 +119,9 @@ class SessionAffinity:
     def __init__(self, params: object) -> None:
         assert isinstance(params, SessionParams)
         self.params = params
-        self.bindings: dict[str, tuple[str, float]] = {}  # session id -> (address, last used)
+        # session id (its digest when long) -> (address, last used), least recently bound first
+        self.bindings: dict[str | bytes, tuple[str, float]] = {}
+        self.max_bindings = MAX_SESSION_BINDINGS
         # Whether the session's bound endpoint was a candidate, for the request last chosen for:
         # only a genuine absence moves a session.
         self._presence: tuple[PickRequest, bool] | None = None
@@ -118,7 +132,7 @@ class SessionAffinity:
         """The first non-blank value among the source headers and attributes (trimmed), else ""."""
         for source in self.params.sources:
             found = request.headers.get(source) if isinstance(source, str) else request.attributes.get(source)
-            if value := (found or "").strip():
+            if value := trim_space(found or ""):
                 return value
         return ""
 
@@ -130,7 +144,7 @@ class SessionAffinity:
             return wanted if wanted and wanted in candidates else None
         self._sweep(now)
         session = self.session_id(request) if candidates else ""
-        bound = self.bindings.get(session, ("", 0.0))[0] if session else ""
+        bound = self.bindings.get(_key(session), ("", 0.0))[0] if session else ""
         if not bound:
             return None
         present = bound in candidates
@@ -153,10 +167,14 @@ class SessionAffinity:
         session = self.session_id(request)
         if not session or not picked:
             return
-        bound = self.bindings.get(session)
+        key = _key(session)
+        bound = self.bindings.get(key)
         moved = presence is not None and presence[0] is request and not presence[1]
         if bound is None or bound[0] == picked or moved:
-            self.bindings[session] = (picked, now)
+            self.bindings.pop(key, None)  # re-added last: the dict stays least recently bound first
+            self.bindings[key] = (picked, now)
+            while len(self.bindings) > self.max_bindings:
+                del self.bindings[next(iter(self.bindings))]
 
     def _sweep(self, now: float) -> None:
         """Drop the bindings the reference's sweeper would have dropped by ``now``: it runs every
@@ -174,6 +192,14 @@ class SessionAffinity:
             return
         for session in [s for s, (_, used) in self.bindings.items() if at - used > self.params.ttl_s]:
             del self.bindings[session]
+
+
+def _key(session: str) -> str | bytes:
+    """The bindings' key for ``session``: itself, or its digest when longer than MAX_SESSION_KEY_CHARS
+    (bytes, so no id can name another's digest)."""
+    if len(session) <= MAX_SESSION_KEY_CHARS:
+        return session
+    return hashlib.sha256(session.encode("utf-8", "surrogatepass")).digest()
 
 
 def _choice(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],

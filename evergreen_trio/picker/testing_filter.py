@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from evergreen_trio.picker.gotext import trim_space
 from evergreen_trio.picker.plugins import Category, PluginType, register
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def _bare(host: str) -> str:
 
 def select(header: str, endpoints: Sequence[tuple[str, str]]) -> list[int]:
     """Indexes into ``endpoints`` ((host, port) pairs) that ``header`` selects, in its order."""
-    if not header.strip():
+    if not trim_space(header):
         return []
     by_host: dict[str, int] = {}
     by_host_port: dict[str, int] = {}
@@ -61,7 +62,7 @@ def select(header: str, endpoints: Sequence[tuple[str, str]]) -> list[int]:
     chosen: list[int] = []
     seen: set[str] = set()  # hosts already selected: one endpoint per host
     for raw in header.split(","):
-        item = raw.strip()
+        item = trim_space(raw)  # Go's strings.TrimSpace, as the reference
         if not item:
             continue
         split = split_host_port(item)

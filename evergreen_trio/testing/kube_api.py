@@ -17,7 +17,9 @@ leader election use, speaking the real protocol so the real client library (ligh
 - TokenReview and SubjectAccessReview (POST ``/apis/authentication.k8s.io/v1/tokenreviews`` and
   ``/apis/authorization.k8s.io/v1/subjectaccessreviews``): a token in :attr:`KubeApiServer.users`
   authenticates as that user; a non-resource request is allowed when
-  ``(username, verb, path)`` is in :attr:`KubeApiServer.grants`.
+  ``(username, verb, path)`` is in :attr:`KubeApiServer.grants`. A :class:`ReviewFault` in
+  :attr:`KubeApiServer.review_faults` (keyed ``tokenreviews`` or ``subjectaccessreviews``) answers
+  that kind badly instead: any status and body, late, or not at all (the connection dropped).
 
 Tests change the cluster with :meth:`put` and :meth:`delete`. Not covered: authenticating the
 client itself (any token is accepted), PATCH, DELETE over HTTP, continue tokens (lists come in one chunk).
@@ -84,6 +86,25 @@ def _matches_fields(obj: Obj, selector: str) -> bool:
 
 
 _REVIEWS = ("/apis/authentication.k8s.io/v1/tokenreviews", "/apis/authorization.k8s.io/v1/subjectaccessreviews")
+TOKEN_REVIEWS, ACCESS_REVIEWS = "tokenreviews", "subjectaccessreviews"
+
+
+@dataclass(frozen=True)
+class ReviewFault:
+    """How the stand-in answers one kind of review instead of reviewing it: after ``delay_s``,
+    ``status`` with ``body`` (``content_type`` None sends no Content-Type), or, with ``body``
+    None, the proper review that late; ``drop`` closes the connection without a byte of answer."""
+
+    status: int = 201
+    body: bytes | None = None
+    content_type: str | None = "application/json"
+    delay_s: float = 0.0
+    drop: bool = False
+
+
+def api_status(code: int, reason: str, message: str) -> bytes:
+    """A ``Status`` body as the API server sends with an error (a 403 ``Forbidden``, a 500)."""
+    return json.dumps(_status(code, reason, message)).encode()
 
 
 def _parse_path(path: str) -> tuple[str, str, str | None] | None:
@@ -113,6 +134,7 @@ class KubeApiServer:
         self.requests: list[str] = []  # "METHOD target", for assertions
         self.users: dict[str, Obj] = {}  # bearer token -> TokenReview's status.user
         self.grants: set[tuple[str, str, str]] = set()  # (username, verb, non-resource path) allowed
+        self.review_faults: dict[str, ReviewFault] = {}  # TOKEN_REVIEWS or ACCESS_REVIEWS -> fault
         self.port = 0
         self._changed = trio.Event()
         self._scope: trio.CancelScope | None = None
@@ -188,7 +210,17 @@ class KubeApiServer:
         url = urlsplit(request.target)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         if request.method == "POST" and url.path.rstrip("/") in _REVIEWS:
-            return self._review(url.path.rstrip("/"), request.body)
+            path = url.path.rstrip("/")
+            fault = self.review_faults.get(path.rsplit("/", 1)[1])
+            if fault is None:
+                return self._review(path, request.body)
+            if fault.drop:  # the server's connection task ends and closes it, answering nothing
+                raise trio.BrokenResourceError("review_faults: connection dropped")
+            await trio.sleep(fault.delay_s)
+            if fault.body is None:
+                return self._review(path, request.body)
+            headers = [("content-type", fault.content_type)] if fault.content_type is not None else []
+            return HttpResponse(fault.status, headers, fault.body)
         parsed = _parse_path(url.path)
         if parsed is None:
             return self._json(404, _status(404, "NotFound", f"the server could not find {url.path}"))

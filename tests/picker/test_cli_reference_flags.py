@@ -21,28 +21,17 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
 
 from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
-from evergreen_trio.picker.engine_metrics import EndpointMetrics, render_metrics
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "security"))
-from picker_requests import LEGIT_BODY, PROCESS
+from picker_requests import LEGIT_BODY, PROCESS, serve_fake_engine
 
 SCORES = "x-gateway-destination-endpoint-scores"
 
 
-async def serve_engine(waiting: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-    """A model server's ``/metrics`` only: ``waiting`` requests queued."""
-    text = render_metrics("vllm", EndpointMetrics(waiting=waiting)).encode()
-
-    async def handle(request: HttpRequest) -> HttpResponse:
-        return HttpResponse(200, [("content-type", "text/plain")], text)
-
-    await serve_http(handle, "127.0.0.1", 0, task_status=task_status)
-
-
 async def two_engines(nursery: trio.Nursery, tmp_path: Path) -> tuple[Path, str, str]:
     """A config over an idle and a busy engine, and their addresses."""
-    idle = f"127.0.0.1:{await nursery.start(serve_engine, 0)}"
-    busy = f"127.0.0.1:{await nursery.start(serve_engine, 8)}"
+    idle = f"127.0.0.1:{await nursery.start(serve_fake_engine, 0)}"
+    busy = f"127.0.0.1:{await nursery.start(serve_fake_engine, 8)}"
     config = tmp_path / "picker.yaml"
     config.write_text(f"pool:\n  name: flags\n  endpoints: ['{idle}', '{busy}']\n")
     return config, idle, busy

@@ -23,6 +23,7 @@ from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.flow_control.config import BandConfig, FlowControlConfig
 from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.flow_control.program_aware import (
+    MAX_PROGRAMS,
     PROGRAM_AWARE,
     ProgramAware,
     ProgramAwareParams,
@@ -153,6 +154,23 @@ def test_dispatch_counts_and_the_mean_wait_of_picked_requests() -> None:
     assert alpha.mean_wait_ms == pytest.approx(100.0, abs=1)
     policy.completed("alpha", None, 2.0)
     assert (alpha.in_flight, alpha.last_completion) == (2, 2.0)
+
+
+def test_programs_are_bounded_the_least_recently_active_idle_one_first() -> None:
+    """A flood of new program ids keeps MAX_PROGRAMS; one in flight is never dropped (its counts)."""
+    policy = program_aware()
+    policy.dispatched("busy", None, 0.0)  # in flight, and the oldest
+    policy.program("old", 0.0)
+    policy.program("active", 0.0)
+    for i in range(MAX_PROGRAMS + 100):
+        policy.program(f"flood-{i}", 1.0)
+        if i == 10:
+            policy.completed("active", None, 1.0)  # activity: now among the most recent
+    assert len(policy.programs) == MAX_PROGRAMS
+    assert "busy" in policy.programs and "old" not in policy.programs and "flood-0" not in policy.programs
+    assert "active" in policy.programs and f"flood-{MAX_PROGRAMS + 99}" in policy.programs
+    policy.completed("busy", None, 2.0)
+    assert policy.programs["busy"].in_flight == 0
 
 
 def test_idle_programs_are_forgotten_on_the_sweep_schedule() -> None:

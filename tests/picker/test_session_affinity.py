@@ -20,7 +20,14 @@ from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.plugins import NOT_IMPLEMENTED, PLUGIN_TYPES, Category
 from evergreen_trio.picker.processor import DESTINATION, Picker
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Schedule
-from evergreen_trio.picker.session import SessionAffinity, SessionParams, decode_token, encode_token
+from evergreen_trio.picker.session import (
+    MAX_SESSION_BINDINGS,
+    MAX_SESSION_KEY_CHARS,
+    SessionAffinity,
+    SessionParams,
+    decode_token,
+    encode_token,
+)
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 HEAD = "---\napiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -131,6 +138,30 @@ def test_session_id_bindings_expire_at_the_sweep_after_the_ttl() -> None:
     assert set(state.bindings) == {"s2"}
     assert state.choose(_request("s2"), [B], 228.5) == B  # sweep at 220: unused 52 s
     assert state.choose(_request("s2"), [B], 231.0) is None  # sweep at 230: 62 s
+
+
+def test_session_id_bindings_are_bounded_least_recently_bound_first() -> None:
+    """A flood of new session ids keeps MAX_SESSION_BINDINGS bindings: the least recently bound go."""
+    state = SessionAffinity(SESSION_ID)
+    for i in range(MAX_SESSION_BINDINGS + 100):
+        _bind(state, f"s{i}", A, 1.0)
+    assert len(state.bindings) == MAX_SESSION_BINDINGS
+    assert "s99" not in state.bindings and "s100" in state.bindings
+    _bind(state, "s100", A, 2.0)  # bound again: now the most recent
+    _bind(state, "new", B, 2.0)
+    assert "s100" in state.bindings and "s101" not in state.bindings
+    assert state.choose(_request("s100"), [A, B], 2.0) == A and state.choose(_request("new"), [A, B], 2.0) == B
+
+
+def test_a_long_session_id_is_bound_under_its_digest() -> None:
+    state = SessionAffinity(SESSION_ID)
+    long_ids = ["x" * 60_000, "x" * 59_999 + "y", "\x00\xff" * 1000]
+    for session in long_ids:
+        _bind(state, session, B)
+    assert len(state.bindings) == 3
+    assert all(len(key) <= MAX_SESSION_KEY_CHARS for key in state.bindings)
+    assert all(state.choose(_request(session), [A, B], 1.0) == B for session in long_ids)
+    assert state.choose(_request("x" * 59_998), [A, B], 1.0) is None
 
 
 # -- through the scheduler and the ext_proc stream ----------------------------------------------

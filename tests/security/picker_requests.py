@@ -8,7 +8,8 @@ Envoy sends a buffered request: headers, then the whole body), and each attack.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 import trio
@@ -24,9 +25,10 @@ MiB = 1 << 20
 LEGIT_BODY = json.dumps({"model": "sim-model", "prompt": "hello"}).encode()
 
 
-async def serve_fake_engine(*, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-    """A model server that only serves idle vLLM ``/metrics`` (the picker never calls it)."""
-    text = render_metrics("vllm", EndpointMetrics()).encode()
+async def serve_fake_engine(waiting: int = 0, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    """A model server that only serves vLLM ``/metrics`` with ``waiting`` requests queued (the
+    picker never calls it)."""
+    text = render_metrics("vllm", EndpointMetrics(waiting=waiting)).encode()
 
     async def handle(request: HttpRequest) -> HttpResponse:
         return HttpResponse(200, [("content-type", "text/plain")], text)
@@ -52,6 +54,11 @@ class Answer:
     status: int
     body_model: str | None = None  # the model in the rewritten body, when it was rewritten
     message: str = ""
+    endpoint: str | None = field(default=None, compare=False)  # where a routed request goes (envoy.lb)
+
+
+Headers = Mapping[str, str] | Sequence[tuple[str, str | bytes]]
+"""Request headers: a mapping, or pairs (a name may repeat; a value may be raw bytes)."""
 
 
 def channel(port: int) -> grpc.Channel:
@@ -59,16 +66,22 @@ def channel(port: int) -> grpc.Channel:
     return grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 32 * MiB)])
 
 
-def ext_proc(target: int | grpc.Channel, body: bytes, headers: dict[str, str] | None = None, *,
+def headers_message(headers: Headers | None = None, path: str = "/v1/completions") -> ep.ProcessingRequest:
+    """The request_headers message Envoy sends for a POST to ``path`` with ``headers`` (as raw values)."""
+    extra = list(headers.items()) if isinstance(headers, Mapping) else list(headers or ())
+    pairs = [(":path", path), (":method", "POST"), ("content-type", "application/json"), *extra]
+    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=k, raw_value=v.encode() if isinstance(v, str) else v) for k, v in pairs])))
+
+
+def ext_proc(target: int | grpc.Channel, body: bytes, headers: Headers | None = None, *,
              path: str = "/v1/completions", timeout: float = 30.0) -> Answer:
     """One buffered request through the ext_proc port (a port: on its own connection) (blocking:
     run it in a thread)."""
     if isinstance(target, int):
         with channel(target) as own:
             return ext_proc(own, body, headers, path=path, timeout=timeout)
-    pairs = {":path": path, ":method": "POST", "content-type": "application/json", **(headers or {})}
-    first = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-        base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()])))
+    first = headers_message(headers, path)
     second = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
     call = target.stream_stream(PROCESS, request_serializer=ep.ProcessingRequest.SerializeToString,
                                 response_deserializer=ep.ProcessingResponse.FromString)
@@ -79,8 +92,17 @@ def ext_proc(target: int | grpc.Channel, body: bytes, headers: dict[str, str] | 
         if reply.HasField("request_body"):
             mutation = reply.request_body.response.body_mutation
             model = json.loads(mutation.body)["model"] if mutation.body else None
-            return Answer(200, model)
+            lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+            return Answer(200, model, endpoint=lb["x-gateway-destination-endpoint"].string_value or None)
     raise AssertionError("the picker ended the stream without answering the body")
+
+
+async def wait_routable(port: int) -> None:
+    """Until the picker at ``port`` routes a legitimate request (its first scrape marked an endpoint
+    ready; it answers 503 before)."""
+    with trio.fail_after(10):
+        while (await trio.to_thread.run_sync(ext_proc, port, LEGIT_BODY)).status == 503:  # noqa: ASYNC110
+            await trio.sleep(0.05)
 
 
 def deep_objects_body(size: int = 16 * MiB - 1024) -> bytes:

@@ -27,6 +27,7 @@ from picker_requests import (
     model_names,
     serve_fake_engine,
     surrogate_body,
+    wait_routable,
 )
 
 from evergreen_trio.picker import PickerPorts, parse_config, run_picker
@@ -40,9 +41,7 @@ async def start(nursery: trio.Nursery, models: str = "") -> PickerPorts:
     config = parse_config(config_text(engine, models))
     ports: PickerPorts = await nursery.start(partial(run_picker, config, grpc_port=0, health_port=0,
                                                      metrics_port=0))
-    with trio.fail_after(10):
-        while (await trio.to_thread.run_sync(ext_proc, ports.grpc, LEGIT_BODY)).status == 503:  # noqa: ASYNC110
-            await trio.sleep(0.05)  # until the first scrape marks the endpoint ready
+    await wait_routable(ports.grpc)
     return ports
 
 

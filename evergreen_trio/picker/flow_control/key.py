@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.gotext import trim_space
 
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
@@ -31,7 +32,7 @@ def first_header(headers: Mapping[str, str], names: tuple[str, ...]) -> str | No
 def fairness_id(headers: Mapping[str, str]) -> str:
     """The request's fairness id (``default-flow`` when absent or empty); RequestError 400 when it is
     longer than :data:`MAX_FAIRNESS_ID_CHARS` or holds anything but visible ASCII."""
-    value = (first_header(headers, FAIRNESS_HEADERS) or "").strip()
+    value = trim_space(first_header(headers, FAIRNESS_HEADERS) or "")
     if not value:
         return DEFAULT_FAIRNESS_ID
     if len(value) > MAX_FAIRNESS_ID_CHARS or not all(0x21 <= ord(c) <= 0x7E for c in value):
@@ -43,4 +44,4 @@ def fairness_id(headers: Mapping[str, str]) -> str:
 def objective_name(headers: Mapping[str, str]) -> str | None:
     """The InferenceObjective the request names, if any (an unknown name just sets no priority)."""
     value = first_header(headers, OBJECTIVE_HEADERS)
-    return value.strip() or None if value is not None else None
+    return trim_space(value) or None if value is not None else None

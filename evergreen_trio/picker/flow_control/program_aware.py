@@ -12,6 +12,10 @@ the best (ties at random, as the reference's map order). A program with nothing 
 completion for ``evictionTtlSeconds`` (0: never) is forgotten by a sweep every
 ``evictionSweepSeconds``, applied lazily: state only changes on calls, so sweeping once at the
 last sweep time before a call forgets what the periodic sweeps would have.
+
+Program ids come from clients (a fairness header, an agent identity), so a plugin keeps at most
+:data:`MAX_PROGRAMS`: a new one past it makes the program longest without activity and nothing in
+flight go first (the reference keeps every program until its TTL).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from evergreen_trio.picker.usage import Usage
 PROGRAM_AWARE = "program-aware-fairness"
 STRATEGIES = ("las", "")  # "" is las too, as in the reference
 _INPUT_TOKEN_WEIGHT, _OUTPUT_TOKEN_WEIGHT = 1, 2
+MAX_PROGRAMS = 65_536
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,8 @@ class ProgramAware:
 
     def __init__(self, params: ProgramAwareParams, now: float, rng: random.Random | None = None) -> None:
         self.params = params
-        self.programs: dict[str, Program] = {}
+        self.programs: dict[str, Program] = {}  # the least recently active first
+        self.max_programs = MAX_PROGRAMS
         self.rng = rng or random.Random()
         self._sweep_origin = now
         self._sweeps = 0
@@ -97,9 +103,16 @@ class ProgramAware:
         """The program's entry, made on first sight (its completion clock starts then, so a
         program that never completes is forgotten after the TTL too)."""
         self._sweep(now)
-        entry = self.programs.get(program_id)
+        entry = self.programs.pop(program_id, None)  # put back last: the most recently active
         if entry is None:
-            entry = self.programs[program_id] = Program(last_completion=now)
+            entry = Program(last_completion=now)
+            while len(self.programs) >= self.max_programs:
+                # Passes over the ones in flight, no more of them than requests in flight.
+                oldest = next((p for p, e in self.programs.items() if e.in_flight == 0), None)
+                if oldest is None:
+                    break
+                del self.programs[oldest]
+        self.programs[program_id] = entry
         return entry
 
     def service(self, entry: Program, now: float) -> float:

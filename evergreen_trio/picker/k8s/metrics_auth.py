@@ -9,6 +9,16 @@ answers are cached as its delegating authenticator and authorizer cache them (a 
 an allowed request five minutes, a denied one 30 seconds), here in maps of bounded size keyed by
 the token's digest, and at most :data:`REVIEWS_IN_FLIGHT` reviews run at once, so a scraper
 sending new tokens cannot grow memory or flood the API server.
+
+A review that fails is never cached, and fails closed with 500 ("Authentication failed", or
+"Authorization for user NAME failed" as the reference words it) and one warning naming the cause:
+an error status (the picker's own RBAC missing is a 403 from the API server), no answer within the
+client's timeout, a dropped connection, a body that is no JSON or not a review (whatever
+lightkube's decoder refuses: a field of the wrong type, a required field such as ``allowed``
+missing, where Go's decoder would read false and answer 403), a TokenReview's ``status.error``
+and a SubjectAccessReview both allowed and denied (errors in the reference's webhook clients too).
+A TokenReview without a status authenticates nobody (401) and a SubjectAccessReview without one
+allows nothing (403), cached as the reference caches them.
 """
 
 from __future__ import annotations
@@ -21,11 +31,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-import httpx2
-import msgspec
 import trio
 from lightkube import AsyncClient
-from lightkube.core.exceptions import ApiError
 from lightkube.models.authentication_v1 import TokenReviewSpec
 from lightkube.models.authorization_v1 import NonResourceAttributes, SubjectAccessReviewSpec
 from lightkube.resources.authentication_v1 import TokenReview
@@ -38,6 +45,7 @@ log = logging.getLogger(__name__)
 TOKEN_TTL_S, ALLOWED_TTL_S, DENIED_TTL_S = 60.0, 300.0, 30.0  # controller-runtime's
 REVIEWS_IN_FLIGHT = 4
 MAX_CACHED = 1024
+LOGGED_CAUSE_CHARS = 300
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 
@@ -78,6 +86,18 @@ class ReviewedUser:
 _NOBODY = ReviewedUser("")  # a token the API server did not authenticate (cached too)
 
 
+class ReviewError(Exception):
+    """A review answered, but with an error of its own (not cached)."""
+
+
+def _cause(exc: Exception) -> str:
+    """``exc`` for one log line: its type and its text, cut and escaped (an API server's message may
+    be long or hold newlines)."""
+    text = str(exc)
+    cut = text[:LOGGED_CAUSE_CHARS] + ("..." if len(text) > LOGGED_CAUSE_CHARS else "")
+    return f"{type(exc).__name__}: {cut!r}"
+
+
 def bearer_token(authorization: str | None) -> str | None:
     """The token of ``Authorization: Bearer TOKEN`` (scheme in any case), as Kubernetes reads it."""
     parts = (authorization or "").split(" ")
@@ -111,15 +131,23 @@ class MetricsAuth:
         token = bearer_token(headers.get("authorization"))
         if token is None:
             return 401, "Unauthorized"
+        # Any failure of a review is the API server's answer failing, whatever lightkube raises for
+        # it (a body without Content-Type raises KeyError, a deeply nested one RecursionError): the
+        # scrape fails closed and the port serves on.
         try:
             user = await self._authenticate(client, token)
-            if user is _NOBODY:
-                return 401, "Unauthorized"
-            if not await self._authorize(client, user, method.lower(), path):
-                return 403, f"Authorization denied for user {user.username}"
-        except (ApiError, httpx2.HTTPError, msgspec.MsgspecError, ValueError) as exc:
-            log.warning("picker.metrics_review_failed error=%s", exc)
+        except Exception as exc:
+            log.warning("picker.metrics_review_failed review=TokenReview error=%s", _cause(exc))
             return 500, "Authentication failed"
+        if user is _NOBODY:
+            return 401, "Unauthorized"
+        try:
+            allowed = await self._authorize(client, user, method.lower(), path)
+        except Exception as exc:
+            log.warning("picker.metrics_review_failed review=SubjectAccessReview error=%s", _cause(exc))
+            return 500, f"Authorization for user {user.username} failed"
+        if not allowed:
+            return 403, f"Authorization denied for user {user.username}"
         return None
 
     async def _authenticate(self, client: AsyncClient, token: str) -> ReviewedUser:
@@ -129,6 +157,8 @@ class MetricsAuth:
             async with self._reviews:
                 review = await client.create(TokenReview(spec=TokenReviewSpec(token=token)))
             status = review.status
+            if status is not None and not status.authenticated and status.error:
+                raise ReviewError(f"TokenReview status.error: {status.error}")
             info = status.user if status is not None and status.authenticated else None
             user = _NOBODY if info is None or not info.username else ReviewedUser(
                 info.username, info.uid or "", tuple(info.groups or ()),
@@ -146,6 +176,9 @@ class MetricsAuth:
                 nonResourceAttributes=NonResourceAttributes(path=path, verb=verb))
             async with self._reviews:
                 review = await client.create(SubjectAccessReview(spec=spec))
-            allowed = bool(review.status is not None and review.status.allowed)
+            status = review.status
+            if status is not None and status.allowed and status.denied:
+                raise ReviewError("SubjectAccessReview returned both allowed and denied")
+            allowed = bool(status is not None and status.allowed)
             self.decisions.put(key, allowed, ALLOWED_TTL_S if allowed else DENIED_TTL_S)
         return allowed
