@@ -622,6 +622,8 @@ class ExtProcStream:
             rest = self.reader.finish()
             self._finish_usage()
             return [*self._response_chunks(rest, False), trailers] if rest else [trailers]
+        if self.response_mode == FULL_DUPLEX and not self.usage_recorded:
+            self._track(b"", True)  # a pass-through body the trailers end: read what it holds
         self._finish_usage()
         return [trailers]
 
