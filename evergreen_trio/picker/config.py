@@ -180,8 +180,8 @@ class ExtProcConfig:
     """Limits and modes of the ext_proc stream handling.
 
     ``observe_responses`` false ends each ext_proc stream as soon as the request is routed (unless
-    the model name must be rewritten back in the response): Envoy then skips the response
-    round trips, and token usage and served-endpoint reports are not collected.
+    the model name must be rewritten back in the response, or a plugin needs the response): Envoy
+    then skips the response round trips, and token usage and served-endpoint reports are not collected.
 
     The reference picker's flags: ``max_receive_message_bytes`` / ``max_send_message_bytes``
     (``--grpc-max-recv-msg-size`` / ``--grpc-max-send-msg-size``; None: a message holds the

@@ -33,7 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from evergreen_trio.picker import file_discovery  # noqa: F401  (registers file-discovery)
+# Imported to register their plugin types: request-attribute-reporter, file-discovery.
+from evergreen_trio.picker import attribute_reporter, file_discovery  # noqa: F401
 from evergreen_trio.picker.checks import mapping, sequence
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
@@ -155,8 +156,9 @@ def _profile(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Profile:
         for key in ref:
             if key not in ("pluginRef", "weight"):
                 raise ConfigError(f"{ref_path}.{key}", "one of ['pluginRef', 'weight']", key)
-        plugin = _ref(ref.get("pluginRef"), f"{ref_path}.pluginRef", plugins,
-                      Category.FILTER, Category.SCORER, Category.PICKER, Category.PRODUCER)
+        # Producers and response processors listed here do nothing in the profile (as the reference's).
+        plugin = _ref(ref.get("pluginRef"), f"{ref_path}.pluginRef", plugins, Category.FILTER, Category.SCORER,
+                      Category.PICKER, Category.PRODUCER, Category.RESPONSE_PROCESSOR)
         weight = ref.get("weight", 1)
         if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
             raise ConfigError(f"{ref_path}.weight", "a number >= 0", weight)

@@ -51,6 +51,7 @@ class Category(enum.Enum):
     DISCOVERY = "discovery"
     PARSER = "parser"
     ADMITTER = "admitter"
+    RESPONSE_PROCESSOR = "response-processor"
     OTHER = "other"
 
 

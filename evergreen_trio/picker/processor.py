@@ -9,6 +9,8 @@ corrected Content-Length) and the body again in chunks of at most 62,000 bytes.
 
 Nothing here records metrics: each stream fills a :class:`StreamReport` (models, error,
 sizes, scheduling time, prefix match, served endpoint, token usage) and the shell records it.
+When the response ends, the ``request-attribute-reporter`` plugins' numbers ride on the last reply
+as dynamic metadata (:mod:`evergreen_trio.picker.attribute_reporter`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from evergreen_trio.picker.attribute_reporter import attribute_reporters, report
 from evergreen_trio.picker.attributes import AttributeKey, flow_fairness_id, request_attributes
 from evergreen_trio.picker.config import DestinationMode, PickerConfig
 from evergreen_trio.picker.errors import ExtProcError, RequestError
@@ -142,6 +145,7 @@ class Picker:
         self.scheduler = Scheduler(config, snapshot, self.rng)
         self.parsers = config.epp.parsers if config.epp is not None else DEFAULT_REGISTRY
         self.plugins = tuple(config.epp.plugins.values()) if config.epp is not None else ()
+        self.reporters = attribute_reporters(self.plugins)
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight) if config.flow_control else None
         # InferenceObjective name -> priority: the config's, and in cluster mode the watched CRDs' over them.
         self.objectives: Mapping[str, int] = dict(config.objectives)
@@ -341,6 +345,7 @@ class ExtProcStream:
         self.response_ended = False
         self.response_held = False
         self.usage_recorded = False
+        self.reported = False  # the attribute reporters ran (once, at the response's end)
         # True once the stream needs nothing more from Envoy: the server then ends the RPC.
         self.finished = False
         # Flow control: while ``parked`` the request waits in the queue as ``item``; its outcome
@@ -360,6 +365,8 @@ class ExtProcStream:
         if kind is None:
             raise ExtProcError("expected a ProcessingRequest with a request oneof, got an empty one")
         replies = _HANDLERS[kind](self, message)
+        if self.response_ended and not self.reported and kind in ("response_body", "response_trailers"):
+            self._report_attributes(replies)
         if self.response_ended and not self.finished:
             # Nothing more comes after the response's end: end the RPC here. Envoy would reset it
             # otherwise, once per request, which the wire counts like a client's rapid reset.
@@ -507,7 +514,7 @@ class ExtProcStream:
         self.route = route
         rewrites_back = route.target_model is not None and route.target_model != route.client_model
         self.finished = route.skip_response or not (
-            self.limits.observe_responses or rewrites_back or route.response_headers)
+            self.limits.observe_responses or rewrites_back or route.response_headers or self.picker.reporters)
         mode = self.picker.config.ext_proc.destination_mode
         value = ",".join(route.endpoints) if mode is DestinationMode.LIST else route.endpoints[0]
         set_headers = [_header_option(DESTINATION, value)]
@@ -622,6 +629,8 @@ class ExtProcStream:
             rest = self.reader.finish()
             self._finish_usage()
             return [*self._response_chunks(rest, False), trailers] if rest else [trailers]
+        if self.response_mode == FULL_DUPLEX and not self.usage_recorded:
+            self._track(b"", True)  # a pass-through body the trailers end: read what it holds
         self._finish_usage()
         return [trailers]
 
@@ -669,6 +678,20 @@ class ExtProcStream:
         self.usage_recorded = True
         if self.reader is not None and self.route is not None:
             self.report.usage = self.reader.usage
+
+    def _report_attributes(self, replies: Sequence[ep.ProcessingResponse]) -> None:
+        """The response ended: the reporters' numbers go on the last reply as dynamic metadata
+        (none after an immediate response, or when the body was too large to read its usage)."""
+        self.reported = True
+        if not self.picker.reporters or self.reader is None or not replies:
+            return
+        last = replies[-1]
+        if last.HasField("immediate_response"):
+            return
+        for namespace, values in report(self.picker.reporters, self.reader.usage).items():
+            fields = last.dynamic_metadata.fields[namespace].struct_value.fields
+            for name, value in values.items():
+                fields[name].number_value = value
 
 
 _HANDLERS: dict[str, Callable[[ExtProcStream, ep.ProcessingRequest], list[ep.ProcessingResponse]]] = {

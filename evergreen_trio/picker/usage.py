@@ -18,16 +18,32 @@ from evergreen_trio.picker.errors import RequestError
 
 @dataclass(frozen=True)
 class Usage:
+    """Token counts of one response (None: not reported).
+
+    ``total_tokens`` is a total reported beside non-zero prompt and completion counts in the same
+    usage block, and only while no later block reports usage without one: llm-d-router's
+    ``mergeUsage`` keeps such a total and otherwise derives prompt + completion (``total``).
+    """
+
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    total_tokens: int | None = None
 
     def merged(self, other: Usage) -> Usage:
         return Usage(
             other.prompt_tokens if other.prompt_tokens is not None else self.prompt_tokens,
             other.completion_tokens if other.completion_tokens is not None else self.completion_tokens,
             other.cached_tokens if other.cached_tokens is not None else self.cached_tokens,
+            other.total_tokens,
         )
+
+    @property
+    def total(self) -> int:
+        """The reported total, else prompt + completion (0 for a count not reported)."""
+        if self.total_tokens is not None:
+            return self.total_tokens
+        return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
 
 
 def _count(value: object) -> int | None:
@@ -46,11 +62,10 @@ def usage_of(doc: object, streamed: bool = False) -> Usage | None:
         return None
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    return Usage(
-        _count(usage.get("prompt_tokens", usage.get("input_tokens"))),
-        _count(usage.get("completion_tokens", usage.get("output_tokens"))),
-        _count(cached),
-    )
+    prompt = _count(usage.get("prompt_tokens", usage.get("input_tokens")))
+    completion = _count(usage.get("completion_tokens", usage.get("output_tokens")))
+    total = _count(usage.get("total_tokens")) if prompt and completion else None
+    return Usage(prompt, completion, _count(cached), total or None)
 
 
 def _swap_model(doc: Any, target: str, client: str) -> bool:

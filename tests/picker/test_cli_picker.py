@@ -55,6 +55,12 @@ schedulingProfiles:
   - {pluginRef: lora-affinity-scorer, weight: 1}
   - {pluginRef: max-score-picker}
 """
+REPORTER_CONFIG = """\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- {{type: request-attribute-reporter, parameters: {{attributes: {attributes}}}}}
+"""
 HOSTS = ("127.0.0.2", "127.0.0.3")
 OTHER_ADDRESS = "127.0.0.5"  # another address of this machine: reached only through a 0.0.0.0 bind
 
@@ -192,6 +198,11 @@ async def test_high_availability_one_ready_leader_and_takeover(nursery: trio.Nur
     (["--pool-name", "p", "--metrics-cert-dir", "/tmp", "--metrics-endpoint-auth=false"], "without authentication"),
     (["--config", "{ok}", "--metrics-endpoint-auth"], "--metrics-endpoint-auth: expected --pool-name"),
     (["--config", "{ok}", "--emit-endpoint-scores=perhaps"], "expected true or false"),
+    (["--pool-name", "p", "--config-text", REPORTER_CONFIG.format(attributes="[]")],
+     "plugins[0].parameters.attributes: expected exactly one attribute, got '0 attributes'"),
+    (["--pool-name", "p", "--config-text",
+      REPORTER_CONFIG.format(attributes="[{key: {namespace: n}, expression: '1'}]")],
+     "plugins[0].parameters.attributes[0].key.name: expected a non-empty metadata key name"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
     kubeconfig = write_kubeconfig(tmp_path, 1)

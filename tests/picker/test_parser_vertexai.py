@@ -120,8 +120,8 @@ def _usage(chunks: list[bytes]) -> Usage:
 def test_response_usage() -> None:
     data = b'{"object":"chat.completion","usage":{"prompt_tokens":10,"completion_tokens":20,"total_tokens":30}}'
     valid = frame(pb.HttpBody(data=data).SerializeToString())
-    assert _usage([valid]) == Usage(10, 20, None)
-    assert _usage([valid[:3], valid[3:9], valid[9:]]) == Usage(10, 20, None)  # a message split across chunks
+    assert _usage([valid]) == Usage(10, 20, None, 30)
+    assert _usage([valid[:3], valid[3:9], valid[9:]]) == Usage(10, 20, None, 30)  # a message split across chunks
     for nothing in ([], [b""], [b"\x00\x00\x00\x00"], [frame(b"\xff")], [frame(pb.HttpBody().SerializeToString())],
                     [frame(valid[5:], flag=1)]):
         assert _usage(nothing) == Usage()

@@ -18,7 +18,7 @@ from evergreen_trio.picker.engine_metrics import (
 )
 from evergreen_trio.picker.errors import MetricsError, RequestError
 from evergreen_trio.picker.request import MAX_SPLICED_MEMBERS, Api, api_for_path, parse_body, rewrite_model
-from evergreen_trio.picker.usage import ResponseBody, Usage
+from evergreen_trio.picker.usage import ResponseBody, Usage, usage_of
 
 
 @pytest.mark.parametrize(("path", "api"), [
@@ -125,6 +125,16 @@ def test_responses_api_usage_names() -> None:
     reader.feed(b'data: {"type":"response.completed","response":{"usage":{"input_tokens":3,"output_tokens":4,'
                 b'"input_tokens_details":{"cached_tokens":2}}}}\n')
     assert reader.usage == Usage(3, 4, 2)
+
+
+def test_the_total_is_kept_as_the_references_merge_keeps_it() -> None:
+    full = usage_of({"usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 9}})
+    assert full == Usage(3, 4, None, 9) and full.total == 9
+    assert usage_of({"usage": {"prompt_tokens": 3, "total_tokens": 9}}) == Usage(3)  # a partial block's: no
+    assert usage_of({"usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 9}}) == Usage(3, 0)
+    later = full.merged(Usage(None, 6))  # a later block without a total: prompt + completion again
+    assert later == Usage(3, 6) and later.total == 9
+    assert full.merged(Usage(5, 6, None, 20)).total == 20 and Usage().total == 0
 
 
 def test_response_body_limits() -> None:

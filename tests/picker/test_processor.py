@@ -414,6 +414,16 @@ def test_observed_stream_finishes_at_the_response_end(response_mode: int) -> Non
     assert stream.report.usage is not None and stream.report.usage.completion_tokens == 2
 
 
+def test_a_pass_through_body_ended_by_trailers_has_its_usage_read() -> None:
+    stream = make_picker().new_stream()
+    stream.on_message(request_headers())
+    stream.on_message(request_body(json.dumps({"model": "plain", "prompt": "p"}).encode()))
+    stream.on_message(response_headers())
+    stream.on_message(response_body(b'{"usage": {"prompt_tokens": 3, "completion_tokens": 2}}', end=False))
+    stream.on_message(ep.ProcessingRequest(response_trailers=ep.HttpTrailers()))
+    assert stream.finished and stream.report.usage == Usage(3, 2)
+
+
 def test_immediate_response_finishes_the_stream() -> None:
     stream = make_picker().new_stream()
     stream.on_message(request_headers())
