@@ -17,6 +17,7 @@ import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.gotext import header_text, trim_space
 from evergreen_trio.picker.plugins import Category, Params, PluginType, register
@@ -42,8 +43,8 @@ class HeaderProfileHandler:
         name = header_text(value) if value else self.default_profile
         if name is not None and name in profiles:
             return name
-        shown = value[:LOGGED_VALUE_CHARS] + ("..." if len(value) > LOGGED_VALUE_CHARS else "")
-        reason = (f"no scheduling profile configured for {self.header!r} header value {shown!r}" if value else
+        shown = peer_text(value, LOGGED_VALUE_CHARS)
+        reason = (f"no scheduling profile configured for {self.header!r} header value '{shown}'" if value else
                   f"defaultProfile {self.default_profile!r} is not a configured scheduling profile")
         log.info("picker.no_profile_selected reason=%s registered=%s", reason, sorted(profiles))
         raise RequestError(429, "failed to run any scheduler profile for the request")

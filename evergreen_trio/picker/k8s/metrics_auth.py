@@ -38,6 +38,7 @@ from lightkube.models.authorization_v1 import NonResourceAttributes, SubjectAcce
 from lightkube.resources.authentication_v1 import TokenReview
 from lightkube.resources.authorization_v1 import SubjectAccessReview
 
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio.picker.k8s.access import ClusterAccess
 from evergreen_trio.serving.metrics import Authorize
 
@@ -93,9 +94,7 @@ class ReviewError(Exception):
 def _cause(exc: Exception) -> str:
     """``exc`` for one log line: its type and its text, cut and escaped (an API server's message may
     be long or hold newlines)."""
-    text = str(exc)
-    cut = text[:LOGGED_CAUSE_CHARS] + ("..." if len(text) > LOGGED_CAUSE_CHARS else "")
-    return f"{type(exc).__name__}: {cut!r}"
+    return f"{type(exc).__name__}: {peer_text(str(exc), LOGGED_CAUSE_CHARS)}"
 
 
 def bearer_token(authorization: str | None) -> str | None:
