@@ -519,7 +519,7 @@ def _config_from_documents(documents: Sequence[object], cluster_pool: str | None
         ext_proc=_ext_proc(mapping(plain.get("extProc", {}), "extProc")),
         flow_control=flow_control_config(epp) if epp is not None else None,
         epp=epp,
-        saturation_detector=saturation_detector(epp, pool.staleness_threshold_s) if epp is not None else None,
+        saturation_detector=saturation_detector(epp) if epp is not None else None,
     )
 
 

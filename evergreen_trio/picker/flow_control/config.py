@@ -314,22 +314,21 @@ register_section("flowControl", read_section)
 register_feature_gate(FEATURE_GATE)
 
 
-def saturation_detector(epp: EppConfig, pool_staleness_s: float) -> UtilizationDetector | ConcurrencyDetector:
+def saturation_detector(epp: EppConfig) -> UtilizationDetector | ConcurrencyDetector | None:
     """The detector behind the legacy admission (the ``flowControl`` gate off): sheddable requests
     are dropped while it reads >= 1.0.
 
     As llm-d-router: ``flowControl.saturationDetector`` (or the deprecated top-level
     ``saturationDetector.pluginRef``), else the ``utilization-detector`` (declared under that name,
-    or built in with its defaults). The Gateway API Inference Extension's older top-level
-    thresholds (``queueDepthThreshold``, ``kvCacheUtilThreshold``) make a utilization detector of
-    them that reads metrics as fresh as the pool's ``metricsStalenessThreshold``.
+    or built in with its defaults). None for the Gateway API Inference Extension's older top-level
+    thresholds (``queueDepthThreshold``, ``kvCacheUtilThreshold``): the scheduler's thresholds, which
+    they set, with the pool's ``metricsStalenessThreshold``, as without an EndpointPickerConfig.
     """
     named = epp.extra.get(_DETECTOR_KEY)
     if isinstance(named, UtilizationDetector | ConcurrencyDetector):
         return named
     if "queue_threshold" in epp.scheduler or "kv_cache_threshold" in epp.scheduler:
-        return UtilizationDetector(epp.scheduler.get("queue_threshold", 5.0),
-                                   epp.scheduler.get("kv_cache_threshold", 0.8), pool_staleness_s)
+        return None
     return _detector(epp.plugins, UTILIZATION)
 
 
