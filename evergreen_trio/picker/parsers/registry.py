@@ -67,10 +67,14 @@ def _suffix(claim: str) -> str:
     return claim.strip(GO_SPACE).strip("/")
 
 
+def _trimmed_path(path: str) -> str:
+    return path.strip(GO_SPACE).removesuffix("/")
+
+
 def match_path_suffix(path: str, suffix: str) -> bool:
     """The reference's MatchPathSuffix: ``path`` (trimmed, one trailing ``/`` off) ends with
     ``suffix`` (trimmed, no ``/`` at either end)."""
-    return path.strip(GO_SPACE).removesuffix("/").endswith(_suffix(suffix))
+    return _trimmed_path(path).endswith(_suffix(suffix))
 
 
 class ParserRegistry:
@@ -114,7 +118,7 @@ class ParserRegistry:
 
     def _resolve(self, path: str) -> RequestParser:
         best, best_length = None, 0
-        trimmed = path.strip(GO_SPACE).removesuffix("/")  # as match_path_suffix trims it
+        trimmed = _trimmed_path(path)  # once, where match_path_suffix would trim it per suffix
         for parser, suffixes in self._claims:
             for suffix in suffixes:
                 if len(suffix) > best_length and trimmed.endswith(suffix):
