@@ -55,6 +55,7 @@ schedulingProfiles:
   - {pluginRef: lora-affinity-scorer, weight: 1}
   - {pluginRef: max-score-picker}
 """
+EPP_HEAD = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
 REPORTER_CONFIG = """\
 apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
@@ -203,6 +204,10 @@ async def test_high_availability_one_ready_leader_and_takeover(nursery: trio.Nur
     (["--pool-name", "p", "--config-text",
       REPORTER_CONFIG.format(attributes="[{key: {namespace: n}, expression: '1'}]")],
      "plugins[0].parameters.attributes[0].key.name: expected a non-empty metadata key name"),
+    (["--pool-name", "p", "--config-text", EPP_HEAD + "saturationDetector: {pluginRef: nowhere}\n"],
+     "flowControl.saturationDetector.pluginRef: expected a declared plugin of type"),
+    (["--pool-name", "p", "--config-text", EPP_HEAD + "saturationDetector: {pluginRef: x, kvCacheUtilThreshold: 1}\n"],
+     "EndpointPickerConfig.saturationDetector: expected either pluginRef or the thresholds"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
     kubeconfig = write_kubeconfig(tmp_path, 1)
