@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import h11
 import trio
 
+from evergreen_trio._logsafe import peer_text
+
 log = logging.getLogger(__name__)
 
 
@@ -97,7 +99,16 @@ async def _connection(
                     await _send(conn, stream, h11.Response(status_code=status, headers=[("content-length", "0")]),
                                 send_timeout)
                 return
-            response = await handler(request)
+            try:
+                response = await handler(request)
+            except Exception as error:  # the handler's bug: this connection ends, the server goes on
+                log.error("http.handler_error path=%s error=%s: %s", peer_text(request.target),
+                          type(error).__name__, peer_text(str(error)))
+                await _send(conn, stream, h11.Response(status_code=500, headers=[("content-length", "0"),
+                                                                                  ("connection", "close")]),
+                            send_timeout)
+                await _send(conn, stream, h11.EndOfMessage(), send_timeout)
+                return
             headers = list(response.headers)
             if response.chunks is None and response.stream is None:
                 headers.append(("content-length", str(len(response.body))))
@@ -107,8 +118,15 @@ async def _connection(
             for chunk in response.chunks or ():
                 await _send(conn, stream, h11.Data(data=chunk), send_timeout)
             if response.stream is not None:
-                async for chunk in response.stream:
-                    await _send(conn, stream, h11.Data(data=chunk), send_timeout)
+                try:
+                    async for chunk in response.stream:
+                        await _send(conn, stream, h11.Data(data=chunk), send_timeout)
+                except (_SendTimeoutError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    raise
+                except Exception as error:  # the body's source failed midway: the response cannot end well
+                    log.error("http.stream_error path=%s error=%s: %s", peer_text(request.target),
+                              type(error).__name__, peer_text(str(error)))
+                    return
             await _send(conn, stream, h11.EndOfMessage(), send_timeout)
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return
@@ -157,6 +175,8 @@ async def serve_http(
     read; past ``max_connections`` open at once, or ``max_connections_per_client`` from one remote
     address, a new one is closed at once (one warning per burst). With ``ssl_context`` (or a callable
     asked per connection, for reloading) each connection is TLS, its handshake bounded by ``read_timeout``.
+    A handler that raises gets its request a 500 and its connection closed (one error line); a
+    response stream that raises midway closes its connection. The server goes on either way.
     """
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound: int = listeners[0].socket.getsockname()[1]
