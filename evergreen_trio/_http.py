@@ -46,6 +46,10 @@ class HttpResponse:
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
 
 
+class DropConnection(Exception):
+    """Raised by a handler: close the connection without answering (a stand-in's lost connection)."""
+
+
 async def _read_request(
     conn: h11.Connection, stream: trio.abc.Stream, max_body: int
 ) -> HttpRequest | None:
@@ -101,6 +105,8 @@ async def _connection(
                 return
             try:
                 response = await handler(request)
+            except DropConnection:
+                return
             except Exception as error:  # the handler's bug: this connection ends, the server goes on
                 log.error("http.handler_error path=%s error=%s: %s", peer_text(request.target),
                           type(error).__name__, peer_text(str(error)))

@@ -38,7 +38,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import trio
 
-from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
+from evergreen_trio._http import DropConnection, HttpRequest, HttpResponse, serve_http
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
@@ -215,7 +215,7 @@ class KubeApiServer:
             if fault is None:
                 return self._review(path, request.body)
             if fault.drop:  # the server's connection task ends and closes it, answering nothing
-                raise trio.BrokenResourceError("review_faults: connection dropped")
+                raise DropConnection
             await trio.sleep(fault.delay_s)
             if fault.body is None:
                 return self._review(path, request.body)
