@@ -297,6 +297,15 @@ def _struct_strings(value: struct_pb2.Value) -> list[str]:
     return []
 
 
+def subset_host(entry: str) -> str:
+    """The host of one subset-hint entry (``10.0.1.0:8080`` -> ``10.0.1.0``, ``[fd00::1]:8080`` ->
+    ``fd00::1``; an entry without a port is its host): llm-d-router matches endpoints by address alone."""
+    if entry.startswith("["):
+        return entry[1:].partition("]")[0]
+    host, colon, _ = entry.rpartition(":")
+    return host if colon and ":" not in host else entry
+
+
 def _metadata_value(metadata: base_pb2.Metadata, namespace: str, key: str) -> struct_pb2.Value | None:
     if namespace not in metadata.filter_metadata:
         return None
@@ -433,7 +442,7 @@ class ExtProcStream:
         self.received_at = self.picker.snapshot.clock()
         value = _metadata_value(message.metadata_context, SUBSET_NAMESPACE, SUBSET)
         if value is not None and self.picker.config.ext_proc.honor_subset_hint:
-            self.subset = frozenset(_struct_strings(value))
+            self.subset = frozenset(subset_host(entry) for entry in _struct_strings(value))
         if message.request_headers.end_of_stream or self.request_mode == NONE:
             return self._decide(None, "headers")
         if self.request_mode == FULL_DUPLEX:

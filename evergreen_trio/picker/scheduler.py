@@ -155,10 +155,12 @@ class PrefixIndex:
 
 @dataclass(frozen=True)
 class PickRequest:
-    """What a pick needs: the target model, its priority, the prompt hashes, an optional subset,
-    the prompt's length in bytes (P/D deciders estimate its tokens from it), and the request's
-    headers (names in lower case) and attributes (by (data type, producer) key, see
-    :mod:`evergreen_trio.picker.attributes`) for the plugins that read them."""
+    """What a pick needs: the target model, its priority, the prompt hashes, an optional subset
+    (the hosts of Envoy's subset hint: an endpoint is in it by its host, whatever its port, as
+    llm-d-router's candidates are located), the prompt's length in bytes (P/D deciders estimate
+    its tokens from it), and the request's headers (names in lower case) and attributes (by
+    (data type, producer) key, see :mod:`evergreen_trio.picker.attributes`) for the plugins that
+    read them."""
 
     model: str | None
     priority: int
@@ -325,9 +327,11 @@ class Scheduler:
             if factory is not None and plugin.name not in self.plugin_states:
                 self.plugin_states[plugin.name] = factory(plugin.params)
 
-    def saturation(self) -> float:
-        """What the legacy admission's detector reads now (1.0 and above: shed sheddable requests)."""
-        return detector_saturation(self.shed_detector, self.snapshot, self.inflight)
+    def saturation(self, states: Sequence[EndpointState] | None = None) -> float:
+        """What the legacy admission's detector reads now of ``states`` (the request's located
+        candidates; default the whole pool). 1.0 and above: shed sheddable requests."""
+        located = list(self.snapshot.states.values()) if states is None else states
+        return detector_saturation(self.shed_detector, located, self.snapshot.clock(), self.inflight).saturation
 
     def prefix_geometry(self) -> tuple[int, int]:
         """(block bytes, max blocks) for hashing prompts now.
@@ -365,14 +369,17 @@ class Scheduler:
         return schedule
 
     def _run_profiles(self, request: PickRequest, count: int) -> Schedule:
-        candidates = self.snapshot.ready_states()
+        # As llm-d-router's director: admission over the located candidates (the subset hint's, or
+        # the pool), then scheduling over those ready.
+        located = list(self.snapshot.states.values())
         if request.subset is not None:
-            candidates = [s for s in candidates if s.endpoint.address in request.subset]
+            located = [s for s in located if s.endpoint.host in request.subset]
+        if request.priority < 0 and self.legacy_shedding and self.saturation(located) >= 1.0:
+            raise RequestError(429, "pool saturated: sheddable request dropped", SATURATED)
+        candidates = [s for s in located if s.ready]
         if not candidates:
             what = "in the subset hint" if request.subset is not None else "in the pool"
-            raise RequestError(503, f"no ready endpoint {what}")
-        if request.priority < 0 and self.legacy_shedding and self.saturation() >= 1.0:
-            raise RequestError(429, "pool saturated: sheddable request dropped", SATURATED)
+            raise RequestError(503, f"no ready endpoint {what}", Outcome.EVICTED_NO_ENDPOINTS.reason)
         admit(self.admitters, request.priority, [s.metrics for s in candidates], self.rng.random)
         self.scorer_seconds = {}
         self.prefix_matches = (self.prefix.matches(request.hashes, (s.endpoint.address for s in candidates))

@@ -14,6 +14,10 @@ pytest.importorskip("evergreen_trio.picker", exc_type=ImportError)
 
 from picker_fakes import FakeModelServer, Gateway, free_port, start_envoy, stop_envoy
 
+# Each fake model server on its own loopback address, as pods have their own IPs: Envoy's subset
+# hint names endpoints by address (llm-d-router matches it by IP alone).
+BACKEND_HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+
 
 @dataclass(frozen=True)
 class Ports:
@@ -24,7 +28,7 @@ class Ports:
 
     @property
     def pool(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.backends]
+        return [f"{host}:{p}" for host, p in zip(BACKEND_HOSTS, self.backends, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,7 @@ def buffered_gateway(envoy_dir: Path, ports: Ports) -> Iterator[Gateway]:
 
 @pytest.fixture
 async def backends(nursery: trio.Nursery, ports: Ports) -> list[FakeModelServer]:
-    servers = [FakeModelServer(port) for port in ports.backends]
+    servers = [FakeModelServer(port, host=host) for host, port in zip(BACKEND_HOSTS, ports.backends, strict=True)]
     for server in servers:
         await nursery.start(server.serve)
     return servers

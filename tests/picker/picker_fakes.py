@@ -35,6 +35,7 @@ class FakeModelServer:
     port: int
     engine: str = "vllm"
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
+    host: str = "127.0.0.1"
     requests: list[HttpRequest] = field(default_factory=list)
     metrics_delay_s: float = 0.0
     response_delay_s: float = 0.0
@@ -42,7 +43,7 @@ class FakeModelServer:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     async def handle(self, request: HttpRequest) -> HttpResponse:
         if request.target == "/metrics":
@@ -72,7 +73,7 @@ class FakeModelServer:
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with self.cancel:
-            await serve_http(self.handle, "127.0.0.1", self.port, task_status=task_status)
+            await serve_http(self.handle, self.host, self.port, task_status=task_status)
 
 
 @dataclass

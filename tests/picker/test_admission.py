@@ -165,9 +165,12 @@ def test_the_scheduler_admits_after_its_checks_and_before_its_profiles() -> None
     assert caught.value.status == 500
     assert caught.value.message.startswith("request cannot be admitted: inference error: ResourceExhausted - "
                                            "probabilistic-admitter: rejected, saturation=2.000 prob=1.00")
-    with pytest.raises(RequestError) as caught:  # an empty subset: 503 before admission
+    with pytest.raises(RequestError) as caught:  # an empty subset: 503 before the admitters
+        scheduler.pick(PickRequest("m", 0, subset=frozenset()))
+    assert (caught.value.status, caught.value.dropped_reason) == (503, "rejected-no-endpoints")
+    with pytest.raises(RequestError) as caught:  # sheddable: the legacy admission reads no candidates as saturated
         scheduler.pick(PickRequest("m", SHEDDABLE, subset=frozenset()))
-    assert caught.value.status == 503
+    assert (caught.value.status, caught.value.dropped_reason) == (429, "rejected-saturated")
 
 
 def test_the_legacy_shedding_answers_first() -> None:

@@ -108,14 +108,20 @@ async def test_subset_hint_restricts_and_empty_subset_is_503(
 ) -> None:
     backends[2].metrics = EndpointMetrics(waiting=20, kv_usage=0.9)
     await start_picker(nursery, ports, config_text(ports.pool))
-    hint = f"{backends[2].address},127.0.0.1:1"
+    hint = f"{backends[2].address},127.0.0.9:1"
     for _ in range(3):
         response = await post(duplex_gateway, "/v1/completions", {"model": "plain", "prompt": "p"},
                               headers={"x-test-subset-hint": hint})
         assert response.headers["x-served-by"] == backends[2].address
+    # An endpoint is in the subset by its address, whatever the port (llm-d-router's Locate).
+    other_port = f"{backends[2].host}:1"
     response = await post(duplex_gateway, "/v1/completions", {"model": "plain", "prompt": "p"},
-                          headers={"x-test-subset-hint": "127.0.0.1:1"})
+                          headers={"x-test-subset-hint": other_port})
+    assert response.headers["x-served-by"] == backends[2].address
+    response = await post(duplex_gateway, "/v1/completions", {"model": "plain", "prompt": "p"},
+                          headers={"x-test-subset-hint": "127.0.0.9:1"})
     assert response.status_code == 503
+    assert response.headers["x-llm-d-request-dropped-reason"] == "rejected-no-endpoints"
     response = await post(duplex_gateway, "/v1/completions", {"model": "plain", "prompt": "p"},
                           headers={"x-test-subset-hint": ","})
     assert response.status_code == 503

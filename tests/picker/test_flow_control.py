@@ -311,21 +311,22 @@ def test_utilization_is_fail_closed_and_concurrency_counts_in_flight() -> None:
     config = parse_config(f"pool: {{name: t, endpoints: ['{A}', '{B}']}}")
     clock = Clock()
     snapshot = PoolSnapshot(config.pool.endpoints, 2.0, clock)
+    states = list(snapshot.states.values())
     detector = UtilizationDetector()
-    assert utilization(detector, snapshot) == 1.0  # never scraped
+    assert utilization(detector, states, clock.now) == (1.0, 2)  # never scraped: both stale
     snapshot.update(A, EndpointMetrics(waiting=5, kv_usage=0.1))
     snapshot.update(B, EndpointMetrics(waiting=0, kv_usage=0.4))
-    assert utilization(detector, snapshot) == pytest.approx(0.75)
+    assert utilization(detector, states, clock.now) == pytest.approx((0.75, 0))
     clock.now += 0.3  # past 200 ms: stale
-    assert utilization(detector, snapshot) == 1.0
-    assert utilization(detector, PoolSnapshot((), 2.0, clock)) == 1.0
+    assert utilization(detector, states, clock.now) == (1.0, 2)
+    assert utilization(detector, [], clock.now) == (1.0, 0)
     load = InflightLoad()
     for _ in range(3):
         load.dispatch(A, 100)
-    assert concurrency(ConcurrencyDetector(max_concurrency=2), snapshot, load) == 0.75
-    assert concurrency(ConcurrencyDetector(mode="tokens", max_token_concurrency=300), snapshot, load) == 0.5
+    assert concurrency(ConcurrencyDetector(max_concurrency=2), states, load).saturation == 0.75
+    assert concurrency(ConcurrencyDetector(mode="tokens", max_token_concurrency=300), states, load).saturation == 0.5
     assert concurrency(ConcurrencyDetector(mode="hybrid", max_concurrency=2, max_token_concurrency=1000),
-                       snapshot, load) == 0.75
+                       states, load).saturation == 0.75
 
 
 # -- processor -------------------------------------------------------------------------------------

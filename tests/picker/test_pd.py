@@ -18,7 +18,7 @@ from evergreen_trio.picker.config import Endpoint, PickerConfig, parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics, EngineConfig
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.k8s.pool_state import PoolState, pool_spec
-from evergreen_trio.picker.processor import DESTINATION, PREFILLER, Picker
+from evergreen_trio.picker.processor import DESTINATION, PREFILLER, Picker, subset_host
 from evergreen_trio.picker.runtime import Scrapers
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, prefix_hashes
 
@@ -126,7 +126,7 @@ def test_prefill_first_runs_prefill_then_decode() -> None:
 
 def test_subset_hint_applies_to_both_profiles() -> None:
     _, scheduler = make(handler="{deciders: {prefill: always-disagg-pd-decider}}")
-    subset = frozenset({PREFILL_2, DECODE_2})
+    subset = frozenset({subset_host(PREFILL_2), subset_host(DECODE_2)})
     result = scheduler.schedule(PickRequest("m", 0, (), subset, 400))
     assert (result.endpoints, result.prefill) == ([DECODE_2], PREFILL_2)
 

@@ -13,6 +13,7 @@ from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, Po
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.inflight import LoadConfig
+from evergreen_trio.picker.processor import subset_host
 from evergreen_trio.picker.scheduler import (
     PickRequest,
     PoolSnapshot,
@@ -32,7 +33,7 @@ class Clock:
 
 
 def make(metrics: list[EndpointMetrics | None], **weights: float) -> tuple[Scheduler, list[str], Clock]:
-    endpoints = [Endpoint("10.0.0.1", 8000 + i) for i in range(len(metrics))]
+    endpoints = [Endpoint(f"10.0.0.{i + 1}", 8000) for i in range(len(metrics))]  # a host each, as pods
     # Weights given: those scorers alone (the in-flight one of the default profile off).
     scheduler_config = SchedulerConfig(**weights, load=LoadConfig(active_request=0)) if weights else SchedulerConfig()
     config = PickerConfig(PoolConfig("p", tuple(endpoints)), scheduler=scheduler_config)
@@ -108,8 +109,9 @@ def test_saturation_and_shedding_only_for_sheddable() -> None:
 
 def test_no_ready_endpoint_and_subset() -> None:
     scheduler, addresses, _ = make([None, EndpointMetrics(), EndpointMetrics(waiting=9)])
-    assert scheduler.pick(PickRequest("m", 0, subset=frozenset({addresses[2]}))) == [addresses[2]]
-    for subset in (frozenset(), frozenset({addresses[0]})):
+    hosts = [subset_host(a) for a in addresses]
+    assert scheduler.pick(PickRequest("m", 0, subset=frozenset({hosts[2]}))) == [addresses[2]]
+    for subset in (frozenset(), frozenset({hosts[0]})):
         with pytest.raises(RequestError) as info:
             scheduler.pick(PickRequest("m", 0, subset=subset))
         assert info.value.status == 503
@@ -135,8 +137,8 @@ def test_pick_only_returns_ready_endpoints_in_the_subset(
     metrics: list[EndpointMetrics | None], subset_index: set[int], count: int, priority: int
 ) -> None:
     scheduler, addresses, _ = make(metrics)
-    subset = frozenset(f"10.0.0.1:{8000 + i}" for i in subset_index)
-    allowed = {a for a, m in zip(addresses, metrics, strict=True) if m is not None and a in subset}
+    subset = frozenset(f"10.0.0.{i + 1}" for i in subset_index)
+    allowed = {a for a, m in zip(addresses, metrics, strict=True) if m is not None and subset_host(a) in subset}
     try:
         picked = scheduler.pick(PickRequest("m", priority, subset=subset), count)
     except RequestError as exc:

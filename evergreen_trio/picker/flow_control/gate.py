@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from evergreen_trio.picker.flow_control.config import FlowControlConfig
-from evergreen_trio.picker.flow_control.detectors import saturation
+from evergreen_trio.picker.flow_control.detectors import Reading, staged_saturation
 from evergreen_trio.picker.flow_control.queue import FlowQueue, QueueItem
 from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.scheduler import PoolSnapshot
@@ -19,17 +19,22 @@ from evergreen_trio.picker.usage import Usage
 
 
 class FlowGate:
-    """One pool's flow control: ``queue`` plus the detector's reading of ``snapshot`` and ``load``."""
+    """One pool's flow control: ``queue`` plus the detector's reading of ``snapshot`` and ``load``,
+    per pipeline stage as llm-d-router's flow controller reads it (the largest one gates)."""
 
     def __init__(self, config: FlowControlConfig, snapshot: PoolSnapshot, load: InflightLoad) -> None:
         self.config = config
         self.snapshot = snapshot
         self.load = load
         self.queue = FlowQueue(config, snapshot.clock)
+        self.readings: dict[str, Reading] = {}
 
     def saturation(self) -> float:
-        """The configured detector's reading of the pool now (1.0 or more: dispatch nothing)."""
-        return saturation(self.config.detector, self.snapshot, self.load)
+        """The configured detector's effective reading of the pool now (1.0 or more: dispatch nothing);
+        the readings per stage are kept in :attr:`readings` for the metrics."""
+        self.readings = staged_saturation(self.config.detector, list(self.snapshot.states.values()),
+                                          self.snapshot.clock(), self.load)
+        return self.readings["effective"].saturation
 
     def submit(self, item: QueueItem) -> None:
         """Queue ``item`` and dispatch what the pool takes now; the item's outcome may come at once."""
