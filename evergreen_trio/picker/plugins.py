@@ -35,6 +35,7 @@ from evergreen_trio.picker.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ROLE_LABEL = "llm-d.ai/role"
+_FLOAT_LIMIT = 2**1024 - 2**970  # the least integer float() cannot hold (it rounds to infinity)
 
 
 class Category(enum.Enum):
@@ -86,8 +87,9 @@ class Params:
 
     def number(self, key: str, default: float, *, minimum: float = 0.0, maximum: float | None = None) -> float:
         value = self.raw.get(key, default)
+        # An integer past float64's range is refused too, as Go's JSON decoding into a float64 does.
         if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum or (
-                maximum is not None and value > maximum):
+                maximum is not None and value > maximum) or (isinstance(value, int) and abs(value) >= _FLOAT_LIMIT):
             bound = f"a number in {minimum}..{maximum}" if maximum is not None else f"a number >= {minimum}"
             raise ConfigError(self.where(key), bound, value)
         return float(value)
