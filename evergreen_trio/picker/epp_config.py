@@ -36,6 +36,7 @@ from typing import Any
 # Imported to register their plugin types: request-attribute-reporter, file-discovery.
 from evergreen_trio.picker import attribute_reporter, file_discovery  # noqa: F401
 from evergreen_trio.picker.checks import mapping, sequence
+from evergreen_trio.picker.endpoint_attribute import warn_unpublished
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
@@ -353,6 +354,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
     for name, reader in SECTIONS.items():
         if name in doc:
             extra.update(reader(doc[name], f"{KIND}.{name}", plugins))
+    warn_unpublished(plugins)
     return EppConfig(values, _pool_values(plugins), plugins, gates, extra, parsers, discovery)
 
 

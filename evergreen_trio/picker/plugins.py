@@ -19,6 +19,7 @@ import enum
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from evergreen_trio.picker.checks import mapping, sequence, string
@@ -28,6 +29,7 @@ from evergreen_trio.picker.engine_metrics import (
     ENGINE_METRICS,
     EngineConfig,
     EngineSpec,
+    MetricSpec,
     parse_spec,
 )
 from evergreen_trio.picker.errors import ConfigError
@@ -498,21 +500,37 @@ def _engine(params: Params) -> EngineSpec:
     name = params.text("name", "")
     if not name or name == "default":
         raise ConfigError(params.where("name"), "an engine name (not 'default', which is reserved)", name)
-    if sequence(params.raw.get("customMetrics", []), params.where("customMetrics")):
-        raise ConfigError(params.where("customMetrics"), "none (custom metrics are not implemented)", "a list")
-
-    def spec(key: str) -> Any:
-        text = params.text(key, "")
-        try:
-            return parse_spec(text) if text else None
-        except ValueError as exc:
-            raise ConfigError(params.where(key), "a metric spec like 'name' or 'name{label=value}'", text) from exc
-
+    spec = partial(_metric_spec, params)
     kv = spec("kvUsageSpec")
     return EngineSpec(name, spec("queuedRequestsSpec"), spec("runningRequestsSpec"), (kv,) if kv else (),
                       spec("loraSpec"), spec("cacheInfoSpec"), params.text("cacheBlockSizeLabelName", "block_size"),
                       params.text("cacheNumBlocksLabelName", "num_gpu_blocks"), spec("cacheBlockSizeSpec"),
-                      spec("cacheNumBlocksSpec"))
+                      spec("cacheNumBlocksSpec"), _custom_metrics(params))
+
+
+def _metric_spec(params: Params, key: str) -> MetricSpec | None:
+    """The metric spec at ``key`` (None when empty or absent)."""
+    text = params.text(key, "")
+    try:
+        return parse_spec(text) if text else None
+    except ValueError as exc:
+        raise ConfigError(params.where(key), "a metric spec like 'name' or 'name{label=value}'", text) from exc
+
+
+def _custom_metrics(params: Params) -> tuple[tuple[str, MetricSpec], ...]:
+    """An engine's ``customMetrics``: (attributeKey, metricSpec) pairs, each key once, both required."""
+    listed = params.raw.get("customMetrics")
+    custom: dict[str, MetricSpec] = {}
+    for i, raw in enumerate(sequence([] if listed is None else listed, params.where("customMetrics"))):
+        entry = Params(raw, params.where(f"customMetrics[{i}]"), "customMetrics", ("attributeKey", "metricSpec"))
+        key = entry.text("attributeKey", "")
+        if not key or key in custom:
+            raise ConfigError(entry.where("attributeKey"), "an attribute key, not empty and not used before", key)
+        metric = _metric_spec(entry, "metricSpec")
+        if metric is None:
+            raise ConfigError(entry.where("metricSpec"), "a metric spec (required)", entry.raw.get("metricSpec"))
+        custom[key] = metric
+    return tuple(custom.items())
 
 
 def _core_extractor(params: Params) -> EngineConfig:
@@ -567,7 +585,7 @@ NOT_IMPLEMENTED_LIST = (
     "burst-prefix-cache-producer", "concurrency-detector", "context-length-aware", "data-parallel-profile-handler",
     "dcgm-data-source", "dcgm-extractor", "destination-endpoint-served-verifier", "disagg-headers-handler",
     "disaggregatedset-rollout-pod-extractor", "disaggregatedset-rollout-screener", "edf-ordering-policy",
-    "endpoint-attribute-filter", "endpoint-attribute-scorer", "endpoint-notification-source", "fcfs-ordering-policy",
+    "endpoint-notification-source", "fcfs-ordering-policy",
     "file-discovery", "global-strict-fairness-policy", "header-based-testing-filter", "header-label-affinity-scorer",
     "header-profile-handler", "inflight-load-producer", "k8s-notification-source", "latency-scorer",
     "latency-slo-admitter", "load-aware-scorer", "local-syncer", "mm-embeddings-cache-producer",

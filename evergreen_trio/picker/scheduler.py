@@ -19,6 +19,7 @@ from evergreen_trio.picker.admission import admit, declared_admitters
 from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.contextlength import CONTEXT_FILTERS, CONTEXT_SCORERS
+from evergreen_trio.picker.endpoint_attribute import ATTRIBUTE_FILTERS, ATTRIBUTE_SCORERS
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.filters import LOAD_FILTERS
@@ -244,13 +245,14 @@ SCORERS: dict[str, ScorerFunction] = {
     **AFFINITY_SCORERS,  # evergreen_trio.picker.affinity
     **SESSION_SCORERS,  # evergreen_trio.picker.session
     **CONTEXT_SCORERS,  # evergreen_trio.picker.contextlength
+    **ATTRIBUTE_SCORERS,  # evergreen_trio.picker.endpoint_attribute
 }
 # A filter that needs more than the pod's labels: (scheduler, request, candidates, plugin params or
 # its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
 # params' keeps(labels).
 FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
 FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS, **LOAD_FILTERS, **CONTEXT_FILTERS,
-                                      **TESTING_FILTERS}
+                                      **TESTING_FILTERS, **ATTRIBUTE_FILTERS}
 
 
 class PluginState(Protocol):

@@ -222,7 +222,7 @@ BAD = [
     ("{type: core-metrics-extractor, parameters: {engineConfigs: [{name: x, kvUsageSpec: 'a{b'}]}}",
      f"{P}.engineConfigs[0].kvUsageSpec"),
     ("{type: core-metrics-extractor, parameters: {engineConfigs: [{name: x, customMetrics: [{}]}]}}",
-     f"{P}.engineConfigs[0].customMetrics"),
+     f"{P}.engineConfigs[0].customMetrics[0].attributeKey"),
     ("{type: core-metrics-extractor, parameters: {engineConfigs: [{name: x, extra: 1}]}}",
      f"{P}.engineConfigs[0].extra"),
     ("{type: prefix-based-pd-decider, parameters: {nonCachedTokens: -1}}", f"{P}.nonCachedTokens"),
