@@ -43,7 +43,7 @@ class EndpointMetrics:
     max_lora: int = 0
     block_size: int | None = None
     num_blocks: int | None = None
-    attributes: Mapping[str, float] = field(default_factory=dict)  # customMetrics: attribute key -> value
+    attributes: Mapping[str, float] = field(default_factory=dict, hash=False)  # customMetrics: key -> value
 
 
 _SPEC = re.compile(r"^\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{([^{}]*)\})?\s*$")

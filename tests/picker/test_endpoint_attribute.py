@@ -265,6 +265,7 @@ def test_a_custom_gauge_with_labels_is_an_attribute() -> None:
     metrics = parse_engine_metrics(DEPTH_SPEC, text)
     assert metrics.attributes == {"custom.queue_depth": 42.5}
     assert (metrics.waiting, metrics.running, metrics.kv_usage) == (0, 0, 0)
+    assert hash(metrics) == hash(EndpointMetrics())  # still hashable: the attributes are not hashed
 
 
 def test_a_custom_counter_is_an_attribute() -> None:
