@@ -157,9 +157,9 @@ def _profile(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Profile:
         for key in ref:
             if key not in ("pluginRef", "weight"):
                 raise ConfigError(f"{ref_path}.{key}", "one of ['pluginRef', 'weight']", key)
-        # Producers and response processors listed here do nothing in the profile (as the reference's).
+        # Producers, pre-request and response plugins listed here do nothing in the profile (as the reference's).
         plugin = _ref(ref.get("pluginRef"), f"{ref_path}.pluginRef", plugins, Category.FILTER, Category.SCORER,
-                      Category.PICKER, Category.PRODUCER, Category.RESPONSE_PROCESSOR)
+                      Category.PICKER, Category.PRODUCER, Category.PRE_REQUEST, Category.RESPONSE_PROCESSOR)
         weight = ref.get("weight", 1)
         if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
             raise ConfigError(f"{ref_path}.weight", "a number >= 0", weight)

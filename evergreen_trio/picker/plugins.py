@@ -55,6 +55,7 @@ class Category(enum.Enum):
     PARSER = "parser"
     ADMITTER = "admitter"
     RESPONSE_PROCESSOR = "response-processor"
+    PRE_REQUEST = "pre-request"
     OTHER = "other"
 
 
@@ -583,7 +584,7 @@ register("core-metrics-extractor", PluginType(
 NOT_IMPLEMENTED_LIST = (
     "active-request-scorer", "agent-identity", "always-disagg-multimodal-decider", "anthropic-parser",
     "burst-prefix-cache-producer", "concurrency-detector", "context-length-aware", "data-parallel-profile-handler",
-    "dcgm-data-source", "dcgm-extractor", "destination-endpoint-served-verifier", "disagg-headers-handler",
+    "dcgm-data-source", "dcgm-extractor", "destination-endpoint-served-verifier",
     "disaggregatedset-rollout-pod-extractor", "disaggregatedset-rollout-screener", "edf-ordering-policy",
     "endpoint-notification-source", "fcfs-ordering-policy",
     "file-discovery", "global-strict-fairness-policy", "header-based-testing-filter", "header-label-affinity-scorer",
@@ -595,7 +596,7 @@ NOT_IMPLEMENTED_LIST = (
     "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
     "multicluster-session-affinity-filter", "no-hit-lru-scorer", "p2p-source-producer", "passthrough-parser",
     "precise-prefix-cache-producer", "precise-prefix-cache-scorer", "predicted-latency-producer",
-    "prefill-header-handler", "prefix-cache-affinity-filter", "priority-holdback-policy",
+    "prefix-cache-affinity-filter", "priority-holdback-policy",
     "priority-then-time-eviction-order-policy", "probabilistic-admitter", "program-aware-fairness",
     "request-attribute-reporter", "round-robin-fairness-policy", "running-requests-size-scorer",
     "session-affinity-filter", "session-affinity-scorer", "session-id-producer", "sglanghttp-parser",

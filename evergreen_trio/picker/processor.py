@@ -45,6 +45,7 @@ from evergreen_trio.picker.inflight import Ticket
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import request_path
 from evergreen_trio.picker.request import rewrite_model
+from evergreen_trio.picker.routing_headers import PREFILL_HEADER, ROUTING_HEADERS
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseBody, ResponseFormat, Usage
 
@@ -57,9 +58,9 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 MODEL_REWRITE = "x-gateway-model-name-rewrite"
 # P/D: the prefill pod (ip:port) for llm-d's routing sidecar beside the decode pod.
-PREFILLER = "x-prefiller-host-port"
+PREFILLER = PREFILL_HEADER
 # Client-supplied routing headers never go upstream; DESTINATION is always overwritten instead.
-STRIPPED_HEADERS = (*OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, MODEL_REWRITE, FALLBACK, SERVED, SUBSET, PREFILLER)
+STRIPPED_HEADERS = (*OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, MODEL_REWRITE, FALLBACK, SERVED, SUBSET, *ROUTING_HEADERS)
 
 _Mode = processing_mode_pb2.ProcessingMode
 NONE, BUFFERED, BUFFERED_PARTIAL = _Mode.NONE, _Mode.BUFFERED, _Mode.BUFFERED_PARTIAL
@@ -95,7 +96,8 @@ class StreamReport:
 class Route:
     """A routing decision: endpoints best first, the model names, the prompt hashes, a new body,
     the prefill endpoint when P/D disaggregates the request, the scores to report (with
-    ``emit_endpoint_scores``), and the headers plugins set on the response (session affinity's token)."""
+    ``emit_endpoint_scores``), and the headers plugins set on the response (session affinity's
+    token) and on the request (the routing sidecar's)."""
 
     endpoints: list[str]
     client_model: str | None = None
@@ -108,6 +110,7 @@ class Route:
     prefill_load: Ticket | None = None  # the prefill pod's, released at the first response chunk
     scores: Mapping[str, float] = field(default_factory=dict)
     response_headers: Mapping[str, str] = field(default_factory=dict)
+    request_headers: Mapping[str, str] = field(default_factory=dict)
     skip_response: bool = False  # the parser's: end the stream once routed
     response: ResponseFormat = OPENAI_RESPONSES  # the parser's: how the response's usage is read
 
@@ -252,7 +255,8 @@ class Picker:
         return Route(endpoints, admission.client_model, admission.target_model, admission.hashes, admission.body,
                      prefill=schedule.prefill, load=ticket, prefill_load=prefill_ticket,
                      scores=schedule.scores if self.config.ext_proc.emit_endpoint_scores else {},
-                     response_headers=schedule.response_headers, skip_response=admission.skip_response,
+                     response_headers=schedule.response_headers, request_headers=schedule.request_headers,
+                     skip_response=admission.skip_response,
                      response=admission.response)
 
     @staticmethod
@@ -523,9 +527,9 @@ class ExtProcStream:
             lb[FALLBACK] = route.endpoints[1]
         if route.body is not None and "content-length" in self.headers:
             set_headers.append(_header_option("content-length", str(len(route.body))))
-        if route.prefill is not None:
-            set_headers.append(_header_option(PREFILLER, route.prefill))
-        removed = [h for h in STRIPPED_HEADERS if h in self.headers and not (h == PREFILLER and route.prefill)]
+        for name, header in route.request_headers.items():
+            set_headers.append(_header_option(name, header))
+        removed = [h for h in STRIPPED_HEADERS if h in self.headers and h not in route.request_headers]
         mutation = ep.HeaderMutation(set_headers=set_headers, remove_headers=removed)
         metadata = struct_pb2.Struct()
         fields = metadata.fields[LB_NAMESPACE].struct_value.fields  # Struct.update's generic walk costs more

@@ -29,6 +29,7 @@ from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, PrefixScorerParams, Profile
+from evergreen_trio.picker.routing_headers import DisaggHeaders
 from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
 from evergreen_trio.picker.testing_filter import TESTING_FILTERS
 
@@ -173,15 +174,17 @@ class PickRequest:
 @dataclass
 class Schedule:
     """A scheduling result: the primary (decode) profile's endpoints best first, the prefill
-    endpoint when P/D chose one, every profile's picks by profile name, the primary profile's
-    weighted score of every candidate it scored (empty when it runs no scorer), and the headers
-    plugins set on the response to the client."""
+    endpoint when P/D chose one (the one in the prefill header), every profile's picks by profile
+    name, the primary profile's weighted score of every candidate it scored (empty when it runs no
+    scorer), and the headers plugins set on the response to the client and on the request upstream
+    (:mod:`evergreen_trio.picker.routing_headers`)."""
 
     endpoints: list[str]
     prefill: str | None = None
     profiles: dict[str, list[str]] = field(default_factory=dict)
     scores: dict[str, float] = field(default_factory=dict)
     response_headers: dict[str, str] = field(default_factory=dict)
+    request_headers: dict[str, str] = field(default_factory=dict)
 
 
 # Filters that leave none of a non-empty candidate set mean the pool is busy, not broken: the reference
@@ -326,6 +329,12 @@ class Scheduler:
             factory = PLUGIN_STATES.get(plugin.type)
             if factory is not None and plugin.name not in self.plugin_states:
                 self.plugin_states[plugin.name] = factory(plugin.params)
+        # Who sets the P/D headers, in turn: the disaggregation handler, then the declared headers handlers.
+        handler = self.config.handler
+        self.header_setters = [
+            *([DisaggHeaders(handler.prefill, handler.encode)] if isinstance(handler, DisaggHandler) else []),
+            *(p.params for p in (config.epp.plugins.values() if config.epp is not None else ())
+              if isinstance(p.params, DisaggHeaders))]
 
     def saturation(self) -> float:
         """What the legacy admission's detector reads now (1.0 and above: shed sheddable requests)."""
@@ -357,10 +366,12 @@ class Scheduler:
         names (429 when it names none). With a :class:`DisaggHandler` (decode-first) the
         decode profile picks, then the decider looks at the prompt's tokens not cached on the
         decode pick and may run the prefill profile (an empty prefill pick means no P/D);
-        prefill-first runs prefill (when that profile exists) and then decode. Stateful plugins
-        then learn the result.
+        prefill-first runs prefill (when that profile exists) and then decode. The P/D headers
+        follow the picks (:attr:`header_setters`); stateful plugins then learn the result.
         """
         schedule = self._run_profiles(request, count)
+        for setter in self.header_setters:
+            schedule.prefill = setter.apply(schedule.profiles, schedule.request_headers)
         now = self.snapshot.clock()
         for state in self.plugin_states.values():
             state.scheduled(request, schedule, now)
@@ -401,8 +412,7 @@ class Scheduler:
             cached = self.prefix_matches.get(decode[0], 0) * block_bytes // BYTES_PER_TOKEN
             if handler.prefill_decider.disaggregate(request.prompt_bytes // BYTES_PER_TOKEN, cached):
                 result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
-        prefill_pick = result.get(handler.prefill)
-        return Schedule(decode, prefill_pick[0] if prefill_pick else None, result, scores)
+        return Schedule(decode, None, result, scores)
 
     def run_profile(self, profile: Profile, request: PickRequest, candidates: Sequence[EndpointState],
                     count: int) -> tuple[list[str], dict[str, float]]:

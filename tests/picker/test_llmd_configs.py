@@ -32,6 +32,7 @@ EXPECTED = {
     "chart-default-plugins-sglang.yaml": None,
     "chart-payload-agnostic.yaml": None,
     "dp-epp-config.yaml": "data-parallel-profile-handler",
+    "e2e-deprecated-pd-config.yaml": None,
     "epp-burst-prefix-cache-config.yaml": "token-producer",
     "epp-config.yaml": None,
     "gie-v1.5.0-default-plugins.yaml": None,
