@@ -26,6 +26,7 @@ import yaml
 
 from evergreen_trio.picker.affinity import PREFIX_READERS
 from evergreen_trio.picker.checks import integer, mapping, number, sequence, string
+from evergreen_trio.picker.dataparallel import DataParallelHandler
 from evergreen_trio.picker.engine_metrics import ENGINE_ALIASES, ENGINE_METRICS, EngineConfig
 from evergreen_trio.picker.epp_config import EppConfig, is_endpoint_picker_config, read_endpoint_picker_config
 from evergreen_trio.picker.errors import ConfigError
@@ -129,7 +130,9 @@ class SchedulerConfig:
 
     ``profiles`` empty means one profile of the four flat weights. ``handler`` None runs the one
     profile; a :class:`~evergreen_trio.picker.plugins.DisaggHandler` runs decode and prefill profiles (P/D), a
-    :class:`~evergreen_trio.picker.headerprofile.HeaderProfileHandler` the one a request header names. With
+    :class:`~evergreen_trio.picker.headerprofile.HeaderProfileHandler` the one a request header names, a
+    :class:`~evergreen_trio.picker.dataparallel.DataParallelHandler` the one profile, sent to the pods'
+    primary port. With
     ``prefix_auto_tune`` the block size is the model servers' scraped one; ``max_prefix_tokens``
     (when > 0) caps the hashed prefix in tokens, else ``max_prefix_blocks`` caps it in blocks.
     """
@@ -148,7 +151,7 @@ class SchedulerConfig:
     prefix_auto_tune: bool = False
     max_prefix_tokens: int = 0
     profiles: tuple[Profile, ...] = ()
-    handler: DisaggHandler | HeaderProfileHandler | None = None
+    handler: DisaggHandler | HeaderProfileHandler | DataParallelHandler | None = None
 
     @property
     def prefix_block_bytes(self) -> int:

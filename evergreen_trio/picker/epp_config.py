@@ -36,6 +36,7 @@ from typing import Any
 # Imported to register their plugin types: request-attribute-reporter, file-discovery.
 from evergreen_trio.picker import attribute_reporter, file_discovery  # noqa: F401
 from evergreen_trio.picker.checks import mapping, sequence
+from evergreen_trio.picker.dataparallel import DataParallelHandler
 from evergreen_trio.picker.endpoint_attribute import warn_unpublished
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
@@ -182,16 +183,17 @@ def _default_profile(plugins: Mapping[str, Plugin]) -> Profile:
 
 
 def _handler(plugins: Mapping[str, Plugin],
-             profiles: Mapping[str, Profile]) -> DisaggHandler | HeaderProfileHandler | None:
+             profiles: Mapping[str, Profile]) -> DisaggHandler | HeaderProfileHandler | DataParallelHandler | None:
     handlers = [p for p in plugins.values() if p.category is Category.PROFILE_HANDLER]
     if len(handlers) > 1:
         raise ConfigError(f"{KIND}.plugins", "at most one profile handler", [h.name for h in handlers])
     handler = handlers[0] if handlers else None
-    if handler is None or handler.type == "single-profile-handler":
+    one_profile = handler.params if handler is not None and isinstance(handler.params, DataParallelHandler) else None
+    if handler is None or handler.type == "single-profile-handler" or one_profile is not None:
         if len(profiles) > 1:
-            raise ConfigError(f"{KIND}.schedulingProfiles", "one profile (the single-profile-handler)",
-                              f"{len(profiles)} profiles")
-        return None
+            kind = handler.type if handler is not None else "single-profile-handler"
+            raise ConfigError(f"{KIND}.schedulingProfiles", f"one profile (the {kind})", f"{len(profiles)} profiles")
+        return one_profile
     if isinstance(handler.params, HeaderProfileHandler):
         return handler.params  # its profiles are named per request: nothing to check against them here
     assert isinstance(handler.params, DisaggParams)
@@ -210,7 +212,8 @@ def _handler(plugins: Mapping[str, Plugin],
         decider = chosen
     elif params.stage_order == "decode-first":
         log.info("picker.pd_off handler=%s (no deciders.prefill: decode profile only)", handler.name)
-    return DisaggHandler(params.stage_order, params.decode, params.prefill, params.encode, decider)
+    return DisaggHandler(params.stage_order, params.decode, params.prefill, params.encode, decider,
+                         params.primary_port)
 
 
 def _prefix_values(plugins: Mapping[str, Plugin]) -> dict[str, Any]:

@@ -398,13 +398,16 @@ class DisaggParams:
     encode: str = "encode"
     prefill_decider: str = ""
     encode_decider: str = ""
+    primary_port: int = 0
 
 
 @dataclass(frozen=True)
 class DisaggHandler:
     """``disagg-profile-handler`` resolved: profile names and the prefill decider itself.
 
-    No decider means no P/D (with decode-first order): only the decode profile runs.
+    No decider means no P/D (with decode-first order): only the decode profile runs. A
+    ``primary_port`` (``pd-profile-handler``'s ``primaryPort``; 0: none) sends the request to the
+    decode pod's primary port, data-parallel style.
     """
 
     stage_order: str = "decode-first"
@@ -412,6 +415,7 @@ class DisaggHandler:
     prefill: str = "prefill"
     encode: str = "encode"
     prefill_decider: PrefixDecider | AlwaysDecider | None = None
+    primary_port: int = 0
 
 
 def _stage_order(value: str, where: str) -> str:
@@ -456,14 +460,15 @@ def _disagg(params: Params) -> DisaggParams:
 
 
 def _pd_handler(params: Params) -> DisaggParams:
-    if params.integer("primaryPort", 0, maximum=65535) != 0:
-        raise ConfigError(params.where("primaryPort"), "0 (data-parallel port rewriting is not implemented)",
-                          params.raw["primaryPort"])
+    primary_port = params.integer("primaryPort", 0, maximum=65535)
+    if primary_port:
+        deprecated(params.where("primaryPort"), "none: Istio >= 1.28.1 needs no primaryPort")
     for key in ("prefixPluginType", "prefixPluginName", "prefixMatchInfoProducerName"):
         params.text(key, "")
     return DisaggParams(decode=params.text("decodeProfile", "decode") or "decode",
                         prefill=params.text("prefillProfile", "prefill") or "prefill",
-                        prefill_decider=params.text("deciderPluginName", "prefix-based-pd-decider"))
+                        prefill_decider=params.text("deciderPluginName", "prefix-based-pd-decider"),
+                        primary_port=primary_port)
 
 
 # -- data layer ---------------------------------------------------------------------------------
@@ -583,7 +588,7 @@ register("core-metrics-extractor", PluginType(
 # startup with a line saying so. Types another module registers are taken off at lookup.
 NOT_IMPLEMENTED_LIST = (
     "active-request-scorer", "agent-identity", "always-disagg-multimodal-decider", "anthropic-parser",
-    "burst-prefix-cache-producer", "concurrency-detector", "context-length-aware", "data-parallel-profile-handler",
+    "burst-prefix-cache-producer", "concurrency-detector", "context-length-aware",
     "dcgm-data-source", "dcgm-extractor", "destination-endpoint-served-verifier",
     "disaggregatedset-rollout-pod-extractor", "disaggregatedset-rollout-screener", "edf-ordering-policy",
     "endpoint-notification-source", "fcfs-ordering-policy",

@@ -252,7 +252,8 @@ class Picker:
         if schedule.prefill is not None:
             prefill_ticket = inflight.dispatch(
                 schedule.prefill, self.scheduler.uncached_tokens(pick, [schedule.prefill])[schedule.prefill])
-        return Route(endpoints, admission.client_model, admission.target_model, admission.hashes, admission.body,
+        return Route(schedule.destinations or endpoints, admission.client_model, admission.target_model,
+                     admission.hashes, admission.body,
                      prefill=schedule.prefill, load=ticket, prefill_load=prefill_ticket,
                      scores=schedule.scores if self.config.ext_proc.emit_endpoint_scores else {},
                      response_headers=schedule.response_headers, request_headers=schedule.request_headers,

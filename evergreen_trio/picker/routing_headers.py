@@ -10,6 +10,9 @@
 A client-sent value of any of them is removed, never forwarded (the reference forwards one that
 no plugin of its overwrites).
 
+Data parallelism (:func:`at_primary_port`): the request goes to the picked pod's primary port,
+where a proxy reads ``x-data-parallel-host-port`` for the rank (the picked ``ip:port``).
+
 The P/D headers are set by :class:`DisaggHeaders`: the ``disagg-profile-handler``'s (and our
 ``pd-profile-handler``'s, where the reference's sets none: its configs pair it with a headers
 handler), then each declared headers handler's in declaration order. Each clears both headers and
@@ -51,6 +54,13 @@ class DisaggHeaders:
         if encoders:
             headers[ENCODERS_HEADER] = ",".join(encoders)
         return prefill[0] if prefill else None
+
+
+def at_primary_port(picked: Sequence[str], port: int, headers: dict[str, str]) -> list[str]:
+    """``picked`` (``host:port`` addresses, best first) at ``port`` instead, the first one named in
+    the data-parallel header, as llm-d-router's data-parallel and P/D handlers rewrite them."""
+    headers[DATA_PARALLEL_HEADER] = picked[0]
+    return [f"{address.rpartition(':')[0]}:{port}" for address in picked]
 
 
 def _headers_handler(params: Params) -> DisaggHeaders:

@@ -19,6 +19,7 @@ from evergreen_trio.picker.admission import admit, declared_admitters
 from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.contextlength import CONTEXT_FILTERS, CONTEXT_SCORERS
+from evergreen_trio.picker.dataparallel import DataParallelHandler
 from evergreen_trio.picker.endpoint_attribute import ATTRIBUTE_FILTERS, ATTRIBUTE_SCORERS
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
@@ -29,7 +30,7 @@ from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, PrefixScorerParams, Profile
-from evergreen_trio.picker.routing_headers import DisaggHeaders
+from evergreen_trio.picker.routing_headers import DisaggHeaders, at_primary_port
 from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
 from evergreen_trio.picker.testing_filter import TESTING_FILTERS
 
@@ -176,8 +177,9 @@ class Schedule:
     """A scheduling result: the primary (decode) profile's endpoints best first, the prefill
     endpoint when P/D chose one (the one in the prefill header), every profile's picks by profile
     name, the primary profile's weighted score of every candidate it scored (empty when it runs no
-    scorer), and the headers plugins set on the response to the client and on the request upstream
-    (:mod:`evergreen_trio.picker.routing_headers`)."""
+    scorer), the headers plugins set on the response to the client and on the request upstream
+    (:mod:`evergreen_trio.picker.routing_headers`), and where the request goes when that is not
+    ``endpoints`` (data parallelism: the pods' primary port)."""
 
     endpoints: list[str]
     prefill: str | None = None
@@ -185,6 +187,7 @@ class Schedule:
     scores: dict[str, float] = field(default_factory=dict)
     response_headers: dict[str, str] = field(default_factory=dict)
     request_headers: dict[str, str] = field(default_factory=dict)
+    destinations: list[str] | None = None
 
 
 # Filters that leave none of a non-empty candidate set mean the pool is busy, not broken: the reference
@@ -335,6 +338,7 @@ class Scheduler:
             *([DisaggHeaders(handler.prefill, handler.encode)] if isinstance(handler, DisaggHandler) else []),
             *(p.params for p in (config.epp.plugins.values() if config.epp is not None else ())
               if isinstance(p.params, DisaggHeaders))]
+        self.primary_port = handler.primary_port if isinstance(handler, DisaggHandler | DataParallelHandler) else 0
 
     def saturation(self) -> float:
         """What the legacy admission's detector reads now (1.0 and above: shed sheddable requests)."""
@@ -367,11 +371,14 @@ class Scheduler:
         decode profile picks, then the decider looks at the prompt's tokens not cached on the
         decode pick and may run the prefill profile (an empty prefill pick means no P/D);
         prefill-first runs prefill (when that profile exists) and then decode. The P/D headers
-        follow the picks (:attr:`header_setters`); stateful plugins then learn the result.
+        follow the picks (:attr:`header_setters`), and with a primary port (data parallelism) the
+        request goes there; stateful plugins then learn the result.
         """
         schedule = self._run_profiles(request, count)
         for setter in self.header_setters:
             schedule.prefill = setter.apply(schedule.profiles, schedule.request_headers)
+        if self.primary_port:
+            schedule.destinations = at_primary_port(schedule.endpoints, self.primary_port, schedule.request_headers)
         now = self.snapshot.clock()
         for state in self.plugin_states.values():
             state.scheduled(request, schedule, now)
