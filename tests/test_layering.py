@@ -30,7 +30,7 @@ SANS_IO_CORES = (
     "ipc/config.py", "ipc/device_pool.py", "ipc/errors.py", "ipc/flatbuf.py", "ipc/framing.py", "ipc/reassembly.py",
     "ipc/uri.py",
     "picker/attribute_reporter.py", "picker/config.py", "picker/endpoint_attribute.py", "picker/engine_metrics.py",
-    "picker/dataparallel.py", "picker/epp_config.py", "picker/routing_headers.py",
+    "picker/dataparallel.py", "picker/epp_config.py", "picker/routing_headers.py", "picker/served_verifier.py",
     "picker/errors.py",
     "_grpc/server_wire.py", "picker/plugins.py",
     "picker/processor.py", "picker/request.py", "picker/scheduler.py", "picker/usage.py", "picker/parsers/*.py",

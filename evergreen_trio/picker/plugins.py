@@ -589,7 +589,7 @@ register("core-metrics-extractor", PluginType(
 NOT_IMPLEMENTED_LIST = (
     "active-request-scorer", "agent-identity", "always-disagg-multimodal-decider", "anthropic-parser",
     "burst-prefix-cache-producer", "concurrency-detector", "context-length-aware",
-    "dcgm-data-source", "dcgm-extractor", "destination-endpoint-served-verifier",
+    "dcgm-data-source", "dcgm-extractor",
     "disaggregatedset-rollout-pod-extractor", "disaggregatedset-rollout-screener", "edf-ordering-policy",
     "endpoint-notification-source", "fcfs-ordering-policy",
     "file-discovery", "global-strict-fairness-policy", "header-based-testing-filter", "header-label-affinity-scorer",

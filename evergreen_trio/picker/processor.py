@@ -47,6 +47,11 @@ from evergreen_trio.picker.parsers.registry import request_path
 from evergreen_trio.picker.request import rewrite_model
 from evergreen_trio.picker.routing_headers import PREFILL_HEADER, ROUTING_HEADERS
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
+from evergreen_trio.picker.served_verifier import (
+    DESTINATION_ENDPOINT_SERVED_VERIFIER,
+    SERVED_ENDPOINT_HEADER,
+    served_verdict,
+)
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseBody, ResponseFormat, Usage
 
 DESTINATION = "x-gateway-destination-endpoint"
@@ -149,6 +154,7 @@ class Picker:
         self.parsers = config.epp.parsers if config.epp is not None else DEFAULT_REGISTRY
         self.plugins = tuple(config.epp.plugins.values()) if config.epp is not None else ()
         self.reporters = attribute_reporters(self.plugins)
+        self.verifies_served = any(p.type == DESTINATION_ENDPOINT_SERVED_VERIFIER for p in self.plugins)
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight) if config.flow_control else None
         # InferenceObjective name -> priority: the config's, and in cluster mode the watched CRDs' over them.
         self.objectives: Mapping[str, int] = dict(config.objectives)
@@ -331,6 +337,10 @@ def _chunks(body: bytes, size: int, end_of_stream: bool) -> list[ep.ProcessingRe
 
 class ExtProcStream:
     """The per-stream ext_proc state machine (one HTTP request through Envoy)."""
+
+    # destination-endpoint-served-verifier's response header, once the response headers came
+    # (a class default: most pickers declare no verifier, and their streams never set it).
+    verified: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, picker: Picker) -> None:
         self.picker = picker
@@ -519,7 +529,8 @@ class ExtProcStream:
         self.route = route
         rewrites_back = route.target_model is not None and route.target_model != route.client_model
         self.finished = route.skip_response or not (
-            self.limits.observe_responses or rewrites_back or route.response_headers or self.picker.reporters)
+            self.limits.observe_responses or rewrites_back or route.response_headers or self.picker.reporters
+            or self.picker.verifies_served)
         mode = self.picker.config.ext_proc.destination_mode
         value = ",".join(route.endpoints) if mode is DestinationMode.LIST else route.endpoints[0]
         set_headers = [_header_option(DESTINATION, value)]
@@ -570,6 +581,10 @@ class ExtProcStream:
             for address in _struct_strings(served)[:1]:
                 self.picker.record_served(route, address)
                 self.report.served = list(route.served)
+        if self.picker.verifies_served:
+            namespaces = message.metadata_context.filter_metadata
+            lb = namespaces[LB_NAMESPACE].fields if LB_NAMESPACE in namespaces else None
+            self.verified = ((SERVED_ENDPOINT_HEADER, served_verdict(lb)),)
         rewrite = None
         response = route.response if route is not None else OPENAI_RESPONSES
         if (route is not None and route.target_model and route.client_model and route.target_model != route.client_model
@@ -597,7 +612,7 @@ class ExtProcStream:
         """The response headers' mutation: ``remove`` and ``set_`` those, and set the headers the
         route's plugins asked for (None when there is nothing to change)."""
         plugins = self.route.response_headers.items() if self.route is not None else ()
-        added = [_header_option(key, value) for key, value in (*set_, *plugins)]
+        added = [_header_option(key, value) for key, value in (*set_, *plugins, *self.verified)]
         return ep.HeaderMutation(set_headers=added, remove_headers=remove) if added or remove else None
 
     def _response_body(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
