@@ -39,6 +39,7 @@ from evergreen_trio.picker.flow_control.config import (
 )
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
 from evergreen_trio.picker.inflight import LoadConfig, producer_config
+from evergreen_trio.picker.models_source import ModelsSource
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, Profile, WeightedScorer, deferred_deprecations
 
 ENGINES = (*ENGINE_METRICS, *ENGINE_ALIASES)
@@ -110,7 +111,8 @@ class PoolConfig:
     """The pool: its name, its model servers, and how often and where their metrics are scraped.
 
     ``metrics_port`` (a ``metrics-data-source`` port) scrapes that port instead of the serving
-    one; ``engines`` says which metric names each pod's engine exports.
+    one; ``engines`` says which metric names each pod's engine exports; ``models_sources`` read
+    each endpoint's served models (``models-data-source``s wired to a ``models-data-extractor``).
     """
 
     name: str
@@ -121,6 +123,7 @@ class PoolConfig:
     metrics_path: str = "/metrics"
     metrics_port: int | None = None
     engines: EngineConfig = field(default_factory=EngineConfig)
+    models_sources: tuple[ModelsSource, ...] = ()
 
 
 @dataclass(frozen=True)

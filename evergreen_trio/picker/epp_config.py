@@ -40,6 +40,7 @@ from evergreen_trio.picker.dataparallel import DataParallelHandler
 from evergreen_trio.picker.endpoint_attribute import warn_unpublished
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
+from evergreen_trio.picker.models_source import MODELS_DATA_EXTRACTOR, MODELS_DATA_SOURCE, ModelsSource
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import ParserRegistry
 from evergreen_trio.picker.plugins import (
@@ -246,29 +247,42 @@ def _pool_values(plugins: Mapping[str, Plugin]) -> dict[str, Any]:
     return values
 
 
-def _data_layer(doc: Mapping[str, Any], plugins: Mapping[str, Plugin]) -> Plugin | None:
-    """Check ``dataLayer``; the plugin ``discovery.pluginRef`` names, if any."""
+# Extractor type -> the source type whose data it reads (the reference fails startup on a mismatch).
+_EXTRACTS = {"core-metrics-extractor": "metrics-data-source", MODELS_DATA_EXTRACTOR: MODELS_DATA_SOURCE}
+
+
+def _data_layer(doc: Mapping[str, Any],
+                plugins: Mapping[str, Plugin]) -> tuple[Plugin | None, tuple[ModelsSource, ...]]:
+    """Check ``dataLayer``: the plugin ``discovery.pluginRef`` names, if any, and the models sources
+    listed with a models extractor (the ones worth polling)."""
     path = f"{KIND}.dataLayer"
     layer = mapping(doc.get("dataLayer") or {}, path)
     for key in layer:
         if key not in ("sources", "discovery"):
             raise ConfigError(f"{path}.{key}", "one of ['discovery', 'sources']", key)
+    models: list[ModelsSource] = []
     for i, raw in enumerate(sequence(layer.get("sources") or [], f"{path}.sources")):
         source = mapping(raw, f"{path}.sources[{i}]")
         for key in source:
             if key not in ("pluginRef", "extractors"):
                 raise ConfigError(f"{path}.sources[{i}].{key}", "one of ['extractors', 'pluginRef']", key)
-        _ref(source.get("pluginRef"), f"{path}.sources[{i}].pluginRef", plugins, Category.DATA_SOURCE)
+        polled = _ref(source.get("pluginRef"), f"{path}.sources[{i}].pluginRef", plugins, Category.DATA_SOURCE)
         for j, extractor in enumerate(sequence(source.get("extractors") or [], f"{path}.sources[{i}].extractors")):
             where = f"{path}.sources[{i}].extractors[{j}]"
-            _ref(mapping(extractor, where).get("pluginRef"), f"{where}.pluginRef", plugins, Category.EXTRACTOR)
+            reads = _ref(mapping(extractor, where).get("pluginRef"), f"{where}.pluginRef", plugins, Category.EXTRACTOR)
+            if _EXTRACTS.get(reads.type, polled.type) != polled.type:
+                raise ConfigError(f"{where}.pluginRef", f"an extractor of {polled.type}'s data",
+                                  f"{reads.name} (a {reads.type}, which reads a {_EXTRACTS[reads.type]}'s)")
+            if reads.type == MODELS_DATA_EXTRACTOR and isinstance(polled.params, ModelsSource) \
+                    and polled.params not in models:
+                models.append(polled.params)
     if layer.get("discovery") is None:
-        return None
+        return None, tuple(models)
     discovery = mapping(layer["discovery"], f"{path}.discovery")
     for key in discovery:
         if key != "pluginRef":
             raise ConfigError(f"{path}.discovery.{key}", "one of ['pluginRef']", key)
-    return _ref(discovery.get("pluginRef"), f"{path}.discovery.pluginRef", plugins, Category.DISCOVERY)
+    return _ref(discovery.get("pluginRef"), f"{path}.discovery.pluginRef", plugins, Category.DISCOVERY), tuple(models)
 
 
 def _parser(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Plugin:
@@ -326,7 +340,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
     if not profiles:
         profiles["default"] = _default_profile(plugins)
     handler = _handler(plugins, profiles)
-    discovery = _data_layer(doc, plugins)
+    discovery, models_sources = _data_layer(doc, plugins)
     parsers = _request_handler(doc, plugins)
     first = next(iter(profiles.values()))
     values: dict[str, Any] = {field: first.weight(kind) for kind, field in SCORERS.items()}
@@ -358,7 +372,10 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
         if name in doc:
             extra.update(reader(doc[name], f"{KIND}.{name}", plugins))
     warn_unpublished(plugins)
-    return EppConfig(values, _pool_values(plugins), plugins, gates, extra, parsers, discovery)
+    pool = _pool_values(plugins)
+    if models_sources:
+        pool["models_sources"] = models_sources
+    return EppConfig(values, pool, plugins, gates, extra, parsers, discovery)
 
 
 def _migrate_detector_ref(doc: Mapping[str, Any], saturation: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -595,7 +595,7 @@ NOT_IMPLEMENTED_LIST = (
     "file-discovery", "global-strict-fairness-policy", "header-based-testing-filter", "header-label-affinity-scorer",
     "header-profile-handler", "inflight-load-producer", "k8s-notification-source", "latency-scorer",
     "latency-slo-admitter", "load-aware-scorer", "local-syncer", "mm-embeddings-cache-producer",
-    "mm-embeddings-cache-scorer", "models-data-extractor", "models-data-source",
+    "mm-embeddings-cache-scorer",
     "multicluster-approx-prefix-cache-producer",
     "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
     "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",

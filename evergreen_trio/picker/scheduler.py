@@ -28,6 +28,7 @@ from evergreen_trio.picker.flow_control.config import UtilizationDetector
 from evergreen_trio.picker.flow_control.detectors import saturation as detector_saturation
 from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
+from evergreen_trio.picker.models_source import ModelData
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, PrefixScorerParams, Profile
 from evergreen_trio.picker.routing_headers import DisaggHeaders, at_primary_port
@@ -37,13 +38,15 @@ from evergreen_trio.picker.testing_filter import TESTING_FILTERS
 
 @dataclass
 class EndpointState:
-    """The last scrape of one endpoint: metrics, when they came, whether the last scrape failed."""
+    """The last scrape of one endpoint: metrics, when they came, whether the last scrape failed,
+    and the models its ``/v1/models`` last listed (None: never read; see ``models-data-source``)."""
 
     endpoint: Endpoint
     metrics: EndpointMetrics | None = None
     updated_at: float = float("-inf")
     ready: bool = False
     scraped: bool = False
+    models: tuple[ModelData, ...] | None = None
 
 
 class PoolSnapshot:
@@ -72,6 +75,14 @@ class PoolSnapshot:
         state.metrics, state.updated_at, state.ready, state.scraped = metrics, self.clock(), True, True
         if metrics.block_size:
             self.block_size = metrics.block_size
+
+    def set_models(self, address: str, models: tuple[ModelData, ...]) -> bool:
+        """Record the models ``address`` serves; whether they changed (an unknown address: no)."""
+        state = self.states.get(address)
+        if state is None or state.models == models:
+            return False
+        state.models = models
+        return True
 
     def mark_failed(self, address: str) -> None:
         """Record a failed scrape of ``address``: not ready until a scrape succeeds."""
