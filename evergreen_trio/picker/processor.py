@@ -539,8 +539,8 @@ class ExtProcStream:
             lb[FALLBACK] = route.endpoints[1]
         if route.body is not None and "content-length" in self.headers:
             set_headers.append(_header_option("content-length", str(len(route.body))))
-        for name, header in route.request_headers.items():
-            set_headers.append(_header_option(name, header))
+        if route.request_headers:  # P/D, E/PD and data parallelism only: most routes set none
+            set_headers.extend(_header_option(name, header) for name, header in route.request_headers.items())
         removed = [h for h in STRIPPED_HEADERS if h in self.headers and h not in route.request_headers]
         mutation = ep.HeaderMutation(set_headers=set_headers, remove_headers=removed)
         metadata = struct_pb2.Struct()
