@@ -411,6 +411,8 @@ RANGE = {"type": "linear_lower_is_better", "normalization": {"fixedRange": {"min
         "operator": "Below", "value": 1}}}, "algorithm.threshold.operator"),
     ("endpoint-attribute-filter", {**FILTER_OK, "algorithm": {"type": "threshold", "threshold": {
         "operator": "LessThan", "value": "1"}}}, "algorithm.threshold.value"),
+    ("endpoint-attribute-filter", {**FILTER_OK, "algorithm": {"type": "threshold", "threshold": {
+        "operator": "LessThan", "value": 10**400}}}, "algorithm.threshold.value"),  # past float64
     ("endpoint-attribute-filter", {**FILTER_OK, "algorithm": {**FILTER_OK["algorithm"], "k": 3}}, "algorithm.k"),
     ("endpoint-attribute-filter", {**FILTER_OK, "operator": "LessThan"}, "operator"),
     ("endpoint-attribute-scorer", {**SCORER_OK, "attributeKey": "a/b"}, "attributeKey"),
