@@ -26,6 +26,7 @@ import yaml
 
 from evergreen_trio.picker.affinity import PREFIX_READERS
 from evergreen_trio.picker.checks import integer, mapping, number, sequence, string
+from evergreen_trio.picker.dataparallel import DataParallelHandler
 from evergreen_trio.picker.engine_metrics import ENGINE_ALIASES, ENGINE_METRICS, EngineConfig
 from evergreen_trio.picker.epp_config import EppConfig, is_endpoint_picker_config, read_endpoint_picker_config
 from evergreen_trio.picker.errors import ConfigError
@@ -38,6 +39,7 @@ from evergreen_trio.picker.flow_control.config import (
 )
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
 from evergreen_trio.picker.inflight import LoadConfig, producer_config
+from evergreen_trio.picker.models_source import ModelsSource
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, Profile, WeightedScorer, deferred_deprecations
 
 ENGINES = (*ENGINE_METRICS, *ENGINE_ALIASES)
@@ -109,7 +111,8 @@ class PoolConfig:
     """The pool: its name, its model servers, and how often and where their metrics are scraped.
 
     ``metrics_port`` (a ``metrics-data-source`` port) scrapes that port instead of the serving
-    one; ``engines`` says which metric names each pod's engine exports.
+    one; ``engines`` says which metric names each pod's engine exports; ``models_sources`` read
+    each endpoint's served models (``models-data-source``s wired to a ``models-data-extractor``).
     """
 
     name: str
@@ -120,6 +123,7 @@ class PoolConfig:
     metrics_path: str = "/metrics"
     metrics_port: int | None = None
     engines: EngineConfig = field(default_factory=EngineConfig)
+    models_sources: tuple[ModelsSource, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,9 @@ class SchedulerConfig:
 
     ``profiles`` empty means one profile of the four flat weights. ``handler`` None runs the one
     profile; a :class:`~evergreen_trio.picker.plugins.DisaggHandler` runs decode and prefill profiles (P/D), a
-    :class:`~evergreen_trio.picker.headerprofile.HeaderProfileHandler` the one a request header names. With
+    :class:`~evergreen_trio.picker.headerprofile.HeaderProfileHandler` the one a request header names, a
+    :class:`~evergreen_trio.picker.dataparallel.DataParallelHandler` the one profile, sent to the pods'
+    primary port. With
     ``prefix_auto_tune`` the block size is the model servers' scraped one; ``max_prefix_tokens``
     (when > 0) caps the hashed prefix in tokens, else ``max_prefix_blocks`` caps it in blocks.
     """
@@ -148,7 +154,7 @@ class SchedulerConfig:
     prefix_auto_tune: bool = False
     max_prefix_tokens: int = 0
     profiles: tuple[Profile, ...] = ()
-    handler: DisaggHandler | HeaderProfileHandler | None = None
+    handler: DisaggHandler | HeaderProfileHandler | DataParallelHandler | None = None
 
     @property
     def prefix_block_bytes(self) -> int:

@@ -5,6 +5,14 @@ Each engine names its metrics by spec (``name`` or ``name{label=value,...}``), a
 Triton are built in (:data:`ENGINE_METRICS`); a config's ``engineConfigs`` add or replace some.
 Parsing uses ``prometheus_client``'s own text parser. Series matching a spec (one per served
 model) are summed for request counts and maxed for cache usage.
+
+An engine's ``customMetrics`` publish more numbers as endpoint attributes (what
+``endpoint-attribute-filter`` and ``-scorer`` read), as the reference's extractor reads them: the
+matching series with the latest timestamp (the first one when none has a timestamp), its value
+when the family is a gauge or a counter and 0 otherwise (an untyped series too). A counter is
+found by the name its ``TYPE`` line gives, and by that name without ``_total`` (where the reference
+finds none). A custom metric the scrape lacks leaves the endpoint without that attribute (the
+reference keeps its last value), not failing the scrape.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class EndpointMetrics:
     max_lora: int = 0
     block_size: int | None = None
     num_blocks: int | None = None
+    attributes: Mapping[str, float] = field(default_factory=dict, hash=False)  # customMetrics: key -> value
 
 
 _SPEC = re.compile(r"^\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{([^{}]*)\})?\s*$")
@@ -85,6 +94,7 @@ class EngineSpec:
     blocks_label: str = "num_gpu_blocks"
     block_size: MetricSpec | None = None
     num_blocks: MetricSpec | None = None
+    custom: tuple[tuple[str, MetricSpec], ...] = ()  # customMetrics: (attribute key, spec)
 
 
 ENGINE_METRICS: dict[str, EngineSpec] = {
@@ -135,6 +145,9 @@ def _positive_int(value: float | None) -> int | None:
     return int(value) if value is not None and value >= 1 and value < 2**31 else None
 
 
+_TYPED = ("gauge", "counter")  # the family types whose value the reference's extractValue reads
+
+
 def parse_engine_metrics(engine: str | EngineSpec, text: str) -> EndpointMetrics:
     """Read one scrape; a text that is not Prometheus format or lacks a core metric is an error."""
     spec = engine_spec(engine)
@@ -146,6 +159,8 @@ def parse_engine_metrics(engine: str | EngineSpec, text: str) -> EndpointMetrics
     maxima: dict[MetricSpec, float] = {}
     info: dict[str, str] = {}
     lora_best: tuple[float, dict[str, str]] | None = None
+    # customMetrics: attribute key -> (timestamp in s, value) of the latest series; -1 ms to start, as Go's.
+    custom: dict[str, tuple[float, float]] = {}
     info_names = {spec.cache_info.name, f"{spec.cache_info.name}_total"} if spec.cache_info else set()
     try:
         for family in text_string_to_metric_families(text):
@@ -162,6 +177,13 @@ def parse_engine_metrics(engine: str | EngineSpec, text: str) -> EndpointMetrics
                 elif spec.lora and spec.lora.matches(name, labels) and (
                         lora_best is None or sample.value > lora_best[0]):
                     lora_best = (sample.value, dict(labels))
+                for key, wanted in spec.custom:
+                    # The parser names a counter's samples <family>_total, whether written so or not.
+                    named = wanted.matches(name, labels) or (
+                        family.type == "counter" and wanted.matches(family.name, labels))
+                    stamp = float(sample.timestamp or 0)
+                    if named and stamp > custom.get(key, (-0.001, 0.0))[0]:
+                        custom[key] = (stamp, sample.value if family.type in _TYPED else 0.0)
     except (ValueError, TypeError, IndexError, KeyError) as exc:
         raise MetricsError(f"expected Prometheus text format, got a parse error ({type(exc).__name__})") from None
     missing = [str(s) for s in summed if s not in sums]
@@ -186,6 +208,7 @@ def parse_engine_metrics(engine: str | EngineSpec, text: str) -> EndpointMetrics
         max_lora=_label_int(lora_labels, "max_lora") or 0,
         block_size=block_size,
         num_blocks=num_blocks,
+        attributes={key: value for key, (_, value) in custom.items()},
     )
 
 
@@ -218,6 +241,9 @@ def render_metrics(engine: str | EngineSpec, metrics: EndpointMetrics) -> str:
                                          (spec.blocks_label, str(metrics.num_blocks))])
         gauge(spec.block_size, metrics.block_size)
         gauge(spec.num_blocks, metrics.num_blocks)
+    for key, metric in spec.custom:
+        if key in metrics.attributes:
+            gauge(metric, metrics.attributes[key])
     return "\n".join(lines) + "\n"
 
 

@@ -36,8 +36,11 @@ from typing import Any
 # Imported to register their plugin types: request-attribute-reporter, file-discovery.
 from evergreen_trio.picker import attribute_reporter, file_discovery  # noqa: F401
 from evergreen_trio.picker.checks import mapping, sequence
+from evergreen_trio.picker.dataparallel import DataParallelHandler
+from evergreen_trio.picker.endpoint_attribute import warn_unpublished
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
+from evergreen_trio.picker.models_source import MODELS_DATA_EXTRACTOR, MODELS_DATA_SOURCE, ModelsSource
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import ParserRegistry
 from evergreen_trio.picker.plugins import (
@@ -156,9 +159,9 @@ def _profile(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Profile:
         for key in ref:
             if key not in ("pluginRef", "weight"):
                 raise ConfigError(f"{ref_path}.{key}", "one of ['pluginRef', 'weight']", key)
-        # Producers and response processors listed here do nothing in the profile (as the reference's).
+        # Producers, pre-request and response plugins listed here do nothing in the profile (as the reference's).
         plugin = _ref(ref.get("pluginRef"), f"{ref_path}.pluginRef", plugins, Category.FILTER, Category.SCORER,
-                      Category.PICKER, Category.PRODUCER, Category.RESPONSE_PROCESSOR)
+                      Category.PICKER, Category.PRODUCER, Category.PRE_REQUEST, Category.RESPONSE_PROCESSOR)
         weight = ref.get("weight", 1)
         if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
             raise ConfigError(f"{ref_path}.weight", "a number >= 0", weight)
@@ -181,16 +184,17 @@ def _default_profile(plugins: Mapping[str, Plugin]) -> Profile:
 
 
 def _handler(plugins: Mapping[str, Plugin],
-             profiles: Mapping[str, Profile]) -> DisaggHandler | HeaderProfileHandler | None:
+             profiles: Mapping[str, Profile]) -> DisaggHandler | HeaderProfileHandler | DataParallelHandler | None:
     handlers = [p for p in plugins.values() if p.category is Category.PROFILE_HANDLER]
     if len(handlers) > 1:
         raise ConfigError(f"{KIND}.plugins", "at most one profile handler", [h.name for h in handlers])
     handler = handlers[0] if handlers else None
-    if handler is None or handler.type == "single-profile-handler":
+    one_profile = handler.params if handler is not None and isinstance(handler.params, DataParallelHandler) else None
+    if handler is None or handler.type == "single-profile-handler" or one_profile is not None:
         if len(profiles) > 1:
-            raise ConfigError(f"{KIND}.schedulingProfiles", "one profile (the single-profile-handler)",
-                              f"{len(profiles)} profiles")
-        return None
+            kind = handler.type if handler is not None else "single-profile-handler"
+            raise ConfigError(f"{KIND}.schedulingProfiles", f"one profile (the {kind})", f"{len(profiles)} profiles")
+        return one_profile
     if isinstance(handler.params, HeaderProfileHandler):
         return handler.params  # its profiles are named per request: nothing to check against them here
     assert isinstance(handler.params, DisaggParams)
@@ -209,7 +213,8 @@ def _handler(plugins: Mapping[str, Plugin],
         decider = chosen
     elif params.stage_order == "decode-first":
         log.info("picker.pd_off handler=%s (no deciders.prefill: decode profile only)", handler.name)
-    return DisaggHandler(params.stage_order, params.decode, params.prefill, params.encode, decider)
+    return DisaggHandler(params.stage_order, params.decode, params.prefill, params.encode, decider,
+                         params.primary_port)
 
 
 def _prefix_values(plugins: Mapping[str, Plugin]) -> dict[str, Any]:
@@ -242,29 +247,42 @@ def _pool_values(plugins: Mapping[str, Plugin]) -> dict[str, Any]:
     return values
 
 
-def _data_layer(doc: Mapping[str, Any], plugins: Mapping[str, Plugin]) -> Plugin | None:
-    """Check ``dataLayer``; the plugin ``discovery.pluginRef`` names, if any."""
+# Extractor type -> the source type whose data it reads (the reference fails startup on a mismatch).
+_EXTRACTS = {"core-metrics-extractor": "metrics-data-source", MODELS_DATA_EXTRACTOR: MODELS_DATA_SOURCE}
+
+
+def _data_layer(doc: Mapping[str, Any],
+                plugins: Mapping[str, Plugin]) -> tuple[Plugin | None, tuple[ModelsSource, ...]]:
+    """Check ``dataLayer``: the plugin ``discovery.pluginRef`` names, if any, and the models sources
+    listed with a models extractor (the ones worth polling)."""
     path = f"{KIND}.dataLayer"
     layer = mapping(doc.get("dataLayer") or {}, path)
     for key in layer:
         if key not in ("sources", "discovery"):
             raise ConfigError(f"{path}.{key}", "one of ['discovery', 'sources']", key)
+    models: list[ModelsSource] = []
     for i, raw in enumerate(sequence(layer.get("sources") or [], f"{path}.sources")):
         source = mapping(raw, f"{path}.sources[{i}]")
         for key in source:
             if key not in ("pluginRef", "extractors"):
                 raise ConfigError(f"{path}.sources[{i}].{key}", "one of ['extractors', 'pluginRef']", key)
-        _ref(source.get("pluginRef"), f"{path}.sources[{i}].pluginRef", plugins, Category.DATA_SOURCE)
+        polled = _ref(source.get("pluginRef"), f"{path}.sources[{i}].pluginRef", plugins, Category.DATA_SOURCE)
         for j, extractor in enumerate(sequence(source.get("extractors") or [], f"{path}.sources[{i}].extractors")):
             where = f"{path}.sources[{i}].extractors[{j}]"
-            _ref(mapping(extractor, where).get("pluginRef"), f"{where}.pluginRef", plugins, Category.EXTRACTOR)
+            reads = _ref(mapping(extractor, where).get("pluginRef"), f"{where}.pluginRef", plugins, Category.EXTRACTOR)
+            if _EXTRACTS.get(reads.type, polled.type) != polled.type:
+                raise ConfigError(f"{where}.pluginRef", f"an extractor of {polled.type}'s data",
+                                  f"{reads.name} (a {reads.type}, which reads a {_EXTRACTS[reads.type]}'s)")
+            if reads.type == MODELS_DATA_EXTRACTOR and isinstance(polled.params, ModelsSource) \
+                    and polled.params not in models:
+                models.append(polled.params)
     if layer.get("discovery") is None:
-        return None
+        return None, tuple(models)
     discovery = mapping(layer["discovery"], f"{path}.discovery")
     for key in discovery:
         if key != "pluginRef":
             raise ConfigError(f"{path}.discovery.{key}", "one of ['pluginRef']", key)
-    return _ref(discovery.get("pluginRef"), f"{path}.discovery.pluginRef", plugins, Category.DISCOVERY)
+    return _ref(discovery.get("pluginRef"), f"{path}.discovery.pluginRef", plugins, Category.DISCOVERY), tuple(models)
 
 
 def _parser(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Plugin:
@@ -322,7 +340,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
     if not profiles:
         profiles["default"] = _default_profile(plugins)
     handler = _handler(plugins, profiles)
-    discovery = _data_layer(doc, plugins)
+    discovery, models_sources = _data_layer(doc, plugins)
     parsers = _request_handler(doc, plugins)
     first = next(iter(profiles.values()))
     values: dict[str, Any] = {field: first.weight(kind) for kind, field in SCORERS.items()}
@@ -353,7 +371,11 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
     for name, reader in SECTIONS.items():
         if name in doc:
             extra.update(reader(doc[name], f"{KIND}.{name}", plugins))
-    return EppConfig(values, _pool_values(plugins), plugins, gates, extra, parsers, discovery)
+    warn_unpublished(plugins)
+    pool = _pool_values(plugins)
+    if models_sources:
+        pool["models_sources"] = models_sources
+    return EppConfig(values, pool, plugins, gates, extra, parsers, discovery)
 
 
 def _migrate_detector_ref(doc: Mapping[str, Any], saturation: Mapping[str, Any]) -> Mapping[str, Any]:

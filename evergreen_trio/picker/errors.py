@@ -37,6 +37,10 @@ class MetricsError(PickerError):
     """A model server's ``/metrics`` text could not be read as the expected engine's metrics."""
 
 
+class ModelsError(PickerError):
+    """A model server's ``/v1/models`` answer could not be read as its list of served models."""
+
+
 class ExtProcError(PickerError):
     """Envoy sent an ext_proc message the stream's state does not allow (the stream is aborted)."""
 

@@ -19,6 +19,7 @@ import enum
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from evergreen_trio.picker.checks import mapping, sequence, string
@@ -28,6 +29,7 @@ from evergreen_trio.picker.engine_metrics import (
     ENGINE_METRICS,
     EngineConfig,
     EngineSpec,
+    MetricSpec,
     parse_spec,
 )
 from evergreen_trio.picker.errors import ConfigError
@@ -35,6 +37,7 @@ from evergreen_trio.picker.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ROLE_LABEL = "llm-d.ai/role"
+_FLOAT_LIMIT = 2**1024 - 2**970  # the least integer float() cannot hold (it rounds to infinity)
 
 
 class Category(enum.Enum):
@@ -52,6 +55,7 @@ class Category(enum.Enum):
     PARSER = "parser"
     ADMITTER = "admitter"
     RESPONSE_PROCESSOR = "response-processor"
+    PRE_REQUEST = "pre-request"
     OTHER = "other"
 
 
@@ -86,8 +90,9 @@ class Params:
 
     def number(self, key: str, default: float, *, minimum: float = 0.0, maximum: float | None = None) -> float:
         value = self.raw.get(key, default)
+        # An integer past float64's range is refused too, as Go's JSON decoding into a float64 does.
         if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum or (
-                maximum is not None and value > maximum):
+                maximum is not None and value > maximum) or (isinstance(value, int) and abs(value) >= _FLOAT_LIMIT):
             bound = f"a number in {minimum}..{maximum}" if maximum is not None else f"a number >= {minimum}"
             raise ConfigError(self.where(key), bound, value)
         return float(value)
@@ -393,13 +398,16 @@ class DisaggParams:
     encode: str = "encode"
     prefill_decider: str = ""
     encode_decider: str = ""
+    primary_port: int = 0
 
 
 @dataclass(frozen=True)
 class DisaggHandler:
     """``disagg-profile-handler`` resolved: profile names and the prefill decider itself.
 
-    No decider means no P/D (with decode-first order): only the decode profile runs.
+    No decider means no P/D (with decode-first order): only the decode profile runs. A
+    ``primary_port`` (``pd-profile-handler``'s ``primaryPort``; 0: none) sends the request to the
+    decode pod's primary port, data-parallel style.
     """
 
     stage_order: str = "decode-first"
@@ -407,6 +415,7 @@ class DisaggHandler:
     prefill: str = "prefill"
     encode: str = "encode"
     prefill_decider: PrefixDecider | AlwaysDecider | None = None
+    primary_port: int = 0
 
 
 def _stage_order(value: str, where: str) -> str:
@@ -451,14 +460,15 @@ def _disagg(params: Params) -> DisaggParams:
 
 
 def _pd_handler(params: Params) -> DisaggParams:
-    if params.integer("primaryPort", 0, maximum=65535) != 0:
-        raise ConfigError(params.where("primaryPort"), "0 (data-parallel port rewriting is not implemented)",
-                          params.raw["primaryPort"])
+    primary_port = params.integer("primaryPort", 0, maximum=65535)
+    if primary_port:
+        deprecated(params.where("primaryPort"), "none: Istio >= 1.28.1 needs no primaryPort")
     for key in ("prefixPluginType", "prefixPluginName", "prefixMatchInfoProducerName"):
         params.text(key, "")
     return DisaggParams(decode=params.text("decodeProfile", "decode") or "decode",
                         prefill=params.text("prefillProfile", "prefill") or "prefill",
-                        prefill_decider=params.text("deciderPluginName", "prefix-based-pd-decider"))
+                        prefill_decider=params.text("deciderPluginName", "prefix-based-pd-decider"),
+                        primary_port=primary_port)
 
 
 # -- data layer ---------------------------------------------------------------------------------
@@ -496,21 +506,37 @@ def _engine(params: Params) -> EngineSpec:
     name = params.text("name", "")
     if not name or name == "default":
         raise ConfigError(params.where("name"), "an engine name (not 'default', which is reserved)", name)
-    if sequence(params.raw.get("customMetrics", []), params.where("customMetrics")):
-        raise ConfigError(params.where("customMetrics"), "none (custom metrics are not implemented)", "a list")
-
-    def spec(key: str) -> Any:
-        text = params.text(key, "")
-        try:
-            return parse_spec(text) if text else None
-        except ValueError as exc:
-            raise ConfigError(params.where(key), "a metric spec like 'name' or 'name{label=value}'", text) from exc
-
+    spec = partial(_metric_spec, params)
     kv = spec("kvUsageSpec")
     return EngineSpec(name, spec("queuedRequestsSpec"), spec("runningRequestsSpec"), (kv,) if kv else (),
                       spec("loraSpec"), spec("cacheInfoSpec"), params.text("cacheBlockSizeLabelName", "block_size"),
                       params.text("cacheNumBlocksLabelName", "num_gpu_blocks"), spec("cacheBlockSizeSpec"),
-                      spec("cacheNumBlocksSpec"))
+                      spec("cacheNumBlocksSpec"), _custom_metrics(params))
+
+
+def _metric_spec(params: Params, key: str) -> MetricSpec | None:
+    """The metric spec at ``key`` (None when empty or absent)."""
+    text = params.text(key, "")
+    try:
+        return parse_spec(text) if text else None
+    except ValueError as exc:
+        raise ConfigError(params.where(key), "a metric spec like 'name' or 'name{label=value}'", text) from exc
+
+
+def _custom_metrics(params: Params) -> tuple[tuple[str, MetricSpec], ...]:
+    """An engine's ``customMetrics``: (attributeKey, metricSpec) pairs, each key once, both required."""
+    listed = params.raw.get("customMetrics")
+    custom: dict[str, MetricSpec] = {}
+    for i, raw in enumerate(sequence([] if listed is None else listed, params.where("customMetrics"))):
+        entry = Params(raw, params.where(f"customMetrics[{i}]"), "customMetrics", ("attributeKey", "metricSpec"))
+        key = entry.text("attributeKey", "")
+        if not key or key in custom:
+            raise ConfigError(entry.where("attributeKey"), "an attribute key, not empty and not used before", key)
+        metric = _metric_spec(entry, "metricSpec")
+        if metric is None:
+            raise ConfigError(entry.where("metricSpec"), "a metric spec (required)", entry.raw.get("metricSpec"))
+        custom[key] = metric
+    return tuple(custom.items())
 
 
 def _core_extractor(params: Params) -> EngineConfig:
@@ -562,20 +588,20 @@ register("core-metrics-extractor", PluginType(
 # startup with a line saying so. Types another module registers are taken off at lookup.
 NOT_IMPLEMENTED_LIST = (
     "active-request-scorer", "agent-identity", "always-disagg-multimodal-decider", "anthropic-parser",
-    "burst-prefix-cache-producer", "concurrency-detector", "context-length-aware", "data-parallel-profile-handler",
-    "dcgm-data-source", "dcgm-extractor", "destination-endpoint-served-verifier", "disagg-headers-handler",
+    "burst-prefix-cache-producer", "concurrency-detector", "context-length-aware",
+    "dcgm-data-source", "dcgm-extractor",
     "disaggregatedset-rollout-pod-extractor", "disaggregatedset-rollout-screener", "edf-ordering-policy",
-    "endpoint-attribute-filter", "endpoint-attribute-scorer", "endpoint-notification-source", "fcfs-ordering-policy",
+    "endpoint-notification-source", "fcfs-ordering-policy",
     "file-discovery", "global-strict-fairness-policy", "header-based-testing-filter", "header-label-affinity-scorer",
     "header-profile-handler", "inflight-load-producer", "k8s-notification-source", "latency-scorer",
     "latency-slo-admitter", "load-aware-scorer", "local-syncer", "mm-embeddings-cache-producer",
-    "mm-embeddings-cache-scorer", "models-data-extractor", "models-data-source",
+    "mm-embeddings-cache-scorer",
     "multicluster-approx-prefix-cache-producer",
     "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
     "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
     "multicluster-session-affinity-filter", "no-hit-lru-scorer", "p2p-source-producer", "passthrough-parser",
     "precise-prefix-cache-producer", "precise-prefix-cache-scorer", "predicted-latency-producer",
-    "prefill-header-handler", "prefix-cache-affinity-filter", "priority-holdback-policy",
+    "prefix-cache-affinity-filter", "priority-holdback-policy",
     "priority-then-time-eviction-order-policy", "probabilistic-admitter", "program-aware-fairness",
     "request-attribute-reporter", "round-robin-fairness-policy", "running-requests-size-scorer",
     "session-affinity-filter", "session-affinity-scorer", "session-id-producer", "sglanghttp-parser",

@@ -45,7 +45,13 @@ from evergreen_trio.picker.inflight import Ticket
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import request_path
 from evergreen_trio.picker.request import rewrite_model
+from evergreen_trio.picker.routing_headers import PREFILL_HEADER, ROUTING_HEADERS
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
+from evergreen_trio.picker.served_verifier import (
+    DESTINATION_ENDPOINT_SERVED_VERIFIER,
+    SERVED_ENDPOINT_HEADER,
+    served_verdict,
+)
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseBody, ResponseFormat, Usage
 
 DESTINATION = "x-gateway-destination-endpoint"
@@ -57,9 +63,9 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 MODEL_REWRITE = "x-gateway-model-name-rewrite"
 # P/D: the prefill pod (ip:port) for llm-d's routing sidecar beside the decode pod.
-PREFILLER = "x-prefiller-host-port"
+PREFILLER = PREFILL_HEADER
 # Client-supplied routing headers never go upstream; DESTINATION is always overwritten instead.
-STRIPPED_HEADERS = (*OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, MODEL_REWRITE, FALLBACK, SERVED, SUBSET, PREFILLER)
+STRIPPED_HEADERS = (*OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, MODEL_REWRITE, FALLBACK, SERVED, SUBSET, *ROUTING_HEADERS)
 
 _Mode = processing_mode_pb2.ProcessingMode
 NONE, BUFFERED, BUFFERED_PARTIAL = _Mode.NONE, _Mode.BUFFERED, _Mode.BUFFERED_PARTIAL
@@ -95,7 +101,8 @@ class StreamReport:
 class Route:
     """A routing decision: endpoints best first, the model names, the prompt hashes, a new body,
     the prefill endpoint when P/D disaggregates the request, the scores to report (with
-    ``emit_endpoint_scores``), and the headers plugins set on the response (session affinity's token)."""
+    ``emit_endpoint_scores``), and the headers plugins set on the response (session affinity's
+    token) and on the request (the routing sidecar's)."""
 
     endpoints: list[str]
     client_model: str | None = None
@@ -108,6 +115,7 @@ class Route:
     prefill_load: Ticket | None = None  # the prefill pod's, released at the first response chunk
     scores: Mapping[str, float] = field(default_factory=dict)
     response_headers: Mapping[str, str] = field(default_factory=dict)
+    request_headers: Mapping[str, str] = field(default_factory=dict)
     skip_response: bool = False  # the parser's: end the stream once routed
     response: ResponseFormat = OPENAI_RESPONSES  # the parser's: how the response's usage is read
 
@@ -146,6 +154,7 @@ class Picker:
         self.parsers = config.epp.parsers if config.epp is not None else DEFAULT_REGISTRY
         self.plugins = tuple(config.epp.plugins.values()) if config.epp is not None else ()
         self.reporters = attribute_reporters(self.plugins)
+        self.verifies_served = any(p.type == DESTINATION_ENDPOINT_SERVED_VERIFIER for p in self.plugins)
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight) if config.flow_control else None
         # InferenceObjective name -> priority: the config's, and in cluster mode the watched CRDs' over them.
         self.objectives: Mapping[str, int] = dict(config.objectives)
@@ -249,10 +258,12 @@ class Picker:
         if schedule.prefill is not None:
             prefill_ticket = inflight.dispatch(
                 schedule.prefill, self.scheduler.uncached_tokens(pick, [schedule.prefill])[schedule.prefill])
-        return Route(endpoints, admission.client_model, admission.target_model, admission.hashes, admission.body,
+        return Route(schedule.destinations or endpoints, admission.client_model, admission.target_model,
+                     admission.hashes, admission.body,
                      prefill=schedule.prefill, load=ticket, prefill_load=prefill_ticket,
                      scores=schedule.scores if self.config.ext_proc.emit_endpoint_scores else {},
-                     response_headers=schedule.response_headers, skip_response=admission.skip_response,
+                     response_headers=schedule.response_headers, request_headers=schedule.request_headers,
+                     skip_response=admission.skip_response,
                      response=admission.response)
 
     @staticmethod
@@ -335,6 +346,10 @@ def _chunks(body: bytes, size: int, end_of_stream: bool) -> list[ep.ProcessingRe
 
 class ExtProcStream:
     """The per-stream ext_proc state machine (one HTTP request through Envoy)."""
+
+    # destination-endpoint-served-verifier's response header, once the response headers came
+    # (a class default: most pickers declare no verifier, and their streams never set it).
+    verified: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, picker: Picker) -> None:
         self.picker = picker
@@ -523,7 +538,8 @@ class ExtProcStream:
         self.route = route
         rewrites_back = route.target_model is not None and route.target_model != route.client_model
         self.finished = route.skip_response or not (
-            self.limits.observe_responses or rewrites_back or route.response_headers or self.picker.reporters)
+            self.limits.observe_responses or rewrites_back or route.response_headers or self.picker.reporters
+            or self.picker.verifies_served)
         mode = self.picker.config.ext_proc.destination_mode
         value = ",".join(route.endpoints) if mode is DestinationMode.LIST else route.endpoints[0]
         set_headers = [_header_option(DESTINATION, value)]
@@ -532,9 +548,9 @@ class ExtProcStream:
             lb[FALLBACK] = route.endpoints[1]
         if route.body is not None and "content-length" in self.headers:
             set_headers.append(_header_option("content-length", str(len(route.body))))
-        if route.prefill is not None:
-            set_headers.append(_header_option(PREFILLER, route.prefill))
-        removed = [h for h in STRIPPED_HEADERS if h in self.headers and not (h == PREFILLER and route.prefill)]
+        if route.request_headers:  # P/D, E/PD and data parallelism only: most routes set none
+            set_headers.extend(_header_option(name, header) for name, header in route.request_headers.items())
+        removed = [h for h in STRIPPED_HEADERS if h in self.headers and h not in route.request_headers]
         mutation = ep.HeaderMutation(set_headers=set_headers, remove_headers=removed)
         metadata = struct_pb2.Struct()
         fields = metadata.fields[LB_NAMESPACE].struct_value.fields  # Struct.update's generic walk costs more
@@ -574,6 +590,10 @@ class ExtProcStream:
             for address in _struct_strings(served)[:1]:
                 self.picker.record_served(route, address)
                 self.report.served = list(route.served)
+        if self.picker.verifies_served:
+            namespaces = message.metadata_context.filter_metadata
+            lb = namespaces[LB_NAMESPACE].fields if LB_NAMESPACE in namespaces else None
+            self.verified = ((SERVED_ENDPOINT_HEADER, served_verdict(lb)),)
         rewrite = None
         response = route.response if route is not None else OPENAI_RESPONSES
         if (route is not None and route.target_model and route.client_model and route.target_model != route.client_model
@@ -601,7 +621,7 @@ class ExtProcStream:
         """The response headers' mutation: ``remove`` and ``set_`` those, and set the headers the
         route's plugins asked for (None when there is nothing to change)."""
         plugins = self.route.response_headers.items() if self.route is not None else ()
-        added = [_header_option(key, value) for key, value in (*set_, *plugins)]
+        added = [_header_option(key, value) for key, value in (*set_, *plugins, *self.verified)]
         return ep.HeaderMutation(set_headers=added, remove_headers=remove) if added or remove else None
 
     def _response_body(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:

@@ -32,6 +32,7 @@ from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.guards import ModelLabels
+from evergreen_trio.picker.models_poll import poll_models
 from evergreen_trio.picker.processor import ExtProcStream, Picker
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
@@ -226,7 +227,10 @@ class Scrapers:
 
     async def _run(self, endpoint: Endpoint, scope: trio.CancelScope) -> None:
         with scope:
-            await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape)
+            async with trio.open_nursery() as beside:  # models-data-source polls, if any
+                for source in self.config.pool.models_sources:
+                    beside.start_soon(poll_models, endpoint, source, self.config.pool, self.snapshot)
+                await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape)
 
 
 class PickerDrain:

@@ -19,6 +19,8 @@ from evergreen_trio.picker.admission import admit, declared_admitters
 from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.contextlength import CONTEXT_FILTERS, CONTEXT_SCORERS
+from evergreen_trio.picker.dataparallel import DataParallelHandler
+from evergreen_trio.picker.endpoint_attribute import ATTRIBUTE_FILTERS, ATTRIBUTE_SCORERS
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.filters import LOAD_FILTERS
@@ -26,21 +28,25 @@ from evergreen_trio.picker.flow_control.config import UtilizationDetector
 from evergreen_trio.picker.flow_control.detectors import saturation as detector_saturation
 from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
+from evergreen_trio.picker.models_source import ModelData
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, PrefixScorerParams, Profile
+from evergreen_trio.picker.routing_headers import DisaggHeaders, at_primary_port
 from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
 from evergreen_trio.picker.testing_filter import TESTING_FILTERS
 
 
 @dataclass
 class EndpointState:
-    """The last scrape of one endpoint: metrics, when they came, whether the last scrape failed."""
+    """The last scrape of one endpoint: metrics, when they came, whether the last scrape failed,
+    and the models its ``/v1/models`` last listed (None: never read; see ``models-data-source``)."""
 
     endpoint: Endpoint
     metrics: EndpointMetrics | None = None
     updated_at: float = float("-inf")
     ready: bool = False
     scraped: bool = False
+    models: tuple[ModelData, ...] | None = None
 
 
 class PoolSnapshot:
@@ -69,6 +75,14 @@ class PoolSnapshot:
         state.metrics, state.updated_at, state.ready, state.scraped = metrics, self.clock(), True, True
         if metrics.block_size:
             self.block_size = metrics.block_size
+
+    def set_models(self, address: str, models: tuple[ModelData, ...]) -> bool:
+        """Record the models ``address`` serves; whether they changed (an unknown address: no)."""
+        state = self.states.get(address)
+        if state is None or state.models == models:
+            return False
+        state.models = models
+        return True
 
     def mark_failed(self, address: str) -> None:
         """Record a failed scrape of ``address``: not ready until a scrape succeeds."""
@@ -174,15 +188,19 @@ class PickRequest:
 @dataclass
 class Schedule:
     """A scheduling result: the primary (decode) profile's endpoints best first, the prefill
-    endpoint when P/D chose one, every profile's picks by profile name, the primary profile's
-    weighted score of every candidate it scored (empty when it runs no scorer), and the headers
-    plugins set on the response to the client."""
+    endpoint when P/D chose one (the one in the prefill header), every profile's picks by profile
+    name, the primary profile's weighted score of every candidate it scored (empty when it runs no
+    scorer), the headers plugins set on the response to the client and on the request upstream
+    (:mod:`evergreen_trio.picker.routing_headers`), and where the request goes when that is not
+    ``endpoints`` (data parallelism: the pods' primary port)."""
 
     endpoints: list[str]
     prefill: str | None = None
     profiles: dict[str, list[str]] = field(default_factory=dict)
     scores: dict[str, float] = field(default_factory=dict)
     response_headers: dict[str, str] = field(default_factory=dict)
+    request_headers: dict[str, str] = field(default_factory=dict)
+    destinations: list[str] | None = None
 
 
 # Filters that leave none of a non-empty candidate set mean the pool is busy, not broken: the reference
@@ -246,13 +264,14 @@ SCORERS: dict[str, ScorerFunction] = {
     **AFFINITY_SCORERS,  # evergreen_trio.picker.affinity
     **SESSION_SCORERS,  # evergreen_trio.picker.session
     **CONTEXT_SCORERS,  # evergreen_trio.picker.contextlength
+    **ATTRIBUTE_SCORERS,  # evergreen_trio.picker.endpoint_attribute
 }
 # A filter that needs more than the pod's labels: (scheduler, request, candidates, plugin params or
 # its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
 # params' keeps(labels).
 FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
 FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS, **LOAD_FILTERS, **CONTEXT_FILTERS,
-                                      **TESTING_FILTERS}
+                                      **TESTING_FILTERS, **ATTRIBUTE_FILTERS}
 
 
 class PluginState(Protocol):
@@ -326,6 +345,13 @@ class Scheduler:
             factory = PLUGIN_STATES.get(plugin.type)
             if factory is not None and plugin.name not in self.plugin_states:
                 self.plugin_states[plugin.name] = factory(plugin.params)
+        # Who sets the P/D headers, in turn: the disaggregation handler, then the declared headers handlers.
+        handler = self.config.handler
+        self.header_setters = [
+            *([DisaggHeaders(handler.prefill, handler.encode)] if isinstance(handler, DisaggHandler) else []),
+            *(p.params for p in (config.epp.plugins.values() if config.epp is not None else ())
+              if isinstance(p.params, DisaggHeaders))]
+        self.primary_port = handler.primary_port if isinstance(handler, DisaggHandler | DataParallelHandler) else 0
 
     def saturation(self, states: Sequence[EndpointState] | None = None) -> float:
         """What the legacy admission's detector reads now of ``states`` (the request's located
@@ -359,10 +385,15 @@ class Scheduler:
         names (429 when it names none). With a :class:`DisaggHandler` (decode-first) the
         decode profile picks, then the decider looks at the prompt's tokens not cached on the
         decode pick and may run the prefill profile (an empty prefill pick means no P/D);
-        prefill-first runs prefill (when that profile exists) and then decode. Stateful plugins
-        then learn the result.
+        prefill-first runs prefill (when that profile exists) and then decode. The P/D headers
+        follow the picks (:attr:`header_setters`), and with a primary port (data parallelism) the
+        request goes there; stateful plugins then learn the result.
         """
         schedule = self._run_profiles(request, count)
+        for setter in self.header_setters:
+            schedule.prefill = setter.apply(schedule.profiles, schedule.request_headers)
+        if self.primary_port:
+            schedule.destinations = at_primary_port(schedule.endpoints, self.primary_port, schedule.request_headers)
         now = self.snapshot.clock()
         for state in self.plugin_states.values():
             state.scheduled(request, schedule, now)
@@ -406,8 +437,7 @@ class Scheduler:
             cached = self.prefix_matches.get(decode[0], 0) * block_bytes // BYTES_PER_TOKEN
             if handler.prefill_decider.disaggregate(request.prompt_bytes // BYTES_PER_TOKEN, cached):
                 result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
-        prefill_pick = result.get(handler.prefill)
-        return Schedule(decode, prefill_pick[0] if prefill_pick else None, result, scores)
+        return Schedule(decode, None, result, scores)
 
     def run_profile(self, profile: Profile, request: PickRequest, candidates: Sequence[EndpointState],
                     count: int) -> tuple[list[str], dict[str, float]]:

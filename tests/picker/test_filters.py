@@ -190,6 +190,8 @@ schedulingProfiles:
     ("{conditions: [{metric: active-requests, maxValue: -1}]}", f"{P}.conditions[0].maxValue"),
     ("{conditions: [{metric: active-requests, maxValue: .inf}]}", f"{P}.conditions[0].maxValue"),
     ("{conditions: [{metric: active-requests, maxValue: '3'}]}", f"{P}.conditions[0].maxValue"),
+    # An integer past float64's range (float() would overflow): Go's decoding refuses it too.
+    (f"{{conditions: [{{metric: active-requests, maxValue: {2**1024 - 2**970}}}]}}", f"{P}.conditions[0].maxValue"),
     ("{conditions: [{metric: kv-cache-utilization, maxValue: 80}]}", f"{P}.conditions[0].maxValue"),
     ("{conditions: [{metric: waiting-queue, maxValue: 0}, {metric: waiting-queue, maxValue: 1, max: 2}]}",
      f"{P}.conditions[1].max"),
