@@ -4,8 +4,10 @@ from llm-d-router's tests, with properties of the whole."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from hypothesis import given, target
@@ -33,7 +35,7 @@ from evergreen_trio.picker.flow_control.reclamation import (
     confirmation_grace,
 )
 from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED
-from tests.picker.test_flow_control import Clock, epp
+from tests.picker.test_flow_control import HEADER, Clock, epp
 
 CONFIG = ReclamationConfig(max_revocations_per_decision=2, confirmation_grace_s=0.1, confirmation_timeout_s=5.0)
 
@@ -529,3 +531,11 @@ def test_a_stream_that_ends_inside_its_evict_signal_is_confirmed_once_its_decisi
     assert confirmed == [1] and evictor.stats() == (0, 0) and not rc.outstanding and len(rc.cooling) == 1
     clock.now += CONFIG.confirmation_grace_s
     assert rc.gate_open()
+
+
+def test_the_docs_eviction_example_turns_eviction_on() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "picker.md").read_text()
+    (example,) = [b for b in re.findall(r"^```yaml\n(.*?)^```", doc, re.M | re.S) if "enableEviction: true" in b]
+    flow = parse_config(epp().split("---", 1)[0] + "---\n" + HEADER + "\nkind: EndpointPickerConfig\n"
+                        "featureGates: [flowControl]\n" + example).flow_control
+    assert flow is not None and flow.eviction and isinstance(flow.detector, ConcurrencyDetector)
