@@ -236,3 +236,33 @@ def test_a_wake_after_the_stream_was_answered_sends_nothing(monkeypatch: pytest.
     peer.client.acknowledge_received_data(len(peer.data[stream]), stream)
     peer.pump()
     assert peer.replies(stream) == [b"x" * 100_000] and peer.trailers(stream)["grpc-status"] == "0"
+
+
+async def test_the_shell_polls_when_a_revocation_times_out_and_the_next_decision_follows(
+        autojump_clock: object) -> None:
+    """An evicted stream that never ends (a hung Envoy) holds the pacing gate for the confirmation
+    timeout: the flow control task wakes then, and a grace later the next victim goes."""
+    import trio
+
+    from evergreen_trio.picker.runtime import _flow_control
+
+    picker = evicting_picker()
+    gate = picker.flow
+    assert gate is not None and gate.reclamation is not None
+    gate.queue.clock = trio.current_time
+    first, _ = start(picker, extra=BULK)
+    second, _ = start(picker, extra=BULK)
+    start(picker)
+    assert isinstance(first, ExtProcStream) and isinstance(second, ExtProcStream)
+    first_wakes, second_wakes = woken(first), woken(second)
+    start(picker, extra=URGENT)
+    assert second_wakes == [1] and first_wakes == []  # the newer one first; it never answers
+    began = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_flow_control, gate, 30.0, trio.Event(), trio.Event)
+        await trio.sleep(gate.reclamation.config.confirmation_timeout_s - 0.5)
+        assert first_wakes == []
+        await trio.sleep(1.0)
+        assert first_wakes == [1] and gate.reclamation.outstanding.keys() == {first.item.seq}  # type: ignore[union-attr]
+        assert trio.current_time() - began < 30.0  # not the interval: the pacing gate's own times
+        nursery.cancel_scope.cancel()

@@ -296,6 +296,18 @@ def test_the_gate_shuts_until_every_revocation_confirmed_and_cooled() -> None:
     assert rc.gate_open() and rc.pending_reclaim == 0.0 and rc.next_change() == float("inf")
 
 
+def test_the_next_change_is_never_in_the_past() -> None:
+    """The shell sleeps until it: a time already past, with requests queued that no dispatch cycle
+    blocks on (so nothing retires it), would make it poll without pause."""
+    clock = Clock()
+    rc = controller(FakeEvictor(4, 4), clock)
+    rc.reclaim(2.0, 1.0, 0)
+    clock.now += CONFIG.confirmation_timeout_s + 1
+    assert rc.next_change() == pytest.approx(clock.now + CONFIG.confirmation_grace_s)
+    clock.now += 1
+    assert rc.next_change() == float("inf") and rc.gate_open()
+
+
 def test_an_unknown_confirmation_is_ignored() -> None:
     rc = controller(FakeEvictor(4, 4))
     rc.confirm(12345)

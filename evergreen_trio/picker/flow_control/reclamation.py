@@ -176,7 +176,11 @@ class ReclamationController:
         self.observer.confirmed_after(now - revocation.issued_at)
 
     def next_change(self) -> float:
-        """When a revocation times out or a debit cools (inf: none is due), for the shell to poll then."""
+        """When a revocation times out or a debit cools (inf: none is due), for the shell to poll
+        then; what is due already is retired first, so the time is in the future (no busy poll)."""
+        now = self.clock()
+        self._sweep_timeouts(now)
+        self._expire_cooling(now)
         timeout = self.config.confirmation_timeout_s
         return min((*(r.issued_at + timeout for r in self.outstanding.values()),
                     *(expires for _, expires in self.cooling)), default=math.inf)
