@@ -141,10 +141,12 @@ class StreamProcessor(Protocol[ReqIn, RepOut]):
     (an in-flight count, a queue slot) is released on every path.
 
     A processor may park its stream (flow control: the request waits in a queue): ``parked``
-    true after ``on_message`` stops delivery (further input stays buffered, unacknowledged), and
-    the connection sets ``on_unpark``; the processor calls it once it has its replies, and the
-    connection's :meth:`GrpcWireConnection.resume_unparked` then sends ``resume()``'s replies
-    and delivers the rest.
+    true after ``on_message`` stops delivery (further input stays buffered, unacknowledged). A
+    processor that has an ``on_unpark`` attribute gets it set when its stream opens; it calls it
+    once it has replies without a message to answer (the parked request's outcome, or flow
+    control evicting a running request), and the connection's
+    :meth:`GrpcWireConnection.resume_unparked` then sends ``resume()``'s replies and delivers the
+    rest of the input (a call after the stream was answered does nothing).
 
     A *streaming* processor (``streaming`` true: a Trio task behind it produces replies at any
     time) gets ``wake`` set when its stream opens and calls it whenever it has replies, a final
@@ -444,7 +446,8 @@ class GrpcWireConnection:
         return bool(self._unparked)
 
     def resume_unparked(self) -> None:
-        """Send the replies of parked (or streaming) streams that woke, and deliver their buffered input."""
+        """Send the replies of the streams that woke (parked, streaming, or evicted), and deliver their
+        buffered input."""
         ready, self._unparked = self._unparked, []
         try:
             for stream_id in ready:
@@ -456,8 +459,8 @@ class GrpcWireConnection:
                     if len(stream.pending) >= self.limits.window_bytes:
                         stream.starved = True  # _flush wakes it once the peer took some
                         continue
-                elif not stream.parked:
-                    continue
+                elif stream.trailers is not None:
+                    continue  # answered meanwhile: nothing more is sent
                 stream.parked = False
                 self._deliver(stream, end=stream.remote_closed, resumed=True)
         except ProtocolViolation as exc:  # past the stream-error budget
@@ -730,6 +733,8 @@ class GrpcWireConnection:
         self._opened += 1
         if stream.streaming:
             processor.wake = partial(self._unpark, stream_id)  # type: ignore[attr-defined]
+        elif hasattr(processor, "on_unpark"):
+            processor.on_unpark = partial(self._unpark, stream_id)
         if flags & END_STREAM:
             self._deliver(stream, end=True)
 
@@ -839,7 +844,6 @@ class GrpcWireConnection:
                     stream.completed = True
                 elif getattr(processor, "parked", False):
                     stream.parked = True
-                    processor.on_unpark = partial(self._unpark, stream.id)  # type: ignore[attr-defined]
             if end and stream.trailers is None and not stream.parked and not stream.end_delivered:
                 stream.remote_closed = stream.end_delivered = True
                 if inbound:

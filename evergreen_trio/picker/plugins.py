@@ -594,8 +594,8 @@ NOT_IMPLEMENTED_LIST = (
     "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
     "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
     "multicluster-session-affinity-filter", "p2p-source-producer", "precise-prefix-cache-producer",
-    "precise-prefix-cache-scorer", "predicted-latency-producer", "priority-then-time-eviction-order-policy",
-    "sheddable-eviction-filter", "slo-headroom-tier-filter", "token-producer", "tokenizer",
+    "precise-prefix-cache-scorer", "predicted-latency-producer",
+    "slo-headroom-tier-filter", "token-producer", "tokenizer",
     "topology-affinity-filter", "topology-affinity-scorer", "topology-extractor",
 )
 NOT_IMPLEMENTED = frozenset(NOT_IMPLEMENTED_LIST)

@@ -31,6 +31,7 @@ from evergreen_trio.picker.attribute_reporter import attribute_reporters, report
 from evergreen_trio.picker.attributes import AttributeKey, flow_fairness_id, request_attributes
 from evergreen_trio.picker.config import DestinationMode, PickerConfig
 from evergreen_trio.picker.errors import ExtProcError, RequestError
+from evergreen_trio.picker.flow_control.eviction import EVICTED_MESSAGE, EVICTED_REASON, EVICTED_STATUS
 from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.flow_control.key import (
     DEFAULT_FAIRNESS_ID,
@@ -155,7 +156,8 @@ class Picker:
         self.plugins = tuple(config.epp.plugins.values()) if config.epp is not None else ()
         self.reporters = attribute_reporters(self.plugins)
         self.verifies_served = any(p.type == DESTINATION_ENDPOINT_SERVED_VERIFIER for p in self.plugins)
-        self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight) if config.flow_control else None
+        self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight,
+                             refresh_interval_s=config.pool.refresh_interval_s) if config.flow_control else None
         # InferenceObjective name -> priority: the config's, and in cluster mode the watched CRDs' over them.
         self.objectives: Mapping[str, int] = dict(config.objectives)
         if self.flow is not None:
@@ -380,6 +382,7 @@ class ExtProcStream:
         self.received_at: float | None = None  # when the request headers came (the pool's clock)
         self._resumed: list[ep.ProcessingResponse] = []
         self._finish: Callable[[Outcome], list[ep.ProcessingResponse]] | None = None
+        self._evicting = False  # in-flight eviction revoked it: resume() ends it
 
     def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
         if message.HasField("protocol_config"):
@@ -435,10 +438,29 @@ class ExtProcStream:
             self.picker.flow.completed(self.item, self.report.usage)
 
     def resume(self) -> Sequence[ep.ProcessingResponse]:
-        """The replies a parked request's outcome left (the wire calls this once unparked)."""
+        """The replies a parked request's outcome left, or an eviction's (the wire calls this once woken)."""
         replies, self._resumed = self._resumed, []
+        if self._evicting:
+            self._evicting = False
+            reply = self.eviction()
+            if reply is not None:
+                replies.append(reply)
         self._settle_load()
         return replies
+
+    def eviction(self) -> ep.ProcessingResponse | None:
+        """The ImmediateResponse that ends a request flow control evicted (429, dropped reason
+        ``evicted``, as llm-d-router's), or None once its response completed (nothing may follow
+        its last chunk)."""
+        if self.response_ended or self.finished:
+            return None
+        return self._immediate(EVICTED_STATUS, EVICTED_MESSAGE, EVICTED_REASON)
+
+    def _on_evict(self) -> None:
+        """Flow control revoked this running request: wake the wire, whose resume() ends it."""
+        self._evicting = True
+        if self.on_unpark is not None:
+            self.on_unpark()
 
     def _on_outcome(self, outcome: Outcome) -> None:
         assert self._finish is not None
@@ -527,7 +549,7 @@ class ExtProcStream:
             return finish(Outcome.DISPATCHED)
         self._finish = finish
         self.item = QueueItem(admission.fairness_id, admission.priority, admission.byte_size, self._on_outcome,
-                              admission.headers, self.received_at)
+                              admission.headers, self.received_at, on_evict=self._on_evict)
         self.picker.flow.submit(self.item)
         if self.item.outcome is None:
             self.parked = True

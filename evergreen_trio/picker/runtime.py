@@ -401,6 +401,9 @@ async def run_picker(
         if objectives is not None:
             nursery.start_soon(objectives, picker.set_cluster_objectives)
         if picker.flow is not None:
+            picker.flow.wake = lambda: flow_wake[0].set()  # an evicted request ended: poll again at once
+            if picker.flow.reclamation is not None:
+                picker.flow.reclamation.observer = metrics.reclamation
             nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0], new_flow_wake)
         grpc_bound = await nursery.start(partial(
             serve_grpc, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context,

@@ -19,6 +19,7 @@ from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.processor import StreamReport
+from evergreen_trio.picker.reclamation_metrics import ReclamationMetrics
 from evergreen_trio.picker.scheduler import PoolSnapshot
 
 VERSION = "0.1.0"
@@ -146,6 +147,8 @@ class PickerMetrics:
         self.saturation = Gauge("llm_d_epp_flow_control_pool_saturation", "The saturation detector's reading",
                                 ["inference_pool"], registry=r)
         self.streams = StreamMetrics(r) if stream_metrics else None
+        # In-flight eviction (flowControl.enableEviction): the reclamation controller reports here.
+        self.reclamation = ReclamationMetrics(r, pool)
 
     def _series_of(self, metric: _M, *values: str) -> _M:
         """``metric.labels(*values)``, without prometheus_client's checks and lock after the first time

@@ -113,7 +113,7 @@ def test_section_loads_with_llm_d_defaults() -> None:
     ("  saturationDetector: {pluginRef: missing}", "", "flowControl.saturationDetector.pluginRef"),
     ("  saturationDetector: {queueDepthThreshold: 5}", "", "flowControl.saturationDetector.queueDepthThreshold"),
     ("  usageLimitPolicyPluginRef: soft-reflective-ceiling-policy", "", "flowControl.usageLimitPolicyPluginRef"),
-    ("  enableEviction: true", "", "flowControl.enableEviction"),
+    ("  enableEviction: sometimes", "", "flowControl.enableEviction"),
     ("  maxQueue: 3", "", "flowControl.maxQueue"),
     ("", "- {type: utilization-detector, parameters: {queueDepthThreshold: 0}}",
      "EndpointPickerConfig.plugins[1].parameters.queueDepthThreshold"),

@@ -15,6 +15,7 @@ As llm-d-router reads them::
       - {priority: 10, maxRequests: 100, orderingPolicyRef: edf, fairnessPolicyRef: round-robin-fairness-policy}
       defaultPriorityBand: {maxRequests: 500}
       saturationDetector: {pluginRef: cd}
+      enableEviction: true          # evict sheddable in-flight requests for blocked higher bands
 
 A band's ``maxBytes`` and ``maxRequests`` default to 1G and 5000 (0 means the default, as in
 llm-d); the global ones are unlimited unless set. Quantities are Kubernetes quantities (``1Gi``,
@@ -35,6 +36,7 @@ from typing import Any
 from evergreen_trio.picker.checks import integer, mapping, sequence, string
 from evergreen_trio.picker.epp_config import EppConfig, register_feature_gate, register_section
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.flow_control.eviction import PRIORITY_THEN_TIME, SHEDDABLE_FILTER
 from evergreen_trio.picker.flow_control.program_aware import PROGRAM_AWARE, ProgramAwareParams
 from evergreen_trio.picker.flow_control.slo_deadline import SLO_DEADLINE
 from evergreen_trio.picker.flow_control.usage_limits import (
@@ -111,6 +113,7 @@ class FlowControlConfig:
     # Every declared program-aware-fairness plugin (each follows all requests, referenced or not).
     programs: tuple[tuple[str, ProgramAwareParams], ...] = ()
     usage_limit: UsageLimitParams = field(default_factory=StaticUsageLimit)
+    eviction: bool = False  # enableEviction: revoke sheddable in-flight requests for blocked higher bands
 
     def band(self, priority: int) -> BandConfig:
         """The band a priority lands in: a configured one, else a copy of the default template."""
@@ -197,8 +200,10 @@ def _concurrency(params: Params) -> ConcurrencyDetector:
                                params.number("headroom", 0.0))
 
 
-for _policy in (FCFS, EDF, GLOBAL_STRICT, ROUND_ROBIN):
-    register(_policy, PluginType(Category.OTHER))  # these llm-d policies take no parameters
+# These llm-d policies take no parameters; the eviction ones are always the policies eviction
+# uses (llm-d-router wires them in whether declared or not).
+for _policy in (FCFS, EDF, GLOBAL_STRICT, ROUND_ROBIN, SHEDDABLE_FILTER, PRIORITY_THEN_TIME):
+    register(_policy, PluginType(Category.OTHER))
 register(UTILIZATION, PluginType(Category.OTHER, (
     "queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold", "headroom"), _utilization))
 register(CONCURRENCY, PluginType(Category.OTHER, (
@@ -287,13 +292,13 @@ def read_section(raw: object, path: str, plugins: Mapping[str, Plugin]) -> dict[
     usage_limit = _ref(_or_default(section.get("usageLimitPolicyPluginRef"), STATIC_USAGE_LIMIT), plugins,
                        USAGE_LIMIT_POLICIES, f"{path}.usageLimitPolicyPluginRef").params
     assert isinstance(usage_limit, UsageLimitParams)
-    if section.get("enableEviction", False) is not False:
-        raise ConfigError(f"{path}.enableEviction", "false (in-flight eviction is not supported)",
-                          section["enableEviction"])
+    eviction = section.get("enableEviction", False)
+    if not isinstance(eviction, bool):
+        raise ConfigError(f"{path}.enableEviction", "true or false", eviction)
     detector = _detector(plugins, detector_ref)
     read: dict[str, Any] = {"flow_control": FlowControlConfig(
         max_bytes, max_requests, ttl, no_endpoint_ttl, tuple(bands), default, negative, detector, _programs(plugins),
-        usage_limit)}
+        usage_limit, eviction)}
     if section.get("saturationDetector") is not None:
         read[_DETECTOR_KEY] = detector
     return read

@@ -3,16 +3,25 @@
 :meth:`FlowGate.submit` admits a request and dispatches at once what saturation allows, so an
 unsaturated pool adds no wait; :meth:`FlowGate.poll` (the Trio shell calls it after every scrape,
 at the next TTL deadline, and at least once per scrape interval) follows the pool, evicts what
-expired and dispatches again.
+expired and dispatches again. With ``enableEviction`` it tracks each scheduled request until it
+completes (:mod:`.eviction`) and, when saturation blocks a band, lets the reclamation controller
+(:mod:`.reclamation`) evict sheddable in-flight requests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 
 from evergreen_trio.picker.flow_control.config import FlowControlConfig
 from evergreen_trio.picker.flow_control.detectors import Reading, staged_saturation
+from evergreen_trio.picker.flow_control.eviction import EvictionItem, RequestEvictor
 from evergreen_trio.picker.flow_control.queue import FlowQueue, QueueItem
+from evergreen_trio.picker.flow_control.reclamation import (
+    ReclamationConfig,
+    ReclamationController,
+    confirmation_grace,
+)
 from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.usage import Usage
@@ -20,14 +29,29 @@ from evergreen_trio.picker.usage import Usage
 
 class FlowGate:
     """One pool's flow control: ``queue`` plus the detector's reading of ``snapshot`` and ``load``,
-    per pipeline stage as llm-d-router's flow controller reads it (the largest one gates)."""
+    per pipeline stage as llm-d-router's flow controller reads it (the largest one gates).
 
-    def __init__(self, config: FlowControlConfig, snapshot: PoolSnapshot, load: InflightLoad) -> None:
+    ``refresh_interval_s`` (the scrape interval) sizes eviction's confirmation grace. ``wake`` is
+    the shell's: it polls soon after, which it is asked to when an evicted request's stream ended.
+    """
+
+    def __init__(self, config: FlowControlConfig, snapshot: PoolSnapshot, load: InflightLoad, *,
+                 refresh_interval_s: float = 0.05) -> None:
         self.config = config
         self.snapshot = snapshot
         self.load = load
         self.queue = FlowQueue(config, snapshot.clock)
         self.readings: dict[str, Reading] = {}
+        self.wake: Callable[[], object] = lambda: None
+        self.evictor: RequestEvictor | None = None
+        self.reclamation: ReclamationController | None = None
+        if config.eviction:
+            self.evictor = RequestEvictor()
+            grace = confirmation_grace(config.detector, refresh_interval_s, snapshot.staleness_s)
+            self.reclamation = ReclamationController(ReclamationConfig(confirmation_grace_s=grace), self.evictor,
+                                                     lambda: self.queue.clock())
+            self.evictor.on_terminated = self._confirmed
+            self.queue.on_blocked = self._blocked
 
     def saturation(self) -> float:
         """The configured detector's effective reading of the pool now (1.0 or more: dispatch nothing);
@@ -55,6 +79,8 @@ class FlowGate:
         item.running = True
         for program in self.queue.programs.values():
             program.dispatched(item.fairness_id, item.enqueued_at if item.program_picked else None, now)
+        if self.evictor is not None and item.on_evict is not None:
+            self.evictor.track(EvictionItem(item.seq, item.priority, self.queue.clock(), item.on_evict))
 
     def completed(self, item: QueueItem, usage: Usage | None) -> None:
         """A started ``item``'s response ended, or its stream did (the reference's end-of-stream
@@ -65,6 +91,8 @@ class FlowGate:
         now = self.snapshot.clock()
         for program in self.queue.programs.values():
             program.completed(item.fairness_id, usage, now)
+        if self.evictor is not None:
+            self.evictor.untrack(item.seq)
 
     def provision(self, priorities: Iterable[int]) -> None:
         """The InferenceObjectives' priorities (all of them, each time they change): llm-d keeps a
@@ -72,6 +100,18 @@ class FlowGate:
         self.queue.provision(priorities)
 
     def next_deadline(self) -> float:
-        """When to poll next: a queued request's budget runs out, or a soft reflective ceiling that
-        shut the last dispatch may open (inf: none)."""
-        return min(self.queue.next_deadline(), self.queue.retry_at)
+        """When to poll next: a queued request's budget runs out, a soft reflective ceiling that
+        shut the last dispatch may open, or, while requests wait, eviction's pacing gate may (inf: none)."""
+        reclaim = self.reclamation.next_change() if self.reclamation is not None and len(self.queue) else math.inf
+        return min(self.queue.next_deadline(), self.queue.retry_at, reclaim)
+
+    def _blocked(self, saturation: float, priorities: list[int], ceilings: list[float], index: int) -> None:
+        assert self.reclamation is not None
+        self.reclamation.maybe_reclaim(saturation, priorities, ceilings, index, self.queue.holds)
+
+    def _confirmed(self, request_id: int) -> None:
+        """An evicted request's stream ended: its capacity may be free (the concurrency detector
+        sees it at once), so the shell polls again."""
+        assert self.reclamation is not None
+        self.reclamation.confirm(request_id)
+        self.wake()

@@ -76,7 +76,8 @@ class QueueItem:
 
     ``received_at`` is when its request headers came (the queue's clock; None: when enqueued);
     ``program_picked``: a program-aware pick chose it (its wait then counts in that policy's
-    mean); ``running``: scheduled and not yet completed (see :meth:`FlowGate.started`).
+    mean); ``running``: scheduled and not yet completed (see :meth:`FlowGate.started`);
+    ``on_evict``: tells its stream that in-flight eviction revoked it (None: it cannot be evicted).
     """
 
     fairness_id: str
@@ -90,6 +91,7 @@ class QueueItem:
     seq: int = 0
     program_picked: bool = False
     running: bool = False
+    on_evict: Callable[[], None] | None = None
 
 
 @dataclass
@@ -163,6 +165,9 @@ class FlowQueue:
         self._pool_empty = False
         self._regime_since = clock()
         self.closed = False
+        # Called when a dispatch cycle stops at a level saturation blocks: (saturation, the levels
+        # highest first, their ceilings, the blocked level's index). In-flight eviction hooks in here.
+        self.on_blocked: Callable[[float, list[int], list[float], int], None] | None = None
 
     def __len__(self) -> int:
         return self.requests
@@ -222,6 +227,10 @@ class FlowQueue:
         the InferenceObjectives' priorities, and any band holding requests."""
         return sorted(self._static | self._desired | self._bands.keys(), reverse=True)
 
+    def holds(self, priority: int) -> bool:
+        """Whether the band of ``priority`` holds queued requests."""
+        return priority in self._bands
+
     def set_pool_empty(self, empty: bool) -> None:
         """Follow the pool: with no endpoints ``noEndpointRequestTTL`` applies; a change restarts budgets."""
         if empty != self._pool_empty:
@@ -276,10 +285,13 @@ class FlowQueue:
         first; the first level whose ceiling ``saturation`` reaches ends the cycle (head-of-line
         blocking, so lower priorities never overtake); else the first band with a request gives its pick."""
         priorities = self.priorities()
-        for priority, ceiling in zip(priorities, self.usage_limit.ceilings(saturation, priorities), strict=True):
+        ceilings = self.usage_limit.ceilings(saturation, priorities)
+        for index, (priority, ceiling) in enumerate(zip(priorities, ceilings, strict=True)):
             if saturation >= ceiling:
                 if self.usage_limit.alternating:  # the reference's 1 ms dispatch ticker would try again
                     self.retry_at = self.clock() + DISPATCH_TICK_S
+                if self.on_blocked is not None:
+                    self.on_blocked(saturation, priorities, ceilings, index)
                 return None
             band = self._bands.get(priority)
             item = self._pick(band) if band is not None else None
