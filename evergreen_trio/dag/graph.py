@@ -87,8 +87,9 @@ class SessionGraph:
         # Heights (longest path down; absent: 0) and parents of every id named as a child, arrived or not.
         self._height: dict[str, int] = {}
         self._parents: dict[str, str | list[str]] = {}
-        # Fragments whose children are attached in steps: (parent, children, the next one's index, where).
-        self._attaching: deque[tuple[str, tuple[str, ...], int, str]] = deque()
+        # Fragments whose children are attached in steps: (parent, children, the next one's index, the
+        # fragment's id and seq, for error messages).
+        self._attaching: deque[tuple[str, tuple[str, ...], int, tuple[str, int]]] = deque()
 
     def forget(self, budget: int) -> bool:
         """Drop up to ``budget`` entries of what the graph holds (nodes, outputs, heights, parents);
@@ -135,7 +136,7 @@ class SessionGraph:
         if not node_id:
             raise ProtocolViolationError(f"a node fragment needs an id, got an empty one (seq {seq})")
         if seq < 0:
-            raise ProtocolViolationError(f"{_where(fragment)}: seq must be >= 0")
+            raise ProtocolViolationError(f"{_at((node_id, seq))}: seq must be >= 0")
         node = self.nodes.get(node_id)
         if node is None:
             owner = self._outputs.get(node_id)
@@ -162,11 +163,11 @@ class SessionGraph:
         if isinstance(part, LeafPart):
             self.buffered_bytes += len(part.data)
         elif part:
-            where = _where(fragment)
+            where = (node_id, seq)  # formatted only in an error message
             if self._attaching:  # edges are attached in the order they arrive
                 self.attach_more(sys.maxsize)
             if node_id in part:
-                raise ProtocolViolationError(f"{where}: child {node_id!r} makes the node include itself")
+                raise ProtocolViolationError(f"{_at(where)}: child {node_id!r} makes the node include itself")
             self._attach(node_id, part[:ATTACH_STEP], where, part)
             if len(part) > ATTACH_STEP:
                 self._attaching.append((node_id, part, ATTACH_STEP, where))
@@ -273,7 +274,7 @@ class SessionGraph:
                 self._attaching[0] = (parent, children, end, where)
             self._attach(parent, children[start:end], where, children)
 
-    def _attach(self, parent: str, children: tuple[str, ...], where: str, whole: tuple[str, ...]) -> None:
+    def _attach(self, parent: str, children: tuple[str, ...], where: tuple[str, int], whole: tuple[str, ...]) -> None:
         """Record the edges ``parent -> children`` (a step of the fragment's ``whole`` list, which
         names no ``parent``), keeping every id's height (the longest path below it).
 
@@ -288,9 +289,12 @@ class SessionGraph:
         needed = max(map(self._height.get, distinct, repeat(0))) + 1
         # An edge parent -> child closes a cycle only if child is above parent, hence higher:
         # then parent's height must grow, and the growth climbs to child.
-        if needed > self._height.get(parent, 0):
-            self._raise_height(parent, needed, distinct, where, whole)
-        parents = self._parents
+        parents, height = self._parents, self._height
+        if needed > height.get(parent, 0):
+            if parent in parents or needed > self.limits.max_depth:
+                self._raise_height(parent, needed, distinct, where, whole)
+            else:  # a node nobody names as a child (a new one, mostly): nothing above it to climb
+                height[parent] = needed
         named = parents.keys() & distinct
         for child in named:
             above = parents[child]
@@ -301,7 +305,7 @@ class SessionGraph:
                 above.append(parent)
         parents.update(dict.fromkeys(distinct - named if named else distinct, parent))
 
-    def _raise_height(self, start: str, new_height: int, children: frozenset[str], where: str,
+    def _raise_height(self, start: str, new_height: int, children: frozenset[str], where: tuple[str, int],
                       whole: tuple[str, ...]) -> None:
         """Raise ``start`` to ``new_height`` and its ancestors as far as needed; reaching one of
         ``children`` (the fragment's new children of ``start``) is a cycle."""
@@ -314,13 +318,13 @@ class SessionGraph:
             if value > max_depth:
                 looped = self._ancestor_among(start, frozenset(whole))  # a cycle later in the fragment too
                 if looped is not None:
-                    raise ProtocolViolationError(f"{where}: child {looped!r} makes the node include itself")
-                raise LimitExceededError(f"{where}: nesting below {node_id!r} is deeper than {max_depth}",
+                    raise ProtocolViolationError(f"{_at(where)}: child {looped!r} makes the node include itself")
+                raise LimitExceededError(f"{_at(where)}: nesting below {node_id!r} is deeper than {max_depth}",
                                          limit="max_depth")
             height[node_id] = value
             for above in self._parents_of(node_id):
                 if above in children:
-                    raise ProtocolViolationError(f"{where}: child {above!r} makes the node include itself")
+                    raise ProtocolViolationError(f"{_at(where)}: child {above!r} makes the node include itself")
                 stack.append((above, value + 1))
 
     def _parents_of(self, node_id: str) -> list[str]:
@@ -344,4 +348,9 @@ class SessionGraph:
 
 def _where(fragment: NodeFragment) -> str:
     """How an error names a fragment (built only when one is raised)."""
-    return f"node {fragment.id!r} seq {fragment.seq}"
+    return _at((fragment.id, fragment.seq))
+
+
+def _at(where: tuple[str, int]) -> str:
+    """How an error names a fragment by its id and seq."""
+    return f"node {where[0]!r} seq {where[1]}"
