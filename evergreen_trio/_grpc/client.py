@@ -118,13 +118,12 @@ class _Inbound(Handoff[Message]):
         self._on_consumed = on_consumed
 
     def deliver(self, message: Message, size: int) -> None:
-        """Queue ``message`` (``size`` bytes on the wire); dropped, its credit given back, once the
-        reader has released the stream."""
-        if self._closed:
+        """Queue ``message`` (``size`` bytes on the wire); taken at once by the ``consumer``, or dropped
+        once the reader has released the stream, it gives its credit back at once."""
+        if self._closed or self.push(message):  # dropped, or taken at once by the consumer
             self._on_consumed(size)
-            return
-        self.push(message)
-        self._sizes.append(size)
+        else:
+            self._sizes.append(size)
 
     def _take(self, limit: int) -> list[Message]:
         batch = super()._take(limit)
