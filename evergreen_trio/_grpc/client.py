@@ -325,25 +325,25 @@ class _Connection:
         try:
             while not self.core.closed:
                 self._expire()
+                # One scope for every read until the next deadline, not a scope's enter and exit per read;
+                # a call opened meanwhile with an earlier deadline moves it (open).
                 self._waiting = trio.CancelScope(deadline=self._deadlines[0][0] if self._deadlines else math.inf)
-                data = None
                 with self._waiting:
-                    # What the server made us answer (pings, acks) waits for a server that reads it.
-                    while self._outgoing and sum(map(len, self._outgoing)) > OUTGOING_BYTES:
-                        await self._sent.wait()
-                    data = await self.stream.receive_some(READ_BYTES)
-                if data is None:  # a deadline passed
-                    continue
-                if not data:
-                    self.end_all(f"{self.target} closed the connection")
-                    break
-                for event in self.core.receive(data):
-                    self._on_event(event)
-                self._send_soon()
-                if self._blocked:  # the server's window may have opened for what waits
-                    for call in self._blocked:
-                        self.ready(call)
-                    self._blocked.clear()
+                    while not self.core.closed:
+                        # What the server made us answer (pings, acks) waits for a server that reads it.
+                        while self._outgoing and sum(map(len, self._outgoing)) > OUTGOING_BYTES:
+                            await self._sent.wait()
+                        data = await self.stream.receive_some(READ_BYTES)
+                        if not data:
+                            self.end_all(f"{self.target} closed the connection")  # closes the core
+                            break
+                        for event in self.core.receive(data):
+                            self._on_event(event)
+                        self._send_soon()
+                        if self._blocked:  # the server's window may have opened for what waits
+                            for call in self._blocked:
+                                self.ready(call)
+                            self._blocked.clear()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             self.end_all(f"the connection to {self.target} was lost: {_cause(error)}")
         self._wakeup.set()  # the writer sends what is left (a GOAWAY) and ends the connection
