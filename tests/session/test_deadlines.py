@@ -118,18 +118,20 @@ async def test_the_clients_reader_keeps_each_calls_deadline_while_others_stay_op
         await trio.sleep_forever()
 
     port = await nursery.start(partial(serve_grpc, [StreamMethod(PATH, BytesValue, silent)], "127.0.0.1", 0))
-    async with open_client_channel("127.0.0.1", port) as channel:
-        async with channel.open_stream(PATH, BytesValue, lambda items: items) as open_call:
-            await open_call.outbound.put(BytesValue(value=b"waits"))
-            for timeout in (0.2, 0.1):
-                with trio.fail_after(10):  # a hang guard
-                    async with channel.open_stream(PATH, BytesValue, lambda items: items,
-                                                   options=ClientOptions(timeout=timeout)) as call:
-                        await call.outbound.put(BytesValue(value=b"times out"))
-                        with pytest.raises(RpcAbortError) as ended:
-                            await call.inbound.get_batch()
-                assert ended.value.status is Status.DEADLINE_EXCEEDED
-                assert ended.value.message == f"no answer within {timeout:g} s"
-            assert not open_call.inbound.ready
-            open_call.finish(Status.CANCELLED)
+    async with (
+        open_client_channel("127.0.0.1", port) as channel,
+        channel.open_stream(PATH, BytesValue, lambda items: items) as open_call,
+    ):
+        await open_call.outbound.put(BytesValue(value=b"waits"))
+        for timeout in (0.2, 0.1):
+            with trio.fail_after(10):  # a hang guard
+                async with channel.open_stream(PATH, BytesValue, lambda items: items,
+                                               options=ClientOptions(timeout=timeout)) as call:
+                    await call.outbound.put(BytesValue(value=b"times out"))
+                    with pytest.raises(RpcAbortError) as ended:
+                        await call.inbound.get_batch()
+            assert ended.value.status is Status.DEADLINE_EXCEEDED
+            assert ended.value.message == f"no answer within {timeout:g} s"
+        assert not open_call.inbound.ready
+        open_call.finish(Status.CANCELLED)
     nursery.cancel_scope.cancel()
