@@ -74,25 +74,24 @@ and its client received 64 messages of them in one)."""
 Outbound = NodeFragment | Action
 
 
-def pack_messages(items: list[Outbound]) -> Iterable[SessionMessage]:
+def pack_messages(items: list[Outbound]) -> list[SessionMessage]:
     """Pack queued items into few messages, keeping their order: a message's actions precede
     its fragments, so an action queued after fragments starts a new message."""
     message = SessionMessage()
-    size = 0
+    messages, size = [message], 0
     for item in items:
         if isinstance(item, Action):
             if len(message.node_fragments):
-                yield message
                 message, size = SessionMessage(), 0
+                messages.append(message)
             message.actions.append(item)
             continue
         if size >= PACK_BYTES:
-            yield message
             message, size = SessionMessage(), 0
+            messages.append(message)
         message.node_fragments.append(item)
         size += len(item.chunk_fragment.data) + 32
-    if len(message.node_fragments) or len(message.actions):
-        yield message
+    return messages if items else []  # a message is started only for an item it then takes
 
 
 class Barrier:
@@ -111,11 +110,13 @@ class Barrier:
         for event in events.values():
             event.set()
 
-    async def wait(self, node_id: str) -> None:
+    def event(self, node_id: str) -> trio.Event:
+        """The event set at ``node_id``'s next change (``await barrier.event(node_id).wait()``: one
+        frame less than a wait method in every wakeup's chain)."""
         event = self._events.get(node_id)
         if event is None:
             event = self._events[node_id] = trio.Event()
-        await event.wait()
+        return event
 
 
 OCTET_STREAM = "application/octet-stream"
@@ -248,7 +249,7 @@ class Session:
                         await self._attach_in_steps()
                 if metrics is not None:
                     fragments += len(message.node_fragments)
-                    nbytes += sum(fragment.ByteSize() for fragment in message.node_fragments)
+                    nbytes += sum(map(NodeFragment.ByteSize, message.node_fragments))
             if metrics is not None:
                 metrics.received(fragments, nbytes)
         graph.peer_closed = True
@@ -295,7 +296,7 @@ class Session:
             for fragment in fragments:
                 self._add_received(fragment)
             if self.options.metrics is not None:
-                self.options.metrics.received(len(fragments), sum(fragment.ByteSize() for fragment in fragments))
+                self.options.metrics.received(len(fragments), sum(map(NodeFragment.ByteSize, fragments)))
         except Exception as error:
             self.stream.inbound.close(error)
         return True
@@ -328,7 +329,7 @@ class Session:
     async def wait_for(self, node_id: str) -> None:
         if self.error is not None:
             raise self.error
-        await self.barrier.wait(node_id)
+        await self.barrier.event(node_id).wait()
         if self.error is not None:
             raise self.error
 
@@ -466,20 +467,27 @@ class Session:
         included) or outputs that are not names, and :class:`UnknownNodeError` for a ``NodeRef`` to
         no node of this session.
         """
-        if isinstance(outputs, str) or not isinstance(outputs, Sequence | Mapping):
+        # A list or a tuple first: the ABC checks cost an ECHO round trip four calls.
+        if type(outputs) is list or type(outputs) is tuple or (
+                isinstance(outputs, Sequence) and not isinstance(outputs, str)):
+            named = {output: self.new_id(output) for output in outputs}
+        elif isinstance(outputs, Mapping):
+            named = dict(outputs)
+        else:
             raise ArgumentTypeError(f"run({name!r}): outputs must be a list of output names or a mapping of "
                                     f"name to node id, got {describe_kind(outputs)}")
-        named = dict(outputs) if isinstance(outputs, Mapping) else {o: self.new_id(o) for o in outputs}
-        resolved = {k: self._input(name, k, v) for k, v in inputs.items()}
-        input_ids = {k: (v.id if isinstance(v, NodeRef) else v.id or self.new_id(k)) for k, v in resolved.items()}
-        action = Action(
-            name=name,
-            inputs=[NamedParameter(name=k, id=v) for k, v in input_ids.items()],
-            outputs=[NamedParameter(name=k, id=v) for k, v in named.items()],
-            configs=list(configs),
-        )
+        resolved = [(key, self._input(name, key, value)) for key, value in inputs.items()]
+        params, new = [], {}
+        for key, node in resolved:
+            if isinstance(node, NodeRef):
+                node_id = node.id
+            else:
+                node_id = node.id or self.new_id(key)
+                new[node_id] = node
+            params.append(NamedParameter(name=key, id=node_id))
+        action = Action(name=name, inputs=params, outputs=[NamedParameter(name=k, id=v) for k, v in named.items()],
+                        configs=list(configs))
         action.target_spec.id = target
-        new = {input_ids[k]: v for k, v in resolved.items() if not isinstance(v, NodeRef)}
         return action, new
 
     def _input(self, action: str, key: str, value: object) -> NodeLike:
@@ -805,7 +813,11 @@ class InputStream:
 
     async def read_bytes(self) -> bytes:
         """Every chunk's bytes joined in flattening order, refs resolved (raises as ``ChunkReader.read``)."""
-        return b"".join([data for _, data in await self.read_chunks()])
+        walk = _Walk(self._session, self.node_id)  # read_chunks' loop without its pairs: a frame less
+        pieces = []
+        while (chunk := await walk.next_chunk()) is not None:
+            pieces.append(await chunk.read())
+        return b"".join(pieces)
 
     async def read_text(self, *, mimetype_prefix: str = "text/") -> str:
         """The UTF-8 text of every chunk, which must all have a mimetype starting with ``mimetype_prefix``
@@ -855,9 +867,6 @@ class OutputNode:
             metadata = ChunkMetadata(mimetype=mimetype or OCTET_STREAM, role=self._session.default_role)
         return metadata
 
-    async def _emit(self, fragments: Iterable[NodeFragment]) -> None:
-        await self._session.emit(fragments, private=self.private)
-
     async def write(
         self,
         data: bytes | str,
@@ -871,17 +880,19 @@ class OutputNode:
         if isinstance(data, str):
             data, mimetype = data.encode(), mimetype or "text/plain"
         if self.requested:
-            await self._emit(self._builder.data(data, self._metadata(mimetype, metadata), last=last))
+            await self._session.emit(self._builder.data(data, self._metadata(mimetype, metadata), last=last),
+                                     private=self.private)
 
     async def write_ref(self, uri: str, *, mimetype: str | None = None, last: bool = False) -> None:
         """Append a chunk that names ``uri`` instead of carrying bytes (the reader's resolver fetches it)."""
         if self.requested:
-            await self._emit([self._builder.ref(uri, self._metadata(mimetype, None), last=last)])
+            await self._session.emit([self._builder.ref(uri, self._metadata(mimetype, None), last=last)],
+                                     private=self.private)
 
     async def add_children(self, child_ids: Sequence[str], *, last: bool = False) -> None:
         """Name existing (or future) nodes as the next children of this inner node."""
         if self.requested:
-            await self._emit([self._builder.children(child_ids, last=last)])
+            await self._session.emit([self._builder.children(child_ids, last=last)], private=self.private)
 
     async def child(self, *, last: bool = False) -> OutputNode:
         """A new leaf or inner node appended as this node's next child (``last``: and its last one:
@@ -905,7 +916,7 @@ class OutputNode:
         if self.requested:
             fragment = self._builder.close()
             if fragment is not None:
-                await self._emit([fragment])
+                await self._session.emit([fragment], private=self.private)
 
     async def __aenter__(self) -> OutputNode:
         return self

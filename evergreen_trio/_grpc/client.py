@@ -406,7 +406,6 @@ class _Connection:
             batch = outbound.take_now(1 << 30)
             if not batch:
                 break
-            session.last_activity = trio.current_time()
             for message in session.pack(batch):
                 body = message.SerializeToString()
                 self.core.send_message(stream_id, body)

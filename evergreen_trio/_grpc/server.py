@@ -31,7 +31,7 @@ from evergreen_trio._grpc import sockets
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.limits import OUT_OF_RESOURCES_ERRNOS
 from evergreen_trio._grpc.server_wire import Call, GrpcWireConnection, Method, SyncBidiMethod, WireLimits, refusal
-from evergreen_trio._grpc.streams import FinalStatus, HandoffClosedError, MessageStream
+from evergreen_trio._grpc.streams import FinalStatus, MessageStream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -146,7 +146,7 @@ class _TaskStream:
         stream = self.stream
         stream.received += 1
         stream.last_activity = trio.current_time()
-        with contextlib.suppress(HandoffClosedError):  # the task reads no more: dropped
+        if not stream.inbound.closed:  # else the task reads no more: dropped
             stream.inbound.push(message)
         return ()
 

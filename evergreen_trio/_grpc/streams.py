@@ -125,7 +125,7 @@ class Handoff(Generic[T]):
 
     async def put(self, item: T) -> None:
         """Trio side: queue ``item``, waiting while the queue is full."""
-        while self._full():
+        while len(self._items) >= self._capacity and not self._closed:  # _full(), inline: a put per fragment
             if self._trio_wakeup is None:
                 self._trio_wakeup = trio.Event()
             await self._trio_wakeup.wait()

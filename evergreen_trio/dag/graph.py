@@ -90,12 +90,16 @@ class SessionGraph:
         # Fragments whose children are attached in steps: (parent, children, the next one's index, the
         # fragment's id and seq, for error messages).
         self._attaching: deque[tuple[str, tuple[str, ...], int, tuple[str, int]]] = deque()
+        self.attaching = False
+        """Children of a fragment with more than ``ATTACH_STEP`` of them wait for :meth:`attach_more`
+        (an attribute, not a property: it is read after every fragment)."""
 
     def forget(self, budget: int) -> bool:
         """Drop up to ``budget`` entries of what the graph holds (nodes, outputs, heights, parents);
         True once it holds nothing. A session over: its graph may hold a million nodes, whose
         freeing at once took 0.1-1 s on the one thread."""
         self._attaching.clear()
+        self.attaching = False
         for table in (self.nodes, self._outputs, self._height, self._parents):
             while table and budget > 0:
                 table.popitem()
@@ -171,6 +175,7 @@ class SessionGraph:
             self._attach(node_id, part[:ATTACH_STEP], where, part)
             if len(part) > ATTACH_STEP:
                 self._attaching.append((node_id, part, ATTACH_STEP, where))
+                self.attaching = True
         parts[seq] = part
         if not continued:
             node.final_seq = seq
@@ -255,11 +260,6 @@ class SessionGraph:
                 later.CopyFrom(chunk.metadata)
                 node._later_metadata = [*(node._later_metadata or ()), (fragment.seq, later)]
 
-    @property
-    def attaching(self) -> bool:
-        """Children of a fragment with more than ``ATTACH_STEP`` of them wait for :meth:`attach_more`."""
-        return bool(self._attaching)
-
     def attach_more(self, budget: int = 0) -> None:
         """Attach up to ``budget`` (default ``ATTACH_STEP``) more of the waiting children (their
         cycle and depth checks). Raises as :meth:`add_fragment` would have for them."""
@@ -270,6 +270,7 @@ class SessionGraph:
             budget -= end - start
             if end == len(children):
                 self._attaching.popleft()
+                self.attaching = bool(self._attaching)
             else:
                 self._attaching[0] = (parent, children, end, where)
             self._attach(parent, children[start:end], where, children)
