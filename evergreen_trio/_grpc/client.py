@@ -219,7 +219,7 @@ class _Connection:
         self._ready: dict[_Call, None] = {}  # calls with something for the writer, in order
         self._outgoing: list[bytes] = []  # bytes the reader produced (acks, window updates)
         self._wakeup = trio.Event()
-        self._sent = trio.Event()  # set (and replaced) after each write
+        self._sent: trio.Event | None = None  # the reader's wait for the next write (made only then)
         self._deadlines: list[tuple[float, int]] = []
         self._waiting = trio.CancelScope()  # the reader's wait for input, cut short at the next deadline
         self._blocked: set[_Call] = set()  # calls whose items wait for the server's window
@@ -332,6 +332,8 @@ class _Connection:
                     while not self.core.closed:
                         # What the server made us answer (pings, acks) waits for a server that reads it.
                         while self._outgoing and sum(map(len, self._outgoing)) > OUTGOING_BYTES:
+                            if self._sent is None:
+                                self._sent = trio.Event()
                             await self._sent.wait()
                         data = await self.stream.receive_some(READ_BYTES)
                         if not data:
@@ -386,8 +388,9 @@ class _Connection:
                 self._outgoing.clear()
                 if data := out + self.core.data_to_send():
                     await sockets.send(self.stream, data)
-                    self._sent.set()
-                    self._sent = trio.Event()
+                    if self._sent is not None:
+                        self._sent.set()
+                        self._sent = None
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             self.end_all(f"the connection to {self.target} was lost: {_cause(error)}")
 
