@@ -115,7 +115,7 @@ class SessionGraph:
         ``str(owner)``, made only then). Spec: "The provided node IDs in the output must be new"."""
         if not node_id:
             raise ProtocolViolationError(f"{owner}: an output needs a node id, got an empty one")
-        if not self.is_new(node_id):
+        if node_id in self.nodes or node_id in self._outputs:  # not is_new(), inline: claimed per output
             raise ProtocolViolationError(f"{owner}: output node id {node_id!r} is not new in this session")
         self._outputs[node_id] = (local, owner)
 
