@@ -118,6 +118,10 @@ class Barrier:
             event = self._events[node_id] = trio.Event()
         return event
 
+    async def wait(self, node_id: str) -> None:
+        """Wait for ``node_id``'s next change."""
+        await self.event(node_id).wait()
+
 
 OCTET_STREAM = "application/octet-stream"
 """The mimetype of bytes written without one."""
