@@ -62,7 +62,7 @@ class ClientSession(Session, ActionRegistry):
                 node = self.graph.get(node_id)
                 if node is not None and node.complete:
                     break
-                await self.barrier.wait(node_id)
+                await self.barrier.event(node_id).wait()
         while self.error is None and self._running:
             self._idle = trio.Event()
             await self._idle.wait()

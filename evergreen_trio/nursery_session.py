@@ -8,6 +8,7 @@ without polling. Any failure cancels the session's scope, which aborts the sessi
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import logging
 import random
@@ -49,6 +50,7 @@ from evergreen_trio.dag import (
     UnknownTargetError,
     Wait,
 )
+from evergreen_trio.dag.graph import ATTACH_STEP
 from evergreen_trio.errors import ArgumentTypeError, leaf_exceptions
 from evergreen_trio.nodes import SERVER_ROLE, Inner, Leaf, NodeLike, NodeRef, RefURI
 from evergreen_trio.refs import ExternalRef, RefResolver
@@ -72,25 +74,24 @@ and its client received 64 messages of them in one)."""
 Outbound = NodeFragment | Action
 
 
-def pack_messages(items: list[Outbound]) -> Iterable[SessionMessage]:
+def pack_messages(items: list[Outbound]) -> list[SessionMessage]:
     """Pack queued items into few messages, keeping their order: a message's actions precede
     its fragments, so an action queued after fragments starts a new message."""
     message = SessionMessage()
-    size = 0
+    messages, size = [message], 0
     for item in items:
         if isinstance(item, Action):
             if len(message.node_fragments):
-                yield message
                 message, size = SessionMessage(), 0
+                messages.append(message)
             message.actions.append(item)
             continue
         if size >= PACK_BYTES:
-            yield message
             message, size = SessionMessage(), 0
+            messages.append(message)
         message.node_fragments.append(item)
         size += len(item.chunk_fragment.data) + 32
-    if len(message.node_fragments) or len(message.actions):
-        yield message
+    return messages if items else []  # a message is started only for an item it then takes
 
 
 class Barrier:
@@ -109,11 +110,17 @@ class Barrier:
         for event in events.values():
             event.set()
 
-    async def wait(self, node_id: str) -> None:
+    def event(self, node_id: str) -> trio.Event:
+        """The event set at ``node_id``'s next change (``await barrier.event(node_id).wait()``: one
+        frame less than a wait method in every wakeup's chain)."""
         event = self._events.get(node_id)
         if event is None:
             event = self._events[node_id] = trio.Event()
-        await event.wait()
+        return event
+
+    async def wait(self, node_id: str) -> None:
+        """Wait for ``node_id``'s next change."""
+        await self.event(node_id).wait()
 
 
 OCTET_STREAM = "application/octet-stream"
@@ -171,6 +178,8 @@ class Session:
         self._nursery: trio.Nursery | None = None
         self._idle: trio.Event | None = None
         self._received_all = False  # the peer's stream ended, while a nursery runs actions
+        self._reading = False  # the receive loop waits for the peer's next message
+        self._context: contextvars.Context | None = None  # the receive loop's, while its nursery is open
 
     @property
     def running_actions(self) -> int:
@@ -185,6 +194,8 @@ class Session:
         Raises the one :class:`~evergreen_trio.SessionError` that ends the session (a transport abort becomes
         :class:`~evergreen_trio.SessionAbortedError`); cancellation passes through.
         """
+        inbound = self.stream.inbound
+        inbound.consumer = self._take_at_once
         try:
             # The nursery opens with the first action: a session that never gets one (a client's,
             # mostly) ends without leaving a nursery, a scheduling pass at its very end.
@@ -192,6 +203,8 @@ class Session:
             if pending:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
+                    # Actions started in the transport's step (_take_at_once) see this task's context vars.
+                    self._context = contextvars.copy_context()
                     await self.receive_loop(self._start_actions, pending)
                     self._received_all = True
                     self._check_served()
@@ -201,7 +214,8 @@ class Session:
                 raise
             raise error from None
         finally:
-            self._nursery = None
+            inbound.consumer = None  # and the stream no longer holds the session
+            self._nursery = self._context = None
             self.barrier.notify_all()
 
     async def receive_loop(
@@ -212,13 +226,18 @@ class Session:
         Without ``on_actions``, it stops at the first message with actions instead, returning it and
         the rest of its batch unread (the ``pending`` of the next call, which starts with them).
         """
-        graph, barrier, resolvers = self.graph, self.barrier, self.options.resolvers
-        metrics = self.options.metrics
+        graph, metrics = self.graph, self.options.metrics
         while True:
-            batch = pending or await self.stream.inbound.get_batch()
-            pending = None
-            if not batch:
-                break
+            if pending:
+                batch, pending = pending, None
+            else:
+                self._reading = True  # a message that arrives meanwhile may be taken at once (_take_at_once)
+                try:
+                    batch = await self.stream.inbound.get_batch()
+                finally:
+                    self._reading = False
+                if not batch:
+                    break
             fragments = nbytes = 0
             for position, message in enumerate(batch):
                 assert isinstance(message, SessionMessage)
@@ -229,21 +248,62 @@ class Session:
                         return batch[position:]
                     on_actions(message.actions)
                 for index, fragment in enumerate(message.node_fragments, 1):
-                    if graph.add_fragment(fragment):
-                        barrier.notify(fragment.id)
-                        ref = fragment.chunk_fragment.ref if resolvers else ""  # without, the graph refused any
-                        if ref:
-                            resolvers[ref.partition(":")[0].lower()].check(ref)
+                    self._add_received(fragment)
                     if index % STEP_FRAGMENTS == 0 or graph.attaching:
                         await self._attach_in_steps()
                 if metrics is not None:
                     fragments += len(message.node_fragments)
-                    nbytes += sum(fragment.ByteSize() for fragment in message.node_fragments)
+                    nbytes += sum(map(NodeFragment.ByteSize, message.node_fragments))
             if metrics is not None:
                 metrics.received(fragments, nbytes)
         graph.peer_closed = True
-        barrier.notify_all()
+        self.barrier.notify_all()
         return None
+
+    def _add_received(self, fragment: NodeFragment) -> None:
+        """Add a fragment from the peer to the graph, wake whoever waits for its node, check its ref."""
+        if self.graph.add_fragment(fragment):
+            self.barrier.notify(fragment.id)
+            resolvers = self.options.resolvers
+            ref = fragment.chunk_fragment.ref if resolvers else ""  # without, the graph refused any
+            if ref:
+                resolvers[ref.partition(":")[0].lower()].check(ref)
+
+    def _take_at_once(self, message: Message) -> bool:
+        """The inbound stream's consumer (see :class:`Handoff`): a message that arrives while the receive
+        loop waits for one, nothing queued, is fed into the graph (its actions started) in the
+        transport's task, not the loop's: a task step and a scheduling pass fewer per message.
+
+        Only what the loop would do with nothing to await (fewer than STEP_FRAGMENTS fragments, none
+        with children to attach in steps), and only while the session goes on (no error, no status,
+        its nursery not cancelled; actions only once it is open); anything else is queued for the loop.
+        An error closes the inbound stream with it, so that the loop raises it as its own.
+        """
+        if not self._reading or self.error is not None or self.stream.final is not None:
+            return False
+        assert isinstance(message, SessionMessage)
+        fragments, actions, nursery = message.node_fragments, message.actions, self._nursery
+        if len(fragments) >= STEP_FRAGMENTS or self.graph.attaching:
+            return False
+        if nursery is None:
+            if actions:  # the loop opens the nursery for the first
+                return False
+        elif nursery.cancel_scope.cancel_called:
+            return False
+        for fragment in fragments:
+            if len(fragment.child_ids) > ATTACH_STEP:
+                return False
+        try:
+            if actions:
+                assert self._context is not None
+                self._context.run(self._start_actions, actions)
+            for fragment in fragments:
+                self._add_received(fragment)
+            if self.options.metrics is not None:
+                self.options.metrics.received(len(fragments), sum(map(NodeFragment.ByteSize, fragments)))
+        except Exception as error:
+            self.stream.inbound.close(error)
+        return True
 
     def _check_served(self) -> None:
         """Once the peer's stream has ended and no action of the session runs, the session's outcome is
@@ -273,7 +333,7 @@ class Session:
     async def wait_for(self, node_id: str) -> None:
         if self.error is not None:
             raise self.error
-        await self.barrier.wait(node_id)
+        await self.barrier.event(node_id).wait()
         if self.error is not None:
             raise self.error
 
@@ -411,20 +471,27 @@ class Session:
         included) or outputs that are not names, and :class:`UnknownNodeError` for a ``NodeRef`` to
         no node of this session.
         """
-        if isinstance(outputs, str) or not isinstance(outputs, Sequence | Mapping):
+        # A list or a tuple first: the ABC checks cost an ECHO round trip four calls.
+        if type(outputs) is list or type(outputs) is tuple or (
+                isinstance(outputs, Sequence) and not isinstance(outputs, str)):
+            named = {output: self.new_id(output) for output in outputs}
+        elif isinstance(outputs, Mapping):
+            named = dict(outputs)
+        else:
             raise ArgumentTypeError(f"run({name!r}): outputs must be a list of output names or a mapping of "
                                     f"name to node id, got {describe_kind(outputs)}")
-        named = dict(outputs) if isinstance(outputs, Mapping) else {o: self.new_id(o) for o in outputs}
-        resolved = {k: self._input(name, k, v) for k, v in inputs.items()}
-        input_ids = {k: (v.id if isinstance(v, NodeRef) else v.id or self.new_id(k)) for k, v in resolved.items()}
-        action = Action(
-            name=name,
-            inputs=[NamedParameter(name=k, id=v) for k, v in input_ids.items()],
-            outputs=[NamedParameter(name=k, id=v) for k, v in named.items()],
-            configs=list(configs),
-        )
+        resolved = [(key, self._input(name, key, value)) for key, value in inputs.items()]
+        params, new = [], {}
+        for key, node in resolved:
+            if isinstance(node, NodeRef):
+                node_id = node.id
+            else:
+                node_id = node.id or self.new_id(key)
+                new[node_id] = node
+            params.append(NamedParameter(name=key, id=node_id))
+        action = Action(name=name, inputs=params, outputs=[NamedParameter(name=k, id=v) for k, v in named.items()],
+                        configs=list(configs))
         action.target_spec.id = target
-        new = {input_ids[k]: v for k, v in resolved.items() if not isinstance(v, NodeRef)}
         return action, new
 
     def _input(self, action: str, key: str, value: object) -> NodeLike:
@@ -750,7 +817,11 @@ class InputStream:
 
     async def read_bytes(self) -> bytes:
         """Every chunk's bytes joined in flattening order, refs resolved (raises as ``ChunkReader.read``)."""
-        return b"".join([data for _, data in await self.read_chunks()])
+        walk = _Walk(self._session, self.node_id)  # read_chunks' loop without its pairs: a frame less
+        pieces = []
+        while (chunk := await walk.next_chunk()) is not None:
+            pieces.append(await chunk.read())
+        return b"".join(pieces)
 
     async def read_text(self, *, mimetype_prefix: str = "text/") -> str:
         """The UTF-8 text of every chunk, which must all have a mimetype starting with ``mimetype_prefix``
@@ -800,9 +871,6 @@ class OutputNode:
             metadata = ChunkMetadata(mimetype=mimetype or OCTET_STREAM, role=self._session.default_role)
         return metadata
 
-    async def _emit(self, fragments: Iterable[NodeFragment]) -> None:
-        await self._session.emit(fragments, private=self.private)
-
     async def write(
         self,
         data: bytes | str,
@@ -816,17 +884,19 @@ class OutputNode:
         if isinstance(data, str):
             data, mimetype = data.encode(), mimetype or "text/plain"
         if self.requested:
-            await self._emit(self._builder.data(data, self._metadata(mimetype, metadata), last=last))
+            await self._session.emit(self._builder.data(data, self._metadata(mimetype, metadata), last=last),
+                                     private=self.private)
 
     async def write_ref(self, uri: str, *, mimetype: str | None = None, last: bool = False) -> None:
         """Append a chunk that names ``uri`` instead of carrying bytes (the reader's resolver fetches it)."""
         if self.requested:
-            await self._emit([self._builder.ref(uri, self._metadata(mimetype, None), last=last)])
+            await self._session.emit([self._builder.ref(uri, self._metadata(mimetype, None), last=last)],
+                                     private=self.private)
 
     async def add_children(self, child_ids: Sequence[str], *, last: bool = False) -> None:
         """Name existing (or future) nodes as the next children of this inner node."""
         if self.requested:
-            await self._emit([self._builder.children(child_ids, last=last)])
+            await self._session.emit([self._builder.children(child_ids, last=last)], private=self.private)
 
     async def child(self, *, last: bool = False) -> OutputNode:
         """A new leaf or inner node appended as this node's next child (``last``: and its last one:
@@ -850,7 +920,7 @@ class OutputNode:
         if self.requested:
             fragment = self._builder.close()
             if fragment is not None:
-                await self._emit([fragment])
+                await self._session.emit([fragment], private=self.private)
 
     async def __aenter__(self) -> OutputNode:
         return self

@@ -68,6 +68,10 @@ FACE_EXCEPTIONS = {
     "benchmarks/ipc_first_fetch.py": {"evergreen_trio.ipc.transports.ucx_bridge"},
     # The pass map logs the gRPC writers' direct socket writes.
     "benchmarks/session_passes.py": {"evergreen_trio._grpc"},
+    # The counts compare a session with its gRPC shells alone, and with its two ends linked in memory.
+    "benchmarks/session_calls.py": {"evergreen_trio._grpc.client", "evergreen_trio._grpc.errors",
+                                    "evergreen_trio._grpc.server", "evergreen_trio._grpc.streams",
+                                    "evergreen_trio._proto.evergreen.v2.evergreen_pb2"},
     # The trace wraps the UCX bridge of both ends to time each step, on the device path too.
     "benchmarks/ipc_trace.py": {"evergreen_trio.ipc.transports", "evergreen_trio.ipc.gpu"},
     # The codec benchmark measures the wire messages themselves, with the picker's header names.

@@ -118,13 +118,12 @@ class _Inbound(Handoff[Message]):
         self._on_consumed = on_consumed
 
     def deliver(self, message: Message, size: int) -> None:
-        """Queue ``message`` (``size`` bytes on the wire); dropped, its credit given back, once the
-        reader has released the stream."""
-        if self._closed:
+        """Queue ``message`` (``size`` bytes on the wire); taken at once by the ``consumer``, or dropped
+        once the reader has released the stream, it gives its credit back at once."""
+        if self._closed or self.push(message):  # dropped, or taken at once by the consumer
             self._on_consumed(size)
-            return
-        self.push(message)
-        self._sizes.append(size)
+        else:
+            self._sizes.append(size)
 
     def _take(self, limit: int) -> list[Message]:
         batch = super()._take(limit)
@@ -220,7 +219,7 @@ class _Connection:
         self._ready: dict[_Call, None] = {}  # calls with something for the writer, in order
         self._outgoing: list[bytes] = []  # bytes the reader produced (acks, window updates)
         self._wakeup = trio.Event()
-        self._sent = trio.Event()  # set (and replaced) after each write
+        self._sent: trio.Event | None = None  # the reader's wait for the next write (made only then)
         self._deadlines: list[tuple[float, int]] = []
         self._waiting = trio.CancelScope()  # the reader's wait for input, cut short at the next deadline
         self._blocked: set[_Call] = set()  # calls whose items wait for the server's window
@@ -326,25 +325,27 @@ class _Connection:
         try:
             while not self.core.closed:
                 self._expire()
+                # One scope for every read until the next deadline, not a scope's enter and exit per read;
+                # a call opened meanwhile with an earlier deadline moves it (open).
                 self._waiting = trio.CancelScope(deadline=self._deadlines[0][0] if self._deadlines else math.inf)
-                data = None
                 with self._waiting:
-                    # What the server made us answer (pings, acks) waits for a server that reads it.
-                    while self._outgoing and sum(map(len, self._outgoing)) > OUTGOING_BYTES:
-                        await self._sent.wait()
-                    data = await self.stream.receive_some(READ_BYTES)
-                if data is None:  # a deadline passed
-                    continue
-                if not data:
-                    self.end_all(f"{self.target} closed the connection")
-                    break
-                for event in self.core.receive(data):
-                    self._on_event(event)
-                self._send_soon()
-                if self._blocked:  # the server's window may have opened for what waits
-                    for call in self._blocked:
-                        self.ready(call)
-                    self._blocked.clear()
+                    while not self.core.closed:
+                        # What the server made us answer (pings, acks) waits for a server that reads it.
+                        while self._outgoing and sum(map(len, self._outgoing)) > OUTGOING_BYTES:
+                            if self._sent is None:
+                                self._sent = trio.Event()
+                            await self._sent.wait()
+                        data = await self.stream.receive_some(READ_BYTES)
+                        if not data:
+                            self.end_all(f"{self.target} closed the connection")  # closes the core
+                            break
+                        for event in self.core.receive(data):
+                            self._on_event(event)
+                        self._send_soon()
+                        if self._blocked:  # the server's window may have opened for what waits
+                            for call in self._blocked:
+                                self.ready(call)
+                            self._blocked.clear()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             self.end_all(f"the connection to {self.target} was lost: {_cause(error)}")
         self._wakeup.set()  # the writer sends what is left (a GOAWAY) and ends the connection
@@ -387,8 +388,9 @@ class _Connection:
                 self._outgoing.clear()
                 if data := out + self.core.data_to_send():
                     await sockets.send(self.stream, data)
-                    self._sent.set()
-                    self._sent = trio.Event()
+                    if self._sent is not None:
+                        self._sent.set()
+                        self._sent = None
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             self.end_all(f"the connection to {self.target} was lost: {_cause(error)}")
 
@@ -407,7 +409,6 @@ class _Connection:
             batch = outbound.take_now(1 << 30)
             if not batch:
                 break
-            session.last_activity = trio.current_time()
             for message in session.pack(batch):
                 body = message.SerializeToString()
                 self.core.send_message(stream_id, body)

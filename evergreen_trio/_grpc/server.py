@@ -31,7 +31,7 @@ from evergreen_trio._grpc import sockets
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.limits import OUT_OF_RESOURCES_ERRNOS
 from evergreen_trio._grpc.server_wire import Call, GrpcWireConnection, Method, SyncBidiMethod, WireLimits, refusal
-from evergreen_trio._grpc.streams import FinalStatus, HandoffClosedError, MessageStream
+from evergreen_trio._grpc.streams import FinalStatus, MessageStream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -146,7 +146,7 @@ class _TaskStream:
         stream = self.stream
         stream.received += 1
         stream.last_activity = trio.current_time()
-        with contextlib.suppress(HandoffClosedError):  # the task reads no more: dropped
+        if not stream.inbound.closed:  # else the task reads no more: dropped
             stream.inbound.push(message)
         return ()
 
@@ -429,8 +429,11 @@ class _Server:
             while not wire.closed:
                 deadline, why = self._wait_deadline(wire, handshake_deadline, last_read, ping_sent)
                 data: bytes | bytearray | None = None
-                with trio.move_on_at(deadline):  # only the wait for the peer, not our own work
+                if deadline == math.inf:  # no cancel scope (its enter and exit) where nothing would fire
                     data = await stream.receive_some(RECEIVE_BYTES)
+                else:
+                    with trio.move_on_at(deadline):  # only the wait for the peer, not our own work
+                        data = await stream.receive_some(RECEIVE_BYTES)
                 if data is None:
                     if why == "keepalive":
                         ping_sent = trio.current_time()
@@ -478,7 +481,10 @@ class _Server:
 
     async def _send(self, connection: _Connection) -> None:
         # Two tasks write (the reader's replies, the parked streams'): one send_all at a time. The
-        # lock is taken without a checkpoint when free (the common case costs nothing more).
+        # lock is taken without a checkpoint when free (the common case costs nothing more), and not
+        # at all with nothing to send (a read that only fed a stream task).
+        if not connection.wire.has_output:
+            return
         lock = connection.lock
         if lock.locked():
             await lock.acquire()

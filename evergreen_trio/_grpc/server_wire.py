@@ -374,6 +374,11 @@ class GrpcWireConnection:
     def open_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def has_output(self) -> bool:
+        """Whether :meth:`data_to_send` has bytes."""
+        return bool(self._out)
+
     def data_to_send(self) -> bytes:
         out = bytes(self._out)
         self._out.clear()

@@ -48,6 +48,9 @@ class Handoff(Generic[T]):
         self._trio_wakeup: trio.Event | None = None
         self.notify: Callable[[], object] | None = None
         """Called on every change (a put, a take, the close): how a transport learns of the Trio side's."""
+        self.consumer: Callable[[T], bool] | None = None
+        """The Trio side's taker of an item pushed while none is queued, in the pusher's step: True when
+        it took the item (then nothing is queued and nobody is woken), False to have it queued."""
 
     @property
     def closed(self) -> bool:
@@ -67,12 +70,16 @@ class Handoff(Generic[T]):
         if self.notify is not None:
             self.notify()
 
-    def push(self, item: T) -> None:
-        """Queue ``item`` now, full or not; raises :class:`HandoffClosedError` once closed."""
+    def push(self, item: T) -> bool:
+        """Queue ``item`` now, full or not, unless the ``consumer`` takes it at once (True then); raises
+        :class:`HandoffClosedError` once closed."""
         if self._closed:
             raise HandoffClosedError("the stream is closed") from self._error
+        if not self._items and self.consumer is not None and self.consumer(item):
+            return True
         self._items.append(item)
         self._wake()
+        return False
 
     def _take(self, limit: int) -> list[T]:
         if not self._items:
@@ -85,10 +92,11 @@ class Handoff(Generic[T]):
         return batch
 
     def release(self) -> None:
-        """Close and drop what is held: queued items and the error (whose traceback keeps frames)."""
+        """Close and drop what is held: queued items, the error (whose traceback keeps frames) and the consumer."""
         self.close()
         self._items.clear()
         self._error = None
+        self.consumer = None
 
     def take_nowait(self, limit: int) -> list[T]:
         """Transport side: up to ``limit`` queued items, now (``[]`` when none; the error once closed and drained)."""
@@ -117,7 +125,7 @@ class Handoff(Generic[T]):
 
     async def put(self, item: T) -> None:
         """Trio side: queue ``item``, waiting while the queue is full."""
-        while self._full():
+        while len(self._items) >= self._capacity and not self._closed:  # _full(), inline: a put per fragment
             if self._trio_wakeup is None:
                 self._trio_wakeup = trio.Event()
             await self._trio_wakeup.wait()

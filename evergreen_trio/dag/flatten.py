@@ -100,6 +100,7 @@ class FlattenCursor:
         can no longer arrive.
         """
         graph, stack = self._graph, self._stack
+        nodes, limits = graph.nodes, graph.limits  # read on every step: no method call, no attribute chain
         steps = 0
         while stack:
             steps += 1
@@ -109,19 +110,19 @@ class FlattenCursor:
             if frame.index < len(frame.children):
                 child = frame.children[frame.index]
                 frame.index += 1
-                if len(stack) > graph.limits.max_depth:  # the child would sit len(stack) levels below
-                    raise LimitExceededError(f"node {child!r}: nesting deeper than {graph.limits.max_depth}",
+                if len(stack) > limits.max_depth:  # the child would sit len(stack) levels below
+                    raise LimitExceededError(f"node {child!r}: nesting deeper than {limits.max_depth}",
                                         limit="max_depth")
                 self.nodes += 1
-                if self.nodes > graph.limits.max_flattened_nodes:
+                if self.nodes > limits.max_flattened_nodes:
                     raise LimitExceededError(
-                        f"node {child!r}: the input flattens through more than {graph.limits.max_flattened_nodes} "
+                        f"node {child!r}: the input flattens through more than {limits.max_flattened_nodes} "
                         "nodes (shared nodes count each time)",
                         limit="max_flattened_nodes",
                     )
                 stack.append(_Frame(child))
                 continue
-            node = graph.get(frame.node_id)
+            node = nodes.get(frame.node_id)
             if node is None or frame.seq not in node.parts:
                 if node is not None and node.final_seq is not None and frame.seq > node.final_seq:
                     stack.pop()
@@ -135,10 +136,10 @@ class FlattenCursor:
                     frame.started = True
                     return LeafStart(node.id, node.metadata or _EMPTY_METADATA, self._nothing_after())
                 self.bytes += len(part.data)
-                if self.bytes > graph.limits.max_flattened_bytes:
+                if self.bytes > limits.max_flattened_bytes:
                     raise LimitExceededError(
                         f"node {node.id!r} seq {frame.seq}: the input flattens to more than "
-                        f"{graph.limits.max_flattened_bytes} bytes (shared nodes count each time)",
+                        f"{limits.max_flattened_bytes} bytes (shared nodes count each time)",
                         limit="max_flattened_bytes",
                     )
                 frame.seq += 1

@@ -87,14 +87,19 @@ class SessionGraph:
         # Heights (longest path down; absent: 0) and parents of every id named as a child, arrived or not.
         self._height: dict[str, int] = {}
         self._parents: dict[str, str | list[str]] = {}
-        # Fragments whose children are attached in steps: (parent, children, the next one's index, where).
-        self._attaching: deque[tuple[str, tuple[str, ...], int, str]] = deque()
+        # Fragments whose children are attached in steps: (parent, children, the next one's index, the
+        # fragment's id and seq, for error messages).
+        self._attaching: deque[tuple[str, tuple[str, ...], int, tuple[str, int]]] = deque()
+        self.attaching = False
+        """Children of a fragment with more than ``ATTACH_STEP`` of them wait for :meth:`attach_more`
+        (an attribute, not a property: it is read after every fragment)."""
 
     def forget(self, budget: int) -> bool:
         """Drop up to ``budget`` entries of what the graph holds (nodes, outputs, heights, parents);
         True once it holds nothing. A session over: its graph may hold a million nodes, whose
         freeing at once took 0.1-1 s on the one thread."""
         self._attaching.clear()
+        self.attaching = False
         for table in (self.nodes, self._outputs, self._height, self._parents):
             while table and budget > 0:
                 table.popitem()
@@ -110,7 +115,7 @@ class SessionGraph:
         ``str(owner)``, made only then). Spec: "The provided node IDs in the output must be new"."""
         if not node_id:
             raise ProtocolViolationError(f"{owner}: an output needs a node id, got an empty one")
-        if not self.is_new(node_id):
+        if node_id in self.nodes or node_id in self._outputs:  # not is_new(), inline: claimed per output
             raise ProtocolViolationError(f"{owner}: output node id {node_id!r} is not new in this session")
         self._outputs[node_id] = (local, owner)
 
@@ -135,7 +140,7 @@ class SessionGraph:
         if not node_id:
             raise ProtocolViolationError(f"a node fragment needs an id, got an empty one (seq {seq})")
         if seq < 0:
-            raise ProtocolViolationError(f"{_where(fragment)}: seq must be >= 0")
+            raise ProtocolViolationError(f"{_at((node_id, seq))}: seq must be >= 0")
         node = self.nodes.get(node_id)
         if node is None:
             owner = self._outputs.get(node_id)
@@ -162,14 +167,15 @@ class SessionGraph:
         if isinstance(part, LeafPart):
             self.buffered_bytes += len(part.data)
         elif part:
-            where = _where(fragment)
+            where = (node_id, seq)  # formatted only in an error message
             if self._attaching:  # edges are attached in the order they arrive
                 self.attach_more(sys.maxsize)
             if node_id in part:
-                raise ProtocolViolationError(f"{where}: child {node_id!r} makes the node include itself")
+                raise ProtocolViolationError(f"{_at(where)}: child {node_id!r} makes the node include itself")
             self._attach(node_id, part[:ATTACH_STEP], where, part)
             if len(part) > ATTACH_STEP:
                 self._attaching.append((node_id, part, ATTACH_STEP, where))
+                self.attaching = True
         parts[seq] = part
         if not continued:
             node.final_seq = seq
@@ -254,11 +260,6 @@ class SessionGraph:
                 later.CopyFrom(chunk.metadata)
                 node._later_metadata = [*(node._later_metadata or ()), (fragment.seq, later)]
 
-    @property
-    def attaching(self) -> bool:
-        """Children of a fragment with more than ``ATTACH_STEP`` of them wait for :meth:`attach_more`."""
-        return bool(self._attaching)
-
     def attach_more(self, budget: int = 0) -> None:
         """Attach up to ``budget`` (default ``ATTACH_STEP``) more of the waiting children (their
         cycle and depth checks). Raises as :meth:`add_fragment` would have for them."""
@@ -269,11 +270,12 @@ class SessionGraph:
             budget -= end - start
             if end == len(children):
                 self._attaching.popleft()
+                self.attaching = bool(self._attaching)
             else:
                 self._attaching[0] = (parent, children, end, where)
             self._attach(parent, children[start:end], where, children)
 
-    def _attach(self, parent: str, children: tuple[str, ...], where: str, whole: tuple[str, ...]) -> None:
+    def _attach(self, parent: str, children: tuple[str, ...], where: tuple[str, int], whole: tuple[str, ...]) -> None:
         """Record the edges ``parent -> children`` (a step of the fragment's ``whole`` list, which
         names no ``parent``), keeping every id's height (the longest path below it).
 
@@ -288,9 +290,12 @@ class SessionGraph:
         needed = max(map(self._height.get, distinct, repeat(0))) + 1
         # An edge parent -> child closes a cycle only if child is above parent, hence higher:
         # then parent's height must grow, and the growth climbs to child.
-        if needed > self._height.get(parent, 0):
-            self._raise_height(parent, needed, distinct, where, whole)
-        parents = self._parents
+        parents, height = self._parents, self._height
+        if needed > height.get(parent, 0):
+            if parent in parents or needed > self.limits.max_depth:
+                self._raise_height(parent, needed, distinct, where, whole)
+            else:  # a node nobody names as a child (a new one, mostly): nothing above it to climb
+                height[parent] = needed
         named = parents.keys() & distinct
         for child in named:
             above = parents[child]
@@ -301,7 +306,7 @@ class SessionGraph:
                 above.append(parent)
         parents.update(dict.fromkeys(distinct - named if named else distinct, parent))
 
-    def _raise_height(self, start: str, new_height: int, children: frozenset[str], where: str,
+    def _raise_height(self, start: str, new_height: int, children: frozenset[str], where: tuple[str, int],
                       whole: tuple[str, ...]) -> None:
         """Raise ``start`` to ``new_height`` and its ancestors as far as needed; reaching one of
         ``children`` (the fragment's new children of ``start``) is a cycle."""
@@ -314,13 +319,13 @@ class SessionGraph:
             if value > max_depth:
                 looped = self._ancestor_among(start, frozenset(whole))  # a cycle later in the fragment too
                 if looped is not None:
-                    raise ProtocolViolationError(f"{where}: child {looped!r} makes the node include itself")
-                raise LimitExceededError(f"{where}: nesting below {node_id!r} is deeper than {max_depth}",
+                    raise ProtocolViolationError(f"{_at(where)}: child {looped!r} makes the node include itself")
+                raise LimitExceededError(f"{_at(where)}: nesting below {node_id!r} is deeper than {max_depth}",
                                          limit="max_depth")
             height[node_id] = value
             for above in self._parents_of(node_id):
                 if above in children:
-                    raise ProtocolViolationError(f"{where}: child {above!r} makes the node include itself")
+                    raise ProtocolViolationError(f"{_at(where)}: child {above!r} makes the node include itself")
                 stack.append((above, value + 1))
 
     def _parents_of(self, node_id: str) -> list[str]:
@@ -344,4 +349,9 @@ class SessionGraph:
 
 def _where(fragment: NodeFragment) -> str:
     """How an error names a fragment (built only when one is raised)."""
-    return f"node {fragment.id!r} seq {fragment.seq}"
+    return _at((fragment.id, fragment.seq))
+
+
+def _at(where: tuple[str, int]) -> str:
+    """How an error names a fragment by its id and seq."""
+    return f"node {where[0]!r} seq {where[1]}"

@@ -1,4 +1,5 @@
-"""The diagnosis tools run as a developer types them: `python -m benchmarks.ipc_trace`, `...session_passes`."""
+"""The diagnosis tools run as a developer types them: `python -m benchmarks.ipc_trace`, `...session_passes`,
+`...session_calls`."""
 
 from __future__ import annotations
 
@@ -43,3 +44,20 @@ def test_session_passes_maps_one_session() -> None:
     assert "caller: the session is closed" in done.stdout
     assert "StartSession" in done.stdout and "sends" in done.stdout and "reads" in done.stdout
     assert done.stdout.rstrip().endswith("task steps")
+
+
+def test_session_calls_counts_each_setup() -> None:
+    done = run("benchmarks.session_calls", "--rounds", "20")
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "| setup | python_calls | c_calls | task_steps | passes | cpu_us | p50_us |"
+    rows = {line.split(" | ")[0].strip("| "): [float(cell) for cell in line.strip(" |").split(" | ")[1:]]
+            for line in lines[2:]}
+    assert set(rows) == {"wire", "memory", "shells"}
+    # The session layer costs calls above its transport; in memory, no gRPC task takes a step.
+    assert rows["wire"][0] > rows["shells"][0] and rows["memory"][2] < rows["wire"][2]
+
+
+def test_session_calls_refuses_an_unknown_setup_with_one_line() -> None:
+    done = run("benchmarks.session_calls", "sockets")
+    assert done.returncode == 2 and "unknown setup 'sockets'" in done.stderr

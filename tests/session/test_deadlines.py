@@ -4,16 +4,25 @@ DEADLINE_EXCEEDED and cancels its nursery (the running handler is cancelled), fo
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import grpc
 import pytest
 import trio
+from google.protobuf.wrappers_pb2 import BytesValue
+from grpclib.const import Status
 
 from evergreen_trio import Server, SessionAbortedError, connect, text
+from evergreen_trio._grpc.client import ClientOptions, open_client_channel
+from evergreen_trio._grpc.errors import RpcAbortError
+from evergreen_trio._grpc.server import StreamMethod, serve_grpc
+from evergreen_trio._grpc.streams import MessageStream
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Action, NamedParameter, SessionMessage
 from evergreen_trio.dag import StatusCode
 from evergreen_trio.nursery_session import ActionContext
 from evergreen_trio.serving.server import START_SESSION
+
+PATH = "/test.Silent/Hold"
 
 
 class Stuck:
@@ -97,3 +106,32 @@ async def test_grpcio_timeout_cancels_the_handler(nursery: trio.Nursery) -> None
     assert code is grpc.StatusCode.DEADLINE_EXCEEDED
     with trio.fail_after(5):
         await stuck.cancelled.wait()
+
+
+async def test_the_clients_reader_keeps_each_calls_deadline_while_others_stay_open(nursery: trio.Nursery) -> None:
+    """One connection, a server that never answers (and keeps no deadline): a call without a timeout
+    stays open while calls with one, opened after the reader began to wait, each end
+    DEADLINE_EXCEEDED on the client's own clock (its reader waits in one cancel scope until the
+    next deadline, moved by each call that opens)."""
+
+    async def silent(stream: MessageStream[BytesValue]) -> None:
+        await trio.sleep_forever()
+
+    port = await nursery.start(partial(serve_grpc, [StreamMethod(PATH, BytesValue, silent)], "127.0.0.1", 0))
+    async with (
+        open_client_channel("127.0.0.1", port) as channel,
+        channel.open_stream(PATH, BytesValue, lambda items: items) as open_call,
+    ):
+        await open_call.outbound.put(BytesValue(value=b"waits"))
+        for timeout in (0.2, 0.1):
+            with trio.fail_after(10):  # a hang guard
+                async with channel.open_stream(PATH, BytesValue, lambda items: items,
+                                               options=ClientOptions(timeout=timeout)) as call:
+                    await call.outbound.put(BytesValue(value=b"times out"))
+                    with pytest.raises(RpcAbortError) as ended:
+                        await call.inbound.get_batch()
+            assert ended.value.status is Status.DEADLINE_EXCEEDED
+            assert ended.value.message == f"no answer within {timeout:g} s"
+        assert not open_call.inbound.ready
+        open_call.finish(Status.CANCELLED)
+    nursery.cancel_scope.cancel()

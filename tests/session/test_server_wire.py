@@ -22,7 +22,7 @@ from evergreen_trio._grpc.http2 import ACK, PING, frame
 from evergreen_trio._grpc.server import StreamMethod, WireTimeouts, serve_grpc
 from evergreen_trio._grpc.server_wire import GOAWAY_PING, Call, StreamProcessor, WireLimits
 from evergreen_trio._grpc.streams import MessageStream
-from tests.picker.test_grpc_wire import PATH, Peer
+from tests.picker.test_grpc_wire import PATH, Peer, grpc_message
 
 
 class Opener:
@@ -202,6 +202,19 @@ def test_unread_replies_of_a_streaming_stream_stop_its_output_not_its_input() ->
     for _ in range(8):  # 8 x 16 KiB of input, more than the window the replies hold
         peer.send(stream_id, b"i" * 16_000)
     assert len(processor.received) == 8
+
+
+def test_has_output_says_whether_a_write_is_due() -> None:
+    """A message a stream task takes queues no reply of its own: the shell's reader then skips its
+    write, and the writers' lock with it."""
+    peer = peer_with(Opener(Streaming))
+    stream_id = open_stream(peer)
+    assert not peer.server.has_output
+    peer.client.send_data(stream_id, grpc_message(b"x"))
+    peer.server.receive_data(peer.client.data_to_send())
+    assert not peer.server.has_output
+    peer.server.ping()
+    assert peer.server.has_output and peer.server.data_to_send() and not peer.server.has_output
 
 
 def test_a_slice_of_input_opens_at_most_streams_per_slice_and_keeps_their_resets() -> None:
