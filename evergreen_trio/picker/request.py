@@ -30,16 +30,22 @@ class Api(enum.Enum):
     OTHER = ""
 
 
-_SUFFIXES = (Api.CHAT, Api.COMPLETIONS, Api.EMBEDDINGS, Api.RESPONSES)
+_SUFFIXES = tuple((api, api.value) for api in (Api.CHAT, Api.COMPLETIONS, Api.EMBEDDINGS, Api.RESPONSES))
+MAX_CACHED_APIS = 1024
+"""Request paths whose API is kept at hand (they are the client's: the map is cleared when full)."""
+_APIS: dict[str, Api] = {}
 
 
 def api_for_path(path: str) -> Api:
     """The API a request path names by its suffix (query string ignored)."""
-    bare = path.split("?", 1)[0].rstrip("/")
-    for api in _SUFFIXES:
-        if bare.endswith(api.value):
-            return api
-    return Api.OTHER
+    api = _APIS.get(path)
+    if api is None:
+        bare = path.split("?", 1)[0].rstrip("/")
+        api = next((api for api, suffix in _SUFFIXES if bare.endswith(suffix)), Api.OTHER)
+        if len(_APIS) >= MAX_CACHED_APIS:
+            _APIS.clear()
+        _APIS[path] = api
+    return api
 
 
 @dataclass(frozen=True)
@@ -181,9 +187,15 @@ def rewrite_model(request: InferenceRequest, model: str) -> bytes:
 
 
 _SPACE = re.compile(r"[ \t\n\r]*")
+_WHITESPACE = " \t\n\r"
 MAX_SPLICED_MEMBERS = 64
 """A body with more top-level members is parsed by ``json.loads`` and re-serialized to rewrite its
 model: walking members costs Python work per member, a whole value costs C work."""
+
+
+def _skip(text: str, index: int) -> int:
+    """``index`` past the JSON whitespace there (most bodies have none between tokens: no match then)."""
+    return _SPACE.match(text, index).end() if text[index : index + 1] in _WHITESPACE else index  # type: ignore[union-attr]
 
 
 def _object_and_model_span(text: str, decoder: json.JSONDecoder) -> tuple[Any, tuple[int, int] | None]:
@@ -198,18 +210,18 @@ def _object_and_model_span(text: str, decoder: json.JSONDecoder) -> tuple[Any, t
         return decoder.decode(text), None
     pairs: list[tuple[str, Any]] = []
     span = None
-    index = _SPACE.match(text, start + 1).end()  # type: ignore[union-attr]
+    index = _skip(text, start + 1)
     if text[index : index + 1] == "}":
-        index = _SPACE.match(text, index + 1).end()  # type: ignore[union-attr]
+        index = _skip(text, index + 1)
     else:
         for _ in range(MAX_SPLICED_MEMBERS):
             if text[index : index + 1] != '"':
                 raise ValueError(f"expected a member name at {index}")
             key, index = scanstring(text, index + 1)
-            index = _SPACE.match(text, index).end()  # type: ignore[union-attr]
+            index = _skip(text, index)
             if text[index : index + 1] != ":":
                 raise ValueError(f"expected ':' at {index}")
-            index = _SPACE.match(text, index + 1).end()  # type: ignore[union-attr]
+            index = _skip(text, index + 1)
             try:
                 value, end = decoder.scan_once(text, index)  # type: ignore[attr-defined]
             except StopIteration:
@@ -217,9 +229,9 @@ def _object_and_model_span(text: str, decoder: json.JSONDecoder) -> tuple[Any, t
             pairs.append((key, value))
             if key == "model":
                 span = (index, end)
-            index = _SPACE.match(text, end).end()  # type: ignore[union-attr]
+            index = _skip(text, end)
             separator = text[index : index + 1]
-            index = _SPACE.match(text, index + 1).end()  # type: ignore[union-attr]
+            index = _skip(text, index + 1)
             if separator == "}":
                 break
             if separator != ",":
