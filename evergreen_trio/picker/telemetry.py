@@ -9,8 +9,10 @@ reference's too, so dashboards built for it read ours unchanged.
 The metrics a request updates are plain numbers (:class:`CounterFamily`, :class:`GaugeFamily`,
 :class:`HistogramFamily`): every request is counted on the picker's one Trio thread, so an update
 is an addition, a bucket found by bisection, no lock. They are collectors of the same registry,
-read when it is scraped, and expose exactly what prometheus_client's ``Counter``, ``Gauge`` and
-``Histogram`` would (names, labels, ``le`` values, ``_created``, series order).
+read into prometheus_client's metric families when it is scraped, and expose exactly what its
+``Counter``, ``Gauge`` and ``Histogram`` would (names, labels, ``le`` values, ``_created``, series
+order: ``tests/picker/test_telemetry.py`` compares the two). A scrape renders in a worker thread
+and may see a request's updates half done, as prometheus_client's per-value locks allow too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Any
 
 from grpclib.const import Status
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.samples import Sample
 
 from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.guards import ModelLabels
@@ -89,9 +92,8 @@ class CounterSeries:
             raise ValueError("Counters can only be incremented by non-negative amounts.")
         self.value += amount
 
-    def samples(self, created: bool) -> Sequence[tuple[str, str | None, float]]:
-        total = ("_total", None, self.value)
-        return (total, ("_created", None, self.created)) if created else (total,)
+    def expose(self, family: Any, labels: dict[str, str], created: bool) -> None:
+        family.add_metric(labels.values(), self.value, created=self.created if created else None)
 
 
 class GaugeSeries:
@@ -111,8 +113,8 @@ class GaugeSeries:
     def set(self, value: float) -> None:
         self.value = float(value)
 
-    def samples(self, created: bool) -> Sequence[tuple[str, str | None, float]]:
-        return (("", None, self.value),)
+    def expose(self, family: Any, labels: dict[str, str], created: bool) -> None:
+        family.add_metric(labels.values(), self.value)
 
 
 class HistogramSeries:
@@ -133,25 +135,21 @@ class HistogramSeries:
         if amount <= bounds[i]:  # false only for NaN, which no bucket counts
             self.counts[i] += 1
 
-    def samples(self, created: bool) -> Sequence[tuple[str, str | None, float]]:
-        samples: list[tuple[str, str | None, float]] = []
-        total = 0.0
+    def expose(self, family: Any, labels: dict[str, str], created: bool) -> None:
+        buckets, total = [], 0.0
         for le, count in zip(self.labels, self.counts, strict=True):
             total += count
-            samples.append(("_bucket", le, total))
-        samples.append(("_count", None, total))
-        if self.bounds[0] >= 0:
-            samples.append(("_sum", None, self.sum))
-        if created:
-            samples.append(("_created", None, self.created))
-        return samples
+            buckets.append((le, total))
+        family.add_metric(labels.values(), buckets, self.sum)  # every bound is >= 0: _count and _sum follow
+        if created:  # which HistogramMetricFamily does not write
+            family.samples.append(Sample(family.name + "_created", labels, self.created, None))
 
 
 class _Family:
     """A metric family of per-request series, a collector in ``registry``: what prometheus_client's
     metric of this type and these label names exposes, series in the order they were first used."""
 
-    kind = ""
+    family: Any = None  # prometheus_client's metric family class of the type
 
     def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (),
                  registry: CollectorRegistry | None = None) -> None:
@@ -179,39 +177,34 @@ class _Family:
         return child
 
     def describe(self) -> list[Metric]:
-        return [Metric(self.name, self.documentation, self.kind)]
+        return [self.family(self.name, self.documentation, labels=self.labelnames)]
 
     def collect(self) -> list[Metric]:
-        metric = Metric(self.name, self.documentation, self.kind)
+        family = self.family(self.name, self.documentation, labels=self.labelnames)
         created = _created_shown()
         with self._lock:
             children = list(self._children.items())
         for values, child in children:
-            series = list(zip(self.labelnames, values, strict=True))
-            for suffix, le, value in child.samples(created):
-                labels = dict(series)
-                if le is not None:
-                    labels["le"] = le
-                metric.add_sample(self.name + suffix, labels, value)
-        return [metric]
+            child.expose(family, dict(zip(self.labelnames, values, strict=True)), created)
+        return [family]
 
 
 class CounterFamily(_Family):
-    kind = "counter"
+    family = CounterMetricFamily
 
     def _new(self) -> CounterSeries:
         return CounterSeries()
 
 
 class GaugeFamily(_Family):
-    kind = "gauge"
+    family = GaugeMetricFamily
 
     def _new(self) -> GaugeSeries:
         return GaugeSeries()
 
 
 class HistogramFamily(_Family):
-    kind = "histogram"
+    family = HistogramMetricFamily
 
     def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (),
                  registry: CollectorRegistry | None = None, *, buckets: Sequence[float]) -> None:
@@ -221,6 +214,8 @@ class HistogramFamily(_Family):
         self.bounds = [float(b) for b in buckets]
         if self.bounds[-1] != math.inf:
             self.bounds.append(math.inf)
+        if self.bounds[0] < 0:  # prometheus_client leaves _sum out then, its metric family _count too
+            raise ValueError("expected buckets of at least 0")
         super().__init__(name, documentation, labelnames, registry)
 
     def _new(self) -> HistogramSeries:

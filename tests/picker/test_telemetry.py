@@ -279,6 +279,8 @@ def test_a_histogram_counts_each_value_in_the_first_bucket_whose_bound_is_at_lea
 def test_families_reject_what_prometheus_client_rejects() -> None:
     with pytest.raises(ValueError, match="sorted"):
         HistogramFamily("h", "doc", buckets=(2, 1))
+    with pytest.raises(ValueError, match="at least 0"):  # prometheus_client would leave its _sum out
+        HistogramFamily("h", "doc", buckets=(-1, 1))
     family = telemetry.CounterFamily("c", "doc", ["a"])
     with pytest.raises(ValueError, match="label count"):
         family.labels("x", "y")
