@@ -22,6 +22,7 @@ fails streams faster than a budget gets GOAWAY ENHANCE_YOUR_CALM.
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -304,6 +305,9 @@ class _Stream:
 
 
 _FrameHandler = Callable[["GrpcWireConnection", int, int, bytes], None]
+# A frame header read in one call: length (24 bits, as 8 + 16), type, flags, stream id (with its reserved bit).
+_FRAME_HEADER = struct.Struct(">BHBBI")
+_MESSAGE_PREFIX = struct.Struct(">BI")  # a gRPC message's compressed flag and length
 
 
 class GrpcWireConnection:
@@ -523,17 +527,17 @@ class GrpcWireConnection:
                 if len(self._out) >= budget or pos >= budget:
                     self.paused = True
                     break
-                length = int.from_bytes(buffer[pos : pos + 3], "big")
+                high, low, kind, flags, stream_id = _FRAME_HEADER.unpack_from(buffer, pos)
+                length = high << 16 | low
                 if length > DEFAULT_FRAME_SIZE:
                     raise ProtocolViolation(FRAME_SIZE_ERROR, f"expected frames of at most {DEFAULT_FRAME_SIZE} "
                                                              f"bytes, got {length}")
                 if size - pos < 9 + length:
                     break
-                kind, flags = buffer[pos + 3], buffer[pos + 4]
                 if kind == HEADERS and self._opened >= self.limits.streams_per_slice:
                     self.paused = True  # before a HEADERS: the slice still takes the RST_STREAMs of its streams
                     break
-                stream_id = int.from_bytes(buffer[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
+                stream_id &= 0x7FFFFFFF
                 payload = bytes(buffer[pos + 9 : pos + 9 + length])
                 pos += 9 + length
                 self._on_frame(kind, flags, stream_id, payload)
@@ -826,8 +830,8 @@ class GrpcWireConnection:
                 elif stream.streaming:
                     stream.parked = getattr(processor, "parked", False)
             while len(inbound) >= 5 and stream.trailers is None and not stream.parked:
-                size = int.from_bytes(inbound[1:5], "big")
-                if inbound[0] != 0:
+                compressed, size = _MESSAGE_PREFIX.unpack_from(inbound)
+                if compressed != 0:
                     raise RpcAbortError(Status.UNIMPLEMENTED, "expected uncompressed messages")
                 if size > self.limits.max_message_bytes:
                     raise RpcAbortError(Status.RESOURCE_EXHAUSTED,

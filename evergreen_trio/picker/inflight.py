@@ -263,19 +263,25 @@ def load_aware_score(params: LoadAwareParams, waiting: float) -> float:
     return 0.5 * (1.0 - min(waiting, params.threshold) / params.threshold)
 
 
+# The scorers' parameters where a profile gives none (frozen: one instance serves every pick).
+_ACTIVE_REQUEST_DEFAULTS = ActiveRequestParams()
+_TOKEN_LOAD_DEFAULTS = TokenLoadParams()
+_LOAD_AWARE_DEFAULTS = LoadAwareParams()
+
+
 # Scorer functions as the scheduler calls them: (scheduler, request, candidates, fresh metrics, params).
 # In-flight scorers score every candidate (the counts are the picker's own, never stale); the
 # metric scorers only those with fresh metrics, like the other metric scorers.
 def _active_request_scorer(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
                            fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
-    config = params if isinstance(params, ActiveRequestParams) else ActiveRequestParams()
-    return active_request_scores(config, {s.endpoint.address: scheduler.inflight.requests(s.endpoint.address)
-                                          for s in candidates})
+    config = params if isinstance(params, ActiveRequestParams) else _ACTIVE_REQUEST_DEFAULTS
+    requests = scheduler.inflight.requests
+    return active_request_scores(config, {s.endpoint.address: requests(s.endpoint.address) for s in candidates})
 
 
 def _token_load_scorer(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
                        fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
-    config = params if isinstance(params, TokenLoadParams) else TokenLoadParams()
+    config = params if isinstance(params, TokenLoadParams) else _TOKEN_LOAD_DEFAULTS
     own = scheduler.uncached_tokens(request, [s.endpoint.address for s in candidates])
     return {a: token_load_score(config, scheduler.inflight.tokens(a) + tokens) for a, tokens in own.items()}
 
@@ -287,7 +293,7 @@ def _running_requests_scorer(scheduler: Scheduler, request: PickRequest, candida
 
 def _load_aware_scorer(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
                        fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
-    config = params if isinstance(params, LoadAwareParams) else LoadAwareParams()
+    config = params if isinstance(params, LoadAwareParams) else _LOAD_AWARE_DEFAULTS
     return {a: load_aware_score(config, m.waiting) for a, m in fresh.items()}
 
 

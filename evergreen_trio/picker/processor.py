@@ -190,7 +190,8 @@ class Picker:
         admission = Admission(started=started, subset=subset, byte_size=len(body) if body is not None else 0,
                               headers=headers)
         try:
-            admission.attributes = request_attributes(self.plugins, headers)
+            if self.plugins:  # else none: Admission's own empty map
+                admission.attributes = request_attributes(self.plugins, headers)
             if self.flow is not None:
                 admission.fairness_id = flow_fairness_id(headers, admission.attributes)
             if body is not None:
@@ -245,24 +246,25 @@ class Picker:
         report.client_model, report.target_model = admission.client_model or "", admission.target_model or ""
         report.routed = True
         report.scheduling_s = time.perf_counter() - admission.started
-        report.scorer_s = dict(self.scheduler.scorer_seconds)
-        first = endpoints[0]
-        uncached = self.scheduler.uncached_tokens(pick, [first])[first]
+        scheduler = self.scheduler
+        report.scorer_s = dict(scheduler.scorer_seconds)
+        first, prefill = endpoints[0], schedule.prefill
+        uncached = scheduler.uncached_tokens(pick, (first,))[first]
         if admission.hashes:
             block = admission.block_bytes  # the geometry the prompt was hashed with
-            report.prefix_match = (self.scheduler.prefix_matches.get(first, 0) * block, len(admission.hashes) * block)
-            for address in {a for a in (first, schedule.prefill) if a is not None}:
-                self.scheduler.prefix.add(address, admission.hashes)
-        inflight = self.scheduler.inflight
-        tokens = self.scheduler.prompt_tokens(pick)
+            report.prefix_match = (scheduler.prefix_matches.get(first, 0) * block, len(admission.hashes) * block)
+            scheduler.prefix.add(first, admission.hashes)
+            if prefill is not None and prefill != first:
+                scheduler.prefix.add(prefill, admission.hashes)
+        inflight = scheduler.inflight
+        tokens = scheduler.prompt_tokens(pick)
         ticket = inflight.dispatch(first, uncached, prompt_tokens=tokens, client_output_cap=admission.output_cap)
         prefill_ticket = None
-        if schedule.prefill is not None:
-            prefill_ticket = inflight.dispatch(
-                schedule.prefill, self.scheduler.uncached_tokens(pick, [schedule.prefill])[schedule.prefill])
+        if prefill is not None:
+            prefill_ticket = inflight.dispatch(prefill, scheduler.uncached_tokens(pick, (prefill,))[prefill])
         return Route(schedule.destinations or endpoints, admission.client_model, admission.target_model,
                      admission.hashes, admission.body,
-                     prefill=schedule.prefill, load=ticket, prefill_load=prefill_ticket,
+                     prefill=prefill, load=ticket, prefill_load=prefill_ticket,
                      scores=schedule.scores if self.config.ext_proc.emit_endpoint_scores else {},
                      response_headers=schedule.response_headers, request_headers=schedule.request_headers,
                      skip_response=admission.skip_response,
@@ -282,9 +284,22 @@ class Picker:
             self.scheduler.prefix.add(served, route.hashes)
 
 
+# Replies are built by setting fields in place (``reply.request_body.response...``): protobuf's
+# keyword constructors copy each nested message into its parent, which costs several times more.
+
+
 def _header_option(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+def _set_header(mutation: ep.HeaderMutation, key: str, value: str) -> None:
+    """Add ``key: value`` to ``mutation``'s headers to set (as :func:`_header_option` makes it)."""
+    option = mutation.set_headers.add()
+    header = option.header
+    header.key = key
+    header.raw_value = value.encode()
+    option.append_action = _OVERWRITE
 
 
 def immediate(status: int, message: str, dropped_reason: str = "") -> ep.ProcessingResponse:
@@ -335,15 +350,41 @@ def _headers(message: ep.HttpHeaders) -> dict[str, str]:
     return headers
 
 
-def _chunks(body: bytes, size: int, end_of_stream: bool) -> list[ep.ProcessingResponse]:
-    pieces = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
+def _response_header_fields(message: ep.HttpHeaders) -> tuple[str, bool]:
+    """What the response's headers tell the picker, as :func:`_headers` reads them: the content type
+    ("" without one) and whether a content length is set (without a map of every header)."""
+    content_type, has_length = "", False
+    for h in message.headers.headers:
+        key = h.key.lower()
+        if key == "content-type":
+            raw = h.raw_value
+            content_type = raw.decode("latin-1") if raw else h.value
+        elif key == "content-length":
+            has_length = True
+    return content_type, has_length
+
+
+def _chunks(body: bytes, size: int, end_of_stream: bool, phase: str = "request_body") -> list[ep.ProcessingResponse]:
+    """``body`` as streamed body mutations of at most ``size`` bytes, in ``phase`` (``request_body``
+    or ``response_body``); the last one carries ``end_of_stream``."""
+    pieces = [body[i : i + size] for i in range(0, len(body), size)] if len(body) > size else [body]
     last = len(pieces) - 1
-    return [
-        ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
-            body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
-                body=piece, end_of_stream=end_of_stream and i == last)))))
-        for i, piece in enumerate(pieces)
-    ]
+    replies = []
+    for i, piece in enumerate(pieces):
+        reply = ep.ProcessingResponse()
+        streamed = getattr(reply, phase).response.body_mutation.streamed_response
+        streamed.SetInParent()
+        streamed.body = piece
+        streamed.end_of_stream = end_of_stream and i == last
+        replies.append(reply)
+    return replies
+
+
+def _empty(phase: str) -> ep.ProcessingResponse:
+    """A reply that changes nothing in ``phase`` (``request_trailers``, ``response_headers``...)."""
+    reply = ep.ProcessingResponse()
+    getattr(reply, phase).SetInParent()
+    return reply
 
 
 class ExtProcStream:
@@ -399,7 +440,8 @@ class ExtProcStream:
             # otherwise, once per request, which the wire counts like a client's rapid reset.
             self._finish_usage()
             self.finished = True
-        self._settle_load(first_chunk=kind == "response_body")
+        if self.route is not None:  # else no load to settle
+            self._settle_load(first_chunk=kind == "response_body")
         return replies
 
     def _settle_load(self, *, first_chunk: bool = False) -> None:
@@ -485,7 +527,7 @@ class ExtProcStream:
         if self.request_mode == FULL_DUPLEX:
             return []
         if self.request_mode in (BUFFERED, BUFFERED_PARTIAL):
-            return [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
+            return [_empty("request_headers")]
         mode = _Mode.BodySendMode.Name(self.request_mode)
         raise ExtProcError(f"expected request body mode BUFFERED or FULL_DUPLEX_STREAMED, got {mode}")
 
@@ -512,7 +554,7 @@ class ExtProcStream:
         return self.chunks[0] if self.chunks else b""
 
     def _request_trailers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
-        trailers = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+        trailers = _empty("request_trailers")
         if self.request_mode == FULL_DUPLEX and not self.routed:
             return self._decide(self._body(), "headers", duplex_end=False, after=[trailers])
         return [trailers]
@@ -564,34 +606,31 @@ class ExtProcStream:
             or self.picker.verifies_served)
         mode = self.picker.config.ext_proc.destination_mode
         value = ",".join(route.endpoints) if mode is DestinationMode.LIST else route.endpoints[0]
-        set_headers = [_header_option(DESTINATION, value)]
-        lb = {DESTINATION: value}
-        if mode is DestinationMode.FALLBACK and len(route.endpoints) > 1:
-            lb[FALLBACK] = route.endpoints[1]
+        reply = ep.ProcessingResponse()
+        common = reply.request_headers.response if phase == "headers" else reply.request_body.response
+        mutation = common.header_mutation
+        _set_header(mutation, DESTINATION, value)
         if route.body is not None and "content-length" in self.headers:
-            set_headers.append(_header_option("content-length", str(len(route.body))))
-        if route.request_headers:  # P/D, E/PD and data parallelism only: most routes set none
-            set_headers.extend(_header_option(name, header) for name, header in route.request_headers.items())
-        removed = [h for h in STRIPPED_HEADERS if h in self.headers and h not in route.request_headers]
-        mutation = ep.HeaderMutation(set_headers=set_headers, remove_headers=removed)
-        metadata = struct_pb2.Struct()
-        fields = metadata.fields[LB_NAMESPACE].struct_value.fields  # Struct.update's generic walk costs more
-        for key, address in lb.items():
-            fields[key].string_value = address
+            _set_header(mutation, "content-length", str(len(route.body)))
+        request_headers = route.request_headers
+        if request_headers:  # P/D, E/PD and data parallelism only: most routes set none
+            for name, header in request_headers.items():
+                _set_header(mutation, name, header)
+        removed = [h for h in STRIPPED_HEADERS if h in self.headers and h not in request_headers]
+        if removed:
+            mutation.remove_headers.extend(removed)
+        if phase != "headers" and route.body is not None:
+            common.body_mutation.body = route.body
+        common.clear_route_cache = True
+        fields = reply.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields  # Struct.update's walk costs more
+        fields[DESTINATION].string_value = value
+        if mode is DestinationMode.FALLBACK and len(route.endpoints) > 1:
+            fields[FALLBACK].string_value = route.endpoints[1]
         if route.scores:
             scores = fields[SCORES].struct_value.fields
             for address, score in route.scores.items():
                 scores[address].number_value = score
-        if phase == "headers":
-            return ep.ProcessingResponse(
-                request_headers=ep.HeadersResponse(response=ep.CommonResponse(
-                    header_mutation=mutation, clear_route_cache=True)),
-                dynamic_metadata=metadata)
-        body_mutation = ep.BodyMutation(body=route.body) if route.body is not None else None
-        return ep.ProcessingResponse(
-            request_body=ep.BodyResponse(response=ep.CommonResponse(
-                header_mutation=mutation, body_mutation=body_mutation, clear_route_cache=True)),
-            dynamic_metadata=metadata)
+        return reply
 
     def _immediate(self, status: int, message: str, dropped_reason: str = "") -> ep.ProcessingResponse:
         """An ImmediateResponse ends Envoy's processing of the request, so it ends the stream too."""
@@ -605,7 +644,7 @@ class ExtProcStream:
         if self.response_started:
             raise ExtProcError("expected one response_headers message per stream, got a second")
         self.response_started = True
-        headers = _headers(message.response_headers)
+        content_type, has_length = _response_header_fields(message.response_headers)
         served = _metadata_value(message.metadata_context, LB_NAMESPACE, SERVED)
         route = self.route
         if route is not None and served is not None:
@@ -621,30 +660,44 @@ class ExtProcStream:
         if (route is not None and route.target_model and route.client_model and route.target_model != route.client_model
                 and response.rewrites):
             rewrite = (route.target_model, route.client_model)
-        sse = headers.get("content-type", "").startswith("text/event-stream")
+        sse = content_type.startswith("text/event-stream")
         self.reader = response.reader(sse=sse, rewrite=rewrite, max_bytes=self.limits.max_response_body_bytes)
         self.rewrite_sse = rewrite is not None and sse
         if message.response_headers.end_of_stream or self.response_mode == NONE:
             self.response_ended = True
-            mutation = self._response_mutation()
-            if mutation is None:
-                return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
-            return [ep.ProcessingResponse(response_headers=ep.HeadersResponse(
-                response=ep.CommonResponse(header_mutation=mutation)))]
+            reply = _empty("response_headers")
+            if self._has_response_mutation():
+                self._response_mutation(reply.response_headers.response)
+            return [reply]
         if self.response_mode == FULL_DUPLEX and rewrite is not None and not sse:
             self.response_held = True
             return []
-        removed = ["content-length"] if rewrite is not None and "content-length" in headers else []
-        return [ep.ProcessingResponse(response_headers=ep.HeadersResponse(
-            response=ep.CommonResponse(header_mutation=self._response_mutation(remove=removed))))]
+        removed = ["content-length"] if rewrite is not None and has_length else []
+        reply = ep.ProcessingResponse()
+        common = reply.response_headers.response
+        common.SetInParent()
+        self._response_mutation(common, remove=removed)
+        return [reply]
 
-    def _response_mutation(self, *, remove: Sequence[str] = (),
-                           set_: Sequence[tuple[str, str]] = ()) -> ep.HeaderMutation | None:
-        """The response headers' mutation: ``remove`` and ``set_`` those, and set the headers the
-        route's plugins asked for (None when there is nothing to change)."""
+    def _has_response_mutation(self) -> bool:
+        """Whether the route's plugins, or the served verifier, set response headers (a mutation with
+        nothing else would be empty)."""
+        return bool(self.verified) or (self.route is not None and bool(self.route.response_headers))
+
+    def _response_mutation(self, common: ep.CommonResponse, *, remove: Sequence[str] = (),
+                           set_: Sequence[tuple[str, str]] = ()) -> None:
+        """The response headers' mutation, in ``common``: ``remove`` and ``set_`` those, and set the
+        headers the route's plugins asked for (no mutation when there is nothing to change)."""
         plugins = self.route.response_headers.items() if self.route is not None else ()
-        added = [_header_option(key, value) for key, value in (*set_, *plugins, *self.verified)]
-        return ep.HeaderMutation(set_headers=added, remove_headers=remove) if added or remove else None
+        added = (*set_, *plugins, *self.verified)
+        if not added and not remove:
+            return
+        mutation = common.header_mutation
+        for key, value in added:
+            _set_header(mutation, key, value)
+        if remove:
+            mutation.remove_headers.extend(remove)
+        mutation.SetInParent()
 
     def _response_body(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         if not self.response_started or self.response_ended:
@@ -672,7 +725,7 @@ class ExtProcStream:
         return self._response_chunks(chunk, end)
 
     def _response_trailers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
-        trailers = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+        trailers = _empty("response_trailers")
         self.response_ended = True
         if self.response_held:
             return [*self._release_held(end_of_stream=False), trailers]
@@ -713,15 +766,14 @@ class ExtProcStream:
         assert self.reader is not None
         data = self.reader.finish()
         self.response_held = False
-        headers = ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
-            header_mutation=self._response_mutation(set_=[("content-length", str(len(data)))]))))
+        headers = ep.ProcessingResponse()
+        self._response_mutation(headers.response_headers.response, set_=[("content-length", str(len(data)))])
         return [headers, *self._response_chunks(data, end_of_stream)]
 
     def _response_chunks(self, data: bytes, end_of_stream: bool) -> list[ep.ProcessingResponse]:
         if end_of_stream:
             self._finish_usage()
-        return [ep.ProcessingResponse(response_body=m.request_body)
-                for m in _chunks(data, self.limits.streamed_chunk_bytes, end_of_stream)]
+        return _chunks(data, self.limits.streamed_chunk_bytes, end_of_stream, "response_body")
 
     def _finish_usage(self) -> None:
         if self.usage_recorded:

@@ -30,16 +30,22 @@ class Api(enum.Enum):
     OTHER = ""
 
 
-_SUFFIXES = (Api.CHAT, Api.COMPLETIONS, Api.EMBEDDINGS, Api.RESPONSES)
+_SUFFIXES = tuple((api, api.value) for api in (Api.CHAT, Api.COMPLETIONS, Api.EMBEDDINGS, Api.RESPONSES))
+MAX_CACHED_APIS = 1024
+"""Request paths whose API is kept at hand (they are the client's: the map is cleared when full)."""
+_APIS: dict[str, Api] = {}
 
 
 def api_for_path(path: str) -> Api:
     """The API a request path names by its suffix (query string ignored)."""
-    bare = path.split("?", 1)[0].rstrip("/")
-    for api in _SUFFIXES:
-        if bare.endswith(api.value):
-            return api
-    return Api.OTHER
+    api = _APIS.get(path)
+    if api is None:
+        bare = path.split("?", 1)[0].rstrip("/")
+        api = next((api for api, suffix in _SUFFIXES if bare.endswith(suffix)), Api.OTHER)
+        if len(_APIS) >= MAX_CACHED_APIS:
+            _APIS.clear()
+        _APIS[path] = api
+    return api
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,8 @@ class InferenceRequest:
     text: str = ""
     """The body as decoded text (what ``rewrite_model`` splices into)."""
     model_span: tuple[int, int] | None = None
-    """Where the top-level ``model`` value lies in ``text``; None when the body is re-serialized instead."""
+    """Where the top-level ``model`` value lies in ``text``; None when the body is re-serialized instead;
+    ``UNLOCATED`` when not looked for yet (``model_span_of`` looks: the default decoder's bodies)."""
     output_cap: int | None = None
     """The client's own cap on output tokens, when it set one."""
     rewritable: bool = True
@@ -134,6 +141,12 @@ def _detect_and_decode(body: bytes) -> str:
 
 
 _DECODER = json.JSONDecoder()
+UNLOCATED: tuple[int, int] = (-1, -1)
+"""A ``model_span`` not looked for yet: the default decoder's bodies of at most
+:data:`LAZY_SPAN_CHARS` are parsed whole by its C scanner, and the model's place is found only for
+a rewrite (most requests have none)."""
+LAZY_SPAN_CHARS = 8 * 1024
+"""Longer bodies are walked member by member at once: a rewrite then parses them once, not twice."""
 
 
 def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Callable[[bytes], str] = _detect_and_decode,
@@ -142,9 +155,16 @@ def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Calla
     text, and where its ``model`` value lies (see :func:`rewrite_model`); RequestError(413) for a
     body too costly to parse, RequestError(400) for one that is not a JSON object."""
     check_json_cost(body)
+    model_span: tuple[int, int] | None
     try:
         text = decode(body)
-        doc, model_span = _object_and_model_span(text, decoder)
+        if decoder is _DECODER and len(text) <= LAZY_SPAN_CHARS:
+            try:
+                doc, model_span = decoder.decode(text), UNLOCATED
+            except (ValueError, RecursionError):  # the walk's own error, as it always said (or, a level
+                doc, model_span = _object_and_model_span(text, decoder)  # short of the limit, its parse)
+        else:
+            doc, model_span = _object_and_model_span(text, decoder)
     except (ValueError, RecursionError) as exc:
         raise RequestError(400, f"request body is not valid JSON ({type(exc).__name__})") from None
     if not isinstance(doc, dict):
@@ -166,24 +186,39 @@ def parse_body(path: str, body: bytes) -> InferenceRequest:
                             output_cap(doc))
 
 
+def model_span_of(request: InferenceRequest) -> tuple[int, int] | None:
+    """Where ``request``'s top-level ``model`` value lies in its text (None: nowhere to splice), found
+    now when the parse left it :data:`UNLOCATED`."""
+    if request.model_span is UNLOCATED:
+        return _object_and_model_span(request.text, _DECODER)[1]
+    return request.model_span
+
+
 def rewrite_model(request: InferenceRequest, model: str) -> bytes:
     """The body with its ``model`` value replaced; RequestError(400) for a lone surrogate in it.
 
     Where the parse found the value, only that span is replaced (the client's bytes are kept, and a
     16 MiB body costs a copy rather than a 50 ms re-serialization); otherwise the body is re-serialized.
     """
-    if request.model_span is None:
+    span = model_span_of(request)
+    if span is None:
         text = json.dumps({**request.body, "model": model}, separators=(",", ":"), ensure_ascii=False)
     else:
-        start, end = request.model_span
+        start, end = span
         text = request.text[:start] + json.dumps(model, ensure_ascii=False) + request.text[end:]
     return utf8(text, "body")
 
 
 _SPACE = re.compile(r"[ \t\n\r]*")
+_WHITESPACE = " \t\n\r"
 MAX_SPLICED_MEMBERS = 64
 """A body with more top-level members is parsed by ``json.loads`` and re-serialized to rewrite its
 model: walking members costs Python work per member, a whole value costs C work."""
+
+
+def _skip(text: str, index: int) -> int:
+    """``index`` past the JSON whitespace there (most bodies have none between tokens: no match then)."""
+    return _SPACE.match(text, index).end() if text[index : index + 1] in _WHITESPACE else index  # type: ignore[union-attr]
 
 
 def _object_and_model_span(text: str, decoder: json.JSONDecoder) -> tuple[Any, tuple[int, int] | None]:
@@ -198,18 +233,18 @@ def _object_and_model_span(text: str, decoder: json.JSONDecoder) -> tuple[Any, t
         return decoder.decode(text), None
     pairs: list[tuple[str, Any]] = []
     span = None
-    index = _SPACE.match(text, start + 1).end()  # type: ignore[union-attr]
+    index = _skip(text, start + 1)
     if text[index : index + 1] == "}":
-        index = _SPACE.match(text, index + 1).end()  # type: ignore[union-attr]
+        index = _skip(text, index + 1)
     else:
         for _ in range(MAX_SPLICED_MEMBERS):
             if text[index : index + 1] != '"':
                 raise ValueError(f"expected a member name at {index}")
             key, index = scanstring(text, index + 1)
-            index = _SPACE.match(text, index).end()  # type: ignore[union-attr]
+            index = _skip(text, index)
             if text[index : index + 1] != ":":
                 raise ValueError(f"expected ':' at {index}")
-            index = _SPACE.match(text, index + 1).end()  # type: ignore[union-attr]
+            index = _skip(text, index + 1)
             try:
                 value, end = decoder.scan_once(text, index)  # type: ignore[attr-defined]
             except StopIteration:
@@ -217,9 +252,9 @@ def _object_and_model_span(text: str, decoder: json.JSONDecoder) -> tuple[Any, t
             pairs.append((key, value))
             if key == "model":
                 span = (index, end)
-            index = _SPACE.match(text, end).end()  # type: ignore[union-attr]
+            index = _skip(text, end)
             separator = text[index : index + 1]
-            index = _SPACE.match(text, index + 1).end()  # type: ignore[union-attr]
+            index = _skip(text, index + 1)
             if separator == "}":
                 break
             if separator != ",":

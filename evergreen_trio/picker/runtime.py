@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
@@ -91,8 +90,15 @@ class _GrpcStream:
         self._running = False
         if metrics.streams is not None:
             metrics.streams.opened()
-        # A stream Envoy resets gets neither on_end nor finished: record it when it is dropped.
-        weakref.finalize(self, _record_dropped, metrics, self._stream, self._started)
+
+    def __del__(self) -> None:
+        # A stream Envoy resets gets neither on_end nor finished: record it when it is dropped (a
+        # finalizer, with no weakref.finalize to register per stream).
+        try:
+            metrics, stream, started = self._metrics, self._stream, self._started
+        except AttributeError:  # __init__ failed: nothing was counted
+            return
+        _record_dropped(metrics, stream, started)
 
     @property
     def finished(self) -> bool:
@@ -116,13 +122,15 @@ class _GrpcStream:
         return replies
 
     def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
+        stream = self._stream
         try:
-            replies = self._stream.on_message(message)
+            replies = stream.on_message(message)
         except ExtProcError as exc:
             log.warning("picker.stream_aborted error=%s", exc)
             self._record()
             raise RpcAbortError(Status.INVALID_ARGUMENT, str(exc)) from None
-        self._after()
+        if stream.finished or (stream.report.routed and not self._running):  # else _after has nothing to do
+            self._after()
         return replies
 
     def _after(self) -> None:

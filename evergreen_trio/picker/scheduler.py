@@ -340,6 +340,10 @@ class Scheduler:
         declared = [*(config.epp.plugins.values() if config.epp is not None else ()),
                     *(p for profile in self.config.effective_profiles
                       for p in (*profile.filters, *(s.plugin for s in profile.scorers)))]
+        self._profiles = {p.name: p for p in self.config.effective_profiles}
+        # prefix_geometry's last answer and the scraped block size it was for (it changes only with that)
+        self._geometry_for: object = object()
+        self._geometry = (0, 0)
         self.plugin_states: dict[str, PluginState] = {}
         for plugin in declared:
             factory = PLUGIN_STATES.get(plugin.type)
@@ -365,12 +369,16 @@ class Scheduler:
         With ``prefix_auto_tune`` the block is the model servers' scraped block size (vLLM's
         ``cache_config_info``), as llm-d-router's approx-prefix-cache-producer tunes it.
         """
+        block_size = self.snapshot.block_size
+        if block_size == self._geometry_for:  # the same scraped block size as last time: the same answer
+            return self._geometry
         cfg = self.config
         tokens = cfg.prefix_block_tokens
-        if cfg.prefix_auto_tune and self.snapshot.block_size:
-            tokens = self.snapshot.block_size
+        if cfg.prefix_auto_tune and block_size:
+            tokens = block_size
         max_blocks = cfg.max_prefix_tokens // tokens if cfg.max_prefix_tokens > 0 else cfg.max_prefix_blocks
-        return tokens * cfg.chars_per_token, max_blocks
+        self._geometry_for, self._geometry = block_size, (tokens * cfg.chars_per_token, max_blocks)
+        return self._geometry
 
     def pick(self, request: PickRequest, count: int = 1) -> list[str]:
         """Up to ``count`` endpoint addresses, best first; RequestError 503 or 429 when none, 500
@@ -411,11 +419,12 @@ class Scheduler:
         if not candidates:
             what = "in the subset hint" if request.subset is not None else "in the pool"
             raise RequestError(503, f"no ready endpoint {what}", Outcome.EVICTED_NO_ENDPOINTS.reason)
-        admit(self.admitters, request.priority, [s.metrics for s in candidates], self.rng.random)
+        if self.admitters:
+            admit(self.admitters, request.priority, [s.metrics for s in candidates], self.rng.random)
         self.scorer_seconds = {}
-        self.prefix_matches = (self.prefix.matches(request.hashes, (s.endpoint.address for s in candidates))
+        self.prefix_matches = (self.prefix.matches(request.hashes, [s.endpoint.address for s in candidates])
                                if request.hashes else {})
-        profiles = {p.name: p for p in self.config.effective_profiles}
+        profiles = self._profiles
         handler = self.config.handler
         if not isinstance(handler, DisaggHandler):
             profile = profiles[handler.choose(request.headers, profiles) if handler else next(iter(profiles))]
@@ -467,20 +476,26 @@ class Scheduler:
         The prefix scorer reads :attr:`prefix_matches`, which :meth:`schedule` fills first.
         """
         profile = profile or self.config.effective_profiles[0]
-        now = self.snapshot.clock()
+        snapshot = self.snapshot
+        now, staleness = snapshot.clock(), snapshot.staleness_s
+        # PoolSnapshot.is_fresh, inline (a call per candidate per pick otherwise)
         fresh = {s.endpoint.address: s.metrics for s in candidates
-                 if s.metrics is not None and self.snapshot.is_fresh(s, now)}
-        result = dict.fromkeys((s.endpoint.address for s in candidates), 0.0)
+                 if s.metrics is not None and s.ready and now - s.updated_at <= staleness}
+        result = dict.fromkeys([s.endpoint.address for s in candidates], 0.0)
         clock = time.perf_counter
+        seconds = self.scorer_seconds
+        states = self.plugin_states
         for scorer in profile.scorers:
-            if not scorer.weight:
+            weight = scorer.weight
+            if not weight:
                 continue
             started = clock()
-            for address, score in SCORERS[scorer.plugin.type](self, request, candidates, fresh,
-                                                              self._params(scorer.plugin)).items():
-                result[address] += scorer.weight * score
-            key = scorer.plugin.type
-            self.scorer_seconds[key] = self.scorer_seconds.get(key, 0.0) + clock() - started
+            plugin = scorer.plugin
+            key = plugin.type
+            for address, score in SCORERS[key](self, request, candidates, fresh,
+                                               states.get(plugin.name, plugin.params)).items():
+                result[address] += weight * score
+            seconds[key] = seconds.get(key, 0.0) + clock() - started
         return result
 
     def prompt_tokens(self, request: PickRequest) -> int:

@@ -5,15 +5,29 @@ One registry per picker instance. The sans-IO core reports what each stream did
 into metrics. Error codes are the reference's names (``BadRequest``, ``BadConfiguration``,
 ``InferencePoolResourceExhausted``, ``ServiceUnavailable``), not HTTP statuses. Buckets are the
 reference's too, so dashboards built for it read ours unchanged.
+
+The metrics a request updates are plain numbers (:class:`CounterFamily`, :class:`GaugeFamily`,
+:class:`HistogramFamily`): every request is counted on the picker's one Trio thread, so an update
+is an addition, a bucket found by bisection, no lock. They are collectors of the same registry,
+read into prometheus_client's metric families when it is scraped, and expose exactly what its
+``Counter``, ``Gauge`` and ``Histogram`` would (names, labels, ``le`` values, ``_created``, series
+order: ``tests/picker/test_telemetry.py`` compares the two). A scrape renders in a worker thread
+and may see a request's updates half done, as prometheus_client's per-value locks allow too.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import math
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from grpclib.const import Status
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.samples import Sample
 
 from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.guards import ModelLabels
@@ -40,7 +54,7 @@ _MODEL = ["model_name", "target_model_name"]
 # Labelled series kept at hand per picker; label values are already bounded (model names folded,
 # pool endpoints, plugin names), this only caps the map against a pool that churns for months.
 MAX_CACHED_SERIES = 4096
-_M = TypeVar("_M", bound=MetricWrapperBase)
+_ROUTED = object()  # the series map's key for a routed request's series of one label set
 
 
 def error_code(status: int) -> str:
@@ -54,25 +68,188 @@ def go_code(status: Status) -> str:
     return "OK" if status is Status.OK else status.name.title().replace("_", "")
 
 
+# -- per-request metrics: plain numbers, read at scrape time ----------------------------------------
+
+# prometheus_client leaves the ``_created`` samples out when told to (PROMETHEUS_DISABLE_CREATED_SERIES,
+# disable_created_metrics()); an unregistered counter of its own says which, at each scrape.
+_CREATED_PROBE = Counter("evergreen_created_probe", "", registry=None)
+
+
+def _created_shown() -> bool:
+    return any(s.name.endswith("_created") for metric in _CREATED_PROBE.collect() for s in metric.samples)
+
+
+class CounterSeries:
+    """One counter series: ``value`` only goes up."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self.value += amount
+
+    def expose(self, family: Any, labels: dict[str, str], created: bool) -> None:
+        family.add_metric(labels.values(), self.value, created=self.created if created else None)
+
+
+class GaugeSeries:
+    """One gauge series."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.value += -amount
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def expose(self, family: Any, labels: dict[str, str], created: bool) -> None:
+        family.add_metric(labels.values(), self.value)
+
+
+class HistogramSeries:
+    """One histogram series: a count per bucket (not cumulative: summed at scrape time) and the sum."""
+
+    __slots__ = ("bounds", "counts", "created", "labels", "sum")
+
+    def __init__(self, bounds: list[float], labels: list[str]) -> None:
+        self.bounds, self.labels = bounds, labels
+        self.counts = [0.0] * len(bounds)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        self.sum += amount
+        bounds = self.bounds
+        i = bisect_left(bounds, amount)  # the first bound >= amount (+Inf is last)
+        if amount <= bounds[i]:  # false only for NaN, which no bucket counts
+            self.counts[i] += 1
+
+    def expose(self, family: Any, labels: dict[str, str], created: bool) -> None:
+        buckets, total = [], 0.0
+        for le, count in zip(self.labels, self.counts, strict=True):
+            total += count
+            buckets.append((le, total))
+        family.add_metric(labels.values(), buckets, self.sum)  # every bound is >= 0: _count and _sum follow
+        if created:  # which HistogramMetricFamily does not write
+            family.samples.append(Sample(family.name + "_created", labels, self.created, None))
+
+
+class _Family:
+    """A metric family of per-request series, a collector in ``registry``: what prometheus_client's
+    metric of this type and these label names exposes, series in the order they were first used."""
+
+    family: Any = None  # prometheus_client's metric family class of the type
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (),
+                 registry: CollectorRegistry | None = None) -> None:
+        self.name, self.documentation = name, documentation
+        self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], Any] = {}
+        self._lock = threading.Lock()  # series made here vs. a scrape's copy (scrapes render in a worker thread)
+        if not self.labelnames:
+            self.labels()  # the one series, there from the start
+        if registry is not None:
+            registry.register(self)
+
+    def _new(self) -> Any:
+        raise NotImplementedError
+
+    def labels(self, *values: object) -> Any:
+        """The series of these label values (made on first use; with no label names, the one series)."""
+        if len(values) != len(self.labelnames):
+            raise ValueError("Incorrect label count")
+        key = tuple(str(v) for v in values)
+        child = self._children.get(key)
+        if child is None:
+            with self._lock:
+                child = self._children.setdefault(key, self._new())
+        return child
+
+    def describe(self) -> list[Metric]:
+        return [self.family(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> list[Metric]:
+        family = self.family(self.name, self.documentation, labels=self.labelnames)
+        created = _created_shown()
+        with self._lock:
+            children = list(self._children.items())
+        for values, child in children:
+            child.expose(family, dict(zip(self.labelnames, values, strict=True)), created)
+        return [family]
+
+
+class CounterFamily(_Family):
+    family = CounterMetricFamily
+
+    def _new(self) -> CounterSeries:
+        return CounterSeries()
+
+
+class GaugeFamily(_Family):
+    family = GaugeMetricFamily
+
+    def _new(self) -> GaugeSeries:
+        return GaugeSeries()
+
+
+class HistogramFamily(_Family):
+    family = HistogramMetricFamily
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (),
+                 registry: CollectorRegistry | None = None, *, buckets: Sequence[float]) -> None:
+        # prometheus_client's own histogram checks the buckets and writes their ``le`` values
+        stock = Histogram(name, documentation, buckets=buckets, registry=None)
+        self.le = [s.labels["le"] for metric in stock.collect() for s in metric.samples if s.name.endswith("_bucket")]
+        self.bounds = [float(b) for b in buckets]
+        if self.bounds[-1] != math.inf:
+            self.bounds.append(math.inf)
+        if self.bounds[0] < 0:  # prometheus_client leaves _sum out then, its metric family _count too
+            raise ValueError("expected buckets of at least 0")
+        super().__init__(name, documentation, labelnames, registry)
+
+    def _new(self) -> HistogramSeries:
+        return HistogramSeries(self.bounds, self.le)
+
+
+def _single(family: _Family) -> Any:
+    """The one series of a family without label names (made with the family, as prometheus_client's)."""
+    return family.labels()
+
+
 class StreamMetrics:
     """llm-d-router's opt-in ext_proc stream metrics (``--enable-grpc-stream-metrics``): the streams
     open, how long each stayed open, and how many ended with each gRPC code."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.inflight = Gauge("llm_d_epp_extproc_streams_inflight", "Number of ext_proc gRPC streams currently open.",
-                              registry=registry)
-        self.duration = Histogram("llm_d_epp_extproc_stream_duration_seconds",
-                                  "Duration an ext_proc gRPC stream stays open, in seconds.",
-                                  buckets=_STREAM_BUCKETS, registry=registry)
-        self.ended = Counter("llm_d_epp_extproc_streams", "Total ext_proc gRPC streams completed, by gRPC status code.",
-                             ["code"], registry=registry)
+        self.inflight = GaugeFamily("llm_d_epp_extproc_streams_inflight",
+                                    "Number of ext_proc gRPC streams currently open.", registry=registry)
+        self.duration = HistogramFamily("llm_d_epp_extproc_stream_duration_seconds",
+                                        "Duration an ext_proc gRPC stream stays open, in seconds.",
+                                        buckets=_STREAM_BUCKETS, registry=registry)
+        self.ended = CounterFamily("llm_d_epp_extproc_streams",
+                                   "Total ext_proc gRPC streams completed, by gRPC status code.", ["code"],
+                                   registry=registry)
+        self._inflight: GaugeSeries = _single(self.inflight)
+        self._duration: HistogramSeries = _single(self.duration)
 
     def opened(self) -> None:
-        self.inflight.inc()
+        self._inflight.inc()
 
     def closed(self, status: Status, duration_s: float) -> None:
-        self.inflight.dec()
-        self.duration.observe(duration_s)
+        self._inflight.dec()
+        self._duration.observe(duration_s)
         self.ended.labels(go_code(status)).inc()
 
 
@@ -88,41 +265,41 @@ class PickerMetrics:
                  labels: ModelLabels | None = None, *, stream_metrics: bool = False) -> None:
         self.pool = pool
         self.labels = labels if labels is not None else ModelLabels()
-        self._series: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        self._series: dict[tuple[object, object], Any] = {}
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.requests = Counter("inference_objective_request", "Requests routed, by model and target model",
-                                _MODEL, registry=r)
-        self.errors = Counter("inference_objective_request_error", "Requests answered with an error, by code",
-                              [*_MODEL, "error_code"], registry=r)
-        self.duration = Histogram("inference_objective_request_duration_seconds", "Request latency",
-                                  _MODEL, buckets=_DURATION_BUCKETS, registry=r)
-        self.request_sizes = Histogram("inference_objective_request_sizes", "Request body bytes",
-                                       _MODEL, buckets=_REQUEST_SIZE_BUCKETS, registry=r)
-        self.response_sizes = Histogram("inference_objective_response_sizes", "Response body bytes",
-                                        _MODEL, buckets=_RESPONSE_SIZE_BUCKETS, registry=r)
-        self.input_tokens = Histogram("inference_objective_input_tokens", "Prompt tokens per request",
-                                      _MODEL, buckets=_INPUT_TOKEN_BUCKETS, registry=r)
-        self.output_tokens = Histogram("inference_objective_output_tokens", "Completion tokens per request",
-                                       _MODEL, buckets=_OUTPUT_TOKEN_BUCKETS, registry=r)
-        self.running = Gauge("inference_objective_running_requests", "Requests routed and not yet finished",
-                             ["model_name"], registry=r)
-        self.ntpot = Histogram("inference_objective_normalized_time_per_output_token_seconds",
-                               "Request latency divided by its completion tokens", _MODEL, buckets=_NTPOT_BUCKETS,
-                               registry=r)
-        self.scheduling = Histogram("inference_extension_scheduler_e2e_duration_seconds",
-                                    "Time to pick an endpoint", buckets=_SCHEDULER_BUCKETS, registry=r)
-        self.plugin_duration = Histogram("inference_extension_plugin_duration_seconds", "Time per scorer",
-                                         ["extension_point", "plugin_type", "plugin_name"],
-                                         buckets=_SCHEDULER_BUCKETS, registry=r)
-        self.prefix_size = Gauge("inference_extension_prefix_indexer_size", "Block hashes in the prefix index",
-                                 registry=r)
-        self.prefix_ratio = Histogram("inference_extension_prefix_indexer_hit_ratio",
-                                      "Matched share of the prompt's prefix blocks",
-                                      buckets=tuple(i / 10 for i in range(11)), registry=r)
-        self.prefix_bytes = Histogram("inference_extension_prefix_indexer_hit_bytes", "Matched prefix bytes",
-                                      buckets=(0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
-                                               65536), registry=r)
+        self.requests = CounterFamily("inference_objective_request", "Requests routed, by model and target model",
+                                      _MODEL, registry=r)
+        self.errors = CounterFamily("inference_objective_request_error", "Requests answered with an error, by code",
+                                    [*_MODEL, "error_code"], registry=r)
+        self.duration = HistogramFamily("inference_objective_request_duration_seconds", "Request latency",
+                                        _MODEL, buckets=_DURATION_BUCKETS, registry=r)
+        self.request_sizes = HistogramFamily("inference_objective_request_sizes", "Request body bytes",
+                                             _MODEL, buckets=_REQUEST_SIZE_BUCKETS, registry=r)
+        self.response_sizes = HistogramFamily("inference_objective_response_sizes", "Response body bytes",
+                                              _MODEL, buckets=_RESPONSE_SIZE_BUCKETS, registry=r)
+        self.input_tokens = HistogramFamily("inference_objective_input_tokens", "Prompt tokens per request",
+                                            _MODEL, buckets=_INPUT_TOKEN_BUCKETS, registry=r)
+        self.output_tokens = HistogramFamily("inference_objective_output_tokens", "Completion tokens per request",
+                                             _MODEL, buckets=_OUTPUT_TOKEN_BUCKETS, registry=r)
+        self.running = GaugeFamily("inference_objective_running_requests", "Requests routed and not yet finished",
+                                   ["model_name"], registry=r)
+        self.ntpot = HistogramFamily("inference_objective_normalized_time_per_output_token_seconds",
+                                     "Request latency divided by its completion tokens", _MODEL,
+                                     buckets=_NTPOT_BUCKETS, registry=r)
+        self.scheduling = HistogramFamily("inference_extension_scheduler_e2e_duration_seconds",
+                                          "Time to pick an endpoint", buckets=_SCHEDULER_BUCKETS, registry=r)
+        self.plugin_duration = HistogramFamily("inference_extension_plugin_duration_seconds", "Time per scorer",
+                                               ["extension_point", "plugin_type", "plugin_name"],
+                                               buckets=_SCHEDULER_BUCKETS, registry=r)
+        self.prefix_size = GaugeFamily("inference_extension_prefix_indexer_size", "Block hashes in the prefix index",
+                                       registry=r)
+        self.prefix_ratio = HistogramFamily("inference_extension_prefix_indexer_hit_ratio",
+                                            "Matched share of the prompt's prefix blocks",
+                                            buckets=tuple(i / 10 for i in range(11)), registry=r)
+        self.prefix_bytes = HistogramFamily("inference_extension_prefix_indexer_hit_bytes", "Matched prefix bytes",
+                                            buckets=(0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                                     32768, 65536), registry=r)
         self.info = Gauge("inference_extension_info", "Build information", ["commit", "build_ref"], registry=r)
         self.info.labels("", f"evergreen-trio-{VERSION}").set(1)
         self.avg_queue = Gauge("inference_pool_average_queue_size", "Mean waiting requests per ready endpoint",
@@ -132,10 +309,10 @@ class PickerMetrics:
         self.ready = Gauge("inference_pool_ready_pods", "Endpoints whose last scrape succeeded", ["name"], registry=r)
         self.pod_queue = Gauge("inference_pool_per_pod_queue_size", "Waiting requests per endpoint",
                                ["name", "model_server_pod"], registry=r)
-        self.served = Counter("inference_extension_served_requests", "Requests Envoy reports served, by endpoint",
-                              ["endpoint"], registry=r)
-        self.tokens = Counter("inference_objective_tokens", "Tokens reported in responses, by model and kind",
-                              ["model_name", "kind"], registry=r)
+        self.served = CounterFamily("inference_extension_served_requests",
+                                    "Requests Envoy reports served, by endpoint", ["endpoint"], registry=r)
+        self.tokens = CounterFamily("inference_objective_tokens", "Tokens reported in responses, by model and kind",
+                                    ["model_name", "kind"], registry=r)
         self.inflight_requests = Gauge("llm_d_epp_inflight_requests", "In-flight requests per endpoint",
                                        ["endpoint_name"], registry=r)
         self.inflight_tokens = Gauge("llm_d_epp_inflight_tokens", "In-flight tokens per endpoint",
@@ -149,16 +326,44 @@ class PickerMetrics:
         self.streams = StreamMetrics(r) if stream_metrics else None
         # In-flight eviction (flowControl.enableEviction): the reclamation controller reports here.
         self.reclamation = ReclamationMetrics(r, pool)
+        self._scheduling: HistogramSeries = _single(self.scheduling)
+        self._prefix_size: GaugeSeries = _single(self.prefix_size)
+        self._prefix_ratio: HistogramSeries = _single(self.prefix_ratio)
+        self._prefix_bytes: HistogramSeries = _single(self.prefix_bytes)
 
-    def _series_of(self, metric: _M, *values: str) -> _M:
-        """``metric.labels(*values)``, without prometheus_client's checks and lock after the first time
-        (per-request metrics are never cleared, so a series once made stays valid)."""
+    def _series_of(self, metric: _Family, *values: str) -> Any:
+        """``metric.labels(*values)``, looked up in one map (per-request metrics are never cleared,
+        so a series once made stays valid)."""
         key = (metric, values)
         series = self._series.get(key)
         if series is None:
             if len(self._series) >= MAX_CACHED_SERIES:
                 self._series.clear()
             series = self._series[key] = metric.labels(*values)
+        return series
+
+    def _routed_series(self, labels: tuple[str, str], running: str) -> tuple[Any, ...]:
+        """A routed request's series (running, requests, duration, request and response sizes) by
+        one lookup; made in that order the first time, as one by one."""
+        key = (_ROUTED, (*labels, running))
+        series = self._series.get(key)
+        if series is None:
+            series = (self._series_of(self.running, running), self._series_of(self.requests, *labels),
+                      self._series_of(self.duration, *labels), self._series_of(self.request_sizes, *labels),
+                      self._series_of(self.response_sizes, *labels))
+            if len(self._series) >= MAX_CACHED_SERIES:
+                self._series.clear()
+            self._series[key] = series
+        return series
+
+    def _scorer_series(self, plugin: str) -> HistogramSeries:
+        key = (self.plugin_duration, plugin)
+        series: HistogramSeries | None = self._series.get(key)
+        if series is None:
+            series = self._series_of(self.plugin_duration, "Scorer", plugin, plugin)
+            if len(self._series) >= MAX_CACHED_SERIES:
+                self._series.clear()
+            self._series[key] = series
         return series
 
     def observe_load(self, snapshot: PoolSnapshot, load: InflightLoad, flow: FlowGate | None) -> None:
@@ -199,22 +404,24 @@ class PickerMetrics:
         if report.error is not None:
             self._series_of(self.errors, *labels, error_code(report.error)).inc()
         if report.routed:
-            self._series_of(self.running, self.labels.name(report.client_model)).dec()
-            self._series_of(self.requests, *labels).inc()
-            self._series_of(self.duration, *labels).observe(duration_s)
-            self._series_of(self.request_sizes, *labels).observe(report.request_bytes)
-            self._series_of(self.response_sizes, *labels).observe(report.response_bytes)
+            running, requests, duration, request_sizes, response_sizes = self._routed_series(
+                labels, self.labels.name(report.client_model))
+            running.dec()
+            requests.inc()
+            duration.observe(duration_s)
+            request_sizes.observe(report.request_bytes)
+            response_sizes.observe(report.response_bytes)
         if report.scheduling_s is not None:
-            self.scheduling.observe(report.scheduling_s)
+            self._scheduling.observe(report.scheduling_s)
         for plugin, seconds in report.scorer_s.items():
-            self._series_of(self.plugin_duration, "Scorer", plugin, plugin).observe(seconds)
+            self._scorer_series(plugin).observe(seconds)
         if report.prefix_match is not None:
             matched, total = report.prefix_match
-            self.prefix_bytes.observe(matched)
+            self._prefix_bytes.observe(matched)
             if total:
-                self.prefix_ratio.observe(matched / total)
+                self._prefix_ratio.observe(matched / total)
         if prefix_index_size is not None:
-            self.prefix_size.set(prefix_index_size)
+            self._prefix_size.set(prefix_index_size)
         for endpoint in report.served:
             self._series_of(self.served, endpoint).inc()
         usage = report.usage

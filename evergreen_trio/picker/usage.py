@@ -46,6 +46,10 @@ class Usage:
         return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
 
 
+NO_USAGE = Usage()
+"""Nothing reported yet (usage is immutable: one instance serves every reader)."""
+
+
 def _count(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
@@ -95,7 +99,7 @@ class ResponseBody:
     def __init__(self, *, sse: bool, rewrite: tuple[str, str] | None, max_bytes: int,
                  usage: UsageOf | None = usage_of) -> None:
         self.sse = sse
-        self.usage = Usage()
+        self.usage = NO_USAGE
         self.rewritten = False
         self._rewrite = rewrite
         self._max = max_bytes
@@ -134,8 +138,8 @@ class ResponseBody:
 
     def _merge(self, doc: object, streamed: bool) -> None:
         found = self._usage_of(doc, streamed) if self._usage_of is not None else None
-        if found is not None:
-            self.usage = self.usage.merged(found)
+        if found is not None:  # merged into nothing, ``found`` is itself the result
+            self.usage = found if self.usage is NO_USAGE else self.usage.merged(found)
 
     def _lines(self, data: bytes) -> bytes:
         out = []

@@ -17,7 +17,18 @@ from evergreen_trio.picker.engine_metrics import (
     render_metrics,
 )
 from evergreen_trio.picker.errors import MetricsError, RequestError
-from evergreen_trio.picker.request import MAX_SPLICED_MEMBERS, Api, api_for_path, parse_body, rewrite_model
+from evergreen_trio.picker.request import (
+    _DECODER,
+    MAX_SPLICED_MEMBERS,
+    Api,
+    _detect_and_decode,
+    _object_and_model_span,
+    api_for_path,
+    load_object,
+    model_span_of,
+    parse_body,
+    rewrite_model,
+)
 from evergreen_trio.picker.usage import ResponseBody, Usage, usage_of
 
 
@@ -68,8 +79,52 @@ def test_rewrite_model_keeps_other_fields() -> None:
 def test_rewrite_of_a_body_of_many_members_reserializes() -> None:
     doc = {"model": "a", **{f"k{i}": i for i in range(MAX_SPLICED_MEMBERS)}}
     request = parse_body("/v1/completions", json.dumps(doc).encode())
-    assert request.model_span is None
+    assert model_span_of(request) is None
     assert json.loads(rewrite_model(request, "b")) == {**doc, "model": "b"}
+
+
+def _walked(body: bytes) -> tuple[str, object, object]:
+    """What load_object made of ``body`` when it always walked the top-level members: the error
+    class, or the document and the model's span."""
+    try:
+        doc, span = _object_and_model_span(_detect_and_decode(body), _DECODER)
+    except (ValueError, RecursionError) as exc:
+        return "error", type(exc).__name__, None
+    return "ok", doc, span
+
+
+_bodies = st.one_of(
+    st.binary(max_size=80),
+    st.lists(st.tuples(st.sampled_from(['"model"', '"prompt"', '"x"', '"model" ', '1', '"m\u00e9"']),
+                       st.sampled_from(['"a"', " 1", "[1, {}]", '{"model": "in"}', "null", '"\\ud800"', "", "tru"]),
+                       st.sampled_from(["", " ", "\n\t"])), max_size=6).map(
+        lambda members: ("{" + ",".join(f"{s}{k}{s}:{s}{v}{s}" for k, v, s in members) + "}").encode()),
+    st.integers(60, 70).map(lambda n: json.dumps({"model": "a", **{f"k{i}": i for i in range(n)}}).encode()),
+    st.integers(8000, 8300).map(lambda n: json.dumps({"prompt": "p" * n, "model": "a"}).encode()),  # LAZY_SPAN_CHARS
+    st.sampled_from([b"[1]", b" {} ", b'{"model":"a"} x', b'{"model":"a",}', b"\xef\xbb\xbf{}", b'{"a":1}{']),
+)
+
+
+@given(_bodies)
+def test_the_body_is_read_as_walking_its_members_read_it(body: bytes) -> None:
+    """The default decoder parses a body whole and locates the model only for a rewrite: the same
+    document, the same span, the same error as walking the members at once."""
+    kind, doc, span = _walked(body)
+    try:
+        read, _, _ = load_object(body)
+    except RequestError as exc:
+        assert exc.status == 400
+        if kind == "error":
+            assert exc.message == f"request body is not valid JSON ({doc})"
+        else:
+            assert not isinstance(doc, dict)
+        return
+    assert kind == "ok" and read == doc
+    try:
+        request = parse_body("/v1/completions", body)
+    except RequestError:  # no string model, or a lone surrogate in it: nothing to rewrite
+        return
+    assert model_span_of(request) == span
 
 
 _members = st.dictionaries(st.sampled_from(["model", "prompt", "stream", "x", "\u00e9"]),
