@@ -25,6 +25,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from evergreen_trio.picker import telemetry
 from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.processor import StreamReport
+from evergreen_trio.picker.reclamation_metrics import ReclamationMetrics
 from evergreen_trio.picker.telemetry import (
     _DURATION_BUCKETS,
     _INPUT_TOKEN_BUCKETS,
@@ -126,6 +127,7 @@ class ReferenceMetrics:
         self.saturation = Gauge("llm_d_epp_flow_control_pool_saturation", "The saturation detector's reading",
                                 ["inference_pool"], registry=r)
         self.streams = ReferenceStreamMetrics(r) if stream_metrics else None
+        self.reclamation = ReclamationMetrics(r, pool)  # prometheus_client's own metrics, as in PickerMetrics
 
     def started(self, report: StreamReport) -> None:
         self.running.labels(self.labels.name(report.client_model)).inc()
