@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Sample
 
+from evergreen_trio.picker.flow_control.config import UtilizationDetector
 from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.inflight import InflightLoad
@@ -321,8 +322,12 @@ class PickerMetrics:
                                 ["priority", "inference_pool"], registry=r)
         self.queue_bytes = Gauge("llm_d_epp_flow_control_queue_bytes", "Bytes held in the flow control queue",
                                  ["priority", "inference_pool"], registry=r)
-        self.saturation = Gauge("llm_d_epp_flow_control_pool_saturation", "The saturation detector's reading",
-                                ["inference_pool"], registry=r)
+        self.saturation = Gauge("llm_d_epp_flow_control_pool_saturation",
+                                "The saturation detector's reading per stage (prefill, decode) and the effective one",
+                                ["inference_pool", "stage"], registry=r)
+        self.stale_endpoints = Gauge("llm_d_epp_flow_control_stale_endpoints",
+                                     "Endpoints the utilization detector last read as saturated for missing or "
+                                     "stale metrics", ["detector"], registry=r)
         self.streams = StreamMetrics(r) if stream_metrics else None
         # In-flight eviction (flowControl.enableEviction): the reclamation controller reports here.
         self.reclamation = ReclamationMetrics(r, pool)
@@ -380,7 +385,12 @@ class PickerMetrics:
             for priority, (requests, size) in flow.queue.stats().items():
                 self.queue_size.labels(str(priority), self.pool).set(requests)
                 self.queue_bytes.labels(str(priority), self.pool).set(size)
-            self.saturation.labels(self.pool).set(flow.saturation())
+            flow.saturation()  # read now: the stages' readings too
+            self.saturation.clear()  # a stage with no endpoint is no series, as the reference deletes it
+            for stage, reading in flow.readings.items():
+                self.saturation.labels(self.pool, stage).set(reading.saturation)
+            if isinstance(flow.config.detector, UtilizationDetector):
+                self.stale_endpoints.labels("utilization-detector").set(flow.readings["effective"].stale)
 
     def observe_pool(self, snapshot: PoolSnapshot) -> None:
         ready = [s for s in snapshot.ready_states() if s.metrics is not None]

@@ -71,7 +71,7 @@ async def test_queue_429_with_reason_then_the_queued_request_succeeds_then_ttl(
     assert queued[0].status_code == 200, queued[0].text
     assert REASON not in queued[0].headers
     set_metrics(backends, SATURATED)
-    await wait_sample(bound, "llm_d_epp_flow_control_pool_saturation", 2.0)
+    await wait_sample(bound, "llm_d_epp_flow_control_pool_saturation", 4.0)  # decode and effective: 2.0 each
     started = trio.current_time()
     expired = await post(duplex_gateway, "/v1/completions", {"model": "plain", "prompt": "too late"})
     assert expired.status_code == 429 and expired.headers[REASON] == "rejected-ttl-expired"

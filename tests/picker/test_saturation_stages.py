@@ -8,6 +8,7 @@ import ipaddress
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
 from evergreen_trio.picker.config import Endpoint, parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
@@ -18,6 +19,7 @@ from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.processor import subset_host
 from evergreen_trio.picker.scheduler import EndpointState, PickRequest, PoolSnapshot, Scheduler
+from evergreen_trio.picker.telemetry import PickerMetrics
 
 ROLES = ["prefill", "encode-prefill", "decode", "", None, "prefill-decode", "both", "encode-prefill-decode",
          "encode", "no-such-role"]
@@ -75,10 +77,17 @@ plugins: [{type: queue-scorer}]
     snapshot.update("10.0.0.1:8000", EndpointMetrics(waiting=50))
     snapshot.update("10.0.0.2:8000", EndpointMetrics())
     snapshot.update("10.0.0.3:8000", EndpointMetrics())
-    gate = FlowGate(config.flow_control, snapshot, InflightLoad())
+    load = InflightLoad()
+    gate = FlowGate(config.flow_control, snapshot, load)
     assert gate.saturation() == gate.readings["prefill"].saturation >= 1.0  # the whole pool's mean is below 1
     assert gate.readings["decode"] == Reading(0.0, 0)
     assert set(gate.readings) == {"prefill", "decode", "effective"}
+    metrics = PickerMetrics("t")
+    metrics.observe_load(snapshot, load, gate)
+    page = generate_latest(metrics.registry).decode()
+    for stage, value in (("prefill", 10.0), ("decode", 0.0), ("effective", 10.0)):
+        assert f'llm_d_epp_flow_control_pool_saturation{{inference_pool="t",stage="{stage}"}} {value}' in page
+    assert 'llm_d_epp_flow_control_stale_endpoints{detector="utilization-detector"} 0.0' in page
 
 
 def _scheduler() -> Scheduler:

@@ -124,8 +124,12 @@ class ReferenceMetrics:
                                 ["priority", "inference_pool"], registry=r)
         self.queue_bytes = Gauge("llm_d_epp_flow_control_queue_bytes", "Bytes held in the flow control queue",
                                  ["priority", "inference_pool"], registry=r)
-        self.saturation = Gauge("llm_d_epp_flow_control_pool_saturation", "The saturation detector's reading",
-                                ["inference_pool"], registry=r)
+        self.saturation = Gauge("llm_d_epp_flow_control_pool_saturation",
+                                "The saturation detector's reading per stage (prefill, decode) and the effective one",
+                                ["inference_pool", "stage"], registry=r)
+        self.stale_endpoints = Gauge("llm_d_epp_flow_control_stale_endpoints",
+                                     "Endpoints the utilization detector last read as saturated for missing or "
+                                     "stale metrics", ["detector"], registry=r)
         self.streams = ReferenceStreamMetrics(r) if stream_metrics else None
         self.reclamation = ReclamationMetrics(r, pool)  # prometheus_client's own metrics, as in PickerMetrics
 
