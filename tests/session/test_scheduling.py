@@ -8,10 +8,9 @@ from collections.abc import Awaitable, Callable
 import trio
 from grpclib.const import Status
 
+from benchmarks.session_calls import relay
 from evergreen_trio import NodeRef, Server, text
-from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.streams import MessageStream
-from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio.actions import register_builtin_actions
 from evergreen_trio.client import ClientSession
 from evergreen_trio.nursery_session import Outbound, ServerSession, SessionOptions, pack_messages
@@ -30,18 +29,6 @@ class Counter(trio.abc.Instrument):
 
     def after_io_wait(self, timeout: float) -> None:
         self.passes += 1
-
-
-async def relay(source: MessageStream[Outbound], target: MessageStream[Outbound]) -> None:
-    """The wire, in one task: ``source``'s packed messages, serialized and parsed, into ``target``."""
-    while batch := await source.outbound.get_batch():
-        for message in source.pack(batch):
-            await target.inbound.put(SessionMessage.FromString(message.SerializeToString()))
-    final = source.final
-    if final is not None and final.status is not Status.OK:
-        target.inbound.close(RpcAbortError(final.status, final.message or final.status.name))
-    else:
-        target.inbound.close()
 
 
 class Link:
