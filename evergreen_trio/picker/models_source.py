@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from evergreen_trio.picker.errors import ConfigError, ModelsError, RequestError
+from evergreen_trio.picker.errors import ModelsError, RequestError
 from evergreen_trio.picker.parsers import gojson
-from evergreen_trio.picker.plugins import Category, Params, PluginType, register
+from evergreen_trio.picker.plugins import Category, Params, PluginType, http_source_path, register
 
 MODELS_DATA_SOURCE = "models-data-source"
 MODELS_DATA_EXTRACTOR = "models-data-extractor"
@@ -94,14 +94,7 @@ def parse_models(body: bytes) -> tuple[ModelData, ...]:
 def _models_source(params: Params) -> ModelsSource:
     from evergreen_trio.picker.config import parse_duration  # config imports the plugin registry
 
-    params.text("scheme", "http", choices=("http",))
-    params.boolean("insecureSkipVerify", True)
-    for key in ("caCertPath", "clientCertPath", "clientKeyPath"):
-        if params.text(key, ""):
-            raise ConfigError(params.where(key), "empty (models are read over http)", params.raw[key])
-    path = params.text("path", DEFAULT_PATH)
-    if not path.startswith("/"):
-        raise ConfigError(params.where("path"), "a path starting with '/'", path)
+    path = http_source_path(params, DEFAULT_PATH, "models are read")
     interval = params.text("interval", "")
     return ModelsSource(path, parse_duration(interval, params.where("interval")) if interval else None)
 

@@ -483,15 +483,22 @@ class MetricsSourceParams:
     interval: str | None = None
 
 
-def _metrics_source(params: Params) -> MetricsSourceParams:
+def http_source_path(params: Params, default_path: str, what: str) -> str:
+    """A data source's plain-http parameters (``scheme``, ``insecureSkipVerify``, no certificate
+    paths) checked; its ``path``, which must start with '/'. ``what`` names the traffic in errors."""
     params.text("scheme", "http", choices=("http",))
     params.boolean("insecureSkipVerify", True)
     for key in ("caCertPath", "clientCertPath", "clientKeyPath"):
         if params.text(key, ""):
-            raise ConfigError(params.where(key), "empty (metrics are scraped over http)", params.raw[key])
-    path = params.text("path", "/metrics")
+            raise ConfigError(params.where(key), f"empty ({what} over http)", params.raw[key])
+    path = params.text("path", default_path)
     if not path.startswith("/"):
         raise ConfigError(params.where("path"), "a path starting with '/'", path)
+    return path
+
+
+def _metrics_source(params: Params) -> MetricsSourceParams:
+    path = http_source_path(params, "/metrics", "metrics are scraped")
     port = params.integer("port", 1, minimum=1, maximum=65535) if params.has("port") else None
     interval = params.text("interval", "") or None
     return MetricsSourceParams(path, port, interval)
