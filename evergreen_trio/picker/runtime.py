@@ -337,6 +337,20 @@ def wire_limits(config: PickerConfig) -> WireLimits:
                       max_buffered_bytes=max(WireLimits.max_buffered_bytes, 2 * message))
 
 
+def picker_metrics(config: PickerConfig) -> PickerMetrics:
+    """The metrics a picker serving ``config`` records its streams in (labels and stream metrics
+    as its config says)."""
+    return PickerMetrics(config.pool.name, labels=ModelLabels.for_config(config),
+                         stream_metrics=config.ext_proc.stream_metrics)
+
+
+def ext_proc_method(picker: Picker, metrics: PickerMetrics) -> SyncBidiMethod[ep.ProcessingRequest,
+                                                                               ep.ProcessingResponse]:
+    """The ext_proc ``Process`` method: each stream served by ``picker``, recorded in ``metrics``."""
+    return SyncBidiMethod(path=PROCESS_PATH, request_type=ep.ProcessingRequest,
+                          new_processor=lambda: _GrpcStream(picker, metrics))
+
+
 async def run_picker(
     config: PickerConfig,
     *,
@@ -363,8 +377,7 @@ async def run_picker(
     InferenceObjectives (:mod:`evergreen_trio.picker.k8s`). ``drain``: see :class:`PickerDrain`.
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
-    metrics = PickerMetrics(config.pool.name, labels=ModelLabels.for_config(config),
-                            stream_metrics=config.ext_proc.stream_metrics)
+    metrics = picker_metrics(config)
     picker = Picker(config, snapshot)
     readiness = Readiness(config.pool.name, discovered=discovery is not None, elected=leader_election is not None)
 
@@ -380,11 +393,7 @@ async def run_picker(
         readiness.update(snapshot)
         flow_wake[0].set()
 
-    method = SyncBidiMethod(
-        path=PROCESS_PATH,
-        request_type=ep.ProcessingRequest,
-        new_processor=lambda: _GrpcStream(picker, metrics),
-    )
+    method = ext_proc_method(picker, metrics)
     election, ext_proc = trio.CancelScope(), GracefulStop()
     async with trio.open_nursery() as nursery:
         scrapers = Scrapers(nursery, config, snapshot, after_scrape)
