@@ -595,7 +595,7 @@ class ExtProcStream:
         self.picker.flow.submit(self.item)
         if self.item.outcome is None:
             self.parked = True
-        return list(self.resume())
+        return list(ExtProcStream.resume(self))  # this class's: a subclass's resume answers the wire
 
     def _decision(self, route: Route, phase: str) -> ep.ProcessingResponse:
         """The response for ``phase`` that sends the request to ``route``."""

@@ -69,23 +69,14 @@ class PickerPorts:
     metrics: int
 
 
-def _record_dropped(metrics: PickerMetrics, stream: ExtProcStream, started: float) -> None:
-    stream.on_abort()
-    report = stream.report
-    if not report.recorded:
-        report.recorded = True
-        metrics.record(report, time.monotonic() - started)
-
-
-class _GrpcStream:
-    """Adapts :class:`ExtProcStream` to the gRPC server (protocol violations end the RPC with a
-    status) and records the stream's report in the metrics when it ends."""
-
-    __slots__ = ("__weakref__", "_metrics", "_picker", "_running", "_started", "_stream")
+class _GrpcStream(ExtProcStream):
+    """:class:`ExtProcStream` for the gRPC server: protocol violations end the RPC with a status,
+    and the stream's report is recorded in the metrics when it ends. A subclass rather than a
+    wrapper, so that the wire reads ``finished``, ``parked`` and ``on_unpark`` as plain attributes."""
 
     def __init__(self, picker: Picker, metrics: PickerMetrics) -> None:
-        self._stream = picker.new_stream()
-        self._picker, self._metrics = picker, metrics
+        super().__init__(picker)
+        self._metrics = metrics
         self._started = time.monotonic()
         self._running = False
         if metrics.streams is not None:
@@ -95,58 +86,45 @@ class _GrpcStream:
         # A stream Envoy resets gets neither on_end nor finished: record it when it is dropped (a
         # finalizer, with no weakref.finalize to register per stream).
         try:
-            metrics, stream, started = self._metrics, self._stream, self._started
+            metrics, started = self._metrics, self._started
         except AttributeError:  # __init__ failed: nothing was counted
             return
-        _record_dropped(metrics, stream, started)
-
-    @property
-    def finished(self) -> bool:
-        return self._stream.finished
-
-    @property
-    def parked(self) -> bool:
-        return self._stream.parked
-
-    @property
-    def on_unpark(self) -> Callable[[], None] | None:
-        return self._stream.on_unpark
-
-    @on_unpark.setter
-    def on_unpark(self, callback: Callable[[], None] | None) -> None:
-        self._stream.on_unpark = callback
+        ExtProcStream.on_abort(self)
+        report = self.report
+        if not report.recorded:
+            report.recorded = True
+            metrics.record(report, time.monotonic() - started)
 
     def resume(self) -> Sequence[ep.ProcessingResponse]:
-        replies = self._stream.resume()
+        replies = ExtProcStream.resume(self)
         self._after()
         return replies
 
     def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
-        stream = self._stream
         try:
-            replies = stream.on_message(message)
+            replies = ExtProcStream.on_message(self, message)
         except ExtProcError as exc:
             log.warning("picker.stream_aborted error=%s", exc)
             self._record()
             raise RpcAbortError(Status.INVALID_ARGUMENT, str(exc)) from None
-        if stream.finished or (stream.report.routed and not self._running):  # else _after has nothing to do
+        if self.finished or (self.report.routed and not self._running):  # else _after has nothing to do
             self._after()
         return replies
 
     def _after(self) -> None:
-        if self._stream.report.routed and not self._running:
+        if self.report.routed and not self._running:
             self._running = True
-            self._metrics.started(self._stream.report)
-        if self._stream.finished:
+            self._metrics.started(self.report)
+        if self.finished:
             self._record()
 
     def on_end(self) -> Sequence[ep.ProcessingResponse]:
-        replies = self._stream.on_end()
+        replies = ExtProcStream.on_end(self)
         self._record()
         return replies
 
     def on_abort(self) -> None:
-        self._stream.on_abort()
+        ExtProcStream.on_abort(self)
         self._record()
 
     def on_closed(self, status: Status) -> None:
@@ -154,10 +132,10 @@ class _GrpcStream:
             self._metrics.streams.closed(status, time.monotonic() - self._started)
 
     def _record(self) -> None:
-        if not self._stream.report.recorded:
-            self._stream.report.recorded = True
-            self._metrics.record(self._stream.report, time.monotonic() - self._started,
-                                 prefix_index_size=self._picker.scheduler.prefix.total())
+        if not self.report.recorded:
+            self.report.recorded = True
+            self._metrics.record(self.report, time.monotonic() - self._started,
+                                 prefix_index_size=self.picker.scheduler.prefix.total())
 
 
 async def _flow_control(gate: FlowGate, interval_s: float, wake: trio.Event, new_wake: Callable[[], trio.Event],
@@ -348,7 +326,7 @@ def ext_proc_method(picker: Picker, metrics: PickerMetrics) -> SyncBidiMethod[ep
                                                                                ep.ProcessingResponse]:
     """The ext_proc ``Process`` method: each stream served by ``picker``, recorded in ``metrics``."""
     return SyncBidiMethod(path=PROCESS_PATH, request_type=ep.ProcessingRequest,
-                          new_processor=lambda: _GrpcStream(picker, metrics))
+                          new_processor=partial(_GrpcStream, picker, metrics))
 
 
 async def run_picker(
