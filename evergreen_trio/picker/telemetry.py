@@ -56,6 +56,10 @@ _MODEL = ["model_name", "target_model_name"]
 # pool endpoints, plugin names), this only caps the map against a pool that churns for months.
 MAX_CACHED_SERIES = 4096
 _ROUTED = object()  # the series map's key for a routed request's series of one label set
+# The series map's keys for a stream's model names' labels, and for a client model's running series
+# (ModelLabels' answer for a name or a pair never changes once given: caching it changes nothing).
+_LABELS = object()
+_RUNNING = object()
 
 
 def error_code(status: int) -> str:
@@ -341,11 +345,7 @@ class PickerMetrics:
         so a series once made stays valid)."""
         key = (metric, values)
         series = self._series.get(key)
-        if series is None:
-            if len(self._series) >= MAX_CACHED_SERIES:
-                self._series.clear()
-            series = self._series[key] = metric.labels(*values)
-        return series
+        return series if series is not None else self._cache(key, metric.labels(*values))
 
     def _routed_series(self, labels: tuple[str, str], running: str) -> tuple[Any, ...]:
         """A routed request's series (running, requests, duration, request and response sizes) by
@@ -353,22 +353,34 @@ class PickerMetrics:
         key = (_ROUTED, (*labels, running))
         series = self._series.get(key)
         if series is None:
-            series = (self._series_of(self.running, running), self._series_of(self.requests, *labels),
-                      self._series_of(self.duration, *labels), self._series_of(self.request_sizes, *labels),
-                      self._series_of(self.response_sizes, *labels))
-            if len(self._series) >= MAX_CACHED_SERIES:
-                self._series.clear()
-            self._series[key] = series
+            series = self._cache(key, (
+                self._series_of(self.running, running), self._series_of(self.requests, *labels),
+                self._series_of(self.duration, *labels), self._series_of(self.request_sizes, *labels),
+                self._series_of(self.response_sizes, *labels)))
         return series
+
+    def _cache(self, key: tuple[object, ...], value: Any) -> Any:
+        """Keep ``value`` at ``key`` in the series map (cleared when full: its keys come from clients)."""
+        if len(self._series) >= MAX_CACHED_SERIES:
+            self._series.clear()
+        self._series[key] = value
+        return value
+
+    def _labels_of(self, client_model: str, target_model: str) -> tuple[tuple[str, str], str]:
+        """The (model, target model) label values of a stream's model names, and its running
+        series' model label (made in that order the first time, as before they were cached)."""
+        return self._cache((_LABELS, client_model, target_model), (
+            self.labels.pair(client_model, target_model), self.labels.name(client_model)))
+
+    def _running_of(self, client_model: str) -> GaugeSeries:
+        series: GaugeSeries = self._series_of(self.running, self.labels.name(client_model))
+        return self._cache((_RUNNING, client_model), series)
 
     def _scorer_series(self, plugin: str) -> HistogramSeries:
         key = (self.plugin_duration, plugin)
         series: HistogramSeries | None = self._series.get(key)
         if series is None:
-            series = self._series_of(self.plugin_duration, "Scorer", plugin, plugin)
-            if len(self._series) >= MAX_CACHED_SERIES:
-                self._series.clear()
-            self._series[key] = series
+            series = self._cache(key, self._series_of(self.plugin_duration, "Scorer", plugin, plugin))
         return series
 
     def observe_load(self, snapshot: PoolSnapshot, load: InflightLoad, flow: FlowGate | None) -> None:
@@ -406,25 +418,28 @@ class PickerMetrics:
 
     def started(self, report: StreamReport) -> None:
         """The request was routed: it runs until :meth:`record`."""
-        self._series_of(self.running, self.labels.name(report.client_model)).inc()
+        client = report.client_model
+        running: GaugeSeries = self._series.get((_RUNNING, client)) or self._running_of(client)
+        running.value += 1  # GaugeSeries.inc, inline (as the counter and gauge below: one call less each)
 
     def record(self, report: StreamReport, duration_s: float, *, prefix_index_size: int | None = None) -> None:
         """Everything one finished stream did; ``duration_s`` from its first message to its end."""
-        labels = self.labels.pair(report.client_model, report.target_model)
+        series = self._series
+        client, target = report.client_model, report.target_model
+        labels, running_label = series.get((_LABELS, client, target)) or self._labels_of(client, target)
         if report.error is not None:
             self._series_of(self.errors, *labels, error_code(report.error)).inc()
         if report.routed:
-            running, requests, duration, request_sizes, response_sizes = self._routed_series(
-                labels, self.labels.name(report.client_model))
-            running.dec()
-            requests.inc()
+            running, requests, duration, request_sizes, response_sizes = self._routed_series(labels, running_label)
+            running.value -= 1
+            requests.value += 1
             duration.observe(duration_s)
             request_sizes.observe(report.request_bytes)
             response_sizes.observe(report.response_bytes)
         if report.scheduling_s is not None:
             self._scheduling.observe(report.scheduling_s)
         for plugin, seconds in report.scorer_s.items():
-            self._scorer_series(plugin).observe(seconds)
+            (series.get((self.plugin_duration, plugin)) or self._scorer_series(plugin)).observe(seconds)
         if report.prefix_match is not None:
             matched, total = report.prefix_match
             self._prefix_bytes.observe(matched)
