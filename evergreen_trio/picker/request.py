@@ -149,7 +149,8 @@ def _detect_and_decode(body: bytes) -> str:
 
 
 _DECODER = json.JSONDecoder()
-_SCAN = _DECODER.scan_once  # what _DECODER.decode runs, called here without its two Python frames
+# What _DECODER.decode runs, called here without its two Python frames.
+_SCAN: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
 UNLOCATED: tuple[int, int] = (-1, -1)
 """A ``model_span`` not looked for yet: the default decoder's bodies of at most
 :data:`LAZY_SPAN_CHARS` are parsed whole by its C scanner, and the model's place is found only for

@@ -22,7 +22,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from grpclib.const import Status
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -60,6 +60,7 @@ _ROUTED = object()  # the series map's key for a routed request's series of one 
 # (ModelLabels' answer for a name or a pair never changes once given: caching it changes nothing).
 _LABELS = object()
 _RUNNING = object()
+_T = TypeVar("_T")
 
 
 def error_code(status: int) -> str:
@@ -270,7 +271,7 @@ class PickerMetrics:
                  labels: ModelLabels | None = None, *, stream_metrics: bool = False) -> None:
         self.pool = pool
         self.labels = labels if labels is not None else ModelLabels()
-        self._series: dict[tuple[object, object], Any] = {}
+        self._series: dict[tuple[object, ...], Any] = {}
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.requests = CounterFamily("inference_objective_request", "Requests routed, by model and target model",
@@ -359,7 +360,7 @@ class PickerMetrics:
                 self._series_of(self.response_sizes, *labels)))
         return series
 
-    def _cache(self, key: tuple[object, ...], value: Any) -> Any:
+    def _cache(self, key: tuple[object, ...], value: _T) -> _T:
         """Keep ``value`` at ``key`` in the series map (cleared when full: its keys come from clients)."""
         if len(self._series) >= MAX_CACHED_SERIES:
             self._series.clear()
