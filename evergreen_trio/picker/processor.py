@@ -67,6 +67,9 @@ MODEL_REWRITE = "x-gateway-model-name-rewrite"
 PREFILLER = PREFILL_HEADER
 # Client-supplied routing headers never go upstream; DESTINATION is always overwritten instead.
 STRIPPED_HEADERS = (*OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, MODEL_REWRITE, FALLBACK, SERVED, SUBSET, *ROUTING_HEADERS)
+# Most requests carry none of these: one set test says so (a lookup per name otherwise).
+_STRIPPED = frozenset(STRIPPED_HEADERS)
+_OBJECTIVES = frozenset(OBJECTIVE_HEADERS)
 
 _Mode = processing_mode_pb2.ProcessingMode
 NONE, BUFFERED, BUFFERED_PARTIAL = _Mode.NONE, _Mode.BUFFERED, _Mode.BUFFERED_PARTIAL
@@ -225,7 +228,7 @@ class Picker:
                                                      admission.block_bytes, max_blocks)
                 admission.prompt_bytes = request.prompt_size(chars_per_token)
                 admission.output_cap = request.output_cap
-            objective = objective_name(headers)
+            objective = None if _OBJECTIVES.isdisjoint(headers) else objective_name(headers)
             if objective is not None and objective in self.objectives:
                 admission.priority = self.objectives[objective]
         except RequestError as exc:
@@ -249,7 +252,8 @@ class Picker:
         scheduler = self.scheduler
         report.scorer_s = dict(scheduler.scorer_seconds)
         first, prefill = endpoints[0], schedule.prefill
-        uncached = scheduler.uncached_tokens(pick, (first,))[first]
+        tokens = scheduler.prompt_tokens(pick)
+        uncached = scheduler.uncached_tokens(pick, (first,), tokens)[first]
         if admission.hashes:
             block = admission.block_bytes  # the geometry the prompt was hashed with
             report.prefix_match = (scheduler.prefix_matches.get(first, 0) * block, len(admission.hashes) * block)
@@ -257,11 +261,10 @@ class Picker:
             if prefill is not None and prefill != first:
                 scheduler.prefix.add(prefill, admission.hashes)
         inflight = scheduler.inflight
-        tokens = scheduler.prompt_tokens(pick)
         ticket = inflight.dispatch(first, uncached, prompt_tokens=tokens, client_output_cap=admission.output_cap)
         prefill_ticket = None
         if prefill is not None:
-            prefill_ticket = inflight.dispatch(prefill, scheduler.uncached_tokens(pick, (prefill,))[prefill])
+            prefill_ticket = inflight.dispatch(prefill, scheduler.uncached_tokens(pick, (prefill,), tokens)[prefill])
         return Route(schedule.destinations or endpoints, admission.client_model, admission.target_model,
                      admission.hashes, admission.body,
                      prefill=prefill, load=ticket, prefill_load=prefill_ticket,
@@ -616,9 +619,10 @@ class ExtProcStream:
         if request_headers:  # P/D, E/PD and data parallelism only: most routes set none
             for name, header in request_headers.items():
                 _set_header(mutation, name, header)
-        removed = [h for h in STRIPPED_HEADERS if h in self.headers and h not in request_headers]
-        if removed:
-            mutation.remove_headers.extend(removed)
+        if not _STRIPPED.isdisjoint(self.headers):
+            removed = [h for h in STRIPPED_HEADERS if h in self.headers and h not in request_headers]
+            if removed:
+                mutation.remove_headers.extend(removed)
         if phase != "headers" and route.body is not None:
             common.body_mutation.body = route.body
         common.clear_route_cache = True

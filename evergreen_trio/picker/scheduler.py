@@ -502,10 +502,13 @@ class Scheduler:
         """The request's prompt tokens, estimated from its bytes (no tokenizer here)."""
         return prompt_tokens(request.prompt_bytes, self.config.chars_per_token)
 
-    def uncached_tokens(self, request: PickRequest, addresses: Iterable[str]) -> dict[str, int]:
-        """The request's prompt tokens each endpoint lacks in its (approximate) prefix cache."""
+    def uncached_tokens(self, request: PickRequest, addresses: Iterable[str],
+                        prompt_tokens: int | None = None) -> dict[str, int]:
+        """The request's prompt tokens (``prompt_tokens`` when the caller has them) each endpoint
+        lacks in its (approximate) prefix cache."""
         block_tokens = self.prefix_geometry()[0] // self.config.chars_per_token
-        total, tokens = len(request.hashes), self.prompt_tokens(request)
+        total = len(request.hashes)
+        tokens = self.prompt_tokens(request) if prompt_tokens is None else prompt_tokens
         return {a: uncached_tokens(tokens, total, self.prefix_matches.get(a, 0), block_tokens) for a in addresses}
 
 
