@@ -222,7 +222,7 @@ class InflightLoad:
         return counter.requests if counter is not None else 0
 
     def request_counts(self, addresses: Iterable[str]) -> dict[str, int]:
-        """:meth:`requests` of each of ``addresses``, in one pass."""
+        """``requests(address)`` of each of ``addresses``, in one pass."""
         counters = self._counters
         return {a: c.requests if (c := counters.get(a)) is not None else 0 for a in addresses}
 
