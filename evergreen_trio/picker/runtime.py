@@ -26,6 +26,7 @@ from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.server import GracefulStop, SSLContextSource, serve_grpc
 from evergreen_trio._grpc.server_wire import SyncBidiMethod, WireLimits
 from evergreen_trio._http import HttpGetError, KeepAliveGetter
+from evergreen_trio.picker.burst_shell import seal_windows
 from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
@@ -413,6 +414,8 @@ async def run_picker(
             if picker.flow.reclamation is not None:
                 picker.flow.reclamation.observer = metrics.reclamation
             nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0], new_flow_wake)
+        if picker.burst is not None:
+            nursery.start_soon(seal_windows, picker.burst)
         grpc_bound = await nursery.start(partial(
             serve_grpc, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context,
             graceful_stop=ext_proc))

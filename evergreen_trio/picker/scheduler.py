@@ -17,6 +17,7 @@ import xxhash
 
 from evergreen_trio.picker.admission import admit, declared_admitters
 from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
+from evergreen_trio.picker.burst_prefix import burst_match
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.contextlength import CONTEXT_FILTERS, CONTEXT_SCORERS
 from evergreen_trio.picker.dataparallel import DataParallelHandler
@@ -240,12 +241,19 @@ def _lora_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequenc
 
 def _prefix_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
                    fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
-    if not request.hashes:
-        return {}
-    total = len(request.hashes)
     weight, scale = 0.0, 1
     if isinstance(params, PrefixScorerParams):
         weight, scale = params.match_length_weight, params.match_length_scale_tokens
+        if params.producer:  # a burst producer's window: a full match on the replica it assigned
+            assigned = burst_match(request.attributes, params.producer)
+            if assigned is None:
+                return {}
+            length = min(1.0, assigned[1] / scale) ** 2 if weight else 0.0
+            return {s.endpoint.address: weight * length + 1.0 - weight
+                    for s in candidates if s.endpoint.address == assigned[0]}
+    if not request.hashes:
+        return {}
+    total = len(request.hashes)
     block_tokens = scheduler.prefix_geometry()[0] / BYTES_PER_TOKEN
     result = {}
     for state in candidates:
