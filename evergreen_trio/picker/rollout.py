@@ -89,14 +89,19 @@ def _terms(text: str, where: str) -> Iterator[str]:
             start = i + 1
 
 
-def selector_terms(selector: LabelSelector) -> list[tuple[str, Any]]:
-    """``selector`` as lightkube's ``labels`` pairs (what the API server filters the watch by)."""
+def selector_terms(selector: LabelSelector) -> dict[str, Any]:
+    """``selector`` as lightkube's ``labels`` (what the API server filters the watch by): one
+    requirement per key, the first; the screener checks the whole selector on every pod anyway."""
     from lightkube import operators  # the picker extra: only a cluster-mode watch asks
 
-    make: Mapping[str, Callable[[frozenset[str]], Any]] = {
-        "In": operators.in_, "NotIn": operators.not_in,
+    make: Mapping[str, Callable[[frozenset[str]], Any]] = {  # one value: k=v and k!=v, as it was likely written
+        "In": lambda values: operators.equal(*values) if len(values) == 1 else operators.in_(values),
+        "NotIn": lambda values: operators.not_equal(*values) if len(values) == 1 else operators.not_in(values),
         "Exists": lambda values: operators.exists(), "DoesNotExist": lambda values: operators.not_exists()}
-    return [(key, make[operator](values)) for key, operator, values in selector.expressions]
+    terms: dict[str, Any] = {}
+    for key, operator, values in selector.expressions:
+        terms.setdefault(key, make[operator](values))
+    return terms
 
 
 # -- the parameters (config.go) -------------------------------------------------------------------
