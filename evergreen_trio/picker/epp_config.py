@@ -35,6 +35,7 @@ from typing import Any
 
 # Imported to register their plugin types: request-attribute-reporter, file-discovery.
 from evergreen_trio.picker import attribute_reporter, file_discovery  # noqa: F401
+from evergreen_trio.picker.burst_prefix import check_producers
 from evergreen_trio.picker.checks import mapping, sequence
 from evergreen_trio.picker.dataparallel import DataParallelHandler
 from evergreen_trio.picker.endpoint_attribute import warn_unpublished
@@ -372,6 +373,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
         if name in doc:
             extra.update(reader(doc[name], f"{KIND}.{name}", plugins))
     warn_unpublished(plugins)
+    check_producers(plugins, lambda name: f"{KIND}.plugins[{list(plugins).index(name)}].parameters")
     pool = _pool_values(plugins)
     if models_sources:
         pool["models_sources"] = models_sources

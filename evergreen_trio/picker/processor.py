@@ -29,6 +29,7 @@ from google.protobuf import struct_pb2
 
 from evergreen_trio.picker.attribute_reporter import attribute_reporters, report
 from evergreen_trio.picker.attributes import AttributeKey, flow_fairness_id, request_attributes
+from evergreen_trio.picker.burst_prefix import BurstEntry, BurstWindow, Replica, burst_producers
 from evergreen_trio.picker.config import DestinationMode, PickerConfig
 from evergreen_trio.picker.errors import ExtProcError, RequestError
 from evergreen_trio.picker.flow_control.eviction import EVICTED_MESSAGE, EVICTED_REASON, EVICTED_STATUS
@@ -145,6 +146,7 @@ class Admission:
     attributes: Mapping[AttributeKey, str] = field(default_factory=dict)
     skip_response: bool = False
     response: ResponseFormat = OPENAI_RESPONSES
+    burst_hashes: Sequence[int] = ()  # the prompt's blocks at the burst producer's block size
 
 
 class Picker:
@@ -168,6 +170,9 @@ class Picker:
         mode = config.ext_proc.destination_mode
         self.pick_count = {DestinationMode.SINGLE: 1, DestinationMode.FALLBACK: 2}.get(
             mode, config.ext_proc.max_endpoints_in_list)
+        # burst-prefix-cache-producer: requests wait for its window to seal (the shell seals it on time).
+        bursts = burst_producers(config.epp.plugins) if config.epp is not None else {}
+        self.burst = next((BurstWindow(name, params, time.monotonic) for name, params in bursts.items()), None)
 
     def set_cluster_objectives(self, objectives: Mapping[str, int]) -> None:
         """The InferenceObjectives watched in the cluster (they win over the config's of the same name)."""
@@ -226,6 +231,12 @@ class Picker:
                     prompt = request.hashed_prompt(chars_per_token, max_blocks * admission.block_bytes)
                     admission.hashes = prefix_hashes(target or "", prompt, self.config.scheduler,
                                                      admission.block_bytes, max_blocks)
+                if self.burst is not None:
+                    burst = self.burst.params
+                    block_bytes = burst.block_size_tokens * chars_per_token
+                    prompt = request.hashed_prompt(chars_per_token, burst.max_blocks * block_bytes)
+                    admission.burst_hashes = prefix_hashes(target or "", prompt, self.config.scheduler, block_bytes,
+                                                           burst.max_blocks)
                 admission.prompt_bytes = request.prompt_size(chars_per_token)
                 admission.output_cap = request.output_cap
             objective = None if _OBJECTIVES.isdisjoint(headers) else objective_name(headers)
@@ -235,6 +246,12 @@ class Picker:
             self._failed(report, admission, exc)
             raise
         return admission
+
+    def burst_replicas(self, subset: frozenset[str] | None) -> list[Replica]:
+        """The candidates a burst window assigns among: the ready endpoints (in the subset hint)."""
+        return [Replica(s.endpoint.address, s.metrics.running if s.metrics is not None else 0.0)
+                for s in self.snapshot.states.values()
+                if s.ready and (subset is None or s.endpoint.host in subset)]
 
     def pick(self, admission: Admission, report: StreamReport) -> Route:
         """Pick endpoints for an admitted request and count it in flight; RequestError for 429/500/503."""
@@ -427,6 +444,7 @@ class ExtProcStream:
         self._resumed: list[ep.ProcessingResponse] = []
         self._finish: Callable[[Outcome], list[ep.ProcessingResponse]] | None = None
         self._evicting = False  # in-flight eviction revoked it: resume() ends it
+        self._burst: BurstEntry | None = None  # its place in a burst producer's window, once it joined
 
     def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
         if message.HasField("protocol_config"):
@@ -469,6 +487,8 @@ class ExtProcStream:
         """The stream ended without a response end (client gone, Envoy reset, an error): leave the
         flow control queue, release the request's in-flight load. Idempotent."""
         self.on_unpark = None
+        if self._burst is not None:
+            self._burst.on_sealed = None  # it stays in its window's assignment, as the reference's
         if self.item is not None and self.item.outcome is None and self.picker.flow is not None:
             self.picker.flow.queue.cancel(self.item)
         if self.route is not None:
@@ -510,10 +530,13 @@ class ExtProcStream:
     def _on_outcome(self, outcome: Outcome) -> None:
         assert self._finish is not None
         self._resumed = self._finish(outcome)
-        if self.parked:
+        if self.parked and not self._burst_waiting():
             self.parked = False
             if self.on_unpark is not None:
                 self.on_unpark()
+
+    def _burst_waiting(self) -> bool:
+        return self._burst is not None and self._burst.on_sealed is not None
 
     # -- request --------------------------------------------------------------------------------
 
@@ -578,6 +601,8 @@ class ExtProcStream:
         def finish(outcome: Outcome) -> list[ep.ProcessingResponse]:
             if outcome is not Outcome.DISPATCHED:
                 return [self._immediate(outcome.status, outcome_message(outcome), outcome.reason), *after]
+            if self.picker.burst is not None and self._burst is None:
+                return self._join_burst(admission, finish)
             try:
                 route = self.picker.pick(admission, self.report)
             except RequestError as exc:
@@ -599,6 +624,27 @@ class ExtProcStream:
         if self.item.outcome is None:
             self.parked = True
         return list(ExtProcStream.resume(self))  # this class's: a subclass's resume answers the wire
+
+    def _join_burst(self, admission: Admission,
+                    finish: Callable[[Outcome], list[ep.ProcessingResponse]]) -> list[ep.ProcessingResponse]:
+        """Park until the burst producer's window seals, then route with its assignment (a full
+        window: route now, with no affinity, as the reference's producer error does)."""
+        window = self.picker.burst
+        assert window is not None
+
+        def sealed(entry: BurstEntry) -> None:
+            admission.attributes = {**admission.attributes, **window.match_attribute(entry)}
+            self._resumed = finish(Outcome.DISPATCHED)
+            self.parked = False
+            if self.on_unpark is not None:
+                self.on_unpark()
+
+        self._burst = window.join(admission.burst_hashes, self.picker.burst_replicas(admission.subset), sealed)
+        if self._burst is None:
+            self._burst = BurstEntry((), ())  # joined nothing: routed once, now
+            return finish(Outcome.DISPATCHED)
+        self.parked = True
+        return []
 
     def _decision(self, route: Route, phase: str) -> ep.ProcessingResponse:
         """The response for ``phase`` that sends the request to ``route``."""

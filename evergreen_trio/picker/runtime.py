@@ -26,6 +26,7 @@ from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.server import GracefulStop, SSLContextSource, serve_grpc
 from evergreen_trio._grpc.server_wire import SyncBidiMethod, WireLimits
 from evergreen_trio._http import HttpGetError, KeepAliveGetter
+from evergreen_trio.picker.burst_shell import seal_windows
 from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
@@ -33,6 +34,7 @@ from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.models_poll import poll_models
 from evergreen_trio.picker.processor import ExtProcStream, Picker
+from evergreen_trio.picker.rollout import RolloutCollector, RolloutScreener
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
 from evergreen_trio.serving.metrics import Authorize, serve_metrics
@@ -48,6 +50,8 @@ Discovery = Callable[[Callable[[Sequence[Endpoint]], None]], Awaitable[None]]
 ObjectiveWatch = Callable[[Callable[[Mapping[str, int]], None]], Awaitable[None]]
 # Leader election: called with ``on_leader``, which it calls with True/False as leadership changes.
 LeaderElection = Callable[[Callable[[bool], None]], Awaitable[None]]
+# Pod notifications for the rollout screeners: called with them, it feeds each its pods.
+PodNotifications = Callable[[Sequence[RolloutScreener]], Awaitable[None]]
 # The metrics port's scrape check, opened while the port serves (MetricsAuth.serving, in cluster mode).
 MetricsAuthSource = Callable[[], AbstractAsyncContextManager[Authorize]]
 
@@ -343,6 +347,7 @@ async def run_picker(
     leader_election: LeaderElection | None = None,
     objectives: ObjectiveWatch | None = None,
     drain: PickerDrain | None = None,
+    pod_notifications: PodNotifications | None = None,
     task_status: trio.TaskStatus[PickerPorts] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the Endpoint Picker until cancelled; ``started`` gets the bound :class:`PickerPorts`.
@@ -353,6 +358,7 @@ async def run_picker(
     the static endpoint list; with ``leader_election`` only the leader reports ready. See
     :class:`~evergreen_trio.picker.runtime.Readiness`. ``objectives`` follows the cluster's
     InferenceObjectives (:mod:`evergreen_trio.picker.k8s`). ``drain``: see :class:`PickerDrain`.
+    ``pod_notifications`` tells the ``disaggregatedset-rollout-screener`` plugins of their pods.
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = picker_metrics(config)
@@ -400,6 +406,16 @@ async def run_picker(
             if picker.flow.reclamation is not None:
                 picker.flow.reclamation.observer = metrics.reclamation
             nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0], new_flow_wake)
+        screeners = picker.scheduler.screeners
+        if screeners:
+            metrics.registry.register(RolloutCollector(screeners))
+            if pod_notifications is not None:
+                nursery.start_soon(pod_notifications, screeners)
+            elif any(s.params.gating for s in screeners):
+                log.warning("picker.rollout_without_pods: revision gating needs pod notifications (cluster mode); "
+                            "every request fails closed")
+        if picker.burst is not None:
+            nursery.start_soon(seal_windows, picker.burst)
         grpc_bound = await nursery.start(partial(
             serve_grpc, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context,
             graceful_stop=ext_proc))

@@ -17,6 +17,7 @@ import xxhash
 
 from evergreen_trio.picker.admission import admit, declared_admitters
 from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
+from evergreen_trio.picker.burst_prefix import burst_match
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.contextlength import CONTEXT_FILTERS, CONTEXT_SCORERS
 from evergreen_trio.picker.dataparallel import DataParallelHandler
@@ -31,6 +32,7 @@ from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_to
 from evergreen_trio.picker.models_source import ModelData
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, PrefixScorerParams, Profile
+from evergreen_trio.picker.rollout import rollout_screeners
 from evergreen_trio.picker.routing_headers import DisaggHeaders, at_primary_port
 from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
 from evergreen_trio.picker.testing_filter import TESTING_FILTERS
@@ -240,12 +242,19 @@ def _lora_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequenc
 
 def _prefix_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
                    fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
-    if not request.hashes:
-        return {}
-    total = len(request.hashes)
     weight, scale = 0.0, 1
     if isinstance(params, PrefixScorerParams):
         weight, scale = params.match_length_weight, params.match_length_scale_tokens
+        if params.producer:  # a burst producer's window: a full match on the replica it assigned
+            assigned = burst_match(request.attributes, params.producer)
+            if assigned is None:
+                return {}
+            length = min(1.0, assigned[1] / scale) ** 2 if weight else 0.0
+            return {s.endpoint.address: weight * length + 1.0 - weight
+                    for s in candidates if s.endpoint.address == assigned[0]}
+    if not request.hashes:
+        return {}
+    total = len(request.hashes)
     block_tokens = scheduler.prefix_geometry()[0] / BYTES_PER_TOKEN
     result = {}
     for state in candidates:
@@ -356,6 +365,9 @@ class Scheduler:
             *(p.params for p in (config.epp.plugins.values() if config.epp is not None else ())
               if isinstance(p.params, DisaggHeaders))]
         self.primary_port = handler.primary_port if isinstance(handler, DisaggHandler | DataParallelHandler) else 0
+        # Screeners (the reference's request-control Screeners): they narrow the candidates first.
+        self.screeners = rollout_screeners({p.name: p.params for p in config.epp.plugins.values()}
+                                           if config.epp is not None else {})
 
     def saturation(self, states: Sequence[EndpointState] | None = None) -> float:
         """What the legacy admission's detector reads now of ``states`` (the request's located
@@ -400,6 +412,11 @@ class Scheduler:
         schedule = self._run_profiles(request, count)
         for setter in self.header_setters:
             schedule.prefill = setter.apply(schedule.profiles, schedule.request_headers)
+        if self.screeners:  # their response headers: the chosen endpoint's labels
+            chosen = self.snapshot.states.get(schedule.endpoints[0])
+            labels = chosen.endpoint.label_map if chosen is not None else {}
+            for screener in self.screeners:
+                schedule.response_headers.update(screener.response_headers(labels))
         if self.primary_port:
             schedule.destinations = at_primary_port(schedule.endpoints, self.primary_port, schedule.request_headers)
         now = self.snapshot.clock()
@@ -419,6 +436,8 @@ class Scheduler:
         if not candidates:
             what = "in the subset hint" if request.subset is not None else "in the pool"
             raise RequestError(503, f"no ready endpoint {what}", Outcome.EVICTED_NO_ENDPOINTS.reason)
+        if self.screeners:
+            candidates = self._screen(request, candidates)
         if self.admitters:
             admit(self.admitters, request.priority, [s.metrics for s in candidates], self.rng.random)
         self.scorer_seconds = {}
@@ -447,6 +466,17 @@ class Scheduler:
             if handler.prefill_decider.disaggregate(request.prompt_bytes // BYTES_PER_TOKEN, cached):
                 result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
         return Schedule(decode, None, result, scores)
+
+    def _screen(self, request: PickRequest, candidates: list[EndpointState]) -> list[EndpointState]:
+        """The candidates every screener keeps (each screens all of them, as the reference's
+        director runs them); 503 when none is left."""
+        kept = {id(s) for s in candidates}
+        for screener in self.screeners:
+            kept &= {id(s) for s in screener.screen(request.headers, candidates, _labels, self.rng.random)}
+        candidates = [s for s in candidates if id(s) in kept]
+        if not candidates:
+            raise RequestError(503, "screeners eliminated all endpoint candidates", Outcome.EVICTED_NO_ENDPOINTS.reason)
+        return candidates
 
     def run_profile(self, profile: Profile, request: PickRequest, candidates: Sequence[EndpointState],
                     count: int) -> tuple[list[str], dict[str, float]]:
@@ -510,6 +540,10 @@ class Scheduler:
         total = len(request.hashes)
         tokens = self.prompt_tokens(request) if prompt_tokens is None else prompt_tokens
         return {a: uncached_tokens(tokens, total, self.prefix_matches.get(a, 0), block_tokens) for a in addresses}
+
+
+def _labels(state: EndpointState) -> Mapping[str, str]:
+    return state.endpoint.label_map
 
 
 def _lora_score(metrics: EndpointMetrics, model: str) -> float:
