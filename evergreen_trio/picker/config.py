@@ -70,12 +70,18 @@ class DestinationMode(enum.Enum):
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One model server: ``host:port``, the engine whose metric names it exports, its pod labels."""
+    """One model server: ``host:port``, the engine whose metric names it exports, its pod labels,
+    and what discovery knows of its pod: its name (a file entry's ``name``), its ``spec.hostname``
+    and its node's IP (``status.hostIP``), empty where unknown. Those three are not compared: an
+    endpoint is its address, engine and labels."""
 
     host: str
     port: int
     engine: str = "vllm"
     labels: tuple[tuple[str, str], ...] = ()
+    name: str = field(default="", compare=False)
+    hostname: str = field(default="", compare=False)
+    node_address: str = field(default="", compare=False)
 
     @cached_property
     def address(self) -> str:

@@ -60,6 +60,7 @@ from evergreen_trio.picker.plugins import (
     deprecated,
     read_plugin,
 )
+from evergreen_trio.picker.topology import warn_unproduced as warn_no_topology
 
 log = logging.getLogger(__name__)
 
@@ -372,6 +373,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
         if name in doc:
             extra.update(reader(doc[name], f"{KIND}.{name}", plugins))
     warn_unpublished(plugins)
+    warn_no_topology(plugins)
     pool = _pool_values(plugins)
     if models_sources:
         pool["models_sources"] = models_sources

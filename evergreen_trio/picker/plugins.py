@@ -603,7 +603,6 @@ NOT_IMPLEMENTED_LIST = (
     "multicluster-session-affinity-filter", "p2p-source-producer", "precise-prefix-cache-producer",
     "precise-prefix-cache-scorer", "predicted-latency-producer",
     "slo-headroom-tier-filter", "token-producer", "tokenizer",
-    "topology-affinity-filter", "topology-affinity-scorer", "topology-extractor",
 )
 NOT_IMPLEMENTED = frozenset(NOT_IMPLEMENTED_LIST)
 

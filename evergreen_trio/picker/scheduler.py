@@ -34,6 +34,7 @@ from evergreen_trio.picker.plugins import DisaggHandler, Plugin, PrefixScorerPar
 from evergreen_trio.picker.routing_headers import DisaggHeaders, at_primary_port
 from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
 from evergreen_trio.picker.testing_filter import TESTING_FILTERS
+from evergreen_trio.picker.topology import TOPOLOGY_FILTERS, TOPOLOGY_SCORERS, TOPOLOGY_STATES
 
 
 @dataclass
@@ -265,13 +266,14 @@ SCORERS: dict[str, ScorerFunction] = {
     **SESSION_SCORERS,  # evergreen_trio.picker.session
     **CONTEXT_SCORERS,  # evergreen_trio.picker.contextlength
     **ATTRIBUTE_SCORERS,  # evergreen_trio.picker.endpoint_attribute
+    **TOPOLOGY_SCORERS,  # evergreen_trio.picker.topology
 }
 # A filter that needs more than the pod's labels: (scheduler, request, candidates, plugin params or
 # its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
 # params' keeps(labels).
 FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
 FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS, **LOAD_FILTERS, **CONTEXT_FILTERS,
-                                      **TESTING_FILTERS, **ATTRIBUTE_FILTERS}
+                                      **TESTING_FILTERS, **ATTRIBUTE_FILTERS, **TOPOLOGY_FILTERS}
 
 
 class PluginState(Protocol):
@@ -283,7 +285,7 @@ class PluginState(Protocol):
         sent); the state may set response headers on ``schedule``."""
 
 
-PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {**AFFINITY_STATES, **SESSION_STATES}
+PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {**AFFINITY_STATES, **SESSION_STATES, **TOPOLOGY_STATES}
 
 
 def register_scorer(scorer_type: str, function: ScorerFunction) -> None:
@@ -334,6 +336,9 @@ class Scheduler:
         # seconds spent per scorer (keyed by the reference's plugin type names).
         self.prefix_matches: dict[str, int] = {}
         self.scorer_seconds: dict[str, float] = {}
+        # While a later P/D profile runs: the address the earlier one picked (the reference's
+        # peer-endpoint request attribute, which topology affinity compares candidates with).
+        self.peer: str | None = None
         # Stateful plugins' states by plugin name: one per declared plugin, shared by its profiles,
         # and one for a declared plugin no profile lists (the reference runs its PreRequest and
         # response hooks all the same).
@@ -422,6 +427,7 @@ class Scheduler:
         if self.admitters:
             admit(self.admitters, request.priority, [s.metrics for s in candidates], self.rng.random)
         self.scorer_seconds = {}
+        self.peer = None
         self.prefix_matches = (self.prefix.matches(request.hashes, [s.endpoint.address for s in candidates])
                                if request.hashes else {})
         profiles = self._profiles
@@ -436,6 +442,7 @@ class Scheduler:
         prefill = profiles.get(handler.prefill)
         if handler.stage_order == "prefill-first" and prefill is not None:
             result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
+            self.peer = result[prefill.name][0] if result[prefill.name] else None
         decode, scores = self.run_profile(profiles[handler.decode], request, candidates, count)
         if not decode:
             raise RequestError(429, f"{NO_ENDPOINTS}: decode profile {handler.decode!r}'s filters kept none",
@@ -445,6 +452,7 @@ class Scheduler:
             block_bytes = self.prefix_geometry()[0]
             cached = self.prefix_matches.get(decode[0], 0) * block_bytes // BYTES_PER_TOKEN
             if handler.prefill_decider.disaggregate(request.prompt_bytes // BYTES_PER_TOKEN, cached):
+                self.peer = decode[0]
                 result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
         return Schedule(decode, None, result, scores)
 
