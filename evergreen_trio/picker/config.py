@@ -27,6 +27,7 @@ import yaml
 from evergreen_trio.picker.affinity import PREFIX_READERS
 from evergreen_trio.picker.checks import integer, mapping, number, sequence, string
 from evergreen_trio.picker.dataparallel import DataParallelHandler
+from evergreen_trio.picker.dcgm import DcgmSource
 from evergreen_trio.picker.engine_metrics import ENGINE_ALIASES, ENGINE_METRICS, EngineConfig
 from evergreen_trio.picker.epp_config import EppConfig, is_endpoint_picker_config, read_endpoint_picker_config
 from evergreen_trio.picker.errors import ConfigError
@@ -118,7 +119,8 @@ class PoolConfig:
 
     ``metrics_port`` (a ``metrics-data-source`` port) scrapes that port instead of the serving
     one; ``engines`` says which metric names each pod's engine exports; ``models_sources`` read
-    each endpoint's served models (``models-data-source``s wired to a ``models-data-extractor``).
+    each endpoint's served models (``models-data-source``s wired to a ``models-data-extractor``),
+    ``dcgm_sources`` its GPU utilization (``dcgm-data-source``s wired to a ``dcgm-extractor``).
     """
 
     name: str
@@ -130,6 +132,7 @@ class PoolConfig:
     metrics_port: int | None = None
     engines: EngineConfig = field(default_factory=EngineConfig)
     models_sources: tuple[ModelsSource, ...] = ()
+    dcgm_sources: tuple[DcgmSource, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -594,7 +594,7 @@ register("core-metrics-extractor", PluginType(
 # llm-d-router (ebab68792) plugin types this picker does not run: a config naming one fails at
 # startup with a line saying so (a test keeps this list apart from the registered types).
 NOT_IMPLEMENTED_LIST = (
-    "always-disagg-multimodal-decider", "burst-prefix-cache-producer", "dcgm-data-source", "dcgm-extractor",
+    "always-disagg-multimodal-decider", "burst-prefix-cache-producer",
     "disaggregatedset-rollout-pod-extractor", "disaggregatedset-rollout-screener", "endpoint-notification-source",
     "k8s-notification-source", "latency-scorer", "latency-slo-admitter", "local-syncer",
     "mm-embeddings-cache-producer", "mm-embeddings-cache-scorer", "multicluster-approx-prefix-cache-producer",

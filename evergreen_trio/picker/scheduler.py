@@ -40,7 +40,8 @@ from evergreen_trio.picker.topology import TOPOLOGY_FILTERS, TOPOLOGY_SCORERS, T
 @dataclass
 class EndpointState:
     """The last scrape of one endpoint: metrics, when they came, whether the last scrape failed,
-    and the models its ``/v1/models`` last listed (None: never read; see ``models-data-source``)."""
+    the models its ``/v1/models`` last listed (None: never read; see ``models-data-source``), and
+    the attributes other data sources publish, by (name, producer) (``dcgm-data-source``'s)."""
 
     endpoint: Endpoint
     metrics: EndpointMetrics | None = None
@@ -48,6 +49,7 @@ class EndpointState:
     ready: bool = False
     scraped: bool = False
     models: tuple[ModelData, ...] | None = None
+    attributes: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 class PoolSnapshot:
