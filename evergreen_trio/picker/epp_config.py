@@ -41,6 +41,7 @@ from evergreen_trio.picker.dcgm import DCGM_DATA_SOURCE, DCGM_EXTRACTOR, DcgmSou
 from evergreen_trio.picker.endpoint_attribute import warn_unpublished
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
+from evergreen_trio.picker.mm_cache import with_default_producer
 from evergreen_trio.picker.models_source import MODELS_DATA_EXTRACTOR, MODELS_DATA_SOURCE, ModelsSource
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import ParserRegistry
@@ -335,7 +336,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
             raise ConfigError(f"{KIND}.{key}", "a section this picker implements", "flowControl (not implemented)")
         if key not in allowed:
             raise ConfigError(f"{KIND}.{key}", f"one of {sorted(allowed)}", key)
-    plugins = _plugins(doc)
+    plugins = with_default_producer(_plugins(doc), f"{KIND}.plugins")
     raw_profiles = sequence(doc.get("schedulingProfiles") or [], f"{KIND}.schedulingProfiles")
     profiles: dict[str, Profile] = {}
     for i, raw in enumerate(raw_profiles):

@@ -597,7 +597,7 @@ NOT_IMPLEMENTED_LIST = (
     "always-disagg-multimodal-decider", "burst-prefix-cache-producer",
     "disaggregatedset-rollout-pod-extractor", "disaggregatedset-rollout-screener", "endpoint-notification-source",
     "k8s-notification-source", "latency-scorer", "latency-slo-admitter", "local-syncer",
-    "mm-embeddings-cache-producer", "mm-embeddings-cache-scorer", "multicluster-approx-prefix-cache-producer",
+    "multicluster-approx-prefix-cache-producer",
     "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
     "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
     "multicluster-session-affinity-filter", "p2p-source-producer", "precise-prefix-cache-producer",

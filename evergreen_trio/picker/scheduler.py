@@ -28,6 +28,7 @@ from evergreen_trio.picker.flow_control.config import UtilizationDetector
 from evergreen_trio.picker.flow_control.detectors import saturation as detector_saturation
 from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
+from evergreen_trio.picker.mm_cache import MEDIA_SCORERS, MEDIA_STATES
 from evergreen_trio.picker.models_source import ModelData
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, PrefixScorerParams, Profile
@@ -177,7 +178,8 @@ class PickRequest:
     llm-d-router's candidates are located), the prompt's length in bytes (P/D deciders estimate
     its tokens from it), and the request's headers (names in lower case) and attributes (by
     (data type, producer) key, see :mod:`evergreen_trio.picker.attributes`) for the plugins that
-    read them."""
+    read them, and its media items (:func:`~evergreen_trio.picker.mm_cache.media_items`: read only
+    when an ``mm-embeddings-cache-producer`` runs)."""
 
     model: str | None
     priority: int
@@ -186,6 +188,7 @@ class PickRequest:
     prompt_bytes: int = 0
     headers: Mapping[str, str] = field(default_factory=dict)
     attributes: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    media: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -269,6 +272,7 @@ SCORERS: dict[str, ScorerFunction] = {
     **CONTEXT_SCORERS,  # evergreen_trio.picker.contextlength
     **ATTRIBUTE_SCORERS,  # evergreen_trio.picker.endpoint_attribute
     **TOPOLOGY_SCORERS,  # evergreen_trio.picker.topology
+    **MEDIA_SCORERS,  # evergreen_trio.picker.mm_cache
 }
 # A filter that needs more than the pod's labels: (scheduler, request, candidates, plugin params or
 # its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
@@ -287,7 +291,8 @@ class PluginState(Protocol):
         sent); the state may set response headers on ``schedule``."""
 
 
-PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {**AFFINITY_STATES, **SESSION_STATES, **TOPOLOGY_STATES}
+PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {
+    **AFFINITY_STATES, **SESSION_STATES, **TOPOLOGY_STATES, **MEDIA_STATES}
 
 
 def register_scorer(scorer_type: str, function: ScorerFunction) -> None:
