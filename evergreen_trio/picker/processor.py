@@ -44,9 +44,10 @@ from evergreen_trio.picker.flow_control.queue import DROPPED_REASON, Outcome, Qu
 from evergreen_trio.picker.flow_control.queue import message as outcome_message
 from evergreen_trio.picker.guards import rewrite_allowed
 from evergreen_trio.picker.inflight import Ticket
+from evergreen_trio.picker.mm_cache import MM_PRODUCER, media_items
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import request_path
-from evergreen_trio.picker.request import rewrite_model
+from evergreen_trio.picker.request import Api, rewrite_model
 from evergreen_trio.picker.routing_headers import PREFILL_HEADER, ROUTING_HEADERS
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
 from evergreen_trio.picker.served_verifier import (
@@ -144,6 +145,7 @@ class Admission:
     output_cap: int | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
     attributes: Mapping[AttributeKey, str] = field(default_factory=dict)
+    media: tuple[bytes, ...] = ()
     skip_response: bool = False
     response: ResponseFormat = OPENAI_RESPONSES
     burst_hashes: Sequence[int] = ()  # the prompt's blocks at the burst producer's block size
@@ -161,6 +163,7 @@ class Picker:
         self.plugins = tuple(config.epp.plugins.values()) if config.epp is not None else ()
         self.reporters = attribute_reporters(self.plugins)
         self.verifies_served = any(p.type == DESTINATION_ENDPOINT_SERVED_VERIFIER for p in self.plugins)
+        self.reads_media = any(p.type == MM_PRODUCER for p in self.plugins)
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight,
                              refresh_interval_s=config.pool.refresh_interval_s) if config.flow_control else None
         # InferenceObjective name -> priority: the config's, and in cluster mode the watched CRDs' over them.
@@ -239,6 +242,8 @@ class Picker:
                                                            burst.max_blocks)
                 admission.prompt_bytes = request.prompt_size(chars_per_token)
                 admission.output_cap = request.output_cap
+                if self.reads_media and request.api is Api.CHAT:
+                    admission.media = media_items(request.body)
             objective = None if _OBJECTIVES.isdisjoint(headers) else objective_name(headers)
             if objective is not None and objective in self.objectives:
                 admission.priority = self.objectives[objective]
@@ -256,7 +261,7 @@ class Picker:
     def pick(self, admission: Admission, report: StreamReport) -> Route:
         """Pick endpoints for an admitted request and count it in flight; RequestError for 429/500/503."""
         pick = PickRequest(admission.target_model, admission.priority, admission.hashes, admission.subset,
-                           admission.prompt_bytes, admission.headers, admission.attributes)
+                           admission.prompt_bytes, admission.headers, admission.attributes, admission.media)
         try:
             schedule = self.scheduler.schedule(pick, self.pick_count)
             endpoints = schedule.endpoints

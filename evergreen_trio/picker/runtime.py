@@ -28,6 +28,7 @@ from evergreen_trio._grpc.server_wire import SyncBidiMethod, WireLimits
 from evergreen_trio._http import HttpGetError, KeepAliveGetter
 from evergreen_trio.picker.burst_shell import seal_windows
 from evergreen_trio.picker.config import Endpoint, PickerConfig
+from evergreen_trio.picker.dcgm_poll import poll_dcgm
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.flow_control.gate import FlowGate
@@ -217,9 +218,11 @@ class Scrapers:
 
     async def _run(self, endpoint: Endpoint, scope: trio.CancelScope) -> None:
         with scope:
-            async with trio.open_nursery() as beside:  # models-data-source polls, if any
+            async with trio.open_nursery() as beside:  # models-data-source and dcgm-data-source polls, if any
                 for source in self.config.pool.models_sources:
                     beside.start_soon(poll_models, endpoint, source, self.config.pool, self.snapshot)
+                for dcgm in self.config.pool.dcgm_sources:
+                    beside.start_soon(poll_dcgm, endpoint, dcgm, self.config.pool, self.snapshot)
                 await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape)
 
 

@@ -29,6 +29,7 @@ from evergreen_trio.picker.flow_control.config import UtilizationDetector
 from evergreen_trio.picker.flow_control.detectors import saturation as detector_saturation
 from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
+from evergreen_trio.picker.mm_cache import MEDIA_SCORERS, MEDIA_STATES
 from evergreen_trio.picker.models_source import ModelData
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, PrefixScorerParams, Profile
@@ -36,12 +37,14 @@ from evergreen_trio.picker.rollout import rollout_screeners
 from evergreen_trio.picker.routing_headers import DisaggHeaders, at_primary_port
 from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
 from evergreen_trio.picker.testing_filter import TESTING_FILTERS
+from evergreen_trio.picker.topology import TOPOLOGY_FILTERS, TOPOLOGY_SCORERS, TOPOLOGY_STATES
 
 
 @dataclass
 class EndpointState:
     """The last scrape of one endpoint: metrics, when they came, whether the last scrape failed,
-    and the models its ``/v1/models`` last listed (None: never read; see ``models-data-source``)."""
+    the models its ``/v1/models`` last listed (None: never read; see ``models-data-source``), and
+    the attributes other data sources publish, by (name, producer) (``dcgm-data-source``'s)."""
 
     endpoint: Endpoint
     metrics: EndpointMetrics | None = None
@@ -49,6 +52,7 @@ class EndpointState:
     ready: bool = False
     scraped: bool = False
     models: tuple[ModelData, ...] | None = None
+    attributes: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 class PoolSnapshot:
@@ -176,7 +180,8 @@ class PickRequest:
     llm-d-router's candidates are located), the prompt's length in bytes (P/D deciders estimate
     its tokens from it), and the request's headers (names in lower case) and attributes (by
     (data type, producer) key, see :mod:`evergreen_trio.picker.attributes`) for the plugins that
-    read them."""
+    read them, and its media items (:func:`~evergreen_trio.picker.mm_cache.media_items`: read only
+    when an ``mm-embeddings-cache-producer`` runs)."""
 
     model: str | None
     priority: int
@@ -185,6 +190,7 @@ class PickRequest:
     prompt_bytes: int = 0
     headers: Mapping[str, str] = field(default_factory=dict)
     attributes: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    media: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -274,13 +280,15 @@ SCORERS: dict[str, ScorerFunction] = {
     **SESSION_SCORERS,  # evergreen_trio.picker.session
     **CONTEXT_SCORERS,  # evergreen_trio.picker.contextlength
     **ATTRIBUTE_SCORERS,  # evergreen_trio.picker.endpoint_attribute
+    **TOPOLOGY_SCORERS,  # evergreen_trio.picker.topology
+    **MEDIA_SCORERS,  # evergreen_trio.picker.mm_cache
 }
 # A filter that needs more than the pod's labels: (scheduler, request, candidates, plugin params or
 # its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
 # params' keeps(labels).
 FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
 FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS, **LOAD_FILTERS, **CONTEXT_FILTERS,
-                                      **TESTING_FILTERS, **ATTRIBUTE_FILTERS}
+                                      **TESTING_FILTERS, **ATTRIBUTE_FILTERS, **TOPOLOGY_FILTERS}
 
 
 class PluginState(Protocol):
@@ -292,7 +300,8 @@ class PluginState(Protocol):
         sent); the state may set response headers on ``schedule``."""
 
 
-PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {**AFFINITY_STATES, **SESSION_STATES}
+PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {
+    **AFFINITY_STATES, **SESSION_STATES, **TOPOLOGY_STATES, **MEDIA_STATES}
 
 
 def register_scorer(scorer_type: str, function: ScorerFunction) -> None:
@@ -343,6 +352,9 @@ class Scheduler:
         # seconds spent per scorer (keyed by the reference's plugin type names).
         self.prefix_matches: dict[str, int] = {}
         self.scorer_seconds: dict[str, float] = {}
+        # While a later P/D profile runs: the address the earlier one picked (the reference's
+        # peer-endpoint request attribute, which topology affinity compares candidates with).
+        self.peer: str | None = None
         # Stateful plugins' states by plugin name: one per declared plugin, shared by its profiles,
         # and one for a declared plugin no profile lists (the reference runs its PreRequest and
         # response hooks all the same).
@@ -441,6 +453,7 @@ class Scheduler:
         if self.admitters:
             admit(self.admitters, request.priority, [s.metrics for s in candidates], self.rng.random)
         self.scorer_seconds = {}
+        self.peer = None
         self.prefix_matches = (self.prefix.matches(request.hashes, [s.endpoint.address for s in candidates])
                                if request.hashes else {})
         profiles = self._profiles
@@ -455,6 +468,7 @@ class Scheduler:
         prefill = profiles.get(handler.prefill)
         if handler.stage_order == "prefill-first" and prefill is not None:
             result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
+            self.peer = result[prefill.name][0] if result[prefill.name] else None
         decode, scores = self.run_profile(profiles[handler.decode], request, candidates, count)
         if not decode:
             raise RequestError(429, f"{NO_ENDPOINTS}: decode profile {handler.decode!r}'s filters kept none",
@@ -464,6 +478,7 @@ class Scheduler:
             block_bytes = self.prefix_geometry()[0]
             cached = self.prefix_matches.get(decode[0], 0) * block_bytes // BYTES_PER_TOKEN
             if handler.prefill_decider.disaggregate(request.prompt_bytes // BYTES_PER_TOKEN, cached):
+                self.peer = decode[0]
                 result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
         return Schedule(decode, None, result, scores)
 
