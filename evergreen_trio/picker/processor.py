@@ -53,6 +53,8 @@ from evergreen_trio.picker.served_verifier import (
     SERVED_ENDPOINT_HEADER,
     served_verdict,
 )
+from evergreen_trio.picker.token_estimate import TokenizedPrompt
+from evergreen_trio.picker.token_producer import request_producer, tokenize
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseBody, ResponseFormat, Usage
 
 DESTINATION = "x-gateway-destination-endpoint"
@@ -142,6 +144,7 @@ class Admission:
     attributes: Mapping[AttributeKey, str] = field(default_factory=dict)
     skip_response: bool = False
     response: ResponseFormat = OPENAI_RESPONSES
+    tokens: TokenizedPrompt | None = None
 
 
 class Picker:
@@ -155,6 +158,7 @@ class Picker:
         self.parsers = config.epp.parsers if config.epp is not None else DEFAULT_REGISTRY
         self.plugins = tuple(config.epp.plugins.values()) if config.epp is not None else ()
         self.reporters = attribute_reporters(self.plugins)
+        self.tokens = request_producer(config.epp.plugins if config.epp is not None else {}, config.scheduler.handler)
         self.verifies_served = any(p.type == DESTINATION_ENDPOINT_SERVED_VERIFIER for p in self.plugins)
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight,
                              refresh_interval_s=config.pool.refresh_interval_s) if config.flow_control else None
@@ -225,6 +229,8 @@ class Picker:
                                                      admission.block_bytes, max_blocks)
                 admission.prompt_bytes = request.prompt_size(chars_per_token)
                 admission.output_cap = request.output_cap
+                if self.tokens is not None:
+                    admission.tokens = tokenize(self.tokens, path, request.api, request.body, headers)
             objective = objective_name(headers)
             if objective is not None and objective in self.objectives:
                 admission.priority = self.objectives[objective]
@@ -236,7 +242,7 @@ class Picker:
     def pick(self, admission: Admission, report: StreamReport) -> Route:
         """Pick endpoints for an admitted request and count it in flight; RequestError for 429/500/503."""
         pick = PickRequest(admission.target_model, admission.priority, admission.hashes, admission.subset,
-                           admission.prompt_bytes, admission.headers, admission.attributes)
+                           admission.prompt_bytes, admission.headers, admission.attributes, admission.tokens)
         try:
             schedule = self.scheduler.schedule(pick, self.pick_count)
             endpoints = schedule.endpoints
