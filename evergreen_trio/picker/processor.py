@@ -20,6 +20,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -56,6 +57,7 @@ from evergreen_trio.picker.served_verifier import (
 from evergreen_trio.picker.token_estimate import TokenizedPrompt
 from evergreen_trio.picker.token_producer import request_producer, tokenize
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseBody, ResponseFormat, Usage
+from evergreen_trio.picker.vllm_render import RenderCall
 
 DESTINATION = "x-gateway-destination-endpoint"
 FALLBACK = "x-gateway-destination-endpoint-fallback"
@@ -145,6 +147,13 @@ class Admission:
     skip_response: bool = False
     response: ResponseFormat = OPENAI_RESPONSES
     tokens: TokenizedPrompt | None = None
+    render: RenderCall | None = None
+    """The vllm token backend's render to post before the pick (its reply gives ``tokens``)."""
+    request_body: Mapping[str, Any] = field(default_factory=dict)
+
+
+StartRender = Callable[[RenderCall, Mapping[str, Any], Callable[[TokenizedPrompt | None], None]], None]
+"""Starts a render (the runtime's task), which calls back with its tokens (None: it failed)."""
 
 
 class Picker:
@@ -159,6 +168,7 @@ class Picker:
         self.plugins = tuple(config.epp.plugins.values()) if config.epp is not None else ()
         self.reporters = attribute_reporters(self.plugins)
         self.tokens = request_producer(config.epp.plugins if config.epp is not None else {}, config.scheduler.handler)
+        self.start_render: StartRender | None = None  # set by the runtime for the vllm token backend
         self.verifies_served = any(p.type == DESTINATION_ENDPOINT_SERVED_VERIFIER for p in self.plugins)
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight,
                              refresh_interval_s=config.pool.refresh_interval_s) if config.flow_control else None
@@ -230,7 +240,9 @@ class Picker:
                 admission.prompt_bytes = request.prompt_size(chars_per_token)
                 admission.output_cap = request.output_cap
                 if self.tokens is not None:
-                    admission.tokens = tokenize(self.tokens, path, request.api, request.body, headers)
+                    admission.tokens, admission.render = tokenize(self.tokens, path, request.api, request.body,
+                                                                  headers)
+                    admission.request_body = request.body
             objective = objective_name(headers)
             if objective is not None and objective in self.objectives:
                 admission.priority = self.objectives[objective]
@@ -428,6 +440,7 @@ class ExtProcStream:
         self.item: QueueItem | None = None
         self.received_at: float | None = None  # when the request headers came (the pool's clock)
         self._resumed: list[ep.ProcessingResponse] = []
+        self._abandoned = False
         self._finish: Callable[[Outcome], list[ep.ProcessingResponse]] | None = None
         self._evicting = False  # in-flight eviction revoked it: resume() ends it
 
@@ -472,6 +485,7 @@ class ExtProcStream:
         """The stream ended without a response end (client gone, Envoy reset, an error): leave the
         flow control queue, release the request's in-flight load. Idempotent."""
         self.on_unpark = None
+        self._abandoned = True  # a render still running then routes nothing
         if self.item is not None and self.item.outcome is None and self.picker.flow is not None:
             self.picker.flow.queue.cancel(self.item)
         if self.route is not None:
@@ -567,7 +581,8 @@ class ExtProcStream:
 
     def _decide(self, body: bytes | None, phase: str, *, duplex_end: bool | None = None,
                 after: Sequence[ep.ProcessingResponse] = ()) -> list[ep.ProcessingResponse]:
-        """Admit the request, through flow control when on (it may park here), then route it.
+        """Admit the request, then (with the vllm token backend) render its tokens, then route it
+        through flow control when on: it may park for the render and in the queue.
 
         The replies: the response for ``phase`` carrying the decision (in FULL_DUPLEX_STREAMED
         followed by the body in chunks, the last with ``duplex_end``), or an immediate one; then ``after``.
@@ -577,6 +592,26 @@ class ExtProcStream:
             admission = self.picker.admit(request_path(self.headers), self.headers, body, self.subset, self.report)
         except RequestError as exc:
             return [self._immediate(exc.status, exc.message, exc.dropped_reason), *after]
+        start_render = self.picker.start_render
+        if admission.render is not None and start_render is not None:
+            self.parked = True  # until the render's reply (or its failure) is in
+
+            def rendered(tokens: TokenizedPrompt | None) -> None:
+                if self._abandoned:
+                    return
+                admission.tokens = tokens
+                self.parked = False
+                self._resumed = self._dispatch(admission, phase, duplex_end, after)
+                if not self.parked and self.on_unpark is not None:  # else flow control parked it
+                    self.on_unpark()
+
+            start_render(admission.render, admission.request_body, rendered)
+            return []
+        return self._dispatch(admission, phase, duplex_end, after)
+
+    def _dispatch(self, admission: Admission, phase: str, duplex_end: bool | None,
+                  after: Sequence[ep.ProcessingResponse]) -> list[ep.ProcessingResponse]:
+        """Route an admitted request, through flow control when on (it may park here)."""
 
         def finish(outcome: Outcome) -> list[ep.ProcessingResponse]:
             if outcome is not Outcome.DISPATCHED:

@@ -9,21 +9,25 @@ under the render's timeout; the reply's body is read up to
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import h11
 import trio
 
+from evergreen_trio._logsafe import peer_text
+from evergreen_trio.picker.processor import StartRender
 from evergreen_trio.picker.token_estimate import TokenizedPrompt
 from evergreen_trio.picker.vllm_render import (
     MAX_RENDER_REPLY_BYTES,
     RenderCall,
     RenderError,
     VllmRender,
-    render_call,
     render_reply,
 )
+
+log = logging.getLogger(__name__)
 
 
 async def post_render(backend: VllmRender, call: RenderCall) -> tuple[int, bytes]:
@@ -64,11 +68,29 @@ async def _exchange(stream: trio.SocketStream, authority: str, call: RenderCall)
             raise h11.RemoteProtocolError("connection closed before the reply ended")
 
 
-async def render(backend: VllmRender, protocol: str, body: Mapping[str, Any]) -> TokenizedPrompt | None:
-    """The vLLM-rendered tokens of a request (None for a protocol not rendered, or no tokens);
+async def render(backend: VllmRender, call: RenderCall, body: Mapping[str, Any]) -> TokenizedPrompt | None:
+    """The tokens of the render ``call`` for a request of ``body`` (None when there are none);
     RenderError when the render fails."""
-    call = render_call(backend, protocol, body)
-    if not isinstance(call, RenderCall):
-        return call
     status, data = await post_render(backend, call)
     return render_reply(call, status, data, body)
+
+
+async def _render_then(backend: VllmRender, call: RenderCall, body: Mapping[str, Any],
+                       done: Callable[[TokenizedPrompt | None], None]) -> None:
+    try:
+        tokens = await render(backend, call, body)
+    except RenderError as exc:
+        # As the reference's director: the producer's error is logged and the request goes on
+        # without tokens (the deciders and scorers fall back to their own estimates).
+        log.warning("picker.render_failed backend=vllm error=%s", peer_text(str(exc), 300))
+        tokens = None
+    done(tokens)
+
+
+def render_starter(nursery: trio.Nursery, backend: VllmRender) -> StartRender:
+    """What the picker calls to start a render: a task in ``nursery`` that calls back when done."""
+
+    def start(call: RenderCall, body: Mapping[str, Any], done: Callable[[TokenizedPrompt | None], None]) -> None:
+        nursery.start_soon(_render_then, backend, call, body, done)
+
+    return start

@@ -18,7 +18,7 @@ from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.plugins import Category, MultimodalDecider, Params, Plugin, PluginType, register
 from evergreen_trio.picker.request import Api
 from evergreen_trio.picker.token_estimate import Estimator, ImageEstimate, TokenizedPrompt, VideoEstimate, estimate
-from evergreen_trio.picker.vllm_render import VllmRender
+from evergreen_trio.picker.vllm_render import RenderCall, VllmRender, render_call
 
 TOKEN_PRODUCER = "token-producer"
 LEGACY_TOKENIZER = "tokenizer"
@@ -131,10 +131,7 @@ def _token_producer(params: Params) -> TokenProducer:
     if vllm:
         if not model:
             raise ConfigError(params.where("modelName"), "'modelName' must be specified (the vllm backend)", model)
-        _vllm(params, model)  # checked as the reference checks it, then refused: see below
-        raise ConfigError(params.where("vllm" if params.has("vllm") else "modelName"),
-                          "the estimate backend (token-producer's vllm render client is built but not yet "
-                          "run on the request path, see docs/picker.md)", "vllm")
+        return TokenProducer(_vllm(params, model))
     return TokenProducer(_estimator(params))
 
 
@@ -157,10 +154,14 @@ def request_producer(plugins: Mapping[str, Plugin], handler: object) -> TokenPro
 
 
 def tokenize(producer: TokenProducer, path: str, api: Api, body: Mapping[str, Any],
-             headers: Mapping[str, str]) -> TokenizedPrompt | None:
-    """A request's tokens by ``producer`` (None when it has none)."""
-    assert isinstance(producer.backend, Estimator)  # the vllm backend is refused at load
-    return estimate(producer.backend, protocol_of(path, api), body, headers)
+             headers: Mapping[str, str]) -> tuple[TokenizedPrompt | None, RenderCall | None]:
+    """A request's tokens by ``producer`` now (None when it has none), or the render to post for
+    them (the ``vllm`` backend's, when the prompt is not pre-tokenized)."""
+    protocol = protocol_of(path, api)
+    if isinstance(producer.backend, Estimator):
+        return estimate(producer.backend, protocol, body, headers), None
+    call = render_call(producer.backend, protocol, body)
+    return (None, call) if isinstance(call, RenderCall) else (call, None)
 
 
 _PROTOCOLS = {Api.CHAT: "chat", Api.COMPLETIONS: "completions", Api.EMBEDDINGS: "embeddings",

@@ -285,7 +285,7 @@ BAD_DOCS = [
     (HEAD + "plugins: [{type: pd-profile-handler}]\nschedulingProfiles: [{name: decode}]",
      "EndpointPickerConfig.plugins[0].parameters.deciders.prefill"),
     (HEAD + "plugins: [{type: queue-scorer}, {type: queue-scorer}]", "EndpointPickerConfig.plugins[1].name"),
-    (HEAD + "plugins: [{type: token-producer}]", "EndpointPickerConfig.plugins[0].type"),
+    (HEAD + "plugins: [{type: precise-prefix-cache-producer}]", "EndpointPickerConfig.plugins[0].type"),
     (HEAD + "flowControl: {maxRequest: 3}", "EndpointPickerConfig.flowControl.maxRequest"),
     (HEAD + "featureGates: [haPopulateNonLeaderDatastore, warpDrive]", "EndpointPickerConfig.featureGates[1]"),
     (HEAD + "featureGates: [[1]]", "EndpointPickerConfig.featureGates[0]"),
