@@ -33,12 +33,12 @@ EXPECTED = {
     "chart-payload-agnostic.yaml": None,
     "dp-epp-config.yaml": None,
     "e2e-deprecated-pd-config.yaml": None,
-    "epp-burst-prefix-cache-config.yaml": "token-producer",
+    "epp-burst-prefix-cache-config.yaml": "burst-prefix-cache-producer",  # its token-producer loads
     "epp-config.yaml": None,
     "gie-v1.5.0-default-plugins.yaml": None,
     "epp-estimate-prefix-cache-config.yaml": None,
-    "epp-mm-embeddings-cache-config.yaml": "token-producer",
-    "epp-precise-prefix-cache-config.yaml": "token-producer",
+    "epp-mm-embeddings-cache-config.yaml": "endpoint-notification-source",  # its token-producer loads
+    "epp-precise-prefix-cache-config.yaml": "endpoint-notification-source",  # its token-producer loads
     "pd-epp-config.yaml": None,
     "perf-optimized-baseline-plugins.yaml": None,
     "pd-topology-epp-config.yaml": "topology-extractor",
@@ -47,9 +47,9 @@ EXPECTED = {
     "sim-e-pd-epp-config.yaml": None,
     "sim-epp-config.yaml": None,
     "sim-epp-gpu-config.yaml": "dcgm-data-source",
-    "sim-epp-kvcache-config.yaml": "token-producer",
+    "sim-epp-kvcache-config.yaml": "precise-prefix-cache-producer",  # its token-producer loads
     "sim-epp-no-hit-lru.yaml": "precise-prefix-cache-producer",
-    "sim-epp-tokenizer-vllm-http-config.yaml": "token-producer",
+    "sim-epp-tokenizer-vllm-http-config.yaml": "precise-prefix-cache-producer",  # its token-producer loads
     "sim-pd-epp-config.yaml": None,
     "sim-program-aware-config.yaml": None,
     "soft-reflective-ceiling-epp-config.yaml": None,
