@@ -72,16 +72,19 @@ def _png(r: _Reader) -> tuple[int, int] | None:
         return None
     if width > _INT32_MAX or height > _INT32_MAX:
         return None
-    if color == 3:  # paletted: Go's DecodeConfig reads on to the PLTE chunk
+    if color == 3:  # paletted: Go's DecodeConfig reads on through the PLTE chunk, checking each CRC
         while True:
             length, kind = struct.unpack(">I4s", r.read(8))
-            if kind == b"PLTE":
-                if length % 3 or length // 3 > 256 or length // 3 > 1 << depth:
-                    return None
-                break
             if kind in (b"IDAT", b"IHDR", b"IEND") or length > _INT32_MAX:
                 return None  # out of order, or no palette before the data
-            r.read(length + 4)
+            data = r.read(length)
+            if zlib.crc32(kind + data) != struct.unpack(">I", r.read(4))[0]:
+                return None
+            if kind == b"PLTE":
+                entries, rest = divmod(length, 3)
+                if rest or not 0 < entries <= min(256, 1 << depth):
+                    return None
+                break
     return width, height
 
 
