@@ -1,11 +1,10 @@
-"""JSON text as two other runtimes write it: Go's ``json.Marshal`` and CPython's ``json.dumps``.
+"""JSON text as Go's ``json.Marshal`` writes it, for values ``json.loads`` made.
 
-llm-d-router's token producer hashes request parts as Go marshals them (:func:`go_marshal`: map
-keys sorted, no spaces, ``<``, ``>``, ``&``, U+2028 and U+2029 escaped, numbers as the float64 Go
-decoded them into), and renders tool-call arguments as vLLM does, through CPython's
-``json.dumps`` (:func:`python_dumps`, pythonjson.go: ``", "`` and ``": "`` separators,
-non-ASCII escaped, the wire's key order and number literals kept). Both walk with a stack, not
-recursion: a client's nesting depth must not reach Python's limit. Pure functions.
+llm-d-router's estimate token backend packs request parts as Go marshals them: :func:`go_marshal`
+(what Go's decoder made of the JSON: maps with their keys sorted, numbers as float64) and
+:func:`go_compact` (a ``json.RawMessage``: the wire's key order). Both write no spaces, escape
+``<``, ``>``, ``&``, U+2028 and U+2029, and walk with a stack, not recursion: a client's nesting
+depth must not reach Python's limit. Pure functions.
 """
 
 from __future__ import annotations
@@ -16,14 +15,15 @@ from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Any
 
+from evergreen_trio.picker.parsers.gojson import text as go_text
+
 _HTML = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def _go_string(value: str) -> str:
     # Python's escapes of control characters are Go's (since Go 1.22: \b and \f short too); a lone
     # surrogate cannot be in a Go string (its decoder made it U+FFFD).
-    text = json.dumps(value, ensure_ascii=False).translate(_HTML)
-    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace") if not text.isascii() else text
+    return json.dumps(go_text(value), ensure_ascii=False).translate(_HTML)
 
 
 def go_float(value: float) -> str:
@@ -72,35 +72,6 @@ def _go_scalar(value: object) -> str:
     raise ValueError(f"json: unsupported type {type(value).__name__}")
 
 
-class Literal(str):
-    """A JSON number as the wire wrote it (what :func:`python_dumps` keeps)."""
-
-
-class _Members(list[tuple[str, Any]]):
-    """A JSON object as :func:`python_dumps` parses it: its members in wire order, repeats kept."""
-
-
-def python_dumps(raw: str) -> str:
-    """The JSON text ``raw`` as CPython's ``json.dumps`` writes what ``json.loads`` made of it, but
-    with its key order, repeated keys and number literals kept; ValueError when it is not JSON."""
-    value = json.loads(raw, object_pairs_hook=_Members, parse_float=Literal, parse_int=Literal,
-                       parse_constant=_no_constant)
-    return _walk(value, _python_scalar, lambda obj: obj, ", ", ": ")
-
-
-def _no_constant(name: str) -> object:
-    raise ValueError(f"invalid value {name}")
-
-
-def _python_scalar(value: object) -> str:
-    if isinstance(value, Literal):
-        return str(value)
-    if isinstance(value, str):
-        # Go's decoder made invalid text U+FFFD; json.dumps then escapes all non-ASCII.
-        return json.dumps(value.encode("utf-8", "surrogatepass").decode("utf-8", "replace"))
-    return _go_scalar(value)  # null, true, false
-
-
 def _walk(value: object, scalar: Callable[[object], str], members: Callable[[Any], Any], comma: str,
           colon: str) -> str:
     out: list[str] = []
@@ -111,10 +82,10 @@ def _walk(value: object, scalar: Callable[[object], str], members: Callable[[Any
         if isinstance(item, tuple):
             out.append(item[0])
             continue
-        if isinstance(item, Mapping | _Members):
+        if isinstance(item, Mapping):
             pending: list[object] = [("{",)]
             for i, (key, member) in enumerate(members(item)):
-                pending += [(f"{comma}{scalar(key)}{colon}",) if i else (f"{scalar(key)}{colon}",), member]
+                pending += [(f"{comma if i else ''}{scalar(key)}{colon}",), member]
             pending.append(("}",))
         elif isinstance(item, list):
             pending = [("[",)]

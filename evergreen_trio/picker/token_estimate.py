@@ -23,6 +23,7 @@ import xxhash
 
 from evergreen_trio.picker.image_size import base64_image_size, data_url_image_size
 from evergreen_trio.picker.json_text import go_compact, go_marshal
+from evergreen_trio.picker.parsers.gojson import text as go_text
 
 BYTES_PER_TOKEN = 4
 MAX_PLACEHOLDERS = 2**31 - 1
@@ -253,14 +254,14 @@ class _Stream:
         self.tokens = 0
 
     def text(self, value: str) -> None:
-        self.data += value.encode("utf-8", "surrogatepass").decode("utf-8", "replace").encode()
+        self.data += (value if value.isascii() else go_text(value)).encode()
 
     def asset(self, modality: str, content: str, count: int) -> None:
         _align(self.data)
         self.tokens += len(self.data) // BYTES_PER_TOKEN
         self.segments.append(bytes(self.data))
         self.data.clear()
-        digest = xxhash.xxh64_intdigest(content.encode("utf-8", "surrogatepass"))
+        digest = xxhash.xxh64_intdigest(go_text(content).encode())
         self.features.append(MultiModalFeature(modality, format(digest, "x"), self.tokens, count))
         self.segments.append(Placeholders(digest & 0xFFFFFFFF, count))
         self.tokens += count

@@ -67,10 +67,128 @@ def render_call(backend: VllmRender, protocol: str, body: Mapping[str, Any]) -> 
         path, timeout = COMPLETIONS_RENDER, backend.timeout_s
     elif protocol == "chat":
         path, timeout = CHAT_RENDER, _chat_timeout(backend, body)
+    elif protocol == "messages":  # rebuilt as the OpenAI chat vLLM makes of it: /render takes no other shape
+        rebuilt = messages_payload(body)
+        path, timeout = CHAT_RENDER, _chat_timeout(backend, rebuilt)
+        body = {**rebuilt, **({"cache_salt": body["cache_salt"]} if "cache_salt" in body else {})}
     else:
         return None
     payload = json.dumps({**body, "model": backend.model}, ensure_ascii=False, separators=(",", ":"))
     return RenderCall(backend.base_path + path, payload.encode("utf-8", "surrogatepass"), timeout)
+
+
+def python_arguments(value: object) -> str:
+    """Tool-call arguments as vLLM renders them: ``json.dumps(input or {})`` (CPython's default
+    separators, non-ASCII escaped, the wire's key order; what pythonjson.go re-implements in Go)."""
+    return "{}" if value is None or value == {} else json.dumps(value)
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _blocks(value: object) -> list[Mapping[str, Any]]:
+    return [b for b in value if isinstance(b, Mapping)] if isinstance(value, list) else []
+
+
+def _system_text(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    return "".join(t for b in _blocks(value) if b.get("type") == "text" and (t := _text(b.get("text")))
+                   and not t.startswith("x-anthropic-billing-header"))
+
+
+def _image_url(source: object) -> str:
+    """An Anthropic image source as an OpenAI image URL ("" drops it): its URL, or a data URL."""
+    source = source if isinstance(source, Mapping) else {}
+    url = _text(source.get("url"))
+    if source.get("type") == "url" or url:
+        return url
+    data = _text(source.get("data"))
+    return f"data:{_text(source.get('media_type')) or 'image/jpeg'};base64,{data}" if data else ""
+
+
+def _tool_result(block: Mapping[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    content = block.get("content")
+    if isinstance(content, str) and content:
+        return content, []
+    texts, images = [], []
+    for item in _blocks(content):
+        if item.get("type") == "text":
+            texts.append(_text(item.get("text")))
+        elif item.get("type") == "image" and (url := _image_url(item.get("source"))):
+            images.append({"type": "image_url", "image_url": {"url": url}})
+    return "\n".join(texts), images
+
+
+def _message(conversation: list[dict[str, Any]], message: Mapping[str, Any]) -> None:
+    """One Anthropic message as vLLM converts it (tokenizer.go's appendAnthropicMessage)."""
+    role, content = _text(message.get("role")), message.get("content")
+    if isinstance(content, str) and content:
+        conversation.append({"role": role, "content": content})
+        return
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    reasoning = ""
+    for block in _blocks(content):
+        kind = block.get("type")
+        if kind == "text" and _text(block.get("text")):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and (url := _image_url(block.get("source"))):
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind == "thinking":
+            reasoning += _text(block.get("thinking"))
+        elif kind == "tool_use":
+            calls.append({"id": _text(block.get("id")) or "call_0000000000", "type": "function", "function": {
+                "name": _text(block.get("name")), "arguments": python_arguments(block.get("input"))}})
+        elif kind == "tool_result" and role == "user":
+            text, images = _tool_result(block)
+            conversation.append({"role": "tool", "content": text, "tool_call_id": _text(block.get("tool_use_id"))})
+            if images:
+                conversation.append({"role": "user", "content": images})
+        elif kind == "tool_result":
+            parts.append({"type": "text", "text": "Tool result: " + _tool_result(block)[0]})
+    rebuilt: dict[str, Any] = {"role": role}
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        rebuilt["content"] = parts[0]["text"]
+    elif parts:
+        rebuilt["content"] = parts
+    elif role == "user":
+        return  # reduced to bare tool results: their tool messages are in already
+    if calls:
+        rebuilt["tool_calls"] = calls
+    if reasoning:
+        rebuilt["reasoning"] = reasoning
+    conversation.append(rebuilt)
+
+
+def _tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    schema = tool.get("input_schema")
+    function: dict[str, Any] = {"name": _text(tool.get("name")),
+                                "parameters": schema if schema is not None else {"type": "object"}}
+    if _text(tool.get("description")):
+        function["description"] = tool["description"]
+    function.update({key: tool[key] for key in ("strict", "defer_loading") if isinstance(tool.get(key), bool)})
+    return {"type": "function", "function": function}
+
+
+def messages_payload(body: Mapping[str, Any]) -> dict[str, Any]:
+    """An Anthropic ``/v1/messages`` body as the OpenAI chat vLLM builds of it (tokenizer.go's
+    MessagesToRenderChatRequest): the system prompt first, tool results as tool messages, tool
+    uses as tool calls with CPython-formatted arguments, thinking as reasoning."""
+    conversation: list[dict[str, Any]] = []
+    if system := _system_text(body.get("system")):
+        conversation.append({"role": "system", "content": system})
+    for message in _blocks(body.get("messages")):
+        if message.get("role") == "system":  # not Anthropic input; tolerated as vLLM does
+            if text := _system_text(message.get("content")):
+                conversation.append({"role": "system", "content": text})
+            continue
+        _message(conversation, message)
+    payload: dict[str, Any] = {"messages": conversation}
+    if tools := _blocks(body.get("tools")):
+        payload["tools"] = [_tool(t) for t in tools]
+    return payload
 
 
 def _chat_timeout(backend: VllmRender, body: Mapping[str, Any]) -> float:
