@@ -521,7 +521,10 @@ class Scheduler:
         return result
 
     def prompt_tokens(self, request: PickRequest) -> int:
-        """The request's prompt tokens, estimated from its bytes (no tokenizer here)."""
+        """The request's prompt tokens: the token producer's count when the config runs one (as
+        the reference's context-length and in-flight load read it), else estimated from its bytes."""
+        if request.tokens is not None:
+            return request.tokens.token_count
         return prompt_tokens(request.prompt_bytes, self.config.chars_per_token)
 
     def uncached_tokens(self, request: PickRequest, addresses: Iterable[str]) -> dict[str, int]:

@@ -30,10 +30,10 @@ from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.json_text import go_float, go_marshal
 from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED, PLUGIN_TYPES, MultimodalDecider
-from evergreen_trio.picker.processor import DESTINATION, Picker
+from evergreen_trio.picker.processor import DESTINATION, Picker, StreamReport
 from evergreen_trio.picker.render_client import post_render, render
 from evergreen_trio.picker.routing_headers import ENCODERS_HEADER, PREFILL_HEADER
-from evergreen_trio.picker.scheduler import PoolSnapshot
+from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot
 from evergreen_trio.picker.token_estimate import TokenizedPrompt
 from evergreen_trio.picker.token_producer import TokenProducer
 from evergreen_trio.picker.vllm_render import (
@@ -458,3 +458,19 @@ plugins:
         text = await trio.to_thread.run_sync(upstream_chat, picker.grpc, plain)
         assert ENCODERS_HEADER not in text and PREFILL_HEADER not in text and text[DESTINATION] == decode
 
+
+
+def test_context_length_and_in_flight_load_count_the_producers_tokens() -> None:
+    picker = _picker("""plugins:
+- {type: token-producer, parameters: {estimate: {image: {mode: static, static: {staticToken: 1000}}}}}
+- {type: context-length-aware, parameters: {label: llm-d.ai/role, enableFiltering: true}}
+- {type: decode-filter}
+schedulingProfiles:
+- {name: default, plugins: [{pluginRef: decode-filter}]}
+""")
+    tokens = picker.admit("/v1/chat/completions", {}, json.dumps({"model": "m", **_chat(IMAGE)}).encode(), None,
+                         StreamReport()).tokens
+    assert tokens is not None and tokens.token_count == 1 + 1000  # "user", then the image's placeholders
+    request = PickRequest("m", 0, prompt_bytes=4, tokens=tokens)
+    assert picker.scheduler.prompt_tokens(request) == 1001
+    assert picker.scheduler.prompt_tokens(PickRequest("m", 0, prompt_bytes=4)) == 1
