@@ -15,7 +15,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.plugins import Category, MultimodalDecider, Params, Plugin, PluginType, register
+from evergreen_trio.picker.plugins import (
+    Category,
+    MultimodalDecider,
+    Params,
+    Plugin,
+    PluginType,
+    PrefixDecider,
+    register,
+)
 from evergreen_trio.picker.request import Api
 from evergreen_trio.picker.token_estimate import Estimator, ImageEstimate, TokenizedPrompt, VideoEstimate, estimate
 from evergreen_trio.picker.vllm_render import RenderCall, VllmRender, render_call
@@ -145,12 +153,16 @@ DEFAULT_PRODUCER = TokenProducer(Estimator())
 
 def request_producer(plugins: Mapping[str, Plugin], handler: object) -> TokenProducer | None:
     """The token producer requests run through: the first declared, else (as the reference's
-    framework adds one) the default estimate when a decider reads multimodal features."""
+    framework adds one for plugins consuming its tokens) the default estimate when a P/D or E/PD
+    decider or ``context-length-aware`` counts them. The prefix-cache producer and in-flight load
+    consume them in the reference too; here they keep their own byte estimates (docs/picker.md)."""
     declared = next((p.params for p in plugins.values() if isinstance(p.params, TokenProducer)), None)
     if declared is not None:
         return declared
     deciders = (getattr(handler, "prefill_decider", None), getattr(handler, "encode_decider", None))
-    return DEFAULT_PRODUCER if any(isinstance(d, MultimodalDecider) for d in deciders) else None
+    counted = any(isinstance(d, MultimodalDecider | PrefixDecider) for d in deciders) or any(
+        p.type == "context-length-aware" for p in plugins.values())
+    return DEFAULT_PRODUCER if counted else None
 
 
 def tokenize(producer: TokenProducer, path: str, api: Api, body: Mapping[str, Any],

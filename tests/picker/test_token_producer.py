@@ -474,3 +474,15 @@ schedulingProfiles:
     request = PickRequest("m", 0, prompt_bytes=4, tokens=tokens)
     assert picker.scheduler.prompt_tokens(request) == 1001
     assert picker.scheduler.prompt_tokens(PickRequest("m", 0, prompt_bytes=4)) == 1
+
+
+def test_a_token_counting_plugin_gets_the_default_estimate_producer_as_in_the_reference() -> None:
+    """llm-d-router's framework adds an ``estimate`` token-producer for plugins consuming its tokens:
+    the prefix-based decider then counts an image's placeholders (228 tokens here, not 3)."""
+    picker = _picker((FIXTURES / "e2e-deprecated-pd-config.yaml").read_text())  # nonCachedTokens: 16
+    assert picker.tokens is not None
+    headers = _route(picker, _chat({"type": "text", "text": "describe"}, IMAGE))
+    assert headers[PREFILL_HEADER] == PREFILL
+    context = _picker("plugins:\n- {type: context-length-aware}\n")
+    assert context.tokens is not None
+    assert _picker("plugins:\n- {type: queue-scorer}\n").tokens is None
