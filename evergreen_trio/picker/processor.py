@@ -606,7 +606,7 @@ class ExtProcStream:
                     self.on_unpark()
 
             start_render(admission.render, admission.request_body, rendered)
-            return []
+            return [] if self.parked else list(self.resume())  # a render that called back at once
         return self._dispatch(admission, phase, duplex_end, after)
 
     def _dispatch(self, admission: Admission, phase: str, duplex_end: bool | None,

@@ -9,6 +9,7 @@ As llm-d-router's tokenizer.go: ``estimate`` (the default, tokenizer-free byte p
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,8 @@ from evergreen_trio.picker.plugins import (
 from evergreen_trio.picker.request import Api
 from evergreen_trio.picker.token_estimate import Estimator, ImageEstimate, TokenizedPrompt, VideoEstimate, estimate
 from evergreen_trio.picker.vllm_render import RenderCall, VllmRender, render_call
+
+log = logging.getLogger(__name__)
 
 TOKEN_PRODUCER = "token-producer"
 LEGACY_TOKENIZER = "tokenizer"
@@ -170,9 +173,15 @@ def tokenize(producer: TokenProducer, path: str, api: Api, body: Mapping[str, An
     """A request's tokens by ``producer`` now (None when it has none), or the render to post for
     them (the ``vllm`` backend's, when the prompt is not pre-tokenized)."""
     protocol = protocol_of(path, api)
-    if isinstance(producer.backend, Estimator):
-        return estimate(producer.backend, protocol, body, headers), None
-    call = render_call(producer.backend, protocol, body)
+    try:
+        if isinstance(producer.backend, Estimator):
+            return estimate(producer.backend, protocol, body, headers), None
+        call = render_call(producer.backend, protocol, body)
+    except (ValueError, OverflowError, RecursionError) as exc:
+        # A body Go's decoder would have refused (a number beyond float64), or too deep to write
+        # back: as the reference's director on a producer's error, the request goes on without tokens.
+        log.info("picker.tokens_skipped protocol=%s reason=%s", protocol, type(exc).__name__)
+        return None, None
     return (None, call) if isinstance(call, RenderCall) else (call, None)
 
 

@@ -486,3 +486,25 @@ def test_a_token_counting_plugin_gets_the_default_estimate_producer_as_in_the_re
     context = _picker("plugins:\n- {type: context-length-aware}\n")
     assert context.tokens is not None
     assert _picker("plugins:\n- {type: queue-scorer}\n").tokens is None
+
+
+@pytest.mark.parametrize("tools", ["[1e400]", "[" + "1" + "0" * 400 + "]"])
+def test_a_body_whose_tools_go_cannot_hold_goes_on_without_tokens(tools: str) -> None:
+    picker = _picker((FIXTURES / "sim-e-pd-epp-config.yaml").read_text())
+    stream = picker.new_stream()
+    stream.on_message(request_headers("/v1/chat/completions"))
+    body = '{"model": "m", "tools": ' + tools + ', "messages": [{"role": "user", "content": [' + json.dumps(IMAGE) + "]}]}"
+    (reply, *_) = stream.on_message(request_body(body.encode()))
+    headers = set_headers(reply.request_headers.response.header_mutation)
+    assert headers[DESTINATION] == DECODE and ENCODERS_HEADER not in headers
+
+
+def test_a_render_that_calls_back_at_once_routes_at_once() -> None:
+    picker = _picker("""plugins:
+- {type: decode-filter}
+- {type: token-producer, parameters: {modelName: m}}
+schedulingProfiles:
+- {name: decode, plugins: [{pluginRef: decode-filter}]}
+""")
+    picker.start_render = lambda call, body, done: done(None)
+    assert _route(picker, {"prompt": "hello"}, "/v1/completions")[DESTINATION] == DECODE
