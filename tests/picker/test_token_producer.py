@@ -493,7 +493,8 @@ def test_a_body_whose_tools_go_cannot_hold_goes_on_without_tokens(tools: str) ->
     picker = _picker((FIXTURES / "sim-e-pd-epp-config.yaml").read_text())
     stream = picker.new_stream()
     stream.on_message(request_headers("/v1/chat/completions"))
-    body = '{"model": "m", "tools": ' + tools + ', "messages": [{"role": "user", "content": [' + json.dumps(IMAGE) + "]}]}"
+    messages = json.dumps([{"role": "user", "content": [IMAGE]}])
+    body = '{"model": "m", "tools": ' + tools + ', "messages": ' + messages + "}"
     (reply, *_) = stream.on_message(request_body(body.encode()))
     headers = set_headers(reply.request_headers.response.header_mutation)
     assert headers[DESTINATION] == DECODE and ENCODERS_HEADER not in headers
