@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -462,8 +462,3 @@ def cache_salt(body: Mapping[str, Any]) -> str:
     """The request's ``cache_salt`` (what isolates its prefix cache)."""
     return _text(body.get("cache_salt"))
 
-
-def iter_features(prompt: TokenizedPrompt) -> Iterator[MultiModalFeature]:
-    """Every multimodal feature of every prompt, in prompt order."""
-    for p in prompt.prompts:
-        yield from p.features
