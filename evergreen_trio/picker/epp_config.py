@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# Imported to register their plugin types: request-attribute-reporter, file-discovery.
-from evergreen_trio.picker import attribute_reporter, file_discovery  # noqa: F401
+# Imported to register their plugin types: request-attribute-reporter, file-discovery, token-producer.
+from evergreen_trio.picker import attribute_reporter, file_discovery, token_producer  # noqa: F401
 from evergreen_trio.picker.burst_prefix import check_producers
 from evergreen_trio.picker.checks import mapping, sequence
 from evergreen_trio.picker.dataparallel import DataParallelHandler
@@ -51,9 +51,12 @@ from evergreen_trio.picker.plugins import (
     PLUGIN_TYPES,
     AlwaysDecider,
     Category,
+    Decider,
     DisaggHandler,
     DisaggParams,
     MetricsSourceParams,
+    MultimodalDecider,
+    PickerParams,
     Plugin,
     PrefixDecider,
     PrefixProducerParams,
@@ -156,7 +159,7 @@ def _profile(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Profile:
         raise ConfigError(f"{path}.name", "a profile name", name)
     filters: list[Plugin] = []
     scorers: list[WeightedScorer] = []
-    picker = "max-score-picker"
+    picker, picks = "max-score-picker", 1
     for i, item in enumerate(sequence(entry.get("plugins") or [], f"{path}.plugins")):
         ref_path = f"{path}.plugins[{i}]"
         ref = mapping(item, ref_path)
@@ -175,7 +178,8 @@ def _profile(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Profile:
             scorers.append(WeightedScorer(plugin, float(weight)))
         elif plugin.category is Category.PICKER:
             picker = plugin.type
-    return Profile(name, tuple(filters), tuple(scorers), picker)
+            picks = plugin.params.max_endpoints if isinstance(plugin.params, PickerParams) else 1
+    return Profile(name, tuple(filters), tuple(scorers), picker, picks)
 
 
 def _default_profile(plugins: Mapping[str, Plugin]) -> Profile:
@@ -207,18 +211,20 @@ def _handler(plugins: Mapping[str, Plugin],
     if params.decode not in profiles:
         raise ConfigError(f"{where}.profiles.decode", f"a scheduling profile name ({', '.join(profiles)})",
                           params.decode)
-    if params.encode_decider:
-        raise ConfigError(f"{where}.deciders.encode", "no encode decider (E/PD is not implemented)",
-                          params.encode_decider)
-    decider: PrefixDecider | AlwaysDecider | None = None
-    if params.prefill_decider:
-        chosen = _ref(params.prefill_decider, f"{where}.deciders.prefill", plugins, Category.DECIDER).params
-        assert isinstance(chosen, PrefixDecider | AlwaysDecider)
-        decider = chosen
-    elif params.stage_order == "decode-first":
+    decider = _decider(params.prefill_decider, f"{where}.deciders.prefill", plugins)
+    if decider is None and params.stage_order == "decode-first":
         log.info("picker.pd_off handler=%s (no deciders.prefill: decode profile only)", handler.name)
     return DisaggHandler(params.stage_order, params.decode, params.prefill, params.encode, decider,
-                         params.primary_port)
+                         params.primary_port, _decider(params.encode_decider, f"{where}.deciders.encode", plugins))
+
+
+def _decider(name: str, where: str, plugins: Mapping[str, Plugin]) -> Decider | None:
+    """The decider plugin ``name`` refers to (None for no name)."""
+    if not name:
+        return None
+    chosen = _ref(name, where, plugins, Category.DECIDER).params
+    assert isinstance(chosen, PrefixDecider | AlwaysDecider | MultimodalDecider)
+    return chosen
 
 
 def _prefix_values(plugins: Mapping[str, Plugin]) -> dict[str, Any]:

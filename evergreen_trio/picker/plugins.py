@@ -369,7 +369,7 @@ class PrefixDecider:
     non_cached_tokens: int = 0
     prompt_tokens: int = 0
 
-    def disaggregate(self, prompt_tokens: int, cached_tokens: int) -> bool:
+    def disaggregate(self, prompt_tokens: int, cached_tokens: int, multimodal: bool = False) -> bool:
         if self.non_cached_tokens == 0 or prompt_tokens < self.prompt_tokens:
             return False
         return prompt_tokens >= self.non_cached_tokens and prompt_tokens - cached_tokens >= self.non_cached_tokens
@@ -379,8 +379,20 @@ class PrefixDecider:
 class AlwaysDecider:
     """``always-disagg-pd-decider``: every request runs the prefill profile too."""
 
-    def disaggregate(self, prompt_tokens: int, cached_tokens: int) -> bool:
+    def disaggregate(self, prompt_tokens: int, cached_tokens: int, multimodal: bool = False) -> bool:
         return True
+
+
+@dataclass(frozen=True)
+class MultimodalDecider:
+    """``always-disagg-multimodal-decider``: disaggregate (the encode stage, as a rule) exactly
+    when the token producer found a multimodal item in the prompt."""
+
+    def disaggregate(self, prompt_tokens: int, cached_tokens: int, multimodal: bool = False) -> bool:
+        return multimodal
+
+
+Decider = PrefixDecider | AlwaysDecider | MultimodalDecider
 
 
 def _prefix_decider(params: Params) -> PrefixDecider:
@@ -408,9 +420,9 @@ class DisaggParams:
 
 @dataclass(frozen=True)
 class DisaggHandler:
-    """``disagg-profile-handler`` resolved: profile names and the prefill decider itself.
+    """``disagg-profile-handler`` resolved: profile names and the prefill and encode deciders.
 
-    No decider means no P/D (with decode-first order): only the decode profile runs. A
+    No prefill decider means no P/D (with decode-first order); no encode decider, no E/PD. A
     ``primary_port`` (``pd-profile-handler``'s ``primaryPort``; 0: none) sends the request to the
     decode pod's primary port, data-parallel style.
     """
@@ -419,8 +431,9 @@ class DisaggHandler:
     decode: str = "decode"
     prefill: str = "prefill"
     encode: str = "encode"
-    prefill_decider: PrefixDecider | AlwaysDecider | None = None
+    prefill_decider: Decider | None = None
     primary_port: int = 0
+    encode_decider: Decider | None = None
 
 
 def _stage_order(value: str, where: str) -> str:
@@ -582,6 +595,7 @@ register("pd-profile-handler", PluginType(
     replaced_by="disagg-profile-handler"))
 register("prefix-based-pd-decider", PluginType(Category.DECIDER, ("nonCachedTokens", "promptTokens"), _prefix_decider))
 register("always-disagg-pd-decider", PluginType(Category.DECIDER, (), lambda params: AlwaysDecider()))
+register("always-disagg-multimodal-decider", PluginType(Category.DECIDER, (), lambda params: MultimodalDecider()))
 register("decode-filter", PluginType(Category.FILTER, (), lambda params: DECODE_FILTER))
 register("prefill-filter", PluginType(Category.FILTER, (), lambda params: PREFILL_FILTER))
 register("encode-filter", PluginType(Category.FILTER, (), lambda params: ENCODE_FILTER))
@@ -599,14 +613,14 @@ register("core-metrics-extractor", PluginType(
 # llm-d-router (ebab68792) plugin types this picker does not run: a config naming one fails at
 # startup with a line saying so (a test keeps this list apart from the registered types).
 NOT_IMPLEMENTED_LIST = (
-    "always-disagg-multimodal-decider", "endpoint-notification-source",
+    "endpoint-notification-source",
     "k8s-notification-source", "latency-scorer", "latency-slo-admitter", "local-syncer",
     "multicluster-approx-prefix-cache-producer",
     "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
     "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
     "multicluster-session-affinity-filter", "p2p-source-producer", "precise-prefix-cache-producer",
     "precise-prefix-cache-scorer", "predicted-latency-producer",
-    "slo-headroom-tier-filter", "token-producer", "tokenizer",
+    "slo-headroom-tier-filter",
 )
 NOT_IMPLEMENTED = frozenset(NOT_IMPLEMENTED_LIST)
 
@@ -639,13 +653,15 @@ class WeightedScorer:
 
 @dataclass(frozen=True)
 class Profile:
-    """One scheduling profile: filters in order, weighted scorers, and its picker's type
-    (``max-score-picker`` by default)."""
+    """One scheduling profile: filters in order, weighted scorers, its picker's type
+    (``max-score-picker`` by default) and that picker's ``maxNumOfEndpoints`` (what the encode
+    stage picks; the primary profile's count follows ``extProc.destinationMode``)."""
 
     name: str
     filters: tuple[Plugin, ...] = ()
     scorers: tuple[WeightedScorer, ...] = ()
     picker: str = "max-score-picker"
+    picks: int = 1
 
     def weight(self, scorer_type: str) -> float:
         """The summed weight of this profile's scorers of ``scorer_type``."""

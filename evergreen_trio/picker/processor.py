@@ -20,6 +20,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -55,7 +56,10 @@ from evergreen_trio.picker.served_verifier import (
     SERVED_ENDPOINT_HEADER,
     served_verdict,
 )
+from evergreen_trio.picker.token_estimate import TokenizedPrompt
+from evergreen_trio.picker.token_producer import request_producer, tokenize
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseBody, ResponseFormat, Usage
+from evergreen_trio.picker.vllm_render import RenderCall
 
 DESTINATION = "x-gateway-destination-endpoint"
 FALLBACK = "x-gateway-destination-endpoint-fallback"
@@ -149,6 +153,14 @@ class Admission:
     skip_response: bool = False
     response: ResponseFormat = OPENAI_RESPONSES
     burst_hashes: Sequence[int] = ()  # the prompt's blocks at the burst producer's block size
+    tokens: TokenizedPrompt | None = None
+    render: RenderCall | None = None
+    """The vllm token backend's render to post before the pick (its reply gives ``tokens``)."""
+    request_body: Mapping[str, Any] = field(default_factory=dict)
+
+
+StartRender = Callable[[RenderCall, Mapping[str, Any], Callable[[TokenizedPrompt | None], None]], None]
+"""Starts a render (the runtime's task), which calls back with its tokens (None: it failed)."""
 
 
 class Picker:
@@ -162,6 +174,8 @@ class Picker:
         self.parsers = config.epp.parsers if config.epp is not None else DEFAULT_REGISTRY
         self.plugins = tuple(config.epp.plugins.values()) if config.epp is not None else ()
         self.reporters = attribute_reporters(self.plugins)
+        self.tokens = request_producer(config.epp.plugins if config.epp is not None else {}, config.scheduler.handler)
+        self.start_render: StartRender | None = None  # set by the runtime for the vllm token backend
         self.verifies_served = any(p.type == DESTINATION_ENDPOINT_SERVED_VERIFIER for p in self.plugins)
         self.reads_media = any(p.type == MM_PRODUCER for p in self.plugins)
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight,
@@ -244,6 +258,10 @@ class Picker:
                 admission.output_cap = request.output_cap
                 if self.reads_media and request.api is Api.CHAT:
                     admission.media = media_items(request.body)
+                if self.tokens is not None:
+                    admission.tokens, admission.render = tokenize(self.tokens, path, request.api, request.body,
+                                                                  headers)
+                    admission.request_body = request.body
             objective = None if _OBJECTIVES.isdisjoint(headers) else objective_name(headers)
             if objective is not None and objective in self.objectives:
                 admission.priority = self.objectives[objective]
@@ -261,7 +279,8 @@ class Picker:
     def pick(self, admission: Admission, report: StreamReport) -> Route:
         """Pick endpoints for an admitted request and count it in flight; RequestError for 429/500/503."""
         pick = PickRequest(admission.target_model, admission.priority, admission.hashes, admission.subset,
-                           admission.prompt_bytes, admission.headers, admission.attributes, admission.media)
+                           admission.prompt_bytes, admission.headers, admission.attributes, admission.media,
+                           admission.tokens)
         try:
             schedule = self.scheduler.schedule(pick, self.pick_count)
             endpoints = schedule.endpoints
@@ -447,6 +466,7 @@ class ExtProcStream:
         self.item: QueueItem | None = None
         self.received_at: float | None = None  # when the request headers came (the pool's clock)
         self._resumed: list[ep.ProcessingResponse] = []
+        self._abandoned = False
         self._finish: Callable[[Outcome], list[ep.ProcessingResponse]] | None = None
         self._evicting = False  # in-flight eviction revoked it: resume() ends it
         self._burst: BurstEntry | None = None  # its place in a burst producer's window, once it joined
@@ -494,6 +514,7 @@ class ExtProcStream:
         self.on_unpark = None
         if self._burst is not None:
             self._burst.on_sealed = None  # it stays in its window's assignment, as the reference's
+        self._abandoned = True  # a render still running then routes nothing
         if self.item is not None and self.item.outcome is None and self.picker.flow is not None:
             self.picker.flow.queue.cancel(self.item)
         if self.route is not None:
@@ -592,7 +613,8 @@ class ExtProcStream:
 
     def _decide(self, body: bytes | None, phase: str, *, duplex_end: bool | None = None,
                 after: Sequence[ep.ProcessingResponse] = ()) -> list[ep.ProcessingResponse]:
-        """Admit the request, through flow control when on (it may park here), then route it.
+        """Admit the request, then (with the vllm token backend) render its tokens, then route it
+        through flow control when on: it may park for the render and in the queue.
 
         The replies: the response for ``phase`` carrying the decision (in FULL_DUPLEX_STREAMED
         followed by the body in chunks, the last with ``duplex_end``), or an immediate one; then ``after``.
@@ -602,6 +624,26 @@ class ExtProcStream:
             admission = self.picker.admit(request_path(self.headers), self.headers, body, self.subset, self.report)
         except RequestError as exc:
             return [self._immediate(exc.status, exc.message, exc.dropped_reason), *after]
+        start_render = self.picker.start_render
+        if admission.render is not None and start_render is not None:
+            self.parked = True  # until the render's reply (or its failure) is in
+
+            def rendered(tokens: TokenizedPrompt | None) -> None:
+                if self._abandoned:
+                    return
+                admission.tokens = tokens
+                self.parked = False
+                self._resumed = self._dispatch(admission, phase, duplex_end, after)
+                if not self.parked and self.on_unpark is not None:  # else flow control parked it
+                    self.on_unpark()
+
+            start_render(admission.render, admission.request_body, rendered)
+            return [] if self.parked else list(self.resume())  # a render that called back at once
+        return self._dispatch(admission, phase, duplex_end, after)
+
+    def _dispatch(self, admission: Admission, phase: str, duplex_end: bool | None,
+                  after: Sequence[ep.ProcessingResponse]) -> list[ep.ProcessingResponse]:
+        """Route an admitted request, through flow control when on (it may park here)."""
 
         def finish(outcome: Outcome) -> list[ep.ProcessingResponse]:
             if outcome is not Outcome.DISPATCHED:

@@ -35,9 +35,11 @@ from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.models_poll import poll_models
 from evergreen_trio.picker.processor import ExtProcStream, Picker
+from evergreen_trio.picker.render_client import render_starter
 from evergreen_trio.picker.rollout import RolloutCollector, RolloutScreener
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
+from evergreen_trio.picker.vllm_render import VllmRender
 from evergreen_trio.serving.metrics import Authorize, serve_metrics
 
 log = logging.getLogger(__name__)
@@ -383,6 +385,8 @@ async def run_picker(
     method = ext_proc_method(picker, metrics)
     election, ext_proc = trio.CancelScope(), GracefulStop()
     async with trio.open_nursery() as nursery:
+        if picker.tokens is not None and isinstance(picker.tokens.backend, VllmRender):
+            picker.start_render = render_starter(nursery, picker.tokens.backend)
         scrapers = Scrapers(nursery, config, snapshot, after_scrape)
         if discovery is None:
             scrapers.sync(config.pool.endpoints)

@@ -32,11 +32,12 @@ from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_to
 from evergreen_trio.picker.mm_cache import MEDIA_SCORERS, MEDIA_STATES
 from evergreen_trio.picker.models_source import ModelData
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
-from evergreen_trio.picker.plugins import DisaggHandler, Plugin, PrefixScorerParams, Profile
+from evergreen_trio.picker.plugins import Decider, DisaggHandler, Plugin, PrefixScorerParams, Profile
 from evergreen_trio.picker.rollout import rollout_screeners
 from evergreen_trio.picker.routing_headers import DisaggHeaders, at_primary_port
 from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
 from evergreen_trio.picker.testing_filter import TESTING_FILTERS
+from evergreen_trio.picker.token_estimate import TokenizedPrompt
 from evergreen_trio.picker.topology import TOPOLOGY_FILTERS, TOPOLOGY_SCORERS, TOPOLOGY_STATES
 
 
@@ -191,6 +192,8 @@ class PickRequest:
     headers: Mapping[str, str] = field(default_factory=dict)
     attributes: Mapping[tuple[str, str], str] = field(default_factory=dict)
     media: tuple[bytes, ...] = ()
+    tokens: TokenizedPrompt | None = None
+    """The token producer's tokens (when the config runs one): the deciders count and read them."""
 
 
 @dataclass
@@ -466,18 +469,19 @@ class Scheduler:
             return Schedule(picked, None, {profile.name: picked}, scores)
         result: dict[str, list[str]] = {}
         prefill = profiles.get(handler.prefill)
-        if handler.stage_order == "prefill-first" and prefill is not None:
-            result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
-            self.peer = result[prefill.name][0] if result[prefill.name] else None
+        if handler.stage_order == "prefill-first":
+            if prefill is not None:
+                result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
+                self.peer = result[prefill.name][0] if result[prefill.name] else None
+            self._encode(handler, request, candidates, None, result)
         decode, scores = self.run_profile(profiles[handler.decode], request, candidates, count)
         if not decode:
             raise RequestError(429, f"{NO_ENDPOINTS}: decode profile {handler.decode!r}'s filters kept none",
                                SATURATED)
         result[handler.decode] = decode
-        if handler.stage_order == "decode-first" and prefill is not None and handler.prefill_decider is not None:
-            block_bytes = self.prefix_geometry()[0]
-            cached = self.prefix_matches.get(decode[0], 0) * block_bytes // BYTES_PER_TOKEN
-            if handler.prefill_decider.disaggregate(request.prompt_bytes // BYTES_PER_TOKEN, cached):
+        if handler.stage_order == "decode-first":
+            self._encode(handler, request, candidates, decode[0], result)
+            if prefill is not None and self._decides(handler.prefill_decider, request, decode[0]):
                 self.peer = decode[0]
                 result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
         return Schedule(decode, None, result, scores)
@@ -492,6 +496,24 @@ class Scheduler:
         if not candidates:
             raise RequestError(503, "screeners eliminated all endpoint candidates", Outcome.EVICTED_NO_ENDPOINTS.reason)
         return candidates
+
+    def _decides(self, decider: Decider | None, request: PickRequest, decode: str | None) -> bool:
+        """Whether ``decider`` disaggregates ``request`` (its tokens not cached on the ``decode``
+        pick, none without one), as the reference's deciders read it."""
+        if decider is None:
+            return False
+        tokens = request.tokens
+        cached = self.prefix_matches.get(decode, 0) * self.prefix_geometry()[0] // BYTES_PER_TOKEN if decode else 0
+        count = tokens.token_count if tokens is not None else request.prompt_bytes // BYTES_PER_TOKEN
+        return decider.disaggregate(count, cached, tokens is not None and tokens.multimodal)
+
+    def _encode(self, handler: DisaggHandler, request: PickRequest, candidates: Sequence[EndpointState],
+                decode: str | None, result: dict[str, list[str]]) -> None:
+        """The encode stage (E/PD): when the config has the encode profile and its decider says
+        so, that profile picks its picker's ``maxNumOfEndpoints`` encoders."""
+        encode = self._profiles.get(handler.encode)
+        if encode is not None and self._decides(handler.encode_decider, request, decode):
+            result[encode.name] = self.run_profile(encode, request, candidates, encode.picks)[0]
 
     def run_profile(self, profile: Profile, request: PickRequest, candidates: Sequence[EndpointState],
                     count: int) -> tuple[list[str], dict[str, float]]:
@@ -544,7 +566,10 @@ class Scheduler:
         return result
 
     def prompt_tokens(self, request: PickRequest) -> int:
-        """The request's prompt tokens, estimated from its bytes (no tokenizer here)."""
+        """The request's prompt tokens: the token producer's count when the config runs one (as
+        the reference's context-length and in-flight load read it), else estimated from its bytes."""
+        if request.tokens is not None:
+            return request.tokens.token_count
         return prompt_tokens(request.prompt_bytes, self.config.chars_per_token)
 
     def uncached_tokens(self, request: PickRequest, addresses: Iterable[str],

@@ -30,7 +30,7 @@ from evergreen_trio._asgi import (
     serve_asgi,
 )
 from evergreen_trio._logsafe import peer_text
-from evergreen_trio.sim import api
+from evergreen_trio.sim import api, render
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.errors import SimRequestError
 from evergreen_trio.sim.metrics import SimMetrics
@@ -82,6 +82,8 @@ class SimServer:
             "/metrics": ("GET", self._metrics),
             api.COMPLETIONS: ("POST", self._completion),
             api.CHAT_COMPLETIONS: ("POST", self._completion),
+            render.COMPLETIONS_RENDER: ("POST", self._render),
+            render.CHAT_RENDER: ("POST", self._render),
         }
 
     async def run_scheduler(self) -> None:
@@ -156,6 +158,11 @@ class SimServer:
                 raise SimRequestError(413, f"request body is larger than the limit of {limit} bytes",
                                       error_type="PayloadTooLarge") from None
         raise SimRequestError(408, f"request body: expected it within {BODY_TIMEOUT_S}s", error_type="RequestTimeout")
+
+    async def _render(self, path: str, receive: Receive, send: Send) -> None:
+        body = await self._read_body(receive)
+        reply = render.render_chat if path == render.CHAT_RENDER else render.render_completions
+        await self._respond(send, 200, reply(body, self.config))
 
     async def _completion(self, path: str, receive: Receive, send: Send) -> None:
         request = api.parse_request(path, await self._read_body(receive), self.config)
