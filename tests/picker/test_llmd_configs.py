@@ -33,7 +33,7 @@ EXPECTED = {
     "chart-payload-agnostic.yaml": None,
     "dp-epp-config.yaml": None,
     "e2e-deprecated-pd-config.yaml": None,
-    "epp-burst-prefix-cache-config.yaml": "burst-prefix-cache-producer",  # its token-producer loads
+    "epp-burst-prefix-cache-config.yaml": None,
     "epp-config.yaml": None,
     "gie-v1.5.0-default-plugins.yaml": None,
     "epp-estimate-prefix-cache-config.yaml": None,
