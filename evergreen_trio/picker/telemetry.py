@@ -71,7 +71,6 @@ _REWRITE = ["model_rewrite_name", "model_name", "target_model"]
 # Labelled series kept at hand per picker; label values are already bounded (model names folded,
 # pool endpoints, plugin names), this only caps the map against a pool that churns for months.
 MAX_CACHED_SERIES = 4096
-_ROUTED = object()  # the series map's key for a routed request's series of one label set
 
 
 def alpha(help_: str) -> str:
@@ -307,21 +306,33 @@ class DerivedFamily:
         return [family]
 
 
-class FirstUse:
-    """A histogram series made when first observed (as the reference's ``WithLabelValues(...).Observe``):
-    what a stream's response chunks report their gaps to."""
+class RequestSeries:
+    """One label set's series of the request set (model, target model, fairness id, priority),
+    each made at its first update as the reference's ``WithLabelValues`` makes it, then kept at
+    hand: a routed stream's report holds this (as its ``itl``: the gaps between its chunks).
+    ``routed``: requests, duration, request and response sizes, which every routed request updates."""
 
-    __slots__ = ("_family", "_series", "_values")
+    __slots__ = ("_metrics", "cached", "input", "itl", "labels", "ntpot", "output", "routed", "running", "tpot",
+                 "ttft")
 
-    def __init__(self, family: HistogramFamily, values: tuple[str, ...]) -> None:
-        self._family, self._values = family, values
-        self._series: HistogramSeries | None = None
+    def __init__(self, metrics: PickerMetrics, labels: tuple[str, str, str, str]) -> None:
+        self._metrics, self.labels = metrics, labels
+        self.routed: tuple[CounterSeries, HistogramSeries, HistogramSeries, HistogramSeries] | None = None
+        self.running: GaugeSeries | None = None
+        self.input: HistogramSeries | None = None
+        self.output: HistogramSeries | None = None
+        self.cached: HistogramSeries | None = None
+        self.ntpot: HistogramSeries | None = None
+        self.tpot: HistogramSeries | None = None
+        self.ttft: dict[bool, HistogramSeries] = {}
+        self.itl: HistogramSeries | None = None
 
-    def observe(self, amount: float) -> None:
-        series = self._series
-        if series is None:
-            series = self._series = self._family.labels(*self._values)
-        series.observe(amount)
+    def observe(self, gap: float) -> None:
+        """A streaming response's gap between two chunks (``llm_d_epp_request_streaming_itl_seconds``)."""
+        itl = self.itl
+        if itl is None:
+            itl = self.itl = self._metrics.itl.labels(*self.labels)
+        itl.observe(gap)
 
 
 def _single(family: _Family) -> Any:
@@ -372,6 +383,7 @@ class PickerMetrics:
         self.labels = labels if labels is not None else ModelLabels()
         self.fairness = BoundedLabel()
         self._series: dict[tuple[object, object], Any] = {}
+        self._requests: dict[tuple[str, str, str, str], RequestSeries] = {}
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
 
@@ -516,24 +528,26 @@ class PickerMetrics:
             series = self._series[key] = metric.labels(*values)
         return series
 
-    def _request_labels(self, report: StreamReport) -> tuple[str, str, str, str]:
-        """The request set's label values: the folded models, the bounded fairness id, the priority."""
+    def _request_series(self, report: StreamReport) -> RequestSeries:
+        """The request set's series for the report's labels: the folded models, the bounded fairness
+        id, the priority (what :meth:`started` gave the report, else looked up)."""
+        series = report.itl
+        if isinstance(series, RequestSeries):
+            return series
         model, target = self.labels.pair(report.client_model, report.target_model)
-        return model, target, self.fairness.bound(report.fairness_id), str(report.priority)
-
-    def _routed_series(self, labels: tuple[str, str, str, str], running: bool) -> tuple[Any, ...]:
-        """A routed request's series (running when the client named a model, requests, duration,
-        request and response sizes) by one lookup; made in that order the first time, as one by one."""
-        key = (_ROUTED, (*labels, running))
-        series = self._series.get(key)
+        labels = model, target, self.fairness.bound(report.fairness_id), str(report.priority)
+        series = self._requests.get(labels)
         if series is None:
-            series = (self._series_of(self.running, *labels) if running else None,
-                      self._series_of(self.requests, *labels), self._series_of(self.duration, *labels),
-                      self._series_of(self.request_sizes, *labels), self._series_of(self.response_sizes, *labels))
-            if len(self._series) >= MAX_CACHED_SERIES:
-                self._series.clear()
-            self._series[key] = series
+            if len(self._requests) >= MAX_CACHED_SERIES:
+                self._requests.clear()
+            series = self._requests[labels] = RequestSeries(self, labels)
         return series
+
+    def _running(self, series: RequestSeries) -> GaugeSeries:
+        running = series.running
+        if running is None:
+            running = series.running = self.running.labels(*series.labels)
+        return running
 
     def _scorer_series(self, plugin: str) -> HistogramSeries:
         key = (self.plugin_duration, plugin)
@@ -569,38 +583,24 @@ class PickerMetrics:
         self.gauges.observe_pool(snapshot)
 
     def started(self, report: StreamReport) -> None:
-        """The request was routed: it runs until :meth:`record`; its response chunks' gaps go to
-        ``report.itl`` (streaming responses only)."""
-        labels = self._request_labels(report)
-        if report.client_model:
-            self._series_of(self.running, *labels).inc()
-        report.itl = FirstUse(self.itl, labels)
+        """The request was routed: it runs until :meth:`record`; its series go with the report
+        (``report.itl``, where a streaming response's chunk gaps go)."""
+        series = self._request_series(report)
+        if report.client_model:  # the reference counts no running request without a model name
+            self._running(series).inc()
+        report.itl = series
 
     def record(self, report: StreamReport, duration_s: float, *, prefix_index_size: int | None = None) -> None:
         """Everything one finished stream did; ``duration_s`` from its first message to its end."""
-        labels = self._request_labels(report)
+        series = self._request_series(report)
         if report.error is not None:
-            self._series_of(self.errors, *labels, error_code(report.error)).inc()
+            self._series_of(self.errors, *series.labels, error_code(report.error)).inc()
         if report.processing_s is not None:
             self._request_processing.observe(report.processing_s)
         if report.scheduled is not None:
             self._attempt_series(report).inc()
         if report.routed:
-            running, requests, duration, request_sizes, response_sizes = self._routed_series(
-                labels, bool(report.client_model))
-            if running is not None:
-                running.dec()
-            requests.inc()
-            duration.observe(duration_s)
-            request_sizes.observe(report.request_bytes)
-            response_sizes.observe(report.response_bytes)
-            ttft = report.ttft_s
-            if ttft is not None and ttft > 0:  # the reference's: a first byte, after the request came
-                self._series_of(self.ttft, *labels, "true" if report.streaming else "false").observe(ttft)
-            if report.response_processing_s > 0:
-                self._response_processing.observe(report.response_processing_s)
-            if report.rewrite is not None:
-                self._series_of(self.rewrites, report.rewrite, labels[0], labels[1]).inc()
+            self._record_routed(report, series, duration_s)
         if report.scheduling_s is not None:
             self._scheduling.observe(report.scheduling_s)
         for plugin, seconds in report.scorer_s.items():
@@ -616,24 +616,60 @@ class PickerMetrics:
             self._series_of(self.served, endpoint).inc()
         usage = report.usage
         if usage is not None:
-            self._record_usage(report, usage, labels, duration_s)
+            self._record_usage(report, usage, series, duration_s)
 
-    def _record_usage(self, report: StreamReport, usage: Usage, labels: tuple[str, str, str, str],
-                      duration_s: float) -> None:
+    def _record_routed(self, report: StreamReport, series: RequestSeries, duration_s: float) -> None:
+        routed = series.routed
+        if routed is None:
+            labels = series.labels
+            routed = series.routed = (self.requests.labels(*labels), self.duration.labels(*labels),
+                                      self.request_sizes.labels(*labels), self.response_sizes.labels(*labels))
+        requests, duration, request_sizes, response_sizes = routed
+        if report.client_model:
+            self._running(series).dec()
+        requests.inc()
+        duration.observe(duration_s)
+        request_sizes.observe(report.request_bytes)
+        response_sizes.observe(report.response_bytes)
+        ttft = report.ttft_s
+        if ttft is not None and ttft > 0:  # the reference's: a first byte, after the request came
+            streaming = report.streaming
+            ttft_series = series.ttft.get(streaming)
+            if ttft_series is None:
+                value = "true" if streaming else "false"
+                ttft_series = series.ttft[streaming] = self.ttft.labels(*series.labels, value)
+            ttft_series.observe(ttft)
+        if report.response_processing_s > 0:
+            self._response_processing.observe(report.response_processing_s)
+        if report.rewrite is not None:
+            self._series_of(self.rewrites, report.rewrite, series.labels[0], series.labels[1]).inc()
+
+    def _record_usage(self, report: StreamReport, usage: Usage, series: RequestSeries, duration_s: float) -> None:
         """Token counts, and what they normalize: NTPOT, and TPOT for a streamed response (as the
         reference: more than one output token, a first byte before the end)."""
         prompt, completion, cached = usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
+        labels = series.labels
         if prompt:
-            self._series_of(self.input_tokens, *labels).observe(prompt)
+            if series.input is None:
+                series.input = self.input_tokens.labels(*labels)
+            series.input.observe(prompt)
         if completion:
-            self._series_of(self.output_tokens, *labels).observe(completion)
+            if series.output is None:
+                series.output = self.output_tokens.labels(*labels)
+            series.output.observe(completion)
             if report.routed:
-                self._series_of(self.ntpot, *labels).observe(duration_s / completion)
+                if series.ntpot is None:
+                    series.ntpot = self.ntpot.labels(*labels)
+                series.ntpot.observe(duration_s / completion)
                 ttft = report.ttft_s
-                if (report.streaming and completion > 1 and ttft is not None and 0 < ttft < duration_s):
-                    self._series_of(self.tpot, *labels).observe((duration_s - ttft) / (completion - 1))
+                if report.streaming and completion > 1 and ttft is not None and 0 < ttft < duration_s:
+                    if series.tpot is None:
+                        series.tpot = self.tpot.labels(*labels)
+                    series.tpot.observe((duration_s - ttft) / (completion - 1))
         if cached is not None:
-            self._series_of(self.cached_tokens, *labels).observe(cached)
+            if series.cached is None:
+                series.cached = self.cached_tokens.labels(*labels)
+            series.cached.observe(cached)
         for kind, value in (("prompt", prompt), ("completion", completion), ("cached", cached)):
             if value:
                 self._series_of(self.tokens, labels[0], kind).inc(value)
