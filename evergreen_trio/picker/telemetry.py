@@ -328,7 +328,10 @@ class RequestSeries:
         self.itl: HistogramSeries | None = None
 
     def observe(self, gap: float) -> None:
-        """A streaming response's gap between two chunks (``llm_d_epp_request_streaming_itl_seconds``)."""
+        """A streaming response's gap between two chunks (``llm_d_epp_request_streaming_itl_seconds``);
+        a negative one is no observation, as the reference's."""
+        if gap < 0:
+            return
         itl = self.itl
         if itl is None:
             itl = self.itl = self._metrics.itl.labels(*self.labels)
