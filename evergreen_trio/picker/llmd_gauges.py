@@ -49,8 +49,9 @@ def mean_and_deviation(values: Sequence[float]) -> tuple[float, float]:
 
 
 class LlmdGauges:
-    """Pool summaries, build info, per-endpoint queue and in-flight load, flow control's queue,
-    saturation and capacity use."""
+    """Pool summaries, build info, per-endpoint queue and in-flight load, flow control's saturation
+    and capacity use (what it holds per request: :mod:`evergreen_trio.picker.flow_metrics`), the
+    data layer's error counters."""
 
     def __init__(self, registry: CollectorRegistry, pool: str, build_ref: str) -> None:
         self.pool = pool
@@ -93,12 +94,6 @@ class LlmdGauges:
                                        ["endpoint_name"], registry=r)
         self.inflight_tokens = Gauge("llm_d_epp_inflight_tokens", "In-flight tokens per endpoint",
                                      ["endpoint_name"], registry=r)
-        self.queue_size = gauge("llm_d_epp_flow_control_queue_size",
-                                "Current number of requests actively held in the Flow Control queue.",
-                                ["priority", "inference_pool"])
-        self.queue_bytes = gauge("llm_d_epp_flow_control_queue_bytes",
-                                 "Current total size in bytes of requests actively held in the Flow Control queue.",
-                                 ["priority", "inference_pool"])
         stages = ["inference_pool", "stage"]
         self.saturation = (
             Gauge("inference_extension_flow_control_pool_saturation", _DEPRECATED.format(
@@ -184,13 +179,7 @@ class LlmdGauges:
             self.inflight_tokens.labels(address).set(load.tokens(address))
         if flow is None:
             return
-        self.queue_size.clear()
-        self.queue_bytes.clear()
-        stats = flow.queue.stats()
-        for priority, (requests, size) in stats.items():
-            self.queue_size.labels(str(priority), self.pool).set(requests)
-            self.queue_bytes.labels(str(priority), self.pool).set(size)
-        self._capacity(flow, stats)
+        self._capacity(flow, flow.queue.stats())
         flow.saturation()  # read now: the stages' readings too
         for gauge in self.saturation:
             gauge.clear()  # a stage with no endpoint is no series, as the reference deletes it

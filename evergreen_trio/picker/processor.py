@@ -632,7 +632,8 @@ class ExtProcStream:
             return finish(Outcome.DISPATCHED)
         self._finish = finish
         self.item = QueueItem(admission.fairness_id, admission.priority, admission.byte_size, self._on_outcome,
-                              admission.headers, self.received_at, on_evict=self._on_evict)
+                              admission.headers, self.received_at, on_evict=self._on_evict,
+                              models=(admission.client_model or "", admission.target_model or ""))
         self.picker.flow.submit(self.item)
         if self.item.outcome is None:
             self.parked = True

@@ -31,6 +31,7 @@ from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.flow_control.gate import FlowGate
+from evergreen_trio.picker.flow_metrics import FlowControlMetrics
 from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.models_poll import poll_models
 from evergreen_trio.picker.processor import ExtProcStream, Picker
@@ -388,6 +389,7 @@ async def run_picker(
     metrics = PickerMetrics(config.pool.name, labels=ModelLabels.for_config(config),
                             stream_metrics=config.ext_proc.stream_metrics)
     picker = Picker(config, snapshot)
+    flow_metrics = FlowControlMetrics(metrics)  # registered with or without flow control, as the reference's
     readiness = Readiness(config.pool.name, discovered=discovery is not None, elected=leader_election is not None)
 
     flow_wake = [trio.Event()]
@@ -434,6 +436,7 @@ async def run_picker(
             picker.flow.wake = lambda: flow_wake[0].set()  # an evicted request ended: poll again at once
             if picker.flow.reclamation is not None:
                 picker.flow.reclamation.observer = metrics.reclamation
+            picker.flow.queue.observer = flow_metrics
             nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0], new_flow_wake)
         grpc_bound = await nursery.start(partial(
             serve_grpc, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context,

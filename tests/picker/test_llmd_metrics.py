@@ -22,7 +22,10 @@ from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
 from evergreen_trio.picker.attributes import fairness_label
 from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics, render_metrics
+from evergreen_trio.picker.flow_control.config import BandConfig, FlowControlConfig
 from evergreen_trio.picker.flow_control.gate import FlowGate
+from evergreen_trio.picker.flow_control.queue import FlowQueue, Outcome, QueueItem
+from evergreen_trio.picker.flow_metrics import FlowControlMetrics, outcome_name
 from evergreen_trio.picker.guards import OTHER_MODEL, BoundedLabel
 from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.llmd_gauges import LlmdGauges, go_round2, mean_and_deviation
@@ -361,3 +364,54 @@ async def test_a_scrape_that_fails_is_a_poll_error_and_one_that_does_not_parse_a
     for name in ("llm_d_epp_datalayer_extract_errors_total",
                  "llm_d_inference_scheduler_datalayer_extract_errors_total"):
         assert got[key(name, source_type=METRICS_SOURCE, extractor_type=METRICS_EXTRACTOR)] == 1
+
+
+# -- flow control's per-request metrics ------------------------------------------------------------------
+
+
+class StepClock:
+    def __init__(self) -> None:
+        self.now = 10.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_flow_control_holds_counts_and_times_each_request_under_both_names() -> None:
+    metrics = PickerMetrics("pool")
+    flow = FlowControlMetrics(metrics)
+    clock = StepClock()
+    queue = FlowQueue(FlowControlConfig(bands=(BandConfig(5, max_bytes=100, max_requests=1),)), clock)
+    queue.observer = flow
+    outcomes: list[Outcome] = []
+    first, second = (QueueItem("tenant-a", 5, 60, outcomes.append, models=("m10", "t10")) for _ in range(2))
+    assert queue.enqueue(first) and not queue.enqueue(second)  # the band holds one
+    held = {"fairness_id": "tenant-a", "priority": "5", "inference_pool": "pool", "model_name": "m10",
+            "target_model_name": "t10"}
+    got = samples(metrics.registry)
+    for prefix in ("llm_d_epp", "inference_extension"):
+        assert got[key(f"{prefix}_flow_control_queue_size", **held)] == 1
+        assert got[key(f"{prefix}_flow_control_queue_bytes", **held)] == 60
+        assert got[key(f"{prefix}_flow_control_request_queue_duration_seconds_count", **held,
+                       outcome="RejectedCapacity")] == 1
+        assert got[key(f"{prefix}_flow_control_request_enqueue_duration_seconds_count", fairness_id="tenant-a",
+                       priority="5", outcome="NotYetFinalized")] == 1
+    clock.now += 0.3
+    assert queue.dispatch(lambda: 0.0) == 1
+    got = samples(metrics.registry)
+    assert got[key("llm_d_epp_flow_control_queue_size", **held)] == 0
+    assert got[key("llm_d_epp_flow_control_request_queue_duration_seconds_sum", **held,
+                   outcome="Dispatched")] == pytest.approx(0.3)
+    for outcome in ("Dispatched", "RejectedCapacity"):
+        assert got[key("llm_d_epp_flow_control_requests_total", outcome=outcome, priority="5",
+                       inference_pool="pool")] == 1
+    assert got[key("llm_d_epp_flow_control_dispatch_cycle_duration_seconds_count")] >= 1
+    assert not any(name.startswith("inference_extension_flow_control_requests") for name, _ in got)  # no alias
+
+
+def test_a_shutdown_rejects_newcomers_and_evicts_the_queued() -> None:
+    item = QueueItem("f", 0, 1, lambda outcome: None)
+    assert outcome_name(item, Outcome.SHUTTING_DOWN) == "RejectedOther"
+    item.seq = 3
+    assert outcome_name(item, Outcome.SHUTTING_DOWN) == "EvictedOther"
+    assert outcome_name(item, None) == "NotYetFinalized"

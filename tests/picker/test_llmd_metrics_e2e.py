@@ -43,7 +43,7 @@ models:
     ports: PickerPorts = await nursery.start(partial(run_picker, config, grpc_port=0, health_port=0,
                                                      metrics_port=0))
     with trio.fail_after(10):
-        while not (await scrape(ports)).get(("llm_d_epp_ready_endpoints", frozenset({("name", "pool")}))):
+        while not (await scrape(ports)).get(("llm_d_epp_ready_endpoints", frozenset({("name", "pool")}))):  # noqa: ASYNC110
             await trio.sleep(0.02)
     return ports
 
