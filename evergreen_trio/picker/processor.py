@@ -580,6 +580,7 @@ class ExtProcStream:
         if self.body_bytes > self.limits.max_request_body_bytes:
             self.routed = True
             self.chunks.clear()
+            self._processed()
             return [self._immediate(413, f"request body larger than {self.limits.max_request_body_bytes} bytes")]
         if self.request_mode == FULL_DUPLEX:
             end = message.request_body.end_of_stream

@@ -13,6 +13,9 @@ read into prometheus_client's metric families when it is scraped, and expose exa
 ``Counter``, ``Gauge`` and ``Histogram`` would (names, labels, ``le`` values, ``_created``, series
 order: ``tests/picker/test_telemetry.py`` compares the two). A scrape renders in a worker thread
 and may see a request's updates half done, as prometheus_client's per-value locks allow too.
+
+A request updates llm-d-router's ``llm_d_epp_*`` families only; the deprecated names it also
+exports are :class:`DerivedFamily` sums of them, computed when scraped (docs/picker.md, Metrics).
 """
 
 from __future__ import annotations

@@ -415,3 +415,15 @@ def test_a_shutdown_rejects_newcomers_and_evicts_the_queued() -> None:
     item.seq = 3
     assert outcome_name(item, Outcome.SHUTTING_DOWN) == "EvictedOther"
     assert outcome_name(item, None) == "NotYetFinalized"
+
+
+def test_a_refused_request_is_processed_when_refused() -> None:
+    """The reference records the processing time of request-phase failures too (they are its slowest)."""
+    for body, status in ((b'{"model":"nope"}', 404), (b"x" * (16 << 20 | 1), 413)):
+        picker = make_picker()
+        picker.snapshot.clock = Clock()
+        stream = picker.new_stream()
+        stream.on_message(request_headers())
+        (reply,) = stream.on_message(request_body(body))
+        assert reply.immediate_response.status.code == status
+        assert stream.report.processing_s is not None and stream.report.processing_s > 0
