@@ -352,12 +352,12 @@ class StreamMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.inflight = GaugeFamily("llm_d_epp_extproc_streams_inflight",
-                                    "Number of ext_proc gRPC streams currently open.", registry=registry)
+                                    alpha("Number of ext_proc gRPC streams currently open."), registry=registry)
         self.duration = HistogramFamily("llm_d_epp_extproc_stream_duration_seconds",
-                                        "Duration an ext_proc gRPC stream stays open, in seconds.",
+                                        alpha("Duration an ext_proc gRPC stream stays open, in seconds."),
                                         buckets=_STREAM_BUCKETS, registry=registry)
         self.ended = CounterFamily("llm_d_epp_extproc_streams",
-                                   "Total ext_proc gRPC streams completed, by gRPC status code.", ["code"],
+                                   alpha("Total ext_proc gRPC streams completed, by gRPC status code."), ["code"],
                                    registry=registry)
         self._inflight: GaugeSeries = _single(self.inflight)
         self._duration: HistogramSeries = _single(self.duration)

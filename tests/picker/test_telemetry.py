@@ -58,13 +58,14 @@ from evergreen_trio.picker.usage import Usage
 
 class ReferenceStreamMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.inflight = Gauge("llm_d_epp_extproc_streams_inflight", "Number of ext_proc gRPC streams currently open.",
-                              registry=registry)
+        self.inflight = Gauge("llm_d_epp_extproc_streams_inflight",
+                              alpha("Number of ext_proc gRPC streams currently open."), registry=registry)
         self.duration = Histogram("llm_d_epp_extproc_stream_duration_seconds",
-                                  "Duration an ext_proc gRPC stream stays open, in seconds.",
+                                  alpha("Duration an ext_proc gRPC stream stays open, in seconds."),
                                   buckets=_STREAM_BUCKETS, registry=registry)
-        self.ended = Counter("llm_d_epp_extproc_streams", "Total ext_proc gRPC streams completed, by gRPC status code.",
-                             ["code"], registry=registry)
+        self.ended = Counter("llm_d_epp_extproc_streams",
+                             alpha("Total ext_proc gRPC streams completed, by gRPC status code."), ["code"],
+                             registry=registry)
 
     def opened(self) -> None:
         self.inflight.inc()
