@@ -60,14 +60,18 @@ class Noop:
         return ()
 
 
+def noop_method(endpoints: Sequence[str]) -> SyncBidiMethod[ep.ProcessingRequest, ep.ProcessingResponse]:
+    """The ext_proc ``Process`` method served by :class:`Noop` streams, routing to ``endpoints`` in turn."""
+    routes = itertools.cycle([_route(e) for e in endpoints])
+    return SyncBidiMethod(PROCESS_PATH, ep.ProcessingRequest, partial(Noop, routes))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--endpoint", action="append", required=True)
     args = parser.parse_args()
-    routes = itertools.cycle([_route(e) for e in args.endpoint])
-    method = SyncBidiMethod(PROCESS_PATH, ep.ProcessingRequest, partial(Noop, routes))
-    trio.run(partial(serve_grpc, [method], "127.0.0.1", args.port))
+    trio.run(partial(serve_grpc, [noop_method(args.endpoint)], "127.0.0.1", args.port))
 
 
 if __name__ == "__main__":

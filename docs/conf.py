@@ -52,4 +52,6 @@ nitpick_ignore = [
     ("py:class", "_Counter"),
     # How an IpcClient opens its connection (connect() and connect_device() build it, never users).
     ("py:class", "OpenConnection"),
+    # The candidate type RolloutScreener.screen is generic over (the scheduler's EndpointState).
+    ("py:class", "evergreen_trio.picker.rollout.T"),
 ]

@@ -27,6 +27,7 @@ import yaml
 from evergreen_trio.picker.affinity import PREFIX_READERS
 from evergreen_trio.picker.checks import integer, mapping, number, sequence, string
 from evergreen_trio.picker.dataparallel import DataParallelHandler
+from evergreen_trio.picker.dcgm import DcgmSource
 from evergreen_trio.picker.engine_metrics import ENGINE_ALIASES, ENGINE_METRICS, EngineConfig
 from evergreen_trio.picker.epp_config import EppConfig, is_endpoint_picker_config, read_endpoint_picker_config
 from evergreen_trio.picker.errors import ConfigError
@@ -70,12 +71,18 @@ class DestinationMode(enum.Enum):
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One model server: ``host:port``, the engine whose metric names it exports, its pod labels."""
+    """One model server: ``host:port``, the engine whose metric names it exports, its pod labels,
+    and what discovery knows of its pod: its name (a file entry's ``name``), its ``spec.hostname``
+    and its node's IP (``status.hostIP``), empty where unknown. Those three are not compared: an
+    endpoint is its address, engine and labels."""
 
     host: str
     port: int
     engine: str = "vllm"
     labels: tuple[tuple[str, str], ...] = ()
+    name: str = field(default="", compare=False)
+    hostname: str = field(default="", compare=False)
+    node_address: str = field(default="", compare=False)
 
     @cached_property
     def address(self) -> str:
@@ -112,7 +119,8 @@ class PoolConfig:
 
     ``metrics_port`` (a ``metrics-data-source`` port) scrapes that port instead of the serving
     one; ``engines`` says which metric names each pod's engine exports; ``models_sources`` read
-    each endpoint's served models (``models-data-source``s wired to a ``models-data-extractor``).
+    each endpoint's served models (``models-data-source``s wired to a ``models-data-extractor``),
+    ``dcgm_sources`` its GPU utilization (``dcgm-data-source``s wired to a ``dcgm-extractor``).
     """
 
     name: str
@@ -124,6 +132,7 @@ class PoolConfig:
     metrics_port: int | None = None
     engines: EngineConfig = field(default_factory=EngineConfig)
     models_sources: tuple[ModelsSource, ...] = ()
+    dcgm_sources: tuple[DcgmSource, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,11 @@ The attribute is named by ``attribute`` (the filter) or ``attributeKey`` (the sc
 ``producer``: omitted, the ``core-metrics-extractor``, whose engines' ``customMetrics`` publish
 attributes from each scrape (:mod:`evergreen_trio.picker.engine_metrics`); a name holding ``/``
 then needs ``producer`` set (it is the old combined ``Attribute/Producer`` spelling, which would
-match nothing). No other producer runs here, so another one's attribute is missing on every
-endpoint; a warning at startup says so, as it does for a name no engine's ``customMetrics`` has
-(the reference warns of neither). Both read the endpoint's last scrape, stale or not, as
-the reference reads its attribute map.
+match nothing). ``dcgm-extractor`` publishes ``GPUUtilization`` (:mod:`evergreen_trio.picker.dcgm`);
+no other producer runs here, so another one's attribute is missing on every endpoint; a warning
+at startup says so, as it does for a name no engine's ``customMetrics`` has and for the DCGM
+attribute with no ``dcgm-extractor`` declared (the reference warns of none of these). Both read
+the endpoint's last value, stale or not, as the reference reads its attribute map.
 
 - The filter keeps the endpoints whose value compares true against ``algorithm.threshold``
   (``operator`` ``LessThan`` ... ``NotEqual``, ``value``); an endpoint without the attribute is
@@ -31,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from evergreen_trio.picker.dcgm import dcgm_published
 from evergreen_trio.picker.engine_metrics import EndpointMetrics, EngineConfig
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, register
@@ -58,11 +60,12 @@ class AttributeKey:
     name: str
     producer: str = CORE_PRODUCER
 
-    def read(self, metrics: EndpointMetrics | None) -> float | None:
-        """The value in an endpoint's last scrape; None when it lacks one (or no producer here publishes it)."""
-        if metrics is None or self.producer != CORE_PRODUCER:
-            return None
-        return metrics.attributes.get(self.name)
+    def read(self, state: EndpointState) -> float | None:
+        """The endpoint's value: the core extractor's from its last scrape, another producer's from
+        its attributes; None when it lacks one."""
+        if self.producer != CORE_PRODUCER:
+            return state.attributes.get((self.name, self.producer))
+        return state.metrics.attributes.get(self.name) if state.metrics is not None else None
 
 
 def _attribute_key(params: Params, name_field: str) -> AttributeKey:
@@ -190,12 +193,15 @@ def warn_unpublished(plugins: Mapping[str, Plugin]) -> None:
     producer's, or a name no engine's ``customMetrics`` has (every endpoint then lacks it)."""
     engines = [p.params for p in plugins.values() if isinstance(p.params, EngineConfig)]
     published = {key for config in engines for spec in config.engines.values() for key, _ in spec.custom}
+    others = dcgm_published(plugins)
     for plugin in plugins.values():
         if not isinstance(plugin.params, AttributeFilterParams | AttributeScorerParams):
             continue
         key = plugin.params.key
         if key.producer != CORE_PRODUCER:
-            why = f"no plugin this picker runs publishes attributes of producer {key.producer!r}"
+            if (key.name, key.producer) in others:
+                continue
+            why = f"no plugin declared here publishes {key.name!r} of producer {key.producer!r}"
         elif key.name not in published:
             why = "no customMetrics entry of core-metrics-extractor has that attributeKey"
         else:
@@ -208,7 +214,7 @@ def warn_unpublished(plugins: Mapping[str, Plugin]) -> None:
 
 
 def _values(key: AttributeKey, candidates: Sequence[EndpointState]) -> dict[str, float | None]:
-    return {s.endpoint.address: key.read(s.metrics) for s in candidates}
+    return {s.endpoint.address: key.read(s) for s in candidates}
 
 
 def _filter(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],

@@ -35,11 +35,14 @@ from typing import Any
 
 # Imported to register their plugin types: request-attribute-reporter, file-discovery.
 from evergreen_trio.picker import attribute_reporter, file_discovery  # noqa: F401
+from evergreen_trio.picker.burst_prefix import check_producers
 from evergreen_trio.picker.checks import mapping, sequence
 from evergreen_trio.picker.dataparallel import DataParallelHandler
+from evergreen_trio.picker.dcgm import DCGM_DATA_SOURCE, DCGM_EXTRACTOR, DcgmSource
 from evergreen_trio.picker.endpoint_attribute import warn_unpublished
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
+from evergreen_trio.picker.mm_cache import with_default_producer
 from evergreen_trio.picker.models_source import MODELS_DATA_EXTRACTOR, MODELS_DATA_SOURCE, ModelsSource
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import ParserRegistry
@@ -60,6 +63,7 @@ from evergreen_trio.picker.plugins import (
     deprecated,
     read_plugin,
 )
+from evergreen_trio.picker.topology import warn_unproduced as warn_no_topology
 
 log = logging.getLogger(__name__)
 
@@ -248,19 +252,21 @@ def _pool_values(plugins: Mapping[str, Plugin]) -> dict[str, Any]:
 
 
 # Extractor type -> the source type whose data it reads (the reference fails startup on a mismatch).
-_EXTRACTS = {"core-metrics-extractor": "metrics-data-source", MODELS_DATA_EXTRACTOR: MODELS_DATA_SOURCE}
+_EXTRACTS = {"core-metrics-extractor": "metrics-data-source", MODELS_DATA_EXTRACTOR: MODELS_DATA_SOURCE,
+             DCGM_EXTRACTOR: DCGM_DATA_SOURCE}
+# Polled sources -> the pool field listing them: a source is polled when listed with its extractor.
+_POLLED = {MODELS_DATA_EXTRACTOR: "models_sources", DCGM_EXTRACTOR: "dcgm_sources"}
 
 
-def _data_layer(doc: Mapping[str, Any],
-                plugins: Mapping[str, Plugin]) -> tuple[Plugin | None, tuple[ModelsSource, ...]]:
-    """Check ``dataLayer``: the plugin ``discovery.pluginRef`` names, if any, and the models sources
-    listed with a models extractor (the ones worth polling)."""
+def _data_layer(doc: Mapping[str, Any], plugins: Mapping[str, Plugin]) -> tuple[Plugin | None, dict[str, Any]]:
+    """Check ``dataLayer``: the plugin ``discovery.pluginRef`` names, if any, and the pool fields
+    listing the polled sources (those listed with their extractor: the ones worth polling)."""
     path = f"{KIND}.dataLayer"
     layer = mapping(doc.get("dataLayer") or {}, path)
     for key in layer:
         if key not in ("sources", "discovery"):
             raise ConfigError(f"{path}.{key}", "one of ['discovery', 'sources']", key)
-    models: list[ModelsSource] = []
+    polled_sources: dict[str, list[ModelsSource | DcgmSource]] = {}
     for i, raw in enumerate(sequence(layer.get("sources") or [], f"{path}.sources")):
         source = mapping(raw, f"{path}.sources[{i}]")
         for key in source:
@@ -273,16 +279,18 @@ def _data_layer(doc: Mapping[str, Any],
             if _EXTRACTS.get(reads.type, polled.type) != polled.type:
                 raise ConfigError(f"{where}.pluginRef", f"an extractor of {polled.type}'s data",
                                   f"{reads.name} (a {reads.type}, which reads a {_EXTRACTS[reads.type]}'s)")
-            if reads.type == MODELS_DATA_EXTRACTOR and isinstance(polled.params, ModelsSource) \
-                    and polled.params not in models:
-                models.append(polled.params)
+            listed = polled_sources.setdefault(_POLLED[reads.type], []) if reads.type in _POLLED else None
+            if listed is not None and isinstance(polled.params, ModelsSource | DcgmSource) \
+                    and polled.params not in listed:
+                listed.append(polled.params)
+    sources = {key: tuple(listed) for key, listed in polled_sources.items()}
     if layer.get("discovery") is None:
-        return None, tuple(models)
+        return None, sources
     discovery = mapping(layer["discovery"], f"{path}.discovery")
     for key in discovery:
         if key != "pluginRef":
             raise ConfigError(f"{path}.discovery.{key}", "one of ['pluginRef']", key)
-    return _ref(discovery.get("pluginRef"), f"{path}.discovery.pluginRef", plugins, Category.DISCOVERY), tuple(models)
+    return _ref(discovery.get("pluginRef"), f"{path}.discovery.pluginRef", plugins, Category.DISCOVERY), sources
 
 
 def _parser(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Plugin:
@@ -329,7 +337,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
             raise ConfigError(f"{KIND}.{key}", "a section this picker implements", "flowControl (not implemented)")
         if key not in allowed:
             raise ConfigError(f"{KIND}.{key}", f"one of {sorted(allowed)}", key)
-    plugins = _plugins(doc)
+    plugins = with_default_producer(_plugins(doc), f"{KIND}.plugins")
     raw_profiles = sequence(doc.get("schedulingProfiles") or [], f"{KIND}.schedulingProfiles")
     profiles: dict[str, Profile] = {}
     for i, raw in enumerate(raw_profiles):
@@ -340,7 +348,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
     if not profiles:
         profiles["default"] = _default_profile(plugins)
     handler = _handler(plugins, profiles)
-    discovery, models_sources = _data_layer(doc, plugins)
+    discovery, polled_sources = _data_layer(doc, plugins)
     parsers = _request_handler(doc, plugins)
     first = next(iter(profiles.values()))
     values: dict[str, Any] = {field: first.weight(kind) for kind, field in SCORERS.items()}
@@ -372,9 +380,9 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
         if name in doc:
             extra.update(reader(doc[name], f"{KIND}.{name}", plugins))
     warn_unpublished(plugins)
-    pool = _pool_values(plugins)
-    if models_sources:
-        pool["models_sources"] = models_sources
+    check_producers(plugins, lambda name: f"{KIND}.plugins[{list(plugins).index(name)}].parameters")
+    warn_no_topology(plugins)
+    pool = {**_pool_values(plugins), **polled_sources}
     return EppConfig(values, pool, plugins, gates, extra, parsers, discovery)
 
 

@@ -143,7 +143,7 @@ def to_endpoints(entries: Sequence[FileEndpoint], pool: PoolConfig) -> list[Endp
     by_address: dict[str, Endpoint] = {}
     for e in by_id.values():
         labels = dict(e.labels)
-        endpoint = Endpoint(e.address, e.port, pool.engines.engine_of(labels), e.labels)
+        endpoint = Endpoint(e.address, e.port, pool.engines.engine_of(labels), e.labels, name=e.name)
         by_address[endpoint.address] = endpoint
     return list(by_address.values())
 

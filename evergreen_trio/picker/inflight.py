@@ -18,7 +18,7 @@ request's uncached tokens, against ``queueThresholdTokens``), ``running-requests
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -221,6 +221,11 @@ class InflightLoad:
         counter = self._counters.get(address)
         return counter.requests if counter is not None else 0
 
+    def request_counts(self, addresses: Iterable[str]) -> dict[str, int]:
+        """``requests(address)`` of each of ``addresses``, in one pass."""
+        counters = self._counters
+        return {a: c.requests if (c := counters.get(a)) is not None else 0 for a in addresses}
+
     def tokens(self, address: str) -> int:
         counter = self._counters.get(address)
         return counter.tokens if counter is not None else 0
@@ -275,8 +280,7 @@ _LOAD_AWARE_DEFAULTS = LoadAwareParams()
 def _active_request_scorer(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
                            fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
     config = params if isinstance(params, ActiveRequestParams) else _ACTIVE_REQUEST_DEFAULTS
-    requests = scheduler.inflight.requests
-    return active_request_scores(config, {s.endpoint.address: requests(s.endpoint.address) for s in candidates})
+    return active_request_scores(config, scheduler.inflight.request_counts([s.endpoint.address for s in candidates]))
 
 
 def _token_load_scorer(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],

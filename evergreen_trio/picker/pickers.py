@@ -22,8 +22,10 @@ PickerFunction = Callable[[random.Random, Mapping[str, float], int], list[str]]
 
 
 def max_score(rng: random.Random, scores: Mapping[str, float], count: int) -> list[str]:
-    """The highest scores first; ties broken at random."""
-    return sorted(scores, key=lambda a: (scores[a], rng.random()), reverse=True)[:count]
+    """The highest scores first; ties broken at random (a draw per candidate, in their order)."""
+    draw = rng.random
+    keys = {address: (score, draw()) for address, score in scores.items()}
+    return sorted(keys, key=keys.__getitem__, reverse=True)[:count]
 
 
 def uniform_random(rng: random.Random, scores: Mapping[str, float], count: int) -> list[str]:

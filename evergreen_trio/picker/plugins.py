@@ -37,6 +37,7 @@ from evergreen_trio.picker.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ROLE_LABEL = "llm-d.ai/role"
+APPROX_PRODUCER = "approx-prefix-cache-producer"
 _FLOAT_LIMIT = 2**1024 - 2**970  # the least integer float() cannot hold (it rounds to infinity)
 
 
@@ -286,17 +287,20 @@ def _by_label(params: Params) -> LabelFilter:
 def prefix_producer_name(params: Params) -> None:
     """Check ``prefixMatchInfoProducerName``: empty (the default producer) or the one producer we run."""
     name = params.text("prefixMatchInfoProducerName", "")
-    if name not in ("", "approx-prefix-cache-producer"):
-        raise ConfigError(params.where("prefixMatchInfoProducerName"), "approx-prefix-cache-producer (the one we run)",
-                          name)
+    if name not in ("", APPROX_PRODUCER):
+        raise ConfigError(params.where("prefixMatchInfoProducerName"), f"{APPROX_PRODUCER} (the one we run)", name)
 
 
 @dataclass(frozen=True)
 class PrefixScorerParams:
-    """``prefix-cache-scorer``: score = w * min(1, matched tokens / scale)^2 + (1 - w) * match ratio."""
+    """``prefix-cache-scorer``: score = w * min(1, matched tokens / scale)^2 + (1 - w) * match ratio.
+
+    ``producer`` names the producer whose matches it reads: "" for the approximate prefix cache,
+    else a declared ``burst-prefix-cache-producer`` (:mod:`evergreen_trio.picker.burst_prefix`)."""
 
     match_length_weight: float = 0.0
     match_length_scale_tokens: int = 8192
+    producer: str = ""
     # GIE v1.x parameters (the scorer then also held the index): SchedulerConfig field -> value.
     legacy: tuple[tuple[str, int], ...] = ()
 
@@ -306,14 +310,15 @@ def _prefix_scorer(params: Params) -> PrefixScorerParams:
     scale = params.integer("matchLengthScaleTokens", 8192, minimum=0)
     if weight > 0 and scale <= 0:
         raise ConfigError(params.where("matchLengthScaleTokens"), "> 0 when matchLengthWeight > 0", scale)
-    prefix_producer_name(params)
+    producer = params.text("prefixMatchInfoProducerName", "")  # epp_config checks it names a declared producer
     legacy = []
     for key, field in (("hashBlockSize", "prefix_block_tokens"), ("maxPrefixBlocksToMatch", "max_prefix_blocks"),
                        ("lruCapacityPerServer", "prefix_cache_capacity")):
         if params.has(key):
             deprecated(f"{params.where(key)}", "approx-prefix-cache-producer's parameters")
             legacy.append((field, params.integer(key, 1, minimum=1)))
-    return PrefixScorerParams(weight, scale, tuple(legacy))
+    return PrefixScorerParams(weight, scale, producer="" if producer == APPROX_PRODUCER else producer,
+                              legacy=tuple(legacy))
 
 
 @dataclass(frozen=True)
@@ -594,16 +599,14 @@ register("core-metrics-extractor", PluginType(
 # llm-d-router (ebab68792) plugin types this picker does not run: a config naming one fails at
 # startup with a line saying so (a test keeps this list apart from the registered types).
 NOT_IMPLEMENTED_LIST = (
-    "always-disagg-multimodal-decider", "burst-prefix-cache-producer", "dcgm-data-source", "dcgm-extractor",
-    "disaggregatedset-rollout-pod-extractor", "disaggregatedset-rollout-screener", "endpoint-notification-source",
+    "always-disagg-multimodal-decider", "endpoint-notification-source",
     "k8s-notification-source", "latency-scorer", "latency-slo-admitter", "local-syncer",
-    "mm-embeddings-cache-producer", "mm-embeddings-cache-scorer", "multicluster-approx-prefix-cache-producer",
+    "multicluster-approx-prefix-cache-producer",
     "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
     "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
     "multicluster-session-affinity-filter", "p2p-source-producer", "precise-prefix-cache-producer",
     "precise-prefix-cache-scorer", "predicted-latency-producer",
     "slo-headroom-tier-filter", "token-producer", "tokenizer",
-    "topology-affinity-filter", "topology-affinity-scorer", "topology-extractor",
 )
 NOT_IMPLEMENTED = frozenset(NOT_IMPLEMENTED_LIST)
 

@@ -30,6 +30,7 @@ from google.protobuf import struct_pb2
 
 from evergreen_trio.picker.attribute_reporter import attribute_reporters, report
 from evergreen_trio.picker.attributes import AttributeKey, fairness_label, flow_fairness_id, request_attributes
+from evergreen_trio.picker.burst_prefix import BurstEntry, BurstWindow, Replica, burst_producers
 from evergreen_trio.picker.config import DestinationMode, PickerConfig
 from evergreen_trio.picker.errors import ExtProcError, RequestError
 from evergreen_trio.picker.flow_control.eviction import EVICTED_MESSAGE, EVICTED_REASON, EVICTED_STATUS
@@ -44,9 +45,10 @@ from evergreen_trio.picker.flow_control.queue import DROPPED_REASON, Outcome, Qu
 from evergreen_trio.picker.flow_control.queue import message as outcome_message
 from evergreen_trio.picker.guards import rewrite_allowed
 from evergreen_trio.picker.inflight import Ticket
+from evergreen_trio.picker.mm_cache import MM_PRODUCER, media_items
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import request_path
-from evergreen_trio.picker.request import rewrite_model
+from evergreen_trio.picker.request import Api, rewrite_model
 from evergreen_trio.picker.routing_headers import PREFILL_HEADER, ROUTING_HEADERS
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
 from evergreen_trio.picker.served_verifier import (
@@ -68,6 +70,9 @@ MODEL_REWRITE = "x-gateway-model-name-rewrite"
 PREFILLER = PREFILL_HEADER
 # Client-supplied routing headers never go upstream; DESTINATION is always overwritten instead.
 STRIPPED_HEADERS = (*OBJECTIVE_HEADERS, *FAIRNESS_HEADERS, MODEL_REWRITE, FALLBACK, SERVED, SUBSET, *ROUTING_HEADERS)
+# Most requests carry none of these: one set test says so (a lookup per name otherwise).
+_STRIPPED = frozenset(STRIPPED_HEADERS)
+_OBJECTIVES = frozenset(OBJECTIVE_HEADERS)
 
 _Mode = processing_mode_pb2.ProcessingMode
 NONE, BUFFERED, BUFFERED_PARTIAL = _Mode.NONE, _Mode.BUFFERED, _Mode.BUFFERED_PARTIAL
@@ -163,8 +168,10 @@ class Admission:
     output_cap: int | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
     attributes: Mapping[AttributeKey, str] = field(default_factory=dict)
+    media: tuple[bytes, ...] = ()
     skip_response: bool = False
     response: ResponseFormat = OPENAI_RESPONSES
+    burst_hashes: Sequence[int] = ()  # the prompt's blocks at the burst producer's block size
 
 
 class Picker:
@@ -179,6 +186,7 @@ class Picker:
         self.plugins = tuple(config.epp.plugins.values()) if config.epp is not None else ()
         self.reporters = attribute_reporters(self.plugins)
         self.verifies_served = any(p.type == DESTINATION_ENDPOINT_SERVED_VERIFIER for p in self.plugins)
+        self.reads_media = any(p.type == MM_PRODUCER for p in self.plugins)
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight,
                              refresh_interval_s=config.pool.refresh_interval_s) if config.flow_control else None
         # InferenceObjective name -> priority: the config's, and in cluster mode the watched CRDs' over them.
@@ -188,6 +196,9 @@ class Picker:
         mode = config.ext_proc.destination_mode
         self.pick_count = {DestinationMode.SINGLE: 1, DestinationMode.FALLBACK: 2}.get(
             mode, config.ext_proc.max_endpoints_in_list)
+        # burst-prefix-cache-producer: requests wait for its window to seal (the shell seals it on time).
+        bursts = burst_producers(config.epp.plugins) if config.epp is not None else {}
+        self.burst = next((BurstWindow(name, params, time.monotonic) for name, params in bursts.items()), None)
 
     def set_cluster_objectives(self, objectives: Mapping[str, int]) -> None:
         """The InferenceObjectives watched in the cluster (they win over the config's of the same name)."""
@@ -251,9 +262,17 @@ class Picker:
                     prompt = request.hashed_prompt(chars_per_token, max_blocks * admission.block_bytes)
                     admission.hashes = prefix_hashes(target or "", prompt, self.config.scheduler,
                                                      admission.block_bytes, max_blocks)
+                if self.burst is not None:
+                    burst = self.burst.params
+                    block_bytes = burst.block_size_tokens * chars_per_token
+                    prompt = request.hashed_prompt(chars_per_token, burst.max_blocks * block_bytes)
+                    admission.burst_hashes = prefix_hashes(target or "", prompt, self.config.scheduler, block_bytes,
+                                                           burst.max_blocks)
                 admission.prompt_bytes = request.prompt_size(chars_per_token)
                 admission.output_cap = request.output_cap
-            objective = objective_name(headers)
+                if self.reads_media and request.api is Api.CHAT:
+                    admission.media = media_items(request.body)
+            objective = None if _OBJECTIVES.isdisjoint(headers) else objective_name(headers)
             if objective is not None and objective in self.objectives:
                 admission.priority = self.objectives[objective]
         except RequestError as exc:
@@ -261,10 +280,16 @@ class Picker:
             raise
         return admission
 
+    def burst_replicas(self, subset: frozenset[str] | None) -> list[Replica]:
+        """The candidates a burst window assigns among: the ready endpoints (in the subset hint)."""
+        return [Replica(s.endpoint.address, s.metrics.running if s.metrics is not None else 0.0)
+                for s in self.snapshot.states.values()
+                if s.ready and (subset is None or s.endpoint.host in subset)]
+
     def pick(self, admission: Admission, report: StreamReport) -> Route:
         """Pick endpoints for an admitted request and count it in flight; RequestError for 429/500/503."""
         pick = PickRequest(admission.target_model, admission.priority, admission.hashes, admission.subset,
-                           admission.prompt_bytes, admission.headers, admission.attributes)
+                           admission.prompt_bytes, admission.headers, admission.attributes, admission.media)
         try:
             schedule = self.scheduler.schedule(pick, self.pick_count)
             endpoints = schedule.endpoints
@@ -280,7 +305,8 @@ class Picker:
         scheduler = self.scheduler
         report.scorer_s = dict(scheduler.scorer_seconds)
         first, prefill = endpoints[0], schedule.prefill
-        uncached = scheduler.uncached_tokens(pick, (first,))[first]
+        tokens = scheduler.prompt_tokens(pick)
+        uncached = scheduler.uncached_tokens(pick, (first,), tokens)[first]
         if admission.hashes:
             block = admission.block_bytes  # the geometry the prompt was hashed with
             report.prefix_match = (scheduler.prefix_matches.get(first, 0) * block, len(admission.hashes) * block)
@@ -288,11 +314,10 @@ class Picker:
             if prefill is not None and prefill != first:
                 scheduler.prefix.add(prefill, admission.hashes)
         inflight = scheduler.inflight
-        tokens = scheduler.prompt_tokens(pick)
         ticket = inflight.dispatch(first, uncached, prompt_tokens=tokens, client_output_cap=admission.output_cap)
         prefill_ticket = None
         if prefill is not None:
-            prefill_ticket = inflight.dispatch(prefill, scheduler.uncached_tokens(pick, (prefill,))[prefill])
+            prefill_ticket = inflight.dispatch(prefill, scheduler.uncached_tokens(pick, (prefill,), tokens)[prefill])
         return Route(schedule.destinations or endpoints, admission.client_model, admission.target_model,
                      admission.hashes, admission.body,
                      prefill=prefill, load=ticket, prefill_load=prefill_ticket,
@@ -463,6 +488,7 @@ class ExtProcStream:
         self._resumed: list[ep.ProcessingResponse] = []
         self._finish: Callable[[Outcome], list[ep.ProcessingResponse]] | None = None
         self._evicting = False  # in-flight eviction revoked it: resume() ends it
+        self._burst: BurstEntry | None = None  # its place in a burst producer's window, once it joined
 
     def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
         if message.HasField("protocol_config"):
@@ -505,6 +531,8 @@ class ExtProcStream:
         """The stream ended without a response end (client gone, Envoy reset, an error): leave the
         flow control queue, release the request's in-flight load. Idempotent."""
         self.on_unpark = None
+        if self._burst is not None:
+            self._burst.on_sealed = None  # it stays in its window's assignment, as the reference's
         if self.item is not None and self.item.outcome is None and self.picker.flow is not None:
             self.picker.flow.queue.cancel(self.item)
         if self.route is not None:
@@ -546,10 +574,13 @@ class ExtProcStream:
     def _on_outcome(self, outcome: Outcome) -> None:
         assert self._finish is not None
         self._resumed = self._finish(outcome)
-        if self.parked:
+        if self.parked and not self._burst_waiting():
             self.parked = False
             if self.on_unpark is not None:
                 self.on_unpark()
+
+    def _burst_waiting(self) -> bool:
+        return self._burst is not None and self._burst.on_sealed is not None
 
     # -- request --------------------------------------------------------------------------------
 
@@ -617,6 +648,8 @@ class ExtProcStream:
             self._processed()
             if outcome is not Outcome.DISPATCHED:
                 return [self._immediate(outcome.status, outcome_message(outcome), outcome.reason), *after]
+            if self.picker.burst is not None and self._burst is None:
+                return self._join_burst(admission, finish)
             try:
                 route = self.picker.pick(admission, self.report)
             except RequestError as exc:
@@ -638,7 +671,28 @@ class ExtProcStream:
         self.picker.flow.submit(self.item)
         if self.item.outcome is None:
             self.parked = True
-        return list(self.resume())
+        return list(ExtProcStream.resume(self))  # this class's: a subclass's resume answers the wire
+
+    def _join_burst(self, admission: Admission,
+                    finish: Callable[[Outcome], list[ep.ProcessingResponse]]) -> list[ep.ProcessingResponse]:
+        """Park until the burst producer's window seals, then route with its assignment (a full
+        window: route now, with no affinity, as the reference's producer error does)."""
+        window = self.picker.burst
+        assert window is not None
+
+        def sealed(entry: BurstEntry) -> None:
+            admission.attributes = {**admission.attributes, **window.match_attribute(entry)}
+            self._resumed = finish(Outcome.DISPATCHED)
+            self.parked = False
+            if self.on_unpark is not None:
+                self.on_unpark()
+
+        self._burst = window.join(admission.burst_hashes, self.picker.burst_replicas(admission.subset), sealed)
+        if self._burst is None:
+            self._burst = BurstEntry((), ())  # joined nothing: routed once, now
+            return finish(Outcome.DISPATCHED)
+        self.parked = True
+        return []
 
     def _processed(self) -> None:
         """The request is answered or about to be sent on (queue wait included)."""
@@ -664,9 +718,10 @@ class ExtProcStream:
         if request_headers:  # P/D, E/PD and data parallelism only: most routes set none
             for name, header in request_headers.items():
                 _set_header(mutation, name, header)
-        removed = [h for h in STRIPPED_HEADERS if h in self.headers and h not in request_headers]
-        if removed:
-            mutation.remove_headers.extend(removed)
+        if not _STRIPPED.isdisjoint(self.headers):
+            removed = [h for h in STRIPPED_HEADERS if h in self.headers and h not in request_headers]
+            if removed:
+                mutation.remove_headers.extend(removed)
         if phase != "headers" and route.body is not None:
             common.body_mutation.body = route.body
         common.clear_route_cache = True

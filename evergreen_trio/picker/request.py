@@ -120,10 +120,16 @@ def content_text(value: object) -> str:
             texts.append(item)
         elif isinstance(item, list):
             pending.extend(reversed(item))
-        elif isinstance(item, Mapping):
-            parts = (item.get("input_text"), item.get("content"), item.get("text"), item.get("role"))
-            pending.extend(part for part in parts if part is not None)
+        elif type(item) is dict or isinstance(item, Mapping):  # a parsed body's are dicts: no ABC check
+            for key in _PART_KEYS:
+                part = item.get(key)
+                if part is not None:
+                    pending.append(part)
     return "".join(texts)
+
+
+_PART_KEYS = ("input_text", "content", "text", "role")
+"""A content part's members read as prompt text, pushed in this order (so read in the reverse)."""
 
 
 def api_prompt(api: Api, body: Mapping[str, Any]) -> str:
@@ -137,10 +143,14 @@ def api_prompt(api: Api, body: Mapping[str, Any]) -> str:
 
 
 def _detect_and_decode(body: bytes) -> str:
+    if body[:1] == b"{" and body[1:2] != b"\x00":  # UTF-8 by json.detect_encoding's rules, without its checks
+        return body.decode("utf-8", "surrogatepass")
     return body.decode(json.detect_encoding(body), "surrogatepass")
 
 
 _DECODER = json.JSONDecoder()
+# What _DECODER.decode runs, called here without its two Python frames.
+_SCAN: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
 UNLOCATED: tuple[int, int] = (-1, -1)
 """A ``model_span`` not looked for yet: the default decoder's bodies of at most
 :data:`LAZY_SPAN_CHARS` are parsed whole by its C scanner, and the model's place is found only for
@@ -159,10 +169,13 @@ def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Calla
     try:
         text = decode(body)
         if decoder is _DECODER and len(text) <= LAZY_SPAN_CHARS:
-            try:
-                doc, model_span = decoder.decode(text), UNLOCATED
-            except (ValueError, RecursionError):  # the walk's own error, as it always said (or, a level
-                doc, model_span = _object_and_model_span(text, decoder)  # short of the limit, its parse)
+            try:  # _DECODER.decode(text), inline
+                doc, end = _SCAN(text, 0 if text[:1] == "{" else _skip(text, 0))
+                if end != len(text) and _skip(text, end) != len(text):
+                    raise ValueError("extra data")
+                model_span = UNLOCATED
+            except (ValueError, RecursionError, StopIteration):  # the walk's own error, as it always said
+                doc, model_span = _object_and_model_span(text, decoder)  # (or, a level short of the limit, its parse)
         else:
             doc, model_span = _object_and_model_span(text, decoder)
     except (ValueError, RecursionError) as exc:
@@ -180,7 +193,8 @@ def parse_body(path: str, body: bytes) -> InferenceRequest:
         raise RequestError(400, "request body lacks a string 'model' field")
     api = api_for_path(path)
     prompt = api_prompt(api, doc)
-    utf8(model, "model")
+    if not model.isascii():  # ASCII always encodes
+        utf8(model, "model")
     prompt_bytes = len(prompt) if prompt.isascii() else len(utf8(prompt, "prompt"))
     return InferenceRequest(api, model, doc.get("stream") is True, prompt, doc, prompt_bytes, text, model_span,
                             output_cap(doc))

@@ -27,7 +27,9 @@ from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.server import GracefulStop, SSLContextSource, serve_grpc
 from evergreen_trio._grpc.server_wire import SyncBidiMethod, WireLimits
 from evergreen_trio._http import HttpGetError, KeepAliveGetter
+from evergreen_trio.picker.burst_shell import seal_windows
 from evergreen_trio.picker.config import Endpoint, PickerConfig
+from evergreen_trio.picker.dcgm_poll import poll_dcgm
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.flow_control.gate import FlowGate
@@ -35,6 +37,7 @@ from evergreen_trio.picker.flow_metrics import FlowControlMetrics
 from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.models_poll import poll_models
 from evergreen_trio.picker.processor import ExtProcStream, Picker
+from evergreen_trio.picker.rollout import RolloutCollector, RolloutScreener
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
 from evergreen_trio.serving.metrics import Authorize, serve_metrics
@@ -50,6 +53,8 @@ Discovery = Callable[[Callable[[Sequence[Endpoint]], None]], Awaitable[None]]
 ObjectiveWatch = Callable[[Callable[[Mapping[str, int]], None]], Awaitable[None]]
 # Leader election: called with ``on_leader``, which it calls with True/False as leadership changes.
 LeaderElection = Callable[[Callable[[bool], None]], Awaitable[None]]
+# Pod notifications for the rollout screeners: called with them, it feeds each its pods.
+PodNotifications = Callable[[Sequence[RolloutScreener]], Awaitable[None]]
 # The metrics port's scrape check, opened while the port serves (MetricsAuth.serving, in cluster mode).
 MetricsAuthSource = Callable[[], AbstractAsyncContextManager[Authorize]]
 
@@ -71,23 +76,14 @@ class PickerPorts:
     metrics: int
 
 
-def _record_dropped(metrics: PickerMetrics, stream: ExtProcStream, started: float) -> None:
-    stream.on_abort()
-    report = stream.report
-    if not report.recorded:
-        report.recorded = True
-        metrics.record(report, time.monotonic() - started)
-
-
-class _GrpcStream:
-    """Adapts :class:`ExtProcStream` to the gRPC server (protocol violations end the RPC with a
-    status) and records the stream's report in the metrics when it ends."""
-
-    __slots__ = ("__weakref__", "_metrics", "_picker", "_running", "_started", "_stream")
+class _GrpcStream(ExtProcStream):
+    """:class:`ExtProcStream` for the gRPC server: protocol violations end the RPC with a status,
+    and the stream's report is recorded in the metrics when it ends. A subclass rather than a
+    wrapper, so that the wire reads ``finished``, ``parked`` and ``on_unpark`` as plain attributes."""
 
     def __init__(self, picker: Picker, metrics: PickerMetrics) -> None:
-        self._stream = picker.new_stream()
-        self._picker, self._metrics = picker, metrics
+        super().__init__(picker)
+        self._metrics = metrics
         self._started = time.monotonic()
         self._running = False
         if metrics.streams is not None:
@@ -97,58 +93,45 @@ class _GrpcStream:
         # A stream Envoy resets gets neither on_end nor finished: record it when it is dropped (a
         # finalizer, with no weakref.finalize to register per stream).
         try:
-            metrics, stream, started = self._metrics, self._stream, self._started
+            metrics, started = self._metrics, self._started
         except AttributeError:  # __init__ failed: nothing was counted
             return
-        _record_dropped(metrics, stream, started)
-
-    @property
-    def finished(self) -> bool:
-        return self._stream.finished
-
-    @property
-    def parked(self) -> bool:
-        return self._stream.parked
-
-    @property
-    def on_unpark(self) -> Callable[[], None] | None:
-        return self._stream.on_unpark
-
-    @on_unpark.setter
-    def on_unpark(self, callback: Callable[[], None] | None) -> None:
-        self._stream.on_unpark = callback
+        ExtProcStream.on_abort(self)
+        report = self.report
+        if not report.recorded:
+            report.recorded = True
+            metrics.record(report, time.monotonic() - started)
 
     def resume(self) -> Sequence[ep.ProcessingResponse]:
-        replies = self._stream.resume()
+        replies = ExtProcStream.resume(self)
         self._after()
         return replies
 
     def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
-        stream = self._stream
         try:
-            replies = stream.on_message(message)
+            replies = ExtProcStream.on_message(self, message)
         except ExtProcError as exc:
             log.warning("picker.stream_aborted error=%s", exc)
             self._record()
             raise RpcAbortError(Status.INVALID_ARGUMENT, str(exc)) from None
-        if stream.finished or (stream.report.routed and not self._running):  # else _after has nothing to do
+        if self.finished or (self.report.routed and not self._running):  # else _after has nothing to do
             self._after()
         return replies
 
     def _after(self) -> None:
-        if self._stream.report.routed and not self._running:
+        if self.report.routed and not self._running:
             self._running = True
-            self._metrics.started(self._stream.report)
-        if self._stream.finished:
+            self._metrics.started(self.report)
+        if self.finished:
             self._record()
 
     def on_end(self) -> Sequence[ep.ProcessingResponse]:
-        replies = self._stream.on_end()
+        replies = ExtProcStream.on_end(self)
         self._record()
         return replies
 
     def on_abort(self) -> None:
-        self._stream.on_abort()
+        ExtProcStream.on_abort(self)
         self._record()
 
     def on_closed(self, status: Status) -> None:
@@ -156,10 +139,10 @@ class _GrpcStream:
             self._metrics.streams.closed(status, time.monotonic() - self._started)
 
     def _record(self) -> None:
-        if not self._stream.report.recorded:
-            self._stream.report.recorded = True
-            self._metrics.record(self._stream.report, time.monotonic() - self._started,
-                                 prefix_index_size=self._picker.scheduler.prefix.total())
+        if not self.report.recorded:
+            self.report.recorded = True
+            self._metrics.record(self.report, time.monotonic() - self._started,
+                                 prefix_index_size=self.picker.scheduler.prefix.total())
 
 
 async def _flow_control(gate: FlowGate, interval_s: float, wake: trio.Event, new_wake: Callable[[], trio.Event],
@@ -258,9 +241,11 @@ class Scrapers:
 
     async def _run(self, endpoint: Endpoint, scope: trio.CancelScope) -> None:
         with scope:
-            async with trio.open_nursery() as beside:  # models-data-source polls, if any
+            async with trio.open_nursery() as beside:  # models-data-source and dcgm-data-source polls, if any
                 for source in self.config.pool.models_sources:
                     beside.start_soon(poll_models, endpoint, source, self.config.pool, self.snapshot)
+                for dcgm in self.config.pool.dcgm_sources:
+                    beside.start_soon(poll_dcgm, endpoint, dcgm, self.config.pool, self.snapshot)
                 await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape, self.errors)
 
 
@@ -360,6 +345,20 @@ def wire_limits(config: PickerConfig) -> WireLimits:
                       max_buffered_bytes=max(WireLimits.max_buffered_bytes, 2 * message))
 
 
+def picker_metrics(config: PickerConfig) -> PickerMetrics:
+    """The metrics a picker serving ``config`` records its streams in (labels and stream metrics
+    as its config says)."""
+    return PickerMetrics(config.pool.name, labels=ModelLabels.for_config(config),
+                         stream_metrics=config.ext_proc.stream_metrics)
+
+
+def ext_proc_method(picker: Picker, metrics: PickerMetrics) -> SyncBidiMethod[ep.ProcessingRequest,
+                                                                               ep.ProcessingResponse]:
+    """The ext_proc ``Process`` method: each stream served by ``picker``, recorded in ``metrics``."""
+    return SyncBidiMethod(path=PROCESS_PATH, request_type=ep.ProcessingRequest,
+                          new_processor=partial(_GrpcStream, picker, metrics))
+
+
 async def run_picker(
     config: PickerConfig,
     *,
@@ -374,6 +373,7 @@ async def run_picker(
     leader_election: LeaderElection | None = None,
     objectives: ObjectiveWatch | None = None,
     drain: PickerDrain | None = None,
+    pod_notifications: PodNotifications | None = None,
     task_status: trio.TaskStatus[PickerPorts] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the Endpoint Picker until cancelled; ``started`` gets the bound :class:`PickerPorts`.
@@ -384,10 +384,10 @@ async def run_picker(
     the static endpoint list; with ``leader_election`` only the leader reports ready. See
     :class:`~evergreen_trio.picker.runtime.Readiness`. ``objectives`` follows the cluster's
     InferenceObjectives (:mod:`evergreen_trio.picker.k8s`). ``drain``: see :class:`PickerDrain`.
+    ``pod_notifications`` tells the ``disaggregatedset-rollout-screener`` plugins of their pods.
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
-    metrics = PickerMetrics(config.pool.name, labels=ModelLabels.for_config(config),
-                            stream_metrics=config.ext_proc.stream_metrics)
+    metrics = picker_metrics(config)
     picker = Picker(config, snapshot)
     flow_metrics = FlowControlMetrics(metrics)  # registered with or without flow control, as the reference's
     readiness = Readiness(config.pool.name, discovered=discovery is not None, elected=leader_election is not None)
@@ -404,11 +404,7 @@ async def run_picker(
         readiness.update(snapshot)
         flow_wake[0].set()
 
-    method = SyncBidiMethod(
-        path=PROCESS_PATH,
-        request_type=ep.ProcessingRequest,
-        new_processor=lambda: _GrpcStream(picker, metrics),
-    )
+    method = ext_proc_method(picker, metrics)
     election, ext_proc = trio.CancelScope(), GracefulStop()
     async with trio.open_nursery() as nursery:
         scrapers = Scrapers(nursery, config, snapshot, after_scrape, metrics.gauges)
@@ -438,6 +434,16 @@ async def run_picker(
                 picker.flow.reclamation.observer = metrics.reclamation
             picker.flow.queue.observer = flow_metrics
             nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0], new_flow_wake)
+        screeners = picker.scheduler.screeners
+        if screeners:
+            metrics.registry.register(RolloutCollector(screeners))
+            if pod_notifications is not None:
+                nursery.start_soon(pod_notifications, screeners)
+            elif any(s.params.gating for s in screeners):
+                log.warning("picker.rollout_without_pods: revision gating needs pod notifications (cluster mode); "
+                            "every request fails closed")
+        if picker.burst is not None:
+            nursery.start_soon(seal_windows, picker.burst)
         grpc_bound = await nursery.start(partial(
             serve_grpc, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context,
             graceful_stop=ext_proc))

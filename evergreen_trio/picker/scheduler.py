@@ -17,6 +17,7 @@ import xxhash
 
 from evergreen_trio.picker.admission import admit, declared_admitters
 from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
+from evergreen_trio.picker.burst_prefix import burst_match
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.contextlength import CONTEXT_FILTERS, CONTEXT_SCORERS
 from evergreen_trio.picker.dataparallel import DataParallelHandler
@@ -28,18 +29,22 @@ from evergreen_trio.picker.flow_control.config import UtilizationDetector
 from evergreen_trio.picker.flow_control.detectors import saturation as detector_saturation
 from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
+from evergreen_trio.picker.mm_cache import MEDIA_SCORERS, MEDIA_STATES
 from evergreen_trio.picker.models_source import ModelData
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, PrefixScorerParams, Profile
+from evergreen_trio.picker.rollout import rollout_screeners
 from evergreen_trio.picker.routing_headers import DisaggHeaders, at_primary_port
 from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
 from evergreen_trio.picker.testing_filter import TESTING_FILTERS
+from evergreen_trio.picker.topology import TOPOLOGY_FILTERS, TOPOLOGY_SCORERS, TOPOLOGY_STATES
 
 
 @dataclass
 class EndpointState:
     """The last scrape of one endpoint: metrics, when they came, whether the last scrape failed,
-    and the models its ``/v1/models`` last listed (None: never read; see ``models-data-source``)."""
+    the models its ``/v1/models`` last listed (None: never read; see ``models-data-source``), and
+    the attributes other data sources publish, by (name, producer) (``dcgm-data-source``'s)."""
 
     endpoint: Endpoint
     metrics: EndpointMetrics | None = None
@@ -47,6 +52,7 @@ class EndpointState:
     ready: bool = False
     scraped: bool = False
     models: tuple[ModelData, ...] | None = None
+    attributes: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 class PoolSnapshot:
@@ -174,7 +180,8 @@ class PickRequest:
     llm-d-router's candidates are located), the prompt's length in bytes (P/D deciders estimate
     its tokens from it), and the request's headers (names in lower case) and attributes (by
     (data type, producer) key, see :mod:`evergreen_trio.picker.attributes`) for the plugins that
-    read them."""
+    read them, and its media items (:func:`~evergreen_trio.picker.mm_cache.media_items`: read only
+    when an ``mm-embeddings-cache-producer`` runs)."""
 
     model: str | None
     priority: int
@@ -183,6 +190,7 @@ class PickRequest:
     prompt_bytes: int = 0
     headers: Mapping[str, str] = field(default_factory=dict)
     attributes: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    media: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -240,12 +248,19 @@ def _lora_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequenc
 
 def _prefix_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
                    fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
-    if not request.hashes:
-        return {}
-    total = len(request.hashes)
     weight, scale = 0.0, 1
     if isinstance(params, PrefixScorerParams):
         weight, scale = params.match_length_weight, params.match_length_scale_tokens
+        if params.producer:  # a burst producer's window: a full match on the replica it assigned
+            assigned = burst_match(request.attributes, params.producer)
+            if assigned is None:
+                return {}
+            length = min(1.0, assigned[1] / scale) ** 2 if weight else 0.0
+            return {s.endpoint.address: weight * length + 1.0 - weight
+                    for s in candidates if s.endpoint.address == assigned[0]}
+    if not request.hashes:
+        return {}
+    total = len(request.hashes)
     block_tokens = scheduler.prefix_geometry()[0] / BYTES_PER_TOKEN
     result = {}
     for state in candidates:
@@ -265,13 +280,15 @@ SCORERS: dict[str, ScorerFunction] = {
     **SESSION_SCORERS,  # evergreen_trio.picker.session
     **CONTEXT_SCORERS,  # evergreen_trio.picker.contextlength
     **ATTRIBUTE_SCORERS,  # evergreen_trio.picker.endpoint_attribute
+    **TOPOLOGY_SCORERS,  # evergreen_trio.picker.topology
+    **MEDIA_SCORERS,  # evergreen_trio.picker.mm_cache
 }
 # A filter that needs more than the pod's labels: (scheduler, request, candidates, plugin params or
 # its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
 # params' keeps(labels).
 FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
 FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS, **LOAD_FILTERS, **CONTEXT_FILTERS,
-                                      **TESTING_FILTERS, **ATTRIBUTE_FILTERS}
+                                      **TESTING_FILTERS, **ATTRIBUTE_FILTERS, **TOPOLOGY_FILTERS}
 
 
 class PluginState(Protocol):
@@ -283,7 +300,8 @@ class PluginState(Protocol):
         sent); the state may set response headers on ``schedule``."""
 
 
-PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {**AFFINITY_STATES, **SESSION_STATES}
+PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {
+    **AFFINITY_STATES, **SESSION_STATES, **TOPOLOGY_STATES, **MEDIA_STATES}
 
 
 def register_scorer(scorer_type: str, function: ScorerFunction) -> None:
@@ -334,6 +352,9 @@ class Scheduler:
         # seconds spent per scorer (keyed by the reference's plugin type names).
         self.prefix_matches: dict[str, int] = {}
         self.scorer_seconds: dict[str, float] = {}
+        # While a later P/D profile runs: the address the earlier one picked (the reference's
+        # peer-endpoint request attribute, which topology affinity compares candidates with).
+        self.peer: str | None = None
         # Stateful plugins' states by plugin name: one per declared plugin, shared by its profiles,
         # and one for a declared plugin no profile lists (the reference runs its PreRequest and
         # response hooks all the same).
@@ -356,6 +377,9 @@ class Scheduler:
             *(p.params for p in (config.epp.plugins.values() if config.epp is not None else ())
               if isinstance(p.params, DisaggHeaders))]
         self.primary_port = handler.primary_port if isinstance(handler, DisaggHandler | DataParallelHandler) else 0
+        # Screeners (the reference's request-control Screeners): they narrow the candidates first.
+        self.screeners = rollout_screeners({p.name: p.params for p in config.epp.plugins.values()}
+                                           if config.epp is not None else {})
 
     def saturation(self, states: Sequence[EndpointState] | None = None) -> float:
         """What the legacy admission's detector reads now of ``states`` (the request's located
@@ -400,6 +424,11 @@ class Scheduler:
         schedule = self._run_profiles(request, count)
         for setter in self.header_setters:
             schedule.prefill = setter.apply(schedule.profiles, schedule.request_headers)
+        if self.screeners:  # their response headers: the chosen endpoint's labels
+            chosen = self.snapshot.states.get(schedule.endpoints[0])
+            labels = chosen.endpoint.label_map if chosen is not None else {}
+            for screener in self.screeners:
+                schedule.response_headers.update(screener.response_headers(labels))
         if self.primary_port:
             schedule.destinations = at_primary_port(schedule.endpoints, self.primary_port, schedule.request_headers)
         now = self.snapshot.clock()
@@ -419,9 +448,12 @@ class Scheduler:
         if not candidates:
             what = "in the subset hint" if request.subset is not None else "in the pool"
             raise RequestError(503, f"no ready endpoint {what}", Outcome.EVICTED_NO_ENDPOINTS.reason)
+        if self.screeners:
+            candidates = self._screen(request, candidates)
         if self.admitters:
             admit(self.admitters, request.priority, [s.metrics for s in candidates], self.rng.random)
         self.scorer_seconds = {}
+        self.peer = None
         self.prefix_matches = (self.prefix.matches(request.hashes, [s.endpoint.address for s in candidates])
                                if request.hashes else {})
         profiles = self._profiles
@@ -436,6 +468,7 @@ class Scheduler:
         prefill = profiles.get(handler.prefill)
         if handler.stage_order == "prefill-first" and prefill is not None:
             result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
+            self.peer = result[prefill.name][0] if result[prefill.name] else None
         decode, scores = self.run_profile(profiles[handler.decode], request, candidates, count)
         if not decode:
             raise RequestError(429, f"{NO_ENDPOINTS}: decode profile {handler.decode!r}'s filters kept none",
@@ -445,8 +478,20 @@ class Scheduler:
             block_bytes = self.prefix_geometry()[0]
             cached = self.prefix_matches.get(decode[0], 0) * block_bytes // BYTES_PER_TOKEN
             if handler.prefill_decider.disaggregate(request.prompt_bytes // BYTES_PER_TOKEN, cached):
+                self.peer = decode[0]
                 result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
         return Schedule(decode, None, result, scores)
+
+    def _screen(self, request: PickRequest, candidates: list[EndpointState]) -> list[EndpointState]:
+        """The candidates every screener keeps (each screens all of them, as the reference's
+        director runs them); 503 when none is left."""
+        kept = {id(s) for s in candidates}
+        for screener in self.screeners:
+            kept &= {id(s) for s in screener.screen(request.headers, candidates, _labels, self.rng.random)}
+        candidates = [s for s in candidates if id(s) in kept]
+        if not candidates:
+            raise RequestError(503, "screeners eliminated all endpoint candidates", Outcome.EVICTED_NO_ENDPOINTS.reason)
+        return candidates
 
     def run_profile(self, profile: Profile, request: PickRequest, candidates: Sequence[EndpointState],
                     count: int) -> tuple[list[str], dict[str, float]]:
@@ -502,11 +547,18 @@ class Scheduler:
         """The request's prompt tokens, estimated from its bytes (no tokenizer here)."""
         return prompt_tokens(request.prompt_bytes, self.config.chars_per_token)
 
-    def uncached_tokens(self, request: PickRequest, addresses: Iterable[str]) -> dict[str, int]:
-        """The request's prompt tokens each endpoint lacks in its (approximate) prefix cache."""
+    def uncached_tokens(self, request: PickRequest, addresses: Iterable[str],
+                        prompt_tokens: int | None = None) -> dict[str, int]:
+        """The request's prompt tokens (``prompt_tokens`` when the caller has them) each endpoint
+        lacks in its (approximate) prefix cache."""
         block_tokens = self.prefix_geometry()[0] // self.config.chars_per_token
-        total, tokens = len(request.hashes), self.prompt_tokens(request)
+        total = len(request.hashes)
+        tokens = self.prompt_tokens(request) if prompt_tokens is None else prompt_tokens
         return {a: uncached_tokens(tokens, total, self.prefix_matches.get(a, 0), block_tokens) for a in addresses}
+
+
+def _labels(state: EndpointState) -> Mapping[str, str]:
+    return state.endpoint.label_map
 
 
 def _lora_score(metrics: EndpointMetrics, model: str) -> float:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from picker_cli import EPHEMERAL_PORTS, picker_process, run_cli, wait_health
 
 from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
-from evergreen_trio.picker.config import parse_config
+from evergreen_trio.picker.config import Endpoint, parse_config
 from evergreen_trio.picker.endpoint_attribute import (
     AttributeFilterParams,
     AttributeKey,
@@ -36,7 +36,7 @@ from evergreen_trio.picker.engine_metrics import (
 )
 from evergreen_trio.picker.errors import ConfigError, MetricsError
 from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED, NOT_IMPLEMENTED_LIST, PLUGIN_TYPES, Category
-from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler
+from evergreen_trio.picker.scheduler import EndpointState, PickRequest, PoolSnapshot, Scheduler
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "security"))
 from picker_requests import LEGIT_BODY, ext_proc, wait_routable
@@ -125,16 +125,18 @@ def test_an_empty_result_and_fallback_on_empty() -> None:
     assert attribute_filter(_filter(fallback=True), {"a": 5.0, "b": 20.0}) == ["a"]  # some survive: no fallback
 
 
-def test_another_producers_attribute_is_missing_on_every_endpoint() -> None:
-    """The reference's TestFilterReadsAttributeOfNamedProducer names dcgm-extractor, which we do
-    not run: the key keeps the producer, and no scrape of ours holds it."""
+def test_the_filter_reads_the_attribute_of_its_named_producer() -> None:
+    """The reference's TestFilterReadsAttributeOfNamedProducer: the key keeps the producer, and the
+    core extractor's attribute of the same name is another one."""
     params = _plugin("endpoint-attribute-filter", "attribute: GPUUtilization, producer: dcgm-extractor, "
                      "onMissing: Fail, algorithm: {type: threshold, threshold: {operator: LessThan, value: 0.8}}")
     assert isinstance(params, AttributeFilterParams)
     assert params.key == AttributeKey("GPUUtilization", "dcgm-extractor")
-    scraped = EndpointMetrics(attributes={"GPUUtilization": 0.5})
-    assert params.key.read(scraped) is None
-    assert AttributeKey("GPUUtilization").read(scraped) == 0.5
+    state = EndpointState(Endpoint("10.0.0.1", 8000), EndpointMetrics(attributes={"GPUUtilization": 0.5}))
+    assert params.key.read(state) is None
+    assert AttributeKey("GPUUtilization").read(state) == 0.5
+    state.attributes[("GPUUtilization", "dcgm-extractor")] = 0.25
+    assert params.key.read(state) == 0.25 and AttributeKey("GPUUtilization", "other").read(state) is None
 
 
 def test_nan_compares_as_go_compares() -> None:
@@ -354,8 +356,12 @@ def test_an_attribute_nothing_publishes_is_warned_at_startup(caplog: pytest.LogC
     lines = [r.getMessage() for r in caplog.records if "attribute_not_published" in r.getMessage()]
     assert len(lines) == 2
     assert "plugin=typo attribute='custom.queue_dpth': no customMetrics entry" in lines[0]
-    assert "plugin=gpu attribute='GPUUtilization': no plugin this picker runs publishes attributes of producer " \
+    assert "plugin=gpu attribute='GPUUtilization': no plugin declared here publishes 'GPUUtilization' of producer " \
            "'dcgm-extractor'" in lines[1]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "evergreen_trio.picker.endpoint_attribute"):
+        parse_config(text + "- {type: dcgm-extractor}\n", cluster_pool="p")
+    assert "plugin=gpu" not in caplog.text and "plugin=typo" in caplog.text
 
 
 # -- through the scheduler ----------------------------------------------------------------------

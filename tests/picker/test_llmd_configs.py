@@ -41,12 +41,12 @@ EXPECTED = {
     "epp-precise-prefix-cache-config.yaml": "token-producer",
     "pd-epp-config.yaml": None,
     "perf-optimized-baseline-plugins.yaml": None,
-    "pd-topology-epp-config.yaml": "topology-extractor",
+    "pd-topology-epp-config.yaml": None,
     "probabilistic-admitter-epp-config.yaml": None,
     "sim-e-p-d-epp-config.yaml": "always-disagg-multimodal-decider",
     "sim-e-pd-epp-config.yaml": "always-disagg-multimodal-decider",
     "sim-epp-config.yaml": None,
-    "sim-epp-gpu-config.yaml": "dcgm-data-source",
+    "sim-epp-gpu-config.yaml": None,
     "sim-epp-kvcache-config.yaml": "token-producer",
     "sim-epp-no-hit-lru.yaml": "precise-prefix-cache-producer",
     "sim-epp-tokenizer-vllm-http-config.yaml": "token-producer",
@@ -80,6 +80,21 @@ def test_chart_default() -> None:
     assert config.pool.metrics_path == "/metrics" and config.pool.engines == EngineConfig()
     sglang = load_config(FIXTURES / "chart-default-plugins-sglang.yaml", cluster_pool="pool")
     assert sglang.pool.engines.default_engine == "sglang" and sglang.pool.engines.engine_of({}) == "sglang"
+
+
+def test_pd_topology_runs_topology_affinity_in_the_prefill_profile() -> None:
+    s = load_config(FIXTURES / "pd-topology-epp-config.yaml", cluster_pool="pool").scheduler
+    prefill = next(p for p in s.profiles if p.name == "prefill")
+    assert [f.type for f in prefill.filters] == ["prefill-filter", "topology-affinity-filter"]
+    assert prefill.weight("topology-affinity-scorer") == 1
+
+
+def test_sim_gpu_polls_dcgm_for_the_attribute_plugins() -> None:
+    config = load_config(FIXTURES / "sim-epp-gpu-config.yaml", cluster_pool="pool")
+    (source,) = config.pool.dcgm_sources
+    assert (source.port, source.interval_s, source.use_node_address) == (9400, 1.0, False)
+    (profile,) = config.scheduler.profiles
+    assert profile.weight("endpoint-attribute-scorer") == 2.0
 
 
 def test_perf_optimized_baseline_runs_the_no_hit_lru_scorer() -> None:

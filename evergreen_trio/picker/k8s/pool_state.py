@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from evergreen_trio.picker.config import Endpoint
 from evergreen_trio.picker.engine_metrics import EngineConfig
@@ -88,6 +88,23 @@ def pod_labels(pod: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, v) for k, v in labels.items() if isinstance(k, str) and isinstance(v, str)))
 
 
+class _Pod(NamedTuple):
+    """What the endpoints of one pod carry: its IP (None: not Ready), labels, ``spec.hostname``
+    (what topology-extractor falls back to) and node IP (``status.hostIP``: what a DCGM DaemonSet
+    is scraped at)."""
+
+    ip: str | None
+    labels: tuple[tuple[str, str], ...]
+    hostname: str
+    node_address: str
+
+
+def _pod(pod: Mapping[str, Any]) -> _Pod:
+    hostname, node = _map(pod.get("spec")).get("hostname"), _map(pod.get("status")).get("hostIP")
+    return _Pod(pod_address(pod), pod_labels(pod), hostname if isinstance(hostname, str) else "",
+                node if isinstance(node, str) else "")
+
+
 class PoolState:
     """The pool's spec and its pods' addresses and labels; :meth:`endpoints` is what the picker
     serves, each pod's engine read from its labels by ``engines``."""
@@ -95,25 +112,26 @@ class PoolState:
     def __init__(self, spec: PoolSpec | None = None, engines: EngineConfig | None = None) -> None:
         self.spec = spec
         self.engines = engines or EngineConfig()
-        self.pods: dict[str, tuple[str | None, tuple[tuple[str, str], ...]]] = {}
+        self.pods: dict[str, _Pod] = {}
 
     def replace_pods(self, pods: Sequence[Mapping[str, Any]]) -> None:
         """A fresh list: forget every pod not in it."""
-        self.pods = {_name(p): (pod_address(p), pod_labels(p)) for p in pods}
+        self.pods = {_name(p): _pod(p) for p in pods}
 
     def apply(self, event_type: str, pod: Mapping[str, Any]) -> None:
         """One watch event (ADDED, MODIFIED, DELETED; BOOKMARK carries no pod)."""
         if event_type == "DELETED":
             self.pods.pop(_name(pod), None)
         elif event_type in ("ADDED", "MODIFIED"):
-            self.pods[_name(pod)] = (pod_address(pod), pod_labels(pod))
+            self.pods[_name(pod)] = _pod(pod)
 
     def endpoints(self) -> tuple[Endpoint, ...]:
         if self.spec is None:
             return ()
-        pods = sorted({ip: labels for ip, labels in self.pods.values() if ip is not None}.items())
-        return tuple(Endpoint(ip, port, self.engines.engine_of(dict(labels)), labels)
-                     for ip, labels in pods for port in self.spec.ports)
+        pods = sorted({pod.ip: (name, pod) for name, pod in self.pods.items() if pod.ip is not None}.items())
+        return tuple(Endpoint(ip, port, self.engines.engine_of(dict(pod.labels)), pod.labels, name, pod.hostname,
+                              pod.node_address)
+                     for ip, (name, pod) in pods for port in self.spec.ports)
 
 
 def _name(pod: Mapping[str, Any]) -> str:

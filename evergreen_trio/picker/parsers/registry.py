@@ -131,4 +131,4 @@ class ParserRegistry:
 
     def parse(self, path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
         """The request as the parser of ``path`` (its ``request_path``) reads it."""
-        return self.resolve(path).parse(path, headers, body)
+        return (self._resolved.get(path) or self.resolve(path)).parse(path, headers, body)
