@@ -25,6 +25,7 @@ from evergreen_trio.picker.checks import sequence
 from evergreen_trio.picker.errors import ConfigError, RequestError
 from evergreen_trio.picker.flow_control.key import DEFAULT_FAIRNESS_ID, FAIRNESS_HEADERS, fairness_id, first_header
 from evergreen_trio.picker.gotext import header_text, trim_space
+from evergreen_trio.picker.guards import OTHER_MODEL as OVERFLOW_LABEL
 from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, register
 
 AGENT_IDENTITY = "agent-identity"
@@ -117,3 +118,13 @@ def flow_fairness_id(headers: Mapping[str, str], attributes: Mapping[AttributeKe
         return fairness_id({FAIRNESS_HEADERS[0]: attributes.get(AGENT_IDENTITY_KEY, "")})
     except RequestError:
         return DEFAULT_FAIRNESS_ID
+
+
+def fairness_label(headers: Mapping[str, str], attributes: Mapping[AttributeKey, str]) -> str:
+    """The fairness id the metrics label a request with when flow control is off: as
+    :func:`flow_fairness_id`, but a fairness header flow control would refuse is ``other`` (the
+    metrics' overflow value) instead of a 400."""
+    try:
+        return flow_fairness_id(headers, attributes)
+    except RequestError:
+        return OVERFLOW_LABEL

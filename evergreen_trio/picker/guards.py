@@ -42,6 +42,10 @@ MAX_MODEL_LABEL_PAIRS = 64
 OTHER_MODEL = "other"
 """The label value every unlisted or surplus model name folds into."""
 
+MAX_FAIRNESS_LABEL_VALUES = 1000
+"""Distinct ``fairness_id`` label values (llm-d-router's ``maxFairnessLabelValues``); later ones
+fold into :data:`OTHER_MODEL`, the reference's ``overflowValue``."""
+
 
 def check_json_cost(body: bytes, items: int = MAX_BODY_JSON_ITEMS,
                     containers: int = MAX_BODY_JSON_CONTAINERS) -> None:
@@ -161,6 +165,27 @@ def _encodes(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+class BoundedLabel:
+    """A client-chosen label value bounded as llm-d-router's ``boundedLabel`` bounds it: the first
+    ``cap`` distinct values are themselves, every later one is ``other``; "" stays "" (no slot).
+    A value once admitted always returns itself, so paired gauge updates stay balanced."""
+
+    __slots__ = ("_cap", "_seen")
+
+    def __init__(self, cap: int = MAX_FAIRNESS_LABEL_VALUES) -> None:
+        self._cap = cap
+        self._seen: set[str] = set()
+
+    def bound(self, value: str) -> str:
+        seen = self._seen
+        if value in seen or not value:
+            return value
+        if len(seen) >= self._cap:
+            return OTHER_MODEL
+        seen.add(value)
+        return value
 
 
 class ModelLabels:

@@ -20,7 +20,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -29,7 +29,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from evergreen_trio.picker.attribute_reporter import attribute_reporters, report
-from evergreen_trio.picker.attributes import AttributeKey, flow_fairness_id, request_attributes
+from evergreen_trio.picker.attributes import AttributeKey, fairness_label, flow_fairness_id, request_attributes
 from evergreen_trio.picker.burst_prefix import BurstEntry, BurstWindow, Replica, burst_producers
 from evergreen_trio.picker.config import DestinationMode, PickerConfig
 from evergreen_trio.picker.errors import ExtProcError, RequestError
@@ -85,17 +85,33 @@ _JSON_HEADERS = ep.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
     header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"), append_action=_OVERWRITE)])
 
 
+class GapObserver(Protocol):
+    """Where a streaming response's chunk gaps go (a histogram series)."""
+
+    def observe(self, amount: float) -> None: ...
+
+
 @dataclass
 class StreamReport:
     """What one ext_proc stream did, filled as it goes; the shell turns it into metrics.
 
     ``routed`` turns true when a request was sent to an endpoint (it is then running until the
-    stream ends); ``error`` is the HTTP status of an answer the picker gave itself.
+    stream ends); ``error`` is the HTTP status of an answer the picker gave itself. Times are on
+    the pool snapshot's clock, from when the request headers came: ``processing_s`` until the
+    request was answered or sent on, ``ttft_s`` until the first response byte;
+    ``response_processing_s`` is the picker's own time on the response (llm-d-router's measure).
+    ``itl`` is told the gap between consecutive chunks of a streaming response (the shell sets it).
     """
 
     client_model: str = ""
     target_model: str = ""
+    fairness_id: str = DEFAULT_FAIRNESS_ID
+    priority: int = 0
+    streaming: bool = False  # the request asked for a stream, or the response is server-sent events
     routed: bool = False
+    scheduled: bool | None = None  # the scheduler ran: whether it found an endpoint
+    endpoint: str = ""  # the first endpoint it picked
+    rewrite: str | None = None  # the weighted model rewrite (a configured model's name) that chose the target
     error: int | None = None
     request_bytes: int = 0
     response_bytes: int = 0
@@ -104,6 +120,10 @@ class StreamReport:
     prefix_match: tuple[int, int] | None = None  # (matched bytes, prompt bytes in full blocks)
     served: list[str] = field(default_factory=list)
     usage: Usage | None = None
+    processing_s: float | None = None
+    ttft_s: float | None = None
+    response_processing_s: float = 0.0
+    itl: GapObserver | None = None
     recorded: bool = False  # set by the shell once it has recorded this report
 
 
@@ -142,6 +162,8 @@ class Admission:
     client_model: str | None = None
     target_model: str | None = None
     priority: int = 0
+    stream: bool = False
+    rewrite: str | None = None
     hashes: Sequence[int] = ()
     body: bytes | None = None
     prompt_bytes: int = 0
@@ -219,9 +241,12 @@ class Picker:
                 admission.attributes = request_attributes(self.plugins, headers)
             if self.flow is not None:
                 admission.fairness_id = flow_fairness_id(headers, admission.attributes)
+            else:  # only a metric label then: never a reason to refuse the request
+                admission.fairness_id = fairness_label(headers, admission.attributes)
             if body is not None:
                 request = self.parsers.parse(path, headers, body)
                 admission.skip_response, admission.response = request.skip_response, request.response
+                admission.stream = request.stream
                 model = None
                 if request.model:  # a parser reading no model (passthrough) leaves the model checks out
                     admission.client_model = request.model
@@ -237,6 +262,8 @@ class Picker:
                 target = rewrite or None
                 if request.rewritable:  # else the body goes as received, as the reference's director does
                     target = rewrite or (choose_target(model, self.rng) if model is not None else request.model)
+                    if not rewrite and model is not None and model.target_models:
+                        admission.rewrite = model.name
                     if not target:
                         raise RequestError(400, "model not found in request body")
                     if target != request.model:
@@ -286,9 +313,12 @@ class Picker:
             endpoints = schedule.endpoints
         except RequestError as exc:
             self._failed(report, admission, exc)
+            report.scheduled = False
             raise
-        report.client_model, report.target_model = admission.client_model or "", admission.target_model or ""
-        report.routed = True
+        self._noted(report, admission)
+        report.routed = report.scheduled = True
+        report.endpoint = endpoints[0]
+        report.streaming, report.rewrite = admission.stream, admission.rewrite
         report.scheduling_s = time.perf_counter() - admission.started
         scheduler = self.scheduler
         report.scorer_s = dict(scheduler.scorer_seconds)
@@ -315,8 +345,14 @@ class Picker:
                      response=admission.response)
 
     @staticmethod
-    def _failed(report: StreamReport, admission: Admission, exc: RequestError) -> None:
+    def _noted(report: StreamReport, admission: Admission) -> None:
+        """The request's labels, in ``report``: its models, fairness id and priority."""
         report.client_model, report.target_model = admission.client_model or "", admission.target_model or ""
+        report.fairness_id, report.priority = admission.fairness_id, admission.priority
+
+    @classmethod
+    def _failed(cls, report: StreamReport, admission: Admission, exc: RequestError) -> None:
+        cls._noted(report, admission)
         report.error = exc.status
 
     def record_served(self, route: Route, served: str) -> None:
@@ -465,6 +501,8 @@ class ExtProcStream:
         self.on_unpark: Callable[[], None] | None = None
         self.item: QueueItem | None = None
         self.received_at: float | None = None  # when the request headers came (the pool's clock)
+        self.response_headers_at: float | None = None
+        self.last_chunk_at: float | None = None  # a streaming response's last non-empty chunk
         self._resumed: list[ep.ProcessingResponse] = []
         self._abandoned = False
         self._finish: Callable[[Outcome], list[ep.ProcessingResponse]] | None = None
@@ -593,6 +631,7 @@ class ExtProcStream:
         if self.body_bytes > self.limits.max_request_body_bytes:
             self.routed = True
             self.chunks.clear()
+            self._processed()
             return [self._immediate(413, f"request body larger than {self.limits.max_request_body_bytes} bytes")]
         if self.request_mode == FULL_DUPLEX:
             end = message.request_body.end_of_stream
@@ -623,6 +662,7 @@ class ExtProcStream:
         try:
             admission = self.picker.admit(request_path(self.headers), self.headers, body, self.subset, self.report)
         except RequestError as exc:
+            self._processed()
             return [self._immediate(exc.status, exc.message, exc.dropped_reason), *after]
         start_render = self.picker.start_render
         if admission.render is not None and start_render is not None:
@@ -646,6 +686,7 @@ class ExtProcStream:
         """Route an admitted request, through flow control when on (it may park here)."""
 
         def finish(outcome: Outcome) -> list[ep.ProcessingResponse]:
+            self._processed()
             if outcome is not Outcome.DISPATCHED:
                 return [self._immediate(outcome.status, outcome_message(outcome), outcome.reason), *after]
             if self.picker.burst is not None and self._burst is None:
@@ -666,7 +707,8 @@ class ExtProcStream:
             return finish(Outcome.DISPATCHED)
         self._finish = finish
         self.item = QueueItem(admission.fairness_id, admission.priority, admission.byte_size, self._on_outcome,
-                              admission.headers, self.received_at, on_evict=self._on_evict)
+                              admission.headers, self.received_at, on_evict=self._on_evict,
+                              models=(admission.client_model or "", admission.target_model or ""))
         self.picker.flow.submit(self.item)
         if self.item.outcome is None:
             self.parked = True
@@ -692,6 +734,11 @@ class ExtProcStream:
             return finish(Outcome.DISPATCHED)
         self.parked = True
         return []
+
+    def _processed(self) -> None:
+        """The request is answered or about to be sent on (queue wait included)."""
+        if self.received_at is not None:
+            self.report.processing_s = self.picker.snapshot.clock() - self.received_at
 
     def _decision(self, route: Route, phase: str) -> ep.ProcessingResponse:
         """The response for ``phase`` that sends the request to ``route``."""
@@ -741,6 +788,12 @@ class ExtProcStream:
         if self.response_started:
             raise ExtProcError("expected one response_headers message per stream, got a second")
         self.response_started = True
+        start = self.response_headers_at = self.picker.snapshot.clock()
+        replies = self._response_header_replies(message)
+        self.report.response_processing_s += self.picker.snapshot.clock() - start
+        return replies
+
+    def _response_header_replies(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         content_type, has_length = _response_header_fields(message.response_headers)
         served = _metadata_value(message.metadata_context, LB_NAMESPACE, SERVED)
         route = self.route
@@ -758,6 +811,8 @@ class ExtProcStream:
                 and response.rewrites):
             rewrite = (route.target_model, route.client_model)
         sse = content_type.startswith("text/event-stream")
+        if sse:
+            self.report.streaming = True
         self.reader = response.reader(sse=sse, rewrite=rewrite, max_bytes=self.limits.max_response_body_bytes)
         self.rewrite_sse = rewrite is not None and sse
         if message.response_headers.end_of_stream or self.response_mode == NONE:
@@ -797,10 +852,33 @@ class ExtProcStream:
         mutation.SetInParent()
 
     def _response_body(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        """A response chunk; timed as llm-d-router times it: a streaming response's handler time
+        adds up, a non-streaming one's runs from its headers to its end."""
+        report = self.report
+        if report.streaming:
+            start = self.picker.snapshot.clock()
+            replies = self._response_chunk(message, start)
+            report.response_processing_s += self.picker.snapshot.clock() - start
+            return replies
+        replies = self._response_chunk(message, None)
+        if self.response_ended and self.response_headers_at is not None:
+            report.response_processing_s = self.picker.snapshot.clock() - self.response_headers_at
+        return replies
+
+    def _response_chunk(self, message: ep.ProcessingRequest, now: float | None) -> list[ep.ProcessingResponse]:
+        """``now``: when a chunk of a streaming response came (None otherwise)."""
         if not self.response_started or self.response_ended:
             raise ExtProcError("expected response_body after response_headers and before the body ended")
         chunk = message.response_body.body
-        self.report.response_bytes += len(chunk)
+        report = self.report
+        report.response_bytes += len(chunk)
+        if chunk:
+            if report.ttft_s is None and self.received_at is not None:
+                report.ttft_s = (now if now is not None else self.picker.snapshot.clock()) - self.received_at
+            if now is not None:
+                if self.last_chunk_at is not None and report.itl is not None:
+                    report.itl.observe(now - self.last_chunk_at)
+                self.last_chunk_at = now
         end = message.response_body.end_of_stream
         if self.response_mode != FULL_DUPLEX:
             self.response_ended = True

@@ -23,20 +23,22 @@ class ReclamationMetrics(ReclamationObserver):
         self.pool = pool
         self.issued_total = Counter(
             "llm_d_epp_flow_control_revocations_issued",
-            "Total number of in-flight eviction revocations issued, labeled by the demand band's priority.",
+            "[ALPHA] Total number of in-flight eviction revocations issued, labeled by the demand band's priority.",
             ["priority", "inference_pool"], registry=registry)
         self.revocations = Counter(
             "llm_d_epp_flow_control_revocations",
-            "Total number of in-flight eviction revocations by terminal outcome (confirmed, timed_out).",
+            "[ALPHA] Total number of in-flight eviction revocations by terminal outcome (confirmed, timed_out). Every "
+            "issued revocation eventually increments exactly one outcome.",
             ["outcome", "inference_pool"], registry=registry)
         self.target = Gauge("llm_d_epp_flow_control_reclaim_target",
-                            "Last computed reclamation deficit, in saturation-gauge units.",
+                            "[ALPHA] Last computed reclamation deficit, in saturation-gauge units.",
                             ["inference_pool"], registry=registry)
         self.pending = Gauge("llm_d_epp_flow_control_pending_reclaim",
-                             "Sum of outstanding and cooling pending-reclaim debits, in saturation-gauge units.",
+                             "[ALPHA] Sum of outstanding and cooling pending-reclaim debits, in saturation-gauge "
+                             "units.",
                              ["inference_pool"], registry=registry)
         self.confirmation = Histogram("llm_d_epp_flow_control_revocation_confirmation_seconds",
-                                      "Time from revocation issue to confirmed stream termination.",
+                                      "[ALPHA] Time from revocation issue to confirmed stream termination.",
                                       ["inference_pool"], buckets=_CONFIRMATION_BUCKETS, registry=registry)
 
     def issued(self, priority: int, count: int) -> None:

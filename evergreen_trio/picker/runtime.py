@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -32,6 +33,7 @@ from evergreen_trio.picker.dcgm_poll import poll_dcgm
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.flow_control.gate import FlowGate
+from evergreen_trio.picker.flow_metrics import FlowControlMetrics
 from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.models_poll import poll_models
 from evergreen_trio.picker.processor import ExtProcStream, Picker
@@ -161,11 +163,24 @@ async def _flow_control(gate: FlowGate, interval_s: float, wake: trio.Event, new
         gate.queue.shutdown()
 
 
+class ScrapeErrors(Protocol):
+    """Where the scrapers count their failures (llm-d-router's data-layer error counters)."""
+
+    def poll_error(self, source_type: str) -> None: ...
+
+    def extract_error(self, source_type: str, extractor_type: str) -> None: ...
+
+
+# The reference's names of the data source and extractor a metrics scrape stands for.
+METRICS_SOURCE, METRICS_EXTRACTOR = "metrics-data-source", "core-metrics-extractor"
+
+
 async def _scrape_forever(
     endpoint: Endpoint,
     config: PickerConfig,
     snapshot: PoolSnapshot,
     after_scrape: Callable[[], None],
+    errors: ScrapeErrors | None = None,
 ) -> None:
     port = config.pool.metrics_port or endpoint.port
     getter = KeepAliveGetter(endpoint.host, port, max_body=MAX_METRICS_BYTES)
@@ -174,11 +189,13 @@ async def _scrape_forever(
     was_ready = False
     try:
         while True:
+            polled = False
             try:
                 with trio.fail_after(config.pool.scrape_timeout_s):
                     status, body = await getter.get(config.pool.metrics_path)
                 if status != 200:
                     raise MetricsError(f"expected HTTP 200 from {url}, got {status}")
+                polled = True
                 text = body.decode("utf-8", "replace")
                 snapshot.update(endpoint.address, parse_engine_metrics(engine, text))
                 if not was_ready:
@@ -186,6 +203,11 @@ async def _scrape_forever(
                 was_ready = True
             except (HttpGetError, MetricsError, trio.TooSlowError) as exc:
                 snapshot.mark_failed(endpoint.address)
+                if errors is not None:
+                    if polled:  # an answer that does not read as the engine's metrics
+                        errors.extract_error(METRICS_SOURCE, METRICS_EXTRACTOR)
+                    else:
+                        errors.poll_error(METRICS_SOURCE)
                 if was_ready:
                     log.warning("picker.endpoint_not_ready endpoint=%s error=%s", endpoint.address, exc or "timeout")
                 was_ready = False
@@ -199,8 +221,9 @@ class Scrapers:
     """One scraper task per endpoint in ``nursery``, following the endpoint set :meth:`sync` is given."""
 
     def __init__(self, nursery: trio.Nursery, config: PickerConfig, snapshot: PoolSnapshot,
-                 after_scrape: Callable[[], None]) -> None:
+                 after_scrape: Callable[[], None], errors: ScrapeErrors | None = None) -> None:
         self.nursery, self.config, self.snapshot, self.after_scrape = nursery, config, snapshot, after_scrape
+        self.errors = errors
         self._scopes: dict[str, tuple[Endpoint, trio.CancelScope]] = {}
 
     def sync(self, endpoints: Iterable[Endpoint]) -> None:
@@ -225,7 +248,7 @@ class Scrapers:
                     beside.start_soon(poll_models, endpoint, source, self.config.pool, self.snapshot)
                 for dcgm in self.config.pool.dcgm_sources:
                     beside.start_soon(poll_dcgm, endpoint, dcgm, self.config.pool, self.snapshot)
-                await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape)
+                await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape, self.errors)
 
 
 class PickerDrain:
@@ -368,6 +391,7 @@ async def run_picker(
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = picker_metrics(config)
     picker = Picker(config, snapshot)
+    flow_metrics = FlowControlMetrics(metrics)  # registered with or without flow control, as the reference's
     readiness = Readiness(config.pool.name, discovered=discovery is not None, elected=leader_election is not None)
 
     flow_wake = [trio.Event()]
@@ -387,7 +411,7 @@ async def run_picker(
     async with trio.open_nursery() as nursery:
         if picker.tokens is not None and isinstance(picker.tokens.backend, VllmRender):
             picker.start_render = render_starter(nursery, picker.tokens.backend)
-        scrapers = Scrapers(nursery, config, snapshot, after_scrape)
+        scrapers = Scrapers(nursery, config, snapshot, after_scrape, metrics.gauges)
         if discovery is None:
             scrapers.sync(config.pool.endpoints)
         else:
@@ -412,6 +436,7 @@ async def run_picker(
             picker.flow.wake = lambda: flow_wake[0].set()  # an evicted request ended: poll again at once
             if picker.flow.reclamation is not None:
                 picker.flow.reclamation.observer = metrics.reclamation
+            picker.flow.queue.observer = flow_metrics
             nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0], new_flow_wake)
         screeners = picker.scheduler.screeners
         if screeners:

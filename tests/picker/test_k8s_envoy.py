@@ -80,7 +80,10 @@ async def test_envoy_routes_to_discovered_pods(nursery: trio.Nursery, tmp_path: 
             metrics = await client.get(f"http://127.0.0.1:{picker.metrics}/metrics", headers=metrics_reader(api))
         text = metrics.text
         labels = 'model_name="food-review",target_model_name="food-review"'
-        assert f"inference_objective_request_total{{{labels}}} {i - 100 + 12}.0" in text
+        total = 'model_name="food-review",priority="0",target_model_name="food-review"'
+        assert f"inference_objective_request_total{{{total}}} {i - 100 + 12}.0" in text
+        new_labels = f'fairness_id="default-flow",{total}'
+        assert f"llm_d_epp_request_total{{{new_labels}}} {i - 100 + 12}.0" in text
         error_labels = 'error_code="BadRequest",model_name="",target_model_name=""'
         assert f"inference_objective_request_error_total{{{error_labels}}} 1.0" in text
         for name in ("inference_objective_request_duration_seconds_count", "inference_objective_request_sizes_count",

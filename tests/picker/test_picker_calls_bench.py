@@ -20,7 +20,7 @@ def test_every_request_is_routed_and_its_stream_ended(case: str) -> None:
     bench = Bench(case, endpoints=3, streams_per_read=4)
     bench.run(16, Meter())
     page = generate_latest(bench.metrics.registry).decode()
-    assert 'inference_objective_request_total{model_name="bench",target_model_name="bench"} 16.0' in page
+    assert 'inference_objective_request_total{model_name="bench",priority="0",target_model_name="bench"} 16.0' in page
     assert ("inference_objective_output_tokens_sum" in page) == (case == "observed")
     assert bench.server.open_streams == 0 and not bench.server.closed
 

@@ -279,7 +279,7 @@ def test_duplex_sse_response_rewritten_line_by_line_with_usage() -> None:
     tokens = {s.labels["kind"]: s.value for s in telemetry.tokens.collect()[0].samples if s.name.endswith("_total")}
     assert tokens == {"prompt": 2.0, "completion": 3.0}
     ntpot = {s.name: s.value for s in telemetry.ntpot.collect()[0].samples}
-    assert ntpot["inference_objective_normalized_time_per_output_token_seconds_sum"] == pytest.approx(0.1)
+    assert ntpot["llm_d_epp_request_ntpot_seconds_sum"] == pytest.approx(0.1)
 
 
 def test_duplex_json_response_held_until_end_then_content_length_fixed() -> None:

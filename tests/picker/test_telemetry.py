@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -21,24 +22,34 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import disable_created_metrics, enable_created_metrics
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
 
 from evergreen_trio.picker import telemetry
-from evergreen_trio.picker.guards import ModelLabels
+from evergreen_trio.picker.guards import BoundedLabel, ModelLabels
+from evergreen_trio.picker.llmd_gauges import LlmdGauges
 from evergreen_trio.picker.processor import StreamReport
 from evergreen_trio.picker.reclamation_metrics import ReclamationMetrics
 from evergreen_trio.picker.telemetry import (
     _DURATION_BUCKETS,
     _INPUT_TOKEN_BUCKETS,
+    _ITL_BUCKETS,
     _MODEL,
     _NTPOT_BUCKETS,
     _OUTPUT_TOKEN_BUCKETS,
+    _PLUGIN_HELP,
+    _REQUEST,
+    _REQUEST_PROCESSING_BUCKETS,
     _REQUEST_SIZE_BUCKETS,
+    _RESPONSE_PROCESSING_BUCKETS,
     _RESPONSE_SIZE_BUCKETS,
     _SCHEDULER_BUCKETS,
     _STREAM_BUCKETS,
+    _TPOT_BUCKETS,
+    _TTFT_BUCKETS,
     VERSION,
     HistogramFamily,
     PickerMetrics,
+    alpha,
     error_code,
     go_code,
 )
@@ -47,13 +58,14 @@ from evergreen_trio.picker.usage import Usage
 
 class ReferenceStreamMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.inflight = Gauge("llm_d_epp_extproc_streams_inflight", "Number of ext_proc gRPC streams currently open.",
-                              registry=registry)
+        self.inflight = Gauge("llm_d_epp_extproc_streams_inflight",
+                              alpha("Number of ext_proc gRPC streams currently open."), registry=registry)
         self.duration = Histogram("llm_d_epp_extproc_stream_duration_seconds",
-                                  "Duration an ext_proc gRPC stream stays open, in seconds.",
+                                  alpha("Duration an ext_proc gRPC stream stays open, in seconds."),
                                   buckets=_STREAM_BUCKETS, registry=registry)
-        self.ended = Counter("llm_d_epp_extproc_streams", "Total ext_proc gRPC streams completed, by gRPC status code.",
-                             ["code"], registry=registry)
+        self.ended = Counter("llm_d_epp_extproc_streams",
+                             alpha("Total ext_proc gRPC streams completed, by gRPC status code."), ["code"],
+                             registry=registry)
 
     def opened(self) -> None:
         self.inflight.inc()
@@ -64,37 +76,135 @@ class ReferenceStreamMetrics:
         self.ended.labels(go_code(status)).inc()
 
 
+@dataclass
+class Observer:
+    observe: Callable[[float], None]
+
+
+def old(new: str, help_: str) -> str:
+    return alpha(f"[Deprecated: Use {new}] {help_}")
+
+
 class ReferenceMetrics:
-    """The per-request part of the old PickerMetrics, verbatim (every family, in its order)."""
+    """The per-request part of PickerMetrics on prometheus_client's own metrics, written as
+    llm-d-router writes them: every observation into the llm_d_epp_* family and its deprecated one."""
 
     def __init__(self, pool: str, *, stream_metrics: bool = False) -> None:
         self.pool = pool
         self.labels = ModelLabels()
+        self.fairness = BoundedLabel()
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("inference_objective_request", "Requests routed, by model and target model",
-                                _MODEL, registry=r)
-        self.errors = Counter("inference_objective_request_error", "Requests answered with an error, by code",
-                              [*_MODEL, "error_code"], registry=r)
-        self.duration = Histogram("inference_objective_request_duration_seconds", "Request latency",
-                                  _MODEL, buckets=_DURATION_BUCKETS, registry=r)
-        self.request_sizes = Histogram("inference_objective_request_sizes", "Request body bytes",
-                                       _MODEL, buckets=_REQUEST_SIZE_BUCKETS, registry=r)
-        self.response_sizes = Histogram("inference_objective_response_sizes", "Response body bytes",
-                                        _MODEL, buckets=_RESPONSE_SIZE_BUCKETS, registry=r)
-        self.input_tokens = Histogram("inference_objective_input_tokens", "Prompt tokens per request",
-                                      _MODEL, buckets=_INPUT_TOKEN_BUCKETS, registry=r)
-        self.output_tokens = Histogram("inference_objective_output_tokens", "Completion tokens per request",
-                                       _MODEL, buckets=_OUTPUT_TOKEN_BUCKETS, registry=r)
-        self.running = Gauge("inference_objective_running_requests", "Requests routed and not yet finished",
-                             ["model_name"], registry=r)
-        self.ntpot = Histogram("inference_objective_normalized_time_per_output_token_seconds",
-                               "Request latency divided by its completion tokens", _MODEL, buckets=_NTPOT_BUCKETS,
-                               registry=r)
-        self.scheduling = Histogram("inference_extension_scheduler_e2e_duration_seconds",
-                                    "Time to pick an endpoint", buckets=_SCHEDULER_BUCKETS, registry=r)
-        self.plugin_duration = Histogram("inference_extension_plugin_duration_seconds", "Time per scorer",
-                                         ["extension_point", "plugin_type", "plugin_name"],
+        req = _REQUEST
+        self.requests = Counter("llm_d_epp_request", alpha("Total number of processed requests."), req, registry=r)
+        self.errors = Counter("llm_d_epp_request_error", alpha("Total number of request errors."),
+                              [*req, "error_code"], registry=r)
+        self.duration = Histogram("llm_d_epp_request_duration_seconds",
+                                  alpha("End-to-end request latency distribution in seconds."), req,
+                                  buckets=_DURATION_BUCKETS, registry=r)
+        self.request_sizes = Histogram("llm_d_epp_request_size_bytes",
+                                       alpha("Incoming request body size distribution in bytes."), req,
+                                       buckets=_REQUEST_SIZE_BUCKETS, registry=r)
+        self.response_sizes = Histogram("llm_d_epp_response_size_bytes",
+                                        alpha("Outgoing response body size distribution in bytes."), req,
+                                        buckets=_RESPONSE_SIZE_BUCKETS, registry=r)
+        self.input_tokens = Histogram("llm_d_epp_request_input_tokens",
+                                      alpha("Input token count distribution per request."), req,
+                                      buckets=_INPUT_TOKEN_BUCKETS, registry=r)
+        self.output_tokens = Histogram("llm_d_epp_request_output_tokens",
+                                       alpha("Output token count distribution per request."), req,
+                                       buckets=_OUTPUT_TOKEN_BUCKETS, registry=r)
+        self.cached_tokens = Histogram("llm_d_epp_request_cached_tokens", alpha(
+            "Distribution of prompt tokens read from cache per request, as reported by the model server in the "
+            "response."), req, buckets=_INPUT_TOKEN_BUCKETS, registry=r)
+        self.running = Gauge("llm_d_epp_request_running", alpha("Current number of active running requests."), req,
+                             registry=r)
+        self.ntpot = Histogram("llm_d_epp_request_ntpot_seconds", alpha(
+            "Normalized time per output token in seconds (end-to-end latency divided by output token count)."),
+            req, buckets=_NTPOT_BUCKETS, registry=r)
+        self.ttft = Histogram("llm_d_epp_request_ttft_seconds", alpha(
+            "Time to first token in seconds, measured from request received to first response byte. For "
+            "non-streaming requests, this equals total request duration."), [*req, "streaming"],
+            buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("llm_d_epp_request_streaming_tpot_seconds", alpha(
+            "Average time per output token in seconds for streaming requests, computed as (e2e - TTFT) / "
+            "(output_tokens - 1)."), req, buckets=_TPOT_BUCKETS, registry=r)
+        self.itl = Histogram("llm_d_epp_request_streaming_itl_seconds", alpha(
+            "Inter-token latency in seconds for streaming requests, measured as the time between consecutive "
+            "response body chunks."), req, buckets=_ITL_BUCKETS, registry=r)
+        self.old_requests = Counter("inference_objective_request", old(
+            "llm_d_epp_request_total",
+            "Counter of inference objective requests broken out for each model and target model."),
+            [*_MODEL, "priority"], registry=r)
+        self.old_errors = Counter("inference_objective_request_error", old(
+            "llm_d_epp_request_error_total",
+            "Counter of inference objective requests errors broken out for each model and target model."),
+            [*_MODEL, "error_code"], registry=r)
+        self.old_duration = Histogram("inference_objective_request_duration_seconds", old(
+            "llm_d_epp_request_duration_seconds",
+            "Inference objective response latency distribution in seconds for each model and target model."),
+            _MODEL, buckets=_DURATION_BUCKETS, registry=r)
+        self.old_request_sizes = Histogram("inference_objective_request_sizes", old(
+            "llm_d_epp_request_size_bytes",
+            "Inference objective requests size distribution in bytes for each model and target model."),
+            _MODEL, buckets=_REQUEST_SIZE_BUCKETS, registry=r)
+        self.old_response_sizes = Histogram("inference_objective_response_sizes", old(
+            "llm_d_epp_response_size_bytes",
+            "Inference objective responses size distribution in bytes for each model and target model."),
+            _MODEL, buckets=_RESPONSE_SIZE_BUCKETS, registry=r)
+        self.old_input_tokens = Histogram("inference_objective_input_tokens", old(
+            "llm_d_epp_request_input_tokens",
+            "Inference objective input token count distribution for requests in each model."),
+            _MODEL, buckets=_INPUT_TOKEN_BUCKETS, registry=r)
+        self.old_output_tokens = Histogram("inference_objective_output_tokens", old(
+            "llm_d_epp_request_output_tokens",
+            "Inference objective output token count distribution for requests in each model."),
+            _MODEL, buckets=_OUTPUT_TOKEN_BUCKETS, registry=r)
+        self.old_cached_tokens = Histogram("inference_objective_prompt_cached_tokens", old(
+            "llm_d_epp_request_cached_tokens",
+            "Inference objective prompt cached token count distribution for requests in each model."),
+            _MODEL, buckets=_INPUT_TOKEN_BUCKETS, registry=r)
+        self.old_running = Gauge("inference_objective_running_requests", old(
+            "llm_d_epp_request_running", "Inference objective number of running requests in each model."),
+            ["model_name"], registry=r)
+        self.old_ntpot = Histogram("inference_objective_normalized_time_per_output_token_seconds", old(
+            "llm_d_epp_request_ntpot_seconds",
+            "Inference objective latency divided by number of output tokens in seconds for each model and target "
+            "model."), _MODEL, buckets=_NTPOT_BUCKETS, registry=r)
+        e2e = "End-to-end scheduling latency distribution in seconds."
+        self.scheduling = Histogram("llm_d_epp_scheduler_e2e_duration_seconds", alpha(e2e),
+                                    buckets=_SCHEDULER_BUCKETS, registry=r)
+        self.old_scheduling = Histogram("inference_extension_scheduler_e2e_duration_seconds",
+                                        old("llm_d_epp_scheduler_e2e_duration_seconds", e2e),
+                                        buckets=_SCHEDULER_BUCKETS, registry=r)
+        attempts = "Total number of scheduling attempts."
+        self.attempts = Counter("llm_d_epp_scheduler_attempts", alpha(attempts),
+                                ["status", "target_model_name", "endpoint_name", "namespace", "port"], registry=r)
+        self.old_attempts = Counter("inference_extension_scheduler_attempts",
+                                    old("llm_d_epp_scheduler_attempts_total", attempts),
+                                    ["status", "target_model_name", "pod_name", "namespace", "port"], registry=r)
+        plugin = ["extension_point", "plugin_type", "plugin_name"]
+        self.plugin_duration = Histogram("llm_d_epp_plugin_duration_seconds", alpha(_PLUGIN_HELP), plugin,
                                          buckets=_SCHEDULER_BUCKETS, registry=r)
+        self.old_plugin_duration = Histogram("inference_extension_plugin_duration_seconds",
+                                             old("llm_d_epp_plugin_duration_seconds", _PLUGIN_HELP), plugin,
+                                             buckets=_SCHEDULER_BUCKETS, registry=r)
+        Counter("llm_d_epp_plugin_data_scope_violations", alpha(
+            "Total number of endpoint attribute accesses rejected because the plugin did not declare the DataKey "
+            "in Produces() or Consumes(), by extension point, plugin type, plugin name and access kind (read or "
+            "write). A non-zero value means a plugin's implementation has drifted from its declaration; rejected "
+            "reads resolve as absent and rejected writes are dropped."), [*plugin, "access"], registry=r)
+        self.request_processing = Histogram("llm_d_epp_request_processing_duration_seconds", alpha(
+            "EPP request processing latency distribution in seconds, from request receipt until the request body "
+            "has been handled, including admission control."), buckets=_REQUEST_PROCESSING_BUCKETS, registry=r)
+        self.response_processing = Histogram("llm_d_epp_response_processing_duration_seconds", alpha(
+            "EPP response processing latency distribution in seconds: the sum of per-chunk handler time for a "
+            "streamed response, or the interval from response headers to completion for a non-streaming "
+            "response."), buckets=_RESPONSE_PROCESSING_BUCKETS, registry=r)
+        rewrite = ["model_rewrite_name", "model_name", "target_model"]
+        self.rewrites = Counter("llm_d_epp_model_rewrite_decisions",
+                                alpha("Total number of inference model rewrite decisions."), rewrite, registry=r)
+        self.old_rewrites = Counter("inference_extension_model_rewrite_decisions",
+                                    alpha("Total number of inference model rewrite decisions."), rewrite, registry=r)
         self.prefix_size = Gauge("inference_extension_prefix_indexer_size", "Block hashes in the prefix index",
                                  registry=r)
         self.prefix_ratio = Histogram("inference_extension_prefix_indexer_hit_ratio",
@@ -103,53 +213,64 @@ class ReferenceMetrics:
         self.prefix_bytes = Histogram("inference_extension_prefix_indexer_hit_bytes", "Matched prefix bytes",
                                       buckets=(0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
                                                65536), registry=r)
-        self.info = Gauge("inference_extension_info", "Build information", ["commit", "build_ref"], registry=r)
-        self.info.labels("", f"evergreen-trio-{VERSION}").set(1)
-        self.avg_queue = Gauge("inference_pool_average_queue_size", "Mean waiting requests per ready endpoint",
-                               ["name"], registry=r)
-        self.avg_kv = Gauge("inference_pool_average_kv_cache_utilization", "Mean KV-cache usage per ready endpoint",
-                            ["name"], registry=r)
-        self.ready = Gauge("inference_pool_ready_pods", "Endpoints whose last scrape succeeded", ["name"], registry=r)
-        self.pod_queue = Gauge("inference_pool_per_pod_queue_size", "Waiting requests per endpoint",
-                               ["name", "model_server_pod"], registry=r)
         self.served = Counter("inference_extension_served_requests", "Requests Envoy reports served, by endpoint",
                               ["endpoint"], registry=r)
         self.tokens = Counter("inference_objective_tokens", "Tokens reported in responses, by model and kind",
                               ["model_name", "kind"], registry=r)
-        self.inflight_requests = Gauge("llm_d_epp_inflight_requests", "In-flight requests per endpoint",
-                                       ["endpoint_name"], registry=r)
-        self.inflight_tokens = Gauge("llm_d_epp_inflight_tokens", "In-flight tokens per endpoint",
-                                     ["endpoint_name"], registry=r)
-        self.queue_size = Gauge("llm_d_epp_flow_control_queue_size", "Requests held in the flow control queue",
-                                ["priority", "inference_pool"], registry=r)
-        self.queue_bytes = Gauge("llm_d_epp_flow_control_queue_bytes", "Bytes held in the flow control queue",
-                                 ["priority", "inference_pool"], registry=r)
-        self.saturation = Gauge("llm_d_epp_flow_control_pool_saturation",
-                                "The saturation detector's reading per stage (prefill, decode) and the effective one",
-                                ["inference_pool", "stage"], registry=r)
-        self.stale_endpoints = Gauge("llm_d_epp_flow_control_stale_endpoints",
-                                     "Endpoints the utilization detector last read as saturated for missing or "
-                                     "stale metrics", ["detector"], registry=r)
+        LlmdGauges(r, pool, f"evergreen-trio-{VERSION}")  # prometheus_client's own gauges, as in PickerMetrics
         self.streams = ReferenceStreamMetrics(r) if stream_metrics else None
         self.reclamation = ReclamationMetrics(r, pool)  # prometheus_client's own metrics, as in PickerMetrics
 
+    def _labels(self, report: StreamReport) -> tuple[str, str, str, str]:
+        model, target = self.labels.pair(report.client_model, report.target_model)
+        return model, target, self.fairness.bound(report.fairness_id), str(report.priority)
+
     def started(self, report: StreamReport) -> None:
-        self.running.labels(self.labels.name(report.client_model)).inc()
+        labels = self._labels(report)
+        if report.client_model:
+            self.running.labels(*labels).inc()
+            self.old_running.labels(labels[0]).inc()
+        report.itl = Observer(lambda gap: self.itl.labels(*labels).observe(gap))
 
     def record(self, report: StreamReport, duration_s: float, *, prefix_index_size: int | None = None) -> None:
-        labels = self.labels.pair(report.client_model, report.target_model)
+        labels = self._labels(report)
+        model, target, _, priority = labels
         if report.error is not None:
-            self.errors.labels(*labels, error_code(report.error)).inc()
+            code = error_code(report.error)
+            self.errors.labels(*labels, code).inc()
+            self.old_errors.labels(model, target, code).inc()
+        if report.processing_s is not None:
+            self.request_processing.observe(report.processing_s)
+        if report.scheduled is not None:
+            endpoint = report.endpoint if report.scheduled else ""
+            values = ("success" if report.scheduled else "failure", self.labels.name(report.target_model), endpoint,
+                      "", endpoint.rpartition(":")[2] if endpoint else "")
+            self.attempts.labels(*values).inc()
+            self.old_attempts.labels(*values).inc()
         if report.routed:
-            self.running.labels(self.labels.name(report.client_model)).dec()
+            if report.client_model:
+                self.running.labels(*labels).dec()
+                self.old_running.labels(model).dec()
             self.requests.labels(*labels).inc()
-            self.duration.labels(*labels).observe(duration_s)
-            self.request_sizes.labels(*labels).observe(report.request_bytes)
-            self.response_sizes.labels(*labels).observe(report.response_bytes)
+            self.old_requests.labels(model, target, priority).inc()
+            for new, legacy, value in ((self.duration, self.old_duration, duration_s),
+                                       (self.request_sizes, self.old_request_sizes, report.request_bytes),
+                                       (self.response_sizes, self.old_response_sizes, report.response_bytes)):
+                new.labels(*labels).observe(value)
+                legacy.labels(model, target).observe(value)
+            if report.ttft_s is not None and report.ttft_s > 0:
+                self.ttft.labels(*labels, "true" if report.streaming else "false").observe(report.ttft_s)
+            if report.response_processing_s > 0:
+                self.response_processing.observe(report.response_processing_s)
+            if report.rewrite is not None:
+                self.rewrites.labels(report.rewrite, model, target).inc()
+                self.old_rewrites.labels(report.rewrite, model, target).inc()
         if report.scheduling_s is not None:
             self.scheduling.observe(report.scheduling_s)
+            self.old_scheduling.observe(report.scheduling_s)
         for plugin, seconds in report.scorer_s.items():
             self.plugin_duration.labels("Scorer", plugin, plugin).observe(seconds)
+            self.old_plugin_duration.labels("Scorer", plugin, plugin).observe(seconds)
         if report.prefix_match is not None:
             matched, total = report.prefix_match
             self.prefix_bytes.observe(matched)
@@ -163,18 +284,30 @@ class ReferenceMetrics:
         if usage is not None:
             if usage.prompt_tokens:
                 self.input_tokens.labels(*labels).observe(usage.prompt_tokens)
+                self.old_input_tokens.labels(model, target).observe(usage.prompt_tokens)
             if usage.completion_tokens:
                 self.output_tokens.labels(*labels).observe(usage.completion_tokens)
+                self.old_output_tokens.labels(model, target).observe(usage.completion_tokens)
                 if report.routed:
-                    self.ntpot.labels(*labels).observe(duration_s / usage.completion_tokens)
+                    ntpot = duration_s / usage.completion_tokens
+                    self.ntpot.labels(*labels).observe(ntpot)
+                    self.old_ntpot.labels(model, target).observe(ntpot)
+                    ttft = report.ttft_s
+                    if report.streaming and usage.completion_tokens > 1 and ttft is not None and 0 < ttft < duration_s:
+                        self.tpot.labels(*labels).observe((duration_s - ttft) / (usage.completion_tokens - 1))
+            if usage.cached_tokens is not None:
+                self.cached_tokens.labels(*labels).observe(usage.cached_tokens)
+                self.old_cached_tokens.labels(model, target).observe(usage.cached_tokens)
             for kind, value in (("prompt", usage.prompt_tokens), ("completion", usage.completion_tokens),
                                 ("cached", usage.cached_tokens)):
                 if value:
-                    self.tokens.labels(labels[0], kind).inc(value)
+                    self.tokens.labels(model, kind).inc(value)
 
 
-BOUNDARIES = sorted({float(b) for buckets in (_DURATION_BUCKETS, _SCHEDULER_BUCKETS, _NTPOT_BUCKETS,
-                                              _STREAM_BUCKETS) for b in buckets} | {i / 10 for i in range(11)})
+BOUNDARIES = sorted({float(b) for buckets in (_DURATION_BUCKETS, _SCHEDULER_BUCKETS, _NTPOT_BUCKETS, _STREAM_BUCKETS,
+                                              _TTFT_BUCKETS, _TPOT_BUCKETS, _ITL_BUCKETS, _REQUEST_PROCESSING_BUCKETS,
+                                              _RESPONSE_PROCESSING_BUCKETS) for b in buckets}
+                    | {i / 10 for i in range(11)})
 SIZES = sorted({int(b) for buckets in (_REQUEST_SIZE_BUCKETS, _RESPONSE_SIZE_BUCKETS, _INPUT_TOKEN_BUCKETS,
                                        _OUTPUT_TOKEN_BUCKETS) for b in buckets})
 # Seconds: every bucket bound exactly (``le`` is inclusive), next to one, anywhere, and the odd ones.
@@ -188,7 +321,13 @@ reports = st.builds(
     StreamReport,
     client_model=models,
     target_model=models,
+    fairness_id=st.sampled_from(["default-flow", "tenant-a", "tenant-b", "tenant-c", "other", ""]),
+    priority=st.integers(-2, 2),
+    streaming=st.booleans(),
     routed=st.booleans(),
+    scheduled=st.one_of(st.none(), st.booleans()),
+    endpoint=st.sampled_from(["10.0.0.1:8000", "[::1]:9", ""]),
+    rewrite=st.one_of(st.none(), st.sampled_from(["food-review", "x"])),
     error=st.one_of(st.none(), st.sampled_from([400, 404, 413, 429, 500, 502, 503])),
     request_bytes=sizes,
     response_bytes=sizes,
@@ -199,10 +338,14 @@ reports = st.builds(
     served=st.lists(st.sampled_from(["10.0.0.1:8000", "10.0.0.2:8000", "[::1]:9"]), max_size=2),
     usage=st.one_of(st.none(), st.builds(Usage, prompt_tokens=tokens, completion_tokens=tokens,
                                          cached_tokens=tokens)),
+    processing_s=st.one_of(st.none(), seconds),
+    ttft_s=st.one_of(st.none(), seconds),
+    response_processing_s=st.one_of(st.just(0.0), seconds),
 )
-# (report, started first, duration, prefix index size), or a stream's end (status, duration).
+# (report, started first, its chunk gaps, duration, prefix index size), or a stream's end (status, duration).
 operations = st.lists(st.one_of(
-    st.tuples(st.just("record"), reports, st.booleans(), seconds, st.one_of(st.none(), st.integers(0, 10**6))),
+    st.tuples(st.just("record"), reports, st.booleans(), st.lists(seconds, max_size=3), seconds,
+              st.one_of(st.none(), st.integers(0, 10**6))),
     st.tuples(st.just("stream"), st.sampled_from(list(Status)), seconds),
 ), max_size=25)
 
@@ -222,14 +365,39 @@ def apply(metrics: Any, operation: tuple[Any, ...]) -> None:
             metrics.streams.opened()
             metrics.streams.closed(operation[1], operation[2])
         return
-    _, report, started, duration_s, index_size = operation
+    _, report, started, gaps, duration_s, index_size = operation
     if started:
         metrics.started(report)
+        for gap in gaps:
+            report.itl.observe(gap)
     metrics.record(report, duration_s, prefix_index_size=index_size)
+
+
+# The deprecated histograms PickerMetrics derives: their _sum adds the llm_d_epp_* series' sums.
+DERIVED_SUMS = ("inference_objective_", "inference_extension_scheduler_e2e_", "inference_extension_plugin_duration_")
+
+
+def _same_sum(ours: str, theirs: str) -> bool:
+    (name, value), (their_name, their_value) = ours.rsplit(" ", 1), theirs.rsplit(" ", 1)
+    a, b = float(value), float(their_value)
+    return name == their_name and (math.isclose(a, b, rel_tol=1e-9) or (math.isnan(a) and math.isnan(b)))
+
+
+def assert_same(ours: bytes, theirs: bytes) -> None:
+    """The same exposition, but for the last digits of a derived histogram's ``_sum``."""
+    for mine, other in zip(ours.decode().splitlines(), theirs.decode().splitlines(), strict=True):
+        if mine != other:
+            assert mine.startswith(DERIVED_SUMS) and "_sum" in mine.split(" ")[0], (mine, other)
+            assert _same_sum(mine, other), (mine, other)
 
 
 def expositions(registry: CollectorRegistry) -> tuple[bytes, bytes]:
     return generate_latest(registry), generate_openmetrics(registry)
+
+
+def assert_same_expositions(ours: CollectorRegistry, theirs: CollectorRegistry) -> None:
+    for mine, other in zip(expositions(ours), expositions(theirs), strict=True):
+        assert_same(mine, other)
 
 
 @settings(max_examples=200, deadline=None)
@@ -242,35 +410,67 @@ def test_exposition_is_the_same_as_prometheus_client_metrics(
         with frozen_clock() as now:
             reference = ReferenceMetrics("pool", stream_metrics=stream_metrics)
             metrics = PickerMetrics("pool", stream_metrics=stream_metrics)
-            assert expositions(metrics.registry) == expositions(reference.registry)
+            reference.fairness, metrics.fairness = BoundedLabel(2), BoundedLabel(2)  # an overflow in reach
+            assert_same_expositions(metrics.registry, reference.registry)
             for operation in operations:
                 now[0] += 1.5  # a series made now says so in its _created sample
                 apply(reference, operation)
                 apply(metrics, operation)
             now[0] += 1.5
-            assert expositions(metrics.registry) == expositions(reference.registry)
+            assert_same_expositions(metrics.registry, reference.registry)
     finally:
         enable_created_metrics()
 
 
 def test_the_same_exposition_for_a_routed_and_observed_request() -> None:
-    """A plain check beside the property: one request's every metric, each family's samples compared."""
-    report = StreamReport(client_model="m", target_model="m", routed=True, request_bytes=120, response_bytes=300,
-                          scheduling_s=0.0004, scorer_s={"queue-scorer": 1e-5, "prefix-cache-scorer": 2e-5},
-                          prefix_match=(64, 128), served=["10.0.0.1:8000"],
-                          usage=Usage(prompt_tokens=12, completion_tokens=3, cached_tokens=4))
+    """A plain check beside the property: one streamed request's every metric, each family's samples compared."""
+    report = StreamReport(client_model="m", target_model="m", fairness_id="tenant-a", priority=2, streaming=True,
+                          routed=True, scheduled=True, endpoint="10.0.0.1:8000", request_bytes=120,
+                          response_bytes=300, scheduling_s=0.0004,
+                          scorer_s={"queue-scorer": 1e-5, "prefix-cache-scorer": 2e-5}, prefix_match=(64, 128),
+                          served=["10.0.0.1:8000"], usage=Usage(prompt_tokens=12, completion_tokens=3, cached_tokens=4),
+                          processing_s=0.001, ttft_s=0.05, response_processing_s=0.0002)
     with frozen_clock():
         reference, metrics = ReferenceMetrics("pool"), PickerMetrics("pool")
         for implementation in (reference, metrics):
             implementation.started(report)
+            assert report.itl is not None
+            report.itl.observe(0.02)
             implementation.record(report, 0.25, prefix_index_size=7)
-        for name in ("requests", "duration", "running", "scheduling", "plugin_duration", "prefix_ratio", "tokens"):
+        for name in ("requests", "duration", "running", "scheduling", "plugin_duration", "prefix_ratio", "tokens",
+                     "ttft", "tpot", "itl", "attempts"):
             assert getattr(metrics, name).collect() == getattr(reference, name).collect(), name
         assert generate_latest(metrics.registry) == generate_latest(reference.registry)
+    got = samples(metrics.registry)
+    labels = {"model_name": "m", "target_model_name": "m", "fairness_id": "tenant-a", "priority": "2"}
+    assert got[key("llm_d_epp_request_total", **labels)] == 1
+    assert got[key("inference_objective_request_total", model_name="m", target_model_name="m", priority="2")] == 1
+    assert got[key("llm_d_epp_request_running", **labels)] == 0
+    assert got[key("inference_objective_running_requests", model_name="m")] == 0
+    assert got[key("llm_d_epp_request_ttft_seconds_bucket", **labels, streaming="true", le="0.05")] == 1
+    assert got[key("llm_d_epp_request_streaming_tpot_seconds_sum", **labels)] == pytest.approx(0.1)  # (0.25-0.05)/2
+    assert got[key("llm_d_epp_request_streaming_itl_seconds_bucket", **labels, le="0.02")] == 1
+    assert got[key("llm_d_epp_request_cached_tokens_sum", **labels)] == 4
+    assert got[key("inference_objective_prompt_cached_tokens_sum", model_name="m", target_model_name="m")] == 4
+    endpoint = {"namespace": "", "port": "8000", "status": "success", "target_model_name": "m"}
+    assert got[key("llm_d_epp_scheduler_attempts_total", endpoint_name="10.0.0.1:8000", **endpoint)] == 1
+    assert got[key("inference_extension_scheduler_attempts_total", pod_name="10.0.0.1:8000", **endpoint)] == 1
+    assert got[key("llm_d_epp_request_processing_duration_seconds_count")] == 1
+    assert got[key("llm_d_epp_response_processing_duration_seconds_count")] == 1
+    assert got[key("inference_extension_prefix_indexer_hit_ratio_bucket", le="0.5")] == 1
     text = generate_latest(metrics.registry).decode()
-    assert 'inference_objective_request_total{model_name="m",target_model_name="m"} 1.0' in text
-    assert 'inference_objective_running_requests{model_name="m"} 0.0' in text
-    assert "inference_extension_prefix_indexer_hit_ratio_bucket{le=\"0.5\"} 1.0" in text
+    assert "# HELP llm_d_epp_plugin_data_scope_violations_total [ALPHA] Total number" in text
+
+
+def key(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
+    return name, frozenset(labels.items())
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of the registry's Prometheus text, by name and labels."""
+    text = generate_latest(registry).decode()
+    return {key(s.name, **s.labels): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples}
 
 
 def test_a_histogram_counts_each_value_in_the_first_bucket_whose_bound_is_at_least_it() -> None:

@@ -35,7 +35,8 @@ def fairness_id(headers: Mapping[str, str]) -> str:
     value = trim_space(first_header(headers, FAIRNESS_HEADERS) or "")
     if not value:
         return DEFAULT_FAIRNESS_ID
-    if len(value) > MAX_FAIRNESS_ID_CHARS or not all(0x21 <= ord(c) <= 0x7E for c in value):
+    # visible ASCII (0x21-0x7E): printable ASCII but the space, checked in C rather than per character
+    if len(value) > MAX_FAIRNESS_ID_CHARS or not (value.isascii() and value.isprintable() and " " not in value):
         raise RequestError(400, f"{FAIRNESS_HEADERS[0]} must be at most {MAX_FAIRNESS_ID_CHARS} visible "
                                 f"ASCII characters")
     return value

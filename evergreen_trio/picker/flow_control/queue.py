@@ -25,8 +25,10 @@ import enum
 import heapq
 import math
 import random
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from evergreen_trio.picker.flow_control import slo_deadline
 from evergreen_trio.picker.flow_control.config import EDF, ROUND_ROBIN, BandConfig, FlowControlConfig
@@ -92,6 +94,23 @@ class QueueItem:
     program_picked: bool = False
     running: bool = False
     on_evict: Callable[[], None] | None = None
+    models: tuple[str, str] = ("", "")  # (model, target model): the metrics' labels
+
+
+class FlowObserver(Protocol):
+    """What the queue reports to the metrics (llm-d-router's flow control metrics)."""
+
+    def entered(self, item: QueueItem) -> None:
+        """``item`` came to flow control (it counts as queued until it leaves)."""
+
+    def enqueued(self, item: QueueItem, seconds: float) -> None:
+        """Enqueueing ``item`` took ``seconds`` (its outcome is set when that rejected it)."""
+
+    def left(self, item: QueueItem, outcome: Outcome, waited_s: float) -> None:
+        """``item`` left with ``outcome`` after ``waited_s`` in flow control."""
+
+    def dispatch_cycle(self, seconds: float) -> None:
+        """One dispatch cycle took ``seconds``."""
 
 
 @dataclass
@@ -168,12 +187,24 @@ class FlowQueue:
         # Called when a dispatch cycle stops at a level saturation blocks: (saturation, the levels
         # highest first, their ceilings, the blocked level's index). In-flight eviction hooks in here.
         self.on_blocked: Callable[[float, list[int], list[float], int], None] | None = None
+        self.observer: FlowObserver | None = None
 
     def __len__(self) -> int:
         return self.requests
 
     def enqueue(self, item: QueueItem) -> bool:
         """Queue ``item``; False (its outcome delivered: saturated or shutting down) when it cannot be."""
+        item.enqueued_at = self.clock()
+        observer = self.observer
+        if observer is None:
+            return self._enqueue(item)
+        observer.entered(item)
+        start = time.perf_counter()
+        queued = self._enqueue(item)
+        observer.enqueued(item, time.perf_counter() - start)
+        return queued
+
+    def _enqueue(self, item: QueueItem) -> bool:
         if self.closed:
             self._deliver(item, Outcome.SHUTTING_DOWN)
             return False
@@ -188,7 +219,7 @@ class FlowQueue:
         if band is None:
             band = self._bands[item.priority] = _Band(config)
         self._seq += 1
-        item.seq, item.enqueued_at = self._seq, self.clock()
+        item.seq = self._seq
         if item.received_at is None:
             item.received_at = item.enqueued_at
         by_slo = config.ordering == slo_deadline.SLO_DEADLINE
@@ -209,8 +240,12 @@ class FlowQueue:
         """Run dispatch cycles, one request each, until a cycle hands out none; the number dispatched."""
         count = 0
         self.retry_at = math.inf
+        observer = self.observer
         while self.requests and (limit is None or count < limit):
+            start = time.perf_counter() if observer is not None else 0.0
             item = self._cycle(saturation())
+            if observer is not None:
+                observer.dispatch_cycle(time.perf_counter() - start)
             if item is None:
                 break
             self._remove(item)
@@ -341,9 +376,10 @@ class FlowQueue:
             del self._bands[item.priority]
         return True
 
-    @staticmethod
-    def _deliver(item: QueueItem, outcome: Outcome) -> None:
+    def _deliver(self, item: QueueItem, outcome: Outcome) -> None:
         item.outcome = outcome
+        if self.observer is not None:
+            self.observer.left(item, outcome, self.clock() - item.enqueued_at)
         item.on_outcome(outcome)
 
     def stats(self) -> dict[int, tuple[int, int]]:
