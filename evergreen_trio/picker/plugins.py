@@ -605,7 +605,7 @@ NOT_IMPLEMENTED_LIST = (
     "mm-embeddings-cache-producer", "mm-embeddings-cache-scorer", "multicluster-approx-prefix-cache-producer",
     "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
     "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
-    "multicluster-session-affinity-filter", "p2p-source-producer", "precise-prefix-cache-producer",
+    "multicluster-session-affinity-filter", "precise-prefix-cache-producer",
     "precise-prefix-cache-scorer", "predicted-latency-producer",
     "slo-headroom-tier-filter", "token-producer", "tokenizer",
     "topology-affinity-filter", "topology-affinity-scorer", "topology-extractor",
