@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Imported to register their plugin types: request-attribute-reporter, file-discovery.
-from evergreen_trio.picker import attribute_reporter, file_discovery  # noqa: F401
+from evergreen_trio.picker import attribute_reporter, file_discovery, notifications  # noqa: F401
 from evergreen_trio.picker.burst_prefix import check_producers
 from evergreen_trio.picker.checks import mapping, sequence
 from evergreen_trio.picker.dataparallel import DataParallelHandler

@@ -600,8 +600,7 @@ register("core-metrics-extractor", PluginType(
 # startup with a line saying so (a test keeps this list apart from the registered types).
 NOT_IMPLEMENTED_LIST = (
     "always-disagg-multimodal-decider", "dcgm-data-source", "dcgm-extractor",
-    "endpoint-notification-source",
-    "k8s-notification-source", "latency-scorer", "latency-slo-admitter", "local-syncer",
+    "latency-scorer", "latency-slo-admitter", "local-syncer",
     "mm-embeddings-cache-producer", "mm-embeddings-cache-scorer", "multicluster-approx-prefix-cache-producer",
     "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
     "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
