@@ -37,8 +37,6 @@ _KIND = re.compile(r"[A-Za-z][A-Za-z0-9]{0,62}")
 
 # An extractor: (event type, the object as the API server sent it).
 Extractor = Callable[[str, Mapping[str, Any]], None]
-# An endpoint extractor: (event type, the endpoint).
-EndpointExtractor = Callable[[str, "Endpoint"], None]
 
 
 @dataclass(frozen=True)
@@ -105,7 +103,7 @@ def _version(obj: Mapping[str, Any]) -> str:
 class NotificationSource:
     """One ``k8s-notification-source``: the ``resourceVersion`` of each object of its GVK it saw
     (by namespace and name), and the extractors it tells of every change. ``dropped`` counts the
-    objects refused (malformed, too large, past :data:`MAX_OBJECTS`)."""
+    objects refused (malformed, too large, past ``MAX_OBJECTS``)."""
 
     name: str
     gvk: GVK
@@ -182,7 +180,7 @@ class EndpointNotifications:
     the extractors it tells of each one added, changed (labels, engine, ports) or removed."""
 
     name: str
-    extractors: list[EndpointExtractor] = field(default_factory=list)
+    extractors: list[Callable[[str, Endpoint], None]] = field(default_factory=list)  # (event type, endpoint)
     endpoints: dict[str, Endpoint] = field(default_factory=dict)
     events: int = 0
 
