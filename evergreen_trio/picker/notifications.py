@@ -126,7 +126,7 @@ class NotificationSource:
             del self.versions[key]
             self._tell(DELETED, {"metadata": {"namespace": key[0], "name": key[1]}})
         for key, obj in listed.items():
-            self.apply(ADDED if key not in self.versions else MODIFIED, obj)
+            self._upsert(key, obj)
 
     def apply(self, kind: str, obj: Mapping[str, Any]) -> None:
         """One watch event (ADDED, MODIFIED, DELETED; anything else, or an object refused, is
@@ -140,6 +140,9 @@ class NotificationSource:
             if self.versions.pop(key, None) is not None:
                 self._tell(DELETED, obj)
             return
+        self._upsert(key, obj)
+
+    def _upsert(self, key: tuple[str, str], obj: Mapping[str, Any]) -> None:
         known = self.versions.get(key)
         if known is None and len(self.versions) >= MAX_OBJECTS:
             self._drop(key, "too many objects")

@@ -25,6 +25,9 @@ from evergreen_trio.picker.plugins import APPROX_PRODUCER, Category, Params, Plu
 P2P_SOURCE_PRODUCER = "p2p-source-producer"
 REQUEST_ID_HEADER = "x-request-id"
 _FNV_OFFSET, _FNV_PRIME, _MASK = 0x811C9DC5, 0x01000193, 0xFFFFFFFF
+# Bytes of x-request-id hashed: a request id is a UUID (36); a client's 60 KiB one would cost
+# milliseconds of pure-Python hashing per request, so longer ones hash their first 256 bytes.
+MAX_REQUEST_ID_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -72,13 +75,14 @@ class Peer:
 
 def spread_fraction(request_id: str) -> float:
     """``request_id``'s FNV-1a 32-bit hash over 2**32: a coordinate in [0, 1), the same for the
-    same request (the bytes Envoy sent; a value beyond latin-1 as UTF-8, as Go reads a string)."""
+    same request (the bytes Envoy sent, the first :data:`MAX_REQUEST_ID_BYTES`; a value beyond
+    latin-1 as UTF-8, as Go reads a string)."""
     try:
         data = request_id.encode("latin-1")
     except UnicodeEncodeError:
         data = request_id.encode()
     h = _FNV_OFFSET
-    for byte in data:
+    for byte in data[:MAX_REQUEST_ID_BYTES]:
         h = ((h ^ byte) * _FNV_PRIME) & _MASK
     return h / 2**32
 

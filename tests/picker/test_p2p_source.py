@@ -25,6 +25,7 @@ from evergreen_trio.picker.config import Endpoint, parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.p2p_source import (
+    MAX_REQUEST_ID_BYTES,
     P2P_SOURCE_PRODUCER,
     P2PSourceParams,
     Peer,
@@ -232,6 +233,9 @@ def test_spread_fraction_is_fnv1a_32_over_2_to_the_32() -> None:
     # FNV-1a 32-bit test vectors (Go's hash/fnv agrees).
     for text, value in (("", 0x811C9DC5), ("a", 0xE40C292C), ("foobar", 0xBF9CF968)):
         assert spread_fraction(text) == value / 2**32
+    # A long id hashes its first MAX_REQUEST_ID_BYTES bytes (bounded CPU per request).
+    long = "r" * MAX_REQUEST_ID_BYTES
+    assert spread_fraction(long + "x" * 60_000) == spread_fraction(long) != spread_fraction(long[:-1])
 
 
 peers_strategy = st.lists(st.builds(
