@@ -28,6 +28,8 @@ DEFAULT_MAX_PREFIX_BLOCKS = 2048
 BALANCE_MODES = ("requests", "tokens")
 # The request attribute a sealed window leaves: (data type, producer name) -> "<tokens>@<address>".
 MATCH_INFO_TYPE = "PrefixCacheMatchInfo"
+# The plugin types whose prefixMatchInfoProducerName names the producer of their matches.
+PRODUCER_READERS = ("prefix-cache-scorer", "p2p-source-producer")
 PRODUCE_TIMEOUT_MARGIN_S = 0.3  # the reference's produceTimeoutMargin: a request waits at most window + this
 
 
@@ -288,15 +290,15 @@ def burst_match(attributes: Mapping[tuple[str, str], str], producer: str) -> tup
 
 
 def check_producers(plugins: Mapping[str, Plugin], where: Callable[[str], str]) -> None:
-    """At most one burst producer, and each ``prefix-cache-scorer``'s ``prefixMatchInfoProducerName``
-    names the approximate producer or a declared burst producer; ``where(name)`` is the plugin's
-    parameters path."""
+    """At most one burst producer, and each ``prefixMatchInfoProducerName`` of a
+    :data:`PRODUCER_READERS` type names the approximate producer or a declared burst producer;
+    ``where(name)`` is the plugin's parameters path."""
     bursts = burst_producers(plugins)
     if len(bursts) > 1:
         raise ConfigError(where(list(bursts)[1]), f"at most one {BURST_PREFIX_PRODUCER} (this picker runs one)",
                           list(bursts))
     for name, plugin in plugins.items():
-        producer = getattr(plugin.params, "producer", "") if plugin.type == "prefix-cache-scorer" else ""
+        producer = getattr(plugin.params, "producer", "") if plugin.type in PRODUCER_READERS else ""
         if producer and producer not in bursts:
             raise ConfigError(f"{where(name)}.prefixMatchInfoProducerName",
                               f"approx-prefix-cache-producer or a declared {BURST_PREFIX_PRODUCER}'s name", producer)

@@ -35,6 +35,7 @@ from evergreen_trio.picker.runtime import (
     Discovery,
     LeaderElection,
     MetricsAuthSource,
+    NotificationWatch,
     ObjectiveWatch,
     PickerDrain,
     PickerPorts,
@@ -139,6 +140,7 @@ class PickerSettings:
     metrics_ssl_context: SSLContextSource | None = None
     metrics_auth: MetricsAuthSource | None = None
     pod_notifications: PodNotifications | None = None
+    notifications: NotificationWatch | None = None
 
 
 def _pool_overrides(config: PickerConfig, args: argparse.Namespace) -> PickerConfig:
@@ -185,7 +187,7 @@ def message_size(text: str, flag: str) -> int | None:
 
 def _cluster_parts(args: argparse.Namespace, config: PickerConfig, metrics_auth: bool,
                    ) -> tuple[Discovery, LeaderElection | None, ObjectiveWatch, MetricsAuthSource | None,
-                              PodNotifications]:
+                              PodNotifications, NotificationWatch]:
     # Imported here: the static mode needs no Kubernetes client.
     from evergreen_trio.picker.k8s import ClusterAccess, PoolRef, lease_election, parse_selector, pool_discovery
     from evergreen_trio.picker.k8s.discovery import pool_resource
@@ -207,11 +209,13 @@ def _cluster_parts(args: argparse.Namespace, config: PickerConfig, metrics_auth:
     if args.ha_enable_leader_election:
         identity = os.environ.get("EPP_NAME") or os.environ.get("HOSTNAME") or f"picker-{os.getpid()}"
         election = partial(lease_election, access, namespace, f"epp-{args.pool_name}", identity)
+    from evergreen_trio.picker.k8s.notification_watch import watch_notification_sources
     from evergreen_trio.picker.k8s.objectives import objective_watch
     from evergreen_trio.picker.k8s.rollout_pods import watch_rollout_pods
 
     return (discovery, election, partial(objective_watch, access, namespace, config.pool.name),
-            MetricsAuth(access).serving if metrics_auth else None, partial(watch_rollout_pods, access, namespace))
+            MetricsAuth(access).serving if metrics_auth else None, partial(watch_rollout_pods, access, namespace),
+            partial(watch_notification_sources, access, namespace))
 
 
 def config_source(args: argparse.Namespace) -> str:
@@ -255,8 +259,8 @@ def picker_settings(args: argparse.Namespace, config: PickerConfig) -> PickerSet
         raise ConfigError("--cert-path", "a directory with tls.crt and tls.key", args.cert_path)
     host = args.host or ("0.0.0.0" if cluster else "127.0.0.1")
     drain = _drain(args, cluster)
-    discovery, election, objectives, metrics_auth, pods = (
-        _cluster_parts(args, config, auth) if cluster else (None, None, None, None, None))
+    discovery, election, objectives, metrics_auth, pods, notifications = (
+        _cluster_parts(args, config, auth) if cluster else (None, None, None, None, None, None))
     declared = config.epp.discovery if config.epp is not None else None
     if declared is not None and isinstance(declared.params, FileDiscovery):
         # As the reference's runner: a dataLayer.discovery plugin replaces the InferencePool.
@@ -266,7 +270,7 @@ def picker_settings(args: argparse.Namespace, config: PickerConfig) -> PickerSet
     profile = TlsProfile.from_flags(args.tls_min_version, args.tls_cipher_suites)
     return PickerSettings(config, host, ext_proc_context(secure, args.cert_path, profile), discovery, election,
                           objectives, drain, metrics_context(args.metrics_cert_dir, args.metrics_client_ca_file),
-                          metrics_auth, pods)
+                          metrics_auth, pods, notifications)
 
 
 def _drain(args: argparse.Namespace, cluster: bool) -> PickerDrain:
@@ -302,7 +306,7 @@ def run_picker_command(args: argparse.Namespace) -> int:
         metrics_ssl_context=settings.metrics_ssl_context, metrics_auth=settings.metrics_auth,
         discovery=settings.discovery,
         leader_election=settings.leader_election, objectives=settings.objectives, drain=settings.drain,
-        pod_notifications=settings.pod_notifications),
+        pod_notifications=settings.pod_notifications, notifications=settings.notifications),
         started=announce, drain=with_stop_deadline(settings.drain.drain),
         address=f"{settings.host} (ports {args.grpc_port}, {args.grpc_health_port}, {args.metrics_port})")
 

@@ -164,6 +164,7 @@ class SchedulerConfig:
     max_prefix_tokens: int = 0
     profiles: tuple[Profile, ...] = ()
     handler: DisaggHandler | HeaderProfileHandler | DataParallelHandler | None = None
+    prefix_readers: bool = False  # a declared plugin outside the profiles reads the prefix matches
 
     @property
     def prefix_block_bytes(self) -> int:
@@ -183,8 +184,8 @@ class SchedulerConfig:
     @cached_property
     def uses_prefix(self) -> bool:
         """Whether a request's prompt must be hashed: a profile scores the prefix or filters or
-        scores by its matches, or P/D decides on it."""
-        return isinstance(self.handler, DisaggHandler) or any(
+        scores by its matches, P/D decides on it, or another plugin reads its matches."""
+        return self.prefix_readers or isinstance(self.handler, DisaggHandler) or any(
             p.weight("prefix-cache-scorer") or any(f.type in PREFIX_READERS for f in p.filters)
             or any(s.weight and s.plugin.type in PREFIX_READERS for s in p.scorers)
             for p in self.effective_profiles)

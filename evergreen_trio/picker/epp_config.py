@@ -33,8 +33,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# Imported to register their plugin types: request-attribute-reporter, file-discovery, token-producer.
-from evergreen_trio.picker import attribute_reporter, file_discovery, token_producer  # noqa: F401
+# Imported to register their plugin types: request-attribute-reporter, file-discovery, the notification
+# sources, token-producer.
+from evergreen_trio.picker import attribute_reporter, file_discovery, notifications, token_producer  # noqa: F401
 from evergreen_trio.picker.burst_prefix import check_producers
 from evergreen_trio.picker.checks import mapping, sequence
 from evergreen_trio.picker.dataparallel import DataParallelHandler
@@ -44,6 +45,7 @@ from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
 from evergreen_trio.picker.mm_cache import with_default_producer
 from evergreen_trio.picker.models_source import MODELS_DATA_EXTRACTOR, MODELS_DATA_SOURCE, ModelsSource
+from evergreen_trio.picker.p2p_source import reads_prefix_index
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import ParserRegistry
 from evergreen_trio.picker.plugins import (
@@ -359,6 +361,8 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
     first = next(iter(profiles.values()))
     values: dict[str, Any] = {field: first.weight(kind) for kind, field in SCORERS.items()}
     values.update(_prefix_values(plugins), profiles=tuple(profiles.values()), handler=handler)
+    if reads_prefix_index(plugins):
+        values["prefix_readers"] = True
     saturation = mapping(doc.get("saturationDetector") or {}, f"{KIND}.saturationDetector")
     if "pluginRef" in saturation:
         doc = _migrate_detector_ref(doc, saturation)

@@ -5,7 +5,9 @@
 - ``x-prefiller-host-port``: the first endpoint the prefill profile picked (P/D);
 - ``x-encoder-hosts-ports``: every endpoint the encode profile picked, comma-separated (E/PD);
 - ``x-data-parallel-host-port``: the picked endpoint, when ``data-parallel-profile-handler`` sends
-  the request to the pod's primary port.
+  the request to the pod's primary port;
+- ``x-kv-cache-source-host-port``: a peer to pull the prompt's KV blocks from
+  (``p2p-source-producer``, :mod:`evergreen_trio.picker.p2p_source`).
 
 A client-sent value of any of them is removed, never forwarded (the reference forwards one that
 no plugin of its overwrites).
@@ -30,7 +32,8 @@ from evergreen_trio.picker.plugins import Category, Params, PluginType, register
 PREFILL_HEADER = "x-prefiller-host-port"
 ENCODERS_HEADER = "x-encoder-hosts-ports"
 DATA_PARALLEL_HEADER = "x-data-parallel-host-port"
-ROUTING_HEADERS = (PREFILL_HEADER, ENCODERS_HEADER, DATA_PARALLEL_HEADER)
+KV_CACHE_SOURCE_HEADER = "x-kv-cache-source-host-port"
+ROUTING_HEADERS = (PREFILL_HEADER, ENCODERS_HEADER, DATA_PARALLEL_HEADER, KV_CACHE_SOURCE_HEADER)
 DISAGG_HEADERS_HANDLER = "disagg-headers-handler"
 PREFILL_HEADER_HANDLER = "prefill-header-handler"
 

@@ -36,6 +36,7 @@ from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.flow_metrics import FlowControlMetrics
 from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.models_poll import poll_models
+from evergreen_trio.picker.notifications import NotificationSource, endpoint_notifications, notification_sources
 from evergreen_trio.picker.processor import ExtProcStream, Picker
 from evergreen_trio.picker.render_client import render_starter
 from evergreen_trio.picker.rollout import RolloutCollector, RolloutScreener
@@ -57,6 +58,8 @@ ObjectiveWatch = Callable[[Callable[[Mapping[str, int]], None]], Awaitable[None]
 LeaderElection = Callable[[Callable[[bool], None]], Awaitable[None]]
 # Pod notifications for the rollout screeners: called with them, it feeds each its pods.
 PodNotifications = Callable[[Sequence[RolloutScreener]], Awaitable[None]]
+# The k8s-notification-sources' watches: called with them, it feeds each the objects of its GVK.
+NotificationWatch = Callable[[Sequence[NotificationSource]], Awaitable[None]]
 # The metrics port's scrape check, opened while the port serves (MetricsAuth.serving, in cluster mode).
 MetricsAuthSource = Callable[[], AbstractAsyncContextManager[Authorize]]
 
@@ -376,6 +379,7 @@ async def run_picker(
     objectives: ObjectiveWatch | None = None,
     drain: PickerDrain | None = None,
     pod_notifications: PodNotifications | None = None,
+    notifications: NotificationWatch | None = None,
     task_status: trio.TaskStatus[PickerPorts] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the Endpoint Picker until cancelled; ``started`` gets the bound :class:`PickerPorts`.
@@ -386,7 +390,9 @@ async def run_picker(
     the static endpoint list; with ``leader_election`` only the leader reports ready. See
     :class:`~evergreen_trio.picker.runtime.Readiness`. ``objectives`` follows the cluster's
     InferenceObjectives (:mod:`evergreen_trio.picker.k8s`). ``drain``: see :class:`PickerDrain`.
-    ``pod_notifications`` tells the ``disaggregatedset-rollout-screener`` plugins of their pods.
+    ``pod_notifications`` tells the ``disaggregatedset-rollout-screener`` plugins of their pods,
+    ``notifications`` the ``k8s-notification-source`` plugins of their objects; each
+    ``endpoint-notification-source`` learns of every endpoint set.
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = picker_metrics(config)
@@ -408,17 +414,23 @@ async def run_picker(
 
     method = ext_proc_method(picker, metrics)
     election, ext_proc = trio.CancelScope(), GracefulStop()
+    plugins = config.epp.plugins if config.epp is not None else {}
+    endpoint_sources = endpoint_notifications(plugins)
     async with trio.open_nursery() as nursery:
         if picker.tokens is not None and isinstance(picker.tokens.backend, VllmRender):
             picker.start_render = render_starter(nursery, picker.tokens.backend)
         scrapers = Scrapers(nursery, config, snapshot, after_scrape, metrics.gauges)
         if discovery is None:
             scrapers.sync(config.pool.endpoints)
+            for source in endpoint_sources:
+                source.update(config.pool.endpoints)
         else:
 
             def on_endpoints(endpoints: Sequence[Endpoint]) -> None:
                 readiness.synced = True
                 scrapers.sync(endpoints)
+                for source in endpoint_sources:
+                    source.update(endpoints)
                 picker.scheduler.inflight.forget([e.address for e in endpoints])
                 after_scrape()
 
@@ -446,6 +458,12 @@ async def run_picker(
             elif any(s.params.gating for s in screeners):
                 log.warning("picker.rollout_without_pods: revision gating needs pod notifications (cluster mode); "
                             "every request fails closed")
+        sources = notification_sources(plugins)
+        if sources and notifications is not None:
+            nursery.start_soon(notifications, sources)
+        elif sources:
+            log.warning("picker.notifications_without_cluster: k8s-notification-source needs cluster mode; "
+                        "sources=%s see no object", ",".join(s.name for s in sources))
         if picker.burst is not None:
             nursery.start_soon(seal_windows, picker.burst)
         grpc_bound = await nursery.start(partial(

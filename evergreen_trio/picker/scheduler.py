@@ -17,7 +17,7 @@ import xxhash
 
 from evergreen_trio.picker.admission import admit, declared_admitters
 from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
-from evergreen_trio.picker.burst_prefix import burst_match
+from evergreen_trio.picker.burst_prefix import burst_match, burst_producers
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
 from evergreen_trio.picker.contextlength import CONTEXT_FILTERS, CONTEXT_SCORERS
 from evergreen_trio.picker.dataparallel import DataParallelHandler
@@ -31,10 +31,20 @@ from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
 from evergreen_trio.picker.mm_cache import MEDIA_SCORERS, MEDIA_STATES
 from evergreen_trio.picker.models_source import ModelData
+from evergreen_trio.picker.p2p_source import (
+    REQUEST_ID_HEADER,
+    P2PSourceParams,
+    Peer,
+    choose_source,
+    computing_endpoint,
+    p2p_sources,
+    source_header,
+    spread_fraction,
+)
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import Decider, DisaggHandler, Plugin, PrefixScorerParams, Profile
 from evergreen_trio.picker.rollout import rollout_screeners
-from evergreen_trio.picker.routing_headers import DisaggHeaders, at_primary_port
+from evergreen_trio.picker.routing_headers import KV_CACHE_SOURCE_HEADER, DisaggHeaders, at_primary_port
 from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
 from evergreen_trio.picker.testing_filter import TESTING_FILTERS
 from evergreen_trio.picker.token_estimate import TokenizedPrompt
@@ -383,6 +393,12 @@ class Scheduler:
         # Screeners (the reference's request-control Screeners): they narrow the candidates first.
         self.screeners = rollout_screeners({p.name: p.params for p in config.epp.plugins.values()}
                                            if config.epp is not None else {})
+        # p2p-source-producers with their producer's block tokens (0: the prefix index's, read per
+        # pick), and the source each chose for the last pick with the tokens each candidate caches.
+        bursts = burst_producers(config.epp.plugins) if config.epp is not None else {}
+        self.kv_sources = [(params, bursts[params.producer].block_size_tokens if params.producer in bursts else 0)
+                           for params in (p2p_sources(config.epp.plugins) if config.epp is not None else ())]
+        self.kv_picks: list[tuple[P2PSourceParams, Peer | None, dict[str, int]]] = []
 
     def saturation(self, states: Sequence[EndpointState] | None = None) -> float:
         """What the legacy admission's detector reads now of ``states`` (the request's located
@@ -427,6 +443,13 @@ class Scheduler:
         schedule = self._run_profiles(request, count)
         for setter in self.header_setters:
             schedule.prefill = setter.apply(schedule.profiles, schedule.request_headers)
+        for params, source, cached in self.kv_picks:  # each clears and may set it: the last one decides
+            headers = schedule.request_headers
+            headers.pop(KV_CACHE_SOURCE_HEADER, None)
+            computing = computing_endpoint(params, schedule.profiles, schedule.endpoints)
+            value = source_header(params, source, computing, cached.get(computing or "", 0))
+            if value is not None:
+                headers[KV_CACHE_SOURCE_HEADER] = value
         if self.screeners:  # their response headers: the chosen endpoint's labels
             chosen = self.snapshot.states.get(schedule.endpoints[0])
             labels = chosen.endpoint.label_map if chosen is not None else {}
@@ -459,6 +482,8 @@ class Scheduler:
         self.peer = None
         self.prefix_matches = (self.prefix.matches(request.hashes, [s.endpoint.address for s in candidates])
                                if request.hashes else {})
+        if self.kv_sources:  # the reference's Produce runs before the profiles, over the same candidates
+            self.kv_picks = [self._kv_source(params, block, request, candidates) for params, block in self.kv_sources]
         profiles = self._profiles
         handler = self.config.handler
         if not isinstance(handler, DisaggHandler):
@@ -485,6 +510,24 @@ class Scheduler:
                 self.peer = decode[0]
                 result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
         return Schedule(decode, None, result, scores)
+
+    def _kv_source(self, params: P2PSourceParams, block_tokens: int, request: PickRequest,
+                   candidates: Sequence[EndpointState]) -> tuple[P2PSourceParams, Peer | None, dict[str, int]]:
+        """A p2p-source-producer's pull source among ``candidates`` (None: none caches the prompt),
+        with the prompt tokens each candidate caches by its producer: the prefix index's matches, or
+        a burst producer's full match on the replica it assigned. Without ``x-request-id`` the
+        coordinate is random, as the reference's generated request id is."""
+        if params.producer:
+            assigned = burst_match(request.attributes, params.producer)
+            cached = {assigned[0]: assigned[1]} if assigned is not None else {}
+        else:
+            block_tokens = self.prefix_geometry()[0] // self.config.chars_per_token
+            cached = {address: blocks * block_tokens for address, blocks in self.prefix_matches.items() if blocks}
+        peers = [Peer(s.endpoint.address, cached.get(s.endpoint.address, 0), block_tokens,
+                      s.metrics.waiting if s.metrics is not None else 0.0) for s in candidates]
+        request_id = request.headers.get(REQUEST_ID_HEADER)
+        coordinate = spread_fraction(request_id) if request_id else self.rng.random()
+        return params, choose_source(peers, coordinate), cached
 
     def _screen(self, request: PickRequest, candidates: list[EndpointState]) -> list[EndpointState]:
         """The candidates every screener keeps (each screens all of them, as the reference's
