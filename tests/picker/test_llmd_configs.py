@@ -37,8 +37,10 @@ EXPECTED = {
     "epp-config.yaml": None,
     "gie-v1.5.0-default-plugins.yaml": None,
     "epp-estimate-prefix-cache-config.yaml": None,
-    "epp-mm-embeddings-cache-config.yaml": "endpoint-notification-source",  # its token-producer loads
-    "epp-precise-prefix-cache-config.yaml": "endpoint-notification-source",  # its token-producer loads
+    # The reference's own example names `cacheSizeInMB`; its producer's parameter (and ours) is
+    # `cacheSizeInMBPerServer`, and strict decoding refuses the unknown field in both.
+    "epp-mm-embeddings-cache-config.yaml": "cacheSizeInMB",
+    "epp-precise-prefix-cache-config.yaml": "precise-prefix-cache-producer",
     "pd-epp-config.yaml": None,
     "perf-optimized-baseline-plugins.yaml": None,
     "pd-topology-epp-config.yaml": None,
