@@ -232,6 +232,26 @@ class HttpGetError(Exception):
     """A GET failed: connection refused or lost, a malformed response, or a body over the limit."""
 
 
+async def read_response(conn: h11.Connection, stream: trio.SocketStream, max_body: int) -> tuple[int, bytes]:
+    """``(status, body)`` of the response ``conn`` (a client's h11 connection) reads from ``stream``;
+    ``h11.RemoteProtocolError`` past ``max_body`` bytes of body or when the peer closes early."""
+    status, body = 0, bytearray()
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some(65536))
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+        elif isinstance(event, h11.Data):
+            body += event.data
+            if len(body) > max_body:
+                raise h11.RemoteProtocolError(f"expected a body of at most {max_body} bytes, got one larger than that")
+        elif isinstance(event, h11.EndOfMessage):
+            return status, bytes(body)
+        elif isinstance(event, h11.ConnectionClosed):
+            raise h11.RemoteProtocolError("connection closed before the response ended")
+
+
 class KeepAliveGetter:
     """Repeated GETs to one ``host:port`` over one kept-alive connection (reopened after errors)."""
 
@@ -259,26 +279,12 @@ class KeepAliveGetter:
         conn, stream = self._conn, self._stream
         await stream.send_all(conn.send(h11.Request(method="GET", target=target, headers=[
             ("host", self._authority), ("accept", "text/plain")])) + conn.send(h11.EndOfMessage()))
-        status, body = 0, bytearray()
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                body += event.data
-                if len(body) > self.max_body:
-                    raise h11.RemoteProtocolError(f"expected a body of at most {self.max_body} bytes")
-            elif isinstance(event, h11.EndOfMessage):
-                break
-            elif isinstance(event, h11.ConnectionClosed):
-                raise h11.RemoteProtocolError("connection closed before the response ended")
+        status, body = await read_response(conn, stream, self.max_body)
         if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
             conn.start_next_cycle()
         else:
             await self.aclose()
-        return status, bytes(body)
+        return status, body
 
     async def aclose(self) -> None:
         if self._stream is not None:

@@ -16,6 +16,7 @@ from typing import Any
 import h11
 import trio
 
+from evergreen_trio._http import read_response
 from evergreen_trio._logsafe import peer_text
 from evergreen_trio.picker.processor import StartRender
 from evergreen_trio.picker.token_estimate import TokenizedPrompt
@@ -51,21 +52,7 @@ async def _exchange(stream: trio.SocketStream, authority: str, call: RenderCall)
         ("host", authority), ("content-type", "application/json"), ("content-length", str(len(call.body))),
         ("connection", "close")])
     await stream.send_all(conn.send(request) + conn.send(h11.Data(data=call.body)) + conn.send(h11.EndOfMessage()))
-    status, body = 0, bytearray()
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            conn.receive_data(await stream.receive_some(65536))
-        elif isinstance(event, h11.Response):
-            status = event.status_code
-        elif isinstance(event, h11.Data):
-            body += event.data
-            if len(body) > MAX_RENDER_REPLY_BYTES:
-                raise RenderError(f"post {call.path}: reply larger than {MAX_RENDER_REPLY_BYTES} bytes")
-        elif isinstance(event, h11.EndOfMessage):
-            return status, bytes(body)
-        elif isinstance(event, h11.ConnectionClosed):
-            raise h11.RemoteProtocolError("connection closed before the reply ended")
+    return await read_response(conn, stream, MAX_RENDER_REPLY_BYTES)
 
 
 async def render(backend: VllmRender, call: RenderCall, body: Mapping[str, Any]) -> TokenizedPrompt | None:
