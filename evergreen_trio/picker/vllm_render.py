@@ -11,7 +11,7 @@ its ids are the tokens. The Trio client is :mod:`evergreen_trio.picker.render_cl
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,12 +21,15 @@ from evergreen_trio.picker.token_estimate import (
     TokenizedPrompt,
     cache_salt,
     pack_ids,
+    uint32_ids,
 )
 
 COMPLETIONS_RENDER = "/v1/completions/render"
 CHAT_RENDER = "/v1/chat/completions/render"
-MAX_RENDER_REPLY_BYTES = 64 << 20
-"""A render reply's body at most (a token id is a few bytes of JSON: millions of tokens fit)."""
+MAX_RENDER_REPLY_BYTES = 16 << 20
+"""A render reply's body at most: about 2.4 million token ids of six digits, past any served
+context. The reply is parsed on the event loop, so this bounds the stall a broken vLLM can cause
+(64 MiB took 15 s before the ids were checked in C, and still takes about 2 s to parse)."""
 MAX_ERROR_SNIPPET = 1024  # bytes of a failed render's body quoted in its error, as the reference's
 MAX_FEATURES = 4096  # multimodal items read from one reply at most
 
@@ -61,9 +64,9 @@ def render_call(backend: VllmRender, protocol: str, body: Mapping[str, Any]) -> 
     at once for a pre-tokenized prompt; None for a protocol the backend does not render."""
     if protocol == "completions":
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool)
-                                                       and 0 <= i < 2**32 for i in prompt):
-            return TokenizedPrompt((pack_ids(prompt),), cache_salt(body))
+        ids = uint32_ids(prompt)
+        if ids is not None:
+            return TokenizedPrompt((pack_ids(ids),), cache_salt(body))
         path, timeout = COMPLETIONS_RENDER, backend.timeout_s
     elif protocol == "chat":
         path, timeout = CHAT_RENDER, _chat_timeout(backend, body)
@@ -222,14 +225,14 @@ def render_reply(call: RenderCall, status: int, data: bytes, body: Mapping[str, 
     return tokenized if tokenized.token_count else None
 
 
-def _token_ids(item: object) -> list[int]:
+def _token_ids(item: object) -> Sequence[int]:
     ids = item.get("token_ids") if isinstance(item, dict) else None
-    if ids is None:
-        return []
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**32
-                                            for i in ids):
+    if ids is None or ids == []:
+        return ()
+    checked = uint32_ids(ids)
+    if checked is None:
         raise RenderError("unmarshal response: token_ids must be a list of uint32")
-    return ids
+    return checked
 
 
 def _features(raw: object) -> tuple[MultiModalFeature, ...]:

@@ -37,6 +37,7 @@ from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot
 from evergreen_trio.picker.token_estimate import TokenizedPrompt
 from evergreen_trio.picker.token_producer import TokenProducer
 from evergreen_trio.picker.vllm_render import (
+    MAX_RENDER_REPLY_BYTES,
     RenderCall,
     RenderError,
     VllmRender,
@@ -245,7 +246,7 @@ async def test_a_failed_render_is_a_render_error(nursery: trio.Nursery) -> None:
     async def huge(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             await send({"type": "http.response.start", "status": 200, "headers": []})
-            for _ in range(70):
+            for _ in range((MAX_RENDER_REPLY_BYTES >> 20) + 1):
                 await send({"type": "http.response.body", "body": b"1," * (1 << 19), "more_body": True})
 
     port = await nursery.start(serve_asgi, huge, "127.0.0.1", 0)
