@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,7 +103,7 @@ class TokenizedPrompt:
 
 def pack_ids(ids: Sequence[int]) -> PromptTokens:
     """Token ids as given (a pre-tokenized prompt passes through)."""
-    return PromptTokens((b"".join(i.to_bytes(4, "little") for i in ids),) if ids else ())
+    return PromptTokens((struct.pack(f"<{len(ids)}I", *ids),) if ids else ())
 
 
 def _align(data: bytearray) -> None:
@@ -241,7 +242,7 @@ def _text(value: object) -> str:
 
 
 def _block(value: object) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
+    return value if type(value) is dict or isinstance(value, Mapping) else {}  # a parsed body's are dicts
 
 
 class _Stream:
@@ -268,11 +269,13 @@ class _Stream:
 
     def done(self) -> PromptTokens:
         _align(self.data)
+        if not self.segments:  # text only
+            return PromptTokens((bytes(self.data),) if self.data else ())
         self.segments.append(bytes(self.data))
         return PromptTokens(tuple(s for s in self.segments if isinstance(s, Placeholders) or s), tuple(self.features))
 
 
-def _chat(estimator: Estimator, body: Mapping[str, Any], meta: VideoMeta) -> PromptTokens:
+def _chat(estimator: Estimator, body: Mapping[str, Any], headers: Mapping[str, str]) -> PromptTokens:
     stream = _Stream()
     tools = body.get("tools")
     if isinstance(tools, list) and tools:
@@ -280,11 +283,12 @@ def _chat(estimator: Estimator, body: Mapping[str, Any], meta: VideoMeta) -> Pro
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
         message = _block(message)
-        stream.text(_text(message.get("role")))
+        role = _text(message.get("role"))
         content = message.get("content")
         if isinstance(content, str):
-            stream.text(content)
+            stream.text(role + content)  # one call for the common message (the same bytes)
             continue
+        stream.text(role)
         for part in content if isinstance(content, list) else ():
             part = _block(part)
             kind = part.get("type")
@@ -294,7 +298,8 @@ def _chat(estimator: Estimator, body: Mapping[str, Any], meta: VideoMeta) -> Pro
                 url = _text(_block(part.get("image_url")).get("url"))
                 stream.asset(IMAGE, url, estimator.image.count(data_url_image_size(url)))
             elif kind == "video_url":
-                stream.asset(VIDEO, _text(_block(part.get("video_url")).get("url")), estimator.video.count(meta))
+                stream.asset(VIDEO, _text(_block(part.get("video_url")).get("url")),
+                             estimator.video.count(video_meta(headers)))
             elif kind in ("input_audio", "audio_url"):
                 audio = _block(part.get("input_audio"))
                 data = _text(audio.get("data")) + _text(audio.get("format"))
@@ -319,11 +324,12 @@ def _messages(estimator: Estimator, body: Mapping[str, Any]) -> PromptTokens:
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
         message = _block(message)
-        stream.text(_text(message.get("role")))
+        role = _text(message.get("role"))
         content = message.get("content")
         if isinstance(content, str):
-            stream.text(content)
+            stream.text(role + content)  # one call for the common message (the same bytes)
             continue
+        stream.text(role)
         for block in content if isinstance(content, list) else ():
             block = _block(block)
             kind = block.get("type")
@@ -397,7 +403,8 @@ def _strings(value: object) -> list[str] | None:
     return value if isinstance(value, list) and all(isinstance(s, str) for s in value) else None
 
 
-def _packed(text: str) -> PromptTokens:
+def pack_text(text: str) -> PromptTokens:
+    """A text prompt packed 4 bytes a token (the tail zero-padded)."""
     stream = _Stream()
     stream.text(text)
     return stream.done()
@@ -410,7 +417,7 @@ def estimate(estimator: Estimator, protocol: str, body: Mapping[str, Any],
     (an unknown protocol, an empty prompt), as the reference then publishes nothing."""
     prompts: tuple[PromptTokens, ...]
     if protocol == "chat":
-        prompts = (_chat(estimator, body, video_meta(headers)),)
+        prompts = (_chat(estimator, body, headers),)
     elif protocol == "messages":
         prompts = (_messages(estimator, body),)
     elif protocol == "completions":
@@ -419,9 +426,9 @@ def estimate(estimator: Estimator, protocol: str, body: Mapping[str, Any],
         if ids is not None:
             prompts = (pack_ids(ids),)
         elif strings is not None and len(strings) > 1:
-            prompts = tuple(_packed(s) for s in strings)
+            prompts = tuple(pack_text(s) for s in strings)
         else:
-            prompts = (_packed(prompt if isinstance(prompt, str) else " ".join(strings or ())),)
+            prompts = (pack_text(prompt if isinstance(prompt, str) else " ".join(strings or ())),)
     elif protocol == "embeddings":
         value = body.get("input")
         ids, strings = _token_ids(value), _strings(value)
@@ -429,7 +436,7 @@ def estimate(estimator: Estimator, protocol: str, body: Mapping[str, Any],
             prompts = (pack_ids(ids),)
         else:  # Go marshals the EmbeddingsInput struct as it is (it has no MarshalJSON)
             raw = value if isinstance(value, str) else ""
-            prompts = (_packed(go_marshal({"Raw": raw, "Strings": strings or None, "TokenIDs": None})),)
+            prompts = (pack_text(go_marshal({"Raw": raw, "Strings": strings or None, "TokenIDs": None})),)
     elif protocol == "responses":
         combined: list[dict[str, Any]] = []
         if body.get("instructions") is not None:
@@ -437,15 +444,16 @@ def estimate(estimator: Estimator, protocol: str, body: Mapping[str, Any],
         if body.get("tools") is not None:
             combined.append({"tools": body["tools"]})
         combined.append({"input": body.get("input")})
-        prompts = (_packed(go_marshal(combined)),)
+        prompts = (pack_text(go_marshal(combined)),)
     elif protocol == "conversations":
         items = body.get("items")
         listed = f"[{','.join(_conversation_item(i) for i in items)}]" if isinstance(items, list) else "null"
-        prompts = (_packed(listed),)
+        prompts = (pack_text(listed),)
     else:
         return None
-    tokenized = TokenizedPrompt(prompts, cache_salt(body))
-    return tokenized if tokenized.token_count else None
+    # A prompt has tokens when it has a segment (estimate leaves out empty ones).
+    tokens = prompts[0].segments if len(prompts) == 1 else any(p.segments for p in prompts)
+    return TokenizedPrompt(prompts, cache_salt(body)) if tokens else None
 
 
 def _conversation_item(item: object) -> str:
