@@ -25,8 +25,8 @@ _hash = xxhash.xxh64_intdigest
 
 
 class BlockHashes(tuple[int, ...]):
-    """A request's block hashes: its prompts' chains one after another. ``starts`` holds where
-    each chain after the first begins (empty for a one-prompt request)."""
+    """A multi-prompt request's block hashes: its prompts' chains one after another, ``starts``
+    where each chain after the first begins (a one-prompt request's are a plain tuple)."""
 
     starts: tuple[int, ...] = ()
 
@@ -63,11 +63,13 @@ def chain_hashes(seed: int, data: bytes, block_bytes: int) -> list[int]:
     return hashes
 
 
-def block_hashes(model: str, tokens: TokenizedPrompt | None, block_tokens: int, max_blocks: int | None) -> BlockHashes:
+def block_hashes(model: str, tokens: TokenizedPrompt | None, block_tokens: int,
+                 max_blocks: int | None) -> tuple[int, ...]:
     """The request's block hashes for its target ``model`` (None ``max_blocks``: every block);
-    none without tokens or with a block size or cap below 1, as the reference's ``GetBlockHashes``."""
+    none without tokens or with a block size or cap below 1, as the reference's ``GetBlockHashes``.
+    A request of several prompts gets :class:`BlockHashes` (its chains marked), one a plain tuple."""
     if tokens is None or block_tokens <= 0 or (max_blocks is not None and max_blocks <= 0):
-        return BlockHashes()
+        return ()
     seed_text = model + tokens.cache_salt  # Go writes the model's bytes, then the salt's
     seed = _hash(seed_text.encode() if seed_text.isascii() else go_text(seed_text).encode())
     block_bytes = block_tokens * BYTES_PER_TOKEN
@@ -78,7 +80,7 @@ def block_hashes(model: str, tokens: TokenizedPrompt | None, block_tokens: int, 
             data = segments[0] if max_blocks is None else segments[0][: max_blocks * block_bytes]
         else:
             data = token_bytes(prompt, prompt.token_count if max_blocks is None else max_blocks * block_tokens)
-        return BlockHashes(chain_hashes(seed, data, block_bytes))
+        return tuple(chain_hashes(seed, data, block_bytes))
     hashes: list[int] = []
     starts: list[int] = []
     for prompt in tokens.prompts:
@@ -88,6 +90,8 @@ def block_hashes(model: str, tokens: TokenizedPrompt | None, block_tokens: int, 
             if hashes:
                 starts.append(len(hashes))
             hashes += chain
+    if not starts:
+        return tuple(hashes)
     result = BlockHashes(hashes)
     result.starts = tuple(starts)
     return result

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 import re
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -54,10 +54,10 @@ class Placeholders:
     count: int
 
 
-@dataclass(frozen=True)
-class PromptTokens:
+class PromptTokens(NamedTuple):
     """One prompt's tokens (as segments: aligned text bytes and placeholder runs) and its
-    multimodal features sorted by offset."""
+    multimodal features sorted by offset. (A named tuple: one is built per hashed request, and a
+    frozen dataclass costs several times as much to build.)"""
 
     segments: tuple[bytes | Placeholders, ...] = ()
     features: tuple[MultiModalFeature, ...] = ()
@@ -84,9 +84,9 @@ class PromptTokens:
         return out
 
 
-@dataclass(frozen=True)
-class TokenizedPrompt:
-    """A request's prompts' tokens (several for a multi-string completions prompt) and its cache salt."""
+class TokenizedPrompt(NamedTuple):
+    """A request's prompts' tokens (several for a multi-string completions prompt) and its cache
+    salt (a named tuple, as :class:`PromptTokens`)."""
 
     prompts: tuple[PromptTokens, ...]
     cache_salt: str = ""
@@ -104,10 +104,6 @@ class TokenizedPrompt:
 def pack_ids(ids: Sequence[int]) -> PromptTokens:
     """Token ids as given (a pre-tokenized prompt passes through)."""
     return PromptTokens((struct.pack(f"<{len(ids)}I", *ids),) if ids else ())
-
-
-def _align(data: bytearray) -> None:
-    data += bytes(-len(data) % BYTES_PER_TOKEN)
 
 
 @dataclass(frozen=True)
@@ -246,32 +242,39 @@ def _block(value: object) -> Mapping[str, Any]:
 
 
 class _Stream:
-    """A prompt being built: text bytes, placeholder runs, features."""
+    """A prompt being built: text since the last asset (joined and encoded once, at the next asset
+    or the end), then aligned text bytes and placeholder runs, and the features."""
 
     def __init__(self) -> None:
-        self.data = bytearray()
+        self.parts: list[str] = []
+        self.text: Callable[[str], None] = self.parts.append  # a C call per piece of text
         self.segments: list[bytes | Placeholders] = []
         self.features: list[MultiModalFeature] = []
         self.tokens = 0
 
-    def text(self, value: str) -> None:
-        self.data += (value if value.isascii() else go_text(value)).encode()
+    def _take(self) -> bytes:
+        """The text since the last asset as bytes (Go's: lone surrogates as U+FFFD), zero-padded
+        to whole tokens."""
+        joined = "".join(self.parts)
+        self.parts.clear()
+        data = (joined if joined.isascii() else go_text(joined)).encode()
+        pad = -len(data) % BYTES_PER_TOKEN
+        return data + bytes(pad) if pad else data
 
     def asset(self, modality: str, content: str, count: int) -> None:
-        _align(self.data)
-        self.tokens += len(self.data) // BYTES_PER_TOKEN
-        self.segments.append(bytes(self.data))
-        self.data.clear()
+        data = self._take()
+        self.tokens += len(data) // BYTES_PER_TOKEN
+        self.segments.append(data)
         digest = xxhash.xxh64_intdigest(go_text(content).encode())
         self.features.append(MultiModalFeature(modality, format(digest, "x"), self.tokens, count))
         self.segments.append(Placeholders(digest & 0xFFFFFFFF, count))
         self.tokens += count
 
     def done(self) -> PromptTokens:
-        _align(self.data)
+        data = self._take()
         if not self.segments:  # text only
-            return PromptTokens((bytes(self.data),) if self.data else ())
-        self.segments.append(bytes(self.data))
+            return PromptTokens((data,) if data else ())
+        self.segments.append(data)
         return PromptTokens(tuple(s for s in self.segments if isinstance(s, Placeholders) or s), tuple(self.features))
 
 

@@ -277,8 +277,10 @@ def test_a_huge_cache_salt_and_many_images_are_bounded() -> None:
     assert len(route.hashes) == max_blocks  # 2.25M placeholder tokens: only the capped prefix is written out
 
 
-def test_block_hashes_keeps_its_type() -> None:
-    assert isinstance(block_hashes("m", text("abc"), 64, 1), BlockHashes)
+def test_only_a_multi_prompt_request_marks_its_chains() -> None:
+    assert type(block_hashes("m", text("abc"), 64, 1)) is tuple
+    assert isinstance(block_hashes("m", ids([1], [2]), 64, 1), BlockHashes)
+    assert type(block_hashes("m", ids([1], []), 64, 1)) is tuple  # one chain after all
     assert block_hashes("m", text("abc"), 64, 0) == () and block_hashes("m", text("abc"), 0, 5) == ()
 
 
