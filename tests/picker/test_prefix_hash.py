@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -23,7 +24,7 @@ from evergreen_trio.picker.processor import Picker
 from evergreen_trio.picker.scheduler import PrefixIndex
 from evergreen_trio.picker.token_estimate import Placeholders, PromptTokens, TokenizedPrompt, pack_ids, pack_text
 from tests.picker.test_parsers import parsers_config
-from tests.picker.test_processor import make_picker
+from tests.picker.test_processor import make_picker, request_body, request_headers
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "security"))
 from picker_requests import Answer, ext_proc, serve_fake_engine
@@ -253,6 +254,28 @@ schedulingProfiles:
     assert p.scheduler.prefix_geometry() == (64, None)
     route = p.route("/v1/completions", {}, json.dumps({"model": "plain", "prompt": "p" * 256 * 3000}).encode(), None)
     assert len(route.hashes) == 3000
+
+
+def test_the_vllm_backends_rendered_tokens_are_hashed_once_rendered() -> None:
+    p = make_picker(EPP_HEAD + """plugins:
+- {type: token-producer, parameters: {modelName: plain, vllm: {url: 'http://127.0.0.1:1'}}}
+- {type: prefix-cache-scorer}
+schedulingProfiles:
+- {name: default, plugins: [{pluginRef: prefix-cache-scorer}]}
+""", metrics=[EndpointMetrics()] * 3)
+    renders: list[Callable[[TokenizedPrompt | None], None]] = []
+    p.start_render = lambda call, body, done: renders.append(done)
+    routes = []
+    for tokens in (ids(list(range(100)), salt="t"), None):
+        stream = p.new_stream()
+        stream.on_message(request_headers("/v1/chat/completions"))
+        stream.on_message(request_body(json.dumps(chat(user("hello"), cache_salt="t")).encode()))
+        assert stream.route is None  # parked for the render
+        renders[-1](tokens)
+        assert stream.route is not None
+        routes.append(stream.route.hashes)
+    assert list(routes[0]) == reference_chain("plain", "t", list(range(100)), 64)
+    assert routes[1] == ()  # a failed render: no tokens, no hashes (as the reference)
 
 
 # -- hostile inputs ---------------------------------------------------------------------------
