@@ -143,10 +143,10 @@ def estimated_output(config: LoadConfig, prompt_tokens: int, client_cap: int | N
     return estimate
 
 
-def uncached_tokens(prompt_tokens: int, indexed_blocks: int, matched_blocks: int, block_tokens: int) -> int:
-    """Prompt tokens the endpoint must compute: the indexed blocks it lacks plus the unindexed tail."""
-    indexed = indexed_blocks * block_tokens
-    return max(0, indexed - matched_blocks * block_tokens) + max(0, prompt_tokens - indexed)
+def uncached_tokens(prompt_tokens: int, matched_blocks: int, block_tokens: int) -> int:
+    """Prompt tokens the endpoint must compute: all but its matched blocks' (a matched tail block
+    is shorter than ``block_tokens``: none left then)."""
+    return max(0, prompt_tokens - matched_blocks * block_tokens)
 
 
 class _Counter:

@@ -321,6 +321,11 @@ def _prefix_scorer(params: Params) -> PrefixScorerParams:
                               legacy=tuple(legacy))
 
 
+MIN_BLOCK_TOKENS = 64
+"""The smallest block the approximate producer hashes (its ``minBlockSizeTokens``): smaller
+configured or scraped sizes are raised to it, so the index holds few entries per prompt."""
+
+
 @dataclass(frozen=True)
 class PrefixProducerParams:
     """``approx-prefix-cache-producer``: the block size (scraped when ``auto_tune``), match and LRU caps."""
@@ -342,8 +347,11 @@ def _prefix_producer(params: Params) -> PrefixProducerParams:
         raise ConfigError(params.where("blockSizeTokens"), "> 0 when autoTune is false", block)
     if params.has("maxPrefixBlocksToMatch"):
         deprecated(params.where("maxPrefixBlocksToMatch"), "maxPrefixTokensToMatch")
+    if 0 < block < MIN_BLOCK_TOKENS:  # raised at request time, as the reference's GetBlockSize does
+        log.warning("picker.prefix_block_raised %s=%d minimum=%d (llm-d-router#1158)",
+                    params.where("blockSizeTokens"), block, MIN_BLOCK_TOKENS)
     return PrefixProducerParams(
-        auto_tune, block or 16, params.integer("maxPrefixTokensToMatch", 131_072),
+        auto_tune, block or 16, params.integer("maxPrefixTokensToMatch", 131_072, minimum=0),
         params.integer("maxPrefixBlocksToMatch", 2048), params.integer("lruCapacityPerServer", 31_250, minimum=1))
 
 

@@ -48,16 +48,17 @@ from evergreen_trio.picker.inflight import Ticket
 from evergreen_trio.picker.mm_cache import MM_PRODUCER, media_items
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import request_path
+from evergreen_trio.picker.prefix_hash import block_hashes
 from evergreen_trio.picker.request import Api, rewrite_model
 from evergreen_trio.picker.routing_headers import PREFILL_HEADER, ROUTING_HEADERS
-from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target, prefix_hashes
+from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, choose_target
 from evergreen_trio.picker.served_verifier import (
     DESTINATION_ENDPOINT_SERVED_VERIFIER,
     SERVED_ENDPOINT_HEADER,
     served_verdict,
 )
-from evergreen_trio.picker.token_estimate import TokenizedPrompt
-from evergreen_trio.picker.token_producer import request_producer, tokenize
+from evergreen_trio.picker.token_estimate import BYTES_PER_TOKEN, TokenizedPrompt
+from evergreen_trio.picker.token_producer import DEFAULT_PRODUCER, request_producer, tokenize
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseBody, ResponseFormat, Usage
 from evergreen_trio.picker.vllm_render import RenderCall
 
@@ -167,7 +168,7 @@ class Admission:
     hashes: Sequence[int] = ()
     body: bytes | None = None
     prompt_bytes: int = 0
-    block_bytes: int = 0
+    block_tokens: int = 0
     output_cap: int | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
     attributes: Mapping[AttributeKey, str] = field(default_factory=dict)
@@ -212,6 +213,7 @@ class Picker:
         # burst-prefix-cache-producer: requests wait for its window to seal (the shell seals it on time).
         bursts = burst_producers(config.epp.plugins) if config.epp is not None else {}
         self.burst = next((BurstWindow(name, params, time.monotonic) for name, params in bursts.items()), None)
+        self.hashes_prompts = config.scheduler.uses_prefix or self.burst is not None
 
     def set_cluster_objectives(self, objectives: Mapping[str, int]) -> None:
         """The InferenceObjectives watched in the cluster (they win over the config's of the same name)."""
@@ -269,26 +271,17 @@ class Picker:
                     if target != request.model:
                         admission.body = rewrite_model(request, target)
                 admission.target_model = target
-                chars_per_token = self.config.scheduler.chars_per_token
-                if self.config.scheduler.uses_prefix:
-                    admission.block_bytes, max_blocks = self.scheduler.prefix_geometry()
-                    prompt = request.hashed_prompt(chars_per_token, max_blocks * admission.block_bytes)
-                    admission.hashes = prefix_hashes(target or "", prompt, self.config.scheduler,
-                                                     admission.block_bytes, max_blocks)
-                if self.burst is not None:
-                    burst = self.burst.params
-                    block_bytes = burst.block_size_tokens * chars_per_token
-                    prompt = request.hashed_prompt(chars_per_token, burst.max_blocks * block_bytes)
-                    admission.burst_hashes = prefix_hashes(target or "", prompt, self.config.scheduler, block_bytes,
-                                                           burst.max_blocks)
-                admission.prompt_bytes = request.prompt_size(chars_per_token)
+                if self.tokens is not None:
+                    admission.tokens, admission.render = tokenize(self.tokens, path, request, headers)
+                    admission.request_body = request.body
+                    if admission.render is None:  # else once rendered
+                        self.hash_prompt(admission, admission.tokens)
+                elif self.hashes_prompts:  # the reference's auto-added estimate producer
+                    self.hash_prompt(admission, tokenize(DEFAULT_PRODUCER, path, request, headers)[0])
+                admission.prompt_bytes = request.prompt_size(self.config.scheduler.chars_per_token)
                 admission.output_cap = request.output_cap
                 if self.reads_media and request.api is Api.CHAT:
                     admission.media = media_items(request.body)
-                if self.tokens is not None:
-                    admission.tokens, admission.render = tokenize(self.tokens, path, request.api, request.body,
-                                                                  headers)
-                    admission.request_body = request.body
             objective = None if _OBJECTIVES.isdisjoint(headers) else objective_name(headers)
             if objective is not None and objective in self.objectives:
                 admission.priority = self.objectives[objective]
@@ -296,6 +289,17 @@ class Picker:
             self._failed(report, admission, exc)
             raise
         return admission
+
+    def hash_prompt(self, admission: Admission, tokens: TokenizedPrompt | None) -> None:
+        """The prompt's block hashes from its tokens (none without): the approximate prefix
+        index's at its geometry now, and the burst producer's at its own block size."""
+        target = admission.target_model or ""
+        if self.config.scheduler.uses_prefix:
+            admission.block_tokens, max_blocks = self.scheduler.prefix_geometry()
+            admission.hashes = block_hashes(target, tokens, admission.block_tokens, max_blocks)
+        if self.burst is not None:
+            burst = self.burst.params
+            admission.burst_hashes = block_hashes(target, tokens, burst.block_size_tokens, burst.max_blocks)
 
     def burst_replicas(self, subset: frozenset[str] | None) -> list[Replica]:
         """The candidates a burst window assigns among: the ready endpoints (in the subset hint)."""
@@ -325,8 +329,8 @@ class Picker:
         first, prefill = endpoints[0], schedule.prefill
         tokens = scheduler.prompt_tokens(pick)
         uncached = scheduler.uncached_tokens(pick, (first,), tokens)[first]
-        if admission.hashes:
-            block = admission.block_bytes  # the geometry the prompt was hashed with
+        if admission.hashes:  # in bytes at 4 a token, as the reference reports them
+            block = admission.block_tokens * BYTES_PER_TOKEN  # the geometry the prompt was hashed with
             report.prefix_match = (scheduler.prefix_matches.get(first, 0) * block, len(admission.hashes) * block)
             scheduler.prefix.add(first, admission.hashes)
             if prefill is not None and prefill != first:
@@ -672,6 +676,7 @@ class ExtProcStream:
                 if self._abandoned:
                     return
                 admission.tokens = tokens
+                self.picker.hash_prompt(admission, tokens)
                 self.parked = False
                 self._resumed = self._dispatch(admission, phase, duplex_end, after)
                 if not self.parked and self.on_unpark is not None:  # else flow control parked it

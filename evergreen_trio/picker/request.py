@@ -77,34 +77,13 @@ class InferenceRequest:
     """A pre-tokenized prompt (``prompt`` is empty then)."""
     response: ResponseFormat = OPENAI_RESPONSES
     """How the parser reads the response's usage."""
-
-    def hashed_prompt(self, chars_per_token: int, max_chars: int) -> str:
-        """The prompt to hash, at least its first ``max_chars`` characters: the text, or the token
-        ids as ``token_text`` renders them (block boundaries then fall between tokens)."""
-        if self.token_ids is None:
-            return self.prompt
-        return token_text(self.token_ids[: max_chars // chars_per_token + 1], chars_per_token)
+    cache_salt: str = ""
+    """A cache salt the parser read outside ``body`` (SGLang's ``extra_key``)."""
 
     def prompt_size(self, chars_per_token: int) -> int:
         """The prompt's size in bytes, a token prompt's at ``chars_per_token`` bytes a token (the
         token estimate divides by it)."""
         return self.prompt_bytes if self.token_ids is None else len(self.token_ids) * chars_per_token
-
-
-_DIGITS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-_PAIRS = [low + high for high in _DIGITS for low in _DIGITS]  # 12 bits as two base-64 digits
-
-
-def token_text(ids: Sequence[int], width: int) -> str:
-    """Token ids as text of ``width`` ASCII characters each: base-64 digits of the id, low first
-    (4 digits tell apart ids below 2**24; a narrower width keeps the low digits, a wider one pads)."""
-    quads = (_PAIRS[i & 4095] + _PAIRS[(i >> 12) & 4095] for i in ids)
-    if width == 4:
-        return "".join(quads)
-    if width > 4:
-        pad = "=" * (width - 4)
-        return "".join(quad + pad for quad in quads)
-    return "".join(quad[:width] for quad in quads)
 
 
 def content_text(value: object) -> str:

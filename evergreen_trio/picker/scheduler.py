@@ -13,12 +13,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import xxhash
-
 from evergreen_trio.picker.admission import admit, declared_admitters
 from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
 from evergreen_trio.picker.burst_prefix import burst_match, burst_producers
-from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, SchedulerConfig
+from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig
 from evergreen_trio.picker.contextlength import CONTEXT_FILTERS, CONTEXT_SCORERS
 from evergreen_trio.picker.dataparallel import DataParallelHandler
 from evergreen_trio.picker.endpoint_attribute import ATTRIBUTE_FILTERS, ATTRIBUTE_SCORERS
@@ -42,7 +40,8 @@ from evergreen_trio.picker.p2p_source import (
     spread_fraction,
 )
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
-from evergreen_trio.picker.plugins import Decider, DisaggHandler, Plugin, PrefixScorerParams, Profile
+from evergreen_trio.picker.plugins import MIN_BLOCK_TOKENS, Decider, DisaggHandler, Plugin, PrefixScorerParams, Profile
+from evergreen_trio.picker.prefix_hash import BlockHashes
 from evergreen_trio.picker.rollout import rollout_screeners
 from evergreen_trio.picker.routing_headers import KV_CACHE_SOURCE_HEADER, DisaggHeaders, at_primary_port
 from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESSION_STATES
@@ -121,26 +120,6 @@ class PoolSnapshot:
         return [s for s in self.states.values() if s.ready]
 
 
-def prefix_hashes(model: str, prompt: str, config: SchedulerConfig, block_bytes: int | None = None,
-                  max_blocks: int | None = None) -> list[int]:
-    """The xxhash64 chain over the prompt's full blocks, seeded with the target model name.
-
-    Each block hash covers the previous hash (8 bytes, little endian) and the block's bytes, so a
-    hash names the whole prefix up to and including its block. ``block_bytes`` and ``max_blocks``
-    (what :meth:`Scheduler.prefix_geometry` tunes) default to the config's.
-    """
-    size = block_bytes or config.prefix_block_bytes
-    most = config.max_prefix_blocks if max_blocks is None else max_blocks
-    data = prompt[: most * size].encode()  # a character is at least a byte: this covers every block hashed
-    count = min(len(data) // size, most)
-    previous = xxhash.xxh64_intdigest(model.encode())
-    hashes = []
-    for i in range(count):
-        previous = xxhash.xxh64_intdigest(previous.to_bytes(8, "little") + data[i * size : (i + 1) * size])
-        hashes.append(previous)
-    return hashes
-
-
 class PrefixIndex:
     """Per-endpoint LRU sets of block hashes, with a reverse map for greedy longest-prefix match."""
 
@@ -165,15 +144,19 @@ class PrefixIndex:
                     del self._owners[old]
 
     def matches(self, hashes: Sequence[int], candidates: Iterable[str]) -> dict[str, int]:
-        """Leading blocks of ``hashes`` each candidate holds (greedy: stop at the first miss)."""
+        """Leading blocks of ``hashes`` each candidate holds (greedy: stop at the first miss),
+        summed over the prompts' chains of a multi-prompt request (:class:`BlockHashes`)."""
         result = dict.fromkeys(candidates, 0)
-        alive = set(result)
-        for i, h in enumerate(hashes):
-            alive &= self._owners.get(h, set())
-            if not alive:
-                break
-            for address in alive:
-                result[address] = i + 1
+        owners = self._owners
+        chains = hashes.chains() if isinstance(hashes, BlockHashes) and hashes.starts else ((0, len(hashes)),)
+        for start, end in chains:
+            alive = set(result)
+            for i in range(start, end):
+                alive &= owners.get(hashes[i], set())
+                if not alive:
+                    break
+                for address in alive:
+                    result[address] += 1
         return result
 
     def size(self, address: str) -> int:
@@ -274,7 +257,7 @@ def _prefix_scores(scheduler: Scheduler, request: PickRequest, candidates: Seque
     if not request.hashes:
         return {}
     total = len(request.hashes)
-    block_tokens = scheduler.prefix_geometry()[0] / BYTES_PER_TOKEN
+    block_tokens = scheduler.prefix_geometry()[0]
     result = {}
     for state in candidates:
         matched = scheduler.prefix_matches.get(state.endpoint.address, 0)
@@ -377,7 +360,7 @@ class Scheduler:
         self._profiles = {p.name: p for p in self.config.effective_profiles}
         # prefix_geometry's last answer and the scraped block size it was for (it changes only with that)
         self._geometry_for: object = object()
-        self._geometry = (0, 0)
+        self._geometry: tuple[int, int | None] = (0, 0)
         self.plugin_states: dict[str, PluginState] = {}
         for plugin in declared:
             factory = PLUGIN_STATES.get(plugin.type)
@@ -406,21 +389,26 @@ class Scheduler:
         located = list(self.snapshot.states.values()) if states is None else states
         return detector_saturation(self.shed_detector, located, self.snapshot.clock(), self.inflight).saturation
 
-    def prefix_geometry(self) -> tuple[int, int]:
-        """(block bytes, max blocks) for hashing prompts now.
+    def prefix_geometry(self) -> tuple[int, int | None]:
+        """(block tokens, max blocks per prompt; None: every block) for hashing prompts now, as
+        llm-d-router's approx-prefix-cache-producer resolves them.
 
         With ``prefix_auto_tune`` the block is the model servers' scraped block size (vLLM's
-        ``cache_config_info``), as llm-d-router's approx-prefix-cache-producer tunes it.
+        ``cache_config_info``), else ``prefix_block_bytes`` at 4 bytes a token (the estimate
+        backend's); either is raised to :data:`MIN_BLOCK_TOKENS`. ``max_prefix_tokens`` (> 0) caps
+        the blocks at ``max_prefix_tokens // block``, else ``max_prefix_blocks`` (0: no cap).
         """
         block_size = self.snapshot.block_size
         if block_size == self._geometry_for:  # the same scraped block size as last time: the same answer
             return self._geometry
         cfg = self.config
-        tokens = cfg.prefix_block_tokens
+        tokens = cfg.prefix_block_bytes // BYTES_PER_TOKEN
         if cfg.prefix_auto_tune and block_size:
             tokens = block_size
-        max_blocks = cfg.max_prefix_tokens // tokens if cfg.max_prefix_tokens > 0 else cfg.max_prefix_blocks
-        self._geometry_for, self._geometry = block_size, (tokens * cfg.chars_per_token, max_blocks)
+        tokens = max(tokens, MIN_BLOCK_TOKENS)
+        max_blocks = (cfg.max_prefix_tokens // tokens if cfg.max_prefix_tokens > 0
+                      else cfg.max_prefix_blocks or None)
+        self._geometry_for, self._geometry = block_size, (tokens, max_blocks)
         return self._geometry
 
     def pick(self, request: PickRequest, count: int = 1) -> list[str]:
@@ -521,7 +509,7 @@ class Scheduler:
             assigned = burst_match(request.attributes, params.producer)
             cached = {assigned[0]: assigned[1]} if assigned is not None else {}
         else:
-            block_tokens = self.prefix_geometry()[0] // self.config.chars_per_token
+            block_tokens = self.prefix_geometry()[0]
             cached = {address: blocks * block_tokens for address, blocks in self.prefix_matches.items() if blocks}
         peers = [Peer(s.endpoint.address, cached.get(s.endpoint.address, 0), block_tokens,
                       s.metrics.waiting if s.metrics is not None else 0.0) for s in candidates]
@@ -546,7 +534,7 @@ class Scheduler:
         if decider is None:
             return False
         tokens = request.tokens
-        cached = self.prefix_matches.get(decode, 0) * self.prefix_geometry()[0] // BYTES_PER_TOKEN if decode else 0
+        cached = self.prefix_matches.get(decode, 0) * self.prefix_geometry()[0] if decode else 0
         count = tokens.token_count if tokens is not None else request.prompt_bytes // BYTES_PER_TOKEN
         return decider.disaggregate(count, cached, tokens is not None and tokens.multimodal)
 
@@ -619,10 +607,9 @@ class Scheduler:
                         prompt_tokens: int | None = None) -> dict[str, int]:
         """The request's prompt tokens (``prompt_tokens`` when the caller has them) each endpoint
         lacks in its (approximate) prefix cache."""
-        block_tokens = self.prefix_geometry()[0] // self.config.chars_per_token
-        total = len(request.hashes)
+        block_tokens = self.prefix_geometry()[0]
         tokens = self.prompt_tokens(request) if prompt_tokens is None else prompt_tokens
-        return {a: uncached_tokens(tokens, total, self.prefix_matches.get(a, 0), block_tokens) for a in addresses}
+        return {a: uncached_tokens(tokens, self.prefix_matches.get(a, 0), block_tokens) for a in addresses}
 
 
 def _labels(state: EndpointState) -> Mapping[str, str]:

@@ -17,9 +17,9 @@ import math
 import re
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -56,10 +56,10 @@ class Placeholders:
     count: int
 
 
-@dataclass(frozen=True)
-class PromptTokens:
+class PromptTokens(NamedTuple):
     """One prompt's tokens (as segments: aligned text bytes and placeholder runs) and its
-    multimodal features sorted by offset."""
+    multimodal features sorted by offset. (A named tuple: one is built per hashed request, and a
+    frozen dataclass costs several times as much to build.)"""
 
     segments: tuple[bytes | Placeholders, ...] = ()
     features: tuple[MultiModalFeature, ...] = ()
@@ -86,9 +86,9 @@ class PromptTokens:
         return out
 
 
-@dataclass(frozen=True)
-class TokenizedPrompt:
-    """A request's prompts' tokens (several for a multi-string completions prompt) and its cache salt."""
+class TokenizedPrompt(NamedTuple):
+    """A request's prompts' tokens (several for a multi-string completions prompt) and its cache
+    salt (a named tuple, as :class:`PromptTokens`)."""
 
     prompts: tuple[PromptTokens, ...]
     cache_salt: str = ""
@@ -133,10 +133,6 @@ def uint32_ids(value: object, integral_floats: bool = False) -> array[int] | Non
         return array(_UINT32, ids)
     except (ValueError, OverflowError):  # NaN, infinities, negative or past uint32
         return None
-
-
-def _align(data: bytearray) -> None:
-    data += bytes(-len(data) % BYTES_PER_TOKEN)
 
 
 @dataclass(frozen=True)
@@ -271,38 +267,47 @@ def _text(value: object) -> str:
 
 
 def _block(value: object) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
+    return value if type(value) is dict or isinstance(value, Mapping) else {}  # a parsed body's are dicts
 
 
 class _Stream:
-    """A prompt being built: text bytes, placeholder runs, features."""
+    """A prompt being built: text since the last asset (joined and encoded once, at the next asset
+    or the end), then aligned text bytes and placeholder runs, and the features."""
 
     def __init__(self) -> None:
-        self.data = bytearray()
+        self.parts: list[str] = []
+        self.text: Callable[[str], None] = self.parts.append  # a C call per piece of text
         self.segments: list[bytes | Placeholders] = []
         self.features: list[MultiModalFeature] = []
         self.tokens = 0
 
-    def text(self, value: str) -> None:
-        self.data += (value if value.isascii() else go_text(value)).encode()
+    def _take(self) -> bytes:
+        """The text since the last asset as bytes (Go's: lone surrogates as U+FFFD), zero-padded
+        to whole tokens."""
+        joined = "".join(self.parts)
+        self.parts.clear()
+        data = (joined if joined.isascii() else go_text(joined)).encode()
+        pad = -len(data) % BYTES_PER_TOKEN
+        return data + bytes(pad) if pad else data
 
     def asset(self, modality: str, content: str, count: int) -> None:
-        _align(self.data)
-        self.tokens += len(self.data) // BYTES_PER_TOKEN
-        self.segments.append(bytes(self.data))
-        self.data.clear()
+        data = self._take()
+        self.tokens += len(data) // BYTES_PER_TOKEN
+        self.segments.append(data)
         digest = xxhash.xxh64_intdigest(go_text(content).encode())
         self.features.append(MultiModalFeature(modality, format(digest, "x"), self.tokens, count))
         self.segments.append(Placeholders(digest & 0xFFFFFFFF, count))
         self.tokens += count
 
     def done(self) -> PromptTokens:
-        _align(self.data)
-        self.segments.append(bytes(self.data))
+        data = self._take()
+        if not self.segments:  # text only
+            return PromptTokens((data,) if data else ())
+        self.segments.append(data)
         return PromptTokens(tuple(s for s in self.segments if isinstance(s, Placeholders) or s), tuple(self.features))
 
 
-def _chat(estimator: Estimator, body: Mapping[str, Any], meta: VideoMeta) -> PromptTokens:
+def _chat(estimator: Estimator, body: Mapping[str, Any], headers: Mapping[str, str]) -> PromptTokens:
     stream = _Stream()
     tools = body.get("tools")
     if isinstance(tools, list) and tools:
@@ -310,11 +315,12 @@ def _chat(estimator: Estimator, body: Mapping[str, Any], meta: VideoMeta) -> Pro
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
         message = _block(message)
-        stream.text(_text(message.get("role")))
+        role = _text(message.get("role"))
         content = message.get("content")
         if isinstance(content, str):
-            stream.text(content)
+            stream.text(role + content)  # one call for the common message (the same bytes)
             continue
+        stream.text(role)
         for part in content if isinstance(content, list) else ():
             part = _block(part)
             kind = part.get("type")
@@ -324,7 +330,8 @@ def _chat(estimator: Estimator, body: Mapping[str, Any], meta: VideoMeta) -> Pro
                 url = _text(_block(part.get("image_url")).get("url"))
                 stream.asset(IMAGE, url, estimator.image.count(data_url_image_size(url)))
             elif kind == "video_url":
-                stream.asset(VIDEO, _text(_block(part.get("video_url")).get("url")), estimator.video.count(meta))
+                stream.asset(VIDEO, _text(_block(part.get("video_url")).get("url")),
+                             estimator.video.count(video_meta(headers)))
             elif kind in ("input_audio", "audio_url"):
                 audio = _block(part.get("input_audio"))
                 data = _text(audio.get("data")) + _text(audio.get("format"))
@@ -349,11 +356,12 @@ def _messages(estimator: Estimator, body: Mapping[str, Any]) -> PromptTokens:
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
         message = _block(message)
-        stream.text(_text(message.get("role")))
+        role = _text(message.get("role"))
         content = message.get("content")
         if isinstance(content, str):
-            stream.text(content)
+            stream.text(role + content)  # one call for the common message (the same bytes)
             continue
+        stream.text(role)
         for block in content if isinstance(content, list) else ():
             block = _block(block)
             kind = block.get("type")
@@ -418,7 +426,8 @@ def _strings(value: object) -> list[str] | None:
     return value if isinstance(value, list) and all(isinstance(s, str) for s in value) else None
 
 
-def _packed(text: str) -> PromptTokens:
+def pack_text(text: str) -> PromptTokens:
+    """A text prompt packed 4 bytes a token (the tail zero-padded)."""
     stream = _Stream()
     stream.text(text)
     return stream.done()
@@ -431,7 +440,7 @@ def estimate(estimator: Estimator, protocol: str, body: Mapping[str, Any],
     (an unknown protocol, an empty prompt), as the reference then publishes nothing."""
     prompts: tuple[PromptTokens, ...]
     if protocol == "chat":
-        prompts = (_chat(estimator, body, video_meta(headers)),)
+        prompts = (_chat(estimator, body, headers),)
     elif protocol == "messages":
         prompts = (_messages(estimator, body),)
     elif protocol == "completions":
@@ -440,9 +449,9 @@ def estimate(estimator: Estimator, protocol: str, body: Mapping[str, Any],
         if ids is not None:
             prompts = (pack_ids(ids),)
         elif strings is not None and len(strings) > 1:
-            prompts = tuple(_packed(s) for s in strings)
+            prompts = tuple(pack_text(s) for s in strings)
         else:
-            prompts = (_packed(prompt if isinstance(prompt, str) else " ".join(strings or ())),)
+            prompts = (pack_text(prompt if isinstance(prompt, str) else " ".join(strings or ())),)
     elif protocol == "embeddings":
         value = body.get("input")
         ids, strings = uint32_ids(value, integral_floats=True), _strings(value)
@@ -450,7 +459,7 @@ def estimate(estimator: Estimator, protocol: str, body: Mapping[str, Any],
             prompts = (pack_ids(ids),)
         else:  # Go marshals the EmbeddingsInput struct as it is (it has no MarshalJSON)
             raw = value if isinstance(value, str) else ""
-            prompts = (_packed(go_marshal({"Raw": raw, "Strings": strings or None, "TokenIDs": None})),)
+            prompts = (pack_text(go_marshal({"Raw": raw, "Strings": strings or None, "TokenIDs": None})),)
     elif protocol == "responses":
         combined: list[dict[str, Any]] = []
         if body.get("instructions") is not None:
@@ -458,15 +467,16 @@ def estimate(estimator: Estimator, protocol: str, body: Mapping[str, Any],
         if body.get("tools") is not None:
             combined.append({"tools": body["tools"]})
         combined.append({"input": body.get("input")})
-        prompts = (_packed(go_marshal(combined)),)
+        prompts = (pack_text(go_marshal(combined)),)
     elif protocol == "conversations":
         items = body.get("items")
         listed = f"[{','.join(_conversation_item(i) for i in items)}]" if isinstance(items, list) else "null"
-        prompts = (_packed(listed),)
+        prompts = (pack_text(listed),)
     else:
         return None
-    tokenized = TokenizedPrompt(prompts, cache_salt(body))
-    return tokenized if tokenized.token_count else None
+    # A prompt has tokens when it has a segment (estimate leaves out empty ones).
+    tokens = prompts[0].segments if len(prompts) == 1 else any(p.segments for p in prompts)
+    return TokenizedPrompt(prompts, cache_salt(body)) if tokens else None
 
 
 def _conversation_item(item: object) -> str:

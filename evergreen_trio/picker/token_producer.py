@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 from evergreen_trio.picker.errors import ConfigError
@@ -25,8 +24,16 @@ from evergreen_trio.picker.plugins import (
     PrefixDecider,
     register,
 )
-from evergreen_trio.picker.request import Api
-from evergreen_trio.picker.token_estimate import Estimator, ImageEstimate, TokenizedPrompt, VideoEstimate, estimate
+from evergreen_trio.picker.request import Api, InferenceRequest
+from evergreen_trio.picker.token_estimate import (
+    Estimator,
+    ImageEstimate,
+    TokenizedPrompt,
+    VideoEstimate,
+    cache_salt,
+    estimate,
+    pack_ids,
+)
 from evergreen_trio.picker.vllm_render import RenderCall, VllmRender, render_call
 
 log = logging.getLogger(__name__)
@@ -157,8 +164,8 @@ DEFAULT_PRODUCER = TokenProducer(Estimator())
 def request_producer(plugins: Mapping[str, Plugin], handler: object) -> TokenProducer | None:
     """The token producer requests run through: the first declared, else (as the reference's
     framework adds one for plugins consuming its tokens) the default estimate when a P/D or E/PD
-    decider or ``context-length-aware`` counts them. The prefix-cache producer and in-flight load
-    consume them in the reference too; here they keep their own byte estimates (docs/picker.md)."""
+    decider or ``context-length-aware`` counts them. The prefix hashes read the default estimate's
+    tokens when none runs; in-flight load keeps its byte estimate (docs/picker.md)."""
     declared = next((p.params for p in plugins.values() if isinstance(p.params, TokenProducer)), None)
     if declared is not None:
         return declared
@@ -168,11 +175,19 @@ def request_producer(plugins: Mapping[str, Plugin], handler: object) -> TokenPro
     return DEFAULT_PRODUCER if counted else None
 
 
-def tokenize(producer: TokenProducer, path: str, api: Api, body: Mapping[str, Any],
+def tokenize(producer: TokenProducer, path: str, request: InferenceRequest,
              headers: Mapping[str, str]) -> tuple[TokenizedPrompt | None, RenderCall | None]:
     """A request's tokens by ``producer`` now (None when it has none), or the render to post for
-    them (the ``vllm`` backend's, when the prompt is not pre-tokenized)."""
-    protocol = protocol_of(path, api)
+    them (the ``vllm`` backend's, when the prompt is not pre-tokenized). A prompt the parser read
+    as token ids with no JSON prompt around them (vLLM and SGLang ``generate``, vLLM gRPC) passes
+    through with its salt, as the reference's parsers and estimate backend hand them on."""
+    protocol = protocol_of(path, request.api)
+    body = request.body
+    if request.token_ids is not None and (not protocol or not body):
+        salt = request.cache_salt or cache_salt(body)
+        return (TokenizedPrompt((pack_ids(request.token_ids),), salt) if request.token_ids else None), None
+    if not body and request.prompt:  # vLLM gRPC's text prompt: a completions prompt without a JSON body
+        body = {"prompt": request.prompt}
     try:
         if isinstance(producer.backend, Estimator):
             return estimate(producer.backend, protocol, body, headers), None
@@ -192,7 +207,8 @@ _PROTOCOLS = {Api.CHAT: "chat", Api.COMPLETIONS: "completions", Api.EMBEDDINGS: 
 def protocol_of(path: str, api: Api) -> str:
     """A request's protocol as the producer reads its body: ``chat``, ``completions``,
     ``embeddings``, ``responses``, ``conversations``, ``messages`` (Anthropic) or ``""``."""
-    if api in _PROTOCOLS:
-        return _PROTOCOLS[api]
+    protocol = _PROTOCOLS.get(api)
+    if protocol is not None:
+        return protocol
     bare = path.split("?", 1)[0].rstrip("/")
     return next((name for name in ("messages", "conversations") if bare.endswith(f"/v1/{name}")), "")

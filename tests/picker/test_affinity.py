@@ -25,8 +25,10 @@ from evergreen_trio.picker.config import PickerConfig, load_config, parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.plugins import NOT_IMPLEMENTED, PLUGIN_TYPES, Category
+from evergreen_trio.picker.prefix_hash import block_hashes
 from evergreen_trio.picker.processor import DESTINATION, Picker
-from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Schedule, Scheduler, prefix_hashes
+from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Schedule, Scheduler
+from evergreen_trio.picker.token_estimate import TokenizedPrompt, pack_text
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 HEAD = "---\napiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -233,8 +235,7 @@ schedulingProfiles:
 """, waiting=(0, 5, 9))
     assert config.scheduler.uses_prefix
     scheduler = picker.scheduler
-    prompt = "p" * 160  # 10 blocks of 16 bytes
-    hashes = prefix_hashes("m", prompt, config.scheduler, 16, 64)
+    hashes = block_hashes("m", TokenizedPrompt((pack_text("p" * 2560),)), 64, 64)  # 10 blocks of 64 tokens
     scheduler.prefix.add(C, hashes)
     assert scheduler.pick(PickRequest("m", 0, hashes)) == [C]  # sticky despite its queue
     scheduler.prefix.add(B, hashes[:4])  # 40%: not sticky

@@ -110,7 +110,7 @@ def test_scorers_follow_llm_d() -> None:
     assert running_requests_scores({A: EndpointMetrics(running=2), B: EndpointMetrics(running=6)}) == {A: 1.0, B: 0.0}
     assert running_requests_scores({A: EndpointMetrics(running=3), B: EndpointMetrics(running=3)}) == {A: 1.0, B: 1.0}
     assert [load_aware_score(LoadAwareParams(10), w) for w in (0, 5, 10, 50)] == [0.5, 0.25, 0.0, 0.0]
-    assert uncached_tokens(100, indexed_blocks=4, matched_blocks=3, block_tokens=16) == 16 + 36
+    assert uncached_tokens(100, matched_blocks=3, block_tokens=16) == 16 + 36
     assert estimated_output(LoadConfig(), 100, None) == 150
     assert estimated_output(LoadConfig(max_estimated_output_tokens=40), 100, 60) == 40
     assert output_cap({"max_completion_tokens": 7}) == 7 and output_cap({"max_tokens": True}) is None

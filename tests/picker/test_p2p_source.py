@@ -305,7 +305,7 @@ def test_the_schedule_names_the_peer_caching_the_prompt() -> None:
     sched.prefix.add(C, hashes)
     schedule = sched.schedule(PickRequest("m", 0, hashes, headers={"x-request-id": "r1"}))
     assert schedule.endpoints[0] == A and schedule.request_headers == {KV_CACHE_SOURCE_HEADER: C}
-    block = sched.prefix_geometry()[0] // sched.config.chars_per_token
+    block = sched.prefix_geometry()[0]
     assert sched.kv_picks[0][2] == {C: 4 * block}
     sched.prefix.add(A, hashes)  # the pick holds it too: nothing to pull
     assert sched.schedule(PickRequest("m", 0, hashes)).request_headers == {}

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from evergreen_trio._proto.vllm import vllm_engine_pb2 as pb
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.parsers.vllmgrpc import EMBED, GENERATE, VLLM_GRPC, VLLM_GRPC_RESPONSES
-from evergreen_trio.picker.request import Api, InferenceRequest, token_text
-from evergreen_trio.picker.scheduler import prefix_hashes
+from evergreen_trio.picker.prefix_hash import block_hashes
+from evergreen_trio.picker.request import Api, InferenceRequest
+from evergreen_trio.picker.token_estimate import TokenizedPrompt, pack_ids
 from evergreen_trio.picker.usage import Usage
 from tests.picker.test_parser_vertexai import frame
 from tests.picker.test_parsers import forwarded_body, parsers_config, picker_with, send
@@ -153,10 +154,9 @@ def test_a_tokenized_generate_is_routed_by_its_tokens_and_its_usage_read() -> No
                                     sampling_params=pb.SamplingParams(max_tokens=9)).SerializeToString())
     stream, replies = send(picker, GENERATE_PATH, body, [("content-type", "application/grpc")])
     assert lb_metadata(replies[0]) and forwarded_body(replies) == body
-    scheduler = picker.config.scheduler
     block, most = picker.scheduler.prefix_geometry()
-    hashes = prefix_hashes("", token_text(ids, scheduler.chars_per_token), scheduler, block, most)
-    assert stream.route is not None and list(stream.route.hashes) == hashes and len(hashes) == 64 // 16
+    hashes = block_hashes("", TokenizedPrompt((pack_ids(ids),)), block, most)
+    assert stream.route is not None and stream.route.hashes == hashes and len(hashes) == 1
     assert stream.report.client_model == "" and stream.report.target_model == ""
     stream.on_message(response_headers("application/grpc"))
     reply = b"".join(frame(m.SerializeToString()) for m in (

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.parsers.registry import request_path
 from evergreen_trio.picker.parsers.vllmhttp import VLLM_HTTP
-from evergreen_trio.picker.request import InferenceRequest, token_text
-from evergreen_trio.picker.scheduler import prefix_hashes
+from evergreen_trio.picker.prefix_hash import block_hashes
+from evergreen_trio.picker.request import InferenceRequest
+from evergreen_trio.picker.token_estimate import TokenizedPrompt, pack_ids
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, Usage
 from tests.picker.test_parsers import forwarded_body, parsers_config, picker_with, send
 from tests.picker.test_processor import lb_metadata, response_body, response_headers, status
@@ -84,10 +85,9 @@ def test_vllm_generate_through_the_picker_rewrites_the_model_and_hashes_the_toke
     stream, replies = send(picker, "/inference/v1/generate", body)
     assert lb_metadata(replies[0])
     assert json.loads(forwarded_body(replies)) == {"model": "food-review-v1", "token_ids": ids}
-    scheduler = picker.config.scheduler
     block, most = picker.scheduler.prefix_geometry()
-    hashes = prefix_hashes("food-review-v1", token_text(ids, scheduler.chars_per_token), scheduler, block, most)
-    assert stream.route is not None and list(stream.route.hashes) == hashes and len(hashes) == 200 // 16
+    hashes = block_hashes("food-review-v1", TokenizedPrompt((pack_ids(ids),)), block, most)
+    assert stream.route is not None and stream.route.hashes == hashes and len(hashes) == 4  # 3 x 64 and the tail
     stream.on_message(response_headers())
     stream.on_message(response_body(b'{"model":"food-review-v1","usage":{"prompt_tokens":200,"completion_tokens":5}}'))
     assert stream.report.usage == Usage(200, 5, None)
@@ -98,9 +98,7 @@ def test_vllm_generate_through_the_picker_rewrites_the_model_and_hashes_the_toke
 
 def test_token_prompts_count_their_tokens() -> None:
     request = parse({"token_ids": list(range(10))}, VLLM)
-    assert request.prompt_size(4) == 40 and request.hashed_prompt(4, 8) == token_text(range(3), 4)
-    assert len(token_text(range(5000), 3)) == 15_000 and len(token_text(range(3), 6)) == 18
-    assert len({token_text([i], 4) for i in range(0, 2**24, 4099)}) == len(range(0, 2**24, 4099))
+    assert request.prompt_size(4) == 40 and request.token_ids == list(range(10))
 
 
 _value = st.recursive(

@@ -18,9 +18,11 @@ from evergreen_trio.picker.config import Endpoint, PickerConfig, parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics, EngineConfig
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.k8s.pool_state import PoolState, pool_spec
+from evergreen_trio.picker.prefix_hash import block_hashes
 from evergreen_trio.picker.processor import DESTINATION, PREFILLER, Picker, subset_host
 from evergreen_trio.picker.runtime import Scrapers
-from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler, prefix_hashes
+from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler
+from evergreen_trio.picker.token_estimate import TokenizedPrompt, pack_text
 
 PREFILL_1, PREFILL_2, DECODE_1, DECODE_2, BOTH = (f"10.0.1.{i}:8000" for i in range(1, 6))
 HEAD = "---\napiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -64,7 +66,7 @@ def make(handler: str = "{deciders: {prefill: prefix-based-pd-decider}}",
 
 
 def request(config: PickerConfig, prompt: str) -> PickRequest:
-    hashes = prefix_hashes("m", prompt, config.scheduler, config.scheduler.prefix_block_bytes, 64)
+    hashes = block_hashes("m", TokenizedPrompt((pack_text(prompt),)), 64, 64)
     return PickRequest("m", 0, hashes, None, len(prompt.encode()))
 
 
@@ -178,7 +180,7 @@ def test_prefill_pod_learns_the_prefix_too() -> None:
     picker = Picker(config, scheduler.snapshot, rng=random.Random(2))
     response = _route(picker, "v" * 400)
     headers = set_headers(response.request_headers.response.header_mutation)
-    hashes = prefix_hashes("m", "v" * 400, config.scheduler, *picker.scheduler.prefix_geometry())
+    hashes = block_hashes("m", TokenizedPrompt((pack_text("v" * 400),)), *picker.scheduler.prefix_geometry())
     matches = picker.scheduler.prefix.matches(hashes, [headers[DESTINATION], headers[PREFILLER]])
     assert set(matches.values()) == {len(hashes)}
 

@@ -255,7 +255,8 @@ def test_served_endpoint_is_recorded_and_teaches_the_prefix_index() -> None:
     stream.on_message(request_body(json.dumps({"model": "plain", "prompt": "q" * 640}).encode()))
     stream.on_message(response_headers(served=B))
     assert stream.report.served == [B]
-    assert picker.scheduler.prefix.size(A) == 10 and picker.scheduler.prefix.size(B) == 10
+    # 160 tokens: two blocks of 64 and the tail
+    assert picker.scheduler.prefix.size(A) == 3 and picker.scheduler.prefix.size(B) == 3
 
 
 def test_duplex_sse_response_rewritten_line_by_line_with_usage() -> None:

@@ -13,6 +13,7 @@ from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig, Po
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.inflight import LoadConfig
+from evergreen_trio.picker.prefix_hash import block_hashes
 from evergreen_trio.picker.processor import subset_host
 from evergreen_trio.picker.scheduler import (
     PickRequest,
@@ -20,8 +21,8 @@ from evergreen_trio.picker.scheduler import (
     PrefixIndex,
     Scheduler,
     choose_target,
-    prefix_hashes,
 )
+from evergreen_trio.picker.token_estimate import TokenizedPrompt, pack_text
 
 
 class Clock:
@@ -68,15 +69,6 @@ def test_lora_affinity_scores() -> None:
     assert [scores[a] for a in addresses] == [1.0, 0.8, 0.6, 0.0]
 
 
-def test_prefix_hash_chain_is_a_prefix_property() -> None:
-    config = SchedulerConfig()
-    short, long = prefix_hashes("m", "x" * 130, config), prefix_hashes("m", "x" * 130 + "y" * 200, config)
-    assert len(short) == 2 and long[:2] == short and len(long) == 5
-    assert prefix_hashes("other", "x" * 130, config) != short
-    assert prefix_hashes("m", "x" * 63, config) == []
-    assert len(prefix_hashes("m", "z" * 10**6, config)) == config.max_prefix_blocks
-
-
 def test_prefix_index_greedy_match_and_lru_eviction() -> None:
     index = PrefixIndex(capacity=3)
     index.add("a", [1, 2, 3])
@@ -90,7 +82,7 @@ def test_prefix_index_greedy_match_and_lru_eviction() -> None:
 
 def test_prefix_scorer_prefers_the_endpoint_that_has_the_prefix() -> None:
     scheduler, addresses, _ = make([EndpointMetrics()] * 3, queue=0, kv_cache=0, prefix_cache=1)
-    hashes = prefix_hashes("m", "p" * 640, scheduler.config)
+    hashes = block_hashes("m", TokenizedPrompt((pack_text("p" * 2560),)), *scheduler.prefix_geometry())
     scheduler.prefix.add(addresses[2], hashes[:5])
     assert scheduler.pick(PickRequest("m", 0, hashes)) == [addresses[2]]
 

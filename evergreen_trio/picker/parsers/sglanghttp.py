@@ -59,7 +59,7 @@ def _parse(path: str, headers: Mapping[str, str], body: bytes) -> InferenceReque
         raise RequestError(400, "unsupported generate request: extra_key must be a string")
     return InferenceRequest(Api.OTHER, "", wire.get("stream") is True, "", {}, output_cap=_max_new_tokens(
         wire.get("sampling_params")), rewritable=False, token_ids=_input_ids(wire["input_ids"]),
-        response=SGLANG_RESPONSES)
+        response=SGLANG_RESPONSES, cache_salt=wire.get("extra_key") or "")
 
 
 _RESPONSE = struct("sgLangResponse", meta_info=struct(
