@@ -50,6 +50,7 @@ nitpick_ignore = [
     ("py:class", "CollectorRegistry"),  # prometheus_client's, in SessionMetrics's constructor
     # The picker's per-endpoint counter cell behind a Ticket (built by InflightLoad, never by users).
     ("py:class", "_Counter"),
+    ("py:class", "_EndpointCounter"),
     # How an IpcClient opens its connection (connect() and connect_device() build it, never users).
     ("py:class", "OpenConnection"),
     # The candidate type RolloutScreener.screen is generic over (the scheduler's EndpointState).

@@ -20,6 +20,7 @@ import h11
 import trio
 
 from evergreen_trio._logsafe import peer_text
+from evergreen_trio._refusals import RefusalEpisodes
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ async def serve_http(
     A connection is closed when a request (or, kept alive, the next one) takes longer than
     ``read_timeout`` to arrive, or when one write waits longer than ``send_timeout`` for the peer to
     read; past ``max_connections`` open at once, or ``max_connections_per_client`` from one remote
-    address, a new one is closed at once (one warning per burst). With ``ssl_context`` (or a callable
+    address, a new one is closed at once (one warning per episode of refusals). With ``ssl_context`` (or a callable
     asked per connection, for reloading) each connection is TLS, its handshake bounded by ``read_timeout``.
     A handler that raises gets its request a 500 and its connection closed (one error line); a
     response stream that raises midway closes its connection. The server goes on either way.
@@ -189,10 +190,10 @@ async def serve_http(
     log.debug("http.listening host=%s port=%d", host, bound)
     open_connections = 0
     per_client: dict[str, int] = {}
-    refusing = False
+    refusals = RefusalEpisodes()
 
     async def connection(stream: trio.SocketStream) -> None:
-        nonlocal open_connections, refusing
+        nonlocal open_connections
         try:
             client = str(stream.socket.getpeername()[0])
         except OSError:  # gone already
@@ -202,14 +203,13 @@ async def serve_http(
         if open_connections >= max_connections or (
             max_connections_per_client is not None and held >= max_connections_per_client
         ):
-            if not refusing:
-                refusing = True
+            if refusals.refuse(trio.current_time()):
                 which = "max_connections" if open_connections >= max_connections else "max_connections_per_client"
                 log.warning("http.refused port=%d open=%d client=%s client_open=%d (%s)", bound,
                             open_connections, client, held, which)
             await stream.aclose()
             return
-        refusing = False
+        refusals.admit(trio.current_time())
         open_connections += 1
         per_client[client] = held + 1
         try:

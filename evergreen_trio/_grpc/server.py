@@ -32,6 +32,7 @@ from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.limits import OUT_OF_RESOURCES_ERRNOS
 from evergreen_trio._grpc.server_wire import Call, GrpcWireConnection, Method, SyncBidiMethod, WireLimits, refusal
 from evergreen_trio._grpc.streams import FinalStatus, MessageStream
+from evergreen_trio._refusals import RefusalEpisodes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -295,7 +296,7 @@ class _Server:
         self.timeouts = timeouts
         self.ssl_context = ssl_context
         self.active = 0
-        self.refused = 0  # connections refused since the cap was last reached
+        self.refusals = RefusalEpisodes()
         self.connections: set[_Connection] = set()
         self.stopping = False  # a graceful stop: every connection, even one accepted before it, goes away
         self._connection_ended: trio.Event | None = None
@@ -333,15 +334,13 @@ class _Server:
                 continue
             backoff = 0.0
             if self.active >= self.limits.max_connections:
-                if not self.refused:
+                if self.refusals.refuse(trio.current_time()):
                     log.warning("grpc_wire.connection_refused active=%d cap=%d: refusing new connections",
                                 self.active, self.limits.max_connections)
-                self.refused += 1
                 await self._refuse(stream)
                 continue
-            if self.refused:
-                log.info("grpc_wire.accepting_again refused=%d", self.refused)
-                self.refused = 0
+            if refused := self.refusals.admit(trio.current_time()):
+                log.info("grpc_wire.accepting_again refused=%d", refused)
             self.active += 1
             self.nursery.start_soon(self.serve_connection, stream)
 

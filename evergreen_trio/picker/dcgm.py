@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES
@@ -73,12 +74,23 @@ def _utilization_lines(text: str) -> str:
 def gpu_utilization(text: str, pod: str = "") -> float:
     """The highest GPU utilization of ``pod`` (any sample when empty) in a DCGM exporter page, in
     [0, 1] for values in 0..100; :class:`MetricsError` when the page does not give one."""
+    return pod_utilization(utilization_families(text), pod)
+
+
+def utilization_families(text: str) -> list[Metric]:
+    """The page's GPU utilization families (the source's parse: a poll error in llm-d-router when it
+    fails); :class:`MetricsError` for a page too large or not in Prometheus text format."""
     if len(text) > MAX_METRICS_BYTES:
         raise MetricsError(f"expected at most {MAX_METRICS_BYTES} bytes of DCGM metrics, got {len(text)}")
     try:
-        families = [f for f in text_string_to_metric_families(_utilization_lines(text)) if f.name == GPU_UTIL_METRIC]
+        return [f for f in text_string_to_metric_families(_utilization_lines(text)) if f.name == GPU_UTIL_METRIC]
     except (ValueError, TypeError, IndexError, KeyError) as exc:
         raise MetricsError(f"expected Prometheus text format, got a parse error ({type(exc).__name__})") from None
+
+
+def pod_utilization(families: list[Metric], pod: str = "") -> float:
+    """``dcgm-extractor``: the highest utilization of ``pod`` in ``families`` (an extract error in
+    llm-d-router when there is none); :class:`MetricsError` when they do not give one."""
     if not families:
         raise MetricsError(f"metric {GPU_UTIL_METRIC!r} not found in DCGM response")
     highest, found = 0.0, False

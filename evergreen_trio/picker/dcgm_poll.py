@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import logging
 
+from prometheus_client.metrics_core import Metric
+
 from evergreen_trio.picker.config import Endpoint, PoolConfig
-from evergreen_trio.picker.dcgm import GPU_UTILIZATION_KEY, DcgmSource, gpu_utilization
+from evergreen_trio.picker.dcgm import (
+    DCGM_DATA_SOURCE,
+    DCGM_EXTRACTOR,
+    GPU_UTILIZATION_KEY,
+    DcgmSource,
+    pod_utilization,
+    utilization_families,
+)
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES
 from evergreen_trio.picker.errors import MetricsError
-from evergreen_trio.picker.http_poll import HttpPoll, poll_http
+from evergreen_trio.picker.http_poll import HttpPoll, ScrapeErrors, poll_http
 from evergreen_trio.picker.scheduler import PoolSnapshot
 
 log = logging.getLogger(__name__)
@@ -27,15 +36,18 @@ def exporter_address(endpoint: Endpoint, source: DcgmSource, pool: PoolConfig) -
     return Endpoint(host, source.port)
 
 
-async def poll_dcgm(endpoint: Endpoint, source: DcgmSource, pool: PoolConfig, snapshot: PoolSnapshot) -> None:
-    """Poll ``endpoint``'s GPU utilization every ``source.interval_s`` (else the pool's interval) until cancelled."""
+async def poll_dcgm(endpoint: Endpoint, source: DcgmSource, pool: PoolConfig, snapshot: PoolSnapshot,
+                    errors: ScrapeErrors | None = None) -> None:
+    """Poll ``endpoint``'s GPU utilization every ``source.interval_s`` (else the pool's interval) until
+    cancelled; failures counted in ``errors``."""
 
-    def apply(body: bytes) -> None:
-        value = gpu_utilization(body.decode("utf-8", "replace"), endpoint.name)
+    def extract(families: list[Metric]) -> None:
+        value = pod_utilization(families, endpoint.name)
         state = snapshot.states.get(endpoint.address)
         if state is not None:  # else removed by discovery while the exporter answered
             state.attributes[GPU_UTILIZATION_KEY] = value
 
     await poll_http(HttpPoll(endpoint, exporter_address(endpoint, source, pool), source.path, MAX_METRICS_BYTES,
                              pool.scrape_timeout_s, source.interval_s or pool.refresh_interval_s, log,
-                             "dcgm_poll_failed"), apply, MetricsError)
+                             "dcgm_poll_failed", DCGM_DATA_SOURCE, DCGM_EXTRACTOR),
+                    lambda body: utilization_families(body.decode("utf-8", "replace")), extract, MetricsError, errors)

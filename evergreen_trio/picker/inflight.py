@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
@@ -53,6 +53,7 @@ class LoadConfig:
     add_estimated_output_tokens: bool = False
     output_ratio: float = 1.5
     max_estimated_output_tokens: int | None = None
+    producer_name: str = PRODUCER  # the ``inflight-load-producer`` plugin's name (a metrics label)
 
     def weights(self) -> dict[str, float]:
         """Scorer type -> weight for the flat profile."""
@@ -119,7 +120,7 @@ def producer_config(plugins: Mapping[str, Plugin]) -> LoadConfig:
     """The producer's parameters from an ``EndpointPickerConfig``'s plugins (weights: its profiles)."""
     for plugin in plugins.values():
         if plugin.type == PRODUCER and isinstance(plugin.params, LoadConfig):
-            return plugin.params
+            return replace(plugin.params, producer_name=plugin.name)
     return LoadConfig(0.0)
 
 
@@ -149,6 +150,10 @@ def uncached_tokens(prompt_tokens: int, matched_blocks: int, block_tokens: int) 
     return max(0, prompt_tokens - matched_blocks * block_tokens)
 
 
+Group = tuple[str, int]
+"""A request's fairness id (as the client sent it) and priority: the in-flight metrics' labels."""
+
+
 class _Counter:
     __slots__ = ("requests", "tokens")
 
@@ -157,21 +162,41 @@ class _Counter:
         self.tokens = 0
 
 
+class _EndpointCounter(_Counter):
+    """An endpoint's counts, and the same split by :data:`Group` (``[requests, tokens]``, a list: no
+    call to make one). A group goes when its last request does, so a client's fairness ids cost
+    memory only while its requests are in flight."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups: dict[Group, list[int]] = {}
+
+
 class Ticket:
-    """One dispatched request's share of its endpoint's counters; each release happens once."""
+    """One dispatched request's share of its endpoint's counters (and its group's); each release happens once."""
 
-    __slots__ = ("_counter", "_on_release", "_requests", "_tokens", "address", "prompt_tokens")
+    __slots__ = ("_counter", "_group", "_key", "_on_release", "_requests", "_tokens", "address", "prompt_tokens")
 
-    def __init__(self, counter: _Counter, address: str, prompt_tokens: int, output_tokens: int,
+    def __init__(self, counter: _EndpointCounter, key: Group, address: str, prompt_tokens: int, output_tokens: int,
                  on_release: InflightLoad) -> None:
         self._counter = counter
+        self._key = key
         self.address = address
         self.prompt_tokens = prompt_tokens
-        self._tokens = prompt_tokens + output_tokens
+        self._tokens = tokens = prompt_tokens + output_tokens
         self._requests = 1
         self._on_release = on_release
         counter.requests += 1
-        counter.tokens += self._tokens
+        counter.tokens += tokens
+        group = counter.groups.get(key)
+        if group is None:
+            group = counter.groups[key] = [1, tokens]
+        else:
+            group[0] += 1
+            group[1] += tokens
+        self._group = group
 
     @property
     def released(self) -> bool:
@@ -185,37 +210,43 @@ class Ticket:
         if give:
             self._tokens -= give
             self._counter.tokens = max(0, self._counter.tokens - give)
+            self._group[1] -= give  # exactly what its tickets added: never below 0
 
     def release(self) -> None:
         """The response ended or the stream was aborted: everything goes (idempotent)."""
+        counter, group = self._counter, self._group
         if self._tokens:
-            self._counter.tokens = max(0, self._counter.tokens - self._tokens)
+            counter.tokens = max(0, counter.tokens - self._tokens)
+            group[1] -= self._tokens
             self._tokens = self.prompt_tokens = 0
         if self._requests:
             self._requests = 0
-            self._counter.requests = max(0, self._counter.requests - 1)
+            counter.requests = max(0, counter.requests - 1)
+            group[0] -= 1
+            if not group[0]:  # the group is in the map while it has a request (forget() drops them all)
+                del counter.groups[self._key]
             self._on_release.released += 1
 
 
 class InflightLoad:
-    """Per-endpoint in-flight requests and tokens, as the picker dispatched them."""
+    """Per-endpoint in-flight requests and tokens, as the picker dispatched them, also per :data:`Group`."""
 
     def __init__(self, config: LoadConfig | None = None) -> None:
         self.config = config or LoadConfig()
-        self._counters: dict[str, _Counter] = {}
+        self._counters: dict[str, _EndpointCounter] = {}
         self.released = 0  # requests released so far (flow control wakes on a change)
 
     def dispatch(self, address: str, uncached_prompt_tokens: int, *, prompt_tokens: int = 0,
-                 client_output_cap: int | None = None) -> Ticket:
-        """Count a request sent to ``address`` (its uncached prompt tokens, and its estimated output
-        tokens with ``addEstimatedOutputTokens``, from the whole prompt)."""
+                 client_output_cap: int | None = None, group: Group = ("", 0)) -> Ticket:
+        """Count a request of ``group`` sent to ``address`` (its uncached prompt tokens, and its estimated
+        output tokens with ``addEstimatedOutputTokens``, from the whole prompt)."""
         counter = self._counters.get(address)
         if counter is None:
-            counter = self._counters[address] = _Counter()
+            counter = self._counters[address] = _EndpointCounter()
         output = 0
         if self.config.add_estimated_output_tokens:
             output = estimated_output(self.config, prompt_tokens or uncached_prompt_tokens, client_output_cap)
-        return Ticket(counter, address, max(0, uncached_prompt_tokens), output, self)
+        return Ticket(counter, group, address, max(0, uncached_prompt_tokens), output, self)
 
     def requests(self, address: str) -> int:
         counter = self._counters.get(address)
@@ -229,6 +260,13 @@ class InflightLoad:
     def tokens(self, address: str) -> int:
         counter = self._counters.get(address)
         return counter.tokens if counter is not None else 0
+
+    def groups(self, address: str) -> list[tuple[Group, int, int]]:
+        """``address``'s groups with a request in flight: each with its requests and tokens."""
+        counter = self._counters.get(address)
+        if counter is None:
+            return []
+        return [(key, requests, tokens) for key, (requests, tokens) in counter.groups.items()]
 
     def total_requests(self) -> int:
         return sum(c.requests for c in self._counters.values())

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from evergreen_trio.picker.flow_control.config import UtilizationDetector
 from evergreen_trio.picker.flow_control.gate import FlowGate
+from evergreen_trio.picker.guards import BoundedLabel
 from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.scheduler import PoolSnapshot
 
@@ -90,10 +91,16 @@ class LlmdGauges:
         info_help = "General information of the current build of Inference Extension."
         for name in ("inference_extension_info", "llm_d_epp_info"):
             gauge(name, info_help, ["commit", "build_ref"]).labels("", build_ref).set(1)
-        self.inflight_requests = Gauge("llm_d_epp_inflight_requests", "In-flight requests per endpoint",
-                                       ["endpoint_name"], registry=r)
-        self.inflight_tokens = Gauge("llm_d_epp_inflight_tokens", "In-flight tokens per endpoint",
-                                     ["endpoint_name"], registry=r)
+        inflight = ["endpoint_name", "namespace", "producer_name", "fairness_id", "priority"]
+        self.inflight_requests = gauge("llm_d_epp_inflight_requests", "Current number of in-flight requests per "
+                                       "endpoint, as tracked by the in-flight load producer.", inflight)
+        self.inflight_tokens = gauge("llm_d_epp_inflight_tokens", "Current number of in-flight tokens per endpoint "
+                                     "(uncached prompt tokens, optionally plus estimated output), as tracked by the "
+                                     "in-flight load producer.", inflight)
+        # Per endpoint: every in-flight series made (label values -> the two gauges' children), and those
+        # that were not 0 when last set (only they can need a reset to 0).
+        self._inflight: dict[str, dict[tuple[str, ...], tuple[Gauge, Gauge]]] = {}
+        self._inflight_live: dict[str, set[tuple[str, ...]]] = {}
         stages = ["inference_pool", "stage"]
         self.saturation = (
             Gauge("inference_extension_flow_control_pool_saturation", _DEPRECATED.format(
@@ -169,14 +176,11 @@ class LlmdGauges:
             new.labels(self.pool).set(mean)
             std.labels(self.pool).set(deviation)
 
-    def observe_load(self, snapshot: PoolSnapshot, load: InflightLoad, flow: FlowGate | None) -> None:
-        """The picker's in-flight counts per endpoint and, with flow control, its queue, saturation
-        and capacity use."""
-        self.inflight_requests.clear()
-        self.inflight_tokens.clear()
-        for address in snapshot.states:
-            self.inflight_requests.labels(address).set(load.requests(address))
-            self.inflight_tokens.labels(address).set(load.tokens(address))
+    def observe_load(self, snapshot: PoolSnapshot, load: InflightLoad, flow: FlowGate | None,
+                     fairness: BoundedLabel | None = None) -> None:
+        """The picker's in-flight counts per endpoint (``fairness``: the request families' bound on
+        fairness ids) and, with flow control, its queue, saturation and capacity use."""
+        self._observe_inflight(snapshot, load, fairness or BoundedLabel())
         if flow is None:
             return
         self._capacity(flow, flow.queue.stats())
@@ -187,6 +191,36 @@ class LlmdGauges:
                 gauge.labels(self.pool, stage).set(reading.saturation)
         if isinstance(flow.config.detector, UtilizationDetector):
             self.stale_endpoints.labels("utilization-detector").set(flow.readings["effective"].stale)
+
+    def _observe_inflight(self, snapshot: PoolSnapshot, load: InflightLoad, fairness: BoundedLabel) -> None:
+        """``llm_d_epp_inflight_*{endpoint_name, namespace, producer_name, fairness_id, priority}``: as the
+        reference's producer, a series once made stays (at 0 when idle); here until its endpoint leaves
+        the pool. ``endpoint_name`` is the address and ``namespace`` empty, as in the scheduler's attempts."""
+        made, live = self._inflight, self._inflight_live
+        for address in [a for a in made if a not in snapshot.states]:
+            for labels in made.pop(address):
+                self.inflight_requests.remove(*labels)
+                self.inflight_tokens.remove(*labels)
+            live.pop(address, None)
+        producer = load.config.producer_name
+        for address in snapshot.states:
+            now: dict[tuple[str, ...], list[int]] = {}
+            for (fairness_id, priority), requests, tokens in load.groups(address):
+                total = now.setdefault((address, "", producer, fairness.bound(fairness_id), str(priority)), [0, 0])
+                total[0] += requests
+                total[1] += tokens
+            series = made.setdefault(address, {})
+            for labels in live.get(address, set()) - now.keys():
+                for child in series[labels]:
+                    child.set(0)
+            for labels, (requests, tokens) in now.items():
+                pair = series.get(labels)
+                if pair is None:
+                    pair = series[labels] = (self.inflight_requests.labels(*labels),
+                                             self.inflight_tokens.labels(*labels))
+                pair[0].set(requests)
+                pair[1].set(tokens)
+            live[address] = set(now)
 
     def _capacity(self, flow: FlowGate, stats: dict[int, tuple[int, int]]) -> None:
         """Each priority level's share of its band's capacity; the whole queue's of the global one when set."""

@@ -335,11 +335,13 @@ class Picker:
             scheduler.prefix.add(first, admission.hashes)
             if prefill is not None and prefill != first:
                 scheduler.prefix.add(prefill, admission.hashes)
-        inflight = scheduler.inflight
-        ticket = inflight.dispatch(first, uncached, prompt_tokens=tokens, client_output_cap=admission.output_cap)
+        inflight, group = scheduler.inflight, (admission.fairness_id, admission.priority)
+        ticket = inflight.dispatch(first, uncached, prompt_tokens=tokens, client_output_cap=admission.output_cap,
+                                   group=group)
         prefill_ticket = None
         if prefill is not None:
-            prefill_ticket = inflight.dispatch(prefill, scheduler.uncached_tokens(pick, (prefill,), tokens)[prefill])
+            prefill_ticket = inflight.dispatch(prefill, scheduler.uncached_tokens(pick, (prefill,), tokens)[prefill],
+                                               group=group)
         return Route(schedule.destinations or endpoints, admission.client_model, admission.target_model,
                      admission.hashes, admission.body,
                      prefill=prefill, load=ticket, prefill_load=prefill_ticket,

@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
 
 import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -35,6 +34,7 @@ from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.flow_metrics import FlowControlMetrics
 from evergreen_trio.picker.guards import ModelLabels
+from evergreen_trio.picker.http_poll import ScrapeErrors
 from evergreen_trio.picker.models_poll import poll_models
 from evergreen_trio.picker.notifications import NotificationSource, endpoint_notifications, notification_sources
 from evergreen_trio.picker.processor import ExtProcStream, Picker
@@ -166,14 +166,6 @@ async def _flow_control(gate: FlowGate, interval_s: float, wake: trio.Event, new
         gate.queue.shutdown()
 
 
-class ScrapeErrors(Protocol):
-    """Where the scrapers count their failures (llm-d-router's data-layer error counters)."""
-
-    def poll_error(self, source_type: str) -> None: ...
-
-    def extract_error(self, source_type: str, extractor_type: str) -> None: ...
-
-
 # The reference's names of the data source and extractor a metrics scrape stands for.
 METRICS_SOURCE, METRICS_EXTRACTOR = "metrics-data-source", "core-metrics-extractor"
 
@@ -248,9 +240,9 @@ class Scrapers:
         with scope:
             async with trio.open_nursery() as beside:  # models-data-source and dcgm-data-source polls, if any
                 for source in self.config.pool.models_sources:
-                    beside.start_soon(poll_models, endpoint, source, self.config.pool, self.snapshot)
+                    beside.start_soon(poll_models, endpoint, source, self.config.pool, self.snapshot, self.errors)
                 for dcgm in self.config.pool.dcgm_sources:
-                    beside.start_soon(poll_dcgm, endpoint, dcgm, self.config.pool, self.snapshot)
+                    beside.start_soon(poll_dcgm, endpoint, dcgm, self.config.pool, self.snapshot, self.errors)
                 await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape, self.errors)
 
 

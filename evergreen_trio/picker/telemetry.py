@@ -581,7 +581,7 @@ class PickerMetrics:
 
     def observe_load(self, snapshot: PoolSnapshot, load: InflightLoad, flow: FlowGate | None) -> None:
         """The picker's in-flight counts per endpoint and, with flow control, its queue and saturation."""
-        self.gauges.observe_load(snapshot, load, flow)
+        self.gauges.observe_load(snapshot, load, flow, self.fairness)
 
     def observe_pool(self, snapshot: PoolSnapshot) -> None:
         self.gauges.observe_pool(snapshot)

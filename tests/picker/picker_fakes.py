@@ -76,6 +76,46 @@ class FakeModelServer:
             await serve_http(self.handle, self.host, self.port, task_status=task_status)
 
 
+Body = str | bytes
+
+
+@dataclass
+class PolledServer:
+    """A model server with an idle vLLM ``/metrics`` and, at ``path``, a data source's page (a models
+    list, a dcgm-exporter page) answering what ``answer`` says: a body, an HTTP status and a body, or
+    None to never answer. ``polls`` counts the GETs of ``path``."""
+
+    path: str
+    answer: Body | tuple[int, Body] | None
+    content_type: str = "text/plain"
+    polls: int = 0
+    polled: trio.Event = field(default_factory=trio.Event)
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        metrics = render_metrics("vllm", EndpointMetrics()).encode()
+
+        async def handle(request: HttpRequest) -> HttpResponse:
+            if request.target != self.path:
+                return HttpResponse(200, [("content-type", "text/plain")], metrics)
+            self.polls += 1
+            self.polled.set()
+            if self.answer is None:
+                await trio.sleep_forever()
+            status, body = self.answer if isinstance(self.answer, tuple) else (200, self.answer)
+            return HttpResponse(status, [("content-type", self.content_type)],
+                                body.encode() if isinstance(body, str) else body)
+
+        await serve_http(handle, "127.0.0.1", 0, task_status=task_status)
+
+    async def next_polls(self, count: int) -> None:
+        """Wait (10 s at most) until ``path`` has been polled ``count`` more times."""
+        target = self.polls + count
+        with trio.fail_after(10):
+            while self.polls < target:
+                self.polled = trio.Event()
+                await self.polled.wait()
+
+
 @dataclass
 class Gateway:
     """A running Envoy (one per test module) routing through the picker port."""

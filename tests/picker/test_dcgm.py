@@ -13,7 +13,6 @@ import contextlib
 import logging
 import math
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -21,12 +20,12 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 from picker_cli import EPHEMERAL_PORTS, picker_process, run_cli, wait_health
+from picker_fakes import Body, PolledServer
 
-from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
 from evergreen_trio.picker.config import Endpoint, parse_config
 from evergreen_trio.picker.dcgm import GPU_UTILIZATION_KEY, DcgmSource, gpu_utilization
 from evergreen_trio.picker.dcgm_poll import exporter_address
-from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, EndpointMetrics, render_metrics
+from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES
 from evergreen_trio.picker.errors import MetricsError
 from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED, PLUGIN_TYPES
 from evergreen_trio.picker.runtime import Scrapers
@@ -179,34 +178,9 @@ def test_where_the_exporter_is_scraped() -> None:
 # -- the poll, against a stand-in exporter --------------------------------------------------------
 
 
-@dataclass
-class GpuNode:
-    """A model server whose ``/metrics`` is idle vLLM and whose ``/dcgm`` is a dcgm-exporter page
-    (``page``: a text, or an HTTP status and a body)."""
-
-    page: str | tuple[int, str]
-    polls: int = 0
-    polled: trio.Event = field(default_factory=trio.Event)
-
-    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        metrics = render_metrics("vllm", EndpointMetrics()).encode()
-
-        async def handle(request: HttpRequest) -> HttpResponse:
-            if request.target != "/dcgm":
-                return HttpResponse(200, [("content-type", "text/plain")], metrics)
-            self.polls += 1
-            self.polled.set()
-            status, body = self.page if isinstance(self.page, tuple) else (200, self.page)
-            return HttpResponse(status, [("content-type", "text/plain; version=0.0.4")], body.encode())
-
-        await serve_http(handle, "127.0.0.1", 0, task_status=task_status)
-
-    async def next_polls(self, count: int) -> None:
-        target = self.polls + count
-        with trio.fail_after(10):
-            while self.polls < target:
-                self.polled = trio.Event()
-                await self.polled.wait()
+def gpu_node(page: Body | tuple[int, Body]) -> PolledServer:
+    """A model server whose ``/dcgm`` is a dcgm-exporter page (a text, or an HTTP status and a body)."""
+    return PolledServer("/dcgm", page, "text/plain; version=0.0.4")
 
 
 PLUGINS = """plugins:
@@ -219,7 +193,7 @@ WIRED = PLUGINS + LAYER
 
 async def test_the_poll_publishes_the_attribute_and_a_bad_page_keeps_it_and_the_endpoint_serving(
         nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
-    node = GpuNode(dcgm_page([("", 30), ("", 64)]))
+    node = gpu_node(dcgm_page([("", 30), ("", 64)]))
     port = await nursery.start(node.serve)
     config = parse_config(f"pool: {{endpoints: ['127.0.0.1:{port}'], scrapeTimeout: 200ms}}\n---\n" + HEAD + WIRED)
     assert config.pool.dcgm_sources == (DcgmSource("/dcgm", 0, False, 0.02),)
@@ -234,14 +208,14 @@ async def test_the_poll_publishes_the_attribute_and_a_bad_page_keeps_it_and_the_
                  "y" * (MAX_METRICS_BYTES + 1))
     for page in bad_pages:
         caplog.clear()
-        node.page = page
+        node.answer = page
         await node.next_polls(3)
         await trio.sleep(0.05)
         assert state.attributes == {GPU_UTILIZATION_KEY: 0.64} and state.ready
         failures = [r for r in caplog.records if "dcgm_poll_failed" in r.getMessage()]
         assert [r.levelno for r in failures][:1] == [logging.WARNING] and len(failures) >= 2
         assert all(r.levelno == logging.DEBUG for r in failures[1:]) and "\n" not in failures[0].getMessage()
-        node.page = dcgm_page([("", 64)])  # recovered: the next failure warns again
+        node.answer = dcgm_page([("", 64)])  # recovered: the next failure warns again
         await node.next_polls(2)
     scrapers.sync(())
     polls = node.polls
@@ -265,7 +239,7 @@ schedulingProfiles:
 
 
 async def test_a_started_picker_routes_to_the_coolest_gpu(nursery: trio.Nursery, tmp_path: Path) -> None:
-    nodes = [GpuNode(dcgm_page([("", util)])) for util in (95, 40, 70)] + [GpuNode((404, "no exporter"))]
+    nodes = [gpu_node(dcgm_page([("", util)])) for util in (95, 40, 70)] + [gpu_node((404, "no exporter"))]
     hot, cool, warm, bare = [f"127.0.0.1:{await nursery.start(node.serve)}" for node in nodes]
     config = tmp_path / "picker.yaml"
     config.write_text(f"pool: {{name: gpu, endpoints: ['{hot}', '{cool}', '{warm}', '{bare}']}}\n---\n"
@@ -281,7 +255,7 @@ async def test_a_started_picker_routes_to_the_coolest_gpu(nursery: trio.Nursery,
         for _ in range(5):
             answer = await trio.to_thread.run_sync(ext_proc, picker.grpc, LEGIT_BODY)
             assert (answer.status, answer.endpoint) == (200, cool)
-        nodes[1].page = dcgm_page([("", 97)])  # the cool one heats up: the warm one is left
+        nodes[1].answer = dcgm_page([("", 97)])  # the cool one heats up: the warm one is left
         with trio.fail_after(10):
             while (await trio.to_thread.run_sync(ext_proc, picker.grpc, LEGIT_BODY)).endpoint != warm:  # noqa: ASYNC110
                 await trio.sleep(0.05)

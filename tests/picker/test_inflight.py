@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError, ExtProcError
+from evergreen_trio.picker.flow_control.key import FAIRNESS_HEADERS
 from evergreen_trio.picker.inflight import (
     ActiveRequestParams,
+    Group,
     InflightLoad,
     LoadAwareParams,
     LoadConfig,
@@ -82,12 +84,16 @@ def test_ticket_releases_once_and_onto_the_counter_it_incremented() -> None:
     assert load.total_requests() == 0
 
 
-@given(st.lists(st.tuples(st.sampled_from([A, B, C]), st.integers(0, 10_000), st.sampled_from("pre")), max_size=40))
-def test_counters_never_go_negative_and_return_to_zero(steps: list[tuple[str, int, str]]) -> None:
+groups = st.tuples(st.sampled_from(["", "tenant-a", "tenant-b"]), st.integers(-1, 1))
+
+
+@given(st.lists(st.tuples(st.sampled_from([A, B, C]), st.integers(0, 10_000), st.sampled_from("pre"), groups),
+                max_size=40))
+def test_counters_never_go_negative_and_return_to_zero(steps: list[tuple[str, int, str, Group]]) -> None:
     load = InflightLoad(LoadConfig(add_estimated_output_tokens=True))
     tickets = []
-    for address, tokens, action in steps:
-        tickets.append(load.dispatch(address, tokens, prompt_tokens=tokens, client_output_cap=tokens // 3))
+    for address, tokens, action, group in steps:
+        tickets.append(load.dispatch(address, tokens, prompt_tokens=tokens, client_output_cap=tokens // 3, group=group))
         victim = tickets[tokens % len(tickets)]
         if action == "p":
             victim.release_prompt()
@@ -96,9 +102,25 @@ def test_counters_never_go_negative_and_return_to_zero(steps: list[tuple[str, in
         if action == "e":
             load.forget([a for a in (A, B, C) if a != address])
         assert all(load.requests(a) >= 0 and load.tokens(a) >= 0 for a in (A, B, C))
+        for a in (A, B, C):  # the groups split the endpoint's counts, and only groups in flight are kept
+            split = load.groups(a)
+            assert sum(r for _, r, _ in split) == load.requests(a) and sum(t for _, _, t in split) == load.tokens(a)
+            assert all(r > 0 for _, r, _ in split)
     for ticket in tickets:
         ticket.release()
-    assert all(load.requests(a) == 0 == load.tokens(a) for a in (A, B, C))
+    assert all(load.requests(a) == 0 == load.tokens(a) and not load.groups(a) for a in (A, B, C))
+
+
+def test_the_picker_counts_a_request_under_its_fairness_id_and_priority() -> None:
+    assert load_picker("  name: my-load").scheduler.inflight.config.producer_name == "my-load"  # a metrics label
+    picker = load_picker()
+    assert picker.scheduler.inflight.config.producer_name == "inflight-load-producer"
+    route = picker.route("/v1/completions", {FAIRNESS_HEADERS[0]: "tenant-a"}, b'{"model":"plain","prompt":"hi"}', None)
+    ((group, requests, tokens),) = picker.scheduler.inflight.groups(route.endpoints[0])
+    assert (group, requests) == (("tenant-a", 0), 1) and tokens > 0
+    assert route.load is not None
+    route.load.release()
+    assert picker.scheduler.inflight.groups(route.endpoints[0]) == []
 
 
 def test_scorers_follow_llm_d() -> None:

@@ -20,14 +20,14 @@ from test_processor import make_picker, request_body, request_headers, response_
 
 from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
 from evergreen_trio.picker.attributes import fairness_label
-from evergreen_trio.picker.config import parse_config
+from evergreen_trio.picker.config import Endpoint, parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics, render_metrics
 from evergreen_trio.picker.flow_control.config import BandConfig, FlowControlConfig
 from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.flow_control.queue import FlowQueue, Outcome, QueueItem
 from evergreen_trio.picker.flow_metrics import FlowControlMetrics, outcome_name
 from evergreen_trio.picker.guards import OTHER_MODEL, BoundedLabel
-from evergreen_trio.picker.inflight import InflightLoad
+from evergreen_trio.picker.inflight import InflightLoad, LoadConfig
 from evergreen_trio.picker.llmd_gauges import LlmdGauges, go_round2, mean_and_deviation
 from evergreen_trio.picker.processor import StreamReport
 from evergreen_trio.picker.runtime import METRICS_EXTRACTOR, METRICS_SOURCE, Scrapers
@@ -282,6 +282,38 @@ def test_with_no_ready_endpoint_only_the_ready_count_changes() -> None:
     got = samples(registry)
     assert got[key("llm_d_epp_ready_endpoints", name="p")] == 0
     assert got[key("llm_d_epp_average_queue_size", name="p")] == 3  # as the reference: the last summary stays
+
+
+# -- the in-flight load producer's gauges ----------------------------------------------------------------
+
+
+def test_inflight_series_carry_the_producers_labels_stay_at_zero_and_go_with_their_endpoint() -> None:
+    registry, load, fairness = CollectorRegistry(), InflightLoad(LoadConfig(producer_name="load")), BoundedLabel(1)
+    gauges = LlmdGauges(registry, "p", "build")
+    a, b = Endpoint("10.0.0.1", 8000), Endpoint("10.0.0.2", 8000)
+    tickets = [load.dispatch(a.address, 10, group=("tenant-a", 1)), load.dispatch(a.address, 5, group=("tenant-b", 1)),
+               load.dispatch(a.address, 2, group=("tenant-c", 1)), load.dispatch(b.address, 7, group=("", -1))]
+    gauges.observe_load(PoolSnapshot([a, b], 2.0, lambda: 0.0), load, None, fairness)
+
+    def inflight(endpoint: Endpoint, fairness_id: str, priority: str) -> tuple[float, float] | None:
+        labels = {"endpoint_name": endpoint.address, "namespace": "", "producer_name": "load",
+                  "fairness_id": fairness_id, "priority": priority}
+        got = samples(registry)
+        if key("llm_d_epp_inflight_requests", **labels) not in got:
+            return None
+        return got[key("llm_d_epp_inflight_requests", **labels)], got[key("llm_d_epp_inflight_tokens", **labels)]
+
+    assert inflight(a, "tenant-a", "1") == (1, 10)
+    assert inflight(a, OTHER_MODEL, "1") == (2, 7)  # past the cap of fairness ids, summed
+    assert inflight(b, "", "-1") == (1, 7)
+    tickets[0].release_prompt()
+    tickets[3].release()
+    gauges.observe_load(PoolSnapshot([a, b], 2.0, lambda: 0.0), load, None, fairness)
+    assert inflight(a, "tenant-a", "1") == (1, 0)
+    assert inflight(b, "", "-1") == (0, 0)  # idle: the series stays, as the reference's
+    gauges.observe_load(PoolSnapshot([b], 2.0, lambda: 0.0), load, None, fairness)  # a left the pool
+    assert inflight(a, "tenant-a", "1") is None and inflight(a, OTHER_MODEL, "1") is None
+    assert inflight(b, "", "-1") == (0, 0)
 
 
 # -- flow control's capacity use -------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import trio
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from picker_fakes import PolledServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
@@ -154,3 +155,46 @@ async def test_thousands_of_fairness_ids_get_at_most_the_cap_of_series(nursery: 
     for name, labels in got:
         per_family.setdefault(name, set()).add(frozenset((k, v) for k, v in labels if k != "le"))
     assert max(len(series) for series in per_family.values()) == MAX_FAIRNESS_LABEL_VALUES + 1
+
+
+async def test_the_models_and_dcgm_sources_count_their_poll_and_extract_errors(nursery: trio.Nursery) -> None:
+    # As llm-d-router's HTTPDataSource: a failed GET or a page its parser refuses is a poll error of the
+    # source's type; a parsed page the extractor refuses (no DCGM utilization) an extract error.
+    models_down = PolledServer("/v1/models", (503, "busy"))  # its /dcgm: vLLM's page, no GPU utilization
+    dcgm_down = PolledServer("/dcgm", (500, "down"))  # its /v1/models: vLLM's metrics text, not JSON
+    a, b = [await nursery.start(server.serve) for server in (models_down, dcgm_down)]
+    config = parse_config(f"""pool: {{name: pool, endpoints: ['127.0.0.1:{a}', '127.0.0.1:{b}']}}
+---
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- {{type: models-data-source, name: models, parameters: {{interval: 20ms}}}}
+- {{type: models-data-extractor}}
+- {{type: dcgm-data-source, name: gpus, parameters: {{port: 0, path: /dcgm, interval: 20ms}}}}
+- {{type: dcgm-extractor}}
+- {{type: queue-scorer}}
+dataLayer:
+  sources:
+  - {{pluginRef: models, extractors: [{{pluginRef: models-data-extractor}}]}}
+  - {{pluginRef: gpus, extractors: [{{pluginRef: dcgm-extractor}}]}}
+""")
+    ports: PickerPorts = await nursery.start(partial(run_picker, config, grpc_port=0, health_port=0,
+                                                     metrics_port=0))
+    await models_down.next_polls(3)
+    await dcgm_down.next_polls(3)
+    polls = {"source_type": "models-data-source"}, {"source_type": "dcgm-data-source"}
+    extracts = {"source_type": "dcgm-data-source", "extractor_type": "dcgm-extractor"},
+    with trio.fail_after(10):
+        while True:
+            got = await scrape(ports)
+            counted = [got.get((f"{prefix}_datalayer_{kind}_errors_total", frozenset(labels.items())), 0)
+                       for prefix in ("llm_d_epp", "llm_d_inference_scheduler")
+                       for kind, each in (("poll", polls), ("extract", extracts)) for labels in each]
+            if all(counted):
+                break
+            await trio.sleep(0.05)
+    for prefix in ("llm_d_epp", "llm_d_inference_scheduler"):  # none from what served well
+        for name, labels in ((f"{prefix}_datalayer_poll_errors_total", {"source_type": "metrics-data-source"}),
+                             (f"{prefix}_datalayer_extract_errors_total",
+                              {"source_type": "models-data-source", "extractor_type": "models-data-extractor"})):
+            assert got.get((name, frozenset(labels.items())), 0) == 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 
 import pytest
@@ -16,10 +15,9 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 from picker_cli import run_cli
+from picker_fakes import Body, PolledServer
 
-from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
 from evergreen_trio.picker.config import PickerConfig, parse_config
-from evergreen_trio.picker.engine_metrics import EndpointMetrics, render_metrics
 from evergreen_trio.picker.errors import ConfigError, ModelsError
 from evergreen_trio.picker.models_source import MAX_MODELS, MAX_MODELS_BYTES, ModelData, ModelsSource, parse_models
 from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED, NOT_IMPLEMENTED_LIST, PLUGIN_TYPES, Category
@@ -206,39 +204,13 @@ def test_set_models_reports_a_change_and_ignores_an_unknown_endpoint() -> None:
     assert not snapshot.set_models("10.9.9.9:1", (ModelData("a"),))
 
 
-@dataclass
-class ModelServer:
-    """A model server's ``/metrics`` (idle vLLM) and a ``/v1/models`` that answers what ``models`` says:
-    a body, an HTTP status and a body, or None to never answer."""
-
-    models: bytes | tuple[int, bytes] | None = VLLM_MODELS
-    polls: int = 0
-    polled: trio.Event = field(default_factory=trio.Event)
-
-    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        metrics = render_metrics("vllm", EndpointMetrics()).encode()
-
-        async def handle(request: HttpRequest) -> HttpResponse:
-            if request.target != "/v1/models":
-                return HttpResponse(200, [("content-type", "text/plain")], metrics)
-            self.polls += 1
-            self.polled.set()
-            if self.models is None:
-                await trio.sleep_forever()
-            status, body = self.models if isinstance(self.models, tuple) else (200, self.models)
-            return HttpResponse(status, [("content-type", "application/json")], body)
-
-        await serve_http(handle, "127.0.0.1", 0, task_status=task_status)
-
-    async def next_polls(self, count: int) -> None:
-        target = self.polls + count
-        with trio.fail_after(10):
-            while self.polls < target:
-                self.polled = trio.Event()
-                await self.polled.wait()
+def model_server(models: Body | tuple[int, Body] | None = VLLM_MODELS) -> PolledServer:
+    """A model server whose ``/v1/models`` answers ``models``: a body, an HTTP status and a body, or None
+    to never answer."""
+    return PolledServer("/v1/models", models, "application/json")
 
 
-async def _scraping(nursery: trio.Nursery, server: ModelServer, parameters: str = "{interval: 20ms}",
+async def _scraping(nursery: trio.Nursery, server: PolledServer, parameters: str = "{interval: 20ms}",
                     ) -> tuple[PoolSnapshot, str, Callable[[], None]]:
     port = await nursery.start(server.serve)
     config = parse_config(f"pool: {{endpoints: ['127.0.0.1:{port}'], scrapeTimeout: 200ms}}\n---\n"
@@ -251,7 +223,7 @@ async def _scraping(nursery: trio.Nursery, server: ModelServer, parameters: str 
 
 async def test_the_models_are_kept_on_the_endpoint_and_a_bad_answer_keeps_them_and_the_endpoint_ready(
         nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
-    server = ModelServer()
+    server = model_server()
     snapshot, address, stop = await _scraping(nursery, server)
     await server.next_polls(2)
     state = snapshot.states[address]
@@ -260,7 +232,7 @@ async def test_the_models_are_kept_on_the_endpoint_and_a_bad_answer_keeps_them_a
     caplog.set_level(logging.DEBUG, "evergreen_trio.picker.models_poll")
     for answer in (b'{"data":[{"id":7}]}', (503, b"busy"), b"x" * (MAX_MODELS_BYTES + 1)):
         caplog.clear()
-        server.models = answer
+        server.answer = answer
         await server.next_polls(3)
         await trio.sleep(0.05)  # the last poll's answer is read
         assert [m.id for m in state.models or ()] == ["meta-llama/Llama-3.1-8B-Instruct", "food-review"]
@@ -268,11 +240,11 @@ async def test_the_models_are_kept_on_the_endpoint_and_a_bad_answer_keeps_them_a
         failures = [r for r in caplog.records if "models_poll_failed" in r.getMessage()]
         assert [r.levelno for r in failures][:1] == [logging.WARNING] and len(failures) >= 2
         assert all(r.levelno == logging.DEBUG for r in failures[1:]) and "\n" not in failures[0].getMessage()
-        server.models = b'{"data":[]}'  # recovered: the next failure warns again
+        server.answer = b'{"data":[]}'  # recovered: the next failure warns again
         await server.next_polls(2)
         await trio.sleep(0.05)
         assert state.models == ()
-        server.models = VLLM_MODELS
+        server.answer = VLLM_MODELS
         await server.next_polls(2)
         await trio.sleep(0.05)
     stop()
@@ -282,7 +254,7 @@ async def test_the_models_are_kept_on_the_endpoint_and_a_bad_answer_keeps_them_a
 
 
 async def test_a_server_that_never_answers_times_out_and_polls_again(nursery: trio.Nursery) -> None:
-    server = ModelServer(models=None)
+    server = model_server(models=None)
     snapshot, address, stop = await _scraping(nursery, server)
     await server.next_polls(2)  # the first timed out (scrapeTimeout 200 ms): another came
     assert snapshot.states[address].models is None and snapshot.states[address].ready
@@ -294,7 +266,7 @@ async def test_a_running_picker_routes_while_models_answers_badly(nursery: trio.
     """The plugin does not touch the request path: a picker polling garbage routes as before."""
     from test_disagg_headers import upstream_headers
 
-    server = ModelServer(models=b"\x00garbage")
+    server = model_server(models=b"\x00garbage")
     port = await nursery.start(server.serve)
     config = parse_config(f"pool: {{name: m, endpoints: ['127.0.0.1:{port}']}}\n---\n" + HEAD + WIRED % "{}")
     ports: PickerPorts = await nursery.start(partial(run_picker, config, grpc_port=0, health_port=0, metrics_port=0))

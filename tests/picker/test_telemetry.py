@@ -23,12 +23,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics import disable_created_metrics, enable_created_metrics
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from evergreen_trio.picker import telemetry
+from evergreen_trio.picker.config import Endpoint
 from evergreen_trio.picker.guards import BoundedLabel, ModelLabels
+from evergreen_trio.picker.inflight import InflightLoad, LoadConfig, Ticket
 from evergreen_trio.picker.llmd_gauges import LlmdGauges
 from evergreen_trio.picker.processor import StreamReport
 from evergreen_trio.picker.reclamation_metrics import ReclamationMetrics
+from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import (
     _DURATION_BUCKETS,
     _INPUT_TOKEN_BUCKETS,
@@ -85,6 +89,22 @@ def old(new: str, help_: str) -> str:
     return alpha(f"[Deprecated: Use {new}] {help_}")
 
 
+class ReplacingRegistry(CollectorRegistry):
+    """A registry that registers each of ``replacements`` in place of a collector of the same name
+    (so the reference's own family is where the replaced one would be in the exposition)."""
+
+    def __init__(self, replacements: list[Gauge]) -> None:
+        super().__init__()
+        self.replacements = replacements
+
+    def register(self, collector: Collector) -> None:
+        names = {metric.name for metric in collector.describe()}
+        for replacement in self.replacements:
+            if names & {metric.name for metric in replacement.describe()}:
+                collector = replacement
+        super().register(collector)
+
+
 class ReferenceMetrics:
     """The per-request part of PickerMetrics on prometheus_client's own metrics, written as
     llm-d-router writes them: every observation into the llm_d_epp_* family and its deprecated one."""
@@ -93,7 +113,17 @@ class ReferenceMetrics:
         self.pool = pool
         self.labels = ModelLabels()
         self.fairness = BoundedLabel()
-        self.registry = r = CollectorRegistry()
+        # The in-flight gauges, written as llm-d-router's inflight-load-producer writes them (at each dispatch
+        # and release; fairness_id bounded as the request families are, which it does not do), registered
+        # where LlmdGauges registers its own.
+        inflight = ["endpoint_name", "namespace", "producer_name", "fairness_id", "priority"]
+        self.inflight_requests = Gauge("llm_d_epp_inflight_requests", alpha(
+            "Current number of in-flight requests per endpoint, as tracked by the in-flight load producer."),
+            inflight, registry=None)
+        self.inflight_tokens = Gauge("llm_d_epp_inflight_tokens", alpha(
+            "Current number of in-flight tokens per endpoint (uncached prompt tokens, optionally plus estimated "
+            "output), as tracked by the in-flight load producer."), inflight, registry=None)
+        self.registry = r = ReplacingRegistry([self.inflight_requests, self.inflight_tokens])
         req = _REQUEST
         self.requests = Counter("llm_d_epp_request", alpha("Total number of processed requests."), req, registry=r)
         self.errors = Counter("llm_d_epp_request_error", alpha("Total number of request errors."),
@@ -218,8 +248,31 @@ class ReferenceMetrics:
         self.tokens = Counter("inference_objective_tokens", "Tokens reported in responses, by model and kind",
                               ["model_name", "kind"], registry=r)
         LlmdGauges(r, pool, f"evergreen-trio-{VERSION}")  # prometheus_client's own gauges, as in PickerMetrics
+        self.tickets: list[list[Any]] = []  # [labels, prompt tokens held, tokens held, requests held]
         self.streams = ReferenceStreamMetrics(r) if stream_metrics else None
         self.reclamation = ReclamationMetrics(r, pool)  # prometheus_client's own metrics, as in PickerMetrics
+
+    def dispatch(self, address: str, fairness_id: str, priority: int, tokens: int) -> None:
+        labels = (address, "", PRODUCER_NAME, self.fairness.bound(fairness_id), str(priority))
+        self.inflight_requests.labels(*labels).inc()
+        self.inflight_tokens.labels(*labels).inc(tokens)
+        self.tickets.append([labels, tokens, tokens, 1])
+
+    def release_prompt(self, index: int) -> None:
+        ticket = self.tickets[index]
+        give, ticket[1] = min(ticket[1], ticket[2]), 0
+        if give:
+            ticket[2] -= give
+            self.inflight_tokens.labels(*ticket[0]).dec(give)
+
+    def release(self, index: int) -> None:
+        ticket = self.tickets[index]
+        if ticket[2]:
+            self.inflight_tokens.labels(*ticket[0]).dec(ticket[2])
+            ticket[1] = ticket[2] = 0
+        if ticket[3]:
+            ticket[3] = 0
+            self.inflight_requests.labels(*ticket[0]).dec()
 
     def _labels(self, report: StreamReport) -> tuple[str, str, str, str]:
         model, target = self.labels.pair(report.client_model, report.target_model)
@@ -343,11 +396,43 @@ reports = st.builds(
     response_processing_s=st.one_of(st.just(0.0), seconds),
 )
 # (report, started first, its chunk gaps, duration, prefix index size), or a stream's end (status, duration).
+ENDPOINTS = ("10.0.0.1:8000", "[::1]:9")
+PRODUCER_NAME = "load"
 operations = st.lists(st.one_of(
     st.tuples(st.just("record"), reports, st.booleans(), st.lists(seconds, max_size=3), seconds,
               st.one_of(st.none(), st.integers(0, 10**6))),
     st.tuples(st.just("stream"), st.sampled_from(list(Status)), seconds),
+    st.tuples(st.just("dispatch"), st.sampled_from(ENDPOINTS), reports.map(lambda r: r.fairness_id),
+              st.integers(-2, 2), st.integers(0, 10**6)),
+    st.tuples(st.sampled_from(["release_prompt", "release"]), st.integers(0, 30)),
 ), max_size=25)
+
+
+class Inflight:
+    """Our side of the in-flight operations: the real :class:`InflightLoad` and its tickets, observed into
+    ``metrics`` after each (the picker observes after each endpoint scrape)."""
+
+    def __init__(self, metrics: PickerMetrics) -> None:
+        self.metrics = metrics
+        self.load = InflightLoad(LoadConfig(producer_name=PRODUCER_NAME))
+        self.snapshot = PoolSnapshot([Endpoint(a.rpartition(":")[0].strip("[]"), int(a.rpartition(":")[2]))
+                                      for a in ENDPOINTS], 2.0, lambda: 0.0)
+        self.tickets: list[Ticket] = []
+
+    def dispatch(self, address: str, fairness_id: str, priority: int, tokens: int) -> None:
+        self.tickets.append(self.load.dispatch(address, tokens, group=(fairness_id, priority)))
+        self.observe()
+
+    def release_prompt(self, index: int) -> None:
+        self.tickets[index].release_prompt()
+        self.observe()
+
+    def release(self, index: int) -> None:
+        self.tickets[index].release()
+        self.observe()
+
+    def observe(self) -> None:
+        self.metrics.observe_load(self.snapshot, self.load, None)
 
 
 @contextmanager
@@ -359,7 +444,16 @@ def frozen_clock() -> Iterator[list[float]]:
         yield now
 
 
-def apply(metrics: Any, operation: tuple[Any, ...]) -> None:
+def apply(metrics: Any, operation: tuple[Any, ...], inflight: Any = None) -> None:
+    """One operation on ``metrics`` (its in-flight ones on ``inflight``: ``metrics`` itself when None)."""
+    inflight = metrics if inflight is None else inflight
+    if operation[0] == "dispatch":
+        inflight.dispatch(*operation[1:])
+        return
+    if operation[0] in ("release_prompt", "release"):
+        if inflight.tickets:
+            getattr(inflight, operation[0])(operation[1] % len(inflight.tickets))
+        return
     if operation[0] == "stream":
         if metrics.streams is not None:
             metrics.streams.opened()
@@ -412,10 +506,11 @@ def test_exposition_is_the_same_as_prometheus_client_metrics(
             metrics = PickerMetrics("pool", stream_metrics=stream_metrics)
             reference.fairness, metrics.fairness = BoundedLabel(2), BoundedLabel(2)  # an overflow in reach
             assert_same_expositions(metrics.registry, reference.registry)
+            inflight = Inflight(metrics)
             for operation in operations:
                 now[0] += 1.5  # a series made now says so in its _created sample
                 apply(reference, operation)
-                apply(metrics, operation)
+                apply(metrics, operation, inflight)
             now[0] += 1.5
             assert_same_expositions(metrics.registry, reference.registry)
     finally:

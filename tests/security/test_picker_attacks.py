@@ -157,6 +157,38 @@ async def test_connections_past_the_cap_are_closed_and_logged_once(
     assert await trio.to_thread.run_sync(grpcio_call, port) == b"legit"
 
 
+async def admitted(port: int) -> RawClient | None:
+    """A new idle connection, or None when the server refused it (GOAWAY and closed at once)."""
+    client = await RawClient.connect(port, preface=False)
+    if (await client.drain(1.0)).closed:
+        await client.aclose()
+        return None
+    return client
+
+
+async def test_a_slot_freed_at_the_cap_does_not_start_a_second_episode(
+        nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
+    # A connection ending while the cap is full (the fixture's warm-up call, one at its handshake deadline)
+    # lets one more in; the refusals either side of it are one episode. Before, each was a warning: the
+    # flood test's flake, and an attacker cycling one connection at the cap got two log lines a cycle.
+    patient = WireTimeouts(handshake_s=60.0, idle_s=60.0, send_s=5.0)
+    bound: int = await nursery.start(partial(serve_grpc, [ECHO], "127.0.0.1", 0, limits=LIMITS, timeouts=patient))
+    held = [await RawClient.connect(bound, preface=False) for _ in range(LIMITS.max_connections)]
+    try:
+        with trio.fail_after(30):
+            assert await admitted(bound) is None
+            await held.pop().aclose()
+            while (again := await admitted(bound)) is None:  # until the server has seen the close
+                pass
+            held.append(again)
+            assert await admitted(bound) is None
+    finally:
+        for client in held:
+            await client.aclose()
+    assert sum("connection_refused" in r.message for r in caplog.records) == 1
+    assert not any("accepting_again" in r.message for r in caplog.records)
+
+
 async def test_rapid_reset_gets_enhance_your_calm(port: int) -> None:
     from frames import rapid_reset
     outcome = await under_attack(port, rapid_reset, 0.03)

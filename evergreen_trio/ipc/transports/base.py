@@ -21,6 +21,7 @@ from typing import Protocol
 import pyarrow as pa
 import trio
 
+from evergreen_trio._refusals import RefusalEpisodes
 from evergreen_trio.ipc.arrow import OutgoingMessage
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
 from evergreen_trio.ipc.errors import FramingError
@@ -237,7 +238,7 @@ StreamHandler = Callable[[trio.SocketStream], Awaitable[None]]
 class ConnectionCap:
     """A server's open connections, at most ``limit``: one more is closed at accept.
 
-    One warning per burst of refusals, one info line when connections are admitted again.
+    One warning per episode of refusals, one info line when it ends (``RefusalEpisodes``).
     ``full`` lets a transport refuse for its own reason too (shared memory exhausted): it returns
     the reason, or None when a connection may come in.
     """
@@ -247,7 +248,7 @@ class ConnectionCap:
         self.scheme = scheme
         self.full = full
         self.active = 0
-        self.refused = 0
+        self.refusals = RefusalEpisodes()
 
     def wrap(self, handle: StreamHandler) -> StreamHandler:
         """``handle`` for connections under the cap; the others are closed at once."""
@@ -255,15 +256,13 @@ class ConnectionCap:
         async def capped(stream: trio.SocketStream) -> None:
             reason = f"{self.limit} connections open (max_connections)" if self.active >= self.limit else self.full()
             if reason is not None:
-                if not self.refused:
+                if self.refusals.refuse(trio.current_time()):
                     log.warning("ipc.connection_refused scheme=%s active=%d reason=%s: refusing new connections",
                                 self.scheme, self.active, reason)
-                self.refused += 1
                 await trio.aclose_forcefully(stream)
                 return
-            if self.refused:
-                log.info("ipc.accepting_again scheme=%s refused=%d", self.scheme, self.refused)
-                self.refused = 0
+            if refused := self.refusals.admit(trio.current_time()):
+                log.info("ipc.accepting_again scheme=%s refused=%d", self.scheme, refused)
             self.active += 1
             try:
                 await handle(stream)
