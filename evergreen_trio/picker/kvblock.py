@@ -28,6 +28,8 @@ DEFAULT_INDEX_SIZE = 1_000_000
 """Request keys the in-memory index holds by default (the reference's 10^8 would be tens of GB here)."""
 DEFAULT_PODS_PER_KEY = 10
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {"gpu": 1.0, "cpu": 0.8}
+MEMO_BLOCKS = 1 << 14
+"""Block hashes a token processor remembers (shared prompt prefixes are hashed once, not per request)."""
 SPECULATIVE_TIER = "speculative"
 """The tier speculative entries count under in a match's per-tier breakdown (attrprefix.SpeculativeTierKey)."""
 
@@ -97,6 +99,7 @@ class TokenProcessor:
         seed = config.hash_seed.encode()
         self._init_hash = xxhash.xxh64_intdigest(seed) if self._xxh64 else fnv64a(seed)
         self._model_hashes: dict[str, int] = {}
+        self._memo: dict[tuple[int, tuple[int, ...], BlockExtras], int] = {}
 
     def _hash(self, parent: int, tokens: Sequence[int] | None, extras: BlockExtras) -> int:
         if self._xxh64:
@@ -133,9 +136,17 @@ class TokenProcessor:
                              f"(blockSizeTokens={size}, tokens={len(tokens)})")
         previous = parent or self.init_hash(model)
         keys = []
+        memo = self._memo
         for i in range(count):
-            chunk = [t & 0xFFFFFFFF for t in tokens[i * size : (i + 1) * size]]
-            previous = self._hash(previous, chunk, extras[i] if extras is not None else None)
+            chunk = tuple(t & 0xFFFFFFFF for t in tokens[i * size : (i + 1) * size])
+            extra = extras[i] if extras is not None else None
+            key = (previous, chunk, extra)
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = self._hash(previous, chunk, extra)
+                if len(memo) > MEMO_BLOCKS:
+                    del memo[next(iter(memo))]
+            previous = found
             keys.append(previous)
         return keys
 
