@@ -15,7 +15,6 @@ as holding the prompt's blocks, for ``speculativeTTL``. The deprecated
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,8 +41,6 @@ from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, 
 if TYPE_CHECKING:
     from evergreen_trio.picker.engine_metrics import EndpointMetrics
     from evergreen_trio.picker.scheduler import EndpointState, PickRequest, Schedule, Scheduler
-
-log = logging.getLogger(__name__)
 
 PRECISE_PRODUCER = "precise-prefix-cache-producer"
 LEGACY_SCORER = "precise-prefix-cache-scorer"
@@ -173,13 +170,11 @@ def _precise(params: Params, *, legacy: bool = False) -> PreciseParams:
 
 
 def _legacy(params: Params) -> PreciseParams:
-    log.warning("picker.config_deprecated plugin type %r (use %r with a prefix-cache-scorer naming it in "
-                "prefixMatchInfoProducerName)", LEGACY_SCORER, PRECISE_PRODUCER)
     return _precise(params, legacy=True)
 
 
 register(PRECISE_PRODUCER, PluginType(Category.EXTRACTOR, _PARAMS, _precise))
-register(LEGACY_SCORER, PluginType(Category.SCORER, _PARAMS, _legacy))
+register(LEGACY_SCORER, PluginType(Category.SCORER, _PARAMS, _legacy, replaced_by=PRECISE_PRODUCER))
 
 
 # -- the producer's state -------------------------------------------------------------------------

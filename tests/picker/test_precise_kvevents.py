@@ -4,6 +4,7 @@ and the producer's config through `evergreen-trio picker` (one line, exit 2)."""
 from __future__ import annotations
 
 import contextlib
+import random
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from picker_cli import run_cli
 
 from evergreen_trio.picker.config import parse_config
+from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.kvblock import KVBlockIndex, PodEntry, TokenProcessor, TokenProcessorConfig
 from evergreen_trio.picker.kvevents import (
@@ -24,8 +26,8 @@ from evergreen_trio.picker.kvevents import (
     parse_frames,
     parse_topic,
 )
-from evergreen_trio.picker.precise_prefix import PreciseParams, PrecisePrefixCache
-from evergreen_trio.picker.scheduler import PickRequest, Schedule
+from evergreen_trio.picker.precise_prefix import PreciseParams, PrecisePrefixCache, precise_caches
+from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Schedule, Scheduler
 from evergreen_trio.picker.token_estimate import TokenizedPrompt, pack_ids
 
 msgpack = pytest.importorskip("msgpack", reason="needs msgpack (extra picker): pip install 'evergreen-trio[picker]'")
@@ -205,3 +207,38 @@ def test_each_bad_parameter_is_one_line_and_exit_2_from_the_command(tmp_path: An
     result = run_cli(["--config", str(path)])
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "engineType" in result.stderr
+
+
+def _scheduler(plugins: str, profile: str) -> Scheduler:
+    config = parse_config(f"""pool: {{name: p, endpoints: ['10.0.0.1:8000', '10.0.0.2:8000']}}
+---
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- {{type: token-producer}}
+{plugins}- {{type: queue-scorer}}
+schedulingProfiles:
+- {{name: default, plugins: [{profile}, {{pluginRef: queue-scorer, weight: 1}}]}}
+""")
+    snapshot = PoolSnapshot(config.pool.endpoints, 2.0, lambda: 0.0)
+    for address, waiting in (("10.0.0.1:8000", 3), ("10.0.0.2:8000", 0)):
+        snapshot.update(address, EndpointMetrics(waiting=waiting))
+    return Scheduler(config, snapshot, random.Random(1))
+
+
+@pytest.mark.parametrize(("plugins", "profile"), [
+    ("- {type: precise-prefix-cache-producer}\n"
+     "- {type: prefix-cache-scorer, parameters: {prefixMatchInfoProducerName: precise-prefix-cache-producer}}\n",
+     "{pluginRef: prefix-cache-scorer, weight: 2}"),
+    ("- {type: precise-prefix-cache-scorer}\n", "{pluginRef: precise-prefix-cache-scorer, weight: 2}"),
+    ("- {type: precise-prefix-cache-producer, name: events}\n- {type: precise-prefix-cache-scorer}\n",
+     "{pluginRef: precise-prefix-cache-scorer, weight: 2}"),
+], ids=["producer-and-scorer", "legacy-scorer", "legacy-scorer-beside-a-producer"])
+def test_the_scorer_routes_to_the_endpoint_holding_the_prompts_blocks(plugins: str, profile: str) -> None:
+    scheduler = _scheduler(plugins, profile)
+    tokens = list(range(64))
+    assert scheduler.pick(_request(tokens)) == ["10.0.0.2:8000"]  # nothing cached: the shorter queue
+    caches = precise_caches(scheduler.plugin_states)
+    assert len(caches) == 1  # a legacy scorer beside a producer reads that one; nothing feeds its own
+    next(iter(caches.values())).events.apply("10.0.0.1:8000", "m", BlockStored((1, 2, 3, 4), 0, tuple(tokens), 16))
+    assert scheduler.pick(_request(tokens)) == ["10.0.0.1:8000"]
