@@ -282,7 +282,11 @@ class KVEventIndexer:
         extras = None
         if event.extra_keys is not None:
             extras = realign_extras(extras_from_keys(event.extra_keys), len(event.tokens) // self.processor.block_size)
-        request_keys = self.processor.block_keys(event.tokens, event.lora_name or model, extras, parent)
+        try:
+            request_keys = self.processor.block_keys(event.tokens, event.lora_name or model, extras, parent)
+        except ValueError:  # extra_keys that do not realign to the blocks (an empty list): skipped, as the reference
+            self.skipped += 1
+            return
         if request_keys:
             self.index.add(event.block_hashes, request_keys, (entry,))
             return

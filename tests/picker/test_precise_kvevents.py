@@ -8,7 +8,7 @@ import random
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from picker_cli import run_cli
 
@@ -121,7 +121,8 @@ def test_the_lora_name_the_salt_and_hma_groups() -> None:
     assert indexer.index.lookup(salted)
     indexer.apply("a:1", "m", BlockStored((3,), 0, (9, 9, 9, 9), 4, group=1, kind="sliding_window"))
     indexer.apply("a:1", "m", BlockRemoved((2,), group=1))
-    assert indexer.skipped == 2 and indexer.index.lookup(salted)
+    indexer.apply("a:1", "m", BlockStored((4,), 0, (9, 9, 9, 9), 4, extra_keys=()))  # extras of no block
+    assert indexer.skipped == 3 and indexer.index.lookup(salted)
 
 
 def _request(tokens: list[int], salt: str = "") -> PickRequest:
@@ -242,3 +243,32 @@ def test_the_scorer_routes_to_the_endpoint_holding_the_prompts_blocks(plugins: s
     assert len(caches) == 1  # a legacy scorer beside a producer reads that one; nothing feeds its own
     next(iter(caches.values())).events.apply("10.0.0.1:8000", "m", BlockStored((1, 2, 3, 4), 0, tuple(tokens), 16))
     assert scheduler.pick(_request(tokens)) == ["10.0.0.1:8000"]
+
+
+_FIELD = st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=8), st.binary(max_size=40),
+                   st.lists(st.one_of(st.none(), st.integers(0, 2**32), st.text(max_size=4),
+                                      st.lists(st.text(max_size=4), max_size=2)), max_size=40))
+_HASHES = st.lists(st.integers(0, 20), max_size=6)
+_STORED = st.builds(lambda hashes, parent, tokens, size, extra, group, kind: [
+    "BlockStored", hashes, parent, tokens, size, None, None, None, extra, group, kind],
+    _HASHES, st.one_of(st.none(), st.integers(0, 20)), st.lists(st.integers(0, 9), max_size=40),
+    st.integers(-1, 8), st.one_of(st.none(), st.lists(st.one_of(st.none(), st.lists(st.text(max_size=2), max_size=2)),
+                                                      max_size=6)),
+    st.one_of(st.none(), st.integers(0, 2)), st.one_of(st.none(), st.sampled_from(["full_attention", "mamba"])))
+_EVENT = st.one_of(_STORED, st.builds(lambda h, g: ["BlockRemoved", h, None, g], _HASHES,
+                                      st.one_of(st.none(), st.integers(0, 2))),
+                   st.tuples(st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]),
+                             st.lists(_FIELD, max_size=12)).map(lambda t: [t[0], *t[1]]))
+
+
+@given(st.lists(_EVENT, max_size=8))
+@example([["BlockStored", [1], None, [1, 2, 3, 4], 4, None, None, None, []]])  # extra keys of no block
+def test_any_decoded_batch_applies_without_raising_and_the_index_stays_bounded(events: list[Any]) -> None:
+    try:
+        decoded = decode_batch(_batch(*events))
+    except KVEventError:
+        return
+    indexer = KVEventIndexer(KVBlockIndex(size=4, pods_per_key=2), TokenProcessor(TokenProcessorConfig(4)))
+    for event in decoded:
+        indexer.apply("a:1", "m", event)
+        assert len(indexer.index) <= 4
