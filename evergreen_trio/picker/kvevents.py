@@ -15,7 +15,7 @@ the engine's own hashes only name blocks for later removal.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,8 @@ MAX_HASHES = 1 << 18
 """Block hashes, token ids and extra keys in one message, at most (each list: msgpack refuses longer ones)."""
 MAX_GROUPS = 64
 """KV-cache groups remembered per endpoint."""
+BLOCKS_PER_STEP = 256
+"""Blocks a stored event hashes between two yields of :meth:`KVEventIndexer.steps`."""
 BLOCK_STORED, BLOCK_REMOVED, ALL_BLOCKS_CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 DEFAULT_TIER = "gpu"
 INDEXABLE_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
@@ -248,8 +250,15 @@ class KVEventIndexer:
             del self._groups[key]
 
     def apply(self, pod: str, model: str, event: KVEvent) -> None:
+        """Apply ``event`` of ``pod`` (whose topic named ``model``) at once."""
+        for _ in self.steps(pod, model, event):
+            pass
+
+    def steps(self, pod: str, model: str, event: KVEvent) -> Iterator[None]:
+        """Apply ``event``, yielding between slices of :data:`BLOCKS_PER_STEP` blocks hashed (a
+        shell lets other tasks run at each yield: a long event does not stall the picks)."""
         if isinstance(event, BlockStored):
-            self._stored(pod, model, event)
+            yield from self._stored(pod, model, event)
         elif isinstance(event, BlockRemoved):
             self._removed(pod, event)
         else:
@@ -258,7 +267,7 @@ class KVEventIndexer:
     def _entry(self, pod: str, tier: str, group: int | None) -> PodEntry:
         return PodEntry(pod, (tier or DEFAULT_TIER).lower(), group=-1 if group is None else group)
 
-    def _stored(self, pod: str, model: str, event: BlockStored) -> None:
+    def _stored(self, pod: str, model: str, event: BlockStored) -> Iterator[None]:
         kind = event.kind
         if event.group is not None:
             key = (pod, event.group)
@@ -282,11 +291,20 @@ class KVEventIndexer:
         extras = None
         if event.extra_keys is not None:
             extras = realign_extras(extras_from_keys(event.extra_keys), len(event.tokens) // self.processor.block_size)
-        try:
-            request_keys = self.processor.block_keys(event.tokens, event.lora_name or model, extras, parent)
-        except ValueError:  # extra_keys that do not realign to the blocks (an empty list): skipped, as the reference
+        size = self.processor.block_size
+        count = len(event.tokens) // size
+        if extras is not None and len(extras) != count:  # extra_keys of no block (an empty list): the reference's error
             self.skipped += 1
             return
+        request_keys: list[int] = []
+        for first in range(0, count, BLOCKS_PER_STEP):
+            last = min(first + BLOCKS_PER_STEP, count)
+            request_keys += self.processor.block_keys(event.tokens[first * size : last * size],
+                                                      event.lora_name or model,
+                                                      extras[first:last] if extras is not None else None,
+                                                      request_keys[-1] if request_keys else parent)
+            if last < count:
+                yield
         if request_keys:
             self.index.add(event.block_hashes, request_keys, (entry,))
             return

@@ -97,7 +97,8 @@ async def _apply(frames: Sequence[bytes], caches: Sequence[PrecisePrefixCache], 
     topic_pod, model = parse_topic(topic)
     for i, event in enumerate(events):
         for cache in caches:
-            cache.events.apply(pod or topic_pod, model, event)
+            for _ in cache.events.steps(pod or topic_pod, model, event):  # a long event: other tasks run between slices
+                await trio.lowlevel.checkpoint()
         if i % EVENTS_PER_CHECKPOINT == EVENTS_PER_CHECKPOINT - 1:
             await trio.lowlevel.checkpoint()
 

@@ -17,6 +17,7 @@ from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.kvblock import KVBlockIndex, PodEntry, TokenProcessor, TokenProcessorConfig
 from evergreen_trio.picker.kvevents import (
+    BLOCKS_PER_STEP,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -272,3 +273,12 @@ def test_any_decoded_batch_applies_without_raising_and_the_index_stays_bounded(e
     for event in decoded:
         indexer.apply("a:1", "m", event)
         assert len(indexer.index) <= 4
+
+
+def test_a_long_stored_event_is_hashed_in_slices_with_the_same_keys() -> None:
+    tokens = tuple(range(4 * (BLOCKS_PER_STEP * 2 + 3)))
+    indexer = _indexer()
+    steps = list(indexer.steps("a:1", "m", BlockStored(tuple(range(len(tokens) // 4)), 0, tokens, 4)))
+    assert len(steps) == 2
+    keys = indexer.processor.block_keys(tokens, "m")
+    assert len(indexer.index.lookup(keys)) == len(keys) == BLOCKS_PER_STEP * 2 + 3
