@@ -65,7 +65,19 @@ def _cbor_text(text: str) -> bytes:
 
 
 def _cbor_tokens(tokens: Sequence[int]) -> bytes:
-    return _cbor_head(4, len(tokens)) + b"".join(_cbor_head(0, t) for t in tokens)
+    """An array of uint32 token ids (the per-token branches inline: this runs per prompt token)."""
+    out = bytearray(_cbor_head(4, len(tokens)))
+    for token in tokens:
+        if token < 24:
+            out.append(token)
+        elif token < 256:
+            out += bytes((24, token))
+        elif token < 65536:
+            out += bytes((25, token >> 8, token & 255))
+        else:
+            out.append(26)
+            out += token.to_bytes(4, "big")
+    return bytes(out)
 
 
 def _cbor_extras(extras: BlockExtras) -> bytes:
