@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, register
+from evergreen_trio.picker.precise_prefix import PRECISE_PRODUCER, check_precise
 
 BURST_PREFIX_PRODUCER = "burst-prefix-cache-producer"
 UNLIMITED = -1  # maxPerReplica / maxBatchSize: no cap
@@ -297,8 +298,11 @@ def check_producers(plugins: Mapping[str, Plugin], where: Callable[[str], str]) 
     if len(bursts) > 1:
         raise ConfigError(where(list(bursts)[1]), f"at most one {BURST_PREFIX_PRODUCER} (this picker runs one)",
                           list(bursts))
+    precise = check_precise(plugins, where)
     for name, plugin in plugins.items():
         producer = getattr(plugin.params, "producer", "") if plugin.type in PRODUCER_READERS else ""
-        if producer and producer not in bursts:
+        if producer and producer not in bursts and (producer not in precise or plugin.type != PRODUCER_READERS[0]):
+            only = f" ({PRECISE_PRODUCER} feeds a prefix-cache-scorer only)" if producer in precise else ""
             raise ConfigError(f"{where(name)}.prefixMatchInfoProducerName",
-                              f"approx-prefix-cache-producer or a declared {BURST_PREFIX_PRODUCER}'s name", producer)
+                              f"approx-prefix-cache-producer or a declared {BURST_PREFIX_PRODUCER}'s name{only}",
+                              producer)

@@ -304,6 +304,12 @@ class PrefixScorerParams:
     # GIE v1.x parameters (the scorer then also held the index): SchedulerConfig field -> value.
     legacy: tuple[tuple[str, int], ...] = ()
 
+    def score(self, matched_tokens: float, ratio: float) -> float:
+        """The score of a candidate caching ``matched_tokens`` leading tokens, ``ratio`` of the prompt's blocks."""
+        weight = self.match_length_weight
+        length = min(1.0, matched_tokens / self.match_length_scale_tokens) ** 2 if weight else 0.0
+        return weight * length + (1.0 - weight) * ratio
+
 
 def _prefix_scorer(params: Params) -> PrefixScorerParams:
     weight = params.number("matchLengthWeight", 0.0, maximum=1.0)
@@ -625,8 +631,7 @@ NOT_IMPLEMENTED_LIST = (
     "multicluster-approx-prefix-cache-producer",
     "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
     "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
-    "multicluster-session-affinity-filter", "precise-prefix-cache-producer",
-    "precise-prefix-cache-scorer", "predicted-latency-producer",
+    "multicluster-session-affinity-filter", "predicted-latency-producer",
     "slo-headroom-tier-filter",
 )
 NOT_IMPLEMENTED = frozenset(NOT_IMPLEMENTED_LIST)

@@ -35,8 +35,10 @@ from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.flow_metrics import FlowControlMetrics
 from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.http_poll import ScrapeErrors
+from evergreen_trio.picker.kvevents_zmq import bound_subscribers, endpoint_subscribers, subscribe_bound
 from evergreen_trio.picker.models_poll import poll_models
 from evergreen_trio.picker.notifications import NotificationSource, endpoint_notifications, notification_sources
+from evergreen_trio.picker.precise_prefix import precise_caches
 from evergreen_trio.picker.processor import ExtProcStream, Picker
 from evergreen_trio.picker.render_client import render_starter
 from evergreen_trio.picker.rollout import RolloutCollector, RolloutScreener
@@ -216,9 +218,11 @@ class Scrapers:
     """One scraper task per endpoint in ``nursery``, following the endpoint set :meth:`sync` is given."""
 
     def __init__(self, nursery: trio.Nursery, config: PickerConfig, snapshot: PoolSnapshot,
-                 after_scrape: Callable[[], None], errors: ScrapeErrors | None = None) -> None:
+                 after_scrape: Callable[[], None], errors: ScrapeErrors | None = None,
+                 beside: Sequence[Callable[[Endpoint], Awaitable[None]]] = ()) -> None:
         self.nursery, self.config, self.snapshot, self.after_scrape = nursery, config, snapshot, after_scrape
         self.errors = errors
+        self.beside = beside  # more per-endpoint tasks (the precise prefix cache's KV-event subscribers)
         self._scopes: dict[str, tuple[Endpoint, trio.CancelScope]] = {}
 
     def sync(self, endpoints: Iterable[Endpoint]) -> None:
@@ -243,6 +247,8 @@ class Scrapers:
                     beside.start_soon(poll_models, endpoint, source, self.config.pool, self.snapshot, self.errors)
                 for dcgm in self.config.pool.dcgm_sources:
                     beside.start_soon(poll_dcgm, endpoint, dcgm, self.config.pool, self.snapshot, self.errors)
+                for task in self.beside:
+                    beside.start_soon(task, endpoint)
                 await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape, self.errors)
 
 
@@ -411,7 +417,10 @@ async def run_picker(
     async with trio.open_nursery() as nursery:
         if picker.tokens is not None and isinstance(picker.tokens.backend, VllmRender):
             picker.start_render = render_starter(nursery, picker.tokens.backend)
-        scrapers = Scrapers(nursery, config, snapshot, after_scrape, metrics.gauges)
+        caches = precise_caches(picker.scheduler.plugin_states)
+        scrapers = Scrapers(nursery, config, snapshot, after_scrape, metrics.gauges, endpoint_subscribers(caches))
+        for address, subscribed in bound_subscribers(caches).items():
+            nursery.start_soon(subscribe_bound, address, *subscribed)
         if discovery is None:
             scrapers.sync(config.pool.endpoints)
             for source in endpoint_sources:

@@ -41,6 +41,7 @@ from evergreen_trio.picker.p2p_source import (
 )
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import MIN_BLOCK_TOKENS, Decider, DisaggHandler, Plugin, PrefixScorerParams, Profile
+from evergreen_trio.picker.precise_prefix import PRECISE_SCORERS, PRECISE_STATES, PrecisePrefixCache
 from evergreen_trio.picker.prefix_hash import BlockHashes
 from evergreen_trio.picker.rollout import rollout_screeners
 from evergreen_trio.picker.routing_headers import KV_CACHE_SOURCE_HEADER, DisaggHeaders, at_primary_port
@@ -244,16 +245,16 @@ def _lora_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequenc
 
 def _prefix_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
                    fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
-    weight, scale = 0.0, 1
-    if isinstance(params, PrefixScorerParams):
-        weight, scale = params.match_length_weight, params.match_length_scale_tokens
-        if params.producer:  # a burst producer's window: a full match on the replica it assigned
-            assigned = burst_match(request.attributes, params.producer)
-            if assigned is None:
-                return {}
-            length = min(1.0, assigned[1] / scale) ** 2 if weight else 0.0
-            return {s.endpoint.address: weight * length + 1.0 - weight
-                    for s in candidates if s.endpoint.address == assigned[0]}
+    scorer = params if isinstance(params, PrefixScorerParams) else PrefixScorerParams(match_length_scale_tokens=1)
+    if scorer.producer:
+        precise = scheduler.plugin_states.get(scorer.producer)
+        if isinstance(precise, PrecisePrefixCache):  # the KV events' index: each candidate's cached blocks
+            return precise.prefix_scores(request, candidates, scorer, scheduler.snapshot.clock())
+        assigned = burst_match(request.attributes, scorer.producer)  # a burst window: a full match where assigned
+        if assigned is None:
+            return {}
+        return {s.endpoint.address: scorer.score(assigned[1], 1.0)
+                for s in candidates if s.endpoint.address == assigned[0]}
     if not request.hashes:
         return {}
     total = len(request.hashes)
@@ -261,8 +262,7 @@ def _prefix_scores(scheduler: Scheduler, request: PickRequest, candidates: Seque
     result = {}
     for state in candidates:
         matched = scheduler.prefix_matches.get(state.endpoint.address, 0)
-        length = min(1.0, matched * block_tokens / scale) ** 2 if weight else 0.0
-        result[state.endpoint.address] = weight * length + (1.0 - weight) * matched / total
+        result[state.endpoint.address] = scorer.score(matched * block_tokens, matched / total)
     return result
 
 
@@ -278,6 +278,7 @@ SCORERS: dict[str, ScorerFunction] = {
     **ATTRIBUTE_SCORERS,  # evergreen_trio.picker.endpoint_attribute
     **TOPOLOGY_SCORERS,  # evergreen_trio.picker.topology
     **MEDIA_SCORERS,  # evergreen_trio.picker.mm_cache
+    **PRECISE_SCORERS,  # evergreen_trio.picker.precise_prefix
 }
 # A filter that needs more than the pod's labels: (scheduler, request, candidates, plugin params or
 # its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
@@ -297,7 +298,7 @@ class PluginState(Protocol):
 
 
 PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {
-    **AFFINITY_STATES, **SESSION_STATES, **TOPOLOGY_STATES, **MEDIA_STATES}
+    **AFFINITY_STATES, **SESSION_STATES, **TOPOLOGY_STATES, **MEDIA_STATES, **PRECISE_STATES}
 
 
 def register_scorer(scorer_type: str, function: ScorerFunction) -> None:

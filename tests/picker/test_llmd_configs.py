@@ -40,7 +40,7 @@ EXPECTED = {
     # The reference's own example names `cacheSizeInMB`; its producer's parameter (and ours) is
     # `cacheSizeInMBPerServer`, and strict decoding refuses the unknown field in both.
     "epp-mm-embeddings-cache-config.yaml": "cacheSizeInMB",
-    "epp-precise-prefix-cache-config.yaml": "precise-prefix-cache-producer",
+    "epp-precise-prefix-cache-config.yaml": None,
     "pd-epp-config.yaml": None,
     "perf-optimized-baseline-plugins.yaml": None,
     "pd-topology-epp-config.yaml": None,
@@ -49,9 +49,9 @@ EXPECTED = {
     "sim-e-pd-epp-config.yaml": None,
     "sim-epp-config.yaml": None,
     "sim-epp-gpu-config.yaml": None,
-    "sim-epp-kvcache-config.yaml": "precise-prefix-cache-producer",  # its token-producer loads
-    "sim-epp-no-hit-lru.yaml": "precise-prefix-cache-producer",
-    "sim-epp-tokenizer-vllm-http-config.yaml": "precise-prefix-cache-producer",  # its token-producer loads
+    "sim-epp-kvcache-config.yaml": None,
+    "sim-epp-no-hit-lru.yaml": None,
+    "sim-epp-tokenizer-vllm-http-config.yaml": None,
     "sim-pd-epp-config.yaml": None,
     "sim-program-aware-config.yaml": None,
     "soft-reflective-ceiling-epp-config.yaml": None,
@@ -302,7 +302,7 @@ BAD_DOCS = [
     (HEAD + "plugins: [{type: pd-profile-handler}]\nschedulingProfiles: [{name: decode}]",
      "EndpointPickerConfig.plugins[0].parameters.deciders.prefill"),
     (HEAD + "plugins: [{type: queue-scorer}, {type: queue-scorer}]", "EndpointPickerConfig.plugins[1].name"),
-    (HEAD + "plugins: [{type: precise-prefix-cache-producer}]", "EndpointPickerConfig.plugins[0].type"),
+    (HEAD + "plugins: [{type: predicted-latency-producer}]", "EndpointPickerConfig.plugins[0].type"),
     (HEAD + "flowControl: {maxRequest: 3}", "EndpointPickerConfig.flowControl.maxRequest"),
     (HEAD + "featureGates: [haPopulateNonLeaderDatastore, warpDrive]", "EndpointPickerConfig.featureGates[1]"),
     (HEAD + "featureGates: [[1]]", "EndpointPickerConfig.featureGates[0]"),
