@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.guards import check_json_cost, utf8
 from evergreen_trio.picker.inflight import output_cap
@@ -157,6 +159,12 @@ UNLOCATED: tuple[int, int] = (-1, -1)
 a rewrite (most requests have none)."""
 LAZY_SPAN_CHARS = 8 * 1024
 """Longer bodies are walked member by member at once: a rewrite then parses them once, not twice."""
+_FAST_DECODE: Callable[[bytes], Any] = msgspec.json.Decoder().decode
+"""A small body starting with ``{`` is parsed by msgspec first (about three times as fast as the json
+scanner). On what both accept it reads what json reads, nested as deep (both count their nesting
+against Python's recursion limit, msgspec from a frame deeper: it gives up no later than json);
+what it refuses (NaN, numbers out of range, lone surrogates, deeper nesting) json reads as before,
+so a body's document and its 400 are the same."""
 
 
 def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Callable[[bytes], str] = _detect_and_decode,
@@ -169,13 +177,15 @@ def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Calla
     try:
         text = decode(body)
         if decoder is _DECODER and len(text) <= LAZY_SPAN_CHARS:
-            try:  # _DECODER.decode(text), inline
-                doc, end = _SCAN(text, 0 if text[:1] == "{" else _skip(text, 0))
-                if end != len(text) and _skip(text, end) != len(text):
-                    raise ValueError("extra data")
-                model_span = UNLOCATED
-            except (ValueError, RecursionError, StopIteration):  # the walk's own error, as it always said
-                doc, model_span = _object_and_model_span(text, decoder)  # (or, a level short of the limit, its parse)
+            model_span = UNLOCATED
+            doc = _fast_object(body) if body[:1] == b"{" else None
+            if doc is None:
+                try:  # _DECODER.decode(text), inline
+                    doc, end = _SCAN(text, 0 if text[:1] == "{" else _skip(text, 0))
+                    if end != len(text) and _skip(text, end) != len(text):
+                        raise ValueError("extra data")
+                except (ValueError, RecursionError, StopIteration):  # the walk's own error, as it always said,
+                    doc, model_span = _object_and_model_span(text, decoder)  # or, a level short of the limit, its parse
         else:
             doc, model_span = _object_and_model_span(text, decoder)
     except (ValueError, RecursionError) as exc:
@@ -183,6 +193,15 @@ def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Calla
     if not isinstance(doc, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(doc).__name__}")
     return doc, text, model_span
+
+
+def _fast_object(body: bytes) -> dict[str, Any] | None:
+    """``body`` (UTF-8 text starting with ``{``) as msgspec reads it, None when it refuses it."""
+    try:
+        doc: dict[str, Any] = _FAST_DECODE(body)
+    except (ValueError, RecursionError):  # msgspec's errors are ValueErrors
+        return None
+    return doc
 
 
 def parse_body(path: str, body: bytes) -> InferenceRequest:

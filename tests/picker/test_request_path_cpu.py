@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import random
+import sys
+from collections.abc import Callable
+from unittest import mock
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from evergreen_trio.picker import request as request_module
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.pickers import max_score
@@ -72,3 +76,75 @@ def test_the_inline_scan_reads_and_refuses_as_the_member_walk(text: str, space: 
         return ("read", doc, decoded)
 
     assert read(None) == read(json.JSONDecoder())
+
+
+def _exact(value: object) -> object:
+    """``value`` with its types spelled out: 1, 1.0 and True differ, so do 0.0 and -0.0, and member order."""
+    if isinstance(value, dict):
+        return ("object", [(key, _exact(item)) for key, item in value.items()])
+    if isinstance(value, list):
+        return ("array", [_exact(item) for item in value])
+    if isinstance(value, float):
+        return ("float", value.hex() if value == value else "nan")
+    return (type(value).__name__, value)
+
+
+_HOSTILE_SCALARS = (st.none() | st.booleans() | st.floats() | st.integers()
+                    | st.integers(10**18, 10**19).map(lambda n: n * 10**300)  # past int64, past float range
+                    | st.sampled_from([2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1, int("9" * 4300),
+                                      float("nan"), float("inf"), -0.0, 1e308, 5e-324])
+                    | st.text(st.characters(codec=None), max_size=6))  # lone surrogates among them
+_HOSTILE_VALUES = st.recursive(_HOSTILE_SCALARS,
+                               lambda inner: st.lists(inner, max_size=3)
+                               | st.lists(st.tuples(st.sampled_from(["model", "a", "", "\ud800"]), inner), max_size=3),
+                               max_leaves=8)
+
+
+def _json_text(value: object, ascii_only: bool) -> str:
+    """``value`` as JSON text; a list of pairs is an object, duplicate names kept."""
+    if isinstance(value, list) and value and all(isinstance(p, tuple) for p in value):
+        return "{" + ",".join(json.dumps(k, ensure_ascii=ascii_only) + ":" + _json_text(v, ascii_only)
+                              for k, v in value) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_json_text(v, ascii_only) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=ascii_only)
+
+
+_HOSTILE_BODIES = st.one_of(
+    st.tuples(st.lists(st.tuples(st.sampled_from(["model", "messages", "model", "x"]), _HOSTILE_VALUES), max_size=4),
+              st.booleans()).map(lambda pv: _json_text([("_", 0), *pv[0]], pv[1]).encode("utf-8", "surrogatepass")),
+    st.text(alphabet='{}[]":,. \t\n\x00\x0c-+eE019aNInf\\u\u00e9', max_size=40).map(lambda t: ("{" + t).encode()),
+    st.binary(max_size=40).map(lambda b: b"{" + b),
+)
+
+
+@given(_HOSTILE_BODIES)
+def test_msgspec_reads_a_body_as_json_does_or_leaves_it_to_json(body: bytes) -> None:
+    """What msgspec reads of a body starting with ``{`` is exactly what json reads (duplicate names,
+    big numbers, surrogates, NaN, control bytes among the inputs); load_object's document, text or
+    400 are the same with it as without it."""
+    fast = request_module._fast_object(body)
+    if fast is not None:
+        assert _exact(fast) == _exact(json.loads(body.decode("utf-8", "surrogatepass")))
+    assert _read(body, fast_path=True, exact=_exact) == _read(body, fast_path=False, exact=_exact)
+
+
+def _read(body: bytes, *, fast_path: bool, exact: Callable[[object], object]) -> tuple[object, ...]:
+    """load_object's answer, with or without msgspec: ``exact`` of the document, the text and span, or the 400."""
+    with mock.patch.object(request_module, "_fast_object", request_module._fast_object if fast_path
+                           else lambda body: None):
+        try:
+            doc, text, span = load_object(body)
+        except RequestError as exc:
+            return ("refused", exc.status, exc.message)
+    return ("read", exact(doc), text, span)
+
+
+@pytest.mark.parametrize("opening", ["[", '{"k":'])
+def test_msgspec_gives_up_on_nesting_no_later_than_json(opening: str) -> None:
+    """Near Python's recursion limit each depth is read, or refused, as json alone reads it."""
+    closing = "]" if opening == "[" else "}"
+    limit = sys.getrecursionlimit()
+    for depth in range(limit - 150, limit + 10):
+        body = ('{"m":' + opening * depth + "1" + closing * depth + "}").encode()
+        assert _read(body, fast_path=True, exact=type) == _read(body, fast_path=False, exact=type), depth
