@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import sys
@@ -12,11 +13,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from evergreen_trio.picker import processor as processor_module
 from evergreen_trio.picker import request as request_module
+from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.pickers import max_score
+from evergreen_trio.picker.processor import MAX_PLAIN_DECISIONS, Picker, Route
 from evergreen_trio.picker.request import _detect_and_decode, load_object
+from evergreen_trio.picker.scheduler import PoolSnapshot
 
 ADDRESSES = st.sampled_from(["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "[fd00::1]:8000", "h:1"])
 
@@ -148,3 +153,42 @@ def test_msgspec_gives_up_on_nesting_no_later_than_json(opening: str) -> None:
     for depth in range(limit - 150, limit + 10):
         body = ('{"m":' + opening * depth + "1" + closing * depth + "}").encode()
         assert _read(body, fast_path=True, exact=type) == _read(body, fast_path=False, exact=type), depth
+
+
+_ROUTES = st.builds(
+    Route,
+    endpoints=st.lists(ADDRESSES, min_size=1, max_size=3, unique=True),
+    body=st.none() | st.just(b'{"model":"b"}'),
+    scores=st.none().map(lambda _: {}) | st.dictionaries(ADDRESSES, st.sampled_from([0.0, 0.5]), max_size=2),
+    request_headers=st.none().map(lambda _: {}) | st.just({"x-prefiller-host-port": "10.0.0.9:8000"}),
+)
+_REQUEST_HEADERS = st.dictionaries(st.sampled_from(["content-length", "x-gateway-destination-endpoint-fallback",
+                                                    "x-gateway-model-name-rewrite", "accept"]), st.just("1"))
+
+
+@given(st.sampled_from(["single", "fallback", "list"]),
+       st.lists(st.tuples(_ROUTES, st.sampled_from(["headers", "body"]), _REQUEST_HEADERS), min_size=1, max_size=8),
+       st.sampled_from([1, 2, MAX_PLAIN_DECISIONS]))
+def test_a_routing_reply_parsed_back_from_its_bytes_is_the_one_built(
+        mode: str, decisions: list[tuple[Route, str, dict[str, str]]], kept: int) -> None:
+    """A plain routing reply made from the bytes kept for its destination equals, message and bytes,
+    the one built field by field for this route (the first time, again, and after the map is cleared)."""
+    picker = Picker(parse_config(f"pool: {{endpoints: ['10.0.0.1:8000']}}\nextProc: {{destinationMode: {mode}}}"),
+                    PoolSnapshot([], 2.0, lambda: 0.0))
+    # each route beside its plain self (no body, scores or headers to set) and each without the
+    # request's headers: the same destinations, some plain, some not
+    cases = [(r, phase, h) for route, phase, headers in decisions
+             for r in (route, dataclasses.replace(route, body=None, scores={}, request_headers={}))
+             for h in (headers, {})]
+    with mock.patch.object(processor_module, "MAX_PLAIN_DECISIONS", kept):
+        for route, phase, headers in cases * 2:
+            stream = picker.new_stream()
+            stream.headers = headers
+            endpoints = route.endpoints
+            value = ",".join(endpoints) if mode == "list" else endpoints[0]
+            fallback = endpoints[1] if mode == "fallback" and len(endpoints) > 1 else None
+            built = stream._routing_reply(route, phase, value, fallback)
+            reply = stream._decision(route, phase)
+            assert reply == built
+            assert reply.SerializeToString(deterministic=True) == built.SerializeToString(deterministic=True)
+    assert len(picker.plain_decisions) <= kept
