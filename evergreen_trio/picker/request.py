@@ -16,9 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.fast_json import json_object
 from evergreen_trio.picker.guards import check_json_cost, utf8
 from evergreen_trio.picker.inflight import output_cap
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseFormat
@@ -159,12 +158,6 @@ UNLOCATED: tuple[int, int] = (-1, -1)
 a rewrite (most requests have none)."""
 LAZY_SPAN_CHARS = 8 * 1024
 """Longer bodies are walked member by member at once: a rewrite then parses them once, not twice."""
-_FAST_DECODE: Callable[[bytes], Any] = msgspec.json.Decoder().decode
-"""A small body starting with ``{`` is parsed by msgspec first (about three times as fast as the json
-scanner). On what both accept it reads what json reads, nested as deep (both count their nesting
-against Python's recursion limit, msgspec from a frame deeper: it gives up no later than json);
-what it refuses (NaN, numbers out of range, lone surrogates, deeper nesting) json reads as before,
-so a body's document and its 400 are the same."""
 
 
 def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Callable[[bytes], str] = _detect_and_decode,
@@ -178,7 +171,7 @@ def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Calla
         text = decode(body)
         if decoder is _DECODER and len(text) <= LAZY_SPAN_CHARS:
             model_span = UNLOCATED
-            doc = _fast_object(body) if body[:1] == b"{" else None
+            doc = json_object(body)  # msgspec's, where it reads as json does
             if doc is None:
                 try:  # _DECODER.decode(text), inline
                     doc, end = _SCAN(text, 0 if text[:1] == "{" else _skip(text, 0))
@@ -193,15 +186,6 @@ def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Calla
     if not isinstance(doc, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(doc).__name__}")
     return doc, text, model_span
-
-
-def _fast_object(body: bytes) -> dict[str, Any] | None:
-    """``body`` (UTF-8 text starting with ``{``) as msgspec reads it, None when it refuses it."""
-    try:
-        doc: dict[str, Any] = _FAST_DECODE(body)
-    except (ValueError, RecursionError):  # msgspec's errors are ValueErrors
-        return None
-    return doc
 
 
 def parse_body(path: str, body: bytes) -> InferenceRequest:

@@ -15,13 +15,16 @@ from hypothesis import strategies as st
 
 from evergreen_trio.picker import processor as processor_module
 from evergreen_trio.picker import request as request_module
+from evergreen_trio.picker import usage as usage_module
 from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.fast_json import MAX_DEPTH, json_object, loads
 from evergreen_trio.picker.inflight import InflightLoad
 from evergreen_trio.picker.pickers import max_score
 from evergreen_trio.picker.processor import MAX_PLAIN_DECISIONS, Picker, Route
 from evergreen_trio.picker.request import _detect_and_decode, load_object
 from evergreen_trio.picker.scheduler import PoolSnapshot
+from evergreen_trio.picker.usage import ResponseBody
 
 ADDRESSES = st.sampled_from(["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "[fd00::1]:8000", "h:1"])
 
@@ -98,11 +101,12 @@ _HOSTILE_SCALARS = (st.none() | st.booleans() | st.floats() | st.integers()
                     | st.integers(10**18, 10**19).map(lambda n: n * 10**300)  # past int64, past float range
                     | st.sampled_from([2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1, int("9" * 4300),
                                       float("nan"), float("inf"), -0.0, 1e308, 5e-324])
-                    | st.text(st.characters(codec=None), max_size=6))  # lone surrogates among them
-_HOSTILE_VALUES = st.recursive(_HOSTILE_SCALARS,
-                               lambda inner: st.lists(inner, max_size=3)
-                               | st.lists(st.tuples(st.sampled_from(["model", "a", "", "\ud800"]), inner), max_size=3),
-                               max_leaves=8)
+                    | st.text(st.characters(codec=None), max_size=6)  # lone surrogates among them
+                    | st.just("model"))  # the target model a response's rewrite replaces
+_NAMES = st.sampled_from(["model", "a", "", "\ud800", "prompt_tokens", "completion_tokens"])
+_HOSTILE_VALUES = st.recursive(
+    _HOSTILE_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.lists(st.tuples(_NAMES, inner), max_size=3),
+    max_leaves=8)
 
 
 def _json_text(value: object, ascii_only: bool) -> str:
@@ -115,9 +119,16 @@ def _json_text(value: object, ascii_only: bool) -> str:
     return json.dumps(value, ensure_ascii=ascii_only)
 
 
+def _object_text(pairs: list[tuple[str, object]], ascii_only: bool) -> bytes:
+    return _json_text([("_", 0), *pairs], ascii_only).encode("utf-8", "surrogatepass")
+
+
+_MEMBERS = st.lists(st.tuples(st.sampled_from(["model", "messages", "x", "usage"]), _HOSTILE_VALUES), max_size=4)
+_USAGE = st.lists(st.tuples(st.sampled_from(["prompt_tokens", "completion_tokens", "total_tokens"]), _HOSTILE_SCALARS),
+                  max_size=3).map(lambda counts: [("model", "model"), ("usage", [("_", 0), *counts])])
 _HOSTILE_BODIES = st.one_of(
-    st.tuples(st.lists(st.tuples(st.sampled_from(["model", "messages", "model", "x"]), _HOSTILE_VALUES), max_size=4),
-              st.booleans()).map(lambda pv: _json_text([("_", 0), *pv[0]], pv[1]).encode("utf-8", "surrogatepass")),
+    st.builds(_object_text, _MEMBERS, st.booleans()),
+    st.builds(_object_text, _USAGE, st.booleans()),  # a response's usage
     st.text(alphabet='{}[]":,. \t\n\x00\x0c-+eE019aNInf\\u\u00e9', max_size=40).map(lambda t: ("{" + t).encode()),
     st.binary(max_size=40).map(lambda b: b"{" + b),
 )
@@ -127,17 +138,31 @@ _HOSTILE_BODIES = st.one_of(
 def test_msgspec_reads_a_body_as_json_does_or_leaves_it_to_json(body: bytes) -> None:
     """What msgspec reads of a body starting with ``{`` is exactly what json reads (duplicate names,
     big numbers, surrogates, NaN, control bytes among the inputs); load_object's document, text or
-    400 are the same with it as without it."""
-    fast = request_module._fast_object(body)
+    400 are the same with it as without it, and so is what a response body's reader makes of it."""
+    fast = json_object(body)
     if fast is not None:
-        assert _exact(fast) == _exact(json.loads(body.decode("utf-8", "surrogatepass")))
+        assert _exact(fast) == _exact(json.loads(body))
     assert _read(body, fast_path=True, exact=_exact) == _read(body, fast_path=False, exact=_exact)
+    for sse in (False, True):
+        assert _response_read(body, sse, fast_path=True) == _response_read(body, sse, fast_path=False)
+
+
+def _response_read(body: bytes, sse: bool, *, fast_path: bool) -> tuple[object, ...]:
+    """What a response body's reader passes on, and the usage it read, with or without msgspec."""
+    if sse:
+        body = b"data: " + body + b"\n\ndata: [DONE]\n\n"
+    with mock.patch.object(usage_module, "loads", loads if fast_path else json.loads):
+        reader = ResponseBody(sse=sse, rewrite=("model", "client"), max_bytes=1 << 20)
+        try:
+            out = reader.feed(body) + reader.finish()
+        except UnicodeEncodeError as exc:  # a rewritten document holding a lone surrogate (json's to read)
+            return type(exc).__name__, reader.usage
+    return out, reader.usage, reader.rewritten
 
 
 def _read(body: bytes, *, fast_path: bool, exact: Callable[[object], object]) -> tuple[object, ...]:
     """load_object's answer, with or without msgspec: ``exact`` of the document, the text and span, or the 400."""
-    with mock.patch.object(request_module, "_fast_object", request_module._fast_object if fast_path
-                           else lambda body: None):
+    with mock.patch.object(request_module, "json_object", json_object if fast_path else lambda body: None):
         try:
             doc, text, span = load_object(body)
         except RequestError as exc:
@@ -153,6 +178,14 @@ def test_msgspec_gives_up_on_nesting_no_later_than_json(opening: str) -> None:
     for depth in range(limit - 150, limit + 10):
         body = ('{"m":' + opening * depth + "1" + closing * depth + "}").encode()
         assert _read(body, fast_path=True, exact=type) == _read(body, fast_path=False, exact=type), depth
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH - 1, MAX_DEPTH, MAX_DEPTH + 1])
+def test_msgspec_reads_nesting_within_its_bound(depth: int) -> None:
+    """A body as deep as the bound is msgspec's to read; one that could be deeper is json's."""
+    nested = ('{"m":' + "[" * depth + "1" + "]" * depth + "}").encode()
+    assert (json_object(nested) is not None) == (depth < MAX_DEPTH)
+    assert json_object(nested) in (None, json.loads(nested))
 
 
 _ROUTES = st.builds(
