@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.fast_json import json_object
 from evergreen_trio.picker.guards import check_json_cost, utf8
 from evergreen_trio.picker.inflight import output_cap
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseFormat
@@ -148,13 +149,15 @@ def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Calla
     try:
         text = decode(body)
         if decoder is _DECODER and len(text) <= LAZY_SPAN_CHARS:
-            try:  # _DECODER.decode(text), inline
-                doc, end = _SCAN(text, 0 if text[:1] == "{" else _skip(text, 0))
-                if end != len(text) and _skip(text, end) != len(text):
-                    raise ValueError("extra data")
-                model_span = UNLOCATED
-            except (ValueError, RecursionError, StopIteration):  # the walk's own error, as it always said
-                doc, model_span = _object_and_model_span(text, decoder)  # (or, a level short of the limit, its parse)
+            model_span = UNLOCATED
+            doc = json_object(body)  # msgspec's, where it reads as json does
+            if doc is None:
+                try:  # _DECODER.decode(text), inline
+                    doc, end = _SCAN(text, 0 if text[:1] == "{" else _skip(text, 0))
+                    if end != len(text) and _skip(text, end) != len(text):
+                        raise ValueError("extra data")
+                except (ValueError, RecursionError, StopIteration):  # the walk's own error, as it always said,
+                    doc, model_span = _object_and_model_span(text, decoder)  # or, a level short of the limit, its parse
         else:
             doc, model_span = _object_and_model_span(text, decoder)
     except (ValueError, RecursionError) as exc:

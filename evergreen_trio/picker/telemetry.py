@@ -8,7 +8,9 @@ reference's too, so dashboards built for it read ours unchanged.
 
 The metrics a request updates are plain numbers (:class:`CounterFamily`, :class:`GaugeFamily`,
 :class:`HistogramFamily`): every request is counted on the picker's one Trio thread, so an update
-is an addition, a bucket found by bisection, no lock. They are collectors of the same registry,
+is an addition, a bucket found by bisection, no lock; a per-request histogram's observation is
+appended to a list, its bucket found when the list is folded (every :data:`FOLD_EVERY` streams,
+and before a scrape reads it). They are collectors of the same registry,
 read into prometheus_client's metric families when it is scraped, and expose exactly what its
 ``Counter``, ``Gauge`` and ``Histogram`` would (names, labels, ``le`` values, ``_created``, series
 order: ``tests/picker/test_telemetry.py`` compares the two). A scrape renders in a worker thread
@@ -24,7 +26,7 @@ import math
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from grpclib.const import Status
@@ -74,6 +76,9 @@ _REWRITE = ["model_rewrite_name", "model_name", "target_model"]
 # Labelled series kept at hand per picker; label values are already bounded (model names folded,
 # pool endpoints, plugin names), this only caps the map against a pool that churns for months.
 MAX_CACHED_SERIES = 4096
+FOLD_EVERY = 256
+"""Streams recorded between two folds of the per-request histograms' pending observations (at most
+a few dozen values a stream: a scorer's each, a dozen of the request's own)."""
 _T = TypeVar("_T")
 
 
@@ -183,6 +188,9 @@ class HistogramSeries:
         if created:  # which HistogramMetricFamily does not write
             family.samples.append(Sample(family.name + "_created", labels, self.created, None))
 
+    def fold(self) -> None:
+        """Count the observations waiting to be counted (none wait here: each is counted as it comes)."""
+
     def merged(self, other: HistogramSeries | None) -> HistogramSeries:
         total = HistogramSeries.__new__(HistogramSeries)
         total.bounds, total.labels, total.created, total.sum = self.bounds, self.labels, self.created, self.sum
@@ -192,6 +200,37 @@ class HistogramSeries:
             total.sum += other.sum
             total.created = min(total.created, other.created)
         return total
+
+
+class PendingHistogramSeries(HistogramSeries):
+    """A histogram series whose ``observe`` is its list of pending values' ``append``: a C call, no
+    Python frame per observation. :meth:`fold` counts them later, in the order they came (the same
+    additions to the sum in the same order: the same numbers, to the last bit); its family folds
+    them under its lock before a scrape reads the series, the metrics every :data:`FOLD_EVERY`
+    streams recorded."""
+
+    __slots__ = ("observe", "pending")
+
+    observe: Callable[[float], None]  # type: ignore[assignment]  # the list's append, set per series
+
+    def __init__(self, bounds: list[float], labels: list[str]) -> None:
+        super().__init__(bounds, labels)
+        self.pending: list[float] = []
+        self.observe = self.pending.append
+
+    def fold(self) -> None:
+        pending = self.pending
+        waiting = len(pending)  # values appended meanwhile (the Trio thread, during a scrape's fold) stay
+        if not waiting:
+            return
+        bounds, counts, total = self.bounds, self.counts, self.sum
+        for amount in pending[:waiting]:  # HistogramSeries.observe, inline
+            total += amount
+            i = bisect_left(bounds, amount)
+            if amount <= bounds[i]:
+                counts[i] += 1
+        self.sum = total
+        del pending[:waiting]
 
 
 class _Family:
@@ -228,12 +267,15 @@ class _Family:
     def describe(self) -> list[Metric]:
         return [self.family(self.name, self.documentation, labels=self.labelnames)]
 
+    def series(self) -> list[tuple[tuple[str, ...], Any]]:
+        """Each series with its label values, in the order they were made, as a scrape reads them."""
+        with self._lock:
+            return list(self._children.items())
+
     def collect(self) -> list[Metric]:
         family = self.family(self.name, self.documentation, labels=self.labelnames)
         created = _created_shown()
-        with self._lock:
-            children = list(self._children.items())
-        for values, child in children:
+        for values, child in self.series():
             child.expose(family, dict(zip(self.labelnames, values, strict=True)), created)
         return [family]
 
@@ -256,7 +298,10 @@ class HistogramFamily(_Family):
     family = HistogramMetricFamily
 
     def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (),
-                 registry: CollectorRegistry | None = None, *, buckets: Sequence[float]) -> None:
+                 registry: CollectorRegistry | None = None, *, buckets: Sequence[float], pending: bool = False) -> None:
+        """``pending``: its series are :class:`PendingHistogramSeries`, whose owner calls :meth:`fold`
+        often enough to bound what waits (the family folds before a scrape reads it)."""
+        self.pending = pending
         # prometheus_client's own histogram checks the buckets and writes their ``le`` values
         stock = Histogram(name, documentation, buckets=buckets, registry=None)
         self.le = [s.labels["le"] for metric in stock.collect() for s in metric.samples if s.name.endswith("_bucket")]
@@ -268,7 +313,18 @@ class HistogramFamily(_Family):
         super().__init__(name, documentation, labelnames, registry)
 
     def _new(self) -> HistogramSeries:
-        return HistogramSeries(self.bounds, self.le)
+        return PendingHistogramSeries(self.bounds, self.le) if self.pending else HistogramSeries(self.bounds, self.le)
+
+    def series(self) -> list[tuple[tuple[str, ...], Any]]:
+        with self._lock:  # the Trio thread's folds take it too: one fold at a time
+            children = list(self._children.items())
+            for _, child in children:
+                child.fold()
+        return children
+
+    def fold(self) -> None:
+        """Count every series' pending observations."""
+        self.series()
 
 
 class DerivedFamily:
@@ -298,8 +354,7 @@ class DerivedFamily:
         source, keep = self.source, self.keep
         family = source.family(self.name, self.documentation, labels=self.labelnames)
         created = _created_shown()
-        with source._lock:
-            children = list(source._children.items())
+        children = source.series()
         sums: dict[tuple[str, ...], Any] = {}
         for values, child in children:
             key = tuple(values[i] for i in keep)
@@ -397,8 +452,10 @@ class PickerMetrics:
         def counter(name: str, help_: str, labelnames: Sequence[str]) -> CounterFamily:
             return CounterFamily(name, alpha(help_), labelnames, registry=r)
 
-        def histogram(name: str, help_: str, labelnames: Sequence[str], buckets: Sequence[float]) -> HistogramFamily:
-            return HistogramFamily(name, alpha(help_), labelnames, buckets=buckets, registry=r)
+        def histogram(name: str, help_: str, labelnames: Sequence[str], buckets: Sequence[float], *,
+                      pending: bool = True) -> HistogramFamily:
+            # Pending: observed in record() only, which folds them (a stream's chunk gaps are not).
+            return HistogramFamily(name, alpha(help_), labelnames, buckets=buckets, registry=r, pending=pending)
 
         def derived(source: _Family, name: str, replacement: str, help_: str, labelnames: Sequence[str]) -> None:
             keep = [source.labelnames.index(n) for n in labelnames]
@@ -436,7 +493,7 @@ class PickerMetrics:
                               "(e2e - TTFT) / (output_tokens - 1).", _REQUEST, _TPOT_BUCKETS)
         self.itl = histogram("llm_d_epp_request_streaming_itl_seconds",
                              "Inter-token latency in seconds for streaming requests, measured as the time between "
-                             "consecutive response body chunks.", _REQUEST, _ITL_BUCKETS)
+                             "consecutive response body chunks.", _REQUEST, _ITL_BUCKETS, pending=False)
         derived(self.requests, "inference_objective_request", "llm_d_epp_request_total",
                 "Counter of inference objective requests broken out for each model and target model.",
                 [*_MODEL, "priority"])
@@ -505,10 +562,10 @@ class PickerMetrics:
                                        registry=r)
         self.prefix_ratio = HistogramFamily("inference_extension_prefix_indexer_hit_ratio",
                                             "Matched share of the prompt's prefix blocks",
-                                            buckets=tuple(i / 10 for i in range(11)), registry=r)
+                                            buckets=tuple(i / 10 for i in range(11)), registry=r, pending=True)
         self.prefix_bytes = HistogramFamily("inference_extension_prefix_indexer_hit_bytes", "Matched prefix bytes",
                                             buckets=(0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                                     32768, 65536), registry=r)
+                                                     32768, 65536), registry=r, pending=True)
         self.served = CounterFamily("inference_extension_served_requests",
                                     "Requests Envoy reports served, by endpoint", ["endpoint"], registry=r)
         self.tokens = CounterFamily("inference_objective_tokens", "Tokens reported in responses, by model and kind",
@@ -523,6 +580,8 @@ class PickerMetrics:
         self._prefix_size: GaugeSeries = _single(self.prefix_size)
         self._prefix_ratio: HistogramSeries = _single(self.prefix_ratio)
         self._prefix_bytes: HistogramSeries = _single(self.prefix_bytes)
+        self._pending = [f for f in vars(self).values() if isinstance(f, HistogramFamily) and f.pending]
+        self._unfolded = 0  # streams recorded since the last fold
 
     def _series_of(self, metric: _Family, *values: str) -> Any:
         """``metric.labels(*values)``, looked up in one map (per-request metrics are never cleared,
@@ -596,6 +655,9 @@ class PickerMetrics:
 
     def record(self, report: StreamReport, duration_s: float, *, prefix_index_size: int | None = None) -> None:
         """Everything one finished stream did; ``duration_s`` from its first message to its end."""
+        self._unfolded += 1
+        if self._unfolded >= FOLD_EVERY:
+            self.fold()
         series = self._request_series(report)
         if report.error is not None:
             self._series_of(self.errors, *series.labels, error_code(report.error)).inc()
@@ -621,6 +683,12 @@ class PickerMetrics:
         usage = report.usage
         if usage is not None:
             self._record_usage(report, usage, series, duration_s)
+
+    def fold(self) -> None:
+        """Count the per-request histograms' pending observations (what waits stays bounded)."""
+        self._unfolded = 0
+        for family in self._pending:
+            family.fold()
 
     def _record_routed(self, report: StreamReport, series: RequestSeries, duration_s: float) -> None:
         routed = series.routed

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from evergreen_trio.picker.errors import RequestError
+from evergreen_trio.picker.fast_json import loads
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class ResponseBody:
         if self.sse:
             return self._lines(rest)
         try:
-            doc = json.loads(rest)
+            doc = loads(rest)
         except (ValueError, RecursionError):
             return rest
         self._merge(doc, False)
@@ -153,7 +154,7 @@ class ResponseBody:
                 out.append(line)
                 continue
             try:
-                doc = json.loads(payload)
+                doc = loads(payload)
             except (ValueError, RecursionError):
                 out.append(line)
                 continue

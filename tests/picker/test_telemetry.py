@@ -9,6 +9,8 @@ The per-request metrics are plain numbers read at scrape time (:mod:`evergreen_t
 from __future__ import annotations
 
 import math
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,6 +54,7 @@ from evergreen_trio.picker.telemetry import (
     _TTFT_BUCKETS,
     VERSION,
     HistogramFamily,
+    HistogramSeries,
     PickerMetrics,
     alpha,
     error_code,
@@ -395,7 +398,8 @@ reports = st.builds(
     ttft_s=st.one_of(st.none(), seconds),
     response_processing_s=st.one_of(st.just(0.0), seconds),
 )
-# (report, started first, its chunk gaps, duration, prefix index size), or a stream's end (status, duration).
+# (report, started first, its chunk gaps, duration, prefix index size), or a stream's end (status, duration),
+# or a scrape (both expositions compared then).
 ENDPOINTS = ("10.0.0.1:8000", "[::1]:9")
 PRODUCER_NAME = "load"
 operations = st.lists(st.one_of(
@@ -405,6 +409,7 @@ operations = st.lists(st.one_of(
     st.tuples(st.just("dispatch"), st.sampled_from(ENDPOINTS), reports.map(lambda r: r.fairness_id),
               st.integers(-2, 2), st.integers(0, 10**6)),
     st.tuples(st.sampled_from(["release_prompt", "release"]), st.integers(0, 30)),
+    st.tuples(st.just("scrape")),
 ), max_size=25)
 
 
@@ -495,13 +500,16 @@ def assert_same_expositions(ours: CollectorRegistry, theirs: CollectorRegistry) 
 
 
 @settings(max_examples=200, deadline=None)
-@given(operations=operations, stream_metrics=st.booleans(), created=st.booleans())
+@given(operations=operations, stream_metrics=st.booleans(), created=st.booleans(),
+       fold_every=st.sampled_from([1, 3, telemetry.FOLD_EVERY]))
 def test_exposition_is_the_same_as_prometheus_client_metrics(
-        operations: list[tuple[Any, ...]], stream_metrics: bool, created: bool) -> None:
+        operations: list[tuple[Any, ...]], stream_metrics: bool, created: bool, fold_every: int) -> None:
+    """The same exposition at every scrape, whenever the pending observations were folded."""
     try:
         if not created:
             disable_created_metrics()
-        with frozen_clock() as now:
+        with frozen_clock() as now, pytest.MonkeyPatch.context() as patch:
+            patch.setattr(telemetry, "FOLD_EVERY", fold_every)
             reference = ReferenceMetrics("pool", stream_metrics=stream_metrics)
             metrics = PickerMetrics("pool", stream_metrics=stream_metrics)
             reference.fairness, metrics.fairness = BoundedLabel(2), BoundedLabel(2)  # an overflow in reach
@@ -509,6 +517,9 @@ def test_exposition_is_the_same_as_prometheus_client_metrics(
             inflight = Inflight(metrics)
             for operation in operations:
                 now[0] += 1.5  # a series made now says so in its _created sample
+                if operation[0] == "scrape":
+                    assert_same_expositions(metrics.registry, reference.registry)
+                    continue
                 apply(reference, operation)
                 apply(metrics, operation, inflight)
             now[0] += 1.5
@@ -591,3 +602,33 @@ def test_families_reject_what_prometheus_client_rejects() -> None:
     telemetry.CounterFamily("c", "doc", registry=registry)
     with pytest.raises(ValueError, match="Duplicated"):
         Counter("c", "doc", registry=registry)
+
+
+def test_a_scrape_folding_while_values_come_loses_none() -> None:
+    """A scrape in another thread folds a pending series while observations keep coming: each is
+    counted once, and the sum is the one running sum."""
+    family = HistogramFamily("h", "doc", buckets=(0.5, 1.0), pending=True)
+    series = family.labels()
+    values = [(i % 7) / 4 for i in range(100_000)]
+    done = threading.Event()
+
+    def scrape() -> None:
+        while not done.is_set():
+            family.series()
+
+    scraper = threading.Thread(target=scrape)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns often
+    scraper.start()
+    try:
+        for value in values:
+            series.observe(value)
+    finally:
+        done.set()
+        scraper.join()
+        sys.setswitchinterval(interval)
+    family.fold()
+    expected = HistogramSeries(family.bounds, family.le)
+    for value in values:
+        expected.observe(value)
+    assert (series.counts, series.sum, series.pending) == (expected.counts, expected.sum, [])
