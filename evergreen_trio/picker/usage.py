@@ -134,7 +134,7 @@ class ResponseBody:
         self._merge(doc, False)
         if self._rewrite and _swap_model(doc, *self._rewrite):
             self.rewritten = True
-            return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+            return _json_bytes(doc)
         return rest
 
     def _merge(self, doc: object, streamed: bool) -> None:
@@ -162,10 +162,21 @@ class ResponseBody:
             if self._rewrite and _swap_model(doc, *self._rewrite):
                 self.rewritten = True
                 ending = line[len(stripped) :]
-                out.append(b"data: " + json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode() + ending)
+                out.append(b"data: " + _json_bytes(doc) + ending)
             else:
                 out.append(line)
         return b"".join(out)
+
+
+def _json_bytes(doc: object) -> bytes:
+    """``doc`` as compact JSON in UTF-8; with ``\\u`` escapes for all but ASCII when a string in it
+    holds a lone surrogate (a model server may escape one, and UTF-8 cannot carry it), so the
+    document passed on is the one received, not a stream ended with an encoding error."""
+    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(doc, separators=(",", ":")).encode()
 
 
 _FRAME_HEADER = 5  # gRPC's message prefix: a compression flag, then a 4-byte big-endian length

@@ -175,6 +175,19 @@ def test_usage_from_sse_split_across_chunks_and_events() -> None:
     assert out.endswith(b"data: [DONE]\n\n")
 
 
+@pytest.mark.parametrize("sse", [False, True])
+def test_a_rewritten_response_holding_a_lone_surrogate_is_passed_on_escaped(sse: bool) -> None:
+    """A model server's ``\\ud800`` escape cannot be UTF-8: the rewritten document keeps it escaped
+    (before, encoding it raised and the ext_proc stream ended with UNKNOWN)."""
+    doc = b'{"model":"t","choices":[{"text":"a\\ud800 \xc3\xa9"}]}'
+    reader = ResponseBody(sse=sse, rewrite=("t", "c"), max_bytes=1000)
+    body = b"data: " + doc + b"\n\n" if sse else doc
+    out = reader.feed(body) + reader.finish()
+    passed = out.removeprefix(b"data: ").rstrip(b"\n")
+    out.decode("utf-8")  # valid UTF-8 throughout
+    assert json.loads(passed) == {**json.loads(doc), "model": "c"} and reader.rewritten
+
+
 def test_responses_api_usage_names() -> None:
     reader = ResponseBody(sse=True, rewrite=None, max_bytes=1000)
     reader.feed(b'data: {"type":"response.completed","response":{"usage":{"input_tokens":3,"output_tokens":4,'
