@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
-from test_token_producer import upstream_chat
+from test_token_producer import first_route, upstream_chat
 
 from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
 from evergreen_trio.picker.engine_metrics import EndpointMetrics, render_metrics
@@ -94,12 +94,7 @@ schedulingProfiles:
         async with picker_process(["--config", str(config), *EPHEMERAL_PORTS]) as picker:
             await wait_health("127.0.0.1", picker.health, "readiness")
             with trio.fail_after(10):
-                while True:  # until the first scrapes are in (503 before)
-                    try:
-                        first = await trio.to_thread.run_sync(upstream_chat, picker.grpc, chat)
-                        break
-                    except ValueError:
-                        await trio.sleep(0.05)
+                first = await first_route(picker.grpc, json.dumps(chat).encode())
             assert first[DESTINATION] == cold  # nothing cached anywhere: the shorter queue wins
             routed = first
             with trio.fail_after(20):

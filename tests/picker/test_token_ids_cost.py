@@ -16,16 +16,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import grpc
 import pytest
 import trio
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from hypothesis import given
 from hypothesis import strategies as st
 from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
 from test_disagg_headers import serve_fake_engine
-from test_processor import set_headers
+from test_token_producer import first_route, upstream
 
 from evergreen_trio.picker.processor import DESTINATION
 from evergreen_trio.picker.token_estimate import Estimator, estimate, pack_ids, uint32_ids
@@ -114,23 +111,6 @@ def test_a_render_reply_with_a_bad_id_is_a_render_error(ids: list[Any]) -> None:
         render_reply(RenderCall(COMPLETIONS_RENDER, b"", 1.0), 200, json.dumps([{"token_ids": ids}]).encode(), {})
 
 
-def _route_completions(port: int, body: bytes) -> dict[str, str]:
-    """One buffered completions request through the ext_proc port (grpcio as Envoy): the headers
-    set on it upstream (blocking)."""
-    pairs = [(":path", "/v1/completions"), (":method", "POST"), ("content-type", "application/json")]
-    head = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-        base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])))
-    message = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = channel.stream_stream("/envoy.service.ext_proc.v3.ExternalProcessor/Process",
-                                     request_serializer=ep.ProcessingRequest.SerializeToString,
-                                     response_deserializer=ep.ProcessingResponse.FromString)
-        replies = list(call(iter([head, message]), timeout=30))
-    (mutation,) = [r.request_body.response.header_mutation for r in replies
-                   if r.request_body.response.header_mutation.set_headers]
-    return set_headers(mutation)
-
-
 async def test_a_started_picker_routes_a_body_of_ids_at_the_item_cap_then_the_next(
         nursery: trio.Nursery, tmp_path: Path) -> None:
     engine = f"127.0.0.1:{await nursery.start(serve_fake_engine)}"
@@ -149,12 +129,8 @@ plugins:
     async with picker_process(["--config", str(config), *EPHEMERAL_PORTS]) as picker:
         await wait_health("127.0.0.1", picker.health, "readiness")
         with trio.fail_after(30):
-            while True:  # until the first scrape is in (503 before)
-                try:
-                    routed = await trio.to_thread.run_sync(_route_completions, picker.grpc, hostile)
-                    break
-                except ValueError:
-                    await trio.sleep(0.05)
+            routed = await first_route(picker.grpc, hostile, "/v1/completions")
             assert routed[DESTINATION] == engine
-            plain = await trio.to_thread.run_sync(_route_completions, picker.grpc, b'{"model": "m", "prompt": "hi"}')
+            plain = await trio.to_thread.run_sync(upstream, picker.grpc, b'{"model": "m", "prompt": "hi"}',
+                                                  "/v1/completions")
         assert plain[DESTINATION] == engine

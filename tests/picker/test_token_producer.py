@@ -411,20 +411,35 @@ def render_reply_prompt() -> Any:
 # -- a started picker, grpcio as Envoy ---------------------------------------------------------------
 
 
-def upstream_chat(port: int, body: Mapping[str, Any]) -> dict[str, str]:
-    """One buffered chat request through the ext_proc port: the headers set on it upstream (blocking)."""
-    pairs = [(":path", "/v1/chat/completions"), (":method", "POST"), ("content-type", "application/json")]
+def upstream(port: int, body: bytes, path: str = "/v1/chat/completions") -> dict[str, str]:
+    """One buffered request through the ext_proc port, grpcio as Envoy: the headers set on it
+    upstream (blocking; ValueError when none are, as before the picker's first scrapes)."""
+    pairs = [(":path", path), (":method", "POST"), ("content-type", "application/json")]
     head = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
         base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])))
-    message = ep.ProcessingRequest(request_body=ep.HttpBody(body=json.dumps(body).encode(), end_of_stream=True))
+    message = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = channel.stream_stream("/envoy.service.ext_proc.v3.ExternalProcessor/Process",
                                      request_serializer=ep.ProcessingRequest.SerializeToString,
                                      response_deserializer=ep.ProcessingResponse.FromString)
-        replies = list(call(iter([head, message]), timeout=10))
+        replies = list(call(iter([head, message]), timeout=30))
     (mutation,) = [r.request_body.response.header_mutation for r in replies
                    if r.request_body.response.header_mutation.set_headers]
     return set_headers(mutation)
+
+
+def upstream_chat(port: int, body: Mapping[str, Any]) -> dict[str, str]:
+    """:func:`upstream` of a chat body."""
+    return upstream(port, json.dumps(body).encode())
+
+
+async def first_route(port: int, body: bytes, path: str = "/v1/chat/completions") -> dict[str, str]:
+    """:func:`upstream` in a thread, again until the picker's first scrapes are in (it answers 503 before)."""
+    while True:
+        try:
+            return await trio.to_thread.run_sync(upstream, port, body, path)
+        except ValueError:
+            await trio.sleep(0.05)
 
 
 async def test_a_started_picker_routes_an_image_chat_through_encode_prefill_decode(
@@ -448,12 +463,7 @@ plugins:
     async with picker_process(["--config", str(config), *EPHEMERAL_PORTS]) as picker:
         await wait_health("127.0.0.1", picker.health, "readiness")
         with trio.fail_after(10):
-            while True:  # until the first scrapes are in (503 before)
-                try:
-                    routed = await trio.to_thread.run_sync(upstream_chat, picker.grpc, image_chat)
-                    break
-                except ValueError:
-                    await trio.sleep(0.05)
+            routed = await first_route(picker.grpc, json.dumps(image_chat).encode())
         assert (routed[ENCODERS_HEADER], routed[PREFILL_HEADER], routed[DESTINATION]) == (encode, prefill, decode)
         plain = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         text = await trio.to_thread.run_sync(upstream_chat, picker.grpc, plain)
