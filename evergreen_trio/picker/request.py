@@ -174,12 +174,22 @@ def parse_body(path: str, body: bytes) -> InferenceRequest:
     if not isinstance(model, str) or not model:
         raise RequestError(400, "request body lacks a string 'model' field")
     api = api_for_path(path)
+    salt = doc.get("cache_salt")
+    if salt is not None and not isinstance(salt, str) and api is not Api.EMBEDDINGS and not _unsalted(path):
+        # llm-d-router decodes these bodies into structs whose cache_salt is a string: any other
+        # type fails the decode and the request
+        raise RequestError(400, f"invalid request body: cache_salt must be a string, got {type(salt).__name__}")
     prompt = api_prompt(api, doc)
     if not model.isascii():  # ASCII always encodes
         utf8(model, "model")
     prompt_bytes = len(prompt) if prompt.isascii() else len(utf8(prompt, "prompt"))
     return InferenceRequest(api, model, doc.get("stream") is True, prompt, doc, prompt_bytes, text, model_span,
                             output_cap(doc))
+
+
+def _unsalted(path: str) -> bool:
+    """Whether llm-d-router's request type for ``path`` has no ``cache_salt`` (images: embeddings has its Api)."""
+    return path.split("?", 1)[0].rstrip("/").endswith("/images/generations")
 
 
 def model_span_of(request: InferenceRequest) -> tuple[int, int] | None:
