@@ -37,11 +37,16 @@ MAX_CACHED_APIS = 1024
 _APIS: dict[str, Api] = {}
 
 
+def bare_path(path: str) -> str:
+    """``path`` without its query string and trailing slashes (what its suffix is matched on)."""
+    return path.split("?", 1)[0].rstrip("/")
+
+
 def api_for_path(path: str) -> Api:
     """The API a request path names by its suffix (query string ignored)."""
     api = _APIS.get(path)
     if api is None:
-        bare = path.split("?", 1)[0].rstrip("/")
+        bare = bare_path(path)
         api = next((api for api, suffix in _SUFFIXES if bare.endswith(suffix)), Api.OTHER)
         if len(_APIS) >= MAX_CACHED_APIS:
             _APIS.clear()
@@ -189,7 +194,7 @@ def parse_body(path: str, body: bytes) -> InferenceRequest:
 
 def _unsalted(path: str) -> bool:
     """Whether llm-d-router's request type for ``path`` has no ``cache_salt`` (images: embeddings has its Api)."""
-    return path.split("?", 1)[0].rstrip("/").endswith("/images/generations")
+    return bare_path(path).endswith("/images/generations")
 
 
 def model_span_of(request: InferenceRequest) -> tuple[int, int] | None:

@@ -107,8 +107,9 @@ def pack_ids(ids: Sequence[int]) -> PromptTokens:
     """Token ids as given (a pre-tokenized prompt passes through); OverflowError for an id outside uint32."""
     if not len(ids):
         return PromptTokens()
-    packed = array(_UINT32, ids)
-    if sys.byteorder == "big":
+    packed = ids if isinstance(ids, array) and ids.typecode == _UINT32 else array(_UINT32, ids)  # uint32_ids' as is
+    if sys.byteorder == "big":  # a copy to swap: the caller's array stays as it was
+        packed = array(_UINT32, packed)
         packed.byteswap()
     return PromptTokens((packed.tobytes(),))
 

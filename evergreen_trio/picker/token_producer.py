@@ -24,7 +24,7 @@ from evergreen_trio.picker.plugins import (
     PrefixDecider,
     register,
 )
-from evergreen_trio.picker.request import Api, InferenceRequest
+from evergreen_trio.picker.request import Api, InferenceRequest, bare_path
 from evergreen_trio.picker.token_estimate import (
     Estimator,
     ImageEstimate,
@@ -210,5 +210,5 @@ def protocol_of(path: str, api: Api) -> str:
     protocol = _PROTOCOLS.get(api)
     if protocol is not None:
         return protocol
-    bare = path.split("?", 1)[0].rstrip("/")
+    bare = bare_path(path)
     return next((name for name in ("messages", "conversations") if bare.endswith(f"/v1/{name}")), "")
