@@ -21,13 +21,11 @@ from typing import Any
 import trio
 
 from evergreen_trio.picker.config import Endpoint
-from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.kvevents import MAX_PAYLOAD_BYTES, KVEventError, decode_batch, parse_frames, parse_topic
 from evergreen_trio.picker.precise_prefix import PrecisePrefixCache
 
 log = logging.getLogger(__name__)
 
-ZMQ_PACKAGE = "pyzmq"
 RECEIVE_HWM = 64
 """Messages a socket queues unread at most (ZMQ drops newer ones for a SUB)."""
 MESSAGES_PER_TURN = 16
@@ -36,12 +34,10 @@ EVENTS_PER_CHECKPOINT = 64
 
 
 def zmq_module() -> Any:
-    """pyzmq; ConfigError naming the package when it is not installed."""
-    try:
-        import zmq
-    except ImportError:
-        raise ConfigError("kvEventsConfig", f"{ZMQ_PACKAGE} installed (pip install 'evergreen-trio[picker]')",
-                          "missing: zmq") from None
+    """pyzmq, imported when a subscriber starts (the producer's parameters required it installed:
+    ``precise_prefix._require_packages``)."""
+    import zmq
+
     return zmq
 
 
