@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 from typing import Any
 
 import pytest
@@ -181,6 +182,15 @@ def test_bad_parameters_name_their_field(parameters: str, field: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(CONFIG % parameters)
     assert caught.value.field == field, caught.value
+
+
+@pytest.mark.parametrize(("module", "package"), [("zmq", "pyzmq"), ("msgpack", "msgpack")])
+def test_a_config_using_the_producer_without_its_package_names_the_package(
+        module: str, package: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # its import then raises ImportError
+    with pytest.raises(ConfigError) as caught:
+        parse_config(CONFIG % "{}")
+    assert caught.value.field == P and package in str(caught.value)
 
 
 def test_the_reference_parameters_load() -> None:
