@@ -104,8 +104,7 @@ async def subscribe_endpoint(endpoint: Endpoint, caches: Sequence[PrecisePrefixC
     """Read ``endpoint``'s KV events until cancelled; then forget its entries."""
     zmq = zmq_module()
     sock = _socket(zmq, topic_filter)
-    address = f"tcp://[{endpoint.host}]:{socket_port}" if ":" in endpoint.host else \
-        f"tcp://{endpoint.host}:{socket_port}"
+    address = f"tcp://{Endpoint(endpoint.host, socket_port).address}"
     try:
         if ":" in endpoint.host:
             sock.setsockopt(zmq.IPV6, 1)
