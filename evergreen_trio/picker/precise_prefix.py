@@ -291,6 +291,9 @@ def precise_caches(states: Mapping[str, object]) -> dict[str, PrecisePrefixCache
     return producers or caches
 
 
+_DEFAULT_SCORER = PrefixScorerParams()  # the legacy scorer scores as a prefix-cache-scorer of defaults
+
+
 def _legacy_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
                    fresh: Mapping[str, EndpointMetrics], state: object) -> dict[str, float]:
     """A ``precise-prefix-cache-scorer``: a default ``prefix-cache-scorer`` over its own producer,
@@ -299,7 +302,7 @@ def _legacy_scores(scheduler: Scheduler, request: PickRequest, candidates: Seque
     cache = producers[0] if len(producers) == 1 else state
     if not isinstance(cache, PrecisePrefixCache):
         return {}
-    return cache.prefix_scores(request, candidates, PrefixScorerParams(), scheduler.snapshot.clock())
+    return cache.prefix_scores(request, candidates, _DEFAULT_SCORER, scheduler.snapshot.clock())
 
 
 def check_precise(plugins: Mapping[str, Plugin], where: Callable[[str], str]) -> set[str]:

@@ -243,9 +243,13 @@ def _lora_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequenc
     return {a: _lora_score(m, request.model) for a, m in fresh.items()}
 
 
+_RATIO_ONLY = PrefixScorerParams(match_length_scale_tokens=1)
+"""The prefix scorer of a config without its parameters (the flat one's): the matched share alone."""
+
+
 def _prefix_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
                    fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
-    scorer = params if isinstance(params, PrefixScorerParams) else PrefixScorerParams(match_length_scale_tokens=1)
+    scorer = params if isinstance(params, PrefixScorerParams) else _RATIO_ONLY
     if scorer.producer:
         precise = scheduler.plugin_states.get(scorer.producer)
         if isinstance(precise, PrecisePrefixCache):  # the KV events' index: each candidate's cached blocks
