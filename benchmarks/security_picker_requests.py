@@ -53,7 +53,7 @@ def _names_and_scrapes(grpc_port: int, metrics_port: int, quick: bool) -> str:
 
     names = model_names(500 if quick else 2000)
     with channel(grpc_port) as own:
-        statuses = {ext_proc(own, f'{{"model":"{n}"}}'.encode(), {REWRITE: n[::-1]}).status for n in names}
+        statuses = {ext_proc(own, f'{{"model":"{n}","prompt":"p"}}'.encode(), {REWRITE: n[::-1]}).status for n in names}
     times, size = [], 0
     for _ in range(10):
         start = time.perf_counter()

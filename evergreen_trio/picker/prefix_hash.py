@@ -18,7 +18,8 @@ from itertools import pairwise
 import xxhash
 
 from evergreen_trio.picker.parsers.gojson import text as go_text
-from evergreen_trio.picker.token_estimate import BYTES_PER_TOKEN, Placeholders, PromptTokens, TokenizedPrompt
+from evergreen_trio.picker.token_estimate import Placeholders, PromptTokens, TokenizedPrompt
+from evergreen_trio.picker.token_ids import BYTES_PER_TOKEN
 
 _PAIR = struct.Struct("<QQ")
 _hash = xxhash.xxh64_intdigest

@@ -57,7 +57,8 @@ from evergreen_trio.picker.served_verifier import (
     SERVED_ENDPOINT_HEADER,
     served_verdict,
 )
-from evergreen_trio.picker.token_estimate import BYTES_PER_TOKEN, TokenizedPrompt
+from evergreen_trio.picker.token_estimate import TokenizedPrompt
+from evergreen_trio.picker.token_ids import BYTES_PER_TOKEN
 from evergreen_trio.picker.token_producer import DEFAULT_PRODUCER, request_producer, tokenize
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseBody, ResponseFormat, Usage
 from evergreen_trio.picker.vllm_render import RenderCall

@@ -18,6 +18,7 @@ from typing import Any
 
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.fast_json import json_object
+from evergreen_trio.picker.gotext import GO_SPACE
 from evergreen_trio.picker.guards import check_json_cost, utf8
 from evergreen_trio.picker.inflight import output_cap
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseFormat
@@ -31,27 +32,46 @@ class Api(enum.Enum):
     OTHER = ""
 
 
-_SUFFIXES = tuple((api, api.value) for api in (Api.CHAT, Api.COMPLETIONS, Api.EMBEDDINGS, Api.RESPONSES))
+REQUEST_TYPES = (
+    ("conversations", Api.OTHER), ("responses", Api.RESPONSES), ("chat/completions", Api.CHAT),
+    ("chat/completions/render", Api.CHAT), ("completions", Api.COMPLETIONS), ("completions/render", Api.COMPLETIONS),
+    ("embeddings", Api.EMBEDDINGS), ("images/generations", Api.OTHER),
+)
+"""llm-d-router's openai parser's request types by path suffix, in the order it tries them (its
+``determineAPITypeFromPath``), and the API each is scheduled as."""
 MAX_CACHED_APIS = 1024
-"""Request paths whose API is kept at hand (they are the client's: the map is cleared when full)."""
-_APIS: dict[str, Api] = {}
+"""Request paths whose type is kept at hand (they are the client's: the map is cleared when full)."""
+_TYPES: dict[str, tuple[str, Api]] = {}
 
 
 def bare_path(path: str) -> str:
-    """``path`` without its query string and trailing slashes (what its suffix is matched on)."""
+    """``path`` without its query string and trailing slashes."""
     return path.split("?", 1)[0].rstrip("/")
 
 
+def trimmed_path(path: str) -> str:
+    """``path`` as the reference's MatchPathSuffix matches it: Go spaces trimmed, one trailing ``/`` off."""
+    return path.strip(GO_SPACE).removesuffix("/")
+
+
+def request_type(path: str) -> tuple[str, Api]:
+    """The openai parser's request type for a (query-less) request path, as the reference picks it:
+    the first of :data:`REQUEST_TYPES` whose suffix the path ends with, else ``completions``; and
+    the API it is scheduled as."""
+    found = _TYPES.get(path)
+    if found is None:
+        trimmed = trimmed_path(path)
+        found = next(((suffix.removesuffix("/render"), api) for suffix, api in REQUEST_TYPES
+                      if trimmed.endswith(suffix)), ("completions", Api.COMPLETIONS))
+        if len(_TYPES) >= MAX_CACHED_APIS:
+            _TYPES.clear()
+        _TYPES[path] = found
+    return found
+
+
 def api_for_path(path: str) -> Api:
-    """The API a request path names by its suffix (query string ignored)."""
-    api = _APIS.get(path)
-    if api is None:
-        bare = bare_path(path)
-        api = next((api for api, suffix in _SUFFIXES if bare.endswith(suffix)), Api.OTHER)
-        if len(_APIS) >= MAX_CACHED_APIS:
-            _APIS.clear()
-        _APIS[path] = api
-    return api
+    """The API a request path is scheduled as (query string ignored)."""
+    return request_type(path.split("?", 1)[0])[1]
 
 
 @dataclass(frozen=True)
@@ -172,29 +192,24 @@ def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Calla
     return doc, text, model_span
 
 
-def parse_body(path: str, body: bytes) -> InferenceRequest:
-    """Parse a request body; a body that is not a JSON object with a string ``model`` is a 400."""
+def parse_body(path: str, body: bytes,
+               check: Callable[[str, Mapping[str, Any]], None] | None = None) -> InferenceRequest:
+    """Parse a request body; a body that is not a JSON object with a string ``model`` is a 400.
+
+    ``check`` (the parser's checks of the object, RequestError for one it refuses) runs first."""
     doc, text, model_span = load_object(body)
+    if check is not None:
+        check(path, doc)
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError(400, "request body lacks a string 'model' field")
     api = api_for_path(path)
-    salt = doc.get("cache_salt")
-    if salt is not None and not isinstance(salt, str) and api is not Api.EMBEDDINGS and not _unsalted(path):
-        # llm-d-router decodes these bodies into structs whose cache_salt is a string: any other
-        # type fails the decode and the request
-        raise RequestError(400, f"invalid request body: cache_salt must be a string, got {type(salt).__name__}")
     prompt = api_prompt(api, doc)
     if not model.isascii():  # ASCII always encodes
         utf8(model, "model")
     prompt_bytes = len(prompt) if prompt.isascii() else len(utf8(prompt, "prompt"))
     return InferenceRequest(api, model, doc.get("stream") is True, prompt, doc, prompt_bytes, text, model_span,
                             output_cap(doc))
-
-
-def _unsalted(path: str) -> bool:
-    """Whether llm-d-router's request type for ``path`` has no ``cache_salt`` (images: embeddings has its Api)."""
-    return bare_path(path).endswith("/images/generations")
 
 
 def model_span_of(request: InferenceRequest) -> tuple[int, int] | None:

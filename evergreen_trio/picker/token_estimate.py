@@ -26,9 +26,8 @@ import xxhash
 from evergreen_trio.picker.image_size import base64_image_size, data_url_image_size
 from evergreen_trio.picker.json_text import go_compact, go_marshal
 from evergreen_trio.picker.parsers.gojson import text as go_text
+from evergreen_trio.picker.token_ids import BYTES_PER_TOKEN, UINT32, uint32_ids
 
-BYTES_PER_TOKEN = 4
-_UINT32 = next(code for code in "IL" if array(code).itemsize == BYTES_PER_TOKEN)
 MAX_PLACEHOLDERS = 2**31 - 1
 """An asset's placeholder count at most (Go's int arithmetic would wrap for absurd sizes)."""
 IMAGE, VIDEO, AUDIO = "image", "video", "audio"
@@ -107,33 +106,11 @@ def pack_ids(ids: Sequence[int]) -> PromptTokens:
     """Token ids as given (a pre-tokenized prompt passes through); OverflowError for an id outside uint32."""
     if not len(ids):
         return PromptTokens()
-    packed = ids if isinstance(ids, array) and ids.typecode == _UINT32 else array(_UINT32, ids)  # uint32_ids' as is
+    packed = ids if isinstance(ids, array) and ids.typecode == UINT32 else array(UINT32, ids)  # uint32_ids' as is
     if sys.byteorder == "big":  # a copy to swap: the caller's array stays as it was
-        packed = array(_UINT32, packed)
+        packed = array(UINT32, packed)
         packed.byteswap()
     return PromptTokens((packed.tobytes(),))
-
-
-def uint32_ids(value: object, integral_floats: bool = False) -> array[int] | None:
-    """``value`` as token ids when it is a non-empty list of integers in uint32 (and, with
-    ``integral_floats``, floats equal to one, as Go's decoder takes into an interface), else None.
-
-    Every step is a C loop, on the event loop: a render reply at its 16 MiB cap holds over two
-    million ids (the per-id Python loop this replaced took 15 s for a 64 MiB one), a client's body
-    up to 262,144 (0.18 s through the estimate backend before).
-    """
-    if not isinstance(value, list) or not value:
-        return None
-    kinds = set(map(type, value))
-    if not kinds <= ({int, float} if integral_floats else {int}):
-        return None  # bool, str, None, a subclass: not an id
-    try:
-        ids = value if float not in kinds else list(map(int, value))
-        if ids is not value and ids != value:
-            return None  # a float with a fraction
-        return array(_UINT32, ids)
-    except (ValueError, OverflowError):  # NaN, infinities, negative or past uint32
-        return None
 
 
 @dataclass(frozen=True)

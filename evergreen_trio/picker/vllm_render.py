@@ -21,8 +21,8 @@ from evergreen_trio.picker.token_estimate import (
     TokenizedPrompt,
     cache_salt,
     pack_ids,
-    uint32_ids,
 )
+from evergreen_trio.picker.token_ids import uint32_ids
 
 COMPLETIONS_RENDER = "/v1/completions/render"
 CHAT_RENDER = "/v1/chat/completions/render"

@@ -214,7 +214,7 @@ schedulingProfiles:
 """, (EndpointMetrics(waiting=2), EndpointMetrics(waiting=3), EndpointMetrics(waiting=6)))
     stream = Picker(config, scheduler.snapshot, rng=random.Random(5)).new_stream()
     stream.on_message(request_headers())
-    (answer,) = stream.on_message(request_body(b'{"model":"m"}'))
+    (answer,) = stream.on_message(request_body(b'{"model":"m","prompt":"p"}'))
     immediate = answer.immediate_response
     assert immediate.status.code == 429
     assert set_headers(immediate.headers)["x-llm-d-request-dropped-reason"] == "rejected-saturated"

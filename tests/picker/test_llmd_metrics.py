@@ -193,7 +193,7 @@ def test_a_streamed_response_notes_its_timings_and_chunk_gaps() -> None:
     picker.snapshot.clock = Clock()
     stream = picker.new_stream()
     stream.on_message(request_headers(extra=[("x-gateway-inference-fairness-id", "tenant-a")]))
-    stream.on_message(request_body(b'{"model":"food-review","stream":true}'))
+    stream.on_message(request_body(b'{"model":"food-review","stream":true,"prompt":"p"}'))
     report = stream.report
     assert (report.fairness_id, report.priority, report.streaming) == ("tenant-a", 0, True)
     assert report.scheduled and report.endpoint and report.rewrite == "food-review"
@@ -219,7 +219,7 @@ def test_a_non_streaming_response_is_timed_from_its_headers_to_its_end() -> None
     picker.snapshot.clock = clock = Clock()
     stream = picker.new_stream()
     stream.on_message(request_headers())
-    stream.on_message(request_body(b'{"model":"plain"}'))
+    stream.on_message(request_body(b'{"model":"plain","prompt":"p"}'))
     stream.on_message(response_headers())
     headers_done = clock.now
     stream.on_message(response_body(b'{"usage":{"completion_tokens":2}}', end=True))
@@ -231,7 +231,7 @@ def test_a_non_streaming_response_is_timed_from_its_headers_to_its_end() -> None
 def test_without_flow_control_a_bad_fairness_header_is_no_error() -> None:
     stream = make_picker().new_stream()
     stream.on_message(request_headers(extra=[("x-gateway-inference-fairness-id", "x" * 300)]))
-    replies = stream.on_message(request_body(b'{"model":"plain"}'))
+    replies = stream.on_message(request_body(b'{"model":"plain","prompt":"p"}'))
     assert not any(reply.HasField("immediate_response") for reply in replies)
     assert stream.report.fairness_id == OTHER_MODEL
 
@@ -451,7 +451,7 @@ def test_a_shutdown_rejects_newcomers_and_evicts_the_queued() -> None:
 
 def test_a_refused_request_is_processed_when_refused() -> None:
     """The reference records the processing time of request-phase failures too (they are its slowest)."""
-    for body, status in ((b'{"model":"nope"}', 404), (b"x" * (16 << 20 | 1), 413)):
+    for body, status in ((b'{"model":"nope","prompt":"p"}', 404), (b"x" * (16 << 20 | 1), 413)):
         picker = make_picker()
         picker.snapshot.clock = Clock()
         stream = picker.new_stream()

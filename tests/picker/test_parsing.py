@@ -37,7 +37,7 @@ from evergreen_trio.picker.usage import ResponseBody, Usage, usage_of
     ("/v1/chat/completions?x=1", Api.CHAT),
     ("/override/v1/embeddings", Api.EMBEDDINGS),
     ("/v1/responses/", Api.RESPONSES),
-    ("/v1/models", Api.OTHER),
+    ("/v1/models", Api.COMPLETIONS),  # the openai parser's default type (it claims no such path)
 ])
 def test_api_by_path_suffix(path: str, api: Api) -> None:
     assert api_for_path(path) is api

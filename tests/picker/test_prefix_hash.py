@@ -19,10 +19,8 @@ from hypothesis import strategies as st
 from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
 
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
-from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.prefix_hash import BlockHashes, block_hashes, chain_hashes, token_bytes
 from evergreen_trio.picker.processor import Picker
-from evergreen_trio.picker.request import parse_body
 from evergreen_trio.picker.scheduler import PrefixIndex
 from evergreen_trio.picker.token_estimate import Placeholders, PromptTokens, TokenizedPrompt, pack_ids, pack_text
 from tests.picker.test_parsers import parsers_config
@@ -227,20 +225,6 @@ def test_tools_lead_the_stream() -> None:
 
     # [{"type":"function","function":{"name":"a"}}] (45 bytes: 12 tokens), then "user" and 600 bytes.
     assert second_match(with_tool("a"), with_tool("b")) == (0, 3)
-
-
-@pytest.mark.parametrize("salt", [7, True, ["a"], {"k": "v"}, 1.5])
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/conversations"])
-def test_a_non_string_cache_salt_is_a_400_as_the_references_decoder_refuses_it(salt: object, path: str) -> None:
-    with pytest.raises(RequestError) as refused:
-        parse_body(path, json.dumps({"model": "m", "prompt": "x", "messages": [], "cache_salt": salt}).encode())
-    assert refused.value.status == 400 and "cache_salt" in refused.value.message
-
-
-@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/images/generations"])
-def test_where_the_reference_has_no_cache_salt_any_value_is_ignored(path: str) -> None:
-    assert parse_body(path, json.dumps({"model": "m", "input": "x", "cache_salt": 7}).encode()).model == "m"
-    assert parse_body("/v1/chat/completions", b'{"model": "m", "cache_salt": null}').model == "m"
 
 
 def test_pre_tokenized_generate_bodies_carry_their_salt() -> None:

@@ -133,7 +133,7 @@ def test_headers_only_request_is_picked_at_once() -> None:
 
 
 @pytest.mark.parametrize(("body", "code"), [
-    (b"{oops", 400), (b'{"prompt":"p"}', 400), (b'{"model":"unknown"}', 404),
+    (b"{oops", 400), (b'{"prompt":"p"}', 400), (b'{"model":"unknown","prompt":"p"}', 404),
 ])
 def test_bad_requests_get_immediate_responses(body: bytes, code: int) -> None:
     for mode in (Mode.FULL_DUPLEX_STREAMED, Mode.BUFFERED):
@@ -151,17 +151,17 @@ def test_429_for_sheddable_under_saturation_503_when_nothing_ready() -> None:
     telemetry = PickerMetrics("pool")
     stream = picker.new_stream()
     stream.on_message(request_headers())
-    assert status(stream.on_message(request_body(b'{"model":"batch"}'))) == 429
+    assert status(stream.on_message(request_body(b'{"model":"batch","prompt":"p"}'))) == 429
     assert stream.report.error == 429 and not stream.report.routed
     telemetry.record(stream.report, 0.01)
     stream = picker.new_stream()
     stream.on_message(request_headers())
-    assert stream.on_message(request_body(b'{"model":"plain"}'))[0].HasField("request_headers")
+    assert stream.on_message(request_body(b'{"model":"plain","prompt":"p"}'))[0].HasField("request_headers")
     for address in (A, B, C):
         picker.snapshot.mark_failed(address)
     stream = picker.new_stream()
     stream.on_message(request_headers())
-    assert status(stream.on_message(request_body(b'{"model":"plain"}'))) == 503
+    assert status(stream.on_message(request_body(b'{"model":"plain","prompt":"p"}'))) == 503
     telemetry.record(stream.report, 0.01)
     errors = {(s.labels["model_name"], s.labels["error_code"]): s.value
               for s in telemetry.errors.collect()[0].samples if s.name.endswith("_total")}
@@ -185,7 +185,7 @@ def test_objective_header_overrides_model_criticality() -> None:
                          metrics=[EndpointMetrics(waiting=10, kv_usage=0.9)] * 3)
     stream = picker.new_stream()
     stream.on_message(request_headers(extra=[("x-gateway-inference-objective", "low")]))
-    assert status(stream.on_message(request_body(b'{"model":"plain"}'))) == 429
+    assert status(stream.on_message(request_body(b'{"model":"plain","prompt":"p"}'))) == 429
 
 
 @pytest.mark.parametrize("subset", [
@@ -195,7 +195,7 @@ def test_objective_header_overrides_model_criticality() -> None:
 def test_subset_hint(subset: struct_pb2.Value) -> None:
     stream = make_picker().new_stream()
     stream.on_message(request_headers(subset=subset))
-    (head, *_) = stream.on_message(request_body(b'{"model":"plain"}'))
+    (head, *_) = stream.on_message(request_body(b'{"model":"plain","prompt":"p"}'))
     assert lb_metadata(head)[DESTINATION] == C
 
 
@@ -209,7 +209,7 @@ def test_a_disabled_subset_filter_ignores_the_hint() -> None:
     stream = with_ext_proc(make_picker(), honor_subset_hint=False).new_stream()
     hint = struct_pb2.Value(list_value=struct_pb2.ListValue(values=[struct_pb2.Value(string_value=C)]))
     stream.on_message(request_headers(subset=hint))
-    (head, *_) = stream.on_message(request_body(b'{"model":"plain"}'))
+    (head, *_) = stream.on_message(request_body(b'{"model":"plain","prompt":"p"}'))
     assert lb_metadata(head)[DESTINATION] == A
 
 
@@ -218,32 +218,32 @@ def test_endpoint_scores_are_emitted_only_when_asked() -> None:
     destination the best of them; nothing more without the flag."""
     stream = with_ext_proc(make_picker(), emit_endpoint_scores=True).new_stream()
     stream.on_message(request_headers())
-    (head, *_) = stream.on_message(request_body(b'{"model":"plain"}'))
+    (head, *_) = stream.on_message(request_body(b'{"model":"plain","prompt":"p"}'))
     lb = head.dynamic_metadata.fields["envoy.lb"].struct_value.fields
     scores = {address: value.number_value for address, value in lb[SCORES].struct_value.fields.items()}
     assert set(scores) == {A, B, C} and scores[A] > scores[B] > scores[C]
     assert lb[DESTINATION].string_value == max(scores, key=scores.__getitem__)
     stream = make_picker().new_stream()
     stream.on_message(request_headers())
-    (head, *_) = stream.on_message(request_body(b'{"model":"plain"}'))
+    (head, *_) = stream.on_message(request_body(b'{"model":"plain","prompt":"p"}'))
     assert SCORES not in head.dynamic_metadata.fields["envoy.lb"].struct_value.fields
 
 
 def test_empty_subset_is_503() -> None:
     stream = make_picker().new_stream()
     stream.on_message(request_headers(subset=struct_pb2.Value(list_value=struct_pb2.ListValue())))
-    assert status(stream.on_message(request_body(b'{"model":"plain"}'))) == 503
+    assert status(stream.on_message(request_body(b'{"model":"plain","prompt":"p"}'))) == 503
 
 
 def test_fallback_and_list_destination_modes() -> None:
     stream = make_picker("extProc: {destinationMode: fallback}").new_stream()
     stream.on_message(request_headers())
-    (head, *_) = stream.on_message(request_body(b'{"model":"plain"}'))
+    (head, *_) = stream.on_message(request_body(b'{"model":"plain","prompt":"p"}'))
     assert lb_metadata(head) == {DESTINATION: A, FALLBACK: B}
     assert set_headers(head.request_headers.response.header_mutation)[DESTINATION] == A
     stream = make_picker("extProc: {destinationMode: list}").new_stream()
     stream.on_message(request_headers())
-    (head, *_) = stream.on_message(request_body(b'{"model":"plain"}'))
+    (head, *_) = stream.on_message(request_body(b'{"model":"plain","prompt":"p"}'))
     assert lb_metadata(head) == {DESTINATION: f"{A},{B},{C}"}
     assert set_headers(head.request_headers.response.header_mutation)[DESTINATION] == f"{A},{B},{C}"
 
@@ -263,7 +263,7 @@ def test_duplex_sse_response_rewritten_line_by_line_with_usage() -> None:
     picker = make_picker()
     stream = picker.new_stream()
     stream.on_message(request_headers())
-    stream.on_message(request_body(b'{"model":"food-review","stream":true}'))
+    stream.on_message(request_body(b'{"model":"food-review","stream":true,"prompt":"p"}'))
     (head,) = stream.on_message(response_headers("text/event-stream"))
     assert head.HasField("response_headers")
     sse = (b'data: {"model":"food-review-v1","usage":{"prompt_tokens":2,"completion_tokens":3}}\n\n'
@@ -286,7 +286,7 @@ def test_duplex_sse_response_rewritten_line_by_line_with_usage() -> None:
 def test_duplex_json_response_held_until_end_then_content_length_fixed() -> None:
     stream = make_picker().new_stream()
     stream.on_message(request_headers())
-    stream.on_message(request_body(b'{"model":"food-review"}'))
+    stream.on_message(request_body(b'{"model":"food-review","prompt":"p"}'))
     assert stream.on_message(response_headers()) == []
     assert stream.on_message(response_body(b'{"model":"food-', end=False)) == []
     head, *chunks = stream.on_message(response_body(b'review-v1","x":1}', end=True))
@@ -298,7 +298,7 @@ def test_duplex_json_response_held_until_end_then_content_length_fixed() -> None
 def test_buffered_json_response_rewritten() -> None:
     stream = make_picker().new_stream()
     stream.on_message(request_headers(request_mode=Mode.BUFFERED, response_mode=Mode.BUFFERED))
-    stream.on_message(request_body(b'{"model":"food-review"}'))
+    stream.on_message(request_body(b'{"model":"food-review","prompt":"p"}'))
     assert stream.on_message(response_headers())[0].HasField("response_headers")
     (out,) = stream.on_message(response_body(b'{"model":"food-review-v1"}'))
     assert json.loads(out.response_body.response.body_mutation.body) == {"model": "food-review"}
@@ -307,7 +307,7 @@ def test_buffered_json_response_rewritten() -> None:
 def test_duplex_with_trailers_ends_body_without_end_of_stream() -> None:
     stream = make_picker().new_stream()
     stream.on_message(request_headers())
-    assert stream.on_message(request_body(b'{"model":"plain"}', end=False)) == []
+    assert stream.on_message(request_body(b'{"model":"plain","prompt":"p"}', end=False)) == []
     out = stream.on_message(ep.ProcessingRequest(request_trailers=ep.HttpTrailers()))
     assert out[0].HasField("request_headers") and out[-1].HasField("request_trailers")
     assert not out[1].request_body.response.body_mutation.streamed_response.end_of_stream

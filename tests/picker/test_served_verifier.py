@@ -107,7 +107,7 @@ def test_a_held_json_response_gets_the_header_when_released() -> None:
     """A rewritten JSON body is held to its end (FULL_DUPLEX): the header rides on the released head."""
     stream = make_picker(VERIFIER).new_stream()
     stream.on_message(request_headers())
-    stream.on_message(request_body(b'{"model":"food-review"}'))
+    stream.on_message(request_body(b'{"model":"food-review","prompt":"p"}'))
     assert stream.on_message(response_headers(served="10.0.0.1:8000")) == []
     head, *_ = stream.on_message(response_body(b'{"model":"food-review-v1"}', end=True))
     assert _response_header(head) == "10.0.0.1:8000"

@@ -25,7 +25,8 @@ from test_disagg_headers import serve_fake_engine
 from test_token_producer import first_route, upstream
 
 from evergreen_trio.picker.processor import DESTINATION
-from evergreen_trio.picker.token_estimate import Estimator, estimate, pack_ids, uint32_ids
+from evergreen_trio.picker.token_estimate import Estimator, estimate, pack_ids
+from evergreen_trio.picker.token_ids import uint32_ids
 from evergreen_trio.picker.vllm_render import (
     COMPLETIONS_RENDER,
     RenderCall,

@@ -77,7 +77,8 @@ async def test_unknown_model_names_fold_into_other_and_the_scrape_stays_small(nu
     names = model_names(300)
 
     def attack() -> list[int]:
-        return [ext_proc(ports.grpc, f'{{"model":"{n}"}}'.encode(), {REWRITE: n[::-1]}).status for n in names]
+        return [ext_proc(ports.grpc, f'{{"model":"{n}","prompt":"p"}}'.encode(), {REWRITE: n[::-1]}).status
+                for n in names]
 
     statuses, _ = await under_attack(ports, attack)
     assert set(statuses) == {200}  # type: ignore[arg-type]
@@ -93,7 +94,7 @@ async def test_unknown_model_names_fold_into_other_and_the_scrape_stays_small(nu
 async def test_unlisted_names_never_get_a_series_when_models_are_configured(nursery: trio.Nursery) -> None:
     """Item 7, models configured: unknown names get 404 and are counted under ``other``."""
     ports = await start(nursery, LISTED)
-    answers = [await trio.to_thread.run_sync(ext_proc, ports.grpc, f'{{"model":"{n}"}}'.encode())
+    answers = [await trio.to_thread.run_sync(ext_proc, ports.grpc, f'{{"model":"{n}","prompt":"p"}}'.encode())
                for n in model_names(20)]
     assert {a.status for a in answers} == {404}
     text = await scrape(ports)
@@ -128,7 +129,7 @@ async def test_a_rewrite_header_is_honoured_only_to_an_allowed_target(nursery: t
         assert "not a target model" in smuggled.message
         allowed = await trio.to_thread.run_sync(ext_proc, ports.grpc, LEGIT_BODY, {REWRITE: "sim-lora"})
         assert allowed == Answer(200, "sim-lora")
-        direct = await trio.to_thread.run_sync(ext_proc, ports.grpc, b'{"model":"internal-only-adapter"}')
+        direct = await trio.to_thread.run_sync(ext_proc, ports.grpc, b'{"model":"internal-only-adapter","prompt":"p"}')
         assert direct.status == 200  # listed, so asking for it directly is allowed: only smuggling is not
     else:
         assert smuggled == Answer(200, "internal-only-adapter")

@@ -202,6 +202,18 @@ _FOLD = str.maketrans({**{c: c.upper() for c in ascii_lowercase},
                        "\u017f": "S", "\u212a": "K", "\u0131": "I", "\u0130": "I"})
 
 
+MAX_FOLDED_NAMES = 4096
+"""Member names whose fold is kept at hand (they are the client's: the map is cleared when full)."""
+_FOLDED: dict[str, str] = {}
+
+
+def _fold(name: str) -> str:
+    folded = _FOLDED[name] = name.translate(_FOLD)
+    if len(_FOLDED) > MAX_FOLDED_NAMES:
+        _FOLDED.clear()
+    return folded
+
+
 def struct(go_type: str, /, **fields: Spec) -> Spec:
     """The Go struct ``go_type`` of JSON fields ``fields`` (decoded as a dict of the fields present)."""
     by_fold = {field.upper(): (field, spec) for field, spec in fields.items()}
@@ -213,7 +225,10 @@ def struct(go_type: str, /, **fields: Spec) -> Spec:
             raise Mismatch(path, go_type, value)
         out: dict[str, Any] = {}
         for key, item in members(value):
-            found = by_fold.get(key.translate(_FOLD))
+            folded = _FOLDED.get(key)
+            if folded is None:
+                folded = _fold(key)
+            found = by_fold.get(folded)
             if found is not None:
                 field, spec = found
                 out[field] = spec(item, f"{path}.{field}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.gotext import GO_SPACE
 from evergreen_trio.picker.plugins import Category, Plugin, PluginType, register
-from evergreen_trio.picker.request import Api, InferenceRequest
+from evergreen_trio.picker.request import Api, InferenceRequest, trimmed_path
 from evergreen_trio.picker.usage import ResponseFormat
 
 log = logging.getLogger(__name__)
@@ -67,14 +67,10 @@ def _suffix(claim: str) -> str:
     return claim.strip(GO_SPACE).strip("/")
 
 
-def _trimmed_path(path: str) -> str:
-    return path.strip(GO_SPACE).removesuffix("/")
-
-
 def match_path_suffix(path: str, suffix: str) -> bool:
     """The reference's MatchPathSuffix: ``path`` (trimmed, one trailing ``/`` off) ends with
     ``suffix`` (trimmed, no ``/`` at either end)."""
-    return _trimmed_path(path).endswith(_suffix(suffix))
+    return trimmed_path(path).endswith(_suffix(suffix))
 
 
 class ParserRegistry:
@@ -118,7 +114,7 @@ class ParserRegistry:
 
     def _resolve(self, path: str) -> RequestParser:
         best, best_length = None, 0
-        trimmed = _trimmed_path(path)  # once, where match_path_suffix would trim it per suffix
+        trimmed = trimmed_path(path)  # once, where match_path_suffix would trim it per suffix
         for parser, suffixes in self._claims:
             for suffix in suffixes:
                 if len(suffix) > best_length and trimmed.endswith(suffix):

@@ -21,33 +21,11 @@ from google.protobuf.message import DecodeError
 from evergreen_trio._proto.vertexai import vertexai_pb2 as pb
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.parsers import gojson
-from evergreen_trio.picker.parsers.gojson import (
-    Mismatch,
-    Spec,
-    boolean,
-    map_of,
-    raw,
-    slice_of,
-    string,
-    string_or_blocks,
-    struct,
-)
 from evergreen_trio.picker.parsers.grpc import FrameError, grpc_payload
+from evergreen_trio.picker.parsers.openai import read_request
 from evergreen_trio.picker.parsers.registry import RequestParser, forwarded, register_parser
 from evergreen_trio.picker.request import Api, InferenceRequest, content_text
 from evergreen_trio.picker.usage import ResponseFormat, Usage, usage_of
-
-_content = string_or_blocks("Content", lambda: _BLOCKS)  # the openai parser's Content
-_BLOCKS: Spec = slice_of(struct(
-    "ContentBlock", type=string, text=string, image_url=struct("ImageBlock", url=string),
-    input_audio=struct("AudioBlock", data=string, format=string), video_url=struct("VideoBlock", url=string)))
-_CHAT_COMPLETIONS = struct(
-    "ChatCompletionsRequest",
-    messages=slice_of(struct("Message", role=string, content=_content, tool_calls=slice_of(raw))),
-    tools=slice_of(raw), documents=slice_of(raw), chat_template=string, return_assistant_tokens_mask=boolean,
-    continue_final_message=boolean, add_generation_prompt=boolean, chat_template_kwargs=map_of(raw),
-    cache_salt=string)
-_RESPONSES = struct("ResponsesRequest", input=raw, instructions=raw, tools=raw, cache_salt=string)
 
 
 def _openai_body(api: Api, data: bytes, name: str) -> InferenceRequest:
@@ -56,21 +34,14 @@ def _openai_body(api: Api, data: bytes, name: str) -> InferenceRequest:
         doc, _, _ = gojson.load(data)
     except RequestError as exc:
         raise RequestError(exc.status, f"parsing {name}: {exc.message}") from None
+    try:
+        request = read_request("chat/completions" if api is Api.CHAT else "responses", doc)
+    except RequestError as exc:
+        raise RequestError(exc.status, f"parsing {name}: {exc.message}") from None
     if api is Api.CHAT:
-        try:
-            messages = _CHAT_COMPLETIONS(doc, "chat completions request").get("messages")
-        except (Mismatch, RecursionError):
-            messages = None
-        if not messages:
-            raise RequestError(400, f"parsing {name}: invalid chat completions request: must have valid messages field")
-        prompt, cap = content_text(messages), gojson.max_output_tokens(doc, "max_completion_tokens", "max_tokens")
+        prompt = content_text(request["messages"])
+        cap = gojson.max_output_tokens(doc, "max_completion_tokens", "max_tokens")
     else:
-        try:
-            request = _RESPONSES(doc, "responses request")
-        except (Mismatch, RecursionError):
-            request = {}
-        if request.get("input") is None:
-            raise RequestError(400, f"parsing {name}: invalid responses request: must have input field")
         prompt = content_text(request.get("instructions")) + content_text(request["input"])
         cap = gojson.max_output_tokens(doc, "max_output_tokens")
     model = doc.get("model")

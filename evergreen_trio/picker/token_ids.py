@@ -1,0 +1,31 @@
+"""Token ids as the reference holds them (``uint32``), checked and packed by C loops (sans-IO)."""
+
+from __future__ import annotations
+
+from array import array
+
+BYTES_PER_TOKEN = 4
+UINT32 = next(code for code in "IL" if array(code).itemsize == BYTES_PER_TOKEN)
+"""The ``array`` typecode of a uint32."""
+
+
+def uint32_ids(value: object, integral_floats: bool = False) -> array[int] | None:
+    """``value`` as token ids when it is a non-empty list of integers in uint32 (and, with
+    ``integral_floats``, floats equal to one, as Go's decoder takes into an interface), else None.
+
+    Every step is a C loop, on the event loop: a render reply at its 16 MiB cap holds over two
+    million ids (the per-id Python loop this replaced took 15 s for a 64 MiB one), a client's body
+    up to 262,144 (0.18 s through the estimate backend before).
+    """
+    if not isinstance(value, list) or not value:
+        return None
+    kinds = set(map(type, value))
+    if not kinds <= ({int, float} if integral_floats else {int}):
+        return None  # bool, str, None, a subclass: not an id
+    try:
+        ids = value if float not in kinds else list(map(int, value))
+        if ids is not value and ids != value:
+            return None  # a float with a fraction
+        return array(UINT32, ids)
+    except (ValueError, OverflowError):  # NaN, infinities, negative or past uint32
+        return None
