@@ -148,11 +148,17 @@ def _positive_int(value: float | None) -> int | None:
 _TYPED = ("gauge", "counter")  # the family types whose value the reference's extractValue reads
 
 
+class MetricsPageError(MetricsError):
+    """A scraped page that is not Prometheus text: the reference's metrics source fails the poll
+    (a parsed page that lacks a metric fails its extractor instead)."""
+
+
 def parse_engine_metrics(engine: str | EngineSpec, text: str) -> EndpointMetrics:
-    """Read one scrape; a text that is not Prometheus format or lacks a core metric is an error."""
+    """Read one scrape; a text that is not Prometheus format (:class:`MetricsPageError`) or lacks
+    a core metric is an error."""
     spec = engine_spec(engine)
     if len(text) > MAX_METRICS_BYTES:
-        raise MetricsError(f"expected at most {MAX_METRICS_BYTES} bytes of metrics, got {len(text)}")
+        raise MetricsPageError(f"expected at most {MAX_METRICS_BYTES} bytes of metrics, got {len(text)}")
     summed = [s for s in (spec.waiting, spec.running) if s is not None]
     maxed = [s for s in (*spec.kv, spec.block_size, spec.num_blocks) if s is not None]
     sums: dict[MetricSpec, float] = {}
@@ -185,7 +191,7 @@ def parse_engine_metrics(engine: str | EngineSpec, text: str) -> EndpointMetrics
                     if named and stamp > custom.get(key, (-0.001, 0.0))[0]:
                         custom[key] = (stamp, sample.value if family.type in _TYPED else 0.0)
     except (ValueError, TypeError, IndexError, KeyError) as exc:
-        raise MetricsError(f"expected Prometheus text format, got a parse error ({type(exc).__name__})") from None
+        raise MetricsPageError(f"expected Prometheus text format, got a parse error ({type(exc).__name__})") from None
     missing = [str(s) for s in summed if s not in sums]
     kv_spec = next((s for s in spec.kv if s in maxima), None)
     if spec.kv and kv_spec is None:

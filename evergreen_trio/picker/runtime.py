@@ -29,7 +29,7 @@ from evergreen_trio._http import HttpGetError, KeepAliveGetter
 from evergreen_trio.picker.burst_shell import seal_windows
 from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.dcgm_poll import poll_dcgm
-from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, parse_engine_metrics
+from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES, MetricsPageError, parse_engine_metrics
 from evergreen_trio.picker.errors import ExtProcError, MetricsError
 from evergreen_trio.picker.flow_control.gate import FlowGate
 from evergreen_trio.picker.flow_metrics import FlowControlMetrics
@@ -201,7 +201,7 @@ async def _scrape_forever(
             except (HttpGetError, MetricsError, trio.TooSlowError) as exc:
                 snapshot.mark_failed(endpoint.address)
                 if errors is not None:
-                    if polled:  # an answer that does not read as the engine's metrics
+                    if polled and not isinstance(exc, MetricsPageError):  # a page without the engine's metrics
                         errors.extract_error(METRICS_SOURCE, METRICS_EXTRACTOR)
                     else:
                         errors.poll_error(METRICS_SOURCE)

@@ -371,10 +371,12 @@ def test_a_derived_histogram_sum_may_round_differently_but_counts_are_exact() ->
 # -- the data layer's error counters ----------------------------------------------------------------------
 
 
-async def test_a_scrape_that_fails_is_a_poll_error_and_one_that_does_not_parse_an_extract_error(
+async def test_a_scrape_that_fails_or_does_not_parse_is_a_poll_error_and_one_without_metrics_an_extract_error(
         nursery: trio.Nursery) -> None:
     good = render_metrics("vllm", EndpointMetrics()).encode()
-    answers = iter([(500, b"down"), (200, b"not {metrics"), *[(200, good)] * 10_000])
+    # as the reference's metrics source: its parser failing is the poll's error, a parsed page
+    # without the engine's metrics the extractor's
+    answers = iter([(500, b"down"), (200, b"not {metrics"), (200, b"other_metric 1\n"), *[(200, good)] * 10_000])
 
     async def handle(request: HttpRequest) -> HttpResponse:
         status, body = next(answers)
@@ -392,7 +394,7 @@ async def test_a_scrape_that_fails_is_a_poll_error_and_one_that_does_not_parse_a
         await ready.wait()
     got = samples(registry)
     for name in ("llm_d_epp_datalayer_poll_errors_total", "llm_d_inference_scheduler_datalayer_poll_errors_total"):
-        assert got[key(name, source_type=METRICS_SOURCE)] == 1
+        assert got[key(name, source_type=METRICS_SOURCE)] == 2
     for name in ("llm_d_epp_datalayer_extract_errors_total",
                  "llm_d_inference_scheduler_datalayer_extract_errors_total"):
         assert got[key(name, source_type=METRICS_SOURCE, extractor_type=METRICS_EXTRACTOR)] == 1
