@@ -292,8 +292,8 @@ def burst_match(attributes: Mapping[tuple[str, str], str], producer: str) -> tup
 
 def check_producers(plugins: Mapping[str, Plugin], where: Callable[[str], str]) -> None:
     """At most one burst producer, and each ``prefixMatchInfoProducerName`` of a
-    :data:`PRODUCER_READERS` type names the approximate producer or a declared burst producer;
-    ``where(name)`` is the plugin's parameters path."""
+    :data:`PRODUCER_READERS` type names the approximate producer or a declared burst or precise
+    producer; ``where(name)`` is the plugin's parameters path."""
     bursts = burst_producers(plugins)
     if len(bursts) > 1:
         raise ConfigError(where(list(bursts)[1]), f"at most one {BURST_PREFIX_PRODUCER} (this picker runs one)",
@@ -301,8 +301,7 @@ def check_producers(plugins: Mapping[str, Plugin], where: Callable[[str], str]) 
     precise = check_precise(plugins, where)
     for name, plugin in plugins.items():
         producer = getattr(plugin.params, "producer", "") if plugin.type in PRODUCER_READERS else ""
-        if producer and producer not in bursts and (producer not in precise or plugin.type != PRODUCER_READERS[0]):
-            only = f" ({PRECISE_PRODUCER} feeds a prefix-cache-scorer only)" if producer in precise else ""
+        if producer and producer not in bursts and producer not in precise:
             raise ConfigError(f"{where(name)}.prefixMatchInfoProducerName",
-                              f"approx-prefix-cache-producer or a declared {BURST_PREFIX_PRODUCER}'s name{only}",
-                              producer)
+                              f"approx-prefix-cache-producer or a declared {BURST_PREFIX_PRODUCER}'s or "
+                              f"{PRECISE_PRODUCER}'s name", producer)

@@ -10,9 +10,12 @@ queue is mildly preferred, deep queues are starved. After scheduling (``PreReque
 pod computing the prefix (the prefill pick under P/D, else the primary pick) by at least
 ``minCachedTokenDelta`` tokens, for the routing sidecar to pull the blocks over the P2P connector.
 
-The matches come from the approximate prefix index (the reference's default producer) or a
-declared ``burst-prefix-cache-producer``; neither has per-tier data, so every cached block counts
-as pull-servable (the reference's path for producers without tiers).
+The matches come from the approximate prefix index (the reference's default producer), a
+declared ``burst-prefix-cache-producer``, or a declared ``precise-prefix-cache-producer``. The
+precise one knows each block's device tier: a source serves pulls from its CPU tier, so only its
+leading CPU-tier blocks count as pull-servable, while the computing pod's local blocks count in any
+tier. The others have no tiers, so every cached block counts (the reference's path for producers
+without tier data).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from evergreen_trio.picker.plugins import APPROX_PRODUCER, Category, Params, Plugin, PluginType, register
 
 P2P_SOURCE_PRODUCER = "p2p-source-producer"
+CPU_TIER = "cpu"
+"""The device tier a pull is served from (the reference's ``cpuDeviceTier``)."""
 REQUEST_ID_HEADER = "x-request-id"
 _FNV_OFFSET, _FNV_PRIME, _MASK = 0x811C9DC5, 0x01000193, 0xFFFFFFFF
 # Bytes of x-request-id hashed: a request id is a UUID (36); a client's 60 KiB one would cost
@@ -33,7 +38,7 @@ MAX_REQUEST_ID_BYTES = 256
 @dataclass(frozen=True)
 class P2PSourceParams:
     """The producer's parameters: whose matches it reads ("" the approximate prefix index, else a
-    declared burst producer's name), the least token lead that sets the header, and the P/D
+    declared burst or precise producer's name), the least token lead that sets the header, and the P/D
     prefill profile whose pick computes the prefix."""
 
     producer: str = ""

@@ -16,7 +16,7 @@ as holding the prompt's blocks, for ``speculativeTTL``. The deprecated
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,8 @@ from evergreen_trio.picker.kvblock import (
     block_extras,
     fold_cache_salt,
     longest_prefix_scores,
+    matched_blocks,
+    matched_blocks_by_tier,
 )
 from evergreen_trio.picker.kvevents import KVEventIndexer
 from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, PrefixScorerParams, register
@@ -187,6 +189,8 @@ class PrefixMatch:
 
     keys: list[list[int]]
     matched: dict[str, float] = field(default_factory=dict)
+    holders: list[dict[int, list[PodEntry]]] = field(default_factory=list)
+    """Per prompt, who holds each of its block keys (the index's lookup)."""
 
     @property
     def total(self) -> int:
@@ -235,7 +239,9 @@ class PrecisePrefixCache:
         self.expire(now)
         result = PrefixMatch(self.block_keys(request))
         for keys in result.keys:
-            for pod, score in longest_prefix_scores(keys, self.index.lookup(keys), self.weights).items():
+            holders = self.index.lookup(keys)
+            result.holders.append(holders)
+            for pod, score in longest_prefix_scores(keys, holders, self.weights).items():
                 result.matched[pod] = result.matched.get(pod, 0.0) + score
         self._last = (request, result)
         return result
@@ -252,6 +258,22 @@ class PrecisePrefixCache:
             blocks = int(found.matched.get(state.endpoint.address, 0.0))  # the reference's int(score)
             out[state.endpoint.address] = scorer.score(blocks * self.block_tokens, blocks / total)
         return out
+
+    def cached_tokens(self, request: PickRequest, addresses: Iterable[str], now: float,
+                      tier: str) -> tuple[dict[str, int], dict[str, int]]:
+        """Per endpoint, the prompt tokens it caches in any tier, and those it caches in ``tier``
+        alone (each prompt's leading blocks until the first gap, as the reference's match info's
+        ``CachedBlockCount`` and ``CachedBlocksByTier``)."""
+        found = self.match(request, now)
+        size = self.block_tokens
+        pairs = list(zip(found.keys, found.holders, strict=True))
+        anywhere: dict[str, int] = {}
+        in_tier: dict[str, int] = {}
+        for address in addresses:
+            anywhere[address] = size * sum(matched_blocks(keys, holders, address) for keys, holders in pairs)
+            in_tier[address] = size * sum(matched_blocks_by_tier(keys, holders, address).get(tier, 0)
+                                          for keys, holders in pairs)
+        return anywhere, in_tier
 
     def scheduled(self, request: PickRequest, schedule: Schedule, now: float) -> None:
         """With speculative indexing: the picks hold the prompt's blocks until ``speculativeTTL``."""

@@ -30,6 +30,7 @@ from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_to
 from evergreen_trio.picker.mm_cache import MEDIA_SCORERS, MEDIA_STATES
 from evergreen_trio.picker.models_source import ModelData
 from evergreen_trio.picker.p2p_source import (
+    CPU_TIER,
     REQUEST_ID_HEADER,
     P2PSourceParams,
     Peer,
@@ -387,6 +388,7 @@ class Scheduler:
         self.kv_sources = [(params, bursts[params.producer].block_size_tokens if params.producer in bursts else 0)
                            for params in (p2p_sources(config.epp.plugins) if config.epp is not None else ())]
         self.kv_picks: list[tuple[P2PSourceParams, Peer | None, dict[str, int]]] = []
+        """Each p2p-source-producer's source for the last pick, and the tokens each candidate caches."""
 
     def saturation(self, states: Sequence[EndpointState] | None = None) -> float:
         """What the legacy admission's detector reads now of ``states`` (the request's located
@@ -507,16 +509,23 @@ class Scheduler:
     def _kv_source(self, params: P2PSourceParams, block_tokens: int, request: PickRequest,
                    candidates: Sequence[EndpointState]) -> tuple[P2PSourceParams, Peer | None, dict[str, int]]:
         """A p2p-source-producer's pull source among ``candidates`` (None: none caches the prompt),
-        with the prompt tokens each candidate caches by its producer: the prefix index's matches, or
-        a burst producer's full match on the replica it assigned. Without ``x-request-id`` the
+        with the prompt tokens each candidate caches by its producer: the prefix index's matches, a
+        burst producer's full match on the replica it assigned, or a precise producer's leading
+        blocks (a source serving only its CPU-tier ones). Without ``x-request-id`` the
         coordinate is random, as the reference's generated request id is."""
-        if params.producer:
+        precise = self.plugin_states.get(params.producer) if params.producer else None
+        if isinstance(precise, PrecisePrefixCache):  # pulls come from a source's CPU tier; local blocks from any
+            block_tokens = precise.block_tokens
+            cached, servable = precise.cached_tokens(request, (s.endpoint.address for s in candidates),
+                                                     self.snapshot.clock(), CPU_TIER)
+        elif params.producer:
             assigned = burst_match(request.attributes, params.producer)
-            cached = {assigned[0]: assigned[1]} if assigned is not None else {}
+            cached = servable = {assigned[0]: assigned[1]} if assigned is not None else {}
         else:
             block_tokens = self.prefix_geometry()[0]
-            cached = {address: blocks * block_tokens for address, blocks in self.prefix_matches.items() if blocks}
-        peers = [Peer(s.endpoint.address, cached.get(s.endpoint.address, 0), block_tokens,
+            cached = servable = {address: blocks * block_tokens
+                                 for address, blocks in self.prefix_matches.items() if blocks}
+        peers = [Peer(s.endpoint.address, servable.get(s.endpoint.address, 0), block_tokens,
                       s.metrics.waiting if s.metrics is not None else 0.0) for s in candidates]
         request_id = request.headers.get(REQUEST_ID_HEADER)
         coordinate = spread_fraction(request_id) if request_id else self.rng.random()

@@ -29,6 +29,7 @@ from evergreen_trio.picker.kvevents import (
     parse_topic,
 )
 from evergreen_trio.picker.precise_prefix import PreciseParams, PrecisePrefixCache, precise_caches
+from evergreen_trio.picker.routing_headers import KV_CACHE_SOURCE_HEADER
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Schedule, Scheduler
 from evergreen_trio.picker.token_estimate import TokenizedPrompt, pack_ids
 
@@ -292,3 +293,38 @@ def test_a_long_stored_event_is_hashed_in_slices_with_the_same_keys() -> None:
     assert len(steps) == 2
     keys = indexer.processor.block_keys(tokens, "m")
     assert len(indexer.index.lookup(keys)) == len(keys) == BLOCKS_PER_STEP * 2 + 3
+
+
+def test_a_p2p_source_producer_pulls_from_a_precise_producers_cpu_tier() -> None:
+    """The reference's p2psource with per-tier match info: a source serves a pull from its leading
+    CPU-tier blocks only; the computing pod's own blocks count in any tier."""
+    config = parse_config("""pool: {name: p, endpoints: ['10.0.0.1:8000', '10.0.0.2:8000']}
+---
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- {type: token-producer}
+- {type: precise-prefix-cache-producer, name: events}
+- {type: p2p-source-producer, parameters: {prefixMatchInfoProducerName: events}}
+- {type: queue-scorer}
+schedulingProfiles:
+- {name: default, plugins: [{pluginRef: queue-scorer}]}
+""")
+    snapshot = PoolSnapshot(config.pool.endpoints, 2.0, lambda: 0.0)
+    for address, waiting in (("10.0.0.1:8000", 3), ("10.0.0.2:8000", 0)):  # the queue picks 10.0.0.2
+        snapshot.update(address, EndpointMetrics(waiting=waiting))
+    scheduler = Scheduler(config, snapshot, random.Random(1))
+    (cache,) = precise_caches(scheduler.plugin_states).values()
+    tokens = list(range(64))
+
+    def source() -> str | None:
+        schedule = scheduler.schedule(_request(tokens))
+        assert schedule.endpoints == ["10.0.0.2:8000"]
+        return schedule.request_headers.get(KV_CACHE_SOURCE_HEADER)
+
+    cache.events.apply("10.0.0.1:8000", "m", BlockStored((1, 2, 3, 4), 0, tuple(tokens), 16, "GPU"))
+    assert source() is None  # held on its GPU only: nothing to pull
+    cache.events.apply("10.0.0.1:8000", "m", BlockStored((1, 2), 0, tuple(tokens[:32]), 16, "CPU"))
+    assert source() == "10.0.0.1:8000"  # two CPU-tier blocks (32 tokens) over none on the pick
+    cache.events.apply("10.0.0.2:8000", "m", BlockStored((5, 6), 0, tuple(tokens[:32]), 16, "GPU"))
+    assert source() is None  # the pick holds as many, in any tier: no lead
