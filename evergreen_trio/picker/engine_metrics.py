@@ -154,8 +154,8 @@ class MetricsPageError(MetricsError):
 
 
 def parse_engine_metrics(engine: str | EngineSpec, text: str) -> EndpointMetrics:
-    """Read one scrape; a text that is not Prometheus format (:class:`MetricsPageError`) or lacks
-    a core metric is an error."""
+    """Read one scrape; a text that is not Prometheus format (``MetricsPageError``) or lacks a
+    core metric is an error."""
     spec = engine_spec(engine)
     if len(text) > MAX_METRICS_BYTES:
         raise MetricsPageError(f"expected at most {MAX_METRICS_BYTES} bytes of metrics, got {len(text)}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
-from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, register
+from evergreen_trio.picker.plugins import APPROX_PRODUCER, Category, Params, Plugin, PluginType, register
 
 if TYPE_CHECKING:
     from evergreen_trio.picker.scheduler import EndpointState, PickRequest, Scheduler
@@ -54,6 +54,9 @@ class LoadConfig:
     output_ratio: float = 1.5
     max_estimated_output_tokens: int | None = None
     producer_name: str = PRODUCER  # the ``inflight-load-producer`` plugin's name (a metrics label)
+    prefix_producer: str = ""
+    """Whose prefix matches discount the cached prompt ("": the approximate index; else a declared
+    ``precise-prefix-cache-producer``'s name)."""
 
     def weights(self) -> dict[str, float]:
         """Scorer type -> weight for the flat profile."""
@@ -84,11 +87,12 @@ class LoadAwareParams:
 
 
 def _producer(params: Params) -> LoadConfig:
-    params.text("prefixMatchInfoProducerName", "")
+    producer = params.text("prefixMatchInfoProducerName", "")  # epp_config checks it names a declared producer
     params.boolean("syncCrossReplicaState", True)  # one replica here: nothing to synchronize
     cap = params.integer("maxEstimatedOutputTokens", 0) if params.has("maxEstimatedOutputTokens") else None
     return LoadConfig(0.0, add_estimated_output_tokens=params.boolean("addEstimatedOutputTokens", False),
-                      output_ratio=params.number("outputRatio", 1.5), max_estimated_output_tokens=cap)
+                      output_ratio=params.number("outputRatio", 1.5), max_estimated_output_tokens=cap,
+                      prefix_producer="" if producer == APPROX_PRODUCER else producer)
 
 
 def _active_request(params: Params) -> ActiveRequestParams:
@@ -144,10 +148,14 @@ def estimated_output(config: LoadConfig, prompt_tokens: int, client_cap: int | N
     return estimate
 
 
-def uncached_tokens(prompt_tokens: int, matched_blocks: int, block_tokens: int) -> int:
-    """Prompt tokens the endpoint must compute: all but its matched blocks' (a matched tail block
-    is shorter than ``block_tokens``: none left then)."""
-    return max(0, prompt_tokens - matched_blocks * block_tokens)
+def uncached_tokens(prompt_tokens: int, matched_blocks: int, block_tokens: int, total_blocks: int) -> int:
+    """Prompt tokens the endpoint must compute, as the reference's ``uncachedInputTokens``: the
+    prompt's indexed blocks it lacks, each counted whole (a short tail block too), and the tokens
+    beyond the indexed blocks; the whole prompt when nothing was indexed."""
+    if total_blocks <= 0 or block_tokens <= 0:
+        return max(0, prompt_tokens)
+    indexed = total_blocks * block_tokens
+    return max(0, indexed - matched_blocks * block_tokens) + max(0, prompt_tokens - indexed)
 
 
 Group = tuple[str, int]

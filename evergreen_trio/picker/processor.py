@@ -280,8 +280,9 @@ class Picker:
                     admission.request_body = request.body
                     if admission.render is None:  # else once rendered
                         self.hash_prompt(admission, admission.tokens)
-                elif self.hashes_prompts:  # the reference's auto-added estimate producer
-                    self.hash_prompt(admission, tokenize(DEFAULT_PRODUCER, path, request, headers)[0])
+                elif self.hashes_prompts:  # the reference's auto-added estimate producer: its tokens are the request's
+                    admission.tokens = tokenize(DEFAULT_PRODUCER, path, request, headers)[0]
+                    self.hash_prompt(admission, admission.tokens)
                 admission.prompt_bytes = request.prompt_size(self.config.scheduler.chars_per_token)
                 admission.output_cap = request.output_cap
                 if self.reads_media and request.api is Api.CHAT:

@@ -620,10 +620,21 @@ class Scheduler:
     def uncached_tokens(self, request: PickRequest, addresses: Iterable[str],
                         prompt_tokens: int | None = None) -> dict[str, int]:
         """The request's prompt tokens (``prompt_tokens`` when the caller has them) each endpoint
-        lacks in its (approximate) prefix cache."""
-        block_tokens = self.prefix_geometry()[0]
+        lacks in its prefix cache: by the approximate index's matches, or by those of the precise
+        producer the in-flight load producer names (its tier-weighted blocks, as the reference's
+        match info holds them); a name of another producer discounts nothing (the reference's
+        optional dependency on it finds no match info of the kind read here)."""
         tokens = self.prompt_tokens(request) if prompt_tokens is None else prompt_tokens
-        return {a: uncached_tokens(tokens, self.prefix_matches.get(a, 0), block_tokens) for a in addresses}
+        producer = self.inflight.config.prefix_producer
+        if producer:
+            precise = self.plugin_states.get(producer)
+            if not isinstance(precise, PrecisePrefixCache):  # no match info from it: nothing discounted
+                return dict.fromkeys(addresses, max(0, tokens))
+            found = precise.match(request, self.snapshot.clock())
+            return {a: uncached_tokens(tokens, int(found.matched.get(a, 0.0)), precise.block_tokens, found.total)
+                    for a in addresses}
+        block_tokens, total = self.prefix_geometry()[0], len(request.hashes)
+        return {a: uncached_tokens(tokens, self.prefix_matches.get(a, 0), block_tokens, total) for a in addresses}
 
 
 def _labels(state: EndpointState) -> Mapping[str, str]:

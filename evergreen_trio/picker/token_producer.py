@@ -164,8 +164,8 @@ DEFAULT_PRODUCER = TokenProducer(Estimator())
 def request_producer(plugins: Mapping[str, Plugin], handler: object) -> TokenProducer | None:
     """The token producer requests run through: the first declared, else (as the reference's
     framework adds one for plugins consuming its tokens) the default estimate when a P/D or E/PD
-    decider or ``context-length-aware`` counts them. The prefix hashes read the default estimate's
-    tokens when none runs; in-flight load keeps its byte estimate (docs/picker.md)."""
+    decider or ``context-length-aware`` counts them. The prefix producers run the default
+    estimate when none runs here, and its tokens are then the request's."""
     declared = next((p.params for p in plugins.values() if isinstance(p.params, TokenProducer)), None)
     if declared is not None:
         return declared

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -29,8 +30,13 @@ from evergreen_trio.picker.inflight import (
     token_load_score,
     uncached_tokens,
 )
+from evergreen_trio.picker.kvevents import BlockStored
+from evergreen_trio.picker.precise_prefix import precise_caches
 from evergreen_trio.picker.processor import DESTINATION, Picker
+from evergreen_trio.picker.request import parse_body
 from evergreen_trio.picker.scheduler import PickRequest
+from evergreen_trio.picker.token_estimate import TokenizedPrompt, pack_ids
+from evergreen_trio.picker.token_producer import DEFAULT_PRODUCER, tokenize
 from tests.picker.test_grpc_wire import PATH, Peer
 from tests.picker.test_processor import (
     A,
@@ -132,7 +138,6 @@ def test_scorers_follow_llm_d() -> None:
     assert running_requests_scores({A: EndpointMetrics(running=2), B: EndpointMetrics(running=6)}) == {A: 1.0, B: 0.0}
     assert running_requests_scores({A: EndpointMetrics(running=3), B: EndpointMetrics(running=3)}) == {A: 1.0, B: 1.0}
     assert [load_aware_score(LoadAwareParams(10), w) for w in (0, 5, 10, 50)] == [0.5, 0.25, 0.0, 0.0]
-    assert uncached_tokens(100, matched_blocks=3, block_tokens=16) == 16 + 36
     assert estimated_output(LoadConfig(), 100, None) == 150
     assert estimated_output(LoadConfig(max_estimated_output_tokens=40), 100, 60) == 40
     assert output_cap({"max_completion_tokens": 7}) == 7 and output_cap({"max_tokens": True}) is None
@@ -303,3 +308,72 @@ def test_plain_weights_and_their_bad_values() -> None:
             parse_config(f"pool: {{name: t, endpoints: ['{A}']}}\nscheduler: {{weights: {{{key}: -2}}}}")
         with pytest.raises(ConfigError, match=rf"scheduler\.weights\.{key}"):
             parse_config(f"pool: {{name: t, endpoints: ['{A}']}}\nscheduler: {{weights: {{{key}: high}}}}")
+
+
+@pytest.mark.parametrize(("prompt", "matched", "block", "total", "uncached"), [
+    (5, 1, 4, 2, 4),  # TestUncachedInputTokens_Overestimate: the indexed blocks' 4 over the estimate's 5
+    (8, 1, 4, 2, 4),  # the precise-producer table: indexed 8, matched 4
+    (100, 3, 16, 7, 64),  # a short tail block counts whole: 7 blocks of 16 indexed, 3 matched
+    (130, 2, 16, 7, 80 + 18),  # past the indexed blocks (a capped match): the rest counts too
+    (50, 0, 16, 0, 50), (50, 9, 0, 4, 50),  # nothing indexed: the whole prompt
+    (10, 4, 4, 3, 0),  # more matched than indexed (a stale index): never below 0
+])
+def test_uncached_tokens_are_the_references_uncached_input_tokens(
+        prompt: int, matched: int, block: int, total: int, uncached: int) -> None:
+    assert uncached_tokens(prompt, matched, block, total) == uncached
+
+
+PREFIX_EPP = """
+---
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: inflight-load-producer
+  parameters: {producer}
+- type: approx-prefix-cache-producer
+{precise}- type: prefix-cache-scorer
+- type: active-request-scorer
+schedulingProfiles:
+- name: default
+  plugins:
+  - {{pluginRef: prefix-cache-scorer, weight: 1}}
+  - {{pluginRef: active-request-scorer, weight: 5}}
+"""
+CHAT = {"model": "plain", "messages": [{"role": "system", "content": "be brief " * 20},
+                                       {"role": "user", "content": "x" * 305}], "tools": [{"type": "function"}]}
+
+
+def test_in_flight_tokens_are_the_auto_added_producers_tokens_and_whole_indexed_blocks() -> None:
+    """As the reference, whose in-flight load producer requires the token producer's tokens (the
+    framework adds the estimate one): the roles and tools count, and the blocks the prompt was
+    hashed in count whole (its short tail block too) on an endpoint that holds none."""
+    picker = make_picker(PREFIX_EPP.format(producer="{}", precise=""), metrics=[EndpointMetrics()] * 3)
+    body = json.dumps(CHAT).encode()
+    tokens, _ = tokenize(DEFAULT_PRODUCER, "/v1/chat/completions", parse_body("/v1/chat/completions", body), {})
+    assert tokens is not None
+    route = picker.route("/v1/chat/completions", {}, body, None)
+    block = picker.scheduler.prefix_geometry()[0]
+    assert tokens.token_count % block and len(route.hashes) * block > tokens.token_count  # a short tail block
+    assert picker.scheduler.inflight.tokens(route.endpoints[0]) == len(route.hashes) * block
+    assert picker.scheduler.inflight.tokens(route.endpoints[0]) != math.ceil(len("system" + "be brief " * 20
+                                                                                + "user" + "x" * 305) / 4)
+
+
+def test_in_flight_load_discounts_by_the_precise_producer_it_names() -> None:
+    picker = make_picker(PREFIX_EPP.format(
+        producer="{prefixMatchInfoProducerName: events}",
+        precise="- {type: token-producer}\n- {type: precise-prefix-cache-producer, name: events}\n"),
+        metrics=[EndpointMetrics()] * 3)
+    (cache,) = precise_caches(picker.scheduler.plugin_states).values()
+    request = PickRequest("plain", 0, tokens=TokenizedPrompt((pack_ids(list(range(70))),)))
+    cache.events.apply(A, "plain", BlockStored((1, 2), 0, tuple(range(32)), 16, "GPU"))
+    cache.events.apply(B, "plain", BlockStored((3,), 0, tuple(range(16)), 16, "CPU"))
+    # 4 full blocks of 16 indexed, 6 tokens past them; A holds 2 (weight 1 each), B 1 at 0.8: int(0.8) = 0
+    assert picker.scheduler.uncached_tokens(request, [A, B, C]) == {A: 2 * 16 + 6, B: 4 * 16 + 6, C: 4 * 16 + 6}
+
+
+def test_a_prefix_producer_name_without_match_info_discounts_nothing() -> None:
+    picker = load_picker("  parameters: {prefixMatchInfoProducerName: nobody}")
+    request = PickRequest("plain", 0, hashes=(1, 2, 3), prompt_bytes=400)
+    picker.scheduler.prefix.add(A, (1, 2, 3))
+    assert picker.scheduler.uncached_tokens(request, [A, B]) == {A: 100, B: 100}

@@ -248,8 +248,9 @@ async def test_the_models_are_kept_on_the_endpoint_and_a_bad_answer_keeps_them_a
         await server.next_polls(2)
         await trio.sleep(0.05)
     stop()
+    await trio.sleep(0.1)  # a poll already sent when the endpoint went is still answered (a loaded machine)
     polls = server.polls
-    await trio.sleep(0.1)
+    await trio.sleep(0.2)
     assert server.polls == polls  # the endpoint is gone: so is its poll
 
 
