@@ -20,6 +20,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from envoy.config.core.v3 import base_pb2
@@ -606,8 +607,9 @@ class ExtProcStream:
             self.on_unpark()
 
     def _on_outcome(self, outcome: Outcome) -> None:
-        assert self._finish is not None
-        self._resumed = self._finish(outcome)
+        finish, self._finish = self._finish, None  # it holds this stream: no cycle once decided
+        assert finish is not None
+        self._resumed = finish(outcome)
         if self.parked and not self._burst_waiting():
             self.parked = False
             if self.on_unpark is not None:
@@ -699,25 +701,9 @@ class ExtProcStream:
     def _dispatch(self, admission: Admission, phase: str, duplex_end: bool | None,
                   after: Sequence[ep.ProcessingResponse]) -> list[ep.ProcessingResponse]:
         """Route an admitted request, through flow control when on (it may park here)."""
-
-        def finish(outcome: Outcome) -> list[ep.ProcessingResponse]:
-            self._processed()
-            if outcome is not Outcome.DISPATCHED:
-                return [self._immediate(outcome.status, outcome_message(outcome), outcome.reason), *after]
-            if self.picker.burst is not None and self._burst is None:
-                return self._join_burst(admission, finish)
-            try:
-                route = self.picker.pick(admission, self.report)
-            except RequestError as exc:
-                return [self._immediate(exc.status, exc.message, exc.dropped_reason), *after]
-            if self.item is not None and self.picker.flow is not None:
-                self.picker.flow.started(self.item)
-            first = self._decision(route, phase)
-            if duplex_end is None:
-                return [first, *after]
-            data = route.body if route.body is not None else self._body()
-            return [first, *_chunks(data, self.limits.streamed_chunk_bytes, duplex_end), *after]
-
+        # A partial of a method, not a closure naming itself: that cycle kept every stream alive
+        # until the cyclic collector ran.
+        finish = partial(self._finish_outcome, admission, phase, duplex_end, after)
         if self.picker.flow is None:
             return finish(Outcome.DISPATCHED)
         self._finish = finish
@@ -728,6 +714,27 @@ class ExtProcStream:
         if self.item.outcome is None:
             self.parked = True
         return list(ExtProcStream.resume(self))  # this class's: a subclass's resume answers the wire
+
+    def _finish_outcome(self, admission: Admission, phase: str, duplex_end: bool | None,
+                        after: Sequence[ep.ProcessingResponse], outcome: Outcome) -> list[ep.ProcessingResponse]:
+        """The replies once flow control decided ``outcome`` (at once without it): the request's
+        route, or its immediate response."""
+        self._processed()
+        if outcome is not Outcome.DISPATCHED:
+            return [self._immediate(outcome.status, outcome_message(outcome), outcome.reason), *after]
+        if self.picker.burst is not None and self._burst is None:
+            return self._join_burst(admission, partial(self._finish_outcome, admission, phase, duplex_end, after))
+        try:
+            route = self.picker.pick(admission, self.report)
+        except RequestError as exc:
+            return [self._immediate(exc.status, exc.message, exc.dropped_reason), *after]
+        if self.item is not None and self.picker.flow is not None:
+            self.picker.flow.started(self.item)
+        first = self._decision(route, phase)
+        if duplex_end is None:
+            return [first, *after]
+        data = route.body if route.body is not None else self._body()
+        return [first, *_chunks(data, self.limits.streamed_chunk_bytes, duplex_end), *after]
 
     def _join_burst(self, admission: Admission,
                     finish: Callable[[Outcome], list[ep.ProcessingResponse]]) -> list[ep.ProcessingResponse]:

@@ -193,17 +193,16 @@ def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Calla
 
 
 def parse_body(path: str, body: bytes,
-               check: Callable[[str, Mapping[str, Any]], None] | None = None) -> InferenceRequest:
+               check: Callable[[str, Mapping[str, Any]], Api] | None = None) -> InferenceRequest:
     """Parse a request body; a body that is not a JSON object with a string ``model`` is a 400.
 
-    ``check`` (the parser's checks of the object, RequestError for one it refuses) runs first."""
+    ``check`` (the parser's checks of the object: RequestError for one it refuses, else the API
+    the request is scheduled as) runs first."""
     doc, text, model_span = load_object(body)
-    if check is not None:
-        check(path, doc)
+    api = check(path, doc) if check is not None else api_for_path(path)
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError(400, "request body lacks a string 'model' field")
-    api = api_for_path(path)
     prompt = api_prompt(api, doc)
     if not model.isascii():  # ASCII always encodes
         utf8(model, "model")

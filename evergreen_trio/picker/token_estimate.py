@@ -65,7 +65,10 @@ class PromptTokens(NamedTuple):
 
     @property
     def token_count(self) -> int:
-        return sum(len(s) // BYTES_PER_TOKEN if isinstance(s, bytes) else s.count for s in self.segments)
+        segments = self.segments
+        if len(segments) == 1 and type(segments[0]) is bytes:  # a text prompt (in-flight load reads it per request)
+            return len(segments[0]) // BYTES_PER_TOKEN
+        return sum(len(s) // BYTES_PER_TOKEN if isinstance(s, bytes) else s.count for s in segments)
 
     def token_ids(self, limit: int | None = None) -> list[int]:
         """The token ids, at most the first ``limit``."""
@@ -94,7 +97,8 @@ class TokenizedPrompt(NamedTuple):
 
     @property
     def token_count(self) -> int:
-        return sum(p.token_count for p in self.prompts)
+        prompts = self.prompts
+        return prompts[0].token_count if len(prompts) == 1 else sum(p.token_count for p in prompts)
 
     @property
     def multimodal(self) -> bool:

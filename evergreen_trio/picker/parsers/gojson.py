@@ -203,20 +203,14 @@ _FOLD = str.maketrans({**{c: c.upper() for c in ascii_lowercase},
 
 
 MAX_FOLDED_NAMES = 4096
-"""Member names whose fold is kept at hand (they are the client's: the map is cleared when full)."""
-_FOLDED: dict[str, str] = {}
-
-
-def _fold(name: str) -> str:
-    folded = _FOLDED[name] = name.translate(_FOLD)
-    if len(_FOLDED) > MAX_FOLDED_NAMES:
-        _FOLDED.clear()
-    return folded
+"""Member names a struct keeps the field of at hand (they are the client's: cleared when full)."""
+_UNSEEN = ("", raw)
 
 
 def struct(go_type: str, /, **fields: Spec) -> Spec:
     """The Go struct ``go_type`` of JSON fields ``fields`` (decoded as a dict of the fields present)."""
     by_fold = {field.upper(): (field, spec) for field, spec in fields.items()}
+    by_name: dict[str, tuple[str, Spec] | None] = {}  # a member name's field (None: none), once folded
 
     def decode(value: object, path: str) -> dict[str, Any] | None:
         if value is None:
@@ -224,14 +218,18 @@ def struct(go_type: str, /, **fields: Spec) -> Spec:
         if not isinstance(value, dict):
             raise Mismatch(path, go_type, value)
         out: dict[str, Any] = {}
-        for key, item in members(value):
-            folded = _FOLDED.get(key)
-            if folded is None:
-                folded = _fold(key)
-            found = by_fold.get(folded)
+        for key, item in value.pairs if type(value) is _Repeated else value.items():  # members(value), inline
+            found = by_name.get(key, _UNSEEN)
+            if found is _UNSEEN:
+                if len(by_name) >= MAX_FOLDED_NAMES:
+                    by_name.clear()
+                found = by_name[key] = by_fold.get(key.translate(_FOLD))
             if found is not None:
                 field, spec = found
-                out[field] = spec(item, f"{path}.{field}")
+                if spec is string and (item is None or type(item) is str):  # string(), inline: the usual field
+                    out[field] = item
+                else:
+                    out[field] = spec(item, f"{path}.{field}")
         return out
 
     return decode

@@ -27,7 +27,7 @@ from evergreen_trio.picker.parsers.gojson import (
     struct,
 )
 from evergreen_trio.picker.parsers.registry import RequestParser, register_parser
-from evergreen_trio.picker.request import InferenceRequest, parse_body, request_type
+from evergreen_trio.picker.request import Api, InferenceRequest, parse_body, request_type
 from evergreen_trio.picker.token_ids import uint32_ids
 
 
@@ -110,9 +110,12 @@ def read_request(request_type: str, doc: Mapping[str, Any]) -> dict[str, Any]:
     return decoded
 
 
-def check_request_type(path: str, doc: Mapping[str, Any]) -> None:
-    """RequestError(400) for a body the reference's openai parser refuses at ``path``."""
-    read_request(request_type(path)[0], doc)
+def check_request_type(path: str, doc: Mapping[str, Any]) -> Api:
+    """RequestError(400) for a body the reference's openai parser refuses at ``path``; else the
+    API the request is scheduled as."""
+    kind, api = request_type(path)
+    read_request(kind, doc)
+    return api
 
 
 def _parse(path: str, headers: Mapping[str, str], body: bytes) -> InferenceRequest:
