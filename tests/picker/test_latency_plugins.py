@@ -374,3 +374,28 @@ def test_training_samples_keep_at_most_the_limit(latencies: list[tuple[float, fl
     entries = [TrainingEntry(PredictionRow(0, 1, 0, 0, 0, 0), ttft, tpot, 0.0) for ttft, tpot in latencies]
     sample = sample_training(entries, limit, rng)
     assert len(sample) == min(limit, len(entries)) and all(e in entries for e in sample)
+
+
+def test_the_affinity_filters_gate_reads_the_predicted_ttft() -> None:
+    from evergreen_trio.picker.affinity import AFFINITY_FILTERS
+    from evergreen_trio.picker.scheduler import PoolSnapshot, Scheduler
+
+    pool = "pool: {name: p, endpoints: ['10.0.0.1:8000', '10.0.0.2:8000']}\n---\n"
+    config = parse_config(pool + HEAD + """plugins:
+- {type: predicted-latency-producer}
+- {type: prefix-cache-affinity-filter, parameters: {maxTTFTPenaltyMs: 100, ttftSource: latencyPredictor}}
+schedulingProfiles: [{name: default, plugins: [{pluginRef: prefix-cache-affinity-filter}]}]
+""")
+    scheduler = Scheduler(config, PoolSnapshot(config.pool.endpoints, 2.0, lambda: 0.0))
+    (plugin,) = config.scheduler.effective_profiles[0].filters
+    states = [EndpointState(e, EndpointMetrics(), ready=True) for e in config.pool.endpoints]
+    sticky, other = (s.endpoint.address for s in states)
+    scheduler.prefix_matches = {sticky: 4, other: 0}
+    producer = scheduler.plugin_states["predicted-latency-producer"]
+    assert isinstance(producer, PredictedLatency)
+    context = producer.begin({}, states, scheduler.prefix_matches, 4, 10, {}, {})
+    request = PickRequest("m", 0, hashes=(1, 2, 3, 4), latency={"predicted-latency-producer": context})
+    for sticky_ttft, kept in ((120.0, [sticky]), (500.0, [sticky, other])):
+        producer.predicted(context, [Prediction(sticky_ttft, 1), Prediction(50, 1)])
+        kept_states = AFFINITY_FILTERS[plugin.type](scheduler, request, states, plugin.params)
+        assert [s.endpoint.address for s in kept_states] == kept
