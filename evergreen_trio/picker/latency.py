@@ -45,6 +45,8 @@ PredictionsDone = Callable[[list[Prediction] | None], None]
 """Called once with one prediction per row, in order, or None when the call failed."""
 StartPredict = Callable[[Sequence[PredictionRow], PredictionsDone], None]
 """Asks the predictor for rows' predictions (the runtime's client); never calls back before it returns."""
+Observe = Callable[[str, "LatencyRequest", str, float], None]
+"""(producer name, request, kind, value): a metric observation (:mod:`~evergreen_trio.picker.latency_metrics`)."""
 
 PRODUCER = "predicted-latency-producer"
 SCORER = "latency-scorer"
@@ -181,6 +183,8 @@ class LatencyRequest:
     rows: dict[str, PredictionRow]
     labels: dict[str, Mapping[str, str]]
     infos: dict[str, LatencyInfo] = field(default_factory=dict)
+    model: str = ""  # the client's model and the target model (metric labels)
+    target_model: str = ""
     target: str | None = None
     prefill: str | None = None
     predicted_ttft: float = 0.0
@@ -240,6 +244,8 @@ class PredictedLatency:
     def __init__(self, params: object) -> None:
         assert isinstance(params, ProducerParams)
         self.params = params
+        self.name = PRODUCER  # its plugin name (the picker sets it)
+        self.observe: Observe | None = None  # the runtime's metrics
         self.running: dict[str, _RunningQueue] = {}
         self.pending: list[TrainingEntry] = []  # for the shell's flush task
         self.dropped = 0  # training entries dropped because the buffer was full
@@ -274,14 +280,23 @@ class PredictedLatency:
     def wants_predictions(self, request: LatencyRequest) -> bool:
         return self.params.predict_in_produce and bool(request.rows)
 
-    def predicted(self, request: LatencyRequest, predictions: Sequence[Prediction] | None) -> None:
+    def predicted(self, request: LatencyRequest, predictions: Sequence[Prediction] | None,
+                  seconds: float | None = None) -> None:
         """Turn the bulk call's answer (one per row, in order; None: it failed) into each
-        candidate's :class:`LatencyInfo`; a failed call leaves none (the scorer falls back)."""
+        candidate's :class:`LatencyInfo`; a failed call leaves none (the scorer falls back).
+        ``seconds``: how long the call took (a metric)."""
         if predictions is None or len(predictions) != len(request.rows):
             request.infos = {}
             return
         request.infos = {address: self.info(request, address, prediction)
                          for address, prediction in zip(request.rows, predictions, strict=True)}
+        if seconds is not None:
+            self._observe(request, "ttft_prediction_duration", seconds)
+            self._observe(request, "tpot_prediction_duration", seconds)
+
+    def _observe(self, request: LatencyRequest, kind: str, value: float) -> None:
+        if self.observe is not None and value >= 0:
+            self.observe(self.name, request, kind, value)
 
     def info(self, request: LatencyRequest, address: str, prediction: Prediction) -> LatencyInfo:
         """validatePrediction and the TPOT neutralization: TPOT counts only in streaming mode,
@@ -339,10 +354,19 @@ class PredictedLatency:
             return
         if not streaming:
             self._first_token(context, now)
+        if context.ttft > 0:
+            self._observe(context, "ttft", context.ttft / 1000)
+            self._observe(context, "predicted_ttft", context.predicted_ttft / 1000)
+            if context.ttft_slo > 0:
+                self._observe(context, "ttft_slo_violation", float(context.ttft > context.ttft_slo))
         if context.ttft > 0 and context.tokens > 1:
             e2e_ms = (now - context.dispatched_at) * 1000
             context.avg_tpot = (e2e_ms - context.ttft) / (context.tokens - 1)
         if context.avg_tpot > 0:
+            self._observe(context, "tpot", context.avg_tpot / 1000)
+            self._observe(context, "predicted_tpot", context.predicted_tpot / 1000)
+            if context.tpot_slo > 0:
+                self._observe(context, "tpot_slo_violation", float(context.avg_tpot > context.tpot_slo))
             row = context.rows.get(context.target)
             if row is not None:
                 self._train(TrainingEntry(replace(row, num_tokens_generated=0, prefix_cache_score=0.0), 0.0,

@@ -207,6 +207,8 @@ class Picker:
         self.start_render: StartRender | None = None  # set by the runtime for the vllm token backend
         self.latency = {name: state for name, state in self.scheduler.plugin_states.items()
                         if isinstance(state, PredictedLatency)}
+        for name, producer in self.latency.items():
+            producer.name = name
         self.start_predict: StartPredict | None = None  # set by the runtime when a latency producer runs
         self.verifies_served = any(p.type == DESTINATION_ENDPOINT_SERVED_VERIFIER for p in self.plugins)
         self.reads_media = any(p.type == MM_PRODUCER for p in self.plugins)
@@ -338,8 +340,9 @@ class Picker:
         requests = {a: inflight.requests(a) for a in addresses}
         in_flight_tokens = {a: inflight.tokens(a) for a in addresses}
         for name, producer in self.latency.items():
-            admission.latency[name] = producer.begin(admission.headers, candidates, matches, len(admission.hashes),
-                                                     tokens, requests, in_flight_tokens)
+            context = admission.latency[name] = producer.begin(
+                admission.headers, candidates, matches, len(admission.hashes), tokens, requests, in_flight_tokens)
+            context.model, context.target_model = admission.client_model or "", admission.target_model or ""
         return [c for c in admission.latency.values() if c.owner.wants_predictions(c)]
 
     def pick(self, admission: Admission, report: StreamReport) -> Route:
@@ -792,10 +795,13 @@ class ExtProcStream:
         if start is None or not wanted:
             return False
 
+        clock = self.picker.snapshot.clock
+        started = clock()
+
         def predicted(context: LatencyRequest, predictions: list[Prediction] | None) -> None:
             if self._abandoned:
                 return
-            context.owner.predicted(context, predictions)
+            context.owner.predicted(context, predictions, clock() - started)
             self._predicting -= 1
             if self._predicting:
                 return

@@ -38,6 +38,7 @@ from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.http_poll import ScrapeErrors
 from evergreen_trio.picker.kvevents_zmq import bound_subscribers, endpoint_subscribers, subscribe_bound
 from evergreen_trio.picker.latency_client import LatencyPredictorClient
+from evergreen_trio.picker.latency_metrics import LatencyMetrics
 from evergreen_trio.picker.latency_wire import config_from_env
 from evergreen_trio.picker.models_poll import poll_models
 from evergreen_trio.picker.notifications import NotificationSource, endpoint_notifications, notification_sources
@@ -421,6 +422,9 @@ async def run_picker(
         if picker.tokens is not None and isinstance(picker.tokens.backend, VllmRender):
             picker.start_render = render_starter(nursery, picker.tokens.backend)
         if picker.latency:
+            latency_metrics = LatencyMetrics(metrics.registry, metrics.labels)
+            for producer in picker.latency.values():
+                producer.observe = latency_metrics.observe
             predictor = LatencyPredictorClient(config_from_env(os.environ), list(picker.latency.values()))
             await nursery.start(predictor.run)
             picker.start_predict = predictor.start

@@ -399,3 +399,39 @@ schedulingProfiles: [{name: default, plugins: [{pluginRef: prefix-cache-affinity
         producer.predicted(context, [Prediction(sticky_ttft, 1), Prediction(50, 1)])
         kept_states = AFFINITY_FILTERS[plugin.type](scheduler, request, states, plugin.params)
         assert [s.endpoint.address for s in kept_states] == kept
+
+
+def test_the_producer_reports_the_references_metrics() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from evergreen_trio.picker.guards import ModelLabels
+    from evergreen_trio.picker.latency_metrics import LatencyMetrics
+
+    seen: list[tuple[str, str, float]] = []
+    producer = PredictedLatency(ProducerParams(streaming_mode=True))
+    producer.name = "plp"
+    producer.observe = lambda name, context, kind, value: seen.append((name, kind, round(value, 6)))
+    context, address = _context(producer, 100, 30)
+    producer.predicted(context, [Prediction(80, 20)], 0.004)
+    producer.scheduled(PickRequest("m", 0, latency={"plp": context}), Schedule([address]), 10.0)
+    for at, end in ((10.15, False), (10.19, False), (10.23, True)):  # TTFT 150 ms > 100; TPOT 40 ms > 30
+        producer.on_chunk(context, at, end)
+    assert seen == [("plp", "ttft_prediction_duration", 0.004), ("plp", "tpot_prediction_duration", 0.004),
+                    ("plp", "ttft", 0.15), ("plp", "predicted_ttft", 0.08), ("plp", "ttft_slo_violation", 1.0),
+                    ("plp", "tpot", 0.04), ("plp", "predicted_tpot", 0.02), ("plp", "tpot_slo_violation", 1.0)]
+
+    registry = CollectorRegistry()
+    metrics = LatencyMetrics(registry, ModelLabels(["m"]))
+    context.model = context.target_model = "m"
+    for _, kind, value in seen:
+        metrics.observe("plp", context, kind, value)
+    text = generate_latest(registry).decode()
+    labels = 'model_name="m",plugin_name="plp",plugin_type="predicted-latency-producer",target_model_name="m"'
+    models = 'model_name="m",target_model_name="m"'
+    for line in (f"llm_d_epp_request_predicted_ttft_seconds_count{{{labels}}} 1.0",
+                 f'llm_d_epp_request_slo_violation_total{{{labels},type="tpot"}} 1.0',
+                 f'llm_d_epp_inference_request_metric{{{labels},type="predicted_tpot"}} 0.02',
+                 f'inference_objective_request_slo_violation_total{{{models},type="ttft"}} 1.0',
+                 f"inference_objective_request_ttft_prediction_duration_seconds_count{{{models}}} 1.0",
+                 "[Deprecated: Use llm_d_epp_request_slo_violation_total]"):
+        assert line in text

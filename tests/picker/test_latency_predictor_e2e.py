@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import queue
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,6 +101,25 @@ def envoy_round(port: int, body: bytes, extra: list[tuple[str, str]]) -> str | N
     return destination
 
 
+def metrics_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def sample(text: str, series: str) -> float:
+    """The value of ``series`` (its name and labels as written in ``text``; labels sorted)."""
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name and _canonical(name) == _canonical(series):
+            return float(value)
+    raise AssertionError(f"no {series} in the picker's metrics")
+
+
+def _canonical(series: str) -> str:
+    name, _, labels = series.partition("{")
+    return name + "{" + ",".join(sorted(labels.rstrip("}").split(","))) + "}" if labels else name
+
+
 async def test_the_real_predictor_trains_and_predicts_for_a_started_picker(nursery: trio.Nursery,
                                                                           tmp_path: Path) -> None:
     sims = [f"127.0.0.1:{await nursery.start(run_sim, SimConfig(model='m', decode_ms_per_token=2.0))}"
@@ -129,3 +149,12 @@ async def test_the_real_predictor_trains_and_predicts_for_a_started_picker(nurse
                     break
                 await trio.sleep(0.2)
         assert servers.bulk_calls() >= 6  # one bulk call a request, each answered 200
+        # The picker used the predictions: each of its requests timed its prediction call, and
+        # those with an SLO and a stream had their predicted TTFT and TPOT, and their SLO check.
+        text = await trio.to_thread.run_sync(metrics_text, picker.metrics)
+        labels = '{model_name="m",plugin_name="predicted-latency-producer",plugin_type="predicted-latency-producer",' \
+                 'target_model_name="m"}'
+        assert sample(text, "llm_d_epp_request_ttft_prediction_duration_seconds_count" + labels) >= 6
+        assert sample(text, "llm_d_epp_request_predicted_ttft_seconds_count" + labels) >= 6
+        assert sample(text, "llm_d_epp_request_predicted_tpot_seconds_count" + labels) >= 1
+        assert 'llm_d_epp_inference_request_metric{model_name="m"' in text and 'type="ttft_slo_violation"' in text
