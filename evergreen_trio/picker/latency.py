@@ -160,14 +160,16 @@ class LatencyInfo:
 
 
 def header_float(headers: Mapping[str, str], names: Sequence[str]) -> float:
-    """The first of ``names`` present, as a float (0 when absent or not a number, as the reference
-    logs and goes on)."""
+    """The first of ``names`` present, as a float: 0 when absent or not a number, as the reference
+    logs and goes on, and also for NaN or an infinity (which Go parses, and which would make every
+    headroom NaN here)."""
     for name in names:
         if name in headers:
             try:
-                return float(headers[name])
+                value = float(headers[name])
             except ValueError:
                 return 0.0
+            return value if math.isfinite(value) else 0.0
     return 0.0
 
 

@@ -104,7 +104,8 @@ def test_a_candidate_without_prediction_counts_as_zero_headroom() -> None:
 
 
 @given(st.dictionaries(st.text(min_size=1, max_size=3), st.one_of(st.none(), st.builds(
-    info, st.floats(-1e6, 1e6), st.floats(-1e6, 1e6), st.integers(0, 3))), min_size=1, max_size=8),
+    info, st.floats(allow_nan=False, allow_infinity=False), st.floats(allow_nan=False, allow_infinity=False),
+    st.integers(0, 3))), min_size=1, max_size=8),
        st.sampled_from(["least", "most"]), st.floats(0, 10), st.floats(0, 10))
 def test_scores_are_in_unit_range(infos: Mapping[str, LatencyInfo | None], strategy: str, ttft_w: float,
                                   tpot_w: float) -> None:
@@ -435,3 +436,15 @@ def test_the_producer_reports_the_references_metrics() -> None:
                  f"inference_objective_request_ttft_prediction_duration_seconds_count{{{models}}} 1.0",
                  "[Deprecated: Use llm_d_epp_request_slo_violation_total]"):
         assert line in text
+
+
+@pytest.mark.parametrize("value", ["NaN", "nan", "Inf", "-inf", "infinity", "1e400", "fast", ""])
+def test_an_slo_header_that_is_not_a_finite_number_counts_as_none(value: str) -> None:
+    producer = PredictedLatency(ProducerParams(streaming_mode=True))
+    state = EndpointState(Endpoint("10.0.0.1", 8000), EndpointMetrics(), ready=True)
+    context = producer.begin({"x-llm-d-slo-ttft-ms": value, "x-slo-tpot-ms": value}, [state], {}, 0, 1, {}, {})
+    assert (context.ttft_slo, context.tpot_slo) == (0, 0)
+    producer.predicted(context, [Prediction(10, 1)])
+    # No SLO: headroom is minus the prediction; the idle candidate alone is scored, finitely.
+    assert headroom_scores(ScorerParams(), {**context.infos, "b": info(-20, -2, 1)}) == {"10.0.0.1:8000": 0.51,
+                                                                                        "b": 0.0}
