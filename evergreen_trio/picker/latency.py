@@ -59,6 +59,7 @@ _W_MAX = 100  # the scorer's integer weight scale (wMax; minWeight is 0)
 _EPS = 1e-9
 _COLD_KV = 0.02  # the admitter's "cold" endpoint: KV usage below this
 _NO_VALID = "no valid endpoint available to serve the request"
+_MAX_MS = 1e15  # a headroom's bound (some 31,000 years)
 
 
 # -- parameters ---------------------------------------------------------------------------------
@@ -316,8 +317,8 @@ class PredictedLatency:
                 buffered = min(buffered, running_min * params.slo_buffer_factor)
             tpot_ok = prediction.tpot_ms < buffered
             tpot_headroom = buffered - prediction.tpot_ms
-        return LatencyInfo(ttft_ok, tpot_ok, ttft_headroom, tpot_headroom, prediction.ttft_ms, prediction.tpot_ms,
-                           len(queue.slos) if queue is not None else 0)
+        return LatencyInfo(ttft_ok, tpot_ok, _bounded(ttft_headroom), _bounded(tpot_headroom), prediction.ttft_ms,
+                           prediction.tpot_ms, len(queue.slos) if queue is not None else 0)
 
     # PreRequest -----------------------------------------------------------------------------
 
@@ -407,6 +408,12 @@ class PredictedLatency:
             queue.remove(context.key)
             if not queue.slos:
                 del self.running[context.target or ""]
+
+
+def _bounded(ms: float) -> float:
+    """A headroom within +-1e15 ms: a huge SLO header times the buffer factor is finite, so the
+    scorer's ranges are too."""
+    return min(_MAX_MS, max(-_MAX_MS, ms))
 
 
 def _unit(value: float) -> float:

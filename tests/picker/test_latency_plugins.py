@@ -448,3 +448,13 @@ def test_an_slo_header_that_is_not_a_finite_number_counts_as_none(value: str) ->
     # No SLO: headroom is minus the prediction; the idle candidate alone is scored, finitely.
     assert headroom_scores(ScorerParams(), {**context.infos, "b": info(-20, -2, 1)}) == {"10.0.0.1:8000": 0.51,
                                                                                         "b": 0.0}
+
+
+def test_huge_slos_and_predictions_keep_the_scores_finite() -> None:
+    producer = PredictedLatency(ProducerParams(streaming_mode=True, slo_buffer_factor=4.0))
+    states = [EndpointState(Endpoint(f"10.0.0.{i}", 8000), EndpointMetrics(), ready=True) for i in (1, 2)]
+    context = producer.begin({"x-llm-d-slo-ttft-ms": "-1.7e308", "x-llm-d-slo-tpot-ms": "1.7e308"}, states, {}, 0,
+                             1, {}, {})
+    producer.predicted(context, [Prediction(1.7e308, 0), Prediction(1.0, 1.7e308)])
+    assert all(math.isfinite(i.ttft_headroom) and math.isfinite(i.tpot_headroom) for i in context.infos.values())
+    assert all(0 <= s <= 1 for s in headroom_scores(ScorerParams(), dict(context.infos)).values())
