@@ -184,9 +184,12 @@ class Admission:
     render: RenderCall | None = None
     """The vllm token backend's render to post before the pick (its reply gives ``tokens``)."""
     request_body: Mapping[str, Any] = field(default_factory=dict)
-    latency: dict[str, LatencyRequest] = field(default_factory=dict)
+    latency: Mapping[str, LatencyRequest] | None = None
     """Each ``predicted-latency-producer``'s context, once it began (before the pick)."""
 
+
+NO_LATENCY: Mapping[str, LatencyRequest] = {}
+"""The latency contexts of a request no ``predicted-latency-producer`` saw (shared, never changed)."""
 
 StartRender = Callable[[RenderCall, Mapping[str, Any], Callable[[TokenizedPrompt | None], None]], None]
 """Starts a render (the runtime's task), which calls back with its tokens (None: it failed)."""
@@ -321,12 +324,6 @@ class Picker:
                 for s in self.snapshot.states.values()
                 if s.ready and (subset is None or s.endpoint.host in subset)]
 
-    @staticmethod
-    def _pick_request(admission: Admission) -> PickRequest:
-        return PickRequest(admission.target_model, admission.priority, admission.hashes, admission.subset,
-                           admission.prompt_bytes, admission.headers, admission.attributes, admission.media,
-                           admission.tokens, admission.latency)
-
     def begin_latency(self, admission: Admission) -> list[LatencyRequest]:
         """The latency producers' contexts for ``admission`` (its candidates' features now, as the
         reference's Produce before the profiles), kept on it; those that want predictions."""
@@ -335,19 +332,24 @@ class Picker:
                       if s.ready and (admission.subset is None or s.endpoint.host in admission.subset)]
         addresses = [s.endpoint.address for s in candidates]
         matches = scheduler.prefix.matches(admission.hashes, addresses) if admission.hashes else {}
-        tokens = scheduler.prompt_tokens(self._pick_request(admission))
+        tokens = scheduler.prompt_tokens(PickRequest(None, 0, prompt_bytes=admission.prompt_bytes,
+                                                     tokens=admission.tokens))
         inflight = scheduler.inflight
         requests = {a: inflight.requests(a) for a in addresses}
         in_flight_tokens = {a: inflight.tokens(a) for a in addresses}
+        contexts = {}
         for name, producer in self.latency.items():
-            context = admission.latency[name] = producer.begin(
+            context = contexts[name] = producer.begin(
                 admission.headers, candidates, matches, len(admission.hashes), tokens, requests, in_flight_tokens)
             context.model, context.target_model = admission.client_model or "", admission.target_model or ""
-        return [c for c in admission.latency.values() if c.owner.wants_predictions(c)]
+        admission.latency = contexts
+        return [c for c in contexts.values() if c.owner.wants_predictions(c)]
 
     def pick(self, admission: Admission, report: StreamReport) -> Route:
         """Pick endpoints for an admitted request and count it in flight; RequestError for 429/500/503."""
-        pick = self._pick_request(admission)
+        pick = PickRequest(admission.target_model, admission.priority, admission.hashes, admission.subset,
+                           admission.prompt_bytes, admission.headers, admission.attributes, admission.media,
+                           admission.tokens, admission.latency or NO_LATENCY)
         try:
             schedule = self.scheduler.schedule(pick, self.pick_count)
             endpoints = schedule.endpoints
@@ -384,7 +386,7 @@ class Picker:
                      scores=schedule.scores if self.config.ext_proc.emit_endpoint_scores else {},
                      response_headers=schedule.response_headers, request_headers=schedule.request_headers,
                      skip_response=admission.skip_response,
-                     response=admission.response, latency=admission.latency)
+                     response=admission.response, latency=admission.latency or NO_LATENCY)
 
     @staticmethod
     def _noted(report: StreamReport, admission: Admission) -> None:
@@ -605,8 +607,9 @@ class ExtProcStream:
             for ticket in (self.route.load, self.route.prefill_load):
                 if ticket is not None:
                     ticket.release()
-            for context in self.route.latency.values():
-                context.owner.finished(context)
+            if self.route.latency:  # a check, not a call, for the routes without a latency producer
+                for context in self.route.latency.values():
+                    context.owner.finished(context)
             self._completed()
 
     def _completed(self) -> None:
@@ -915,7 +918,8 @@ class ExtProcStream:
         self.rewrite_sse = rewrite is not None and sse
         if message.response_headers.end_of_stream or self.response_mode == NONE:
             self.response_ended = True
-            self._latency_chunk(None, True)
+            if self.route is not None and self.route.latency:
+                self._latency_chunk(None, True)
             reply = _empty("response_headers")
             if self._has_response_mutation():
                 self._response_mutation(reply.response_headers.response)
@@ -979,7 +983,9 @@ class ExtProcStream:
                     report.itl.observe(now - self.last_chunk_at)
                 self.last_chunk_at = now
         end = message.response_body.end_of_stream
-        self._latency_chunk(now, end or self.response_mode != FULL_DUPLEX)
+        route = self.route
+        if route is not None and route.latency:
+            self._latency_chunk(now, end or self.response_mode != FULL_DUPLEX)
         if self.response_mode != FULL_DUPLEX:
             self.response_ended = True
             return [self._buffered_response(chunk)]
@@ -1002,7 +1008,8 @@ class ExtProcStream:
     def _response_trailers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         trailers = _empty("response_trailers")
         self.response_ended = True
-        self._latency_chunk(None, True)
+        if self.route is not None and self.route.latency:
+            self._latency_chunk(None, True)
         if self.response_held:
             return [*self._release_held(end_of_stream=False), trailers]
         if self.rewrite_sse and self.reader is not None and not self.usage_recorded:
@@ -1016,12 +1023,11 @@ class ExtProcStream:
 
     def _latency_chunk(self, now: float | None, end: bool) -> None:
         """A response body message (``end``: the response's last) for the latency producers'
-        training (the reference's ResponseBody hook); ``now`` when the caller has read the clock."""
-        route = self.route
-        if route is None or not route.latency:
-            return
+        training (the reference's ResponseBody hook), of a route they have contexts on (the
+        callers check, so that other routes make no call); ``now`` when the caller read the clock."""
+        assert self.route is not None
         at = now if now is not None else self.picker.snapshot.clock()
-        for context in route.latency.values():
+        for context in self.route.latency.values():
             context.owner.on_chunk(context, at, end)
 
     def _track(self, chunk: bytes, end: bool) -> None:
