@@ -159,12 +159,19 @@ class LatencyPredictorClient:
 
     async def _dispatch(self, batch: list[_Asked]) -> None:
         rows = [row for asked in batch for row in asked.rows]
+        timeout = self.config.http_timeout_s
         try:
-            async with self._limiter:
+            with trio.move_on_after(timeout) as waited:  # a free dispatch slot, within the timeout too
+                await self._limiter.acquire()
+            if waited.cancelled_caught:
+                raise PredictorError(f"no free prediction call slot within {timeout:g}s "
+                                     f"({self.config.max_concurrent_dispatches} in flight)")
+            try:
                 server = self.rng.choice(self.config.predictions)
                 self.bulk_calls += 1
-                status, data = await post_json(server, BULK_STRICT_PATH, encode_bulk(rows),
-                                               self.config.http_timeout_s, MAX_REPLY_BYTES)
+                status, data = await post_json(server, BULK_STRICT_PATH, encode_bulk(rows), timeout, MAX_REPLY_BYTES)
+            finally:
+                self._limiter.release()
             predictions = decode_bulk_strict(status, data, len(rows))
         except PredictorError as exc:
             self.predictions.failed(str(exc))

@@ -399,3 +399,17 @@ def test_without_a_predictor_client_the_pick_is_made_at_once() -> None:
     stream.on_message(request_headers("/v1/completions", request_mode=Mode.BUFFERED))
     (decision,) = stream.on_message(request_body(json.dumps({"model": "plain", "prompt": "hi"}).encode()))
     assert header_map(decision.request_body.response.header_mutation)[DESTINATION] in (A, B, C)
+
+
+async def test_asks_waiting_for_a_dispatch_slot_give_up_at_the_timeout(nursery: trio.Nursery) -> None:
+    client = await client_for(nursery, await serve(nursery, _slow), max_concurrent_dispatches=1, coalesce_window_s=0)
+    results: list[list[Prediction] | None] = []
+
+    async def one() -> None:
+        results.append(await ask(client, [ROW]))
+
+    async with trio.open_nursery() as asking:
+        for _ in range(3):
+            asking.start_soon(one)
+    assert results == [None, None, None]
+    assert client.bulk_calls < 3  # one waited out its timeout for the slot, not behind the others' calls
