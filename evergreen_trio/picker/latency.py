@@ -184,7 +184,6 @@ class LatencyRequest:
     ttft_slo: float
     tpot_slo: float
     rows: dict[str, PredictionRow]
-    labels: dict[str, Mapping[str, str]]
     infos: dict[str, LatencyInfo] = field(default_factory=dict)
     model: str = ""  # the client's model and the target model (metric labels)
     target_model: str = ""
@@ -235,11 +234,6 @@ class _RunningQueue:
             self.remove(key)
 
 
-def hosts_role(labels: Mapping[str, str], role_label: str) -> str:
-    """The pod's value of ``role_label`` ("" without the label or the setting)."""
-    return labels.get(role_label, "") if role_label else ""
-
-
 class PredictedLatency:
     """One declared ``predicted-latency-producer``: the running queues, the training buffer, and
     the pure steps of a request's life (the scheduler's PluginState; the shell calls the rest)."""
@@ -264,21 +258,19 @@ class PredictedLatency:
         ``total_blocks``; ``inflight_*``: what the picker has in flight on each."""
         role = self.params.endpoint_role_label
         rows: dict[str, PredictionRow] = {}
-        labels: dict[str, Mapping[str, str]] = {}
         for state in candidates:
             address = state.endpoint.address
             metrics = state.metrics or EndpointMetrics()
             prefix = matches.get(address, 0) / total_blocks if total_blocks > 0 else 0.0
-            labels[address] = state.endpoint.label_map
             rows[address] = PredictionRow(
                 kv_cache_percentage=_unit(metrics.kv_usage), input_token_length=max(0, input_tokens),
                 num_request_waiting=_count(metrics.waiting),
                 num_request_running=max(0, inflight_requests.get(address, 0)),
                 num_tokens_generated=1, prefix_cache_score=_unit(prefix),
-                pod_type=hosts_role(labels[address], role),
+                pod_type=state.endpoint.label_map.get(role, "") if role else "",  # the pod's role
                 prefill_tokens_in_flight=max(0, inflight_tokens.get(address, 0)))
         return LatencyRequest(self, next(self._keys), header_float(headers, TTFT_SLO_HEADERS),
-                              header_float(headers, TPOT_SLO_HEADERS), rows, labels)
+                              header_float(headers, TPOT_SLO_HEADERS), rows)
 
     def wants_predictions(self, request: LatencyRequest) -> bool:
         return self.params.predict_in_produce and bool(request.rows)
@@ -309,7 +301,8 @@ class PredictedLatency:
         ttft_ok = prediction.ttft_ms < request.ttft_slo
         tpot_ok, tpot_headroom = True, 0.0
         params = self.params
-        prefill = hosts_role(request.labels.get(address, {}), params.endpoint_role_label) == "prefill"
+        row = request.rows.get(address)
+        prefill = row is not None and row.pod_type == "prefill"
         if params.streaming_mode and not prefill:
             buffered = request.tpot_slo * params.slo_buffer_factor
             running_min = queue.min_slo() if queue is not None else 0.0
@@ -446,8 +439,9 @@ def _score_bucket(params: ScorerParams, bucket: Sequence[tuple[str, LatencyInfo 
                   force_least: bool) -> None:
     """Normalize |headroom| within ``bucket`` and blend the two latencies (the reference's scoreBucket)."""
     alpha, beta = _normalized(params.ttft_weight, params.tpot_weight)
-    ttfts = [abs(_headrooms(info)[0]) for _, info in bucket]
-    tpots = [abs(_headrooms(info)[1]) for _, info in bucket]
+    pairs = [_headrooms(info) for _, info in bucket]
+    ttfts = [abs(ttft) for ttft, _ in pairs]
+    tpots = [abs(tpot) for _, tpot in pairs]
     min_ttft, min_tpot = min(ttfts), min(tpots)
     ttft_range, tpot_range = max(ttfts) - min_ttft, max(tpots) - min_tpot
     if ttft_range <= _EPS < tpot_range:
