@@ -39,7 +39,7 @@ $(DEMO_STAMP): pyproject.toml
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[all,test,bench,docs]'
+	$(BIN)/python -m pip install -q -e '.[all,test,bench,docs,latency-predictor]'
 	touch $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP)
 
 demo: $(DEMO_STAMP)

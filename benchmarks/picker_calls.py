@@ -17,7 +17,8 @@ under load. Cases:
 Only the server's side is measured (the connection's ``receive_data`` and ``data_to_send``; the
 h2 client and the endpoints' scrapes, one every ``SCRAPE_EVERY`` requests, are not): Python calls
 and C calls per request (``sys.setprofile``), and process time per request (best of
-``--repeats``, with the collection of the cyclic garbage each run leaves). ``--profile CASE`` prints cProfile's busiest functions of that case instead.
+``--repeats``, with the collection of the cyclic garbage each run leaves). ``--profile CASE``
+prints cProfile's busiest functions of that case instead.
 docs/picker.md ("CPU per request") quotes them.
 """
 

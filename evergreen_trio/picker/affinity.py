@@ -3,7 +3,8 @@
 ``prefix-cache-affinity-filter`` (``filter/prefixcacheaffinity``): keeps only the "sticky"
 candidates, those holding at least ``affinityThreshold`` of the prompt's blocks in the prefix
 index, unless none is, an exploration draw skips it, or the sticky ones' estimated TTFT (their
-in-flight tokens / ``peakPrefillThroughput``) exceeds the others' by more than ``maxTTFTPenaltyMs``.
+in-flight tokens / ``peakPrefillThroughput``, or with ``ttftSource: latencyPredictor`` the
+``predicted-latency-producer``'s predicted TTFT) exceeds the others' by more than ``maxTTFTPenaltyMs``.
 
 ``no-hit-lru-scorer`` (``scorer/nohitlru``): for a cold request (no candidate holds a block of
 its prompt) ranks candidates by when they last took a cold request, never first; a warm request
@@ -20,6 +21,7 @@ The scheduler runs them (their functions are merged into its registries, as
 from __future__ import annotations
 
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +29,8 @@ from typing import TYPE_CHECKING
 
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.latency import PRODUCER as LATENCY_PRODUCER
+from evergreen_trio.picker.latency import request_infos
 from evergreen_trio.picker.plugins import Category, Params, PluginType, prefix_producer_name, register
 
 if TYPE_CHECKING:
@@ -48,13 +52,15 @@ _TTFT_SOURCES = ("prefillThroughput", "latencyPredictor")
 
 @dataclass(frozen=True)
 class PrefixAffinityParams:
-    """``prefix-cache-affinity-filter``'s parameters (the TTFT source is always the in-flight
-    tokens here: the latency predictor is refused when the gate is on)."""
+    """``prefix-cache-affinity-filter``'s parameters; ``latency_producer``: the
+    ``predicted-latency-producer`` whose predictions ``ttftSource: latencyPredictor`` reads."""
 
     affinity_threshold: float = 0.80
     exploration_probability: float = 0.0
     max_ttft_penalty_ms: float = 18_000.0
     peak_prefill_throughput: float = 15_928.0
+    ttft_source: str = "prefillThroughput"
+    latency_producer: str = LATENCY_PRODUCER
 
 
 def _prefix_affinity(params: Params) -> PrefixAffinityParams:
@@ -66,23 +72,22 @@ def _prefix_affinity(params: Params) -> PrefixAffinityParams:
     source = params.text("ttftSource", "prefillThroughput", choices=_TTFT_SOURCES)
     prefix_producer_name(params)
     params.text("inFlightLoadProducerName", "")
-    params.text("latencyPredictionInfoProducerName", "")
-    if penalty > 0 and source == "latencyPredictor":
-        raise ConfigError(params.where("ttftSource"), "prefillThroughput (latencyPredictor reads the "
-                          "predicted-latency-producer, which this picker does not implement)", source)
-    if penalty > 0 and throughput == 0:
+    producer = params.text("latencyPredictionInfoProducerName", "") or LATENCY_PRODUCER
+    if penalty > 0 and throughput == 0 and source == "prefillThroughput":
         raise ConfigError(params.where("peakPrefillThroughput"), "> 0 when ttftSource is prefillThroughput and "
                           "maxTTFTPenaltyMs > 0", throughput)
-    return PrefixAffinityParams(threshold, exploration, penalty, throughput)
+    return PrefixAffinityParams(threshold, exploration, penalty, throughput, source, producer)
 
 
 def prefix_affinity(params: PrefixAffinityParams, candidates: Sequence[str], matches: Mapping[str, int],
-                    total_blocks: int, inflight_tokens: Mapping[str, int], draw: float) -> list[str]:
+                    total_blocks: int, inflight_tokens: Mapping[str, int], draw: float,
+                    predicted_ttft: Mapping[str, float] | None = None) -> list[str]:
     """The candidates the filter keeps, in their order.
 
     ``matches``: leading prompt blocks each candidate holds, of ``total_blocks``;
     ``inflight_tokens``: each candidate's in-flight tokens; ``draw``: a uniform draw in [0, 1)
-    for the exploration skip.
+    for the exploration skip; ``predicted_ttft``: each candidate's predicted TTFT in ms, read
+    with ``ttftSource: latencyPredictor`` (a candidate without one is never the fastest).
     """
     if len(candidates) <= 1 or params.affinity_threshold <= 0 or draw < params.exploration_probability:
         return list(candidates)
@@ -95,6 +100,9 @@ def prefix_affinity(params: PrefixAffinityParams, candidates: Sequence[str], mat
         return list(candidates)
     if params.max_ttft_penalty_ms > 0 and others:
         def best_ttft_ms(group: list[str]) -> float:
+            if params.ttft_source == "latencyPredictor":
+                predicted = predicted_ttft or {}
+                return min(predicted.get(a, sys.float_info.max) for a in group)  # Go's math.MaxFloat64
             return min(inflight_tokens.get(a, 0) for a in group) / params.peak_prefill_throughput * 1000
 
         if best_ttft_ms(sticky) - best_ttft_ms(others) > params.max_ttft_penalty_ms:
@@ -108,8 +116,10 @@ def _prefix_affinity_filter(scheduler: Scheduler, request: PickRequest, candidat
     by_address = {s.endpoint.address: s for s in candidates}
     # Drawn only when it can matter, so a profile without exploration leaves the rng's sequence alone.
     draw = scheduler.rng.random() if params.exploration_probability > 0 and len(candidates) > 1 else 1.0
+    predicted = ({a: i.ttft for a, i in request_infos(request, params.latency_producer).items()}
+                 if params.ttft_source == "latencyPredictor" else None)
     kept = prefix_affinity(params, list(by_address), scheduler.prefix_matches, len(request.hashes),
-                           {a: scheduler.inflight.tokens(a) for a in by_address}, draw)
+                           {a: scheduler.inflight.tokens(a) for a in by_address}, draw, predicted)
     return [by_address[a] for a in kept]
 
 

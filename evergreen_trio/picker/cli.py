@@ -30,6 +30,8 @@ from evergreen_trio.picker.errors import ConfigError, PickerError
 from evergreen_trio.picker.file_discovery import FileDiscovery
 from evergreen_trio.picker.file_watch import discovery_for
 from evergreen_trio.picker.flow_control.config import go_duration, quantity
+from evergreen_trio.picker.latency import producers
+from evergreen_trio.picker.latency_wire import config_from_env
 from evergreen_trio.picker.runtime import (
     DRAIN_WINDOW_SECONDS,
     Discovery,
@@ -290,6 +292,8 @@ def run_picker_command(args: argparse.Namespace) -> int:
         raise UsageError(str(exc) if args.config or args.config_file else f"{config_source(args)}: {exc}") from None
     try:
         settings = picker_settings(args, config)
+        if config.epp is not None and producers(config.epp.plugins):
+            config_from_env(os.environ)  # a bad PREDICTION_SERVER_URL or TRAINING_SERVER_URL: one line, now
     except PickerError as exc:
         raise UsageError(str(exc)) from None
     except ImportError as exc:  # lightkube or cryptography missing

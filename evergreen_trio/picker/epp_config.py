@@ -43,6 +43,7 @@ from evergreen_trio.picker.dcgm import DCGM_DATA_SOURCE, DCGM_EXTRACTOR, DcgmSou
 from evergreen_trio.picker.endpoint_attribute import warn_unpublished
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
+from evergreen_trio.picker.latency import PRODUCER as LATENCY_PRODUCER
 from evergreen_trio.picker.mm_cache import with_default_producer
 from evergreen_trio.picker.models_source import MODELS_DATA_EXTRACTOR, MODELS_DATA_SOURCE, ModelsSource
 from evergreen_trio.picker.p2p_source import reads_prefix_index
@@ -361,7 +362,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
     first = next(iter(profiles.values()))
     values: dict[str, Any] = {field: first.weight(kind) for kind, field in SCORERS.items()}
     values.update(_prefix_values(plugins), profiles=tuple(profiles.values()), handler=handler)
-    if reads_prefix_index(plugins):
+    if reads_prefix_index(plugins) or any(p.type == LATENCY_PRODUCER for p in plugins.values()):
         values["prefix_readers"] = True
     saturation = mapping(doc.get("saturationDetector") or {}, f"{KIND}.saturationDetector")
     if "pluginRef" in saturation:

@@ -627,12 +627,11 @@ register("core-metrics-extractor", PluginType(
 # llm-d-router (ebab68792) plugin types this picker does not run: a config naming one fails at
 # startup with a line saying so (a test keeps this list apart from the registered types).
 NOT_IMPLEMENTED_LIST = (
-    "latency-scorer", "latency-slo-admitter", "local-syncer",
+    "local-syncer",
     "multicluster-approx-prefix-cache-producer",
     "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
     "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
-    "multicluster-session-affinity-filter", "predicted-latency-producer",
-    "slo-headroom-tier-filter",
+    "multicluster-session-affinity-filter",
 )
 NOT_IMPLEMENTED = frozenset(NOT_IMPLEMENTED_LIST)
 

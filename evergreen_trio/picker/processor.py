@@ -46,6 +46,8 @@ from evergreen_trio.picker.flow_control.queue import DROPPED_REASON, Outcome, Qu
 from evergreen_trio.picker.flow_control.queue import message as outcome_message
 from evergreen_trio.picker.guards import rewrite_allowed
 from evergreen_trio.picker.inflight import Ticket
+from evergreen_trio.picker.latency import LatencyRequest, PredictedLatency, StartPredict
+from evergreen_trio.picker.latency_wire import Prediction
 from evergreen_trio.picker.mm_cache import MM_PRODUCER, media_items
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import request_path
@@ -151,6 +153,7 @@ class Route:
     request_headers: Mapping[str, str] = field(default_factory=dict)
     skip_response: bool = False  # the parser's: end the stream once routed
     response: ResponseFormat = OPENAI_RESPONSES  # the parser's: how the response's usage is read
+    latency: Mapping[str, LatencyRequest] = field(default_factory=dict)  # the latency producers' contexts
 
 
 @dataclass
@@ -182,7 +185,12 @@ class Admission:
     render: RenderCall | None = None
     """The vllm token backend's render to post before the pick (its reply gives ``tokens``)."""
     request_body: Mapping[str, Any] = field(default_factory=dict)
+    latency: Mapping[str, LatencyRequest] | None = None
+    """Each ``predicted-latency-producer``'s context, once it began (before the pick)."""
 
+
+NO_LATENCY: Mapping[str, LatencyRequest] = {}
+"""The latency contexts of a request no ``predicted-latency-producer`` saw (shared, never changed)."""
 
 StartRender = Callable[[RenderCall, Mapping[str, Any], Callable[[TokenizedPrompt | None], None]], None]
 """Starts a render (the runtime's task), which calls back with its tokens (None: it failed)."""
@@ -201,6 +209,11 @@ class Picker:
         self.reporters = attribute_reporters(self.plugins)
         self.tokens = request_producer(config.epp.plugins if config.epp is not None else {}, config.scheduler.handler)
         self.start_render: StartRender | None = None  # set by the runtime for the vllm token backend
+        self.latency = {name: state for name, state in self.scheduler.plugin_states.items()
+                        if isinstance(state, PredictedLatency)}
+        for name, producer in self.latency.items():
+            producer.name = name
+        self.start_predict: StartPredict | None = None  # set by the runtime when a latency producer runs
         self.verifies_served = any(p.type == DESTINATION_ENDPOINT_SERVED_VERIFIER for p in self.plugins)
         self.reads_media = any(p.type == MM_PRODUCER for p in self.plugins)
         self.flow = FlowGate(config.flow_control, snapshot, self.scheduler.inflight,
@@ -313,11 +326,32 @@ class Picker:
                 for s in self.snapshot.states.values()
                 if s.ready and (subset is None or s.endpoint.host in subset)]
 
+    def begin_latency(self, admission: Admission) -> list[LatencyRequest]:
+        """The latency producers' contexts for ``admission`` (its candidates' features now, as the
+        reference's Produce before the profiles), kept on it; those that want predictions."""
+        scheduler = self.scheduler
+        candidates = [s for s in self.snapshot.states.values()
+                      if s.ready and (admission.subset is None or s.endpoint.host in admission.subset)]
+        addresses = [s.endpoint.address for s in candidates]
+        matches = scheduler.prefix.matches(admission.hashes, addresses) if admission.hashes else {}
+        tokens = scheduler.prompt_tokens(PickRequest(None, 0, prompt_bytes=admission.prompt_bytes,
+                                                     tokens=admission.tokens))
+        inflight = scheduler.inflight
+        requests = {a: inflight.requests(a) for a in addresses}
+        in_flight_tokens = {a: inflight.tokens(a) for a in addresses}
+        contexts = {}
+        for name, producer in self.latency.items():
+            context = contexts[name] = producer.begin(
+                admission.headers, candidates, matches, len(admission.hashes), tokens, requests, in_flight_tokens)
+            context.model, context.target_model = admission.client_model or "", admission.target_model or ""
+        admission.latency = contexts
+        return [c for c in contexts.values() if c.owner.wants_predictions(c)]
+
     def pick(self, admission: Admission, report: StreamReport) -> Route:
         """Pick endpoints for an admitted request and count it in flight; RequestError for 429/500/503."""
         pick = PickRequest(admission.target_model, admission.priority, admission.hashes, admission.subset,
                            admission.prompt_bytes, admission.headers, admission.attributes, admission.media,
-                           admission.tokens)
+                           admission.tokens, admission.latency or NO_LATENCY)
         try:
             schedule = self.scheduler.schedule(pick, self.pick_count)
             endpoints = schedule.endpoints
@@ -354,7 +388,7 @@ class Picker:
                      scores=schedule.scores if self.config.ext_proc.emit_endpoint_scores else {},
                      response_headers=schedule.response_headers, request_headers=schedule.request_headers,
                      skip_response=admission.skip_response,
-                     response=admission.response)
+                     response=admission.response, latency=admission.latency or NO_LATENCY)
 
     @staticmethod
     def _noted(report: StreamReport, admission: Admission) -> None:
@@ -523,6 +557,7 @@ class ExtProcStream:
         self._finish: Callable[[Outcome], list[ep.ProcessingResponse]] | None = None
         self._evicting = False  # in-flight eviction revoked it: resume() ends it
         self._burst: BurstEntry | None = None  # its place in a burst producer's window, once it joined
+        self._predicting = 0  # latency producers' prediction calls it waits for before its pick
 
     def on_message(self, message: ep.ProcessingRequest) -> Sequence[ep.ProcessingResponse]:
         if message.HasField("protocol_config"):
@@ -574,6 +609,9 @@ class ExtProcStream:
             for ticket in (self.route.load, self.route.prefill_load):
                 if ticket is not None:
                     ticket.release()
+            if self.route.latency:  # a check, not a call, for the routes without a latency producer
+                for context in self.route.latency.values():
+                    context.owner.finished(context)
             self._completed()
 
     def _completed(self) -> None:
@@ -610,13 +648,14 @@ class ExtProcStream:
         finish, self._finish = self._finish, None  # it holds this stream: no cycle once decided
         assert finish is not None
         self._resumed = finish(outcome)
-        if self.parked and not self._burst_waiting():
+        if self.parked and not self._producer_waiting():
             self.parked = False
             if self.on_unpark is not None:
                 self.on_unpark()
 
-    def _burst_waiting(self) -> bool:
-        return self._burst is not None and self._burst.on_sealed is not None
+    def _producer_waiting(self) -> bool:
+        """Whether a producer holds the pick back: a burst window not sealed, predictions not in."""
+        return (self._burst is not None and self._burst.on_sealed is not None) or self._predicting > 0
 
     # -- request --------------------------------------------------------------------------------
 
@@ -724,6 +763,9 @@ class ExtProcStream:
             return [self._immediate(outcome.status, outcome_message(outcome), outcome.reason), *after]
         if self.picker.burst is not None and self._burst is None:
             return self._join_burst(admission, partial(self._finish_outcome, admission, phase, duplex_end, after))
+        if self.picker.latency and not admission.latency and self._predict(
+                admission, partial(self._finish_outcome, admission, phase, duplex_end, after)):
+            return []
         try:
             route = self.picker.pick(admission, self.report)
         except RequestError as exc:
@@ -756,6 +798,35 @@ class ExtProcStream:
             return finish(Outcome.DISPATCHED)
         self.parked = True
         return []
+
+    def _predict(self, admission: Admission, finish: Callable[[Outcome], list[ep.ProcessingResponse]]) -> bool:
+        """Start the latency producers' predictions and park until they are in (True); False when
+        none is to be asked (no predictor client, or predictions off)."""
+        start = self.picker.start_predict
+        wanted = self.picker.begin_latency(admission)
+        if start is None or not wanted:
+            return False
+
+        clock = self.picker.snapshot.clock
+        started = clock()
+
+        def predicted(context: LatencyRequest, predictions: list[Prediction] | None) -> None:
+            if self._abandoned:
+                return
+            context.owner.predicted(context, predictions, clock() - started)
+            self._predicting -= 1
+            if self._predicting:
+                return
+            self._resumed = finish(Outcome.DISPATCHED)
+            self.parked = False
+            if self.on_unpark is not None:
+                self.on_unpark()
+
+        self._predicting = len(wanted)
+        self.parked = True
+        for context in wanted:
+            start(list(context.rows.values()), partial(predicted, context))
+        return True
 
     def _processed(self) -> None:
         """The request is answered or about to be sent on (queue wait included)."""
@@ -856,6 +927,8 @@ class ExtProcStream:
         self.rewrite_sse = rewrite is not None and sse
         if message.response_headers.end_of_stream or self.response_mode == NONE:
             self.response_ended = True
+            if self.route is not None and self.route.latency:
+                self._latency_chunk(None, True)
             reply = _empty("response_headers")
             if self._has_response_mutation():
                 self._response_mutation(reply.response_headers.response)
@@ -919,6 +992,9 @@ class ExtProcStream:
                     report.itl.observe(now - self.last_chunk_at)
                 self.last_chunk_at = now
         end = message.response_body.end_of_stream
+        route = self.route
+        if route is not None and route.latency:
+            self._latency_chunk(now, end or self.response_mode != FULL_DUPLEX)
         if self.response_mode != FULL_DUPLEX:
             self.response_ended = True
             return [self._buffered_response(chunk)]
@@ -941,6 +1017,8 @@ class ExtProcStream:
     def _response_trailers(self, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         trailers = _empty("response_trailers")
         self.response_ended = True
+        if self.route is not None and self.route.latency:
+            self._latency_chunk(None, True)
         if self.response_held:
             return [*self._release_held(end_of_stream=False), trailers]
         if self.rewrite_sse and self.reader is not None and not self.usage_recorded:
@@ -951,6 +1029,15 @@ class ExtProcStream:
             self._track(b"", True)  # a pass-through body the trailers end: read what it holds
         self._finish_usage()
         return [trailers]
+
+    def _latency_chunk(self, now: float | None, end: bool) -> None:
+        """A response body message (``end``: the response's last) for the latency producers'
+        training (the reference's ResponseBody hook), of a route they have contexts on (the
+        callers check, so that other routes make no call); ``now`` when the caller read the clock."""
+        assert self.route is not None
+        at = now if now is not None else self.picker.snapshot.clock()
+        for context in self.route.latency.values():
+            context.owner.on_chunk(context, at, end)
 
     def _track(self, chunk: bytes, end: bool) -> None:
         """Pass-through chunk: read usage from a copy; a body past the limit just stops tracking."""

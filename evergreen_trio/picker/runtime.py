@@ -10,6 +10,7 @@ per endpoint, started and cancelled as the set changes.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
@@ -36,6 +37,9 @@ from evergreen_trio.picker.flow_metrics import FlowControlMetrics
 from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.http_poll import ScrapeErrors
 from evergreen_trio.picker.kvevents_zmq import bound_subscribers, endpoint_subscribers, subscribe_bound
+from evergreen_trio.picker.latency_client import LatencyPredictorClient
+from evergreen_trio.picker.latency_metrics import LatencyMetrics
+from evergreen_trio.picker.latency_wire import config_from_env
 from evergreen_trio.picker.models_poll import poll_models
 from evergreen_trio.picker.notifications import NotificationSource, endpoint_notifications, notification_sources
 from evergreen_trio.picker.precise_prefix import precise_caches
@@ -417,6 +421,13 @@ async def run_picker(
     async with trio.open_nursery() as nursery:
         if picker.tokens is not None and isinstance(picker.tokens.backend, VllmRender):
             picker.start_render = render_starter(nursery, picker.tokens.backend)
+        if picker.latency:
+            latency_metrics = LatencyMetrics(metrics.registry, metrics.labels)
+            for producer in picker.latency.values():
+                producer.observe = latency_metrics.observe
+            predictor = LatencyPredictorClient(config_from_env(os.environ), list(picker.latency.values()))
+            await nursery.start(predictor.run)
+            picker.start_predict = predictor.start
         caches = precise_caches(picker.scheduler.plugin_states)
         scrapers = Scrapers(nursery, config, snapshot, after_scrape, metrics.gauges, endpoint_subscribers(caches))
         for address, subscribed in bound_subscribers(caches).items():

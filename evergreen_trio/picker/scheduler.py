@@ -27,6 +27,14 @@ from evergreen_trio.picker.flow_control.config import UtilizationDetector
 from evergreen_trio.picker.flow_control.detectors import saturation as detector_saturation
 from evergreen_trio.picker.flow_control.queue import Outcome
 from evergreen_trio.picker.inflight import LOAD_SCORERS, InflightLoad, prompt_tokens, uncached_tokens
+from evergreen_trio.picker.latency import (
+    LATENCY_FILTERS,
+    LATENCY_SCORERS,
+    LATENCY_STATES,
+    LatencyRequest,
+    admit_latency,
+    declared_latency_admitters,
+)
 from evergreen_trio.picker.mm_cache import MEDIA_SCORERS, MEDIA_STATES
 from evergreen_trio.picker.models_source import ModelData
 from evergreen_trio.picker.p2p_source import (
@@ -189,6 +197,8 @@ class PickRequest:
     media: tuple[bytes, ...] = ()
     tokens: TokenizedPrompt | None = None
     """The token producer's tokens (when the config runs one): the deciders count and read them."""
+    latency: Mapping[str, LatencyRequest] = field(default_factory=dict)
+    """Each ``predicted-latency-producer``'s context by plugin name (its candidates' predictions)."""
 
 
 @dataclass
@@ -284,13 +294,14 @@ SCORERS: dict[str, ScorerFunction] = {
     **TOPOLOGY_SCORERS,  # evergreen_trio.picker.topology
     **MEDIA_SCORERS,  # evergreen_trio.picker.mm_cache
     **PRECISE_SCORERS,  # evergreen_trio.picker.precise_prefix
+    **LATENCY_SCORERS,  # evergreen_trio.picker.latency
 }
 # A filter that needs more than the pod's labels: (scheduler, request, candidates, plugin params or
 # its PluginState) -> the candidates it keeps. The filter types not listed here are read by their
 # params' keeps(labels).
 FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
 FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS, **LOAD_FILTERS, **CONTEXT_FILTERS,
-                                      **TESTING_FILTERS, **ATTRIBUTE_FILTERS, **TOPOLOGY_FILTERS}
+                                      **TESTING_FILTERS, **ATTRIBUTE_FILTERS, **TOPOLOGY_FILTERS, **LATENCY_FILTERS}
 
 
 class PluginState(Protocol):
@@ -303,7 +314,7 @@ class PluginState(Protocol):
 
 
 PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {
-    **AFFINITY_STATES, **SESSION_STATES, **TOPOLOGY_STATES, **MEDIA_STATES, **PRECISE_STATES}
+    **AFFINITY_STATES, **SESSION_STATES, **TOPOLOGY_STATES, **MEDIA_STATES, **PRECISE_STATES, **LATENCY_STATES}
 
 
 def register_scorer(scorer_type: str, function: ScorerFunction) -> None:
@@ -350,6 +361,8 @@ class Scheduler:
         self.shed_detector = config.saturation_detector or UtilizationDetector(
             config.scheduler.queue_threshold, config.scheduler.kv_cache_threshold, snapshot.staleness_s)
         self.admitters = declared_admitters(config.epp.plugins.values()) if config.epp is not None else []
+        self.latency_admitters = (declared_latency_admitters(list(config.epp.plugins.values()))
+                                  if config.epp is not None else [])
         # Of the last pick, for the stream's report: leading blocks each candidate held, and
         # seconds spent per scorer (keyed by the reference's plugin type names).
         self.prefix_matches: dict[str, int] = {}
@@ -473,6 +486,8 @@ class Scheduler:
             candidates = self._screen(request, candidates)
         if self.admitters:
             admit(self.admitters, request.priority, [s.metrics for s in candidates], self.rng.random)
+        if self.latency_admitters:
+            admit_latency(self.latency_admitters, request, candidates)
         self.scorer_seconds = {}
         self.peer = None
         self.prefix_matches = (self.prefix.matches(request.hashes, [s.endpoint.address for s in candidates])

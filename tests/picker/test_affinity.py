@@ -75,6 +75,17 @@ def test_prefix_affinity_ttft_gate() -> None:
     assert _filter(PrefixAffinityParams(0.80, 0.0, 100, 1000), {"a": 90, "s": 95, "b": 0}, tokens) == ["a", "s"]
 
 
+def test_prefix_affinity_ttft_gate_from_the_latency_predictor() -> None:
+    params = PrefixAffinityParams(0.80, 0.0, 100, 0, "latencyPredictor")  # no throughput needed
+    matches = {"a": 90, "b": 10}
+    assert prefix_affinity(params, ["a", "b"], matches, 100, {}, NO_DRAW, {"a": 500, "b": 50}) == ["a", "b"]
+    assert prefix_affinity(params, ["a", "b"], matches, 100, {}, NO_DRAW, {"a": 140, "b": 50}) == ["a"]
+    # The reference's MaxFloat64 for a candidate without a prediction: a sticky one never the
+    # fastest (the gate breaks), and nothing predicted anywhere keeps the sticky ones.
+    assert prefix_affinity(params, ["a", "b"], matches, 100, {}, NO_DRAW, {"b": 50}) == ["a", "b"]
+    assert prefix_affinity(params, ["a", "b"], matches, 100, {}, NO_DRAW, {}) == ["a"]
+
+
 def test_prefix_affinity_without_blocks_keeps_everyone() -> None:
     params = PrefixAffinityParams(0.80)
     assert prefix_affinity(params, ["a", "b"], {}, 0, {}, NO_DRAW) == ["a", "b"]
@@ -294,7 +305,7 @@ def test_every_new_type_loads_from_a_file(tmp_path: Path) -> None:
     profile = load_config(path).scheduler.effective_profiles[0]
     strict, stick = (f.params for f in profile.filters)
     assert strict == PrefixAffinityParams(0.99, 0.01, 5000, 20000)
-    assert stick == PrefixAffinityParams(max_ttft_penalty_ms=0)
+    assert stick == PrefixAffinityParams(max_ttft_penalty_ms=0, ttft_source="latencyPredictor")
     lru, slice_ = (s.plugin.params for s in profile.scorers)
     assert lru == NoHitLRUParams(2048)
     assert slice_ == HeaderLabelParams("x-disagg-slice", "disaggregatedset.x-k8s.io/slice")
@@ -323,7 +334,6 @@ P = "EndpointPickerConfig.plugins[0].parameters"
     ("{type: prefix-cache-affinity-filter, parameters: {peakPrefillThroughput: 0}}", f"{P}.peakPrefillThroughput"),
     ("{type: prefix-cache-affinity-filter, parameters: {ttftSource: ''}}", f"{P}.ttftSource"),
     ("{type: prefix-cache-affinity-filter, parameters: {ttftSource: bogus}}", f"{P}.ttftSource"),
-    ("{type: prefix-cache-affinity-filter, parameters: {ttftSource: latencyPredictor}}", f"{P}.ttftSource"),
     ("{type: prefix-cache-affinity-filter, parameters: {prefixMatchInfoProducerName: precise-prefix-cache-producer}}",
      f"{P}.prefixMatchInfoProducerName"),
     ("{type: prefix-cache-affinity-filter, parameters: {threshold: 0.5}}", f"{P}.threshold"),
