@@ -13,6 +13,7 @@ flood the log).
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -38,7 +39,8 @@ class ScrapeErrors(Protocol):
 class HttpPoll:
     """What to GET (``path`` at ``address``, at most ``max_body`` bytes, within ``timeout_s``),
     how often, where failures are logged (``event`` in ``log``, naming ``endpoint``) and the
-    reference's plugin types they are counted under (``source_type``, ``extractor_type``)."""
+    reference's plugin types they are counted under (``source_type``, ``extractor_type``); over
+    https with ``ssl_context``."""
 
     endpoint: Endpoint
     address: Endpoint
@@ -50,14 +52,16 @@ class HttpPoll:
     event: str
     source_type: str
     extractor_type: str
+    ssl_context: ssl.SSLContext | None = None
 
 
 async def poll_http(poll: HttpPoll, parse: Callable[[bytes], T], extract: Callable[[T], None], error: type[Exception],
                     errors: ScrapeErrors | None = None) -> None:
     """GET ``poll``'s path every interval, ``parse`` each 200 body and ``extract`` the result, either
     raising ``error`` for what it refuses; failures counted in ``errors``. Until cancelled."""
-    getter = KeepAliveGetter(poll.address.host, poll.address.port, max_body=poll.max_body)
-    url = f"http://{poll.address.address}{poll.path}"
+    getter = KeepAliveGetter(poll.address.host, poll.address.port, max_body=poll.max_body,
+                             ssl_context=poll.ssl_context)
+    url = f"{'http' if poll.ssl_context is None else 'https'}://{poll.address.address}{poll.path}"
     failing = False
     try:
         while True:

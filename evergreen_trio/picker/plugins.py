@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 ROLE_LABEL = "llm-d.ai/role"
 APPROX_PRODUCER = "approx-prefix-cache-producer"
+MULTICLUSTER_APPROX_PRODUCER = "multicluster-approx-prefix-cache-producer"  # the same producer, another type name
 _FLOAT_LIMIT = 2**1024 - 2**970  # the least integer float() cannot hold (it rounds to infinity)
 
 
@@ -57,6 +58,7 @@ class Category(enum.Enum):
     ADMITTER = "admitter"
     RESPONSE_PROCESSOR = "response-processor"
     PRE_REQUEST = "pre-request"
+    SYNCER = "cross-replica-syncer"
     OTHER = "other"
 
 
@@ -323,7 +325,8 @@ def _prefix_scorer(params: Params) -> PrefixScorerParams:
         if params.has(key):
             deprecated(f"{params.where(key)}", "approx-prefix-cache-producer's parameters")
             legacy.append((field, params.integer(key, 1, minimum=1)))
-    return PrefixScorerParams(weight, scale, producer="" if producer == APPROX_PRODUCER else producer,
+    approx = producer in (APPROX_PRODUCER, MULTICLUSTER_APPROX_PRODUCER)
+    return PrefixScorerParams(weight, scale, producer="" if approx else producer,
                               legacy=tuple(legacy))
 
 
@@ -627,11 +630,7 @@ register("core-metrics-extractor", PluginType(
 # llm-d-router (ebab68792) plugin types this picker does not run: a config naming one fails at
 # startup with a line saying so (a test keeps this list apart from the registered types).
 NOT_IMPLEMENTED_LIST = (
-    "latency-scorer", "latency-slo-admitter", "local-syncer",
-    "multicluster-approx-prefix-cache-producer",
-    "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
-    "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
-    "multicluster-session-affinity-filter", "predicted-latency-producer",
+    "latency-scorer", "latency-slo-admitter", "predicted-latency-producer",
     "slo-headroom-tier-filter",
 )
 NOT_IMPLEMENTED = frozenset(NOT_IMPLEMENTED_LIST)

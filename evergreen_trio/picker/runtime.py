@@ -37,6 +37,7 @@ from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.http_poll import ScrapeErrors
 from evergreen_trio.picker.kvevents_zmq import bound_subscribers, endpoint_subscribers, subscribe_bound
 from evergreen_trio.picker.models_poll import poll_models
+from evergreen_trio.picker.multicluster_poll import poll_cluster
 from evergreen_trio.picker.notifications import NotificationSource, endpoint_notifications, notification_sources
 from evergreen_trio.picker.precise_prefix import precise_caches
 from evergreen_trio.picker.processor import ExtProcStream, Picker
@@ -249,7 +250,12 @@ class Scrapers:
                     beside.start_soon(poll_dcgm, endpoint, dcgm, self.config.pool, self.snapshot, self.errors)
                 for task in self.beside:
                     beside.start_soon(task, endpoint)
-                await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape, self.errors)
+                clusters = self.config.pool.multicluster
+                if clusters is not None:  # a peer cluster: its pool aggregates, not a model server's metrics
+                    await poll_cluster(endpoint, clusters, self.config.pool, self.snapshot, self.after_scrape,
+                                       self.errors)
+                else:
+                    await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape, self.errors)
 
 
 class PickerDrain:

@@ -201,3 +201,28 @@ def metrics_context(cert_dir: str | None, client_ca: str | None) -> ReloadingCon
     if not cert_dir:
         return None
     return ReloadingContext(cert_dir, alpn="http/1.1", client_ca=client_ca or None)
+
+
+
+def client_context(*, skip_verify: bool = False, ca_file: str = "", cert_file: str = "",
+                   key_file: str = "") -> ssl.SSLContext:
+    """A client context as the Go ``tls.Config`` of the reference's HTTP data sources: the server's
+    certificate verified against the system roots, or ``ca_file``'s certificates alone, unless
+    ``skip_verify``; ``cert_file``/``key_file`` presented when either is given (mTLS). TlsError
+    naming the file that does not load."""
+    if skip_verify:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    else:
+        try:
+            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise TlsError(f"expected CA certificates in {ca_file!r}, got {exc}") from None
+    context.set_alpn_protocols(["http/1.1"])
+    if cert_file or key_file:
+        try:
+            context.load_cert_chain(cert_file, key_file or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise TlsError(f"expected a client certificate {cert_file!r} and key {key_file!r}, got {exc}") from None
+    return context
