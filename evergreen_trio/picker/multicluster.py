@@ -27,9 +27,8 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
-import ssl
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from evergreen_trio.picker.engine_metrics import EngineSpec, MetricSpec, parse_engine_metrics, parse_spec
@@ -117,33 +116,42 @@ def metrics_target(endpoint: Endpoint) -> tuple[str, int]:
 @dataclass(frozen=True)
 class ClusterSource:
     """``multicluster-metrics-data-source``: the page's ``path``, how often it is polled (None: the
-    pool's scrape interval), and the TLS client context (None: plain http)."""
+    pool's scrape interval), and https's client options (``https`` false: plain http)."""
 
     path: str = "/metrics"
     interval_s: float | None = None
-    tls: ssl.SSLContext | None = field(default=None, compare=False)
+    https: bool = True
+    skip_verify: bool = False
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+
+    @property
+    def tls_options(self) -> tuple[bool, str, str, str] | None:
+        """:func:`~evergreen_trio.picker.tls.client_context`'s arguments; None over http."""
+        return (self.skip_verify, self.ca_file, self.cert_file, self.key_file) if self.https else None
 
 
 def _cluster_source(params: Params) -> ClusterSource:
     from evergreen_trio.picker.config import parse_duration  # config imports the plugin registry
-    from evergreen_trio.picker.tls import TlsError, client_context
+    from evergreen_trio.picker.tls import TlsError, client_context  # the `picker` extra
 
     scheme = params.text("scheme", "https", choices=("https", "http"))
     path = params.text("path", "/metrics")
     if not path.startswith("/"):
         raise ConfigError(params.where("path"), "a path starting with '/'", path)
     params.integer("port", 1, minimum=1, maximum=65535)  # decoded and unused, as the reference's
-    skip = params.boolean("insecureSkipVerify", False)
-    ca, cert, key = (params.text(k, "") for k in ("caCertPath", "clientCertPath", "clientKeyPath"))
     interval = params.text("interval", "")
-    context = None
-    if scheme == "https":
-        try:
-            context = client_context(skip_verify=skip, ca_file=ca, cert_file=cert, key_file=key)
-        except TlsError as exc:  # its message names the file
-            raise ConfigError(params.path, "readable PEM files at caCertPath, clientCertPath, clientKeyPath",
-                              str(exc)) from None
-    return ClusterSource(path, parse_duration(interval, params.where("interval")) if interval else None, context)
+    source = ClusterSource(path, parse_duration(interval, params.where("interval")) if interval else None,
+                           scheme == "https", params.boolean("insecureSkipVerify", False),
+                           *(params.text(k, "") for k in ("caCertPath", "clientCertPath", "clientKeyPath")))
+    try:  # as the reference's factory: certificate files that do not load fail the config
+        if source.tls_options is not None:
+            client_context(*source.tls_options)
+    except TlsError as exc:  # its message names the file
+        raise ConfigError(params.path, "readable PEM files at caCertPath, clientCertPath, clientKeyPath",
+                          str(exc)) from None
+    return source
 
 
 _DEFAULT_KV, _DEFAULT_QUEUE = MetricSpec(DEFAULT_KV_METRIC), MetricSpec(DEFAULT_QUEUE_METRIC)

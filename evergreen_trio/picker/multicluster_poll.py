@@ -26,6 +26,7 @@ from evergreen_trio.picker.multicluster import (
     write_pool_attributes,
 )
 from evergreen_trio.picker.scheduler import PoolSnapshot
+from evergreen_trio.picker.tls import client_context
 
 log = logging.getLogger(__name__)
 _NO_METRICS = EndpointMetrics()
@@ -48,7 +49,8 @@ async def poll_cluster(endpoint: Endpoint, poll: ClusterPoll, pool: PoolConfig, 
 
     host, port = metrics_target(endpoint)
     source = poll.source
+    options = source.tls_options
     await poll_http(HttpPoll(endpoint, Endpoint(host, port), source.path, MAX_PAGE_BYTES, pool.scrape_timeout_s,
                              source.interval_s or pool.refresh_interval_s, log, "cluster_poll_failed", DATA_SOURCE,
-                             EXTRACTOR, source.tls),
+                             EXTRACTOR, None if options is None else client_context(*options)),
                     lambda body: parse_pool_page(body, poll.metrics), extract, MetricsError, errors)

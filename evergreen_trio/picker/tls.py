@@ -11,6 +11,7 @@ ext_proc is gRPC. ``--tls-min-version`` and ``--tls-cipher-suites`` take the ref
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import ssl
@@ -204,12 +205,14 @@ def metrics_context(cert_dir: str | None, client_ca: str | None) -> ReloadingCon
 
 
 
-def client_context(*, skip_verify: bool = False, ca_file: str = "", cert_file: str = "",
+@functools.cache
+def client_context(skip_verify: bool = False, ca_file: str = "", cert_file: str = "",
                    key_file: str = "") -> ssl.SSLContext:
     """A client context as the Go ``tls.Config`` of the reference's HTTP data sources: the server's
     certificate verified against the system roots, or ``ca_file``'s certificates alone, unless
     ``skip_verify``; ``cert_file``/``key_file`` presented when either is given (mTLS). TlsError
-    naming the file that does not load."""
+    naming the file that does not load. Built once per arguments (the files are read when the
+    config loads, as the reference's factory reads them)."""
     if skip_verify:
         context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
         context.check_hostname = False

@@ -37,7 +37,7 @@ from evergreen_trio.picker.multicluster import (
 from evergreen_trio.picker.multicluster_poll import poll_cluster
 from evergreen_trio.picker.processor import DESTINATION
 from evergreen_trio.picker.scheduler import PoolSnapshot
-from evergreen_trio.picker.tls import client_context, metrics_context
+from evergreen_trio.picker.tls import metrics_context
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
@@ -192,7 +192,7 @@ async def polled(peer: StandIn, count: int) -> None:
 async def test_a_self_signed_peer_fails_verification_until_its_ca_is_given(nursery: trio.Nursery, tmp_path: Path,
                                                                           caplog: pytest.LogCaptureFixture) -> None:
     peer_ca = trustme.CA()
-    snapshot, endpoint, errors = await poll_stand_in(nursery, StandIn(peer_ca), ClusterSource(tls=client_context()))
+    snapshot, endpoint, errors = await poll_stand_in(nursery, StandIn(peer_ca), ClusterSource())
     with trio.fail_after(10):
         while errors.polls[DATA_SOURCE] < 3:  # noqa: ASYNC110
             await trio.sleep(0.01)
@@ -204,7 +204,7 @@ async def test_a_self_signed_peer_fails_verification_until_its_ca_is_given(nurse
     peer_ca.cert_pem.write_to_path(str(tmp_path / "ca.crt"))
     trusted = StandIn(peer_ca)
     snapshot, endpoint, errors = await poll_stand_in(
-        nursery, trusted, ClusterSource(tls=client_context(ca_file=str(tmp_path / "ca.crt"))))
+        nursery, trusted, ClusterSource(ca_file=str(tmp_path / "ca.crt")))
     await polled(trusted, 2)
     assert snapshot.states[endpoint.address].attributes == {KV_ATTRIBUTE: 0.25, QUEUE_ATTRIBUTE: 3.0}
     assert not errors.polls and not errors.extracts
@@ -223,7 +223,7 @@ async def test_a_hostile_page_is_counted_as_the_reference_counts_it_and_routing_
     ca.cert_pem.write_to_path(str(tmp_path / "ca.crt"))
     peer = StandIn(ca)
     snapshot, endpoint, errors = await poll_stand_in(
-        nursery, peer, ClusterSource(tls=client_context(ca_file=str(tmp_path / "ca.crt"))))
+        nursery, peer, ClusterSource(ca_file=str(tmp_path / "ca.crt")))
     await polled(peer, 2)
     peer.body = body
     await polled(peer, 5)

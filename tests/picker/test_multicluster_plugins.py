@@ -36,6 +36,7 @@ from evergreen_trio.picker.multicluster import (
 )
 from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED, PLUGIN_TYPES
 from evergreen_trio.picker.scheduler import SCORERS, PickRequest, PoolSnapshot, Scheduler
+from evergreen_trio.picker.tls import client_context
 
 FAMILY = ("multicluster-file-discovery", "multicluster-metrics-data-source", "multicluster-metrics-extractor",
           "multicluster-approx-prefix-cache-producer", "multicluster-session-affinity-filter",
@@ -270,7 +271,7 @@ def test_the_reference_multicluster_config_loads_and_resolves_each_type(tmp_path
         assert config.plugins[name].type == want
     poll = config.pool["multicluster"]
     assert isinstance(poll, ClusterPoll) and poll.metrics == PoolMetrics()
-    assert poll.source.tls is not None and poll.source.tls.check_hostname  # https, verified by default
+    assert poll.source.tls_options == (False, "", "", "")  # https, verified by default
     (profile,) = parse_config(reference_config(tmp_path / "c.yaml", True)).scheduler.effective_profiles
     assert [f.type for f in profile.filters] == ["multicluster-session-affinity-filter"]
     assert [s.plugin.type for s in profile.scorers] == ["multicluster-kv-cache-utilization-scorer",
@@ -289,15 +290,15 @@ def test_without_the_extractor_the_scorers_required_key_has_no_producer(tmp_path
 
 def test_the_source_speaks_http_when_told_and_refuses_an_unreadable_ca(tmp_path: Path) -> None:
     source = {"type": "multicluster-metrics-data-source", "name": "s", "parameters": {"scheme": "http"}}
-    assert epp([source], {"sources": [{"pluginRef": "s"}]}).pool["multicluster"].source.tls is None
+    assert epp([source], {"sources": [{"pluginRef": "s"}]}).pool["multicluster"].source.tls_options is None
     source["parameters"] = {"caCertPath": str(tmp_path / "missing.crt")}
     with pytest.raises(ConfigError, match=r"missing\.crt"):
         epp([source])
     source["parameters"] = {"scheme": "ftp"}
     with pytest.raises(ConfigError, match=r"parameters\.scheme"):
         epp([source])
-    skip = epp([{**source, "parameters": {"insecureSkipVerify": True}}]).plugins["s"].params.tls
-    assert not skip.check_hostname
+    skip = epp([{**source, "parameters": {"insecureSkipVerify": True}}]).plugins["s"].params.tls_options
+    assert not client_context(*skip).check_hostname and client_context().check_hostname
 
 
 def test_the_extractor_reads_only_the_multicluster_source(tmp_path: Path) -> None:
