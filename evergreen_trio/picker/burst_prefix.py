@@ -30,7 +30,8 @@ BALANCE_MODES = ("requests", "tokens")
 # The request attribute a sealed window leaves: (data type, producer name) -> "<tokens>@<address>".
 MATCH_INFO_TYPE = "PrefixCacheMatchInfo"
 # The plugin types whose prefixMatchInfoProducerName names the producer of their matches.
-PRODUCER_READERS = ("prefix-cache-scorer", "p2p-source-producer")
+PREFIX_SCORERS = ("prefix-cache-scorer", "multicluster-prefix-cache-scorer")  # the second: the first, renamed
+PRODUCER_READERS = (*PREFIX_SCORERS, "p2p-source-producer")
 PRODUCE_TIMEOUT_MARGIN_S = 0.3  # the reference's produceTimeoutMargin: a request waits at most window + this
 
 
@@ -301,7 +302,7 @@ def check_producers(plugins: Mapping[str, Plugin], where: Callable[[str], str]) 
     precise = check_precise(plugins, where)
     for name, plugin in plugins.items():
         producer = getattr(plugin.params, "producer", "") if plugin.type in PRODUCER_READERS else ""
-        if producer and producer not in bursts and (producer not in precise or plugin.type != PRODUCER_READERS[0]):
+        if producer and producer not in bursts and (producer not in precise or plugin.type not in PREFIX_SCORERS):
             only = f" ({PRECISE_PRODUCER} feeds a prefix-cache-scorer only)" if producer in precise else ""
             raise ConfigError(f"{where(name)}.prefixMatchInfoProducerName",
                               f"approx-prefix-cache-producer or a declared {BURST_PREFIX_PRODUCER}'s name{only}",

@@ -359,3 +359,12 @@ plugins: [{{type: queue-scorer}}, {{type: multicluster-metrics-data-source, name
     done = run_cli(["--config", str(config), "--allow-experimental-plugins"])
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and culprit in lines[0], done.stderr
+
+
+def test_the_multicluster_prefix_scorer_names_a_declared_producer_as_the_stock_one_does() -> None:
+    scorer = {"type": "multicluster-prefix-cache-scorer", "parameters": {"prefixMatchInfoProducerName": "nobody"}}
+    with pytest.raises(ConfigError, match=r"plugins\[0\]\.parameters\.prefixMatchInfoProducerName"):
+        epp([scorer])
+    burst = {"type": "burst-prefix-cache-producer", "name": "burst"}
+    scorer["parameters"] = {"prefixMatchInfoProducerName": "burst"}
+    assert epp([scorer, burst]).plugins["multicluster-prefix-cache-scorer"].params.producer == "burst"
