@@ -128,7 +128,7 @@ class ClusterSource:
 
     @property
     def tls_options(self) -> tuple[bool, str, str, str] | None:
-        """:func:`~evergreen_trio.picker.tls.client_context`'s arguments; None over http."""
+        """The arguments of ``tls.client_context`` (skip verify, CA, client cert, key); None over http."""
         return (self.skip_verify, self.ca_file, self.cert_file, self.key_file) if self.https else None
 
 
