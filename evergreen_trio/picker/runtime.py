@@ -37,6 +37,7 @@ from evergreen_trio.picker.guards import ModelLabels
 from evergreen_trio.picker.http_poll import ScrapeErrors
 from evergreen_trio.picker.kvevents_zmq import bound_subscribers, endpoint_subscribers, subscribe_bound
 from evergreen_trio.picker.models_poll import poll_models
+from evergreen_trio.picker.multicluster import metrics_target
 from evergreen_trio.picker.multicluster_poll import poll_cluster
 from evergreen_trio.picker.notifications import NotificationSource, endpoint_notifications, notification_sources
 from evergreen_trio.picker.precise_prefix import precise_caches
@@ -232,7 +233,7 @@ class Scrapers:
             self._scopes.pop(address)[1].cancel()
             log.info("picker.endpoint_removed endpoint=%s", address)
         for address, endpoint in wanted.items():  # a pod relabelled to another engine: scrape anew
-            if address in self._scopes and self._scopes[address][0].engine != endpoint.engine:
+            if address in self._scopes and self._moved(self._scopes[address][0], endpoint):
                 self._scopes.pop(address)[1].cancel()
         self.snapshot.set_endpoints(wanted.values())
         for address, endpoint in wanted.items():
@@ -240,6 +241,12 @@ class Scrapers:
                 scope = trio.CancelScope()
                 self._scopes[address] = (endpoint, scope)
                 self.nursery.start_soon(self._run, endpoint, scope)
+
+    def _moved(self, old: Endpoint, new: Endpoint) -> bool:
+        """Whether ``new`` is scraped apart from ``old``: another engine, or a cluster's metrics
+        elsewhere (its ``metricsAddress``/``metricsPort`` labels changed)."""
+        return old.engine != new.engine or (
+            self.config.pool.multicluster is not None and metrics_target(old) != metrics_target(new))
 
     async def _run(self, endpoint: Endpoint, scope: trio.CancelScope) -> None:
         with scope:

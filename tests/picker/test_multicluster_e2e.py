@@ -36,6 +36,7 @@ from evergreen_trio.picker.multicluster import (
 )
 from evergreen_trio.picker.multicluster_poll import poll_cluster
 from evergreen_trio.picker.processor import DESTINATION
+from evergreen_trio.picker.runtime import Scrapers
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.tls import metrics_context
 
@@ -233,3 +234,34 @@ async def test_a_hostile_page_is_counted_as_the_reference_counts_it_and_routing_
     assert bool(errors.extracts[(DATA_SOURCE, EXTRACTOR)]) is extract_errors
     warnings = [r for r in caplog.records if "cluster_poll_failed" in r.getMessage() and r.levelno == logging.WARNING]
     assert len(warnings) == 1  # one per run of failures
+
+
+async def test_a_cluster_whose_metrics_labels_change_is_polled_at_the_new_place(nursery: trio.Nursery,
+                                                                               tmp_path: Path) -> None:
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.crt"))
+    old, new = StandIn(ca), StandIn(ca, body=StandIn(ca).body.replace(b"3.0", b"8.0"))
+    ports = [await nursery.start(peer.serve) for peer in (old, new)]
+    config = parse_config(f"""pool: {{name: clusters, refreshMetricsInterval: 10ms, endpoints: ['127.0.0.1:9']}}
+---
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- {{type: multicluster-metrics-data-source, name: source, parameters: {{caCertPath: "{tmp_path / 'ca.crt'}"}}}}
+- {{type: multicluster-metrics-extractor, name: extractor}}
+- {{type: multicluster-queue-scorer}}
+dataLayer: {{sources: [{{pluginRef: source, extractors: [{{pluginRef: extractor}}]}}]}}
+""")
+
+    def cluster(port: int) -> Endpoint:
+        return Endpoint("localhost", 443, labels=(("metricsAddress", "localhost"), ("metricsPort", str(port))))
+
+    snapshot = PoolSnapshot([], 2.0, time.monotonic)
+    scrapers = Scrapers(nursery, config, snapshot, lambda: None)
+    scrapers.sync([cluster(ports[0])])
+    await polled(old, 1)
+    scrapers.sync([cluster(ports[1])])
+    await polled(new, 2)
+    polls = old.polls
+    await polled(new, 3)
+    assert old.polls == polls and snapshot.states["localhost:443"].attributes[QUEUE_ATTRIBUTE] == 8.0
