@@ -46,12 +46,8 @@ from evergreen_trio.picker.headerprofile import HeaderProfileHandler
 from evergreen_trio.picker.mm_cache import with_default_producer
 from evergreen_trio.picker.models_source import MODELS_DATA_EXTRACTOR, MODELS_DATA_SOURCE, ModelsSource
 from evergreen_trio.picker.multicluster import (
-    DATA_SOURCE as CLUSTER_SOURCE,
-)
-from evergreen_trio.picker.multicluster import (
-    EXTRACTOR as CLUSTER_EXTRACTOR,
-)
-from evergreen_trio.picker.multicluster import (
+    CLUSTER_EXTRACTOR,
+    CLUSTER_SOURCE,
     ClusterPoll,
     ClusterSource,
     PoolMetrics,

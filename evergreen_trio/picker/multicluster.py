@@ -52,8 +52,8 @@ if TYPE_CHECKING:
     from evergreen_trio.picker.scheduler import EndpointState, PickRequest, Scheduler
 
 FILE_DISCOVERY = "multicluster-file-discovery"
-DATA_SOURCE = "multicluster-metrics-data-source"
-EXTRACTOR = "multicluster-metrics-extractor"
+CLUSTER_SOURCE = "multicluster-metrics-data-source"
+CLUSTER_EXTRACTOR = "multicluster-metrics-extractor"
 QUEUE_SCORER = "multicluster-queue-scorer"
 KV_SCORER = "multicluster-kv-cache-utilization-scorer"
 PREFIX_SCORER = "multicluster-prefix-cache-scorer"
@@ -256,12 +256,12 @@ def _kv_scorer(scheduler: Scheduler, request: PickRequest, candidates: Sequence[
 def check_pool_producers(plugins: Mapping[str, Plugin], where: str) -> None:
     """A declared aggregate scorer needs a declared extractor, as the reference fails a config
     whose required key has no producer; ``where``: the plugins list's path."""
-    if any(p.type == EXTRACTOR for p in plugins.values()):
+    if any(p.type == CLUSTER_EXTRACTOR for p in plugins.values()):
         return
     for i, plugin in enumerate(plugins.values()):
         if plugin.type in (QUEUE_SCORER, KV_SCORER):
             key = QUEUE_ATTRIBUTE[0] if plugin.type == QUEUE_SCORER else KV_ATTRIBUTE[0]
-            raise ConfigError(f"{where}[{i}]", f"a {EXTRACTOR} declared to produce {key}",
+            raise ConfigError(f"{where}[{i}]", f"a {CLUSTER_EXTRACTOR} declared to produce {key}",
                               f"{plugin.name} (no default producer found for that key)")
 
 
@@ -269,10 +269,11 @@ def check_pool_producers(plugins: Mapping[str, Plugin], where: str) -> None:
 
 register(FILE_DISCOVERY, PluginType(Category.DISCOVERY, ("path", "watchFile"),
                                     lambda params: file_discovery_params(params, cluster_entry)))
-register(DATA_SOURCE, PluginType(
+register(CLUSTER_SOURCE, PluginType(
     Category.DATA_SOURCE, ("scheme", "path", "port", "insecureSkipVerify", "caCertPath", "clientCertPath",
                            "clientKeyPath", "interval"), _cluster_source))
-register(EXTRACTOR, PluginType(Category.EXTRACTOR, ("kvCacheUtilizationMetric", "queueSizeMetric"), _pool_metrics))
+register(CLUSTER_EXTRACTOR, PluginType(Category.EXTRACTOR, ("kvCacheUtilizationMetric", "queueSizeMetric"),
+                                       _pool_metrics))
 register(QUEUE_SCORER, PluginType(Category.SCORER))
 register(KV_SCORER, PluginType(Category.SCORER))
 register(PREFIX_SCORER, PLUGIN_TYPES["prefix-cache-scorer"])

@@ -17,8 +17,8 @@ from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import MetricsError
 from evergreen_trio.picker.http_poll import HttpPoll, ScrapeErrors, poll_http
 from evergreen_trio.picker.multicluster import (
-    DATA_SOURCE,
-    EXTRACTOR,
+    CLUSTER_EXTRACTOR,
+    CLUSTER_SOURCE,
     MAX_PAGE_BYTES,
     ClusterPoll,
     metrics_target,
@@ -51,6 +51,6 @@ async def poll_cluster(endpoint: Endpoint, poll: ClusterPoll, pool: PoolConfig, 
     source = poll.source
     options = source.tls_options
     await poll_http(HttpPoll(endpoint, Endpoint(host, port), source.path, MAX_PAGE_BYTES, pool.scrape_timeout_s,
-                             source.interval_s or pool.refresh_interval_s, log, "cluster_poll_failed", DATA_SOURCE,
-                             EXTRACTOR, None if options is None else client_context(*options)),
+                             source.interval_s or pool.refresh_interval_s, log, "cluster_poll_failed", CLUSTER_SOURCE,
+                             CLUSTER_EXTRACTOR, None if options is None else client_context(*options)),
                     lambda body: parse_pool_page(body, poll.metrics), extract, MetricsError, errors)

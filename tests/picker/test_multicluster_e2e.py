@@ -25,8 +25,8 @@ from evergreen_trio.picker import PickerPorts, parse_config, run_picker
 from evergreen_trio.picker.config import Endpoint, PoolConfig
 from evergreen_trio.picker.engine_metrics import EndpointMetrics, render_metrics
 from evergreen_trio.picker.multicluster import (
-    DATA_SOURCE,
-    EXTRACTOR,
+    CLUSTER_EXTRACTOR,
+    CLUSTER_SOURCE,
     KV_ATTRIBUTE,
     MAX_PAGE_BYTES,
     QUEUE_ATTRIBUTE,
@@ -195,13 +195,17 @@ async def test_a_self_signed_peer_fails_verification_until_its_ca_is_given(nurse
     peer_ca = trustme.CA()
     snapshot, endpoint, errors = await poll_stand_in(nursery, StandIn(peer_ca), ClusterSource())
     with trio.fail_after(10):
-        while errors.polls[DATA_SOURCE] < 3:  # noqa: ASYNC110
+        while errors.polls[CLUSTER_SOURCE] < 3:  # noqa: ASYNC110
             await trio.sleep(0.01)
     state = snapshot.states[endpoint.address]
     assert state.ready and state.attributes == {}  # still a candidate, unscored
     warnings = [r.getMessage() for r in caplog.records if "cluster_poll_failed" in r.getMessage()
                 and r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "CERTIFICATE_VERIFY_FAILED" in warnings[0]
+    unverified = StandIn(peer_ca)  # insecureSkipVerify opts out
+    snapshot, endpoint, errors = await poll_stand_in(nursery, unverified, ClusterSource(skip_verify=True))
+    await polled(unverified, 2)
+    assert snapshot.states[endpoint.address].attributes == {KV_ATTRIBUTE: 0.25, QUEUE_ATTRIBUTE: 3.0}
     peer_ca.cert_pem.write_to_path(str(tmp_path / "ca.crt"))
     trusted = StandIn(peer_ca)
     snapshot, endpoint, errors = await poll_stand_in(
@@ -230,8 +234,8 @@ async def test_a_hostile_page_is_counted_as_the_reference_counts_it_and_routing_
     await polled(peer, 5)
     state = snapshot.states[endpoint.address]
     assert state.ready and state.attributes == kept
-    assert bool(errors.polls[DATA_SOURCE]) is poll_errors
-    assert bool(errors.extracts[(DATA_SOURCE, EXTRACTOR)]) is extract_errors
+    assert bool(errors.polls[CLUSTER_SOURCE]) is poll_errors
+    assert bool(errors.extracts[(CLUSTER_SOURCE, CLUSTER_EXTRACTOR)]) is extract_errors
     warnings = [r for r in caplog.records if "cluster_poll_failed" in r.getMessage() and r.levelno == logging.WARNING]
     assert len(warnings) == 1  # one per run of failures
 

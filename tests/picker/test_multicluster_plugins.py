@@ -343,9 +343,20 @@ def test_a_cluster_pool_config_has_no_poll_without_the_source_listed() -> None:
     assert PoolConfig("p", ()).multicluster is None
 
 
+def test_the_source_interval_is_a_duration() -> None:
+    source = {"type": "multicluster-metrics-data-source", "name": "s", "parameters": {"interval": "250ms"}}
+    assert epp([source]).plugins["s"].params.interval_s == 0.25
+    source["parameters"] = {"interval": "often"}
+    with pytest.raises(ConfigError, match=r"parameters\.interval"):
+        epp([source])
+
+
 @pytest.mark.parametrize(("layer", "culprit"), [
     ("dataLayer: {crossReplicaSyncerPluginRef: queue-scorer}", "crossReplicaSyncerPluginRef"),
     ("dataLayer: {sources: [{pluginRef: mc, extractors: [{pluginRef: metrics-data-source}]}]}", "extractors[0]"),
+    ("- {type: multicluster-queue-scorer}", "no default producer found"),
+    ("- {type: multicluster-metrics-data-source, name: ca, parameters: {caCertPath: /nonexistent/ca.crt}}",
+     "/nonexistent/ca.crt"),
 ])
 def test_a_config_error_through_the_cli_is_one_line_and_exit_2(tmp_path: Path, layer: str, culprit: str) -> None:
     config = tmp_path / "picker.yaml"
@@ -353,7 +364,10 @@ def test_a_config_error_through_the_cli_is_one_line_and_exit_2(tmp_path: Path, l
 ---
 apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
-plugins: [{{type: queue-scorer}}, {{type: multicluster-metrics-data-source, name: mc}}, {{type: metrics-data-source}}]
+plugins:
+- {{type: queue-scorer}}
+- {{type: multicluster-metrics-data-source, name: mc}}
+- {{type: metrics-data-source}}
 {layer}
 """)
     done = run_cli(["--config", str(config), "--allow-experimental-plugins"])
