@@ -4,7 +4,8 @@ the model-server scrape when ``dataLayer.sources`` lists a ``multicluster-metric
 A cluster is a candidate from discovery on (its per-pod metrics stay empty, as the reference's
 cluster-endpoints' do); each page read refreshes it and writes its pool aggregates. A failed poll
 keeps its last aggregates and is counted, one warning per run of failures
-(:mod:`~evergreen_trio.picker.http_poll`).
+(:mod:`~evergreen_trio.picker.http_poll`). A page over :data:`OFFLOAD_BYTES` is parsed in a worker
+thread, one at a time.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from evergreen_trio.picker.tls import client_context
 
 log = logging.getLogger(__name__)
 _NO_METRICS = EndpointMetrics()
+OFFLOAD_BYTES = 1 << 20
+"""A page over this is parsed in a worker thread: a picker's own page is some 20 KB (3 ms), a
+hostile 8 MiB one takes seconds."""
 
 
 async def poll_cluster(endpoint: Endpoint, poll: ClusterPoll, pool: PoolConfig, snapshot: PoolSnapshot,
@@ -52,5 +56,5 @@ async def poll_cluster(endpoint: Endpoint, poll: ClusterPoll, pool: PoolConfig, 
     options = source.tls_options
     await poll_http(HttpPoll(endpoint, Endpoint(host, port), source.path, MAX_PAGE_BYTES, pool.scrape_timeout_s,
                              source.interval_s or pool.refresh_interval_s, log, "cluster_poll_failed", CLUSTER_SOURCE,
-                             CLUSTER_EXTRACTOR, None if options is None else client_context(*options)),
+                             CLUSTER_EXTRACTOR, None if options is None else client_context(*options), OFFLOAD_BYTES),
                     lambda body: parse_pool_page(body, poll.metrics), extract, MetricsError, errors)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import ssl
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
 from evergreen_trio.picker import PickerPorts, parse_config, run_picker
 from evergreen_trio.picker.config import Endpoint, PoolConfig
 from evergreen_trio.picker.engine_metrics import EndpointMetrics, render_metrics
+from evergreen_trio.picker.errors import MetricsError
+from evergreen_trio.picker.http_poll import HttpPoll, poll_http
 from evergreen_trio.picker.multicluster import (
     CLUSTER_EXTRACTOR,
     CLUSTER_SOURCE,
@@ -38,7 +41,7 @@ from evergreen_trio.picker.multicluster_poll import poll_cluster
 from evergreen_trio.picker.processor import DESTINATION
 from evergreen_trio.picker.runtime import Scrapers
 from evergreen_trio.picker.scheduler import PoolSnapshot
-from evergreen_trio.picker.tls import metrics_context
+from evergreen_trio.picker.tls import client_context, metrics_context
 
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
@@ -269,3 +272,26 @@ dataLayer: {{sources: [{{pluginRef: source, extractors: [{{pluginRef: extractor}
     polls = old.polls
     await polled(new, 3)
     assert old.polls == polls and snapshot.states["localhost:443"].attributes[QUEUE_ATTRIBUTE] == 8.0
+
+
+async def test_a_big_page_is_parsed_off_the_event_loop_and_a_small_one_on_it(nursery: trio.Nursery,
+                                                                            tmp_path: Path) -> None:
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.crt"))
+    peer = StandIn(ca)
+    port = await nursery.start(peer.serve)
+    threads: list[bool] = []
+
+    def parse(body: bytes) -> bytes:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return body
+
+    endpoint = Endpoint("localhost", port)
+    poll = HttpPoll(endpoint, endpoint, "/metrics", MAX_PAGE_BYTES, 5.0, 0.01, logging.getLogger("test"), "poll",
+                    CLUSTER_SOURCE, CLUSTER_EXTRACTOR, client_context(False, str(tmp_path / "ca.crt")),
+                    offload_bytes=len(peer.body))
+    nursery.start_soon(poll_http, poll, parse, lambda page: None, MetricsError)
+    await polled(peer, 2)
+    peer.body += b"# one byte over the threshold and more\n"
+    await polled(peer, 2)
+    assert threads[0] is True and threads[-1] is False
