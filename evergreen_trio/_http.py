@@ -232,14 +232,14 @@ class HttpGetError(Exception):
     """A GET failed: connection refused or lost, a malformed response, or a body over the limit."""
 
 
-async def read_response(conn: h11.Connection, stream: trio.SocketStream, max_body: int) -> tuple[int, bytes]:
+async def read_response(conn: h11.Connection, stream: trio.abc.Stream, max_body: int) -> tuple[int, bytes]:
     """``(status, body)`` of the response ``conn`` (a client's h11 connection) reads from ``stream``;
     ``h11.RemoteProtocolError`` past ``max_body`` bytes of body or when the peer closes early."""
     status, body = 0, bytearray()
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
-            conn.receive_data(await stream.receive_some(65536))
+            conn.receive_data(bytes(await stream.receive_some(65536)))  # SSLStream's may be a bytearray
         elif isinstance(event, h11.Response):
             status = event.status_code
         elif isinstance(event, h11.Data):
@@ -253,12 +253,15 @@ async def read_response(conn: h11.Connection, stream: trio.SocketStream, max_bod
 
 
 class KeepAliveGetter:
-    """Repeated GETs to one ``host:port`` over one kept-alive connection (reopened after errors)."""
+    """Repeated GETs to one ``host:port`` over one kept-alive connection (reopened after errors);
+    over TLS with ``ssl_context`` (the server's certificate checked against ``host`` when the
+    context checks hostnames)."""
 
-    def __init__(self, host: str, port: int, *, max_body: int) -> None:
-        self.host, self.port, self.max_body = host, port, max_body
+    def __init__(self, host: str, port: int, *, max_body: int, ssl_context: ssl.SSLContext | None = None) -> None:
+        self.host, self.port, self.max_body, self.ssl_context = host, port, max_body, ssl_context
         self._authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self._stream: trio.SocketStream | None = None
+        self._scheme = "http" if ssl_context is None else "https"
+        self._stream: trio.abc.Stream | None = None
         self._conn = h11.Connection(h11.CLIENT)
 
     async def get(self, target: str) -> tuple[int, bytes]:
@@ -267,14 +270,23 @@ class KeepAliveGetter:
             return await self._get(target)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
             await self.aclose()
-            raise HttpGetError(f"GET http://{self._authority}{target}: {type(exc).__name__}: {exc}") from None
+            # trio reports a failed TLS handshake as BrokenResourceError caused by the ssl error.
+            cause = exc.__cause__ if isinstance(exc.__cause__, ssl.SSLError) else exc
+            raise HttpGetError(f"GET {self._scheme}://{self._authority}{target}: {type(cause).__name__}: {cause}") \
+                from None
         except BaseException:
             await self.aclose()  # cancelled mid-response: the connection's state is unknown
             raise
 
     async def _get(self, target: str) -> tuple[int, bytes]:
         if self._stream is None:
-            self._stream = await trio.open_tcp_stream(self.host, self.port)
+            tcp = await trio.open_tcp_stream(self.host, self.port)
+            if self.ssl_context is None:
+                self._stream = tcp
+            else:
+                tls = trio.SSLStream(tcp, self.ssl_context, server_hostname=self.host)
+                self._stream = tls
+                await tls.do_handshake()
             self._conn = h11.Connection(h11.CLIENT)
         conn, stream = self._conn, self._stream
         await stream.send_all(conn.send(h11.Request(method="GET", target=target, headers=[

@@ -31,7 +31,7 @@ SANS_IO_CORES = (
     "ipc/uri.py",
     "picker/attribute_reporter.py", "picker/config.py", "picker/endpoint_attribute.py", "picker/engine_metrics.py",
     "picker/dataparallel.py", "picker/epp_config.py", "picker/models_source.py", "picker/routing_headers.py",
-    "picker/served_verifier.py",
+    "picker/served_verifier.py", "picker/multicluster.py", "picker/syncer.py",
     "picker/errors.py",
     "_grpc/server_wire.py", "picker/plugins.py",
     "picker/processor.py", "picker/request.py", "picker/scheduler.py", "picker/usage.py", "picker/parsers/*.py",

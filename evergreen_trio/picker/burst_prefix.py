@@ -30,7 +30,8 @@ BALANCE_MODES = ("requests", "tokens")
 # The request attribute a sealed window leaves: (data type, producer name) -> "<tokens>@<address>".
 MATCH_INFO_TYPE = "PrefixCacheMatchInfo"
 # The plugin types whose prefixMatchInfoProducerName names the producer of their matches.
-PRODUCER_READERS = ("prefix-cache-scorer", "p2p-source-producer")
+PREFIX_SCORERS = ("prefix-cache-scorer", "multicluster-prefix-cache-scorer")  # the second: the first, renamed
+PRODUCER_READERS = (*PREFIX_SCORERS, "p2p-source-producer")
 PRODUCE_TIMEOUT_MARGIN_S = 0.3  # the reference's produceTimeoutMargin: a request waits at most window + this
 
 

@@ -41,6 +41,7 @@ from evergreen_trio.picker.flow_control.config import (
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
 from evergreen_trio.picker.inflight import LoadConfig, producer_config
 from evergreen_trio.picker.models_source import ModelsSource
+from evergreen_trio.picker.multicluster import PREFIX_SCORER, ClusterPoll
 from evergreen_trio.picker.plugins import DisaggHandler, Plugin, Profile, WeightedScorer, deferred_deprecations
 
 ENGINES = (*ENGINE_METRICS, *ENGINE_ALIASES)
@@ -121,6 +122,8 @@ class PoolConfig:
     one; ``engines`` says which metric names each pod's engine exports; ``models_sources`` read
     each endpoint's served models (``models-data-source``s wired to a ``models-data-extractor``),
     ``dcgm_sources`` its GPU utilization (``dcgm-data-source``s wired to a ``dcgm-extractor``).
+    ``multicluster`` (a listed ``multicluster-metrics-data-source``) makes the endpoints peer
+    clusters, polled for their pool aggregates instead of scraped as model servers.
     """
 
     name: str
@@ -133,6 +136,7 @@ class PoolConfig:
     engines: EngineConfig = field(default_factory=EngineConfig)
     models_sources: tuple[ModelsSource, ...] = ()
     dcgm_sources: tuple[DcgmSource, ...] = ()
+    multicluster: ClusterPoll | None = None
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,8 @@ class SchedulerConfig:
         """Whether a request's prompt must be hashed: a profile scores the prefix or filters or
         scores by its matches, P/D decides on it, or another plugin reads its matches."""
         return self.prefix_readers or isinstance(self.handler, DisaggHandler) or any(
-            p.weight("prefix-cache-scorer") or any(f.type in PREFIX_READERS for f in p.filters)
+            p.weight("prefix-cache-scorer") or p.weight(PREFIX_SCORER)
+            or any(f.type in PREFIX_READERS for f in p.filters)
             or any(s.weight and s.plugin.type in PREFIX_READERS for s in p.scorers)
             for p in self.effective_profiles)
 

@@ -153,12 +153,12 @@ class MetricsPageError(MetricsError):
     (a parsed page that lacks a metric fails its extractor instead)."""
 
 
-def parse_engine_metrics(engine: str | EngineSpec, text: str) -> EndpointMetrics:
-    """Read one scrape; a text that is not Prometheus format (``MetricsPageError``) or lacks a
-    core metric is an error."""
+def parse_engine_metrics(engine: str | EngineSpec, text: str, max_chars: int = MAX_METRICS_BYTES) -> EndpointMetrics:
+    """Read one scrape of at most ``max_chars``; a text that is not Prometheus format
+    (``MetricsPageError``) or lacks a core metric is an error."""
     spec = engine_spec(engine)
-    if len(text) > MAX_METRICS_BYTES:
-        raise MetricsPageError(f"expected at most {MAX_METRICS_BYTES} bytes of metrics, got {len(text)}")
+    if len(text) > max_chars:
+        raise MetricsPageError(f"expected at most {max_chars} bytes of metrics, got {len(text)}")
     summed = [s for s in (spec.waiting, spec.running) if s is not None]
     maxed = [s for s in (*spec.kv, spec.block_size, spec.num_blocks) if s is not None]
     sums: dict[MetricSpec, float] = {}

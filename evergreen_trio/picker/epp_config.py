@@ -46,6 +46,14 @@ from evergreen_trio.picker.headerprofile import HeaderProfileHandler
 from evergreen_trio.picker.latency import PRODUCER as LATENCY_PRODUCER
 from evergreen_trio.picker.mm_cache import with_default_producer
 from evergreen_trio.picker.models_source import MODELS_DATA_EXTRACTOR, MODELS_DATA_SOURCE, ModelsSource
+from evergreen_trio.picker.multicluster import (
+    CLUSTER_EXTRACTOR,
+    CLUSTER_SOURCE,
+    ClusterPoll,
+    ClusterSource,
+    PoolMetrics,
+    check_pool_producers,
+)
 from evergreen_trio.picker.p2p_source import reads_prefix_index
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import ParserRegistry
@@ -69,6 +77,7 @@ from evergreen_trio.picker.plugins import (
     deprecated,
     read_plugin,
 )
+from evergreen_trio.picker.syncer import SYNC_INTERVAL, SYNCER_REF, read_syncer
 from evergreen_trio.picker.topology import warn_unproduced as warn_no_topology
 
 log = logging.getLogger(__name__)
@@ -262,7 +271,7 @@ def _pool_values(plugins: Mapping[str, Plugin]) -> dict[str, Any]:
 
 # Extractor type -> the source type whose data it reads (the reference fails startup on a mismatch).
 _EXTRACTS = {"core-metrics-extractor": "metrics-data-source", MODELS_DATA_EXTRACTOR: MODELS_DATA_SOURCE,
-             DCGM_EXTRACTOR: DCGM_DATA_SOURCE}
+             DCGM_EXTRACTOR: DCGM_DATA_SOURCE, CLUSTER_EXTRACTOR: CLUSTER_SOURCE}
 # Polled sources -> the pool field listing them: a source is polled when listed with its extractor.
 _POLLED = {MODELS_DATA_EXTRACTOR: "models_sources", DCGM_EXTRACTOR: "dcgm_sources"}
 
@@ -272,27 +281,38 @@ def _data_layer(doc: Mapping[str, Any], plugins: Mapping[str, Plugin]) -> tuple[
     listing the polled sources (those listed with their extractor: the ones worth polling)."""
     path = f"{KIND}.dataLayer"
     layer = mapping(doc.get("dataLayer") or {}, path)
+    known = ("discovery", "sources", SYNCER_REF, SYNC_INTERVAL)
     for key in layer:
-        if key not in ("sources", "discovery"):
-            raise ConfigError(f"{path}.{key}", "one of ['discovery', 'sources']", key)
+        if key not in known:
+            raise ConfigError(f"{path}.{key}", f"one of {sorted(known)}", key)
+    read_syncer(layer, path, plugins)
     polled_sources: dict[str, list[ModelsSource | DcgmSource]] = {}
+    clusters: dict[str, ClusterPoll] = {}  # the multicluster source listed, by its name
     for i, raw in enumerate(sequence(layer.get("sources") or [], f"{path}.sources")):
         source = mapping(raw, f"{path}.sources[{i}]")
         for key in source:
             if key not in ("pluginRef", "extractors"):
                 raise ConfigError(f"{path}.sources[{i}].{key}", "one of ['extractors', 'pluginRef']", key)
         polled = _ref(source.get("pluginRef"), f"{path}.sources[{i}].pluginRef", plugins, Category.DATA_SOURCE)
+        if isinstance(polled.params, ClusterSource):
+            clusters.setdefault(polled.name, ClusterPoll(polled.params))
         for j, extractor in enumerate(sequence(source.get("extractors") or [], f"{path}.sources[{i}].extractors")):
             where = f"{path}.sources[{i}].extractors[{j}]"
             reads = _ref(mapping(extractor, where).get("pluginRef"), f"{where}.pluginRef", plugins, Category.EXTRACTOR)
             if _EXTRACTS.get(reads.type, polled.type) != polled.type:
                 raise ConfigError(f"{where}.pluginRef", f"an extractor of {polled.type}'s data",
                                   f"{reads.name} (a {reads.type}, which reads a {_EXTRACTS[reads.type]}'s)")
+            if isinstance(reads.params, PoolMetrics):
+                clusters[polled.name] = ClusterPoll(clusters[polled.name].source, reads.params)
             listed = polled_sources.setdefault(_POLLED[reads.type], []) if reads.type in _POLLED else None
             if listed is not None and isinstance(polled.params, ModelsSource | DcgmSource) \
                     and polled.params not in listed:
                 listed.append(polled.params)
-    sources = {key: tuple(listed) for key, listed in polled_sources.items()}
+    sources: dict[str, Any] = {key: tuple(listed) for key, listed in polled_sources.items()}
+    if len(clusters) > 1:
+        raise ConfigError(f"{path}.sources", f"at most one {CLUSTER_SOURCE} (this picker polls one)", list(clusters))
+    if clusters:
+        sources["multicluster"] = next(iter(clusters.values()))
     if layer.get("discovery") is None:
         return None, sources
     discovery = mapping(layer["discovery"], f"{path}.discovery")
@@ -392,6 +412,7 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
             extra.update(reader(doc[name], f"{KIND}.{name}", plugins))
     warn_unpublished(plugins)
     check_producers(plugins, lambda name: f"{KIND}.plugins[{list(plugins).index(name)}].parameters")
+    check_pool_producers(plugins, f"{KIND}.plugins")
     warn_no_topology(plugins)
     pool = {**_pool_values(plugins), **polled_sources}
     return EppConfig(values, pool, plugins, gates, extra, parsers, discovery)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -99,8 +99,18 @@ def valid_ipv4(address: str) -> bool:
     return ip.version == 4 or (isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None)
 
 
-def parse_endpoints_file(data: bytes) -> tuple[list[FileEndpoint], list[str]]:
-    """The valid entries of an endpoints file and one message per entry skipped.
+EntryCheck = Callable[[str, Mapping[str, str]], "str | None"]
+"""An entry's address and labels -> why the entry is refused (None: it is not)."""
+
+
+def pod_address(address: str, labels: Mapping[str, str]) -> str | None:
+    """``file-discovery``'s check: a pod is reached at an IPv4 literal."""
+    return None if valid_ipv4(address) else f"invalid IPv4 address {address!r}"
+
+
+def parse_endpoints_file(data: bytes, check: EntryCheck = pod_address) -> tuple[list[FileEndpoint], list[str]]:
+    """The valid entries of an endpoints file (``check`` refuses none of their addresses and
+    labels) and one message per entry skipped.
 
     Raises :class:`EndpointsFileError` when the file as a whole is unusable.
     """
@@ -125,8 +135,9 @@ def parse_endpoints_file(data: bytes) -> tuple[list[FileEndpoint], list[str]]:
     errors: list[str] = []
     for e in parsed:
         port = atoi(e["port"])
-        if not valid_ipv4(e["address"]):
-            errors.append(f"endpoint {e['name']!r}: invalid IPv4 address {e['address']!r}")
+        refused = check(e["address"], dict(e["labels"]))
+        if refused is not None:
+            errors.append(f"endpoint {e['name']!r}: {refused}")
         elif port is None or not 1 <= port <= 65535:
             errors.append(f"endpoint {e['name']!r}: invalid port {e['port']!r}")
         else:
@@ -150,17 +161,19 @@ def to_endpoints(entries: Sequence[FileEndpoint], pool: PoolConfig) -> list[Endp
 
 @dataclass(frozen=True)
 class FileDiscovery:
-    """The parameters of one ``file-discovery`` plugin."""
+    """The parameters of one ``file-discovery`` plugin (or a variant's: ``check`` refuses entries)."""
 
     path: str
     watch_file: bool = False
+    check: EntryCheck = pod_address
 
 
-def _parse(params: Params) -> FileDiscovery:
+def file_discovery_params(params: Params, check: EntryCheck = pod_address) -> FileDiscovery:
+    """A file discovery plugin's ``path`` (required) and ``watchFile``."""
     path = params.text("path", "")
     if not path:
         raise ConfigError(params.where("path"), "the endpoints file's path (required)", path or None)
-    return FileDiscovery(path, params.boolean("watchFile", False))
+    return FileDiscovery(path, params.boolean("watchFile", False), check)
 
 
-register(PLUGIN_TYPE, PluginType(Category.DISCOVERY, ("path", "watchFile"), _parse))
+register(PLUGIN_TYPE, PluginType(Category.DISCOVERY, ("path", "watchFile"), file_discovery_params))

@@ -13,9 +13,11 @@ from evergreen_trio.picker.errors import PickerError
 from evergreen_trio.picker.file_discovery import (
     MAX_FILE_SIZE,
     EndpointsFileError,
+    EntryCheck,
     FileDiscovery,
     FileEndpoint,
     parse_endpoints_file,
+    pod_address,
     to_endpoints,
 )
 from evergreen_trio.picker.runtime import Discovery
@@ -28,7 +30,7 @@ def discovery_for(params: FileDiscovery, pool: PoolConfig) -> Discovery:
     """The runtime's Discovery for a ``file-discovery`` plugin (the pool gives each endpoint's engine)."""
 
     async def run(on_endpoints: Callable[[Sequence[Endpoint]], None]) -> None:
-        await file_discovery(params.path, params.watch_file, pool, on_endpoints)
+        await file_discovery(params.path, params.watch_file, pool, on_endpoints, check=params.check)
 
     return run
 
@@ -42,22 +44,22 @@ def _read(path: str) -> bytes:
         raise EndpointsFileError(f"reading {path}: {exc.strerror or exc}") from None
 
 
-def _parse(path: str, data: bytes) -> tuple[list[FileEndpoint], list[str]]:
+def _parse(path: str, data: bytes, check: EntryCheck) -> tuple[list[FileEndpoint], list[str]]:
     try:
-        return parse_endpoints_file(data)
+        return parse_endpoints_file(data, check)
     except EndpointsFileError as exc:
         raise EndpointsFileError(f"{path}: {exc}") from None
 
 
 async def file_discovery(path: str, watch: bool, pool: PoolConfig,
                          on_endpoints: Callable[[Sequence[Endpoint]], None], *,
-                         interval: float = POLL_INTERVAL) -> None:
+                         interval: float = POLL_INTERVAL, check: EntryCheck = pod_address) -> None:
     """Load ``path`` (any error, a skipped entry included, is fatal as in the reference), then with
     ``watch`` re-read it every ``interval`` seconds and report each changed set; a failed reload
     keeps the last set and logs one line, a reload with bad entries applies the good ones."""
     try:
         data = _read(path)
-        entries, errors = _parse(path, data)
+        entries, errors = _parse(path, data, check)
     except EndpointsFileError as exc:
         raise PickerError(f"file-discovery: initial load failed: {exc}") from None
     if errors:
@@ -81,7 +83,7 @@ async def file_discovery(path: str, watch: bool, pool: PoolConfig,
             continue
         last = data
         try:
-            entries, errors = _parse(path, data)
+            entries, errors = _parse(path, data, check)
         except EndpointsFileError as exc:
             _keeping(current, exc)
             continue

@@ -13,6 +13,7 @@ flood the log).
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -38,7 +39,8 @@ class ScrapeErrors(Protocol):
 class HttpPoll:
     """What to GET (``path`` at ``address``, at most ``max_body`` bytes, within ``timeout_s``),
     how often, where failures are logged (``event`` in ``log``, naming ``endpoint``) and the
-    reference's plugin types they are counted under (``source_type``, ``extractor_type``)."""
+    reference's plugin types they are counted under (``source_type``, ``extractor_type``); over
+    https with ``ssl_context``; a body over ``offload_bytes`` is parsed in a worker thread."""
 
     endpoint: Endpoint
     address: Endpoint
@@ -50,14 +52,34 @@ class HttpPoll:
     event: str
     source_type: str
     extractor_type: str
+    ssl_context: ssl.SSLContext | None = None
+    offload_bytes: int | None = None
+
+
+# One page parsed off the event loop at a time, per run: a big page costs a worker thread, not routing.
+_PARSING: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("http_poll_parsing")
+
+
+async def _parse(poll: HttpPoll, parse: Callable[[bytes], T], body: bytes) -> T:
+    """``parse(body)``, in a worker thread when the body is over ``poll.offload_bytes`` (a peer's
+    8 MiB page takes seconds of parsing, which would stall every stream on this thread)."""
+    if poll.offload_bytes is None or len(body) <= poll.offload_bytes:
+        return parse(body)
+    try:
+        limiter = _PARSING.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(1)
+        _PARSING.set(limiter)
+    return await trio.to_thread.run_sync(parse, body, limiter=limiter)
 
 
 async def poll_http(poll: HttpPoll, parse: Callable[[bytes], T], extract: Callable[[T], None], error: type[Exception],
                     errors: ScrapeErrors | None = None) -> None:
     """GET ``poll``'s path every interval, ``parse`` each 200 body and ``extract`` the result, either
     raising ``error`` for what it refuses; failures counted in ``errors``. Until cancelled."""
-    getter = KeepAliveGetter(poll.address.host, poll.address.port, max_body=poll.max_body)
-    url = f"http://{poll.address.address}{poll.path}"
+    getter = KeepAliveGetter(poll.address.host, poll.address.port, max_body=poll.max_body,
+                             ssl_context=poll.ssl_context)
+    url = f"{'http' if poll.ssl_context is None else 'https'}://{poll.address.address}{poll.path}"
     failing = False
     try:
         while True:
@@ -67,7 +89,7 @@ async def poll_http(poll: HttpPoll, parse: Callable[[bytes], T], extract: Callab
                     status, body = await getter.get(poll.path)
                 if status != 200:
                     raise error(f"expected HTTP 200 from {url}, got {status}")
-                page = parse(body)
+                page = await _parse(poll, parse, body)
                 parsed = True
                 extract(page)
                 failing = False

@@ -3,8 +3,7 @@
 A plugin entry (``{type, name, parameters}``) is read by its :class:`PluginType`: the parameter
 names it knows (any other name is one :class:`ConfigError` naming it, as llm-d-router's strict
 decoder fails startup) and a parser turning them into a frozen value. Other modules add types
-with :func:`register`. The llm-d-router types we know but do not run are listed in
-:data:`NOT_IMPLEMENTED`, so such a config fails with a line saying so rather than "unknown".
+with :func:`register`; every type llm-d-router registers is one (``tests/picker/test_plugin_registry.py``).
 
 The scheduling shapes built from a config live here too: a :class:`Profile` (filters, weighted
 scorers, a picker) and the :class:`DisaggHandler` that runs the ``decode``/``prefill`` profiles.
@@ -38,6 +37,7 @@ log = logging.getLogger(__name__)
 
 ROLE_LABEL = "llm-d.ai/role"
 APPROX_PRODUCER = "approx-prefix-cache-producer"
+MULTICLUSTER_APPROX_PRODUCER = "multicluster-approx-prefix-cache-producer"  # the same producer, another type name
 _FLOAT_LIMIT = 2**1024 - 2**970  # the least integer float() cannot hold (it rounds to infinity)
 
 
@@ -57,6 +57,7 @@ class Category(enum.Enum):
     ADMITTER = "admitter"
     RESPONSE_PROCESSOR = "response-processor"
     PRE_REQUEST = "pre-request"
+    SYNCER = "cross-replica-syncer"
     OTHER = "other"
 
 
@@ -188,15 +189,12 @@ def register(type_name: str, plugin_type: PluginType) -> None:
 
 
 def read_plugin(raw: object, path: str) -> Plugin:
-    """One ``plugins[]`` entry -> :class:`Plugin`; ConfigError for an unknown or unimplemented type."""
+    """One ``plugins[]`` entry -> :class:`Plugin`; ConfigError for an unknown type."""
     entry = mapping(raw, path)
     for key in entry:
         if key not in ("type", "name", "parameters"):
             raise ConfigError(f"{path}.{key}", "one of ['name', 'parameters', 'type']", key)
     kind = entry.get("type")
-    if isinstance(kind, str) and kind in NOT_IMPLEMENTED:
-        raise ConfigError(f"{path}.type", "a plugin type this picker implements (see docs/picker.md)",
-                          f"{kind} (an llm-d-router plugin we do not implement)")
     if not isinstance(kind, str) or kind not in PLUGIN_TYPES:
         raise ConfigError(f"{path}.type", f"a known plugin type ({', '.join(sorted(PLUGIN_TYPES))})", kind)
     name = entry.get("name", kind)
@@ -323,7 +321,8 @@ def _prefix_scorer(params: Params) -> PrefixScorerParams:
         if params.has(key):
             deprecated(f"{params.where(key)}", "approx-prefix-cache-producer's parameters")
             legacy.append((field, params.integer(key, 1, minimum=1)))
-    return PrefixScorerParams(weight, scale, producer="" if producer == APPROX_PRODUCER else producer,
+    approx = producer in (APPROX_PRODUCER, MULTICLUSTER_APPROX_PRODUCER)
+    return PrefixScorerParams(weight, scale, producer="" if approx else producer,
                               legacy=tuple(legacy))
 
 
@@ -623,18 +622,6 @@ register("metrics-data-source", PluginType(
                            "clientKeyPath", "interval"), _metrics_source))
 register("core-metrics-extractor", PluginType(
     Category.EXTRACTOR, ("engineLabelKey", "defaultEngine", "engineConfigs"), _core_extractor))
-
-# llm-d-router (ebab68792) plugin types this picker does not run: a config naming one fails at
-# startup with a line saying so (a test keeps this list apart from the registered types).
-NOT_IMPLEMENTED_LIST = (
-    "local-syncer",
-    "multicluster-approx-prefix-cache-producer",
-    "multicluster-file-discovery", "multicluster-kv-cache-utilization-scorer", "multicluster-metrics-data-source",
-    "multicluster-metrics-extractor", "multicluster-prefix-cache-scorer", "multicluster-queue-scorer",
-    "multicluster-session-affinity-filter",
-)
-NOT_IMPLEMENTED = frozenset(NOT_IMPLEMENTED_LIST)
-
 
 # llm-d-router's Alpha plugin types (cmd/epp/runner/runner.go registers each type with its stability):
 # the reference refuses a config declaring one unless it runs with --allow-experimental-plugins.

@@ -41,6 +41,8 @@ from evergreen_trio.picker.latency_client import LatencyPredictorClient
 from evergreen_trio.picker.latency_metrics import LatencyMetrics
 from evergreen_trio.picker.latency_wire import config_from_env
 from evergreen_trio.picker.models_poll import poll_models
+from evergreen_trio.picker.multicluster import metrics_target
+from evergreen_trio.picker.multicluster_poll import poll_cluster
 from evergreen_trio.picker.notifications import NotificationSource, endpoint_notifications, notification_sources
 from evergreen_trio.picker.precise_prefix import precise_caches
 from evergreen_trio.picker.processor import ExtProcStream, Picker
@@ -235,7 +237,7 @@ class Scrapers:
             self._scopes.pop(address)[1].cancel()
             log.info("picker.endpoint_removed endpoint=%s", address)
         for address, endpoint in wanted.items():  # a pod relabelled to another engine: scrape anew
-            if address in self._scopes and self._scopes[address][0].engine != endpoint.engine:
+            if address in self._scopes and self._moved(self._scopes[address][0], endpoint):
                 self._scopes.pop(address)[1].cancel()
         self.snapshot.set_endpoints(wanted.values())
         for address, endpoint in wanted.items():
@@ -243,6 +245,12 @@ class Scrapers:
                 scope = trio.CancelScope()
                 self._scopes[address] = (endpoint, scope)
                 self.nursery.start_soon(self._run, endpoint, scope)
+
+    def _moved(self, old: Endpoint, new: Endpoint) -> bool:
+        """Whether ``new`` is scraped apart from ``old``: another engine, or a cluster's metrics
+        elsewhere (its ``metricsAddress``/``metricsPort`` labels changed)."""
+        return old.engine != new.engine or (
+            self.config.pool.multicluster is not None and metrics_target(old) != metrics_target(new))
 
     async def _run(self, endpoint: Endpoint, scope: trio.CancelScope) -> None:
         with scope:
@@ -253,7 +261,12 @@ class Scrapers:
                     beside.start_soon(poll_dcgm, endpoint, dcgm, self.config.pool, self.snapshot, self.errors)
                 for task in self.beside:
                     beside.start_soon(task, endpoint)
-                await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape, self.errors)
+                clusters = self.config.pool.multicluster
+                if clusters is not None:  # a peer cluster: its pool aggregates, not a model server's metrics
+                    await poll_cluster(endpoint, clusters, self.config.pool, self.snapshot, self.after_scrape,
+                                       self.errors)
+                else:
+                    await _scrape_forever(endpoint, self.config, self.snapshot, self.after_scrape, self.errors)
 
 
 class PickerDrain:

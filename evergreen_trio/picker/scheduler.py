@@ -37,6 +37,13 @@ from evergreen_trio.picker.latency import (
 )
 from evergreen_trio.picker.mm_cache import MEDIA_SCORERS, MEDIA_STATES
 from evergreen_trio.picker.models_source import ModelData
+from evergreen_trio.picker.multicluster import (
+    MULTICLUSTER_FILTERS,
+    MULTICLUSTER_SCORERS,
+    MULTICLUSTER_STATES,
+    PREFIX_SCORER,
+    min_max_scores,
+)
 from evergreen_trio.picker.p2p_source import (
     CPU_TIER,
     REQUEST_ID_HEADER,
@@ -235,11 +242,7 @@ ScorerFunction = Callable[
 
 def _queue_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
                   fresh: Mapping[str, EndpointMetrics], params: object) -> dict[str, float]:
-    if not fresh:
-        return {}
-    queues = [m.waiting for m in fresh.values()]
-    low, high = min(queues), max(queues)
-    return {a: 1.0 if high == low else (high - m.waiting) / (high - low) for a, m in fresh.items()}
+    return min_max_scores({a: m.waiting for a, m in fresh.items()})
 
 
 def _kv_scores(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
@@ -286,6 +289,8 @@ SCORERS: dict[str, ScorerFunction] = {
     "kv-cache-utilization-scorer": _kv_scores,
     "lora-affinity-scorer": _lora_scores,
     "prefix-cache-scorer": _prefix_scores,
+    PREFIX_SCORER: _prefix_scores,
+    **MULTICLUSTER_SCORERS,  # evergreen_trio.picker.multicluster
     **LOAD_SCORERS,  # in-flight and load scorers: evergreen_trio.picker.inflight
     **AFFINITY_SCORERS,  # evergreen_trio.picker.affinity
     **SESSION_SCORERS,  # evergreen_trio.picker.session
@@ -301,7 +306,8 @@ SCORERS: dict[str, ScorerFunction] = {
 # params' keeps(labels).
 FilterFunction = Callable[["Scheduler", PickRequest, Sequence[EndpointState], object], list[EndpointState]]
 FILTERS: dict[str, FilterFunction] = {**AFFINITY_FILTERS, **SESSION_FILTERS, **LOAD_FILTERS, **CONTEXT_FILTERS,
-                                      **TESTING_FILTERS, **ATTRIBUTE_FILTERS, **TOPOLOGY_FILTERS, **LATENCY_FILTERS}
+                                      **TESTING_FILTERS, **ATTRIBUTE_FILTERS, **TOPOLOGY_FILTERS, **LATENCY_FILTERS,
+                                      **MULTICLUSTER_FILTERS}
 
 
 class PluginState(Protocol):
@@ -314,7 +320,8 @@ class PluginState(Protocol):
 
 
 PLUGIN_STATES: dict[str, Callable[[object], PluginState]] = {
-    **AFFINITY_STATES, **SESSION_STATES, **TOPOLOGY_STATES, **MEDIA_STATES, **PRECISE_STATES, **LATENCY_STATES}
+    **AFFINITY_STATES, **SESSION_STATES, **TOPOLOGY_STATES, **MEDIA_STATES, **PRECISE_STATES, **LATENCY_STATES,
+    **MULTICLUSTER_STATES}
 
 
 def register_scorer(scorer_type: str, function: ScorerFunction) -> None:

@@ -11,6 +11,7 @@ ext_proc is gRPC. ``--tls-min-version`` and ``--tls-cipher-suites`` take the ref
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import ssl
@@ -201,3 +202,30 @@ def metrics_context(cert_dir: str | None, client_ca: str | None) -> ReloadingCon
     if not cert_dir:
         return None
     return ReloadingContext(cert_dir, alpn="http/1.1", client_ca=client_ca or None)
+
+
+
+@functools.cache
+def client_context(skip_verify: bool = False, ca_file: str = "", cert_file: str = "",
+                   key_file: str = "") -> ssl.SSLContext:
+    """A client context as the Go ``tls.Config`` of the reference's HTTP data sources: the server's
+    certificate verified against the system roots, or ``ca_file``'s certificates alone, unless
+    ``skip_verify``; ``cert_file``/``key_file`` presented when either is given (mTLS). TlsError
+    naming the file that does not load. Built once per arguments (the files are read when the
+    config loads, as the reference's factory reads them)."""
+    if skip_verify:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    else:
+        try:
+            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise TlsError(f"expected CA certificates in {ca_file!r}, got {exc}") from None
+    context.set_alpn_protocols(["http/1.1"])
+    if cert_file or key_file:
+        try:
+            context.load_cert_chain(cert_file, key_file or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise TlsError(f"expected a client certificate {cert_file!r} and key {key_file!r}, got {exc}") from None
+    return context

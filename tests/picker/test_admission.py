@@ -20,7 +20,7 @@ from evergreen_trio.picker.admission import Admitter, ProbabilisticAdmitter, adm
 from evergreen_trio.picker.config import load_config, parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError, RequestError
-from evergreen_trio.picker.plugins import NOT_IMPLEMENTED, PLUGIN_TYPES, Category
+from evergreen_trio.picker.plugins import PLUGIN_TYPES, Category
 from evergreen_trio.picker.processor import Picker
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler
 
@@ -246,7 +246,6 @@ schedulingProfiles:
 
 
 def test_the_type_is_implemented() -> None:
-    assert "probabilistic-admitter" not in NOT_IMPLEMENTED
     assert PLUGIN_TYPES["probabilistic-admitter"].category is Category.ADMITTER
 
 

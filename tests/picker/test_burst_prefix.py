@@ -31,7 +31,7 @@ from evergreen_trio.picker.burst_shell import seal_windows
 from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED, PLUGIN_TYPES, Category
+from evergreen_trio.picker.plugins import ALPHA_TYPES, PLUGIN_TYPES, Category
 from evergreen_trio.picker.processor import DESTINATION, ExtProcStream, Picker
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler
 from tests.picker.test_processor import A, B, C, make_picker, request_body, request_headers, set_headers
@@ -272,7 +272,7 @@ def test_the_scorer_names_a_declared_producer_and_one_burst_producer_runs() -> N
 
 
 def test_registered_alpha_producer() -> None:
-    assert BURST_PREFIX_PRODUCER not in NOT_IMPLEMENTED and BURST_PREFIX_PRODUCER in ALPHA_TYPES
+    assert BURST_PREFIX_PRODUCER in ALPHA_TYPES
     assert PLUGIN_TYPES[BURST_PREFIX_PRODUCER].category is Category.PRODUCER
 
 

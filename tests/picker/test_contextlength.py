@@ -23,7 +23,7 @@ from evergreen_trio.picker.contextlength import (
 )
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.plugins import NOT_IMPLEMENTED, PLUGIN_TYPES, Category
+from evergreen_trio.picker.plugins import PLUGIN_TYPES, Category
 from evergreen_trio.picker.processor import DESTINATION, Picker
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot
 
@@ -175,7 +175,6 @@ schedulingProfiles:
 
 
 def test_the_type_is_implemented_as_a_scorer_that_filters() -> None:
-    assert "context-length-aware" not in NOT_IMPLEMENTED
     kind = PLUGIN_TYPES["context-length-aware"]
     assert kind.category is Category.SCORER and kind.also_filter
 

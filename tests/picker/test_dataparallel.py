@@ -21,7 +21,7 @@ from evergreen_trio.picker.config import Endpoint, PickerConfig, load_config, pa
 from evergreen_trio.picker.dataparallel import DataParallelHandler
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED, NOT_IMPLEMENTED_LIST, PLUGIN_TYPES, Category
+from evergreen_trio.picker.plugins import ALPHA_TYPES, PLUGIN_TYPES, Category
 from evergreen_trio.picker.processor import DESTINATION, Picker
 from evergreen_trio.picker.routing_headers import DATA_PARALLEL_HEADER, PREFILL_HEADER, at_primary_port
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler
@@ -116,7 +116,7 @@ def test_at_primary_port_keeps_each_host_and_names_the_first_pick(picked: list[E
 def test_the_type_is_implemented_beta_and_deprecated_for_the_single_profile_handler(
         caplog: pytest.LogCaptureFixture) -> None:
     kind = "data-parallel-profile-handler"
-    assert kind not in NOT_IMPLEMENTED and kind not in NOT_IMPLEMENTED_LIST and kind not in ALPHA_TYPES
+    assert kind not in ALPHA_TYPES
     assert PLUGIN_TYPES[kind].category is Category.PROFILE_HANDLER
     with caplog.at_level(logging.WARNING):
         load_config(FIXTURES / "dp-epp-config.yaml", cluster_pool="pool")

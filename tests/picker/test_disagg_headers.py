@@ -23,7 +23,7 @@ from test_processor import request_body, request_headers, set_headers
 from evergreen_trio.picker.config import Endpoint, PickerConfig, load_config, parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED, NOT_IMPLEMENTED_LIST, PLUGIN_TYPES, Category
+from evergreen_trio.picker.plugins import ALPHA_TYPES, PLUGIN_TYPES, Category
 from evergreen_trio.picker.processor import DESTINATION, Picker
 from evergreen_trio.picker.routing_headers import (
     DATA_PARALLEL_HEADER,
@@ -122,7 +122,7 @@ def test_the_headers_follow_the_picks_and_nothing_else_is_touched(profiles: dict
 
 def test_both_types_are_implemented_beta_pre_request_plugins() -> None:
     for kind in ("disagg-headers-handler", "prefill-header-handler"):
-        assert kind not in NOT_IMPLEMENTED and kind not in NOT_IMPLEMENTED_LIST and kind not in ALPHA_TYPES
+        assert kind not in ALPHA_TYPES
         assert PLUGIN_TYPES[kind].category is Category.PRE_REQUEST
         assert PLUGIN_TYPES[kind].replaced_by == "disagg-profile-handler"
 

@@ -26,7 +26,7 @@ from evergreen_trio.picker.filters import (
     metric_value,
     utilization,
 )
-from evergreen_trio.picker.plugins import NOT_IMPLEMENTED, PLUGIN_TYPES, Category
+from evergreen_trio.picker.plugins import PLUGIN_TYPES, Category
 from evergreen_trio.picker.processor import Picker
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler
 
@@ -154,7 +154,6 @@ def test_fallback_on_empty_through_the_scheduler() -> None:
 
 
 def test_the_type_is_implemented() -> None:
-    assert "utilization-filter" not in NOT_IMPLEMENTED
     assert PLUGIN_TYPES["utilization-filter"].category is Category.FILTER
 
 

@@ -34,7 +34,7 @@ from evergreen_trio.picker.flow_control.reclamation import (
     ReclamationObserver,
     confirmation_grace,
 )
-from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED
+from evergreen_trio.picker.plugins import ALPHA_TYPES
 from tests.picker.test_flow_control import HEADER, Clock, epp
 
 CONFIG = ReclamationConfig(max_revocations_per_decision=2, confirmation_grace_s=0.1, confirmation_timeout_s=5.0)
@@ -88,7 +88,7 @@ def test_both_policy_types_are_declarable_alpha_and_take_no_parameters() -> None
     assert config.epp is not None and {p.type for p in config.epp.plugins.values()} >= {
         SHEDDABLE_FILTER, PRIORITY_THEN_TIME}
     for kind in (SHEDDABLE_FILTER, PRIORITY_THEN_TIME):
-        assert kind not in NOT_IMPLEMENTED and kind in ALPHA_TYPES
+        assert kind in ALPHA_TYPES
         with pytest.raises(ConfigError, match=r"plugins\[1\]\.parameters\.maxVictims"):
             parse_config(epp(plugins=f"- {{type: {kind}, parameters: {{maxVictims: 3}}}}"))
     assert parse_config(epp()).flow_control == FlowControlConfig(eviction=False)

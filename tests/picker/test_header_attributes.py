@@ -19,7 +19,7 @@ from evergreen_trio.picker.attributes import (
 )
 from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.errors import ConfigError, RequestError
-from evergreen_trio.picker.plugins import NOT_IMPLEMENTED, Plugin
+from evergreen_trio.picker.plugins import Plugin
 from evergreen_trio.picker.session import SessionAffinity, SessionParams
 
 A, C = "10.0.0.1:8000", "10.0.0.3:8000"
@@ -151,10 +151,6 @@ def test_fairness_id_from_the_header_then_the_agent_identity() -> None:
     assert flow_fairness_id({}, {AGENT_IDENTITY_KEY: "has space"}) == "default-flow"
     with pytest.raises(RequestError):
         flow_fairness_id({"x-llm-d-inference-fairness-id": "x" * 300}, identity)
-
-
-def test_the_types_are_implemented() -> None:
-    assert "agent-identity" not in NOT_IMPLEMENTED and "session-id-producer" not in NOT_IMPLEMENTED
 
 
 # -- session affinity reading the attributes ---------------------------------------------------

@@ -10,7 +10,6 @@ from test_session_affinity import HEAD, _exchange, _picker
 from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.errors import ConfigError, RequestError
 from evergreen_trio.picker.headerprofile import HeaderProfileHandler
-from evergreen_trio.picker.plugins import NOT_IMPLEMENTED
 
 PROFILES = ("encode", "prefill", "decode")
 HANDLER = HeaderProfileHandler()
@@ -70,7 +69,6 @@ schedulingProfiles:
 - {{name: b, plugins: [{{pluginRef: queue-scorer}}]}}
 """
     assert parse_config(text, cluster_pool="p").scheduler.handler == handler
-    assert "header-profile-handler" not in NOT_IMPLEMENTED
 
 
 @pytest.mark.parametrize(("parameters", "field"), [

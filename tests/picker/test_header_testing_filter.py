@@ -12,7 +12,7 @@ from test_session_affinity import HEAD, _exchange, _picker
 
 from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.plugins import NOT_IMPLEMENTED, PLUGIN_TYPES, Category
+from evergreen_trio.picker.plugins import PLUGIN_TYPES, Category
 from evergreen_trio.picker.testing_filter import select, split_host_port
 
 # The reference's cases: (header, endpoints as (ip, port)) -> the endpoints kept, in order.
@@ -63,7 +63,6 @@ def test_kept_endpoints_are_distinct_hosts_the_header_names(endpoints: list[tupl
 
 
 def test_the_type_is_a_filter_without_parameters() -> None:
-    assert "header-based-testing-filter" not in NOT_IMPLEMENTED
     assert PLUGIN_TYPES["header-based-testing-filter"].category is Category.FILTER
     with pytest.raises(ConfigError) as caught:
         parse_config(HEAD + "plugins:\n- {type: header-based-testing-filter, parameters: {x: 1}}\n", cluster_pool="p")

@@ -34,7 +34,7 @@ from evergreen_trio.picker.mm_cache import (
     media_items,
     media_scores,
 )
-from evergreen_trio.picker.plugins import NOT_IMPLEMENTED, PLUGIN_TYPES
+from evergreen_trio.picker.plugins import PLUGIN_TYPES
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Schedule, Scheduler
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "security"))
@@ -75,7 +75,7 @@ def test_factories() -> None:
                     "{cacheSizeInMBPerServer: 4}}\n")["mm-producer"] == MediaProducerParams(2)
     assert _plugins("- {type: mm-embeddings-cache-producer}\n")[MM_PRODUCER] == MediaProducerParams(2048)
     for name in ("mm-embeddings-cache-producer", "mm-embeddings-cache-scorer"):
-        assert name in PLUGIN_TYPES and name not in NOT_IMPLEMENTED
+        assert name in PLUGIN_TYPES
 
 
 def test_items_from_structured_chat() -> None:

@@ -36,7 +36,7 @@ from evergreen_trio.picker.notifications import (
     notification_sources,
     plural_of,
 )
-from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED, PLUGIN_TYPES, Category
+from evergreen_trio.picker.plugins import ALPHA_TYPES, PLUGIN_TYPES, Category
 from evergreen_trio.picker.runtime import run_picker
 
 HEAD = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -67,7 +67,7 @@ def test_the_factory_reads_the_gvk_and_both_types_are_registered_beta_sources() 
     (endpoints,) = endpoint_notifications(declared(f"{{type: {ENDPOINT_NOTIFICATION_SOURCE}, name: e}}"))
     assert endpoints.name == "e"
     for kind in (K8S_NOTIFICATION_SOURCE, ENDPOINT_NOTIFICATION_SOURCE):
-        assert kind not in NOT_IMPLEMENTED and kind not in ALPHA_TYPES
+        assert kind not in ALPHA_TYPES
         assert PLUGIN_TYPES[kind].category is Category.DATA_SOURCE
 
 

@@ -34,7 +34,7 @@ from evergreen_trio.picker.p2p_source import (
     source_header,
     spread_fraction,
 )
-from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED, PLUGIN_TYPES, Category
+from evergreen_trio.picker.plugins import ALPHA_TYPES, PLUGIN_TYPES, Category
 from evergreen_trio.picker.processor import DESTINATION, Picker
 from evergreen_trio.picker.routing_headers import KV_CACHE_SOURCE_HEADER
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler
@@ -111,7 +111,7 @@ def test_the_producer_named_may_be_a_declared_burst_producer() -> None:
 
 
 def test_registered_alpha_producer() -> None:
-    assert P2P_SOURCE_PRODUCER not in NOT_IMPLEMENTED and P2P_SOURCE_PRODUCER in ALPHA_TYPES
+    assert P2P_SOURCE_PRODUCER in ALPHA_TYPES
     assert PLUGIN_TYPES[P2P_SOURCE_PRODUCER].category is Category.PRODUCER
 
 

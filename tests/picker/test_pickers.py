@@ -14,7 +14,7 @@ from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.pickers import max_score, uniform_random, weighted_random
-from evergreen_trio.picker.plugins import NOT_IMPLEMENTED, PLUGIN_TYPES, Category
+from evergreen_trio.picker.plugins import PLUGIN_TYPES, Category
 from evergreen_trio.picker.scheduler import PickRequest, PoolSnapshot, Scheduler
 
 HEAD = "---\napiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
@@ -89,7 +89,6 @@ def test_a_profile_with_the_weighted_random_picker() -> None:
 
 
 def test_the_weighted_random_picker_is_implemented() -> None:
-    assert "weighted-random-picker" not in NOT_IMPLEMENTED
     assert PLUGIN_TYPES["weighted-random-picker"].category is Category.PICKER
 
 

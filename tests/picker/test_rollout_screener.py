@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError, RequestError
-from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED, PLUGIN_TYPES
+from evergreen_trio.picker.plugins import ALPHA_TYPES, PLUGIN_TYPES
 from evergreen_trio.picker.rollout import (
     POD_EXTRACTOR,
     ROLLOUT_SCREENER,
@@ -324,10 +324,9 @@ def test_the_scheduler_screens_before_its_profiles_and_stamps_the_response() -> 
 
 def test_registered_as_the_reference_registers_it() -> None:
     assert ROLLOUT_SCREENER in PLUGIN_TYPES and ROLLOUT_SCREENER in ALPHA_TYPES
-    assert ROLLOUT_SCREENER not in NOT_IMPLEMENTED
     # The pod extractor is the screener's own notification handler, no type a config declares (as
     # the reference, which never registers it).
-    assert POD_EXTRACTOR not in PLUGIN_TYPES and POD_EXTRACTOR not in NOT_IMPLEMENTED
+    assert POD_EXTRACTOR not in PLUGIN_TYPES
 
 
 @pytest.mark.parametrize(("parameters", "field"), [

@@ -29,7 +29,7 @@ from evergreen_trio.picker.config import parse_config
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.json_text import go_float, go_marshal
-from evergreen_trio.picker.plugins import ALPHA_TYPES, NOT_IMPLEMENTED, PLUGIN_TYPES, MultimodalDecider
+from evergreen_trio.picker.plugins import ALPHA_TYPES, PLUGIN_TYPES, MultimodalDecider
 from evergreen_trio.picker.processor import DESTINATION, Picker, StreamReport
 from evergreen_trio.picker.render_client import post_render, render
 from evergreen_trio.picker.routing_headers import ENCODERS_HEADER, PREFILL_HEADER
@@ -107,7 +107,7 @@ def test_the_legacy_type_is_the_same_plugin_with_a_deprecation_line(caplog: pyte
 
 def test_registered_beta_and_no_longer_refused() -> None:
     for name in ("token-producer", "tokenizer", "always-disagg-multimodal-decider"):
-        assert name in PLUGIN_TYPES and name not in NOT_IMPLEMENTED and name not in ALPHA_TYPES
+        assert name in PLUGIN_TYPES and name not in ALPHA_TYPES
 
 
 @pytest.mark.parametrize(("parameters", "field"), [
