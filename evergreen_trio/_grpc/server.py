@@ -308,13 +308,17 @@ class _Server:
     async def run_tasks(self, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
         """The nursery of connection and stream tasks, shielded: a stopping server says goodbye first
         (see :func:`serve_grpc`) and then cancels the returned scope."""
-        with trio.CancelScope(shield=True) as scope:
+        with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 self._task_methods = [_TaskMethod(m, nursery) for m in self._methods if isinstance(m, StreamMethod)]
                 self.methods = {m.path: m for m in self._methods if isinstance(m, SyncBidiMethod)}
                 self.methods.update({m.path: m for m in self._task_methods})
                 task_status.started(scope)
+                # A start() cancelled before this (a sibling of the server failed at once) keeps this
+                # task and waits for it, and nobody holds the scope to cancel it: end now, unshielded.
+                await trio.lowlevel.checkpoint_if_cancelled()
+                scope.shield = True
                 await trio.sleep_forever()
 
     async def accept_loop(self, listener: trio.SocketListener) -> None:

@@ -27,6 +27,7 @@ from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.server import GracefulStop, SSLContextSource, serve_grpc
 from evergreen_trio._grpc.server_wire import SyncBidiMethod, WireLimits
 from evergreen_trio._http import HttpGetError, KeepAliveGetter
+from evergreen_trio.errors import plain_errors
 from evergreen_trio.picker.burst_shell import seal_windows
 from evergreen_trio.picker.config import Endpoint, PickerConfig
 from evergreen_trio.picker.dcgm_poll import poll_dcgm
@@ -431,75 +432,77 @@ async def run_picker(
     election, ext_proc = trio.CancelScope(), GracefulStop()
     plugins = config.epp.plugins if config.epp is not None else {}
     endpoint_sources = endpoint_notifications(plugins)
-    async with trio.open_nursery() as nursery:
-        if picker.tokens is not None and isinstance(picker.tokens.backend, VllmRender):
-            picker.start_render = render_starter(nursery, picker.tokens.backend)
-        if picker.latency:
-            latency_metrics = LatencyMetrics(metrics.registry, metrics.labels)
-            for producer in picker.latency.values():
-                producer.observe = latency_metrics.observe
-            predictor = LatencyPredictorClient(config_from_env(os.environ), list(picker.latency.values()))
-            await nursery.start(predictor.run)
-            picker.start_predict = predictor.start
-        caches = precise_caches(picker.scheduler.plugin_states)
-        scrapers = Scrapers(nursery, config, snapshot, after_scrape, metrics.gauges, endpoint_subscribers(caches))
-        for address, subscribed in bound_subscribers(caches).items():
-            nursery.start_soon(subscribe_bound, address, *subscribed)
-        if discovery is None:
-            scrapers.sync(config.pool.endpoints)
-            for source in endpoint_sources:
-                source.update(config.pool.endpoints)
-        else:
-
-            def on_endpoints(endpoints: Sequence[Endpoint]) -> None:
-                readiness.synced = True
-                scrapers.sync(endpoints)
+    with plain_errors():  # a failing task (a discovery, a port) leaves as itself, not in a group
+        async with trio.open_nursery() as nursery:
+            if picker.tokens is not None and isinstance(picker.tokens.backend, VllmRender):
+                picker.start_render = render_starter(nursery, picker.tokens.backend)
+            if picker.latency:
+                latency_metrics = LatencyMetrics(metrics.registry, metrics.labels)
+                for producer in picker.latency.values():
+                    producer.observe = latency_metrics.observe
+                predictor = LatencyPredictorClient(config_from_env(os.environ), list(picker.latency.values()))
+                await nursery.start(predictor.run)
+                picker.start_predict = predictor.start
+            caches = precise_caches(picker.scheduler.plugin_states)
+            scrapers = Scrapers(nursery, config, snapshot, after_scrape, metrics.gauges, endpoint_subscribers(caches))
+            for address, subscribed in bound_subscribers(caches).items():
+                nursery.start_soon(subscribe_bound, address, *subscribed)
+            if discovery is None:
+                scrapers.sync(config.pool.endpoints)
                 for source in endpoint_sources:
-                    source.update(endpoints)
-                picker.scheduler.inflight.forget([e.address for e in endpoints])
-                after_scrape()
+                    source.update(config.pool.endpoints)
+            else:
 
-            nursery.start_soon(discovery, on_endpoints)
-        if leader_election is not None:
+                def on_endpoints(endpoints: Sequence[Endpoint]) -> None:
+                    readiness.synced = True
+                    scrapers.sync(endpoints)
+                    for source in endpoint_sources:
+                        source.update(endpoints)
+                    picker.scheduler.inflight.forget([e.address for e in endpoints])
+                    after_scrape()
 
-            def on_leader(leader: bool) -> None:
-                readiness.leader = leader
-                readiness.update(snapshot)
+                nursery.start_soon(discovery, on_endpoints)
+            if leader_election is not None:
 
-            nursery.start_soon(_elect_in, election, leader_election, on_leader)
-        if objectives is not None:
-            nursery.start_soon(objectives, picker.set_cluster_objectives)
-        if picker.flow is not None:
-            picker.flow.wake = lambda: flow_wake[0].set()  # an evicted request ended: poll again at once
-            if picker.flow.reclamation is not None:
-                picker.flow.reclamation.observer = metrics.reclamation
-            picker.flow.queue.observer = flow_metrics
-            nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0], new_flow_wake)
-        screeners = picker.scheduler.screeners
-        if screeners:
-            metrics.registry.register(RolloutCollector(screeners))
-            if pod_notifications is not None:
-                nursery.start_soon(pod_notifications, screeners)
-            elif any(s.params.gating for s in screeners):
-                log.warning("picker.rollout_without_pods: revision gating needs pod notifications (cluster mode); "
-                            "every request fails closed")
-        sources = notification_sources(plugins)
-        if sources and notifications is not None:
-            nursery.start_soon(notifications, sources)
-        elif sources:
-            log.warning("picker.notifications_without_cluster: k8s-notification-source needs cluster mode; "
-                        "sources=%s see no object", ",".join(s.name for s in sources))
-        if picker.burst is not None:
-            nursery.start_soon(seal_windows, picker.burst)
-        grpc_bound = await nursery.start(partial(
-            serve_grpc, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context,
-            graceful_stop=ext_proc))
-        health_bound = await nursery.start(serve_grpc, readiness.health.methods, host, health_port)
-        metrics_bound = await nursery.start(_serve_metrics, metrics.registry, host, metrics_port,
-                                            metrics_ssl_context, metrics_auth)
-        ports = PickerPorts(grpc_bound, health_bound, metrics_bound)
-        log.info("picker.serving pool=%s grpc=%d health=%d metrics=%d tls=%s", config.pool.name,
-                 *vars(ports).values(), ssl_context is not None)
-        if drain is not None:
-            nursery.start_soon(_drain_when_asked, drain, readiness, election, ext_proc)
-        task_status.started(ports)
+                def on_leader(leader: bool) -> None:
+                    readiness.leader = leader
+                    readiness.update(snapshot)
+
+                nursery.start_soon(_elect_in, election, leader_election, on_leader)
+            if objectives is not None:
+                nursery.start_soon(objectives, picker.set_cluster_objectives)
+            if picker.flow is not None:
+                picker.flow.wake = lambda: flow_wake[0].set()  # an evicted request ended: poll again at once
+                if picker.flow.reclamation is not None:
+                    picker.flow.reclamation.observer = metrics.reclamation
+                picker.flow.queue.observer = flow_metrics
+                nursery.start_soon(_flow_control, picker.flow, config.pool.refresh_interval_s, flow_wake[0],
+                                   new_flow_wake)
+            screeners = picker.scheduler.screeners
+            if screeners:
+                metrics.registry.register(RolloutCollector(screeners))
+                if pod_notifications is not None:
+                    nursery.start_soon(pod_notifications, screeners)
+                elif any(s.params.gating for s in screeners):
+                    log.warning("picker.rollout_without_pods: revision gating needs pod notifications (cluster mode); "
+                                "every request fails closed")
+            sources = notification_sources(plugins)
+            if sources and notifications is not None:
+                nursery.start_soon(notifications, sources)
+            elif sources:
+                log.warning("picker.notifications_without_cluster: k8s-notification-source needs cluster mode; "
+                            "sources=%s see no object", ",".join(s.name for s in sources))
+            if picker.burst is not None:
+                nursery.start_soon(seal_windows, picker.burst)
+            grpc_bound = await nursery.start(partial(
+                serve_grpc, [method], host, grpc_port, limits=wire_limits(config), ssl_context=ssl_context,
+                graceful_stop=ext_proc))
+            health_bound = await nursery.start(serve_grpc, readiness.health.methods, host, health_port)
+            metrics_bound = await nursery.start(_serve_metrics, metrics.registry, host, metrics_port,
+                                                metrics_ssl_context, metrics_auth)
+            ports = PickerPorts(grpc_bound, health_bound, metrics_bound)
+            log.info("picker.serving pool=%s grpc=%d health=%d metrics=%d tls=%s", config.pool.name,
+                     *vars(ports).values(), ssl_context is not None)
+            if drain is not None:
+                nursery.start_soon(_drain_when_asked, drain, readiness, election, ext_proc)
+            task_status.started(ports)

@@ -13,7 +13,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 from kube_fakes import start_sims
-from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
+from picker_cli import EPHEMERAL_PORTS, picker_process, run_cli, wait_health
 
 from evergreen_trio.picker.config import Endpoint, PoolConfig, parse_config
 from evergreen_trio.picker.errors import ConfigError, PickerError
@@ -147,3 +147,16 @@ async def test_picker_command_follows_the_file(nursery: trio.Nursery, tmp_path: 
         endpoints.write_text(f'endpoints: [{{name: a, address: "127.0.0.2", port: "{port}"}},'
                              f' {{name: b, address: "127.0.0.3", port: "{port}"}}]')
         await wait_ready_pods(picker.metrics, 2)
+
+
+def test_the_command_exits_with_one_line_when_the_first_load_fails(tmp_path: Path) -> None:
+    """The discovery fails while the picker's servers start: the command exits (it hung before)."""
+    config = tmp_path / "picker.yaml"
+    missing = tmp_path / "missing.yaml"
+    config.write_text("pool: {name: p}\n---\napiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
+                      f"plugins:\n- {{type: file-discovery, name: d, parameters: {{path: '{missing}'}}}}\n"
+                      "- {type: queue-scorer}\ndataLayer:\n  discovery: {pluginRef: d}\n")
+    done = run_cli(["--config", str(config), *EPHEMERAL_PORTS])
+    assert done.returncode == 1, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if "error:" in line]  # after the log lines
+    assert "initial load failed" in line and "missing.yaml" in line

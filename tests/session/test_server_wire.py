@@ -5,6 +5,8 @@ client's GOAWAY. In memory, against h2's client (``Peer`` from the picker's wire
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from collections.abc import Sequence
 from functools import partial
 
@@ -376,3 +378,35 @@ def test_a_graceful_goaway_never_takes_a_stream_above_its_final_goaway(actions: 
             assert all(stream_id <= final for stream_id in opened)
             if all(p.final is not None for p in method.opened):  # type: ignore[attr-defined]
                 assert peer.server.closed
+
+
+SIBLING_FAILS_AT_ONCE = """
+import trio
+from evergreen_trio._grpc.server import serve_grpc
+
+async def fail_at_once():
+    raise RuntimeError("a sibling failed")
+
+async def main():
+    for _ in range(20):  # the sibling fails at each of the start's first checkpoints in turn
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fail_at_once)
+                await nursery.start(serve_grpc, [], "127.0.0.1", 0)
+                await trio.sleep_forever()
+        except BaseExceptionGroup as group:
+            assert group.subgroup(RuntimeError) is not None
+    print("ended")
+
+trio.run(main)
+"""
+
+
+def test_a_server_whose_start_a_failing_sibling_cancelled_ends_with_it() -> None:
+    """A sibling failing at once cancels ``nursery.start(serve_grpc, ...)`` before the server is
+    up: its shielded task nursery, kept by Trio in the cancelled start and its scope handed to no
+    one, used to hang the nursery for ever (a picker whose file discovery failed never exited).
+    Run in a subprocess: the old code hangs where no timeout of Trio's reaches."""
+    done = subprocess.run([sys.executable, "-c", SIBLING_FAILS_AT_ONCE], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ended", done.stderr
