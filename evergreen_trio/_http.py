@@ -252,6 +252,33 @@ async def read_response(conn: h11.Connection, stream: trio.abc.Stream, max_body:
             raise h11.RemoteProtocolError("connection closed before the response ended")
 
 
+class HttpPostError(Exception):
+    """A one-shot POST failed: no reply in time, connection refused or lost, a malformed response,
+    or a body over the limit."""
+
+
+async def post_once(host: str, port: int, path: str, body: bytes, *, timeout_s: float,
+                    max_body: int) -> tuple[int, bytes]:
+    """``(status, body)`` of ``POST path`` with a JSON ``body`` on a connection of its own, closed
+    after it, all within ``timeout_s``; :class:`HttpPostError` naming what failed."""
+    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        with trio.fail_after(timeout_s):
+            stream = await trio.open_tcp_stream(host, port)
+            async with stream:
+                conn = h11.Connection(h11.CLIENT)
+                request = h11.Request(method="POST", target=path, headers=[
+                    ("host", authority), ("content-type", "application/json"), ("content-length", str(len(body))),
+                    ("connection", "close")])
+                await stream.send_all(conn.send(request) + conn.send(h11.Data(data=body)) +
+                                      conn.send(h11.EndOfMessage()))
+                return await read_response(conn, stream, max_body)
+    except trio.TooSlowError:
+        raise HttpPostError(f"POST http://{authority}{path}: no reply within {timeout_s:g}s") from None
+    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
+        raise HttpPostError(f"POST http://{authority}{path}: {type(exc).__name__}: {exc}") from None
+
+
 class KeepAliveGetter:
     """Repeated GETs to one ``host:port`` over one kept-alive connection (reopened after errors);
     over TLS with ``ssl_context`` (the server's certificate checked against ``host`` when the

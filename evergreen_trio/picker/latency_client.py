@@ -24,10 +24,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import h11
 import trio
 
-from evergreen_trio._http import read_response
+from evergreen_trio._http import HttpPostError, post_once
 from evergreen_trio._logsafe import peer_text
 from evergreen_trio.picker.latency import PredictedLatency, PredictionsDone
 from evergreen_trio.picker.latency_wire import (
@@ -55,20 +54,9 @@ async def post_json(server: Server, path: str, body: bytes, timeout_s: float, ma
     """``(status, body)`` of ``POST path`` on ``server``; PredictorError on a timeout, a refused or
     lost connection, a malformed reply, or one over ``max_reply`` bytes."""
     try:
-        with trio.fail_after(timeout_s):
-            stream = await trio.open_tcp_stream(server.host, server.port)
-            async with stream:
-                conn = h11.Connection(h11.CLIENT)
-                request = h11.Request(method="POST", target=path, headers=[
-                    ("host", server.authority), ("content-type", "application/json"),
-                    ("content-length", str(len(body))), ("connection", "close")])
-                await stream.send_all(conn.send(request) + conn.send(h11.Data(data=body)) +
-                                      conn.send(h11.EndOfMessage()))
-                return await read_response(conn, stream, max_reply)
-    except trio.TooSlowError:
-        raise PredictorError(f"POST {server.url}{path}: no reply within {timeout_s:g}s") from None
-    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
-        raise PredictorError(f"POST {server.url}{path}: {type(exc).__name__}: {exc}") from None
+        return await post_once(server.host, server.port, path, body, timeout_s=timeout_s, max_body=max_reply)
+    except HttpPostError as exc:
+        raise PredictorError(str(exc)) from None
 
 
 @dataclass

@@ -13,10 +13,9 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import h11
 import trio
 
-from evergreen_trio._http import read_response
+from evergreen_trio._http import HttpPostError, post_once
 from evergreen_trio._logsafe import peer_text
 from evergreen_trio.picker.processor import StartRender
 from evergreen_trio.picker.token_estimate import TokenizedPrompt
@@ -34,25 +33,11 @@ log = logging.getLogger(__name__)
 async def post_render(backend: VllmRender, call: RenderCall) -> tuple[int, bytes]:
     """``(status, body)`` of the render ``call``; RenderError on a timeout, a refused or lost
     connection, a malformed reply, or one over the size limit."""
-    authority = f"[{backend.host}]:{backend.port}" if ":" in backend.host else f"{backend.host}:{backend.port}"
     try:
-        with trio.fail_after(call.timeout_s):
-            stream = await trio.open_tcp_stream(backend.host, backend.port)
-            async with stream:
-                return await _exchange(stream, authority, call)
-    except trio.TooSlowError:
-        raise RenderError(f"post {call.path}: no reply within {call.timeout_s:g}s") from None
-    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
-        raise RenderError(f"post {call.path}: {type(exc).__name__}: {exc}") from None
-
-
-async def _exchange(stream: trio.SocketStream, authority: str, call: RenderCall) -> tuple[int, bytes]:
-    conn = h11.Connection(h11.CLIENT)
-    request = h11.Request(method="POST", target=call.path, headers=[
-        ("host", authority), ("content-type", "application/json"), ("content-length", str(len(call.body))),
-        ("connection", "close")])
-    await stream.send_all(conn.send(request) + conn.send(h11.Data(data=call.body)) + conn.send(h11.EndOfMessage()))
-    return await read_response(conn, stream, MAX_RENDER_REPLY_BYTES)
+        return await post_once(backend.host, backend.port, call.path, call.body, timeout_s=call.timeout_s,
+                               max_body=MAX_RENDER_REPLY_BYTES)
+    except HttpPostError as exc:
+        raise RenderError(str(exc)) from None
 
 
 async def render(backend: VllmRender, call: RenderCall, body: Mapping[str, Any]) -> TokenizedPrompt | None:
