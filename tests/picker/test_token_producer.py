@@ -233,7 +233,7 @@ async def test_a_failed_render_is_a_render_error(nursery: trio.Nursery) -> None:
     wrong = RenderCall("/v1/completions/render", b'{"prompt": "x", "model": "other"}', 5.0)
     with pytest.raises(RenderError, match="status 404"):
         await render(backend, wrong, {})
-    with pytest.raises(RenderError, match="POST http://127.0.0.1:1/v1/completions/render: OSError"):
+    with pytest.raises(RenderError, match=r"POST http://127\.0\.0\.1:1/v1/completions/render: OSError"):
         await post_render(VllmRender("m", "127.0.0.1", 1), wrong)  # nothing listens on port 1
 
     async def silent(scope: Any, receive: Any, send: Any) -> None:
