@@ -194,15 +194,17 @@ def load_object(body: bytes, decoder: json.JSONDecoder = _DECODER, decode: Calla
 
 def parse_body(path: str, body: bytes,
                check: Callable[[str, Mapping[str, Any]], Api] | None = None) -> InferenceRequest:
-    """Parse a request body; a body that is not a JSON object with a string ``model`` is a 400.
+    """Parse a request body; one that is not a JSON object is a 400. A ``model`` that is not a
+    string reads as none (""), as the reference's parser reads it: the picker then needs a rewrite
+    header to name the target (else 400 ``model not found in request body``).
 
     ``check`` (the parser's checks of the object: RequestError for one it refuses, else the API
     the request is scheduled as) runs first."""
     doc, text, model_span = load_object(body)
     api = check(path, doc) if check is not None else api_for_path(path)
     model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise RequestError(400, "request body lacks a string 'model' field")
+    if not isinstance(model, str):
+        model = ""
     prompt = api_prompt(api, doc)
     if not model.isascii():  # ASCII always encodes
         utf8(model, "model")

@@ -15,9 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from picker_fakes import FakeModelServer, Gateway
 
+from evergreen_trio.picker.config import parse_config
+from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.parsers.openai import OPENAI
+from evergreen_trio.picker.processor import Picker
 from evergreen_trio.picker.request import Api, InferenceRequest, api_for_path, request_type
+from evergreen_trio.picker.scheduler import PoolSnapshot
 
 HELLO = [{"role": "user", "content": "hello"}]
 CHAT = "/v1/chat/completions"
@@ -145,11 +149,24 @@ def test_member_names_match_as_gos_decoder_matches_them() -> None:
     assert "chat_template_kwargs" in refusal(CHAT, {"model": "m", "messages": HELLO, "chat_template_\u212awargs": 1})
 
 
-def test_the_type_is_checked_before_the_model() -> None:
-    """The reference refuses the body before it looks for a model."""
+def test_the_type_is_checked_and_a_missing_model_left_to_the_picker() -> None:
+    """The reference refuses the body for its type; a body without a model is parsed (its director
+    answers 400 unless a rewrite header names the target: ``test_a_missing_model_needs_a_rewrite``)."""
     assert "messages" in refusal(CHAT, {})
-    with pytest.raises(RequestError, match="model"):
-        parse(CHAT, {"messages": HELLO})
+    assert parse(CHAT, {"messages": HELLO}).model == ""
+
+
+def test_a_missing_model_needs_a_rewrite_header_to_route() -> None:
+    config = parse_config("pool: {name: t, endpoints: ['10.0.0.1:8000']}")  # no models: any rewrite target
+    snapshot = PoolSnapshot(config.pool.endpoints, 2.0, lambda: 0.0)
+    snapshot.update("10.0.0.1:8000", EndpointMetrics())
+    picker = Picker(config, snapshot)
+    body = json.dumps({"messages": HELLO}).encode()
+    with pytest.raises(RequestError, match="model not found in request body") as refused:
+        picker.route(CHAT, {}, body, None)
+    assert refused.value.status == 400
+    route = picker.route(CHAT, {"x-gateway-model-name-rewrite": "chosen"}, body, None)
+    assert route.body is not None and json.loads(route.body) == {"messages": HELLO, "model": "chosen"}
 
 
 @pytest.mark.parametrize("depth", [60, 5000])
