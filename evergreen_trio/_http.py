@@ -252,6 +252,11 @@ async def read_response(conn: h11.Connection, stream: trio.abc.Stream, max_body:
             raise h11.RemoteProtocolError("connection closed before the response ended")
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a URL's authority (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class HttpPostError(Exception):
     """A one-shot POST failed: no reply in time, connection refused or lost, a malformed response,
     or a body over the limit."""
@@ -261,7 +266,7 @@ async def post_once(host: str, port: int, path: str, body: bytes, *, timeout_s: 
                     max_body: int) -> tuple[int, bytes]:
     """``(status, body)`` of ``POST path`` with a JSON ``body`` on a connection of its own, closed
     after it, all within ``timeout_s``; :class:`HttpPostError` naming what failed."""
-    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    authority = host_port(host, port)
     try:
         with trio.fail_after(timeout_s):
             stream = await trio.open_tcp_stream(host, port)
@@ -286,7 +291,7 @@ class KeepAliveGetter:
 
     def __init__(self, host: str, port: int, *, max_body: int, ssl_context: ssl.SSLContext | None = None) -> None:
         self.host, self.port, self.max_body, self.ssl_context = host, port, max_body, ssl_context
-        self._authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._authority = host_port(host, port)
         self._scheme = "http" if ssl_context is None else "https"
         self._stream: trio.abc.Stream | None = None
         self._conn = h11.Connection(h11.CLIENT)

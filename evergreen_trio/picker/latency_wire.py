@@ -48,10 +48,6 @@ class Server:
     port: int
     url: str
 
-    @property
-    def authority(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
 
 def parse_server(url: str, where: str) -> Server:
     """``http://host[:port]`` -> :class:`Server`; ConfigError naming ``where`` otherwise."""

@@ -204,7 +204,6 @@ def metrics_context(cert_dir: str | None, client_ca: str | None) -> ReloadingCon
     return ReloadingContext(cert_dir, alpn="http/1.1", client_ca=client_ca or None)
 
 
-
 @functools.cache
 def client_context(skip_verify: bool = False, ca_file: str = "", cert_file: str = "",
                    key_file: str = "") -> ssl.SSLContext:
