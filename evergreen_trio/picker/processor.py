@@ -647,15 +647,16 @@ class ExtProcStream:
     def _on_outcome(self, outcome: Outcome) -> None:
         finish, self._finish = self._finish, None  # it holds this stream: no cycle once decided
         assert finish is not None
-        self._resumed = finish(outcome)
-        if self.parked and not self._producer_waiting():
-            self.parked = False
-            if self.on_unpark is not None:
-                self.on_unpark()
+        self._proceed(partial(finish, outcome))
 
-    def _producer_waiting(self) -> bool:
-        """Whether a producer holds the pick back: a burst window not sealed, predictions not in."""
-        return (self._burst is not None and self._burst.on_sealed is not None) or self._predicting > 0
+    def _proceed(self, step: Callable[[], list[ep.ProcessingResponse]]) -> None:
+        """What held the stream (a render, flow control, a burst window, predictions) is done: run
+        the next ``step``, which leaves the replies for :meth:`resume` or parks the stream for the
+        next holder, and wake the wire only if it was parked and nothing parks it again."""
+        was_parked, self.parked = self.parked, False
+        self._resumed = step()
+        if was_parked and not self.parked and self.on_unpark is not None:
+            self.on_unpark()
 
     # -- request --------------------------------------------------------------------------------
 
@@ -728,10 +729,7 @@ class ExtProcStream:
                     return
                 admission.tokens = tokens
                 self.picker.hash_prompt(admission, tokens)
-                self.parked = False
-                self._resumed = self._dispatch(admission, phase, duplex_end, after)
-                if not self.parked and self.on_unpark is not None:  # else flow control parked it
-                    self.on_unpark()
+                self._proceed(partial(self._dispatch, admission, phase, duplex_end, after))
 
             start_render(admission.render, admission.request_body, rendered)
             return [] if self.parked else list(self.resume())  # a render that called back at once
@@ -787,10 +785,7 @@ class ExtProcStream:
 
         def sealed(entry: BurstEntry) -> None:
             admission.attributes = {**admission.attributes, **window.match_attribute(entry)}
-            self._resumed = finish(Outcome.DISPATCHED)
-            self.parked = False
-            if self.on_unpark is not None:
-                self.on_unpark()
+            self._proceed(partial(finish, Outcome.DISPATCHED))
 
         self._burst = window.join(admission.burst_hashes, self.picker.burst_replicas(admission.subset), sealed)
         if self._burst is None:
@@ -815,12 +810,8 @@ class ExtProcStream:
                 return
             context.owner.predicted(context, predictions, clock() - started)
             self._predicting -= 1
-            if self._predicting:
-                return
-            self._resumed = finish(Outcome.DISPATCHED)
-            self.parked = False
-            if self.on_unpark is not None:
-                self.on_unpark()
+            if not self._predicting:
+                self._proceed(partial(finish, Outcome.DISPATCHED))
 
         self._predicting = len(wanted)
         self.parked = True

@@ -367,6 +367,29 @@ def test_the_stream_parks_for_predictions_and_routes_by_them() -> None:
     assert [e.actual_ttft_ms > 0 for e in producer.pending] == [True, False] and B not in producer.running
 
 
+def test_a_sealed_burst_window_leaves_the_stream_parked_for_its_predictions() -> None:
+    """Both producers hold the pick: the window's seal starts the predictions, and only their
+    answer wakes the stream (the seal used to unpark it with nothing to send)."""
+    burst = "- {type: burst-prefix-cache-producer, name: burst, parameters: {blockSizeTokens: 4}}\n"
+    picker = make_picker(CONFIG.replace("plugins:\n", "plugins:\n" + burst, 1),
+                         [EndpointMetrics(kv_usage=0.5, running=3)] * 3)
+    fake = FakePredictor()
+    picker.start_predict = fake
+    stream = picker.new_stream()
+    woken: list[bool] = []
+    stream.on_unpark = lambda: woken.append(True)
+    stream.on_message(request_headers("/v1/completions", extra=SLO, request_mode=Mode.BUFFERED))
+    assert stream.on_message(request_body(json.dumps({"model": "plain", "prompt": "hi " * 32}).encode())) == []
+    assert stream.parked and fake.asked == []
+    assert picker.burst is not None
+    picker.burst.seal()
+    assert stream.parked and woken == [] and len(fake.asked) == 1
+    fake.asked[0][1]([Prediction(150, 30), Prediction(90, 15), Prediction(40, 25)])
+    assert woken == [True] and not stream.parked
+    (decision,) = stream.resume()
+    assert header_map(decision.request_body.response.header_mutation)[DESTINATION] == B
+
+
 def test_without_predictions_the_composite_fallback_routes() -> None:
     stream, fake, _ = _parked_stream([EndpointMetrics(kv_usage=0.9), EndpointMetrics(kv_usage=0.1),
                                       EndpointMetrics(kv_usage=0.5)])
