@@ -289,12 +289,9 @@ class _Stream:
         return PromptTokens(tuple(s for s in self.segments if isinstance(s, Placeholders) or s), tuple(self.features))
 
 
-def _chat(estimator: Estimator, body: Mapping[str, Any], headers: Mapping[str, str]) -> PromptTokens:
-    stream = _Stream()
-    tools = body.get("tools")
-    if isinstance(tools, list) and tools:
-        stream.text(go_marshal(tools))
-    messages = body.get("messages")
+def _conversation(stream: _Stream, messages: object, add_block: Callable[[Mapping[str, Any]], None]) -> None:
+    """Each message's role and content into ``stream``: a string content as text, a list's blocks
+    through ``add_block`` (the API's own kinds)."""
     for message in messages if isinstance(messages, list) else ():
         message = _block(message)
         role = _text(message.get("role"))
@@ -303,21 +300,32 @@ def _chat(estimator: Estimator, body: Mapping[str, Any], headers: Mapping[str, s
             stream.text(role + content)  # one call for the common message (the same bytes)
             continue
         stream.text(role)
-        for part in content if isinstance(content, list) else ():
-            part = _block(part)
-            kind = part.get("type")
-            if kind == "text":
-                stream.text(_text(part.get("text")))
-            elif kind == "image_url":
-                url = _text(_block(part.get("image_url")).get("url"))
-                stream.asset(IMAGE, url, estimator.image.count(data_url_image_size(url)))
-            elif kind == "video_url":
-                stream.asset(VIDEO, _text(_block(part.get("video_url")).get("url")),
-                             estimator.video.count(video_meta(headers)))
-            elif kind in ("input_audio", "audio_url"):
-                audio = _block(part.get("input_audio"))
-                data = _text(audio.get("data")) + _text(audio.get("format"))
-                stream.asset(AUDIO, data, _clamp(-(-len(data.encode()) // BYTES_PER_TOKEN)))
+        for block in content if isinstance(content, list) else ():
+            add_block(_block(block))
+
+
+def _chat(estimator: Estimator, body: Mapping[str, Any], headers: Mapping[str, str]) -> PromptTokens:
+    stream = _Stream()
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        stream.text(go_marshal(tools))
+
+    def add_block(part: Mapping[str, Any]) -> None:
+        kind = part.get("type")
+        if kind == "text":
+            stream.text(_text(part.get("text")))
+        elif kind == "image_url":
+            url = _text(_block(part.get("image_url")).get("url"))
+            stream.asset(IMAGE, url, estimator.image.count(data_url_image_size(url)))
+        elif kind == "video_url":
+            stream.asset(VIDEO, _text(_block(part.get("video_url")).get("url")),
+                         estimator.video.count(video_meta(headers)))
+        elif kind in ("input_audio", "audio_url"):
+            audio = _block(part.get("input_audio"))
+            data = _text(audio.get("data")) + _text(audio.get("format"))
+            stream.asset(AUDIO, data, _clamp(-(-len(data.encode()) // BYTES_PER_TOKEN)))
+
+    _conversation(stream, body.get("messages"), add_block)
     return stream.done()
 
 
@@ -335,30 +343,23 @@ def _messages(estimator: Estimator, body: Mapping[str, Any]) -> PromptTokens:
     if isinstance(tools, list) and tools:
         stream.text(f"[{','.join(_anthropic_tool(_block(t)) for t in tools)}]")
     stream.text(_anthropic_system(body.get("system")))
-    messages = body.get("messages")
-    for message in messages if isinstance(messages, list) else ():
-        message = _block(message)
-        role = _text(message.get("role"))
-        content = message.get("content")
-        if isinstance(content, str):
-            stream.text(role + content)  # one call for the common message (the same bytes)
-            continue
-        stream.text(role)
-        for block in content if isinstance(content, list) else ():
-            block = _block(block)
-            kind = block.get("type")
-            if kind == "text":
-                stream.text(_text(block.get("text")))
-            elif kind == "image":
-                _anthropic_image(stream, estimator, _block(block.get("source")))
-            elif kind == "thinking":
-                stream.text(_text(block.get("thinking")))
-            elif kind == "tool_use":
-                stream.text(_text(block.get("id")) + _text(block.get("name")))
-                if block.get("input") is not None:  # the wire's bytes there (compact here)
-                    stream.text(go_compact(block["input"]))
-            elif kind == "tool_result":
-                _tool_result(stream, estimator, block.get("content"))
+
+    def add_block(block: Mapping[str, Any]) -> None:
+        kind = block.get("type")
+        if kind == "text":
+            stream.text(_text(block.get("text")))
+        elif kind == "image":
+            _anthropic_image(stream, estimator, _block(block.get("source")))
+        elif kind == "thinking":
+            stream.text(_text(block.get("thinking")))
+        elif kind == "tool_use":
+            stream.text(_text(block.get("id")) + _text(block.get("name")))
+            if block.get("input") is not None:  # the wire's bytes there (compact here)
+                stream.text(go_compact(block["input"]))
+        elif kind == "tool_result":
+            _tool_result(stream, estimator, block.get("content"))
+
+    _conversation(stream, body.get("messages"), add_block)
     return stream.done()
 
 
