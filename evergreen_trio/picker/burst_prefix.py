@@ -276,19 +276,28 @@ class BurstWindow:
         return entries
 
     def match_attribute(self, entry: BurstEntry) -> dict[tuple[str, str], str]:
-        """The request attribute a prefix-cache-scorer naming this producer reads (empty: no affinity)."""
-        if entry.assigned is None:
-            return {}
-        return {(MATCH_INFO_TYPE, self.name): f"{len(entry.hashes) * self.params.block_size_tokens}@{entry.assigned}"}
+        """The request attribute that readers naming this producer read once its window sealed: the
+        prompt's tokens in its blocks, matched in full on the assigned replica and nowhere else (no
+        replica: no affinity), as the reference's producer puts its match info on every candidate."""
+        tokens = len(entry.hashes) * self.params.block_size_tokens
+        return {(MATCH_INFO_TYPE, self.name): f"{tokens}@{entry.assigned or ''}"}
 
 
-def burst_match(attributes: Mapping[tuple[str, str], str], producer: str) -> tuple[str, int] | None:
-    """(assigned address, matched tokens) that producer ``producer`` left on a request, if any."""
+def burst_info(attributes: Mapping[tuple[str, str], str], producer: str) -> tuple[str, int] | None:
+    """(the replica assigned, "" for none; the prompt's tokens in its blocks) that burst producer
+    ``producer`` left on a request, if its window sealed with the request in it."""
     value = attributes.get((MATCH_INFO_TYPE, producer))
     if value is None:
         return None
     tokens, _, address = value.partition("@")
     return address, int(tokens)
+
+
+def burst_match(attributes: Mapping[tuple[str, str], str], producer: str) -> tuple[str, int] | None:
+    """(assigned address, matched tokens) that producer ``producer`` left on a request, if it
+    assigned one."""
+    info = burst_info(attributes, producer)
+    return info if info is not None and info[0] else None
 
 
 def check_producers(plugins: Mapping[str, Plugin], where: Callable[[str], str]) -> None:

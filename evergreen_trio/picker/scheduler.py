@@ -15,7 +15,7 @@ from typing import Protocol
 
 from evergreen_trio.picker.admission import admit, declared_admitters
 from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
-from evergreen_trio.picker.burst_prefix import burst_match, burst_producers
+from evergreen_trio.picker.burst_prefix import burst_info, burst_match, burst_producers
 from evergreen_trio.picker.config import Endpoint, ModelConfig, PickerConfig
 from evergreen_trio.picker.contextlength import CONTEXT_FILTERS, CONTEXT_SCORERS
 from evergreen_trio.picker.dataparallel import DataParallelHandler
@@ -405,7 +405,8 @@ class Scheduler:
         # p2p-source-producers with their producer's block tokens (0: the prefix index's, read per
         # pick), and the source each chose for the last pick with the tokens each candidate caches.
         bursts = burst_producers(config.epp.plugins) if config.epp is not None else {}
-        self.kv_sources = [(params, bursts[params.producer].block_size_tokens if params.producer in bursts else 0)
+        self.burst_block_tokens = {name: params.block_size_tokens for name, params in bursts.items()}
+        self.kv_sources = [(params, self.burst_block_tokens.get(params.producer, 0))
                            for params in (p2p_sources(config.epp.plugins) if config.epp is not None else ())]
         self.kv_picks: list[tuple[P2PSourceParams, Peer | None, dict[str, int]]] = []
         """Each p2p-source-producer's source for the last pick, and the tokens each candidate caches."""
@@ -642,21 +643,28 @@ class Scheduler:
     def uncached_tokens(self, request: PickRequest, addresses: Iterable[str],
                         prompt_tokens: int | None = None) -> dict[str, int]:
         """The request's prompt tokens (``prompt_tokens`` when the caller has them) each endpoint
-        lacks in its prefix cache: by the approximate index's matches, or by those of the precise
-        producer the in-flight load producer names (its tier-weighted blocks, as the reference's
-        match info holds them); a name of another producer discounts nothing (the reference's
-        optional dependency on it finds no match info of the kind read here)."""
+        lacks in its prefix cache, by the match info of the producer the in-flight load producer
+        names, as the reference's ``uncachedInputTokens`` reads it: the approximate index's
+        matches; a precise producer's tier-weighted blocks; a burst producer's full match on the
+        replica its window assigned (none elsewhere). Without match info (a burst window the
+        request did not wait in), the whole prompt."""
         tokens = self.prompt_tokens(request) if prompt_tokens is None else prompt_tokens
         producer = self.inflight.config.prefix_producer
-        if producer:
-            precise = self.plugin_states.get(producer)
-            if not isinstance(precise, PrecisePrefixCache):  # no match info from it: nothing discounted
-                return dict.fromkeys(addresses, max(0, tokens))
+        if not producer:
+            block_tokens, total = self.prefix_geometry()[0], len(request.hashes)
+            return {a: uncached_tokens(tokens, self.prefix_matches.get(a, 0), block_tokens, total) for a in addresses}
+        precise = self.plugin_states.get(producer)
+        if isinstance(precise, PrecisePrefixCache):
             found = precise.match(request, self.snapshot.clock())
             return {a: uncached_tokens(tokens, int(found.matched.get(a, 0.0)), precise.block_tokens, found.total)
                     for a in addresses}
-        block_tokens, total = self.prefix_geometry()[0], len(request.hashes)
-        return {a: uncached_tokens(tokens, self.prefix_matches.get(a, 0), block_tokens, total) for a in addresses}
+        window = burst_info(request.attributes, producer)
+        if window is None:
+            return dict.fromkeys(addresses, max(0, tokens))
+        assigned, indexed = window
+        block_tokens = self.burst_block_tokens[producer]
+        total = indexed // block_tokens
+        return {a: uncached_tokens(tokens, total if a == assigned else 0, block_tokens, total) for a in addresses}
 
 
 def _labels(state: EndpointState) -> Mapping[str, str]:

@@ -372,6 +372,30 @@ def test_in_flight_load_discounts_by_the_precise_producer_it_names() -> None:
     assert picker.scheduler.uncached_tokens(request, [A, B, C]) == {A: 2 * 16 + 6, B: 4 * 16 + 6, C: 4 * 16 + 6}
 
 
+def test_in_flight_load_discounts_by_the_burst_producer_it_names() -> None:
+    """The burst producer's match info, as the reference's: every indexed block on the replica its
+    window assigned, none elsewhere, and the blocks counted whole everywhere once its window sealed
+    (alone in a window: no replica, still whole blocks); a request not in a window: its tokens."""
+    burst = "- {type: burst-prefix-cache-producer, name: burst, parameters: {blockSizeTokens: 16}}\n"
+    picker = make_picker(PREFIX_EPP.format(producer="{prefixMatchInfoProducerName: burst}", precise=burst),
+                         metrics=[EndpointMetrics()] * 3)
+    window = picker.burst
+    assert window is not None
+    tokens = TokenizedPrompt((pack_ids(list(range(70))),))  # 4 blocks of 16 indexed, 6 tokens past them
+    entries = [window.join((1, 2, 3, 4), picker.burst_replicas(None), lambda _: None) for _ in range(2)]
+    alone = window.join((9, 8, 7, 6), picker.burst_replicas(None), lambda _: None)
+    window.seal()
+    assert entries[0] is not None and alone is not None and alone.assigned is None
+    assigned = entries[0].assigned
+    request = PickRequest("plain", 0, tokens=tokens, attributes=window.match_attribute(entries[0]))
+    others = {a: 4 * 16 + 6 for a in (A, B, C) if a != assigned}
+    assert picker.scheduler.uncached_tokens(request, [A, B, C]) == {assigned: 6, **others}
+    request = PickRequest("plain", 0, tokens=TokenizedPrompt((pack_ids(list(range(60))),)),
+                          attributes=window.match_attribute(alone))
+    assert picker.scheduler.uncached_tokens(request, [A, B]) == {A: 4 * 16, B: 4 * 16}  # its short tail whole
+    assert picker.scheduler.uncached_tokens(PickRequest("plain", 0, tokens=tokens), [A]) == {A: 70}
+
+
 def test_a_prefix_producer_name_without_match_info_discounts_nothing() -> None:
     picker = load_picker("  parameters: {prefixMatchInfoProducerName: nobody}")
     request = PickRequest("plain", 0, hashes=(1, 2, 3), prompt_bytes=400)
