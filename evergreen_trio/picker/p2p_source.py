@@ -23,13 +23,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import fnv_c
+
 from evergreen_trio.picker.plugins import APPROX_PRODUCER, Category, Params, Plugin, PluginType, register
 
 P2P_SOURCE_PRODUCER = "p2p-source-producer"
 CPU_TIER = "cpu"
 """The device tier a pull is served from (the reference's ``cpuDeviceTier``)."""
 REQUEST_ID_HEADER = "x-request-id"
-_FNV_OFFSET, _FNV_PRIME, _MASK = 0x811C9DC5, 0x01000193, 0xFFFFFFFF
 # Bytes of x-request-id hashed: a request id is a UUID (36); a client's 60 KiB one would cost
 # milliseconds of pure-Python hashing per request, so longer ones hash their first 256 bytes.
 MAX_REQUEST_ID_BYTES = 256
@@ -86,10 +87,8 @@ def spread_fraction(request_id: str) -> float:
         data = request_id.encode("latin-1")
     except UnicodeEncodeError:
         data = request_id.encode()
-    h = _FNV_OFFSET
-    for byte in data[:MAX_REQUEST_ID_BYTES]:
-        h = ((h ^ byte) * _FNV_PRIME) & _MASK
-    return h / 2**32
+    hashed: int = fnv_c.fnv1a_32(data[:MAX_REQUEST_ID_BYTES])
+    return hashed / 2**32
 
 
 def choose_source(peers: Sequence[Peer], coordinate: float) -> Peer | None:

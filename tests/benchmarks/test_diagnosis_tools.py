@@ -1,5 +1,5 @@
 """The diagnosis tools run as a developer types them: `python -m benchmarks.ipc_trace`, `...session_passes`,
-`...session_calls`."""
+`...session_calls`, `...kv_block_keys`."""
 
 from __future__ import annotations
 
@@ -61,3 +61,16 @@ def test_session_calls_counts_each_setup() -> None:
 def test_session_calls_refuses_an_unknown_setup_with_one_line() -> None:
     done = run("benchmarks.session_calls", "sockets")
     assert done.returncode == 2 and "unknown setup 'sockets'" in done.stderr
+
+
+def test_kv_block_keys_times_each_block_size() -> None:
+    done = run("benchmarks.kv_block_keys", "--tokens", "256", "--runs", "1", "--number", "1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["cbor-fnv block 16", "cbor-fnv block 64"]
+    assert all(line.endswith("ms a novel 256-token prompt") for line in lines)
+
+
+def test_kv_block_keys_refuses_a_bad_size_with_one_line() -> None:
+    done = run("benchmarks.kv_block_keys", "--block-sizes", "0")
+    assert done.returncode == 2 and "every block size must be at least 1" in done.stderr
