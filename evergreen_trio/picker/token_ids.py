@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from array import array
+from typing import Annotated
+
+import msgspec
 
 BYTES_PER_TOKEN = 4
 UINT32 = next(code for code in "IL" if array(code).itemsize == BYTES_PER_TOKEN)
 """The ``array`` typecode of a uint32."""
+_UINT32_IDS = list[Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]]
 
 
 def uint32_ids(value: object, integral_floats: bool = False) -> array[int] | None:
@@ -19,12 +23,17 @@ def uint32_ids(value: object, integral_floats: bool = False) -> array[int] | Non
     """
     if not isinstance(value, list) or not value:
         return None
+    try:  # plain ints in range, checked by msgspec (a bool is refused): twice as fast as type sets
+        return array(UINT32, msgspec.convert(value, _UINT32_IDS))
+    except msgspec.ValidationError:
+        if not integral_floats:
+            return None
     kinds = set(map(type, value))
-    if not kinds <= ({int, float} if integral_floats else {int}):
+    if not kinds <= {int, float}:
         return None  # bool, str, None, a subclass: not an id
     try:
-        ids = value if float not in kinds else list(map(int, value))
-        if ids is not value and ids != value:
+        ids = list(map(int, value))
+        if ids != value:
             return None  # a float with a fraction
         return array(UINT32, ids)
     except (ValueError, OverflowError):  # NaN, infinities, negative or past uint32
