@@ -80,6 +80,8 @@ FACE_EXCEPTIONS = {
     # The picker benchmark's floor: the picker's own wire and shell with nothing decided behind them.
     "benchmarks/noop_ext_proc.py": {"evergreen_trio._grpc.server", "evergreen_trio._grpc.server_wire",
                                     "evergreen_trio.picker.processor", "evergreen_trio.picker.runtime"},
+    # The precise prefix cache's block keys of a novel prompt: the token processor itself.
+    "benchmarks/kv_block_keys.py": {"evergreen_trio.picker.kvblock"},
     # The picker's calls per request: its wire serving the picker as the runtime builds it, and the floor.
     "benchmarks/picker_calls.py": {"evergreen_trio._grpc.server_wire", "evergreen_trio.picker.config",
                                    "evergreen_trio.picker.processor", "evergreen_trio.picker.runtime"},
