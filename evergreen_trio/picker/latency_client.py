@@ -9,7 +9,8 @@
   own rows' predictions back;
 * the flush: every ``LATENCY_FLUSH_INTERVAL_SEC`` (1 s) the producers' buffered training
   entries, sampled down to ``LATENCY_MAX_SAMPLE_SIZE`` (1000), go in one
-  ``POST /add_training_data_bulk`` to the training server.
+  ``POST /add_training_data_bulk`` to the training server, and once more when the picker stops
+  (the reference's ``Stop``), shielded for at most :data:`FINAL_FLUSH_S` (or the HTTP timeout).
 
 Every call is one HTTP/1.1 connection (h11 over Trio) under ``LATENCY_HTTP_TIMEOUT_SEC`` (10 s)
 with a bounded reply. A failed prediction calls back with None: the request is routed without
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 
 _MAX_TRAINING_REPLY = 64 * 1024
 _QUEUED = 1024  # predictions waiting for the coalescer at most, as the reference's channel
+FINAL_FLUSH_S = 2.0
+"""The stopping picker's last training flush waits this long at most (a SIGTERM'd pod has ~30 s)."""
 
 
 async def post_json(server: Server, path: str, body: bytes, timeout_s: float, max_reply: int) -> tuple[int, bytes]:
@@ -125,13 +128,21 @@ class LatencyPredictorClient:
         return None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The coalescer and the training flush, until cancelled (a last flush is not attempted:
-        the reference's Stop flushes, but a cancelled picker's nursery gives no time for it)."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._coalesce)
-            nursery.start_soon(self._flush_forever)
-            task_status.started()
+        """The coalescer and the training flush until cancelled, then a last flush (the
+        reference's Stop), shielded from the cancel for at most :data:`FINAL_FLUSH_S`."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._coalesce)
+                nursery.start_soon(self._flush_forever)
+                task_status.started()
+        finally:
+            with trio.CancelScope(shield=True) as last:
+                last.deadline = trio.current_time() + min(self.config.http_timeout_s, FINAL_FLUSH_S)
+                await self.flush()
+            if last.cancelled_caught:
+                log.warning("picker.latency_final_flush_timeout after=%gs (the buffered training entries are lost)",
+                            min(self.config.http_timeout_s, FINAL_FLUSH_S))
 
     async def _coalesce(self) -> None:
         assert self._nursery is not None
