@@ -259,6 +259,7 @@ class PredictedLatency:
         self.params = params
         self.name = PRODUCER  # its plugin name (the picker sets it)
         self.observe: Observe | None = None  # the runtime's metrics
+        self.metrics_of: Callable[[str], EndpointMetrics | None] = _no_metrics  # an endpoint's latest (the picker's)
         self.running: dict[str, _RunningQueue] = {}
         self.pending: list[TrainingEntry] = []  # for the shell's flush task
         self.dropped = 0  # training entries dropped because the buffer was full
@@ -386,11 +387,18 @@ class PredictedLatency:
                 self._observe(context, "tpot_slo_violation", float(context.avg_tpot > context.tpot_slo))
             row = context.rows.get(context.target)
             if row is not None:
-                # The reference's TPOT entry has no prefix share and no encoder sizes.
-                self._train(TrainingEntry(replace(row, num_tokens_generated=0, prefix_cache_score=0.0,
-                                                  encoder_input_size=0, encoder_matched_size=0), 0.0,
-                                          context.avg_tpot, now))
+                self._train(TrainingEntry(self._tpot_features(row, context.target), 0.0, context.avg_tpot, now))
         self.finished(context)
+
+    def _tpot_features(self, row: PredictionRow, target: str) -> PredictionRow:
+        """The TPOT entry's features: the target's KV usage and waiting queue now (the reference
+        refreshes them at each token; the scheduled ones when the endpoint is gone), with neither a
+        prefix share nor encoder sizes, as the reference's."""
+        latest = self.metrics_of(target)
+        if latest is not None:
+            row = replace(row, kv_cache_percentage=_unit(latest.kv_usage), num_request_waiting=_count(latest.waiting))
+        return replace(row, num_tokens_generated=0, prefix_cache_score=0.0, encoder_input_size=0,
+                       encoder_matched_size=0)
 
     def _first_token(self, context: LatencyRequest, now: float) -> None:
         context.ttft = (now - context.dispatched_at) * 1000
@@ -424,6 +432,10 @@ class PredictedLatency:
             queue.remove(context.key)
             if not queue.slos:
                 del self.running[context.target or ""]
+
+
+def _no_metrics(address: str) -> EndpointMetrics | None:
+    return None
 
 
 def _bounded(ms: float) -> float:

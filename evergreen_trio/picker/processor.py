@@ -213,6 +213,7 @@ class Picker:
                         if isinstance(state, PredictedLatency)}
         for name, producer in self.latency.items():
             producer.name = name
+            producer.metrics_of = snapshot.metrics_of
         self.start_predict: StartPredict | None = None  # set by the runtime when a latency producer runs
         self.verifies_served = any(p.type == DESTINATION_ENDPOINT_SERVED_VERIFIER for p in self.plugins)
         self.reads_media = any(p.type == MM_PRODUCER for p in self.plugins)

@@ -100,6 +100,11 @@ class PoolSnapshot:
             state.endpoint = endpoint
         self.states = states
 
+    def metrics_of(self, address: str) -> EndpointMetrics | None:
+        """``address``'s latest scraped metrics (None: none yet, or not in the pool)."""
+        state = self.states.get(address)
+        return state.metrics if state is not None else None
+
     def update(self, address: str, metrics: EndpointMetrics) -> None:
         """Record a scrape of ``address`` (ready and fresh as of now); unknown addresses are ignored."""
         state = self.states.get(address)

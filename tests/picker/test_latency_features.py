@@ -181,3 +181,29 @@ def test_a_missing_required_producer_is_one_line_and_exit_2(tmp_path: Path, prod
     result = run_cli(["--config", str(path)])
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert field in result.stderr
+
+
+# -- the TPOT entry's load features --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gone", [False, True])
+def test_the_tpot_entry_has_the_target_s_kv_and_queue_at_its_end(gone: bool) -> None:
+    """As the reference refreshes them at each token; the TTFT entry keeps the scheduled ones
+    (and the TPOT entry too when the endpoint left the pool meanwhile)."""
+    picker = make_picker(epp("{streamingMode: true}"), [EndpointMetrics(kv_usage=0.5, waiting=1)] * 3)
+    stream, _, done = ask(picker, "/v1/completions", json.dumps({"model": "plain", "prompt": "hi"}).encode(), "100")
+    done([Prediction(10, 1)] * 3)
+    target = routed_to(stream)
+    ticks = itertools.count(1)
+    picker.snapshot.clock = lambda: next(ticks) / 100
+    stream.on_message(response_headers("text/event-stream"))
+    stream.on_message(response_body(b"data: {}\n\n", end=False))
+    picker.snapshot.update(target, EndpointMetrics(kv_usage=0.9, waiting=7))
+    if gone:
+        picker.snapshot.set_endpoints([s.endpoint for a, s in picker.snapshot.states.items() if a != target])
+    for end in (False, True):
+        stream.on_message(response_body(b"data: {}\n\n", end=end))
+    ttft, tpot = next(iter(picker.latency.values())).pending
+    assert (ttft.row.kv_cache_percentage, ttft.row.num_request_waiting) == (0.5, 1)
+    assert (tpot.row.kv_cache_percentage, tpot.row.num_request_waiting) == ((0.5, 1) if gone else (0.9, 7))
+    assert tpot.actual_tpot_ms > 0 and tpot.row.num_tokens_generated == 0
