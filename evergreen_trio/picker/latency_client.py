@@ -162,12 +162,12 @@ class LatencyPredictorClient:
                 nursery.start_soon(self._refresh_forever)
                 task_status.started()
         finally:
-            with trio.CancelScope(shield=True) as last:
-                last.deadline = trio.current_time() + min(self.config.http_timeout_s, FINAL_FLUSH_S)
+            bound = min(self.config.http_timeout_s, FINAL_FLUSH_S)
+            with trio.move_on_after(bound, shield=True) as last:
                 await self.flush()
             if last.cancelled_caught:
                 log.warning("picker.latency_final_flush_timeout after=%gs (the buffered training entries are lost)",
-                            min(self.config.http_timeout_s, FINAL_FLUSH_S))
+                            bound)
 
     async def _coalesce(self) -> None:
         assert self._nursery is not None

@@ -11,13 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
 from test_latency_client import Handler, echo_predictions, serve
 from test_processor import Mode, request_body, request_headers, response_body, response_headers, set_headers
 
-from evergreen_trio.picker.latency_client import FINAL_FLUSH_S
+from evergreen_trio.picker.latency import PredictedLatency, ProducerParams
+from evergreen_trio.picker.latency_client import FINAL_FLUSH_S, LatencyPredictorClient
+from evergreen_trio.picker.latency_wire import PredictionRow, PredictorConfig, TrainingEntry
 from evergreen_trio.picker.processor import DESTINATION
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.server import run_sim
@@ -111,3 +114,22 @@ async def test_a_hung_training_server_does_not_hold_the_exit(nursery: trio.Nurse
     # The HTTP timeout is 30 s: only the final flush's bound lets the picker go sooner.
     took = await _buffer_then_stop(nursery, tmp_path, hung, [])
     assert reached.is_set() and took < FINAL_FLUSH_S + 10
+
+
+
+async def test_a_cancelled_client_flushes_within_its_bound_and_says_what_it_lost(
+        nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
+    async def hung(stream: trio.SocketStream, request: bytes) -> None:
+        await trio.sleep_forever()
+
+    server = await serve(nursery, hung)
+    producer = PredictedLatency(ProducerParams())
+    client = LatencyPredictorClient(PredictorConfig(training=server, predictions=(server,), flush_interval_s=3600,
+                                                    http_timeout_s=30), [producer])
+    async with trio.open_nursery() as running:
+        await running.start(client.run)
+        producer.pending = [TrainingEntry(PredictionRow(0, 1, 0, 0, 0, 0), 5.0, 0, 0.0)]
+        started = trio.current_time()
+        running.cancel_scope.cancel()
+    assert FINAL_FLUSH_S <= trio.current_time() - started < FINAL_FLUSH_S + 5 and not producer.pending
+    assert sum("picker.latency_final_flush_timeout" in r.message for r in caplog.records) == 1
