@@ -258,30 +258,42 @@ def host_port(host: str, port: int) -> str:
 
 
 class HttpPostError(Exception):
-    """A one-shot POST failed: no reply in time, connection refused or lost, a malformed response,
-    or a body over the limit."""
+    """A one-shot POST or GET failed: no reply in time, connection refused or lost, a malformed
+    response, or a body over the limit."""
 
 
 async def post_once(host: str, port: int, path: str, body: bytes, *, timeout_s: float,
                     max_body: int) -> tuple[int, bytes]:
     """``(status, body)`` of ``POST path`` with a JSON ``body`` on a connection of its own, closed
     after it, all within ``timeout_s``; :class:`HttpPostError` naming what failed."""
+    return await _once("POST", host, port, path, body, timeout_s, max_body)
+
+
+async def get_once(host: str, port: int, path: str, *, timeout_s: float, max_body: int) -> tuple[int, bytes]:
+    """``(status, body)`` of ``GET path``, as :func:`post_once`."""
+    return await _once("GET", host, port, path, None, timeout_s, max_body)
+
+
+async def _once(method: str, host: str, port: int, path: str, body: bytes | None, timeout_s: float,
+                max_body: int) -> tuple[int, bytes]:
     authority = host_port(host, port)
+    headers = [("host", authority), ("connection", "close")]
+    if body is not None:
+        headers += [("content-type", "application/json"), ("content-length", str(len(body)))]
     try:
         with trio.fail_after(timeout_s):
             stream = await trio.open_tcp_stream(host, port)
             async with stream:
                 conn = h11.Connection(h11.CLIENT)
-                request = h11.Request(method="POST", target=path, headers=[
-                    ("host", authority), ("content-type", "application/json"), ("content-length", str(len(body))),
-                    ("connection", "close")])
-                await stream.send_all(conn.send(request) + conn.send(h11.Data(data=body)) +
-                                      conn.send(h11.EndOfMessage()))
+                message = conn.send(h11.Request(method=method, target=path, headers=headers))
+                if body is not None:
+                    message += conn.send(h11.Data(data=body))
+                await stream.send_all(message + conn.send(h11.EndOfMessage()))
                 return await read_response(conn, stream, max_body)
     except trio.TooSlowError:
-        raise HttpPostError(f"POST http://{authority}{path}: no reply within {timeout_s:g}s") from None
+        raise HttpPostError(f"{method} http://{authority}{path}: no reply within {timeout_s:g}s") from None
     except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
-        raise HttpPostError(f"POST http://{authority}{path}: {type(exc).__name__}: {exc}") from None
+        raise HttpPostError(f"{method} http://{authority}{path}: {type(exc).__name__}: {exc}") from None
 
 
 class KeepAliveGetter:

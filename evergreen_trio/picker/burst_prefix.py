@@ -29,9 +29,11 @@ DEFAULT_MAX_PREFIX_BLOCKS = 2048
 BALANCE_MODES = ("requests", "tokens")
 # The request attribute a sealed window leaves: (data type, producer name) -> "<tokens>@<address>".
 MATCH_INFO_TYPE = "PrefixCacheMatchInfo"
-# The plugin types whose prefixMatchInfoProducerName names the producer of their matches.
 PREFIX_SCORERS = ("prefix-cache-scorer", "multicluster-prefix-cache-scorer")  # the second: the first, renamed
-PRODUCER_READERS = (*PREFIX_SCORERS, "p2p-source-producer")
+# The plugin types whose prefixMatchInfoProducerName names the producer of their matches, and the
+# parameters' field holding it.
+PRODUCER_READERS = {**dict.fromkeys(PREFIX_SCORERS, "producer"), "p2p-source-producer": "producer",
+                    "predicted-latency-producer": "prefix_producer", "latency-scorer": "prefix_producer"}
 PRODUCE_TIMEOUT_MARGIN_S = 0.3  # the reference's produceTimeoutMargin: a request waits at most window + this
 
 
@@ -310,7 +312,8 @@ def check_producers(plugins: Mapping[str, Plugin], where: Callable[[str], str]) 
                           list(bursts))
     precise = check_precise(plugins, where)
     for name, plugin in plugins.items():
-        producer = getattr(plugin.params, "producer", "") if plugin.type in PRODUCER_READERS else ""
+        field_name = PRODUCER_READERS.get(plugin.type)
+        producer = getattr(plugin.params, field_name, "") if field_name else ""
         if producer and producer not in bursts and producer not in precise:
             raise ConfigError(f"{where(name)}.prefixMatchInfoProducerName",
                               f"approx-prefix-cache-producer or a declared {BURST_PREFIX_PRODUCER}'s or "

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError, RequestError
 from evergreen_trio.picker.latency_wire import MAX_PENDING_TRAINING, Prediction, PredictionRow, TrainingEntry
-from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, register
+from evergreen_trio.picker.mm_cache import MM_PRODUCER
+from evergreen_trio.picker.plugins import APPROX_PRODUCER, Category, Params, Plugin, PluginType, register
 
 if TYPE_CHECKING:
     from evergreen_trio.picker.scheduler import EndpointState, PickRequest, Schedule, Scheduler
@@ -47,6 +48,8 @@ StartPredict = Callable[[Sequence[PredictionRow], PredictionsDone], None]
 """Asks the predictor for rows' predictions (the runtime's client); never calls back before it returns."""
 Observe = Callable[[str, "LatencyRequest", str, float], None]
 """(producer name, request, kind, value): a metric observation (:mod:`~evergreen_trio.picker.latency_metrics`)."""
+EncoderMatch = tuple[int, Mapping[str, int]]
+"""A request's media items and, by endpoint address, how many of them its encoder cache likely holds."""
 
 PRODUCER = "predicted-latency-producer"
 SCORER = "latency-scorer"
@@ -68,23 +71,34 @@ _MAX_MS = 1e15  # a headroom's bound (some 31,000 years)
 @dataclass(frozen=True)
 class ProducerParams:
     """``predicted-latency-producer``'s parameters (``samplingMean`` and
-    ``maxDecodeTokenSamplesForPrediction`` are read and ignored, as the reference ignores them)."""
+    ``maxDecodeTokenSamplesForPrediction`` are read and ignored, as the reference ignores them).
+    ``prefix_producer``: whose prefix matches give the prefix share ("" the approximate index, else
+    a declared precise or burst producer); ``encoder_producer``: the ``mm-embeddings-cache-producer``
+    whose matches give the encoder features ("": ``useEncoderCacheFeatures`` off, both 0)."""
 
     slo_buffer_factor: float = 1.0
     context_ttl_s: float = 300.0  # 0: running requests never expire
     streaming_mode: bool = False
     endpoint_role_label: str = ""
     predict_in_produce: bool = True
+    prefix_producer: str = ""
+    encoder_producer: str = ""
+
+
+def _prefix_producer(params: Params) -> str:
+    """``prefixMatchInfoProducerName``: "" for the approximate producer (epp_config checks that
+    another name is a declared precise or burst producer, as the reference's required key is)."""
+    name = params.text("prefixMatchInfoProducerName", "")
+    return "" if name == APPROX_PRODUCER else name
 
 
 def _producer_params(params: Params) -> ProducerParams:
     params.number("samplingMean", 1000.0)
     params.integer("maxDecodeTokenSamplesForPrediction", 0)
-    for key in ("prefixMatchInfoProducerName", "inFlightLoadProducerName", "encoderCacheMatchInfoProducerName"):
-        params.text(key, "")
-    if params.boolean("useEncoderCacheFeatures", False):
-        raise ConfigError(params.where("useEncoderCacheFeatures"), "false (encoder-cache features are not "
-                          "implemented here)", True)
+    params.text("inFlightLoadProducerName", "")
+    # On, the reference requires the named producer's match info (mm_cache adds the default one).
+    encoder = params.text("encoderCacheMatchInfoProducerName", "") or MM_PRODUCER
+    encoder = encoder if params.boolean("useEncoderCacheFeatures", False) else ""
     # The reference refuses sloBufferFactor <= 0; a zero buffer would make every TPOT invalid.
     factor = params.number("sloBufferFactor", 1.0)
     if factor <= 0:
@@ -92,12 +106,14 @@ def _producer_params(params: Params) -> ProducerParams:
     # Go decodes a time.Duration from JSON as integer nanoseconds (a string like "5m" fails there too).
     ttl = params.integer("contextTTL", 300 * 10**9, maximum=2**63 - 1) / 1e9
     return ProducerParams(factor, ttl, params.boolean("streamingMode", False),
-                          params.text("endpointRoleLabel", ""), params.boolean("predictInProduce", True))
+                          params.text("endpointRoleLabel", ""), params.boolean("predictInProduce", True),
+                          _prefix_producer(params), encoder)
 
 
 @dataclass(frozen=True)
 class ScorerParams:
-    """``latency-scorer``'s parameters; ``producer``: whose predictions it reads."""
+    """``latency-scorer``'s parameters; ``producer``: whose predictions it reads, ``prefix_producer``:
+    whose prefix matches its composite fallback reads (as :class:`ProducerParams`)."""
 
     ttft_weight: float = 0.8
     tpot_weight: float = 0.2
@@ -106,6 +122,7 @@ class ScorerParams:
     composite_queue_weight: float = 1.0
     composite_prefix_weight: float = 1.0
     producer: str = PRODUCER
+    prefix_producer: str = ""
 
 
 def _producer_ref(params: Params) -> str:
@@ -113,11 +130,10 @@ def _producer_ref(params: Params) -> str:
 
 
 def _scorer_params(params: Params) -> ScorerParams:
-    params.text("prefixMatchInfoProducerName", "")
     return ScorerParams(params.number("ttftWeight", 0.8), params.number("tpotWeight", 0.2),
                         params.text("headroomSelectionStrategy", "least", choices=("least", "most")),
                         params.number("compositeKVWeight", 1.0), params.number("compositeQueueWeight", 1.0),
-                        params.number("compositePrefixWeight", 1.0), _producer_ref(params))
+                        params.number("compositePrefixWeight", 1.0), _producer_ref(params), _prefix_producer(params))
 
 
 @dataclass(frozen=True)
@@ -243,6 +259,7 @@ class PredictedLatency:
         self.params = params
         self.name = PRODUCER  # its plugin name (the picker sets it)
         self.observe: Observe | None = None  # the runtime's metrics
+        self.metrics_of: Callable[[str], EndpointMetrics | None] = _no_metrics  # an endpoint's latest (the picker's)
         self.running: dict[str, _RunningQueue] = {}
         self.pending: list[TrainingEntry] = []  # for the shell's flush task
         self.dropped = 0  # training entries dropped because the buffer was full
@@ -252,11 +269,14 @@ class PredictedLatency:
 
     def begin(self, headers: Mapping[str, str], candidates: Sequence[EndpointState], matches: Mapping[str, int],
               total_blocks: int, input_tokens: int, inflight_requests: Mapping[str, int],
-              inflight_tokens: Mapping[str, int]) -> LatencyRequest:
+              inflight_tokens: Mapping[str, int], encoder: EncoderMatch = (0, {})) -> LatencyRequest:
         """A request's context: its SLO headers and each candidate's features (the reference's
         Produce before its bulk call). ``matches``: leading prompt blocks each candidate holds, of
-        ``total_blocks``; ``inflight_*``: what the picker has in flight on each."""
+        ``total_blocks`` (its ``prefix_producer``'s); ``inflight_*``: what the picker has in flight
+        on each; ``encoder``: the request's media items and those each candidate's encoder cache
+        likely holds (its ``encoder_producer``'s)."""
         role = self.params.endpoint_role_label
+        items, held = max(0, encoder[0]), encoder[1]
         rows: dict[str, PredictionRow] = {}
         for state in candidates:
             address = state.endpoint.address
@@ -267,6 +287,8 @@ class PredictedLatency:
                 num_request_waiting=_count(metrics.waiting),
                 num_request_running=max(0, inflight_requests.get(address, 0)),
                 num_tokens_generated=1, prefix_cache_score=_unit(prefix),
+                # The reference clamps a match above the request's items rather than drop the row.
+                encoder_input_size=items, encoder_matched_size=min(items, max(0, held.get(address, 0))),
                 pod_type=state.endpoint.label_map.get(role, "") if role else "",  # the pod's role
                 prefill_tokens_in_flight=max(0, inflight_tokens.get(address, 0)))
         return LatencyRequest(self, next(self._keys), header_float(headers, TTFT_SLO_HEADERS),
@@ -365,9 +387,18 @@ class PredictedLatency:
                 self._observe(context, "tpot_slo_violation", float(context.avg_tpot > context.tpot_slo))
             row = context.rows.get(context.target)
             if row is not None:
-                self._train(TrainingEntry(replace(row, num_tokens_generated=0, prefix_cache_score=0.0), 0.0,
-                                          context.avg_tpot, now))
+                self._train(TrainingEntry(self._tpot_features(row, context.target), 0.0, context.avg_tpot, now))
         self.finished(context)
+
+    def _tpot_features(self, row: PredictionRow, target: str) -> PredictionRow:
+        """The TPOT entry's features: the target's KV usage and waiting queue now (the reference
+        refreshes them at each token; the scheduled ones when the endpoint is gone), with neither a
+        prefix share nor encoder sizes, as the reference's."""
+        latest = self.metrics_of(target)
+        if latest is not None:
+            row = replace(row, kv_cache_percentage=_unit(latest.kv_usage), num_request_waiting=_count(latest.waiting))
+        return replace(row, num_tokens_generated=0, prefix_cache_score=0.0, encoder_input_size=0,
+                       encoder_matched_size=0)
 
     def _first_token(self, context: LatencyRequest, now: float) -> None:
         context.ttft = (now - context.dispatched_at) * 1000
@@ -401,6 +432,10 @@ class PredictedLatency:
             queue.remove(context.key)
             if not queue.slos:
                 del self.running[context.target or ""]
+
+
+def _no_metrics(address: str) -> EndpointMetrics | None:
+    return None
 
 
 def _bounded(ms: float) -> float:
@@ -503,9 +538,10 @@ def request_infos(request: PickRequest, producer: str) -> dict[str, LatencyInfo]
     return context.infos if context is not None else {}
 
 
-def _prefix_shares(scheduler: Scheduler, request: PickRequest) -> dict[str, float]:
-    total = len(request.hashes)
-    return {a: m / total for a, m in scheduler.prefix_matches.items()} if total else {}
+def _prefix_shares(scheduler: Scheduler, request: PickRequest, addresses: Sequence[str],
+                   producer: str) -> dict[str, float]:
+    matches, total = scheduler.prefix_match_info(request, addresses, producer)
+    return {a: m / total for a, m in matches.items()} if total else {}
 
 
 def _latency_scorer(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],
@@ -516,7 +552,7 @@ def _latency_scorer(scheduler: Scheduler, request: PickRequest, candidates: Sequ
     if any(a in infos for a in addresses):
         return headroom_scores(params, {a: infos.get(a) for a in addresses})
     metrics = {s.endpoint.address: s.metrics or EndpointMetrics() for s in candidates}
-    return composite_scores(params, metrics, _prefix_shares(scheduler, request))
+    return composite_scores(params, metrics, _prefix_shares(scheduler, request, addresses, params.prefix_producer))
 
 
 # -- slo-headroom-tier-filter -------------------------------------------------------------------

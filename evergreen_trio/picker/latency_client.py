@@ -7,9 +7,14 @@
   first one go as one ``POST /predict/bulk/strict`` (to a prediction server drawn at random),
   at most ``LATENCY_MAX_CONCURRENT_DISPATCHES`` (36) calls at a time, and each asker gets its
   own rows' predictions back;
+* the refresh: at once and every ``LATENCY_METRICS_INTERVAL_SEC`` (60 s), a prediction server's
+  ``GET /status`` and the training server's ``GET /model/download/info``: the model they serve
+  (:class:`~evergreen_trio.picker.latency_wire.CurrentModel`), logged when it changes. As in the
+  reference, nothing waits for it: predictions are asked for whatever it says;
 * the flush: every ``LATENCY_FLUSH_INTERVAL_SEC`` (1 s) the producers' buffered training
   entries, sampled down to ``LATENCY_MAX_SAMPLE_SIZE`` (1000), go in one
-  ``POST /add_training_data_bulk`` to the training server.
+  ``POST /add_training_data_bulk`` to the training server, and once more when the picker stops
+  (the reference's ``Stop``), shielded for at most :data:`FINAL_FLUSH_S` (or the HTTP timeout).
 
 Every call is one HTTP/1.1 connection (h11 over Trio) under ``LATENCY_HTTP_TIMEOUT_SEC`` (10 s)
 with a bounded reply. A failed prediction calls back with None: the request is routed without
@@ -26,19 +31,26 @@ from dataclasses import dataclass
 
 import trio
 
-from evergreen_trio._http import HttpPostError, post_once
+from evergreen_trio._http import HttpPostError, get_once, post_once
 from evergreen_trio._logsafe import peer_text
 from evergreen_trio.picker.latency import PredictedLatency, PredictionsDone
 from evergreen_trio.picker.latency_wire import (
     BULK_STRICT_PATH,
     MAX_REPLY_BYTES,
+    MAX_REPORT_BYTES,
+    MODEL_INFO_PATH,
+    STATUS_PATH,
     TRAINING_PATH,
+    CurrentModel,
+    ModelReport,
     Prediction,
     PredictionRow,
     PredictorConfig,
     PredictorError,
     Server,
+    current_model,
     decode_bulk_strict,
+    decode_model_report,
     encode_bulk,
     encode_training,
     sample_training,
@@ -48,6 +60,8 @@ log = logging.getLogger(__name__)
 
 _MAX_TRAINING_REPLY = 64 * 1024
 _QUEUED = 1024  # predictions waiting for the coalescer at most, as the reference's channel
+FINAL_FLUSH_S = 2.0
+"""The stopping picker's last training flush waits this long at most (a SIGTERM'd pod has ~30 s)."""
 
 
 async def post_json(server: Server, path: str, body: bytes, timeout_s: float, max_reply: int) -> tuple[int, bytes]:
@@ -57,6 +71,15 @@ async def post_json(server: Server, path: str, body: bytes, timeout_s: float, ma
         return await post_once(server.host, server.port, path, body, timeout_s=timeout_s, max_body=max_reply)
     except HttpPostError as exc:
         raise PredictorError(str(exc)) from None
+
+
+async def get_report(server: Server, path: str, timeout_s: float) -> ModelReport:
+    """``GET path`` on ``server``, decoded; PredictorError as :func:`post_json`, or for the reply."""
+    try:
+        status, body = await get_once(server.host, server.port, path, timeout_s=timeout_s, max_body=MAX_REPORT_BYTES)
+    except HttpPostError as exc:
+        raise PredictorError(str(exc)) from None
+    return decode_model_report(status, body, f"GET {server.url}{path}")
 
 
 @dataclass
@@ -96,6 +119,10 @@ class LatencyPredictorClient:
         self._limiter = trio.CapacityLimiter(config.max_concurrent_dispatches)
         self.predictions = _Episode("prediction")
         self.training = _Episode("training")
+        self.status = _Episode("status")
+        self.model_info = _Episode("model_info")
+        self.reports: dict[str, ModelReport] = {}  # the last good reply of each refresh call, by path
+        self.model: CurrentModel | None = None  # what the reports say (None: no refresh yet)
         self.bulk_calls = 0  # prediction calls made (a test counts the coalescing)
         self.trained = 0  # training entries the training server accepted
 
@@ -125,13 +152,22 @@ class LatencyPredictorClient:
         return None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The coalescer and the training flush, until cancelled (a last flush is not attempted:
-        the reference's Stop flushes, but a cancelled picker's nursery gives no time for it)."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._coalesce)
-            nursery.start_soon(self._flush_forever)
-            task_status.started()
+        """The coalescer and the training flush until cancelled, then a last flush (the
+        reference's Stop), shielded from the cancel for at most :data:`FINAL_FLUSH_S`."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._coalesce)
+                nursery.start_soon(self._flush_forever)
+                nursery.start_soon(self._refresh_forever)
+                task_status.started()
+        finally:
+            bound = min(self.config.http_timeout_s, FINAL_FLUSH_S)
+            with trio.move_on_after(bound, shield=True) as last:
+                await self.flush()
+            if last.cancelled_caught:
+                log.warning("picker.latency_final_flush_timeout after=%gs (the buffered training entries are lost)",
+                            bound)
 
     async def _coalesce(self) -> None:
         assert self._nursery is not None
@@ -176,6 +212,31 @@ class LatencyPredictorClient:
         while True:
             await trio.sleep(self.config.flush_interval_s)
             await self.flush()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await self.refresh()
+            await trio.sleep(self.config.metrics_interval_s)
+
+    async def refresh(self) -> None:
+        """Ask for the servers' reports (the reference's refreshServerStatus and refreshModelInfo);
+        a failed call keeps its last good report. Logs the current model when it changes."""
+        calls = ((self.status, self.rng.choice(self.config.predictions), STATUS_PATH),
+                 (self.model_info, self.config.training, MODEL_INFO_PATH))
+        for episode, server, path in calls:
+            try:
+                self.reports[path] = await get_report(server, path, self.config.http_timeout_s)
+            except PredictorError as exc:
+                episode.failed(str(exc))
+                continue
+            episode.worked()
+        if not self.reports:
+            return
+        model = current_model(self.reports.get(STATUS_PATH), self.reports.get(MODEL_INFO_PATH))
+        if model != self.model:
+            self.model = model
+            log.info("picker.latency_predictor_model model_type=%s objective=%s quantile=%g ready=%s",
+                     peer_text(model.model_type, 64), peer_text(model.objective_type, 64), model.quantile, model.ready)
 
     async def flush(self) -> None:
         """Send the producers' buffered training entries (sampled), one call."""

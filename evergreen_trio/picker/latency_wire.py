@@ -6,11 +6,16 @@ settings from the environment (``PREDICTION_SERVER_URL``, ``TRAINING_SERVER_URL`
 
 * ``POST /predict/bulk/strict`` on a prediction server: ``{"requests": [row, ...]}`` ->
   ``{"predictions": [{"ttft_ms", "tpot_ms", ...}, ...], ...}``, one prediction per row in order;
-* ``POST /add_training_data_bulk`` on the training server: ``{"entries": [entry, ...]}`` -> 202.
+* ``POST /add_training_data_bulk`` on the training server: ``{"entries": [entry, ...]}`` -> 202;
+* ``GET /status`` on a prediction server and ``GET /model/download/info`` on the training server:
+  the model type, objective and quantile they serve (:class:`ModelReport`, the reference's
+  ``ServerStatusResponse`` and ``ModelInfo``), which :func:`current_model` combines as the
+  reference's ``GetCurrentModelType``/``GetCurrentQuantile``/``GetCurrentObjectiveType``.
 
 A reply is a peer's bytes: :func:`decode_bulk_strict` refuses anything but a JSON object holding
 exactly one finite, non-negative ``ttft_ms``/``tpot_ms`` pair per row (NaN and infinities
-included), with a :class:`PredictorError` naming what was wrong.
+included), and :func:`decode_model_report` anything but an object whose fields have their types,
+with a :class:`PredictorError` naming what was wrong.
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ log = logging.getLogger(__name__)
 
 BULK_STRICT_PATH = "/predict/bulk/strict"
 TRAINING_PATH = "/add_training_data_bulk"
+STATUS_PATH = "/status"
+MODEL_INFO_PATH = "/model/download/info"
+MAX_REPORT_BYTES = 64 * 1024
+"""A ``/status`` or ``/model/download/info`` reply's size limit (the real ones are ~400 bytes)."""
+_MAX_NAME = 64  # a model or objective type's length at most (the real ones: "bayesian_ridge", "quantile")
 MAX_REPLY_BYTES = 4 * 1024 * 1024
 """A prediction reply's size limit: ~200 bytes a row, 100 rows a bulk call, ample margin."""
 MAX_PENDING_TRAINING = 100_000
@@ -74,6 +84,7 @@ class PredictorConfig:
     coalesce_window_s: float = 0.001
     max_coalesced_rows: int = 0
     max_concurrent_dispatches: int = 36
+    metrics_interval_s: float = 60.0
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int, low: int, high: int | None = None) -> int:
@@ -111,6 +122,7 @@ def config_from_env(env: Mapping[str, str]) -> PredictorConfig:
         coalesce_window_s=_env_int(env, "LATENCY_COALESCE_WINDOW_MS", 1, 0) / 1000,
         max_coalesced_rows=_env_int(env, "LATENCY_MAX_COALESCED_ROWS", 0, 0),
         max_concurrent_dispatches=_env_int(env, "LATENCY_MAX_CONCURRENT_DISPATCHES", 36, 1),
+        metrics_interval_s=float(_env_int(env, "LATENCY_METRICS_INTERVAL_SEC", 60, 1)),
     )
 
 
@@ -217,6 +229,76 @@ def decode_bulk_strict(status: int, body: bytes, rows: int) -> list[Prediction]:
         raise PredictorError(f"bulk prediction reply: expected {rows} predictions, got {len(predictions)}")
     return [Prediction(_latency(item, i, "ttft_ms"), _latency(item, i, "tpot_ms"))
             for i, item in enumerate(predictions)]
+
+
+@dataclass(frozen=True)
+class ModelReport:
+    """What one server says of the models it serves: a prediction server's ``/status`` (``ready``:
+    its ``is_ready``) or the training server's ``/model/download/info`` (``ready`` None). An
+    absent objective is "", an absent quantile 0, as Go decodes them."""
+
+    model_type: str
+    objective_type: str
+    quantile: float
+    ready: bool | None = None
+
+
+@dataclass(frozen=True)
+class CurrentModel:
+    """The model the predictor serves, as the reference's client reads it: the prediction
+    server's report first, then the training server's (quantile 0.9 and objective "quantile"
+    when neither says)."""
+
+    model_type: str
+    objective_type: str
+    quantile: float
+    ready: bool | None
+
+
+def _text_field(doc: dict[str, object], key: str, what: str) -> str:
+    value = doc.get(key, "")
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > _MAX_NAME:
+        raise PredictorError(f"{what}: {key}: expected a string of at most {_MAX_NAME} characters, "
+                             f"got {str(value)[:32]}")
+    return value
+
+
+def decode_model_report(status: int, body: bytes, what: str) -> ModelReport:
+    """A ``/status`` or ``/model/download/info`` reply (``what`` names it in errors); PredictorError
+    for a non-200 status, a body over :data:`MAX_REPORT_BYTES` or not a JSON object, a type or
+    objective that is not a short string, a quantile that is not a finite number, or an
+    ``is_ready`` that is not a boolean."""
+    if status != 200:
+        raise PredictorError(f"{what} answered {status}: {body[:200].decode('utf-8', 'replace')}")
+    if len(body) > MAX_REPORT_BYTES:
+        raise PredictorError(f"{what}: reply larger than {MAX_REPORT_BYTES} bytes")
+    try:
+        doc = json.loads(body, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:
+        raise PredictorError(f"{what}: reply is not JSON: {str(exc)[:100]}") from None
+    if not isinstance(doc, dict):
+        raise PredictorError(f"{what}: expected a JSON object")
+    quantile = doc.get("quantile", 0.0)
+    if quantile is None:
+        quantile = 0.0
+    if isinstance(quantile, bool) or not isinstance(quantile, int | float) or not math.isfinite(quantile):
+        raise PredictorError(f"{what}: quantile: expected a finite number, got {str(quantile)[:32]}")
+    ready = doc.get("is_ready")
+    if ready is not None and not isinstance(ready, bool):
+        raise PredictorError(f"{what}: is_ready: expected a boolean, got {str(ready)[:32]}")
+    return ModelReport(_text_field(doc, "model_type", what), _text_field(doc, "objective_type", what),
+                       float(quantile), ready)
+
+
+def current_model(status: ModelReport | None, info: ModelReport | None) -> CurrentModel:
+    """The reference's ``GetCurrentModelType``, ``GetCurrentQuantile`` and
+    ``GetCurrentObjectiveType`` over the last reports (None: none yet)."""
+    model_type = status.model_type if status is not None else info.model_type if info is not None else ""
+    quantile = next((r.quantile for r in (status, info) if r is not None and r.quantile > 0), 0.9)
+    objective = next((r.objective_type for r in (status, info) if r is not None and r.objective_type), "quantile")
+    return CurrentModel(model_type, objective, quantile, status.ready if status is not None else None)
 
 
 def sample_training(entries: Sequence[TrainingEntry], max_size: int, rng: random.Random) -> list[TrainingEntry]:

@@ -168,21 +168,39 @@ def _producer(params: Params) -> MediaProducerParams:
                                                            maximum=_GO_INT[1])))
 
 
+def encoder_match(cache: MediaCache | None, items: Sequence[bytes],
+                  addresses: Sequence[str]) -> tuple[int, dict[str, int]]:
+    """The reference's ``EncoderCacheMatchInfo`` sizes (each item of size 1, as its producer's):
+    the request's items, and how many of them each address's LRU holds."""
+    if cache is None or not items:
+        return 0, {}
+    return len(items), {address: cache.held(address, items) for address in addresses}
+
+
+def _reader(params: object) -> tuple[str, str] | None:
+    """(producer name, its parameter) of a plugin that reads a producer's matches: a scorer, or a
+    ``predicted-latency-producer`` with ``useEncoderCacheFeatures`` (its ``encoder_producer``)."""
+    if isinstance(params, MediaScorerParams):
+        return params.producer, "producerName"
+    encoder = getattr(params, "encoder_producer", "")
+    return (encoder, "encoderCacheMatchInfoProducerName") if encoder else None
+
+
 def with_default_producer(plugins: Mapping[str, Plugin], path: str) -> dict[str, Plugin]:
-    """``plugins``, with the default producer added when a scorer reads it and it is not declared
-    (as the reference creates a consumed key's default producer); ConfigError for a scorer naming
+    """``plugins``, with the default producer added when a plugin reads it and it is not declared
+    (as the reference creates a consumed key's default producer); ConfigError for a plugin naming
     another producer no declared one has. ``path``: the plugins list's, for the error."""
     result = dict(plugins)
     for i, plugin in enumerate(plugins.values()):
-        if not isinstance(plugin.params, MediaScorerParams):
+        reader = _reader(plugin.params)
+        if reader is None:
             continue
-        name = plugin.params.producer
+        name, key = reader
         declared = result.get(name)
         if declared is not None and isinstance(declared.params, MediaProducerParams):
             continue
         if name != MM_PRODUCER or declared is not None:
-            raise ConfigError(f"{path}[{i}].parameters.producerName",
-                              f"the name of a declared {MM_PRODUCER}", name)
+            raise ConfigError(f"{path}[{i}].parameters.{key}", f"the name of a declared {MM_PRODUCER}", name)
         result[name] = Plugin(name, MM_PRODUCER, MediaProducerParams())
     return result
 

@@ -48,7 +48,7 @@ from evergreen_trio.picker.guards import rewrite_allowed
 from evergreen_trio.picker.inflight import Ticket
 from evergreen_trio.picker.latency import LatencyRequest, PredictedLatency, StartPredict
 from evergreen_trio.picker.latency_wire import Prediction
-from evergreen_trio.picker.mm_cache import MM_PRODUCER, media_items
+from evergreen_trio.picker.mm_cache import MM_PRODUCER, MediaCache, encoder_match, media_items
 from evergreen_trio.picker.parsers import DEFAULT_REGISTRY
 from evergreen_trio.picker.parsers.registry import request_path
 from evergreen_trio.picker.prefix_hash import block_hashes
@@ -213,6 +213,7 @@ class Picker:
                         if isinstance(state, PredictedLatency)}
         for name, producer in self.latency.items():
             producer.name = name
+            producer.metrics_of = snapshot.metrics_of
         self.start_predict: StartPredict | None = None  # set by the runtime when a latency producer runs
         self.verifies_served = any(p.type == DESTINATION_ENDPOINT_SERVED_VERIFIER for p in self.plugins)
         self.reads_media = any(p.type == MM_PRODUCER for p in self.plugins)
@@ -333,16 +334,22 @@ class Picker:
         candidates = [s for s in self.snapshot.states.values()
                       if s.ready and (admission.subset is None or s.endpoint.host in admission.subset)]
         addresses = [s.endpoint.address for s in candidates]
-        matches = scheduler.prefix.matches(admission.hashes, addresses) if admission.hashes else {}
-        tokens = scheduler.prompt_tokens(PickRequest(None, 0, prompt_bytes=admission.prompt_bytes,
-                                                     tokens=admission.tokens))
+        approx = scheduler.prefix.matches(admission.hashes, addresses) if admission.hashes else {}
+        request = PickRequest(admission.target_model, admission.priority, admission.hashes,
+                              prompt_bytes=admission.prompt_bytes, attributes=admission.attributes,
+                              media=admission.media, tokens=admission.tokens)
+        tokens = scheduler.prompt_tokens(request)
         inflight = scheduler.inflight
         requests = {a: inflight.requests(a) for a in addresses}
         in_flight_tokens = {a: inflight.tokens(a) for a in addresses}
         contexts = {}
         for name, producer in self.latency.items():
+            params, states = producer.params, scheduler.plugin_states
+            matches, total = scheduler.prefix_match_info(request, addresses, params.prefix_producer, approx)
+            cache = states.get(params.encoder_producer) if params.encoder_producer else None
+            encoder = encoder_match(cache if isinstance(cache, MediaCache) else None, admission.media, addresses)
             context = contexts[name] = producer.begin(
-                admission.headers, candidates, matches, len(admission.hashes), tokens, requests, in_flight_tokens)
+                admission.headers, candidates, matches, total, tokens, requests, in_flight_tokens, encoder)
             context.model, context.target_model = admission.client_model or "", admission.target_model or ""
         admission.latency = contexts
         return [c for c in contexts.values() if c.owner.wants_predictions(c)]

@@ -100,6 +100,11 @@ class PoolSnapshot:
             state.endpoint = endpoint
         self.states = states
 
+    def metrics_of(self, address: str) -> EndpointMetrics | None:
+        """``address``'s latest scraped metrics (None: none yet, or not in the pool)."""
+        state = self.states.get(address)
+        return state.metrics if state is not None else None
+
     def update(self, address: str, metrics: EndpointMetrics) -> None:
         """Record a scrape of ``address`` (ready and fresh as of now); unknown addresses are ignored."""
         state = self.states.get(address)
@@ -416,6 +421,22 @@ class Scheduler:
         candidates; default the whole pool). 1.0 and above: shed sheddable requests."""
         located = list(self.snapshot.states.values()) if states is None else states
         return detector_saturation(self.shed_detector, located, self.snapshot.clock(), self.inflight).saturation
+
+    def prefix_match_info(self, request: PickRequest, addresses: Sequence[str], producer: str,
+                          approx: Mapping[str, int] | None = None) -> tuple[dict[str, int], int]:
+        """The reference's ``PrefixCacheMatchInfo`` of ``producer`` (a plugin's
+        ``prefixMatchInfoProducerName``): each address's matched prompt blocks, and the prompt's
+        blocks. "": the approximate index's (``approx`` when the caller has them, else this pick's);
+        a precise producer: its tier-weighted leading blocks (truncated, as the reference's int); a
+        burst producer: the whole prompt on the endpoint its window assigned."""
+        if not producer:
+            return dict(self.prefix_matches if approx is None else approx), len(request.hashes)
+        precise = self.plugin_states.get(producer)
+        if isinstance(precise, PrecisePrefixCache):
+            found = precise.match(request, self.snapshot.clock())
+            return {a: int(found.matched.get(a, 0.0)) for a in addresses}, found.total
+        assigned = burst_match(request.attributes, producer)
+        return ({assigned[0]: 1}, 1) if assigned is not None else ({}, 0)
 
     def prefix_geometry(self) -> tuple[int, int | None]:
         """(block tokens, max blocks per prompt; None: every block) for hashing prompts now, as

@@ -135,9 +135,9 @@ def test_a_url_not_http_host_port_names_its_variable(url: str) -> None:
 Handler = Callable[[trio.SocketStream, bytes], Awaitable[None]]
 
 
-async def serve(nursery: trio.Nursery, handler: Handler) -> Server:
+async def serve(nursery: trio.Nursery, handler: Handler, gets: Handler | None = None) -> Server:
     """A TCP server reading one HTTP request per connection (head and content-length body) and
-    handing it to ``handler``."""
+    handing it to ``handler``, a GET to ``gets`` (by default a 404: the client's refresh)."""
 
     async def connection(stream: trio.SocketStream) -> None:
         data = b""
@@ -147,16 +147,23 @@ async def serve(nursery: trio.Nursery, handler: Handler) -> Server:
                 return
             data += chunk
         head, body = data.split(b"\r\n\r\n", 1)
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length"))
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length")), 0)
         while len(body) < length:
             body += await stream.receive_some(65536)
         async with stream:
-            await handler(stream, head + b"\r\n\r\n" + body)
+            if head.startswith(b"GET "):
+                await (gets or _not_found)(stream, head)
+            else:
+                await handler(stream, head + b"\r\n\r\n" + body)
 
     listeners = await nursery.start(trio.serve_tcp, connection, 0)
     port = listeners[0].socket.getsockname()[1]
     return Server("127.0.0.1", port, f"http://127.0.0.1:{port}")
+
+
+async def _not_found(stream: trio.SocketStream, request: bytes) -> None:
+    await stream.send_all(http(404, b"{}"))
 
 
 def http(status: int, body: bytes) -> bytes:

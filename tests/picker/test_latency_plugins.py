@@ -337,7 +337,6 @@ def test_defaults_are_the_references() -> None:
     ("{type: predicted-latency-producer, parameters: {sloBufferFactor: 0}}", "sloBufferFactor"),
     ("{type: predicted-latency-producer, parameters: {contextTTL: 5m}}", "contextTTL"),
     ("{type: predicted-latency-producer, parameters: {streamingMode: yes please}}", "streamingMode"),
-    ("{type: predicted-latency-producer, parameters: {useEncoderCacheFeatures: true}}", "useEncoderCacheFeatures"),
     ("{type: predicted-latency-producer, parameters: {sampling: 1}}", "sampling"),
     ("{type: latency-scorer, parameters: {headroomSelectionStrategy: fastest}}", "headroomSelectionStrategy"),
     ("{type: latency-scorer, parameters: {ttftWeight: -1}}", "ttftWeight"),
