@@ -540,7 +540,7 @@ def request_infos(request: PickRequest, producer: str) -> dict[str, LatencyInfo]
 
 def _prefix_shares(scheduler: Scheduler, request: PickRequest, addresses: Sequence[str],
                    producer: str) -> dict[str, float]:
-    matches, total = scheduler.prefix_match_info(request, addresses, producer)
+    matches, total, _ = scheduler.prefix_match_info(request, addresses, producer)
     return {a: m / total for a, m in matches.items()} if total else {}
 
 

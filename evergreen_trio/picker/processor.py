@@ -345,7 +345,7 @@ class Picker:
         contexts = {}
         for name, producer in self.latency.items():
             params, states = producer.params, scheduler.plugin_states
-            matches, total = scheduler.prefix_match_info(request, addresses, params.prefix_producer, approx)
+            matches, total, _ = scheduler.prefix_match_info(request, addresses, params.prefix_producer, approx)
             cache = states.get(params.encoder_producer) if params.encoder_producer else None
             encoder = encoder_match(cache if isinstance(cache, MediaCache) else None, admission.media, addresses)
             context = contexts[name] = producer.begin(

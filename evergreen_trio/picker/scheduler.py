@@ -423,20 +423,26 @@ class Scheduler:
         return detector_saturation(self.shed_detector, located, self.snapshot.clock(), self.inflight).saturation
 
     def prefix_match_info(self, request: PickRequest, addresses: Sequence[str], producer: str,
-                          approx: Mapping[str, int] | None = None) -> tuple[dict[str, int], int]:
+                          approx: Mapping[str, int] | None = None) -> tuple[Mapping[str, int], int, int]:
         """The reference's ``PrefixCacheMatchInfo`` of ``producer`` (a plugin's
-        ``prefixMatchInfoProducerName``): each address's matched prompt blocks, and the prompt's
-        blocks. "": the approximate index's (``approx`` when the caller has them, else this pick's);
-        a precise producer: its tier-weighted leading blocks (truncated, as the reference's int); a
-        burst producer: the whole prompt on the endpoint its window assigned."""
+        ``prefixMatchInfoProducerName``): each address's matched prompt blocks, the prompt's blocks
+        and the tokens of a block. "": the approximate index's (``approx`` when the caller has them,
+        else this pick's); a precise producer: its tier-weighted leading blocks (truncated, as the
+        reference's int); a burst producer: every block on the endpoint its window assigned, none
+        elsewhere (no blocks at all for a request that did not wait in a window)."""
         if not producer:
-            return dict(self.prefix_matches if approx is None else approx), len(request.hashes)
+            return (self.prefix_matches if approx is None else approx), len(request.hashes), self.prefix_geometry()[0]
         precise = self.plugin_states.get(producer)
         if isinstance(precise, PrecisePrefixCache):
             found = precise.match(request, self.snapshot.clock())
-            return {a: int(found.matched.get(a, 0.0)) for a in addresses}, found.total
-        assigned = burst_match(request.attributes, producer)
-        return ({assigned[0]: 1}, 1) if assigned is not None else ({}, 0)
+            return {a: int(found.matched.get(a, 0.0)) for a in addresses}, found.total, precise.block_tokens
+        block_tokens = self.burst_block_tokens.get(producer, 0)
+        window = burst_info(request.attributes, producer)
+        if window is None or not block_tokens:
+            return {}, 0, block_tokens
+        assigned, indexed = window
+        total = indexed // block_tokens
+        return ({assigned: total} if assigned else {}), total, block_tokens
 
     def prefix_geometry(self) -> tuple[int, int | None]:
         """(block tokens, max blocks per prompt; None: every block) for hashing prompts now, as
@@ -664,28 +670,13 @@ class Scheduler:
     def uncached_tokens(self, request: PickRequest, addresses: Iterable[str],
                         prompt_tokens: int | None = None) -> dict[str, int]:
         """The request's prompt tokens (``prompt_tokens`` when the caller has them) each endpoint
-        lacks in its prefix cache, by the match info of the producer the in-flight load producer
-        names, as the reference's ``uncachedInputTokens`` reads it: the approximate index's
-        matches; a precise producer's tier-weighted blocks; a burst producer's full match on the
-        replica its window assigned (none elsewhere). Without match info (a burst window the
-        request did not wait in), the whole prompt."""
+        lacks in its prefix cache, as the reference's ``uncachedInputTokens`` reads the match info
+        of the producer the in-flight load producer names (:meth:`prefix_match_info`); without
+        match info, the whole prompt."""
         tokens = self.prompt_tokens(request) if prompt_tokens is None else prompt_tokens
-        producer = self.inflight.config.prefix_producer
-        if not producer:
-            block_tokens, total = self.prefix_geometry()[0], len(request.hashes)
-            return {a: uncached_tokens(tokens, self.prefix_matches.get(a, 0), block_tokens, total) for a in addresses}
-        precise = self.plugin_states.get(producer)
-        if isinstance(precise, PrecisePrefixCache):
-            found = precise.match(request, self.snapshot.clock())
-            return {a: uncached_tokens(tokens, int(found.matched.get(a, 0.0)), precise.block_tokens, found.total)
-                    for a in addresses}
-        window = burst_info(request.attributes, producer)
-        if window is None:
-            return dict.fromkeys(addresses, max(0, tokens))
-        assigned, indexed = window
-        block_tokens = self.burst_block_tokens[producer]
-        total = indexed // block_tokens
-        return {a: uncached_tokens(tokens, total if a == assigned else 0, block_tokens, total) for a in addresses}
+        listed = list(addresses)
+        matched, total, block_tokens = self.prefix_match_info(request, listed, self.inflight.config.prefix_producer)
+        return {a: uncached_tokens(tokens, matched.get(a, 0), block_tokens, total) for a in listed}
 
 
 def _labels(state: EndpointState) -> Mapping[str, str]:

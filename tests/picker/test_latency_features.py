@@ -135,9 +135,13 @@ def test_the_match_info_of_each_producer_kind() -> None:
     picker = make_picker(epp("{prefixMatchInfoProducerName: burst}", extra=burst))
     scheduler = picker.scheduler
     assigned = PickRequest("plain", 0, hashes=(1, 2), attributes={("PrefixCacheMatchInfo", "burst"): f"128@{B}"})
-    assert scheduler.prefix_match_info(assigned, [A, B], "burst") == ({B: 1}, 1)  # the whole prompt on B
-    assert scheduler.prefix_match_info(PickRequest("plain", 0, hashes=(1, 2)), [A, B], "burst") == ({}, 0)
-    assert scheduler.prefix_match_info(assigned, [A, B], "", {A: 1}) == ({A: 1}, 2)  # the approximate index
+    # the whole prompt's blocks (its default 64 tokens each) on B; alone in its window: no replica
+    assert scheduler.prefix_match_info(assigned, [A, B], "burst") == ({B: 2}, 2, 64)
+    unassigned = PickRequest("plain", 0, hashes=(1, 2), attributes={("PrefixCacheMatchInfo", "burst"): "128@"})
+    assert scheduler.prefix_match_info(unassigned, [A, B], "burst") == ({}, 2, 64)
+    assert scheduler.prefix_match_info(PickRequest("plain", 0, hashes=(1, 2)), [A, B], "burst") == ({}, 0, 64)
+    block = scheduler.prefix_geometry()[0]
+    assert scheduler.prefix_match_info(assigned, [A, B], "", {A: 1}) == ({A: 1}, 2, block)  # the approximate index
 
 
 def test_the_scorer_s_composite_reads_its_named_producer() -> None:
