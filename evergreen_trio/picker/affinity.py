@@ -186,7 +186,7 @@ class NoHitLRU:
 
     def dump_state(self) -> dict[str, object]:
         """The reference's ``DumpState``: the LRU's endpoints, least recently used first (the next
-        cold request's favourites), the first :data:`MAX_LISTED`."""
+        cold request's favourites), the first ``MAX_LISTED`` (100)."""
         return {"endpoints": [identity(a) for a in itertools.islice(self.lru, MAX_LISTED)],
                 "totalEndpoints": len(self.lru), "maxEndpoints": MAX_LISTED}
 

@@ -180,7 +180,7 @@ class DiscoveredEndpoints:
         self.identities = frozenset(f"{e.namespace}/{e.name}" for e in entries)
 
     def dump_state(self) -> dict[str, object]:
-        """The reference's: the identities sorted, the first :data:`MAX_LISTED`; no addresses or labels."""
+        """The reference's: the identities sorted, the first ``MAX_LISTED`` (100); no addresses or labels."""
         return {"endpoints": first_sorted(self.identities), "totalEndpoints": len(self.identities),
                 "maxEndpoints": MAX_LISTED}
 

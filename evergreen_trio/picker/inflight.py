@@ -288,7 +288,7 @@ class InflightLoad:
 
     def dump_state(self) -> dict[str, object]:
         """The ``inflight-load-producer``'s ``DumpState``: each endpoint's requests and tokens in
-        flight, the busiest (requests + tokens) :data:`MAX_LISTED`; ``truncated`` when more."""
+        flight, the busiest (requests + tokens) ``MAX_LISTED`` (100); ``truncated`` when more."""
         counters = self._counters
         loads = {a: c.requests + c.tokens for a, c in counters.items()}
         return {"endpoints": [{"endpoint": identity(a), "requests": counters[a].requests, "tokens": counters[a].tokens}

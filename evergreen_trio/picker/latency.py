@@ -404,9 +404,9 @@ class PredictedLatency:
 
     def dump_state(self) -> dict[str, object]:
         """The reference's ``DumpState``: per endpoint its running requests and their tightest TPOT
-        SLO (0 when not finite), the busiest :data:`~evergreen_trio.picker.plugin_state.MAX_LISTED`
-        (``truncated`` when more), and ``trackedRequests``: the requests running over all endpoints
-        (the reference counts its request contexts, which also hold the ones not yet scheduled)."""
+        SLO (0 when not finite), the busiest ``MAX_LISTED`` (100), ``truncated`` when more; and
+        ``trackedRequests``, the requests running over all endpoints (the reference counts its
+        request contexts, which also hold the ones not yet scheduled)."""
         from evergreen_trio.picker.plugin_state import MAX_LISTED, busiest, finite, identity  # kept out of the imports
 
         running = {address: len(queue.slos) for address, queue in self.running.items()}

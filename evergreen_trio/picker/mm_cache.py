@@ -158,7 +158,7 @@ class MediaCache:
 
     def dump_state(self, known: Collection[str]) -> dict[str, object]:
         """The reference's ``DumpState``: the pool's endpoints (``known``) by name and the items
-        held per endpoint, most first, each list the first :data:`MAX_LISTED`; no item hashes."""
+        held per endpoint, most first, each list the first ``MAX_LISTED`` (100); no item hashes."""
         sizes = self.sizes()
         return {"podList": first_sorted(known), "totalKnownPods": len(known),
                 "pods": [{"pod": identity(a), "items": sizes[a]} for a in busiest(sizes)],

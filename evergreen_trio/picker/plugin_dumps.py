@@ -59,5 +59,3 @@ def plugin_dumps(picker: Picker, discovery: DumpState | None = None) -> list[Plu
     plugins = picker.config.epp.plugins if picker.config.epp is not None else {}
     return [PluginDump(plugin.name, plugin.type, _dump(picker, plugin, discovery)) for plugin in plugins.values()]
 
-
-__all__ = ["plugin_dumps"]

@@ -8,9 +8,9 @@ with nanoseconds, UTC) and ``plugins``, by configured plugin name, each ``{name,
 :func:`render` builds the body. A dump that raises, holds a non-finite float or returns invalid
 JSON costs that plugin its state, never the response.
 
-The per-plugin shapes list at most :data:`MAX_LISTED` items (the reference's ``maxDebugDump*`` and
+The per-plugin shapes list at most ``MAX_LISTED`` items (the reference's ``maxDebugDump*`` and
 ``maxDump*`` caps, all 100), chosen by :func:`first_sorted` and :func:`busiest` in O(n log 100);
-each listed identity is cut to :data:`MAX_ID_CHARS` (our cap: a request id is a client's header).
+each listed identity is cut to ``MAX_ID_CHARS`` (256, our cap: a request id is a client's header).
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ INVALID_JSON = "plugin returned invalid JSON state"
 MAX_LISTED = 100
 MAX_ID_CHARS = 256
 MAX_ERROR_CHARS = 300  # of a failed dump's error text in its message
+REUSE_S = 1.0
+"""A body rendered less than this ago is served again (:class:`StatePage`): a flood of requests
+costs at most one dump a second (a dump at the caps' worst takes about 10 ms)."""
 
 DumpState = Callable[[], object]
 """A plugin's dump: a JSON-able value (dicts, lists, strings, finite numbers), or raw JSON bytes."""
@@ -102,17 +105,19 @@ def render(plugins: Iterable[PluginDump], now: datetime) -> bytes:
     return f'{{"timestamp":"{rfc3339_nano(now)}","plugins":{{{",".join(entries)}}}}}'.encode()
 
 
-__all__ = [
-    "INVALID_JSON",
-    "MAX_ID_CHARS",
-    "MAX_LISTED",
-    "PATH",
-    "UNSUPPORTED",
-    "DumpState",
-    "PluginDump",
-    "busiest",
-    "finite",
-    "first_sorted",
-    "identity",
-    "render",
-]
+class StatePage:
+    """The endpoint's body for ``plugins``, rendered at most once per ``reuse_s`` (the first
+    request after that renders anew; the ones before get the same snapshot and timestamp)."""
+
+    def __init__(self, plugins: Iterable[PluginDump], reuse_s: float = REUSE_S) -> None:
+        self.plugins = sorted(plugins, key=lambda p: p.name)
+        self.reuse_s = reuse_s
+        self._body = b""
+        self._at = -math.inf
+
+    def body(self, monotonic: float, now: datetime) -> bytes:
+        """The body at ``monotonic`` seconds (the reuse clock); ``now`` stamps a new one."""
+        if not monotonic - self._at < self.reuse_s:
+            self._body, self._at = render(self.plugins, now), monotonic
+        return self._body
+

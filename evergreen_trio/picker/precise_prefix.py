@@ -313,7 +313,7 @@ class PrecisePrefixCache:
     def dump_state(self, now: float) -> dict[str, object]:
         """The reference's ``DumpState`` at ``now`` (expired speculative entries rolled back
         first): the KV-event subscribers, the live speculative entries' request ids, each list
-        sorted, the first :data:`MAX_LISTED`, and the block size; never the block index."""
+        sorted, the first ``MAX_LISTED`` (100), and the block size; never the block index."""
         self.expire(now)
         ids = {item[3] for item in self._speculative if item[3]}
         return {"subscribers": first_sorted(self.subscribers), "totalSubscribers": len(self.subscribers),

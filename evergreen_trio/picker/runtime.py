@@ -48,7 +48,7 @@ from evergreen_trio.picker.multicluster_poll import poll_cluster
 from evergreen_trio.picker.notifications import NotificationSource, endpoint_notifications, notification_sources
 from evergreen_trio.picker.plugin_dumps import plugin_dumps
 from evergreen_trio.picker.plugin_state import PATH as PLUGIN_STATE_PATH
-from evergreen_trio.picker.plugin_state import DumpState, PluginDump, render
+from evergreen_trio.picker.plugin_state import DumpState, PluginDump, StatePage
 from evergreen_trio.picker.precise_prefix import precise_caches
 from evergreen_trio.picker.processor import ExtProcStream, Picker
 from evergreen_trio.picker.render_client import render_starter
@@ -352,10 +352,13 @@ async def _elect_in(scope: trio.CancelScope, election: LeaderElection, on_leader
 
 
 def plugin_state_page(plugins: Sequence[PluginDump]) -> Callable[[], HttpResponse]:
-    """The metrics port's ``/debug/plugins/state`` page: ``plugins``' states, dumped per GET."""
+    """The metrics port's ``/debug/plugins/state`` page: ``plugins``' states, dumped at most once
+    per ``REUSE_S`` however many GETs come."""
+    state = StatePage(plugins)
 
     def page() -> HttpResponse:
-        return HttpResponse(200, [("content-type", "application/json")], render(plugins, datetime.now(UTC)))
+        return HttpResponse(200, [("content-type", "application/json")], state.body(time.monotonic(),
+                                                                                    datetime.now(UTC)))
 
     return page
 
@@ -425,7 +428,7 @@ async def run_picker(
     ``pod_notifications`` tells the ``disaggregatedset-rollout-screener`` plugins of their pods,
     ``notifications`` the ``k8s-notification-source`` plugins of their objects; each
     ``endpoint-notification-source`` learns of every endpoint set. The metrics port serves
-    ``/debug/plugins/state`` too (:mod:`~evergreen_trio.picker.plugin_state`); ``discovery_state``
+    ``/debug/plugins/state`` too (``evergreen_trio.picker.plugin_state``); ``discovery_state``
     is the ``dataLayer.discovery`` plugin's dump, when ``discovery`` is one.
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)

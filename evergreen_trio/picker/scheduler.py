@@ -186,7 +186,7 @@ class PrefixIndex:
 
     def dump_state(self) -> dict[str, object]:
         """The ``approx-prefix-cache-producer``'s ``DumpState``: blocks held per endpoint, most
-        first, the first :data:`MAX_LISTED`; never the prompt-derived hashes."""
+        first, the first ``MAX_LISTED`` (100); never the prompt-derived hashes."""
         counts = {address: len(lru) for address, lru in self._lru.items()}
         return {"pods": [{"pod": identity(a), "blocks": counts[a]} for a in busiest(counts)],
                 "totalPods": len(counts), "maxPods": MAX_LISTED}

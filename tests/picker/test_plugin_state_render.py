@@ -14,8 +14,10 @@ from evergreen_trio.picker.plugin_state import (
     INVALID_JSON,
     MAX_ID_CHARS,
     MAX_LISTED,
+    REUSE_S,
     UNSUPPORTED,
     PluginDump,
+    StatePage,
     busiest,
     first_sorted,
     render,
@@ -76,6 +78,23 @@ def test_the_timestamp_is_go_rfc3339_nano_in_utc() -> None:
     assert rfc3339_nano(FROZEN) == "2025-01-02T03:04:05Z"
     assert rfc3339_nano(FROZEN.replace(microsecond=120_000)) == "2025-01-02T03:04:05.12Z"
     assert rfc3339_nano(datetime(2025, 1, 2, 5, 4, 5, tzinfo=timezone(timedelta(hours=2)))) == "2025-01-02T03:04:05Z"
+
+
+def test_a_flood_of_requests_costs_one_dump_per_reuse_interval() -> None:
+    dumps = []
+
+    def dump() -> object:
+        dumps.append(1)
+        return {"dumps": len(dumps)}
+
+    page = StatePage([PluginDump("p", "t", dump)])
+    first = page.body(100.0, FROZEN)
+    for i in range(1000):
+        assert page.body(100.0 + i * REUSE_S / 1000, FROZEN + timedelta(seconds=i)) == first
+    assert len(dumps) == 1
+    later = json.loads(page.body(100.0 + REUSE_S, FROZEN + timedelta(seconds=5)))
+    assert later == {"timestamp": "2025-01-02T03:04:10Z",
+                     "plugins": {"p": {"name": "p", "type": "t", "state": {"dumps": 2}}}}
 
 
 names = st.text(min_size=0, max_size=40)
