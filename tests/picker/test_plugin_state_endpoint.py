@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
+from kube_fakes import metrics_reader, write_kubeconfig
 from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
 
 from evergreen_trio._http import HttpResponse
+from evergreen_trio.picker.config import parse_config
+from evergreen_trio.picker.k8s import ClusterAccess
+from evergreen_trio.picker.k8s.metrics_auth import DENIED_TTL_S, MetricsAuth
 from evergreen_trio.picker.plugin_state import MAX_LISTED, PATH, UNSUPPORTED
+from evergreen_trio.picker.runtime import run_picker
 from evergreen_trio.serving.metrics import SessionMetrics, serve_metrics
+from evergreen_trio.testing.kube_api import KubeApiServer
 
 ENDPOINTS = 300  # past the file discovery's cap
 
@@ -56,6 +63,31 @@ async def test_a_page_is_served_behind_the_metrics_check_for_get_only(metrics_pa
             assert other.status_code == 405 and other.headers["allow"] == "GET"
         metrics = await client.get("/metrics", headers=reader)
         assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+
+
+async def test_the_picker_checks_the_dump_as_it_checks_metrics(nursery: trio.Nursery, tmp_path: Path) -> None:
+    # --metrics-endpoint-auth: a reader allowed `get` of /metrics only is refused the dump, as a
+    # SubjectAccessReview of the path decides in the reference's filter.
+    api = KubeApiServer()
+    await nursery.start(api.serve)
+    now = [0.0]
+    auth = MetricsAuth(ClusterAccess.load(str(write_kubeconfig(tmp_path, api.port))), clock=lambda: now[0])
+    config = parse_config("pool: {name: p, endpoints: ['127.0.0.1:9']}\n---\napiVersion: llm-d.ai/v1alpha1\n"
+                          "kind: EndpointPickerConfig\nplugins:\n- {type: no-hit-lru-scorer}\n"
+                          "schedulingProfiles:\n- {name: default, plugins: [{pluginRef: no-hit-lru-scorer}]}\n")
+    ports = await nursery.start(partial(run_picker, config, grpc_port=0, health_port=0, metrics_port=0,
+                                        metrics_auth=auth.serving))
+    reader = metrics_reader(api)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ports.metrics}", timeout=30) as client:
+        assert (await client.get("/metrics", headers=reader)).status_code == 200
+        assert (await client.get(PATH)).status_code == 401
+        assert (await client.get(PATH, headers=reader)).status_code == 403
+        metrics_reader(api, PATH)
+        now[0] += DENIED_TTL_S  # the denial's cache ends
+        allowed = await client.get(PATH, headers=reader)
+        assert allowed.status_code == 200
+        assert allowed.json()["plugins"]["no-hit-lru-scorer"]["state"]["maxEndpoints"] == MAX_LISTED
+    nursery.cancel_scope.cancel()
 
 
 def _config(tmp_path: Path) -> Path:
