@@ -112,12 +112,12 @@ async def subscribe_endpoint(endpoint: Endpoint, caches: Sequence[PrecisePrefixC
         sock.connect(address)  # ZMQ reconnects on its own while the publisher is away
         log.info("picker.kv_events_subscribed endpoint=%s zmq=%s", endpoint.address, address)
         for cache in caches:
-            cache.subscribers.add(endpoint.address)
+            cache.subscribed(endpoint.address, True)
         await _read(zmq, sock, caches, endpoint.address, _Warned(address))
     finally:
         sock.close(0)
         for cache in caches:
-            cache.subscribers.discard(endpoint.address)
+            cache.subscribed(endpoint.address, False)
             cache.forget(endpoint.address)
 
 
@@ -133,12 +133,12 @@ async def subscribe_bound(address: str, caches: Sequence[PrecisePrefixCache], to
             return
         log.info("picker.kv_events_bound zmq=%s", address)
         for cache in caches:
-            cache.subscribers.add(LOCAL_SUBSCRIBER)
+            cache.subscribed(LOCAL_SUBSCRIBER, True)
         await _read(zmq, sock, caches, None, _Warned(address))
     finally:
         sock.close(0)
         for cache in caches:
-            cache.subscribers.discard(LOCAL_SUBSCRIBER)
+            cache.subscribed(LOCAL_SUBSCRIBER, False)
 
 
 def endpoint_subscribers(caches: Mapping[str, PrecisePrefixCache]) -> list[Callable[[Endpoint], Awaitable[None]]]:

@@ -199,6 +199,11 @@ class PrefixMatch:
         return sum(len(k) for k in self.keys)
 
 
+_Speculative = tuple[float, list[list[int]], tuple[PodEntry, ...], str]
+"""A speculative entry: its deadline, the prompts' block keys, the picks' entries, the request's
+``x-request-id`` (cut short; "" without one)."""
+
+
 class PrecisePrefixCache:
     """One producer: the index, the event indexer the subscribers feed, the speculative entries."""
 
@@ -210,9 +215,10 @@ class PrecisePrefixCache:
         self.events = KVEventIndexer(self.index, self.processor)
         self.weights = dict(params.tier_weights)
         self._last: tuple[PickRequest, PrefixMatch] | None = None
-        # (deadline, the prompts' block keys, the picks' entries, the request's x-request-id or "")
-        self._speculative: deque[tuple[float, list[list[int]], tuple[PodEntry, ...], str]] = deque()
-        self.subscribers: set[str] = set()  # the KV-event subscribers' endpoints (the shell keeps it)
+        self._speculative: deque[_Speculative] = deque()
+        # The KV-event subscribers running, by endpoint: a count, as an endpoint re-subscribed
+        # (relabelled) may start before its old subscriber's cleanup has run.
+        self.subscribers: dict[str, int] = {}
 
     @property
     def block_tokens(self) -> int:
@@ -301,7 +307,7 @@ class PrecisePrefixCache:
         while self._speculative and self._speculative[0][0] <= now:
             self._roll_back(self._speculative.popleft())
 
-    def _roll_back(self, item: tuple[float, list[list[int]], tuple[PodEntry, ...], str]) -> None:
+    def _roll_back(self, item: _Speculative) -> None:
         for prompt_keys in item[1]:
             for key in prompt_keys:
                 self.index.evict_request_key(key, item[2])
@@ -309,6 +315,14 @@ class PrecisePrefixCache:
     def forget(self, pod: str) -> None:
         """``pod`` left the pool: its entries go (the reference clears the index on delete)."""
         self.events.forget(pod)
+
+    def subscribed(self, name: str, running: bool) -> None:
+        """A KV-event subscriber of ``name`` (an endpoint, or the bound socket's) started or ended."""
+        count = self.subscribers.get(name, 0) + (1 if running else -1)
+        if count > 0:
+            self.subscribers[name] = count
+        else:
+            self.subscribers.pop(name, None)
 
     def dump_state(self, now: float) -> dict[str, object]:
         """The reference's ``DumpState`` at ``now`` (expired speculative entries rolled back

@@ -134,7 +134,8 @@ def test_precise_prefix_lists_subscribers_and_live_speculative_request_ids() -> 
     assert state == {"subscribers": [], "totalSubscribers": 0, "maxSubscribers": MAX_LISTED,
                      "speculativeIndexing": True, "speculativeEntries": [], "totalSpeculativeEntries": 0,
                      "maxSpeculativeEntries": MAX_LISTED, "blockSizeTokens": cache.block_tokens}
-    cache.subscribers.update(_address(i) for i in range(MANY))
+    for i in range(MANY):
+        cache.subscribed(_address(i), True)
     for i in range(MANY):
         headers = {"x-request-id": f"req-{i:03d}"} if i % 50 else {}
         cache.scheduled(PickRequest("m", 0, headers=headers, tokens=_tokens(64)), Schedule([_address(i)]), 1.0)
@@ -180,7 +181,11 @@ async def test_the_kv_event_subscribers_are_listed_while_they_run() -> None:
         state = cache.dump_state(0.0)
         assert (state["subscribers"], state["totalSubscribers"]) == (["127.0.0.1:8000", "local-subscriber"], 2)
         nursery.cancel_scope.cancel()
-    assert cache.subscribers == set()
+    assert cache.subscribers == {}
+    cache.subscribed("10.0.0.1:8000", True)  # relabelled: the new subscriber starts before the old one ends
+    cache.subscribed("10.0.0.1:8000", True)
+    cache.subscribed("10.0.0.1:8000", False)
+    assert cache.dump_state(0.0)["subscribers"] == ["10.0.0.1:8000"]
 
 
 async def test_file_discovery_dumps_the_identities_it_applied_never_addresses(tmp_path: Path) -> None:
