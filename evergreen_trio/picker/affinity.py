@@ -20,6 +20,7 @@ The scheduler runs them (their functions are merged into its registries, as
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections import OrderedDict
@@ -31,6 +32,7 @@ from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.latency import PRODUCER as LATENCY_PRODUCER
 from evergreen_trio.picker.latency import request_infos
+from evergreen_trio.picker.plugin_state import MAX_LISTED, identity
 from evergreen_trio.picker.plugins import Category, Params, PluginType, prefix_producer_name, register
 
 if TYPE_CHECKING:
@@ -181,6 +183,12 @@ class NoHitLRU:
                 self.lru.move_to_end(picked[0])
                 if len(self.lru) > self.size:
                     self.lru.popitem(last=False)
+
+    def dump_state(self) -> dict[str, object]:
+        """The reference's ``DumpState``: the LRU's endpoints, least recently used first (the next
+        cold request's favourites), the first ``MAX_LISTED`` (100)."""
+        return {"endpoints": [identity(a) for a in itertools.islice(self.lru, MAX_LISTED)],
+                "totalEndpoints": len(self.lru), "maxEndpoints": MAX_LISTED}
 
 
 def _no_hit_lru_scorer(scheduler: Scheduler, request: PickRequest, candidates: Sequence[EndpointState],

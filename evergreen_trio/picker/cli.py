@@ -27,11 +27,12 @@ from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_con
 from evergreen_trio.picker.epp_config import alpha_plugins
 from evergreen_trio.picker.epp_flags import add_reference_flags, apply_reference_flags, go_bool
 from evergreen_trio.picker.errors import ConfigError, PickerError
-from evergreen_trio.picker.file_discovery import FileDiscovery
+from evergreen_trio.picker.file_discovery import DiscoveredEndpoints, FileDiscovery
 from evergreen_trio.picker.file_watch import discovery_for
 from evergreen_trio.picker.flow_control.config import go_duration, quantity
 from evergreen_trio.picker.latency import producers
 from evergreen_trio.picker.latency_wire import config_from_env
+from evergreen_trio.picker.plugin_state import DumpState
 from evergreen_trio.picker.runtime import (
     DRAIN_WINDOW_SECONDS,
     Discovery,
@@ -143,6 +144,7 @@ class PickerSettings:
     metrics_auth: MetricsAuthSource | None = None
     pod_notifications: PodNotifications | None = None
     notifications: NotificationWatch | None = None
+    discovery_state: DumpState | None = None  # the dataLayer.discovery plugin's, for /debug/plugins/state
 
 
 def _pool_overrides(config: PickerConfig, args: argparse.Namespace) -> PickerConfig:
@@ -264,15 +266,17 @@ def picker_settings(args: argparse.Namespace, config: PickerConfig) -> PickerSet
     discovery, election, objectives, metrics_auth, pods, notifications = (
         _cluster_parts(args, config, auth) if cluster else (None, None, None, None, None, None))
     declared = config.epp.discovery if config.epp is not None else None
+    discovery_state = None
     if declared is not None and isinstance(declared.params, FileDiscovery):
         # As the reference's runner: a dataLayer.discovery plugin replaces the InferencePool.
-        discovery = discovery_for(declared.params, config.pool)
+        loaded = DiscoveredEndpoints()
+        discovery, discovery_state = discovery_for(declared.params, config.pool, loaded), loaded.dump_state
     from evergreen_trio.picker.tls import TlsProfile, ext_proc_context, metrics_context  # the `picker` extra
 
     profile = TlsProfile.from_flags(args.tls_min_version, args.tls_cipher_suites)
     return PickerSettings(config, host, ext_proc_context(secure, args.cert_path, profile), discovery, election,
                           objectives, drain, metrics_context(args.metrics_cert_dir, args.metrics_client_ca_file),
-                          metrics_auth, pods, notifications)
+                          metrics_auth, pods, notifications, discovery_state)
 
 
 def _drain(args: argparse.Namespace, cluster: bool) -> PickerDrain:
@@ -310,7 +314,8 @@ def run_picker_command(args: argparse.Namespace) -> int:
         metrics_ssl_context=settings.metrics_ssl_context, metrics_auth=settings.metrics_auth,
         discovery=settings.discovery,
         leader_election=settings.leader_election, objectives=settings.objectives, drain=settings.drain,
-        pod_notifications=settings.pod_notifications, notifications=settings.notifications),
+        pod_notifications=settings.pod_notifications, notifications=settings.notifications,
+        discovery_state=settings.discovery_state),
         started=announce, drain=with_stop_deadline(settings.drain.drain),
         address=f"{settings.host} (ports {args.grpc_port}, {args.grpc_health_port}, {args.metrics_port})")
 

@@ -26,6 +26,7 @@ import yaml
 
 from evergreen_trio.picker.errors import ConfigError, PickerError
 from evergreen_trio.picker.gotext import atoi
+from evergreen_trio.picker.plugin_state import MAX_LISTED, first_sorted
 from evergreen_trio.picker.plugins import Category, Params, PluginType, register
 
 if TYPE_CHECKING:
@@ -166,6 +167,22 @@ class FileDiscovery:
     path: str
     watch_file: bool = False
     check: EntryCheck = pod_address
+
+
+class DiscoveredEndpoints:
+    """The identities (``namespace/name``) a file discovery applied last: its ``DumpState``."""
+
+    def __init__(self) -> None:
+        self.identities: frozenset[str] = frozenset()
+
+    def loaded(self, entries: Sequence[FileEndpoint]) -> None:
+        """A load applied ``entries``."""
+        self.identities = frozenset(f"{e.namespace}/{e.name}" for e in entries)
+
+    def dump_state(self) -> dict[str, object]:
+        """The reference's: the identities sorted, the first ``MAX_LISTED`` (100); no addresses or labels."""
+        return {"endpoints": first_sorted(self.identities), "totalEndpoints": len(self.identities),
+                "maxEndpoints": MAX_LISTED}
 
 
 def file_discovery_params(params: Params, check: EntryCheck = pod_address) -> FileDiscovery:

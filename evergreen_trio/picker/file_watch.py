@@ -12,6 +12,7 @@ from evergreen_trio.picker.config import Endpoint, PoolConfig
 from evergreen_trio.picker.errors import PickerError
 from evergreen_trio.picker.file_discovery import (
     MAX_FILE_SIZE,
+    DiscoveredEndpoints,
     EndpointsFileError,
     EntryCheck,
     FileDiscovery,
@@ -26,11 +27,12 @@ logger = logging.getLogger("evergreen_trio.picker.file_discovery")
 POLL_INTERVAL = 1.0  # seconds between two reads of a watched file
 
 
-def discovery_for(params: FileDiscovery, pool: PoolConfig) -> Discovery:
-    """The runtime's Discovery for a ``file-discovery`` plugin (the pool gives each endpoint's engine)."""
+def discovery_for(params: FileDiscovery, pool: PoolConfig, state: DiscoveredEndpoints | None = None) -> Discovery:
+    """The runtime's Discovery for a ``file-discovery`` plugin (the pool gives each endpoint's
+    engine); ``state`` learns each load's identities."""
 
     async def run(on_endpoints: Callable[[Sequence[Endpoint]], None]) -> None:
-        await file_discovery(params.path, params.watch_file, pool, on_endpoints, check=params.check)
+        await file_discovery(params.path, params.watch_file, pool, on_endpoints, check=params.check, state=state)
 
     return run
 
@@ -53,10 +55,13 @@ def _parse(path: str, data: bytes, check: EntryCheck) -> tuple[list[FileEndpoint
 
 async def file_discovery(path: str, watch: bool, pool: PoolConfig,
                          on_endpoints: Callable[[Sequence[Endpoint]], None], *,
-                         interval: float = POLL_INTERVAL, check: EntryCheck = pod_address) -> None:
+                         interval: float = POLL_INTERVAL, check: EntryCheck = pod_address,
+                         state: DiscoveredEndpoints | None = None) -> None:
     """Load ``path`` (any error, a skipped entry included, is fatal as in the reference), then with
     ``watch`` re-read it every ``interval`` seconds and report each changed set; a failed reload
-    keeps the last set and logs one line, a reload with bad entries applies the good ones."""
+    keeps the last set and logs one line, a reload with bad entries applies the good ones.
+    ``state`` learns the identities of each load applied."""
+    state = state or DiscoveredEndpoints()
     try:
         data = _read(path)
         entries, errors = _parse(path, data, check)
@@ -65,6 +70,7 @@ async def file_discovery(path: str, watch: bool, pool: PoolConfig,
     if errors:
         raise PickerError(f"file-discovery: initial load failed: {path}: {'; '.join(errors)}")
     current = to_endpoints(entries, pool)
+    state.loaded(entries)
     on_endpoints(current)
     if not watch:
         await trio.sleep_forever()
@@ -89,6 +95,7 @@ async def file_discovery(path: str, watch: bool, pool: PoolConfig,
             continue
         if errors:
             logger.error("file-discovery: failed to reload endpoints file: %s", "; ".join(errors))
+        state.loaded(entries)
         endpoints = to_endpoints(entries, pool)
         if endpoints != current:
             current = endpoints

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from evergreen_trio.picker.engine_metrics import EndpointMetrics
+from evergreen_trio.picker.plugin_state import MAX_LISTED, busiest, identity
 from evergreen_trio.picker.plugins import APPROX_PRODUCER, Category, Params, Plugin, PluginType, register
 
 if TYPE_CHECKING:
@@ -284,6 +285,15 @@ class InflightLoad:
         wanted = set(keep)
         for address in [a for a in self._counters if a not in wanted]:
             del self._counters[address]
+
+    def dump_state(self) -> dict[str, object]:
+        """The ``inflight-load-producer``'s ``DumpState``: each endpoint's requests and tokens in
+        flight, the busiest (requests + tokens) ``MAX_LISTED`` (100); ``truncated`` when more."""
+        counters = self._counters
+        loads = {a: c.requests + c.tokens for a, c in counters.items()}
+        return {"endpoints": [{"endpoint": identity(a), "requests": counters[a].requests, "tokens": counters[a].tokens}
+                              for a in busiest(loads)],
+                "totalEndpoints": len(counters), "maxEndpoints": MAX_LISTED, "truncated": len(counters) > MAX_LISTED}
 
 
 def active_request_scores(params: ActiveRequestParams, counts: Mapping[str, int]) -> dict[str, float]:

@@ -31,6 +31,7 @@ RECEIVE_HWM = 64
 MESSAGES_PER_TURN = 16
 """Messages read before yielding to the other tasks (a flooding publisher cannot starve picks)."""
 EVENTS_PER_CHECKPOINT = 64
+LOCAL_SUBSCRIBER = "local-subscriber"  # the bound socket's name among the subscribers (the reference's)
 
 
 def zmq_module() -> Any:
@@ -110,10 +111,13 @@ async def subscribe_endpoint(endpoint: Endpoint, caches: Sequence[PrecisePrefixC
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(address)  # ZMQ reconnects on its own while the publisher is away
         log.info("picker.kv_events_subscribed endpoint=%s zmq=%s", endpoint.address, address)
+        for cache in caches:
+            cache.subscribed(endpoint.address, True)
         await _read(zmq, sock, caches, endpoint.address, _Warned(address))
     finally:
         sock.close(0)
         for cache in caches:
+            cache.subscribed(endpoint.address, False)
             cache.forget(endpoint.address)
 
 
@@ -128,9 +132,13 @@ async def subscribe_bound(address: str, caches: Sequence[PrecisePrefixCache], to
             log.warning("picker.kv_events_bind_failed zmq=%s error=%s", address, exc)
             return
         log.info("picker.kv_events_bound zmq=%s", address)
+        for cache in caches:
+            cache.subscribed(LOCAL_SUBSCRIBER, True)
         await _read(zmq, sock, caches, None, _Warned(address))
     finally:
         sock.close(0)
+        for cache in caches:
+            cache.subscribed(LOCAL_SUBSCRIBER, False)
 
 
 def endpoint_subscribers(caches: Mapping[str, PrecisePrefixCache]) -> list[Callable[[Endpoint], Awaitable[None]]]:

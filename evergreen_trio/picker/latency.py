@@ -433,6 +433,19 @@ class PredictedLatency:
             if not queue.slos:
                 del self.running[context.target or ""]
 
+    def dump_state(self) -> dict[str, object]:
+        """The reference's ``DumpState``: per endpoint its running requests and their tightest TPOT
+        SLO (0 when not finite), the busiest ``MAX_LISTED`` (100), ``truncated`` when more; and
+        ``trackedRequests``, the requests running over all endpoints (the reference counts its
+        request contexts, which also hold the ones not yet scheduled)."""
+        from evergreen_trio.picker.plugin_state import MAX_LISTED, busiest, finite, identity  # kept out of the imports
+
+        running = {address: len(queue.slos) for address, queue in self.running.items()}
+        return {"endpoints": [{"endpoint": identity(a), "runningRequests": running[a],
+                               "minTpotSlo": finite(self.running[a].min_slo())} for a in busiest(running)],
+                "totalEndpoints": len(running), "maxEndpoints": MAX_LISTED, "truncated": len(running) > MAX_LISTED,
+                "trackedRequests": sum(running.values())}
+
 
 def _no_metrics(address: str) -> EndpointMetrics | None:
     return None

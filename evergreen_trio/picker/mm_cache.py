@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.plugin_state import MAX_LISTED, busiest, first_sorted, identity
 from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, register
 
 if TYPE_CHECKING:
@@ -154,6 +155,14 @@ class MediaCache:
     def sizes(self) -> dict[str, int]:
         """Items held per endpoint (the reference's DumpState counts, without the hashes)."""
         return {address: len(lru) for address, lru in self._lrus.items()}
+
+    def dump_state(self, known: Collection[str]) -> dict[str, object]:
+        """The reference's ``DumpState``: the pool's endpoints (``known``) by name and the items
+        held per endpoint, most first, each list the first ``MAX_LISTED`` (100); no item hashes."""
+        sizes = self.sizes()
+        return {"podList": first_sorted(known), "totalKnownPods": len(known),
+                "pods": [{"pod": identity(a), "items": sizes[a]} for a in busiest(sizes)],
+                "totalPods": len(sizes), "maxPods": MAX_LISTED}
 
 
 def media_scores(cache: MediaCache | None, items: Sequence[bytes], addresses: Sequence[str]) -> dict[str, float]:

@@ -38,6 +38,8 @@ from evergreen_trio.picker.kvblock import (
     matched_blocks_by_tier,
 )
 from evergreen_trio.picker.kvevents import KVEventIndexer
+from evergreen_trio.picker.p2p_source import REQUEST_ID_HEADER
+from evergreen_trio.picker.plugin_state import MAX_LISTED, first_sorted, identity
 from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, PrefixScorerParams, register
 
 if TYPE_CHECKING:
@@ -197,6 +199,11 @@ class PrefixMatch:
         return sum(len(k) for k in self.keys)
 
 
+_Speculative = tuple[float, list[list[int]], tuple[PodEntry, ...], str]
+"""A speculative entry: its deadline, the prompts' block keys, the picks' entries, the request's
+``x-request-id`` (cut short; "" without one)."""
+
+
 class PrecisePrefixCache:
     """One producer: the index, the event indexer the subscribers feed, the speculative entries."""
 
@@ -208,7 +215,10 @@ class PrecisePrefixCache:
         self.events = KVEventIndexer(self.index, self.processor)
         self.weights = dict(params.tier_weights)
         self._last: tuple[PickRequest, PrefixMatch] | None = None
-        self._speculative: deque[tuple[float, list[list[int]], tuple[PodEntry, ...]]] = deque()
+        self._speculative: deque[_Speculative] = deque()
+        # The KV-event subscribers running, by endpoint: a count, as an endpoint re-subscribed
+        # (relabelled) may start before its old subscriber's cleanup has run.
+        self.subscribers: dict[str, int] = {}
 
     @property
     def block_tokens(self) -> int:
@@ -286,7 +296,9 @@ class PrecisePrefixCache:
         entries = tuple(PodEntry(pod, speculative=True) for pod in dict.fromkeys(picks))
         for prompt_keys in keys:
             self.index.add(None, prompt_keys, entries)
-        self._speculative.append((now + self.params.speculative_ttl_s, keys, entries))
+        # The id cut short now: a client's 60 KiB header is not kept for the entry's TTL.
+        self._speculative.append((now + self.params.speculative_ttl_s, keys, entries,
+                                  identity(request.headers.get(REQUEST_ID_HEADER, ""))))
         if len(self._speculative) > MAX_SPECULATIVE:
             self._roll_back(self._speculative.popleft())
 
@@ -295,7 +307,7 @@ class PrecisePrefixCache:
         while self._speculative and self._speculative[0][0] <= now:
             self._roll_back(self._speculative.popleft())
 
-    def _roll_back(self, item: tuple[float, list[list[int]], tuple[PodEntry, ...]]) -> None:
+    def _roll_back(self, item: _Speculative) -> None:
         for prompt_keys in item[1]:
             for key in prompt_keys:
                 self.index.evict_request_key(key, item[2])
@@ -303,6 +315,25 @@ class PrecisePrefixCache:
     def forget(self, pod: str) -> None:
         """``pod`` left the pool: its entries go (the reference clears the index on delete)."""
         self.events.forget(pod)
+
+    def subscribed(self, name: str, running: bool) -> None:
+        """A KV-event subscriber of ``name`` (an endpoint, or the bound socket's) started or ended."""
+        count = self.subscribers.get(name, 0) + (1 if running else -1)
+        if count > 0:
+            self.subscribers[name] = count
+        else:
+            self.subscribers.pop(name, None)
+
+    def dump_state(self, now: float) -> dict[str, object]:
+        """The reference's ``DumpState`` at ``now`` (expired speculative entries rolled back
+        first): the KV-event subscribers, the live speculative entries' request ids, each list
+        sorted, the first ``MAX_LISTED`` (100), and the block size; never the block index."""
+        self.expire(now)
+        ids = {item[3] for item in self._speculative if item[3]}
+        return {"subscribers": first_sorted(self.subscribers), "totalSubscribers": len(self.subscribers),
+                "maxSubscribers": MAX_LISTED, "speculativeIndexing": self.params.speculative,
+                "speculativeEntries": first_sorted(ids), "totalSpeculativeEntries": len(self._speculative),
+                "maxSpeculativeEntries": MAX_LISTED, "blockSizeTokens": self.block_tokens}
 
 
 def precise_caches(states: Mapping[str, object]) -> dict[str, PrecisePrefixCache]:

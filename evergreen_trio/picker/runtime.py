@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import partial
 
 import trio
@@ -26,7 +27,7 @@ from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.server import GracefulStop, SSLContextSource, serve_grpc
 from evergreen_trio._grpc.server_wire import SyncBidiMethod, WireLimits
-from evergreen_trio._http import HttpGetError, KeepAliveGetter
+from evergreen_trio._http import HttpGetError, HttpResponse, KeepAliveGetter
 from evergreen_trio.errors import plain_errors
 from evergreen_trio.picker.burst_shell import seal_windows
 from evergreen_trio.picker.config import Endpoint, PickerConfig
@@ -45,6 +46,9 @@ from evergreen_trio.picker.models_poll import poll_models
 from evergreen_trio.picker.multicluster import metrics_target
 from evergreen_trio.picker.multicluster_poll import poll_cluster
 from evergreen_trio.picker.notifications import NotificationSource, endpoint_notifications, notification_sources
+from evergreen_trio.picker.plugin_dumps import plugin_dumps
+from evergreen_trio.picker.plugin_state import PATH as PLUGIN_STATE_PATH
+from evergreen_trio.picker.plugin_state import DumpState, PluginDump, StatePage
 from evergreen_trio.picker.precise_prefix import precise_caches
 from evergreen_trio.picker.processor import ExtProcStream, Picker
 from evergreen_trio.picker.render_client import render_starter
@@ -347,11 +351,25 @@ async def _elect_in(scope: trio.CancelScope, election: LeaderElection, on_leader
         await election(on_leader)
 
 
+def plugin_state_page(plugins: Sequence[PluginDump]) -> Callable[[], HttpResponse]:
+    """The metrics port's ``/debug/plugins/state`` page: ``plugins``' states, dumped at most once
+    per ``REUSE_S`` however many GETs come."""
+    state = StatePage(plugins)
+
+    def page() -> HttpResponse:
+        return HttpResponse(200, [("content-type", "application/json")], state.body(time.monotonic(),
+                                                                                    datetime.now(UTC)))
+
+    return page
+
+
 async def _serve_metrics(registry: CollectorRegistry, host: str, port: int, ssl_context: SSLContextSource | None,
-                         auth: MetricsAuthSource | None, *, task_status: trio.TaskStatus[int]) -> None:
+                         auth: MetricsAuthSource | None, plugins: Sequence[PluginDump], *,
+                         task_status: trio.TaskStatus[int]) -> None:
     async with auth() if auth is not None else nullcontext() as authorize:
+        # The debug page behind the same checks as /metrics, as the reference's metrics/admin server.
         await serve_metrics(registry, host, port, ssl_context=ssl_context, authorize=authorize,
-                            task_status=task_status)
+                            pages={PLUGIN_STATE_PATH: plugin_state_page(plugins)}, task_status=task_status)
 
 
 def wire_limits(config: PickerConfig) -> WireLimits:
@@ -396,6 +414,7 @@ async def run_picker(
     drain: PickerDrain | None = None,
     pod_notifications: PodNotifications | None = None,
     notifications: NotificationWatch | None = None,
+    discovery_state: DumpState | None = None,
     task_status: trio.TaskStatus[PickerPorts] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the Endpoint Picker until cancelled; ``started`` gets the bound :class:`PickerPorts`.
@@ -408,7 +427,9 @@ async def run_picker(
     InferenceObjectives (:mod:`evergreen_trio.picker.k8s`). ``drain``: see :class:`PickerDrain`.
     ``pod_notifications`` tells the ``disaggregatedset-rollout-screener`` plugins of their pods,
     ``notifications`` the ``k8s-notification-source`` plugins of their objects; each
-    ``endpoint-notification-source`` learns of every endpoint set.
+    ``endpoint-notification-source`` learns of every endpoint set. The metrics port serves
+    ``/debug/plugins/state`` too (``evergreen_trio.picker.plugin_state``); ``discovery_state``
+    is the ``dataLayer.discovery`` plugin's dump, when ``discovery`` is one.
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = picker_metrics(config)
@@ -499,7 +520,8 @@ async def run_picker(
                 graceful_stop=ext_proc))
             health_bound = await nursery.start(serve_grpc, readiness.health.methods, host, health_port)
             metrics_bound = await nursery.start(_serve_metrics, metrics.registry, host, metrics_port,
-                                                metrics_ssl_context, metrics_auth)
+                                                metrics_ssl_context, metrics_auth,
+                                                plugin_dumps(picker, discovery_state))
             ports = PickerPorts(grpc_bound, health_bound, metrics_bound)
             log.info("picker.serving pool=%s grpc=%d health=%d metrics=%d tls=%s", config.pool.name,
                      *vars(ports).values(), ssl_context is not None)

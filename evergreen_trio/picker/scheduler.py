@@ -56,6 +56,7 @@ from evergreen_trio.picker.p2p_source import (
     spread_fraction,
 )
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
+from evergreen_trio.picker.plugin_state import MAX_LISTED, busiest, identity
 from evergreen_trio.picker.plugins import MIN_BLOCK_TOKENS, Decider, DisaggHandler, Plugin, PrefixScorerParams, Profile
 from evergreen_trio.picker.precise_prefix import PRECISE_SCORERS, PRECISE_STATES, PrecisePrefixCache
 from evergreen_trio.picker.prefix_hash import BlockHashes
@@ -187,6 +188,13 @@ class PrefixIndex:
     def total(self) -> int:
         """Distinct block hashes held over all endpoints."""
         return len(self._owners)
+
+    def dump_state(self) -> dict[str, object]:
+        """The ``approx-prefix-cache-producer``'s ``DumpState``: blocks held per endpoint, most
+        first, the first ``MAX_LISTED`` (100); never the prompt-derived hashes."""
+        counts = {address: len(lru) for address, lru in self._lru.items()}
+        return {"pods": [{"pod": identity(a), "blocks": counts[a]} for a in busiest(counts)],
+                "totalPods": len(counts), "maxPods": MAX_LISTED}
 
 
 @dataclass(frozen=True)

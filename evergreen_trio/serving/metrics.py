@@ -120,6 +120,7 @@ async def serve_metrics(
     max_connections_per_client: int = MAX_SCRAPE_CONNECTIONS_PER_CLIENT,
     ssl_context: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None,
     authorize: Authorize | None = None,
+    pages: Mapping[str, Callable[[], HttpResponse]] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The Prometheus exporter: ``GET`` (any path) renders ``registry``; other methods get 405.
@@ -129,20 +130,27 @@ async def serve_metrics(
     most ``max_connections_per_client`` of the port's ``MAX_SCRAPE_CONNECTIONS``. ``ssl_context``
     serves it over TLS (a callable is asked per connection, for reloading). ``authorize`` is asked
     first with each request's method, path and headers (names in lower case): None serves it, a
-    ``(status, text)`` answers that instead.
+    ``(status, text)`` answers that instead. ``pages`` serves other paths (without the query) on
+    the same port, behind the same checks: a ``GET`` of one gets what its callable returns (called
+    on the Trio thread: it reads state that thread owns, so it must be quick and bounded).
     """
+    pages = pages or {}
 
     # Rendering runs in a worker thread, one at a time: a scrape never holds the Trio thread that
     # routes requests (the GIL is handed back every few ms while it renders).
     render = trio.CapacityLimiter(1)
 
     async def handle(request: HttpRequest) -> HttpResponse:
+        path = request.target.split("?", 1)[0]
         if authorize is not None:
-            refused = await authorize(request.method, request.target.split("?", 1)[0], request.headers)
+            refused = await authorize(request.method, path, request.headers)
             if refused is not None:
                 return HttpResponse(refused[0], [("content-type", "text/plain")], refused[1].encode() + b"\n")
         if request.method != "GET":
             return HttpResponse(405, [("allow", "GET")])
+        page = pages.get(path)
+        if page is not None:
+            return page()
         body = await trio.to_thread.run_sync(generate_latest, registry, limiter=render)
         return HttpResponse(200, [("content-type", CONTENT_TYPE_LATEST)], body)
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from evergreen_trio.picker.errors import ConfigError
+from evergreen_trio.picker.plugin_state import finite
 from evergreen_trio.picker.plugins import Category, Params, PluginType, register
 from evergreen_trio.picker.usage import Usage
 
@@ -183,3 +184,16 @@ class ProgramAware:
             return
         for program_id in [p for p, e in self.programs.items() if e.in_flight == 0 and at - e.last_completion > ttl]:
             del self.programs[program_id]
+
+    def dump_state(self, now: float) -> dict[str, object]:
+        """The reference's ``DumpState`` at ``now`` (the sweeps due by then applied first): how
+        many programs it tracks, their requests in flight, and Jain's fairness index of their mean
+        queue waits (the programs with a wait); never the program ids, which clients choose."""
+        self._sweep(now)
+        total, square, waited = 0.0, 0.0, 0
+        for entry in self.programs.values():
+            if entry.wait_count > 0:
+                total, square, waited = total + entry.mean_wait_ms, square + entry.mean_wait_ms ** 2, waited + 1
+        index = 1.0 if waited <= 1 or square == 0 else total * total / (waited * square)
+        return {"totalPrograms": len(self.programs), "totalInFlight": sum(e.in_flight for e in self.programs.values()),
+                "fairnessIndex": finite(index)}
