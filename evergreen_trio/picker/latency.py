@@ -37,6 +37,7 @@ from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.errors import ConfigError, RequestError
 from evergreen_trio.picker.latency_wire import MAX_PENDING_TRAINING, Prediction, PredictionRow, TrainingEntry
 from evergreen_trio.picker.mm_cache import MM_PRODUCER
+from evergreen_trio.picker.plugin_state import MAX_LISTED, busiest, finite, identity
 from evergreen_trio.picker.plugins import APPROX_PRODUCER, Category, Params, Plugin, PluginType, register
 
 if TYPE_CHECKING:
@@ -438,8 +439,6 @@ class PredictedLatency:
         SLO (0 when not finite), the busiest ``MAX_LISTED`` (100), ``truncated`` when more; and
         ``trackedRequests``, the requests running over all endpoints (the reference counts its
         request contexts, which also hold the ones not yet scheduled)."""
-        from evergreen_trio.picker.plugin_state import MAX_LISTED, busiest, finite, identity  # kept out of the imports
-
         running = {address: len(queue.slos) for address, queue in self.running.items()}
         return {"endpoints": [{"endpoint": identity(a), "runningRequests": running[a],
                                "minTpotSlo": finite(self.running[a].min_slo())} for a in busiest(running)],
