@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -51,8 +52,12 @@ from evergreen_trio.picker.render_client import render_starter
 from evergreen_trio.picker.rollout import RolloutCollector, RolloutScreener
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
+from evergreen_trio.picker.tracing_export import exporting
 from evergreen_trio.picker.vllm_render import VllmRender
 from evergreen_trio.serving.metrics import Authorize, serve_metrics
+
+if TYPE_CHECKING:  # the `tracing` extra, imported only with --tracing
+    from evergreen_trio.picker.tracing import Tracing
 
 log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -115,6 +120,8 @@ class _GrpcStream(ExtProcStream):
         if not report.recorded:
             report.recorded = True
             metrics.record(report, time.monotonic() - started)
+            if self.trace is not None:
+                self.trace.end(report)
 
     def resume(self) -> Sequence[ep.ProcessingResponse]:
         replies = ExtProcStream.resume(self)
@@ -126,6 +133,8 @@ class _GrpcStream(ExtProcStream):
             replies = ExtProcStream.on_message(self, message)
         except ExtProcError as exc:
             log.warning("picker.stream_aborted error=%s", exc)
+            if self.trace is not None:
+                self.trace.end(self.report, str(exc))
             self._record()
             raise RpcAbortError(Status.INVALID_ARGUMENT, str(exc)) from None
         if self.finished or (self.report.routed and not self._running):  # else _after has nothing to do
@@ -157,6 +166,8 @@ class _GrpcStream(ExtProcStream):
             self.report.recorded = True
             self._metrics.record(self.report, time.monotonic() - self._started,
                                  prefix_index_size=self.picker.scheduler.prefix.total())
+            if self.trace is not None:
+                self.trace.end(self.report)
 
 
 async def _flow_control(gate: FlowGate, interval_s: float, wake: trio.Event, new_wake: Callable[[], trio.Event],
@@ -396,6 +407,7 @@ async def run_picker(
     drain: PickerDrain | None = None,
     pod_notifications: PodNotifications | None = None,
     notifications: NotificationWatch | None = None,
+    tracing: Tracing | None = None,
     task_status: trio.TaskStatus[PickerPorts] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the Endpoint Picker until cancelled; ``started`` gets the bound :class:`PickerPorts`.
@@ -408,7 +420,9 @@ async def run_picker(
     InferenceObjectives (:mod:`evergreen_trio.picker.k8s`). ``drain``: see :class:`PickerDrain`.
     ``pod_notifications`` tells the ``disaggregatedset-rollout-screener`` plugins of their pods,
     ``notifications`` the ``k8s-notification-source`` plugins of their objects; each
-    ``endpoint-notification-source`` learns of every endpoint set.
+    ``endpoint-notification-source`` learns of every endpoint set. ``tracing`` (``--tracing``):
+    each request's spans, exported by a task of the picker's
+    (:mod:`evergreen_trio.picker.tracing_export`).
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = picker_metrics(config)
@@ -433,7 +447,8 @@ async def run_picker(
     plugins = config.epp.plugins if config.epp is not None else {}
     endpoint_sources = endpoint_notifications(plugins)
     with plain_errors():  # a failing task (a discovery, a port) leaves as itself, not in a group
-        async with trio.open_nursery() as nursery:
+        async with exporting(tracing), trio.open_nursery() as nursery:
+            picker.tracing = picker.scheduler.tracing = tracing
             if picker.tokens is not None and isinstance(picker.tokens.backend, VllmRender):
                 picker.start_render = render_starter(nursery, picker.tokens.backend)
             if picker.latency:

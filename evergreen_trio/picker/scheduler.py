@@ -11,7 +11,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from evergreen_trio.picker.admission import admit, declared_admitters
 from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
@@ -65,6 +65,9 @@ from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESS
 from evergreen_trio.picker.testing_filter import TESTING_FILTERS
 from evergreen_trio.picker.token_estimate import TokenizedPrompt
 from evergreen_trio.picker.topology import TOPOLOGY_FILTERS, TOPOLOGY_SCORERS, TOPOLOGY_STATES
+
+if TYPE_CHECKING:  # the `tracing` extra, imported only with --tracing
+    from evergreen_trio.picker.tracing import Tracing
 
 
 @dataclass
@@ -409,6 +412,9 @@ class Scheduler:
                            for params in (p2p_sources(config.epp.plugins) if config.epp is not None else ())]
         self.kv_picks: list[tuple[P2PSourceParams, Peer | None, dict[str, int]]] = []
         """Each p2p-source-producer's source for the last pick, and the tokens each candidate caches."""
+        self.tracing: Tracing | None = None
+        """With --tracing: each profile run's spans (run_scheduler_profile, filter_endpoints,
+        llm_d.epp.scoring and a span per scorer, pick_endpoints), as the reference's."""
 
     def saturation(self, states: Sequence[EndpointState] | None = None) -> float:
         """What the legacy admission's detector reads now of ``states`` (the request's located
@@ -586,6 +592,9 @@ class Scheduler:
                     count: int) -> tuple[list[str], dict[str, float]]:
         """Filter, score and pick up to ``count`` addresses by ``profile`` (best first; [] if none
         passed), with the scores of the candidates that passed (empty when the profile has no scorer)."""
+        tracing = self.tracing
+        if tracing is not None:
+            tracing.profile_started(profile.name, request, len(candidates))
         for plugin in profile.filters:
             function = FILTERS.get(plugin.type)
             if function is not None:
@@ -593,11 +602,20 @@ class Scheduler:
             else:
                 keeps = plugin.params.keeps  # type: ignore[attr-defined]  # the other filter types have keeps(labels)
                 candidates = [s for s in candidates if keeps(s.endpoint.label_map)]
+        if tracing is not None:
+            tracing.filtered(len(candidates))
         if not candidates:
+            if tracing is not None:
+                tracing.profile_ended()
             return [], {}
         scores = self.scores(request, candidates, profile)
         reported = scores if profile.scorers else {}
-        return PICKERS[profile.picker](self.rng, scores, count), reported
+        if tracing is None:
+            return PICKERS[profile.picker](self.rng, scores, count), reported
+        tracing.picking(request, scores)
+        picked = PICKERS[profile.picker](self.rng, scores, count)
+        tracing.profile_ended()
+        return picked, reported
 
     def _params(self, plugin: Plugin) -> object:
         """What ``plugin``'s function gets: its state for a stateful type, else its params."""
@@ -619,6 +637,9 @@ class Scheduler:
         clock = time.perf_counter
         seconds = self.scorer_seconds
         states = self.plugin_states
+        tracing = self.tracing
+        if tracing is not None:
+            tracing.scoring_started(request, len(profile.scorers), len(candidates))
         for scorer in profile.scorers:
             weight = scorer.weight
             if not weight:
@@ -626,10 +647,16 @@ class Scheduler:
             started = clock()
             plugin = scorer.plugin
             key = plugin.type
-            for address, score in SCORERS[key](self, request, candidates, fresh,
-                                               states.get(plugin.name, plugin.params)).items():
+            if tracing is not None:
+                tracing.scorer_started(key, plugin.name, weight, len(candidates))
+            scored = SCORERS[key](self, request, candidates, fresh, states.get(plugin.name, plugin.params))
+            for address, score in scored.items():
                 result[address] += weight * score
+            if tracing is not None:
+                tracing.scorer_ended(scored)
             seconds[key] = seconds.get(key, 0.0) + clock() - started
+        if tracing is not None:
+            tracing.scoring_ended()
         return result
 
     def prompt_tokens(self, request: PickRequest) -> int:
