@@ -774,8 +774,8 @@ class ExtProcStream:
         if self.picker.latency and not admission.latency and self._predict(
                 admission, partial(self._finish_outcome, admission, phase, duplex_end, after)):
             return []
-        if self.trace is not None:
-            self.trace.scheduling()
+        if self.trace is not None:  # the scheduler's spans, when this request's are sampled
+            self.picker.scheduler.tracing = self.trace.scheduling()
         try:
             route = self.picker.pick(admission, self.report)
         except RequestError as exc:

@@ -448,7 +448,7 @@ async def run_picker(
     endpoint_sources = endpoint_notifications(plugins)
     with plain_errors():  # a failing task (a discovery, a port) leaves as itself, not in a group
         async with exporting(tracing), trio.open_nursery() as nursery:
-            picker.tracing = picker.scheduler.tracing = tracing
+            picker.tracing = tracing
             if picker.tokens is not None and isinstance(picker.tokens.backend, VllmRender):
                 picker.start_render = render_starter(nursery, picker.tokens.backend)
             if picker.latency:

@@ -413,8 +413,9 @@ class Scheduler:
         self.kv_picks: list[tuple[P2PSourceParams, Peer | None, dict[str, int]]] = []
         """Each p2p-source-producer's source for the last pick, and the tokens each candidate caches."""
         self.tracing: Tracing | None = None
-        """With --tracing: each profile run's spans (run_scheduler_profile, filter_endpoints,
-        llm_d.epp.scoring and a span per scorer, pick_endpoints), as the reference's."""
+        """Set before each pick with --tracing when the request is sampled: each profile run's spans
+        (run_scheduler_profile, filter_endpoints, llm_d.epp.scoring and a span per scorer,
+        pick_endpoints), as the reference's."""
 
     def saturation(self, states: Sequence[EndpointState] | None = None) -> float:
         """What the legacy admission's detector reads now of ``states`` (the request's located

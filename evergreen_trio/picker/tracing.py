@@ -256,14 +256,19 @@ class RequestTrace:
         self.orchestration: Span | None = None
 
     def orchestrate(self) -> None:
-        """The request's body is in: ``gateway.request_orchestration`` starts."""
-        self.orchestration = self.tracing.request_control.start_span(
-            "gateway.request_orchestration", self.context, SpanKind.SERVER)
+        """The request's body is in: ``gateway.request_orchestration`` starts (when the request is
+        sampled: a child of an unsampled span never is, under the parent-based sampler)."""
+        if self.span.is_recording():
+            self.orchestration = self.tracing.request_control.start_span(
+                "gateway.request_orchestration", self.context, SpanKind.SERVER)
 
-    def scheduling(self) -> None:
-        """The scheduler runs now: its spans go under the orchestration."""
-        if self.orchestration is not None:
-            self.tracing.begin_scheduling(self.orchestration)
+    def scheduling(self) -> Tracing | None:
+        """The scheduler runs now: what records its spans, under the orchestration (None when the
+        request is not sampled)."""
+        if self.orchestration is None:
+            return None
+        self.tracing.begin_scheduling(self.orchestration)
+        return self.tracing
 
     def routed(self, report: StreamReport) -> dict[str, str]:
         """The request goes upstream: the orchestration ends; the headers that carry the request
