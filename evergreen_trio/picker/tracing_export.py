@@ -70,12 +70,13 @@ class SpanExport:
                     await self.export()
         finally:
             buffer.on_batch = None
+            left, exported = len(buffer.spans), self.exported
             with trio.CancelScope(shield=True) as flush:
                 flush.deadline = trio.current_time() + self.flush_timeout_s
                 await self.export()
-            if buffer.spans:
-                log.warning("picker.tracing_flush_incomplete spans_left=%d timeout_s=%g", len(buffer.spans),
-                            self.flush_timeout_s)
+            if self.exported - exported < left:
+                log.warning("picker.tracing_flush_incomplete lost_spans=%d timeout_s=%g",
+                            left - (self.exported - exported), self.flush_timeout_s)
             self.tracing.exporter.shutdown()
 
     def _full_batch(self) -> None:
