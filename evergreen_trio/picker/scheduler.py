@@ -57,7 +57,7 @@ from evergreen_trio.picker.p2p_source import (
 )
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugins import MIN_BLOCK_TOKENS, Decider, DisaggHandler, Plugin, PrefixScorerParams, Profile
-from evergreen_trio.picker.precise_prefix import PRECISE_SCORERS, PRECISE_STATES, PrecisePrefixCache
+from evergreen_trio.picker.precise_prefix import PRECISE_SCORERS, PRECISE_STATES, PrecisePrefixCache, precise_caches
 from evergreen_trio.picker.prefix_hash import BlockHashes
 from evergreen_trio.picker.rollout import rollout_screeners
 from evergreen_trio.picker.routing_headers import KV_CACHE_SOURCE_HEADER, DisaggHeaders, at_primary_port
@@ -465,6 +465,8 @@ class Scheduler:
         schedule = self._run_profiles(request, count)
         for setter in self.header_setters:
             schedule.prefill = setter.apply(schedule.profiles, schedule.request_headers)
+            if self.tracing is not None:
+                self.tracing.prepared_disaggregation(request, setter, schedule.profiles)
         for params, source, cached in self.kv_picks:  # each clears and may set it: the last one decides
             headers = schedule.request_headers
             headers.pop(KV_CACHE_SOURCE_HEADER, None)
@@ -508,6 +510,10 @@ class Scheduler:
                                if request.hashes else {})
         if self.kv_sources:  # the reference's Produce runs before the profiles, over the same candidates
             self.kv_picks = [self._kv_source(params, block, request, candidates) for params, block in self.kv_sources]
+        tracing = self.tracing
+        if tracing is not None:  # the precise producers' spans, before the profiles as the reference's Produce
+            tracing.produced_precise_prefix(request, precise_caches(self.plugin_states).values(), candidates,
+                                            self.snapshot.clock())
         profiles = self._profiles
         handler = self.config.handler
         if not isinstance(handler, DisaggHandler):
@@ -517,22 +523,32 @@ class Scheduler:
                 raise RequestError(429, f"{NO_ENDPOINTS}: profile {profile.name!r}'s filters kept none", SATURATED)
             return Schedule(picked, None, {profile.name: picked}, scores)
         result: dict[str, list[str]] = {}
-        prefill = profiles.get(handler.prefill)
+        prefill = profiles.get(handler.prefill)  # with --tracing: a pick_disagg_profile span per stage chosen
         if handler.stage_order == "prefill-first":
             if prefill is not None:
+                if tracing is not None:
+                    tracing.disagg_decision(request, "run_prefill")
                 result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
                 self.peer = result[prefill.name][0] if result[prefill.name] else None
             self._encode(handler, request, candidates, None, result)
+        if tracing is not None:
+            tracing.disagg_decision(request, "run_decode")
         decode, scores = self.run_profile(profiles[handler.decode], request, candidates, count)
         if not decode:
+            if tracing is not None:
+                tracing.disagg_decision(request, "complete", decode_failed=True)
             raise RequestError(429, f"{NO_ENDPOINTS}: decode profile {handler.decode!r}'s filters kept none",
                                SATURATED)
         result[handler.decode] = decode
         if handler.stage_order == "decode-first":
             self._encode(handler, request, candidates, decode[0], result)
             if prefill is not None and self._decides(handler.prefill_decider, request, decode[0]):
+                if tracing is not None:
+                    tracing.disagg_decision(request, "run_prefill")
                 self.peer = decode[0]
                 result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
+        if tracing is not None:
+            tracing.disagg_completed(request, bool(result.get(handler.encode)), bool(result.get(handler.prefill)))
         return Schedule(decode, None, result, scores)
 
     def _kv_source(self, params: P2PSourceParams, block_tokens: int, request: PickRequest,
@@ -587,6 +603,8 @@ class Scheduler:
         so, that profile picks its picker's ``maxNumOfEndpoints`` encoders."""
         encode = self._profiles.get(handler.encode)
         if encode is not None and self._decides(handler.encode_decider, request, decode):
+            if self.tracing is not None:
+                self.tracing.disagg_decision(request, "run_encode")
             result[encode.name] = self.run_profile(encode, request, candidates, encode.picks)[0]
 
     def run_profile(self, profile: Profile, request: PickRequest, candidates: Sequence[EndpointState],
@@ -649,7 +667,7 @@ class Scheduler:
             plugin = scorer.plugin
             key = plugin.type
             if tracing is not None:
-                tracing.scorer_started(key, plugin.name, weight, len(candidates))
+                tracing.scorer_started(request, len(candidates), key, plugin.name, weight)
             scored = SCORERS[key](self, request, candidates, fresh, states.get(plugin.name, plugin.params))
             for address, score in scored.items():
                 result[address] += weight * score

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from evergreen_trio._extras import require_extra
@@ -39,8 +39,10 @@ from evergreen_trio.errors import ConfigurationError
 from evergreen_trio.picker.tracing_env import LOCAL_COLLECTOR, SERVICE_NAME, TracingSettings
 
 if TYPE_CHECKING:
+    from evergreen_trio.picker.precise_prefix import PrecisePrefixCache
     from evergreen_trio.picker.processor import StreamReport
-    from evergreen_trio.picker.scheduler import PickRequest
+    from evergreen_trio.picker.routing_headers import DisaggHeaders
+    from evergreen_trio.picker.scheduler import EndpointState, PickRequest
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,11 @@ SCHEMA_URL = "https://opentelemetry.io/schemas/1.37.0"
 HANDLERS_SCOPE = "llm-d-router/pkg/epp/handlers"
 REQUEST_CONTROL_SCOPE = "llm-d-router/pkg/epp/requestcontrol"
 SCHEDULING_SCOPE = "llm-d-router/pkg/epp/scheduling"
+SCHEDULING_PLUGINS_SCOPE = "llm-d-router/pkg/epp/framework/plugins/scheduling"
+REQUEST_CONTROL_PLUGINS_SCOPE = "llm-d-router/pkg/epp/framework/plugins/requestcontrol"
+DISAGG_DECISIONS = {(False, False): "decode-only", (False, True): "prefill-decode", (True, False): "encode-decode",
+                    (True, True): "encode-prefill-decode"}
+"""The disaggregation handler's decision by (encode used, prefill used), as its metric and span name it."""
 TRACE_HEADERS = {"traceparent": 512, "tracestate": 8192, "baggage": 8192}
 """The request headers the propagators read, each with the longest value handed to them (the SDK's
 own limits: a longer one is dropped here, before the SDK would log the client's text)."""
@@ -141,6 +148,8 @@ class Tracing:
         self.handlers: Tracer = tracer(HANDLERS_SCOPE, __version__)
         self.request_control: Tracer = tracer(REQUEST_CONTROL_SCOPE, __version__)
         self.scheduling: Tracer = tracer(SCHEDULING_SCOPE, __version__)
+        self.scheduling_plugins: Tracer = tracer(SCHEDULING_PLUGINS_SCOPE, __version__)
+        self.request_control_plugins: Tracer = tracer(REQUEST_CONTROL_PLUGINS_SCOPE, __version__)
         self.propagator = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
         self._base = Context()  # the scheduler's spans' parent: the request's orchestration
         self._stack: list[Span] = []
@@ -173,13 +182,14 @@ class Tracing:
             self._stack.pop().end()
         self._profiles.clear()
 
-    def _push(self, name: str, attributes: Mapping[str, str | int | float]) -> Span:
+    def _push(self, name: str, attributes: Mapping[str, str | int | float | bool], tracer: Tracer | None = None,
+              ) -> Span:
         parent = set_span_in_context(self._stack[-1]) if self._stack else self._base
-        span = self.scheduling.start_span(name, parent, SpanKind.INTERNAL, attributes)
+        span = (tracer or self.scheduling).start_span(name, parent, SpanKind.INTERNAL, attributes)
         self._stack.append(span)
         return span
 
-    def _pop(self, attributes: Mapping[str, str | int | float] | None = None) -> None:
+    def _pop(self, attributes: Mapping[str, str | int | float | bool] | None = None) -> None:
         if self._stack:
             span = self._stack.pop()
             if attributes:
@@ -201,9 +211,16 @@ class Tracing:
                                          "llm_d.epp.scoring.candidate_endpoints": candidates,
                                          **request_attributes(request)})
 
-    def scorer_started(self, scorer_type: str, name: str, weight: float, candidates: int) -> None:
+    def scorer_started(self, request: PickRequest, candidates: int, scorer_type: str = "", scorer: str = "",
+                       weight: float = 0.0, *, name: str = "") -> None:
+        """``llm_d.epp.scorer.<type>`` (the scheduler's, with the scorer's type, name and weight), or a
+        scorer plugin's own span ``name`` (with the request's attributes), ended by :meth:`scorer_ended`."""
+        if name:
+            self._push(name, {"llm_d.epp.scorer.candidate_endpoints": candidates, **request_attributes(request)},
+                       self.scheduling_plugins)
+            return
         self._push("llm_d.epp.scorer." + scorer_type, {
-            "llm_d.epp.scorer.type": scorer_type, "llm_d.epp.scorer.name": name,
+            "llm_d.epp.scorer.type": scorer_type, "llm_d.epp.scorer.name": scorer,
             "llm_d.epp.scorer.weight": float(weight), "llm_d.epp.scorer.candidate_endpoints": candidates})
 
     def scorer_ended(self, scores: Mapping[str, float]) -> None:
@@ -230,6 +247,62 @@ class Tracing:
         depth = self._profiles.pop() if self._profiles else 0
         while len(self._stack) > depth:
             self._pop()
+
+    # -- plugins' own spans ------------------------------------------------------------------------------
+
+    def produced_precise_prefix(self, request: PickRequest, caches: Iterable[PrecisePrefixCache],
+                                candidates: Sequence[EndpointState], now: float) -> None:
+        """A ``produce_precise_prefix_cache`` span per precise producer: its lookup of the request's
+        blocks (done here, before the profiles, as the reference's producer; the scorers reuse it)."""
+        for cache in caches:
+            span = self._push("produce_precise_prefix_cache", {
+                "llm_d.epp.producer.candidate_endpoints": len(candidates), **request_attributes(request)},
+                self.request_control_plugins)
+            found = cache.match(request, now)
+            if not found.keys:
+                span.set_attribute("llm_d.epp.producer.result", "skipped_no_tokens")
+            else:
+                span.set_attributes({"llm_d.epp.producer.total_blocks": found.total,
+                                     "llm_d.epp.producer.max_match_blocks": max(
+                                         int(found.matched.get(s.endpoint.address, 0.0)) for s in candidates)})
+            self._pop()
+
+    # -- the disaggregation handler's (SCHEDULING_PLUGINS_SCOPE) ---------------------------------------
+
+    def disagg_decision(self, request: PickRequest, decision: str, *, decode_failed: bool = False) -> None:
+        """A ``pick_disagg_profile`` span: the handler chose ``decision`` (the reference's handler is
+        asked again after each profile; each answer is a span, and skipped stages its attribute's
+        earlier values, which the last one overwrites)."""
+        attributes: dict[str, str | int | float | bool] = {
+            "llm_d.epp.profile_handler.decision": decision, **request_attributes(request)}
+        if decode_failed:
+            attributes["llm_d.epp.profile_handler.decode_failed"] = True
+        self._push("pick_disagg_profile", attributes, self.scheduling_plugins)
+        self._pop()
+
+    def disagg_completed(self, request: PickRequest, encode_used: bool, prefill_used: bool) -> None:
+        self.disagg_decision(request, "complete_" + DISAGG_DECISIONS[encode_used, prefill_used])
+
+    def prepared_disaggregation(self, request: PickRequest, setter: DisaggHeaders,
+                                profiles: Mapping[str, Sequence[str]]) -> None:
+        """A ``prepare_disaggregation`` span: whether the P/D and E/PD headers were set, and to what."""
+        attributes: dict[str, str | int | float | bool] = dict(request_attributes(request))
+        prefill = profiles.get(setter.prefill_profile)
+        attributes["llm_d.epp.pd.disaggregation_used"] = bool(prefill)
+        if prefill:
+            host, _, port = prefill[0].rpartition(":")
+            attributes["llm_d.epp.pd.prefill_pod_address"] = host.strip("[]")
+            attributes["llm_d.epp.pd.prefill_pod_port"] = port
+        else:  # a profile whose filters kept none has no result, as the reference's failed run
+            attributes["llm_d.epp.pd.reason"] = "no_prefill_profile_result"
+        encoders = profiles.get(setter.encode_profile)
+        attributes["llm_d.epp.encode.disaggregation_used"] = bool(encoders)
+        if encoders:
+            attributes["llm_d.epp.encode.endpoints"] = ",".join(encoders)
+        else:
+            attributes["llm_d.epp.encode.reason"] = "no_encode_profile_result"
+        self._push("prepare_disaggregation", attributes, self.scheduling_plugins)
+        self._pop()
 
 
 def request_attributes(request: PickRequest) -> dict[str, str]:

@@ -15,9 +15,15 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from test_processor import make_picker, request_body, request_headers, set_headers
+from test_token_producer import FIXTURES, IMAGE, _chat
+from test_token_producer import _picker as _epd_picker
 
+from evergreen_trio.picker.config import parse_config
+from evergreen_trio.picker.engine_metrics import EndpointMetrics
 from evergreen_trio.picker.processor import Picker
+from evergreen_trio.picker.routing_headers import ENCODERS_HEADER, PREFILL_HEADER
 from evergreen_trio.picker.runtime import ext_proc_method, picker_metrics
+from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.tracing import MAX_TRACED_ENDPOINT_SCORES, SpanBuffer, Tracing, new_tracing
 from evergreen_trio.picker.tracing_env import MAX_QUEUE_SIZE, TracingSettings, tracing_settings
 
@@ -256,3 +262,76 @@ def test_a_full_buffer_drops_and_counts_with_one_warning_an_episode(caplog: pyte
     lines = [r.getMessage() for r in caplog.records]
     assert [line for line in lines if "tracing_spans_dropping" in line] == [lines[0], lines[2]]
     assert "picker.tracing_spans_dropped count=3" in lines[1]
+
+
+# -- the disaggregation handler's spans ------------------------------------------------------------
+
+
+def test_e_p_d_has_a_pick_disagg_profile_span_per_stage_and_prepare_disaggregation() -> None:
+    picker = _epd_picker((FIXTURES / "sim-e-p-d-epp-config.yaml").read_text())
+    picker.tracing = new_tracing(TracingSettings(ratio=1.0), InMemorySpanExporter())
+    buffer = picker.tracing.buffer
+    stream = picker.new_stream()
+    stream.on_message(request_headers("/v1/chat/completions", extra=[("traceparent", TRACEPARENT)]))
+    chat = {"model": "m", **_chat({"type": "text", "text": "describe"}, IMAGE)}
+    headers = set_headers(stream.on_message(request_body(json.dumps(chat).encode()))[0]
+                          .request_headers.response.header_mutation)
+    decisions = [(span.attributes or {})["llm_d.epp.profile_handler.decision"] for span in buffer.spans
+                 if span.name == "pick_disagg_profile"]
+    assert decisions == ["run_decode", "run_encode", "run_prefill", "complete_encode-prefill-decode"]
+    profiles = [(span.attributes or {})["llm_d.epp.scheduling.profile.name"] for span in buffer.spans
+                if span.name == "run_scheduler_profile"]
+    assert profiles == ["decode", "encode", "prefill"]
+    (prepared,) = [span for span in buffer.spans if span.name == "prepare_disaggregation"]
+    attributes = prepared.attributes or {}
+    host, port = headers[PREFILL_HEADER].rsplit(":", 1)
+    assert (attributes["llm_d.epp.pd.prefill_pod_address"], attributes["llm_d.epp.pd.prefill_pod_port"]) == (
+        host, port)
+    assert attributes["llm_d.epp.encode.endpoints"] == headers[ENCODERS_HEADER]
+    assert attributes["llm_d.epp.pd.disaggregation_used"] and attributes["llm_d.epp.encode.disaggregation_used"]
+    buffer.spans.clear()
+    stream = picker.new_stream()
+    stream.on_message(request_headers("/v1/chat/completions", extra=[("traceparent", TRACEPARENT)]))
+    stream.on_message(request_body(json.dumps({"model": "m", **_chat({"type": "text", "text": "hi"})}).encode()))
+    spans = [(span.name, dict(span.attributes or {})) for span in buffer.spans if span.name != "run_scheduler_profile"
+             and span.name.startswith(("pick_disagg", "prepare"))]
+    assert [attributes.get("llm_d.epp.profile_handler.decision") for _, attributes in spans] == [
+        "run_decode", "complete_decode-only", None]
+    assert spans[-1][1]["llm_d.epp.pd.reason"] == "no_prefill_profile_result"
+    assert spans[-1][1]["llm_d.epp.encode.reason"] == "no_encode_profile_result"
+
+
+def test_the_precise_prefix_cache_has_its_producer_and_scorer_spans() -> None:
+    config = parse_config("""
+pool: {name: demo, endpoints: ['10.0.0.1:8000', '10.0.0.2:8000']}
+---
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- {type: token-producer, parameters: {modelName: m}}
+- {type: precise-prefix-cache-scorer, parameters: {tokenProcessorConfig: {blockSize: 4}}}
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: precise-prefix-cache-scorer}]
+""")
+    snapshot = PoolSnapshot(config.pool.endpoints, 2.0, lambda: 0.0)
+    for endpoint in config.pool.endpoints:
+        snapshot.update(endpoint.address, EndpointMetrics())
+    picker = Picker(config, snapshot)
+    picker.tracing = new_tracing(TracingSettings(ratio=1.0), InMemorySpanExporter())
+    run(picker, model="m")
+    spans = finished(picker.tracing)
+    ids = {span.context.span_id: name for name, span in spans.items() if span.context is not None}
+
+    def parent(name: str) -> str:
+        context = spans[name].parent
+        assert context is not None
+        return ids[context.span_id]
+
+    assert parent("produce_precise_prefix_cache") == "gateway.request_orchestration"  # before the profiles
+    produced = spans["produce_precise_prefix_cache"].attributes or {}
+    assert produced["llm_d.epp.producer.candidate_endpoints"] == 2
+    assert produced["llm_d.epp.producer.result"] == "skipped_no_tokens"  # the estimate backend has no token ids
+    assert parent("score_prefix_cache") == "llm_d.epp.scorer.precise-prefix-cache-scorer"
+    assert spans["score_prefix_cache"].instrumentation_scope is not None
+    assert spans["score_prefix_cache"].instrumentation_scope.name == "llm-d-router/pkg/epp/framework/plugins/scheduling"
