@@ -421,8 +421,7 @@ async def run_picker(
     ``pod_notifications`` tells the ``disaggregatedset-rollout-screener`` plugins of their pods,
     ``notifications`` the ``k8s-notification-source`` plugins of their objects; each
     ``endpoint-notification-source`` learns of every endpoint set. ``tracing`` (``--tracing``):
-    each request's spans, exported by a task of the picker's
-    (:mod:`evergreen_trio.picker.tracing_export`).
+    each request's spans, exported by a task of the picker's (``evergreen_trio.picker.tracing_export``).
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = picker_metrics(config)

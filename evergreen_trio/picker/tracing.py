@@ -135,7 +135,7 @@ class ExporterLog(logging.Filter):
 
 class Tracing:
     """The tracer provider, its tracers by the reference's scopes, the propagator, the span buffer
-    and the scheduler's span stack. :func:`new_tracing` builds one from the environment."""
+    and the scheduler's span stack. ``new_tracing`` builds one from the environment."""
 
     def __init__(self, settings: TracingSettings, exporter: SpanExporter, resource: Resource) -> None:
         self.settings, self.exporter = settings, exporter

@@ -44,14 +44,14 @@ MAX_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class TracingSettings:
-    """What :mod:`evergreen_trio.picker.tracing` builds the tracer provider and exporter from."""
+    """What ``evergreen_trio.picker.tracing`` builds the tracer provider and exporter from."""
 
     exporter: str = "console"
     """``console`` or ``otlp``."""
     ratio: float = DEFAULT_RATIO
     """The parent-based sampler's ratio for root spans (a sampled parent is always followed)."""
     local_collector: bool = True
-    """OTLP to :data:`LOCAL_COLLECTOR` in plaintext (no transport variable is set)."""
+    """OTLP to ``localhost:4317`` in plaintext (no transport variable is set)."""
     otlp_timeout_s: float = 10.0
     queue_size: int = 2048
     batch_size: int = 512
