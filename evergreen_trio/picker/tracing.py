@@ -413,7 +413,10 @@ def new_tracing(settings: TracingSettings, exporter: SpanExporter | None = None)
     for name in _PEER_INPUT_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     tracing = Tracing(settings, exporter if exporter is not None else new_exporter(settings), new_resource())
-    logging.getLogger(_OTLP_LOGGER).addFilter(tracing.exporter_log)
+    exporter_logger = logging.getLogger(_OTLP_LOGGER)
+    for earlier in [f for f in exporter_logger.filters if isinstance(f, ExporterLog)]:
+        exporter_logger.removeFilter(earlier)  # the SDK's logger is global: one picker's tracing holds it
+    exporter_logger.addFilter(tracing.exporter_log)
     log.info("picker.tracing exporter=%s sampler=parentbased_traceidratio ratio=%g", settings.exporter,
              settings.ratio)
     return tracing

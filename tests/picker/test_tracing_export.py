@@ -86,7 +86,7 @@ async def test_a_failing_exporter_is_one_warning_an_episode(caplog: pytest.LogCa
         spans(traced, 1)
         await export.export()
     failed = warnings(caplog, "picker.tracing_export_failed")
-    assert len(failed) == 2 and "the exporter reported a failure" in failed[0]
+    assert len(failed) == 2 and "the exporter reported a failure" in failed[0] and "UNAVAILABLE" in failed[1]
     assert warnings(caplog, "picker.tracing_export_recovered") == ["picker.tracing_export_recovered lost_spans=7"]
     assert exporter.batches == [2]
 
@@ -121,3 +121,9 @@ async def test_a_hanging_exporter_times_out_and_the_flush_is_bounded(caplog: pyt
         assert exporter.shut
     finally:
         exporter.held.set()  # the abandoned export thread returns
+
+
+def test_the_sdks_exporter_log_lines_become_the_reason_of_the_latest_tracing() -> None:
+    first, second = tracing(Exporter()), tracing(Exporter())
+    logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").error("Failed to export: %s", "refused")
+    assert (first.exporter_log.last, second.exporter_log.last) == ("", "Failed to export: refused")
