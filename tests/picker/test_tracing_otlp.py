@@ -7,6 +7,7 @@ from the ``opentelemetry-proto`` package's generated code: the picker's exporter
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -188,7 +189,19 @@ def test_tracing_off_imports_no_opentelemetry() -> None:
               "except SystemExit:\n    pass\n"
               "from evergreen_trio.picker import runtime, processor, scheduler\n"
               "print(json.dumps(sorted(m for m in sys.modules if m.startswith('opentelemetry'))))")
-    import subprocess
     done = subprocess.run([sys.executable, "-c", "import json\n" + script], capture_output=True, text=True,
                           timeout=60, check=False)
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [], done.stderr
+
+
+def test_the_flag_without_the_extra_is_one_line_naming_it_and_exit_2(tmp_path: Path) -> None:
+    config = tmp_path / "picker.yaml"
+    config.write_text("pool:\n  name: traced\n  endpoints: ['127.0.0.1:1']\n")
+    done = subprocess.run([sys.executable, "-c", "import sys; sys.modules['opentelemetry'] = None\n"
+                           "from evergreen_trio.cli import main\n"
+                           f"sys.exit(main(['picker', '--config', {str(config)!r}, '--tracing', '--grpc-port', '0']))"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "evergreen-trio picker: error: picker tracing (--tracing) needs the 'tracing' extra: "
+        "pip install 'evergreen-trio[tracing]' (missing: opentelemetry)"]
