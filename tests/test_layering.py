@@ -83,7 +83,8 @@ FACE_EXCEPTIONS = {
                                     "evergreen_trio.picker.processor", "evergreen_trio.picker.runtime"},
     # The picker's calls per request: its wire serving the picker as the runtime builds it, and the floor.
     "benchmarks/picker_calls.py": {"evergreen_trio._grpc.server_wire", "evergreen_trio.picker.config",
-                                   "evergreen_trio.picker.processor", "evergreen_trio.picker.runtime"},
+                                   "evergreen_trio.picker.processor", "evergreen_trio.picker.runtime",
+                                   "evergreen_trio.picker.tracing", "evergreen_trio.picker.tracing_env"},
     # The session benchmark's Trio floor: the picker's wire echoing the session's wire messages, framed
     # as the session client frames them.
     "benchmarks/trio_floor_echo.py": {"evergreen_trio._proto.evergreen.v2.evergreen_pb2",
