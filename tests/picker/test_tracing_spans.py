@@ -335,3 +335,46 @@ schedulingProfiles:
     assert parent("score_prefix_cache") == "llm_d.epp.scorer.precise-prefix-cache-scorer"
     assert spans["score_prefix_cache"].instrumentation_scope is not None
     assert spans["score_prefix_cache"].instrumentation_scope.name == "llm-d-router/pkg/epp/framework/plugins/scheduling"
+
+
+PREFILL_FIRST = """plugins:
+- {type: prefill-filter}
+- {type: decode-filter}
+- {type: disagg-profile-handler, parameters: {stageOrder: prefill-first}}
+schedulingProfiles:
+- {name: prefill, plugins: [{pluginRef: prefill-filter}]}
+- {name: decode, plugins: [DECODE_FILTERS]}
+"""
+
+
+@pytest.mark.parametrize(("decode_filter", "decisions"), [
+    ("decode-filter", ["run_prefill", "run_decode", "complete_prefill-decode"]),
+    ("prefill-filter", ["run_prefill", "run_decode", "complete"]),  # the decode profile keeps no decode pod
+])
+def test_prefill_first_decisions_and_a_failed_decode(decode_filter: str, decisions: list[str]) -> None:
+    filters = f"{{pluginRef: {decode_filter}}}, {{pluginRef: decode-filter}}"
+    picker = _epd_picker(PREFILL_FIRST.replace("DECODE_FILTERS", filters))
+    picker.tracing = new_tracing(TracingSettings(ratio=1.0), InMemorySpanExporter())
+    stream = picker.new_stream()
+    stream.on_message(request_headers("/v1/chat/completions", extra=[("traceparent", TRACEPARENT)]))
+    stream.on_message(request_body(json.dumps({"model": "m", **_chat({"type": "text", "text": "hi"})}).encode()))
+    spans = [span for span in picker.tracing.buffer.spans if span.name == "pick_disagg_profile"]
+    assert [(span.attributes or {})["llm_d.epp.profile_handler.decision"] for span in spans] == decisions
+    assert (spans[-1].attributes or {}).get("llm_d.epp.profile_handler.decode_failed", False) == (
+        decisions[-1] == "complete")
+
+
+def test_a_stream_that_ends_before_its_routing_decision_ends_its_orchestration_in_error() -> None:
+    # As when a request waiting in flow control's queue, for a render or for predictions is abandoned.
+    tracing = new_tracing(TracingSettings(ratio=1.0), InMemorySpanExporter())
+    trace = tracing.request({"traceparent": TRACEPARENT})
+    trace.orchestrate()
+    report = make_picker().new_stream().report
+    trace.end(report)
+    trace.end(report)  # once only
+    spans = finished(tracing)
+    assert len(tracing.buffer.spans) == 2
+    orchestration = spans["gateway.request_orchestration"].status
+    assert (orchestration.status_code, orchestration.description) == (
+        StatusCode.ERROR, "the stream ended before a routing decision")
+    assert spans["gateway.request"].status.status_code is StatusCode.UNSET  # no answer of the picker's
