@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Sequence
 
 import pytest
@@ -24,8 +25,8 @@ from evergreen_trio.picker.processor import Picker
 from evergreen_trio.picker.routing_headers import ENCODERS_HEADER, PREFILL_HEADER
 from evergreen_trio.picker.runtime import ext_proc_method, picker_metrics
 from evergreen_trio.picker.scheduler import PoolSnapshot
-from evergreen_trio.picker.tracing import MAX_TRACED_ENDPOINT_SCORES, SpanBuffer, Tracing, new_tracing
-from evergreen_trio.picker.tracing_env import MAX_QUEUE_SIZE, TracingSettings, tracing_settings
+from evergreen_trio.picker.tracing import MAX_TRACED_ENDPOINT_SCORES, SpanBuffer, Tracing, new_exporter, new_tracing
+from evergreen_trio.picker.tracing_env import MAX_QUEUE_SIZE, OTLP_TRANSPORT_ENV, TracingSettings, tracing_settings
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -378,3 +379,17 @@ def test_a_stream_that_ends_before_its_routing_decision_ends_its_orchestration_i
     assert (orchestration.status_code, orchestration.description) == (
         StatusCode.ERROR, "the stream ended before a routing decision")
     assert spans["gateway.request"].status.status_code is StatusCode.UNSET  # no answer of the picker's
+
+
+def test_the_otlp_exporter_falls_back_to_a_plaintext_local_collector_only_without_transport_settings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The SDK's exporter keeps where it sends in private fields: read here, as no public API says.
+    for name in OTLP_TRANSPORT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    local = new_exporter(tracing_settings({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_TIMEOUT": "1500"}))
+    assert (local._endpoint, local._insecure, local._timeout) == ("localhost:4317", True, 1.5)  # type: ignore[attr-defined]
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector.example:4317")
+    remote = new_exporter(tracing_settings({"OTEL_TRACES_EXPORTER": "otlp", **os.environ}))
+    assert (remote._endpoint, remote._insecure) == ("collector.example:4317", False)  # type: ignore[attr-defined]
+    for exporter in (local, remote):
+        exporter.shutdown()
