@@ -393,3 +393,19 @@ def test_the_otlp_exporter_falls_back_to_a_plaintext_local_collector_only_withou
     assert (remote._endpoint, remote._insecure) == ("collector.example:4317", False)  # type: ignore[attr-defined]
     for exporter in (local, remote):
         exporter.shutdown()
+
+
+@given(st.integers(1, 8), st.lists(st.one_of(st.integers(1, 6), st.just(0)), max_size=30))
+def test_the_buffer_never_holds_more_than_its_capacity_and_counts_every_drop(capacity: int, steps: list[int]) -> None:
+    """Each step: 0 takes a batch, n ends n spans."""
+    tracing = new_tracing(TracingSettings(ratio=1.0, queue_size=capacity, batch_size=capacity), InMemorySpanExporter())
+    buffer, ended, taken = tracing.buffer, 0, 0
+    for step in steps:
+        if step:
+            for _ in range(step):
+                tracing.handlers.start_span("s").end()
+            ended += step
+        else:
+            taken += len(buffer.take(capacity))
+        assert len(buffer.spans) <= capacity
+        assert ended == taken + len(buffer.spans) + buffer.dropped
