@@ -1,9 +1,11 @@
-"""OpenTelemetry tracing of the picker's requests (``--tracing``), as llm-d-router's spans, sans-IO.
+"""OpenTelemetry tracing of the picker's requests (``--tracing``), as llm-d-router's spans.
 
 Imported only when ``--tracing`` is on (it needs the ``tracing`` extra). :func:`new_tracing` builds
 the tracer provider as the reference's ``InitTracing`` does (resource, parent-based ratio sampler,
 W3C TraceContext + Baggage propagators); finished spans go to a :class:`SpanBuffer`, which the Trio
-task of :mod:`evergreen_trio.picker.tracing_export` empties through the SDK's exporter.
+task of :mod:`evergreen_trio.picker.tracing_export` empties through the SDK's exporter. No Trio and
+no I/O here but the SDK exporter's: :func:`new_exporter` builds it (an OTLP gRPC channel or stdout)
+and :meth:`Tracing.export` calls it, which the export task does in a worker thread.
 
 Each ext_proc stream has a :class:`RequestTrace`: ``gateway.request`` (a server span, child of the
 client's ``traceparent`` when it carries a valid one) and under it ``gateway.request_orchestration``,
