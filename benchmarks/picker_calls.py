@@ -14,6 +14,9 @@ under load. Cases:
 - ``observed``: the default, the response read for usage;
 - ``floor``: the benchmark's do-nothing processor (:mod:`benchmarks.noop_ext_proc`) on the same wire.
 
+``--tracing RATIO`` runs the picker with ``--tracing``'s spans at that sampler ratio (kept in memory,
+not exported: the export task's thread is not the request's cost).
+
 Only the server's side is measured (the connection's ``receive_data`` and ``data_to_send``; the
 h2 client and the endpoints' scrapes, one every ``SCRAPE_EVERY`` requests, are not): Python calls
 and C calls per request (``sys.setprofile``), and process time per request (best of
@@ -194,7 +197,8 @@ class Profiled(Meter):
 class Bench:
     """One case: a picker (or the floor) behind a fresh connection, and an h2 client playing Envoy."""
 
-    def __init__(self, case: str, endpoints: int, streams_per_read: int, seed: int = 1) -> None:
+    def __init__(self, case: str, endpoints: int, streams_per_read: int, seed: int = 1,
+                 tracing: float | None = None) -> None:
         self.case, self.streams_per_read = case, streams_per_read
         addresses = [f"10.0.0.{i + 1}:8000" for i in range(endpoints)]
         self.config = config_for(addresses, observe=case == "observed")
@@ -208,6 +212,11 @@ class Bench:
             method = noop_method(addresses)
         else:
             self.picker = Picker(self.config, self.snapshot, rng=random.Random(seed))
+            if tracing is not None:
+                from evergreen_trio.picker.tracing import new_tracing  # the `tracing` extra
+                from evergreen_trio.picker.tracing_env import TracingSettings
+
+                self.picker.tracing = new_tracing(TracingSettings(ratio=tracing))
             self.metrics = picker_metrics(self.config)
             method = ext_proc_method(self.picker, self.metrics)
         self.server = GrpcWireConnection({PROCESS_PATH: method}, wire_limits(self.config))
@@ -276,6 +285,8 @@ class Bench:
     def run(self, requests: int, meter: Meter) -> None:
         for _ in range(-(-requests // self.streams_per_read)):
             self.round(meter)
+            if self.case != "floor" and self.picker.tracing is not None:  # the spans, dropped unmetered
+                self.picker.tracing.buffer.spans.clear()
 
 
 def config_for(addresses: list[str], *, observe: bool) -> PickerConfig:
@@ -283,9 +294,10 @@ def config_for(addresses: list[str], *, observe: bool) -> PickerConfig:
     return parse_config(PICKER_CONFIG.format(endpoints=", ".join(addresses), observe=str(observe).lower()))
 
 
-def measure(case: str, *, requests: int, repeats: int, endpoints: int, streams_per_read: int) -> dict[str, float]:
+def measure(case: str, *, requests: int, repeats: int, endpoints: int, streams_per_read: int,
+            tracing: float | None = None) -> dict[str, float]:
     """Calls per request, then process time per request (best of ``repeats`` runs of ``requests``)."""
-    bench = Bench(case, endpoints, streams_per_read)
+    bench = Bench(case, endpoints, streams_per_read, tracing=tracing)
     bench.run(WARM_UP, Meter())
     calls = Calls()
     counted = max(COUNTED // streams_per_read, 1) * streams_per_read
@@ -304,8 +316,8 @@ def measure(case: str, *, requests: int, repeats: int, endpoints: int, streams_p
 
 
 def profile(case: str, *, requests: int, endpoints: int, streams_per_read: int, lines: int,
-            write: Callable[[str], object] = sys.stdout.write) -> None:
-    bench = Bench(case, endpoints, streams_per_read)
+            write: Callable[[str], object] = sys.stdout.write, tracing: float | None = None) -> None:
+    bench = Bench(case, endpoints, streams_per_read, tracing=tracing)
     bench.run(WARM_UP, Meter())
     profiled = Profiled()
     bench.run(requests, profiled)
@@ -323,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--streams-per-read", type=int, default=4, help="ext_proc streams per read (default 4)")
     parser.add_argument("--profile", choices=CASES, help="print cProfile's busiest functions of this case instead")
     parser.add_argument("--lines", type=int, default=40, help="functions --profile prints (default 40)")
+    parser.add_argument("--tracing", type=float, metavar="RATIO",
+                        help="the picker with --tracing's spans at this sampler ratio (needs the tracing extra)")
     args = parser.parse_args(argv)
     unknown = [name for name in args.cases if name not in CASES]
     if unknown:
@@ -332,14 +346,14 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.profile:
         profile(args.profile, requests=args.requests, endpoints=args.endpoints,
-                streams_per_read=args.streams_per_read, lines=args.lines)
+                streams_per_read=args.streams_per_read, lines=args.lines, tracing=args.tracing)
         return
     columns = ("python_calls", "c_calls", "us")
     print(f"| case | {' | '.join(columns)} |")
     print(f"|---|{'---:|' * len(columns)}")
     for case in args.cases or CASES:
         result = measure(case, requests=args.requests, repeats=args.repeats, endpoints=args.endpoints,
-                         streams_per_read=args.streams_per_read)
+                         streams_per_read=args.streams_per_read, tracing=args.tracing)
         print(f"| {case} | " + " | ".join(f"{result[column]:.1f}" for column in columns) + " |", flush=True)
 
 

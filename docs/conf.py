@@ -33,7 +33,7 @@ nitpick_ignore_regex = [
                r"|contextlib|datetime|re|weakref|selectors)\.\w+(\.\w+)?"),
     # Third-party packages, offline for the same reason.
     (r"py:.*", r"(trio|trio_asyncio|pyarrow|numpy|hypothesis|google\.protobuf|lightkube|httpx|h11|h2"
-               r"|prometheus_client|grpclib|grpc|cryptography|cupy|ucxx|envoy|xds|udpa|validate)(\.\w+)+"),
+               r"|prometheus_client|grpclib|grpc|cryptography|cupy|ucxx|envoy|xds|udpa|validate|opentelemetry)(\.\w+)+"),
     # The generated evergreen.v2 protobuf messages (evergreen_trio/_proto, built by protoc, no docstrings):
     # their fields are the wire format, documented in proto/evergreen/v2/*.proto and the spec.
     (r"py:class", r"evergreen\.v2\.evergreen_pb2\.\w+"),
@@ -48,6 +48,8 @@ nitpick_ignore = [
     ("py:class", "_Walk"),
     ("py:class", "ChunkMetadata"),  # the generated evergreen.v2 message, as above
     ("py:class", "CollectorRegistry"),  # prometheus_client's, in SessionMetrics's constructor
+    ("py:class", "SpanExporter"),  # OpenTelemetry's, in Tracing's constructor
+    ("py:class", "Resource"),
     # The picker's per-endpoint counter cell behind a Ticket (built by InflightLoad, never by users).
     ("py:class", "_Counter"),
     ("py:class", "_EndpointCounter"),
@@ -56,3 +58,10 @@ nitpick_ignore = [
     # The candidate type RolloutScreener.screen is generic over (the scheduler's EndpointState).
     ("py:class", "evergreen_trio.picker.rollout.T"),
 ]
+
+# The picker's runtime names the `tracing` extra's Tracing only under TYPE_CHECKING (it must not import
+# OpenTelemetry without --tracing): bound here, so autodoc resolves run_picker's hints.
+import evergreen_trio.picker.runtime as _runtime  # noqa: E402
+from evergreen_trio.picker.tracing import Tracing as _Tracing  # noqa: E402
+
+_runtime.Tracing = _Tracing  # type: ignore[attr-defined]

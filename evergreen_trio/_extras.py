@@ -23,6 +23,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "generate": ("httpx",),
     "sim": ("xxhash",),
     "testing": ("hypothesis", "grpc"),
+    "tracing": ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"),
 }
 """The modules each extra brings that its part imports (what :func:`require_extra` checks)."""
 # `gateway` is the picker and the simulator (with Envoy's binary, which find_envoy looks for).

@@ -32,6 +32,7 @@ PARTS = [
     ("evergreen_trio.testing.strategies", "testing"),
     ("evergreen_trio.testing.wire", "testing"),
     ("evergreen_trio.testing.conformance", "testing"),
+    ("evergreen_trio.picker.tracing", "tracing"),
 ]
 CORE_MODULES = ("evergreen_trio", "evergreen_trio.serving.server", "evergreen_trio.client", "evergreen_trio.actions",
                 "evergreen_trio.refs", "evergreen_trio.generate", "evergreen_trio.testing.pytest_plugin")

@@ -32,7 +32,7 @@ SANS_IO_CORES = (
     "picker/attribute_reporter.py", "picker/config.py", "picker/endpoint_attribute.py", "picker/engine_metrics.py",
     "picker/dataparallel.py", "picker/epp_config.py", "picker/models_source.py", "picker/routing_headers.py",
     "picker/served_verifier.py", "picker/multicluster.py", "picker/syncer.py", "picker/plugin_state.py",
-    "picker/plugin_dumps.py",
+    "picker/plugin_dumps.py", "picker/tracing.py", "picker/tracing_env.py",
     "picker/errors.py",
     "_grpc/server_wire.py", "picker/plugins.py",
     "picker/processor.py", "picker/request.py", "picker/scheduler.py", "picker/usage.py", "picker/parsers/*.py",
@@ -85,7 +85,8 @@ FACE_EXCEPTIONS = {
     "benchmarks/kv_block_keys.py": {"evergreen_trio.picker.kvblock"},
     # The picker's calls per request: its wire serving the picker as the runtime builds it, and the floor.
     "benchmarks/picker_calls.py": {"evergreen_trio._grpc.server_wire", "evergreen_trio.picker.config",
-                                   "evergreen_trio.picker.processor", "evergreen_trio.picker.runtime"},
+                                   "evergreen_trio.picker.processor", "evergreen_trio.picker.runtime",
+                                   "evergreen_trio.picker.tracing", "evergreen_trio.picker.tracing_env"},
     # The session benchmark's Trio floor: the picker's wire echoing the session's wire messages, framed
     # as the session client frames them.
     "benchmarks/trio_floor_echo.py": {"evergreen_trio._proto.evergreen.v2.evergreen_pb2",

@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from evergreen_trio._cli import UsageError, port, serve_until_signal
 from evergreen_trio._grpc.server import SSLContextSource
@@ -47,6 +48,9 @@ from evergreen_trio.picker.runtime import (
 )
 from evergreen_trio.serving.evergreen_front import add_front_arguments, front_from_args
 from evergreen_trio.serving.signals import with_stop_deadline
+
+if TYPE_CHECKING:  # the `tracing` extra, imported only with --tracing
+    from evergreen_trio.picker.tracing import Tracing
 
 log = logging.getLogger(__name__)
 REFERENCE_POOL_GROUP = "inference.networking.k8s.io"
@@ -96,6 +100,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     flag("--emit-endpoint-scores", help="each candidate's score in envoy.lb/x-gateway-destination-endpoint-scores")
     flag("--disable-endpoint-subset-filter", help="ignore Envoy's envoy.lb.subset_hint metadata")
     flag("--enable-grpc-stream-metrics", help="the llm_d_epp_extproc_stream* metrics")
+    flag("--tracing", help="OpenTelemetry spans of each request, as the reference's (OTEL_* variables; "
+                           "needs the tracing extra)")
     flag("--metrics-endpoint-auth", default=None,
          help="scrapes need a Kubernetes token allowed to GET the path (default true with --pool-name)")
     picker.add_argument("--grpc-max-recv-msg-size", metavar="SIZE",
@@ -309,7 +315,7 @@ def run_picker_command(args: argparse.Namespace) -> int:
               f"metrics {ports.metrics} tls {'on' if settings.ssl_context else 'off'}", flush=True)
 
     return serve_until_signal(partial(
-        run_picker, settings.config, host=settings.host, grpc_port=args.grpc_port,
+        run_picker, settings.config, tracing=picker_tracing(args.tracing), host=settings.host, grpc_port=args.grpc_port,
         health_port=args.grpc_health_port, metrics_port=args.metrics_port, ssl_context=settings.ssl_context,
         metrics_ssl_context=settings.metrics_ssl_context, metrics_auth=settings.metrics_auth,
         discovery=settings.discovery,
@@ -318,6 +324,17 @@ def run_picker_command(args: argparse.Namespace) -> int:
         discovery_state=settings.discovery_state),
         started=announce, drain=with_stop_deadline(settings.drain.drain),
         address=f"{settings.host} (ports {args.grpc_port}, {args.grpc_health_port}, {args.metrics_port})")
+
+
+def picker_tracing(enabled: bool) -> Tracing | None:
+    """With ``--tracing``: the tracer provider and exporter the ``OTEL_*`` variables ask for (a
+    missing ``tracing`` extra is a MissingExtraError naming it)."""
+    if not enabled:
+        return None
+    from evergreen_trio.picker.tracing import new_tracing
+    from evergreen_trio.picker.tracing_env import tracing_settings
+
+    return new_tracing(tracing_settings(os.environ))
 
 
 def run_gateway_config(args: argparse.Namespace) -> int:

@@ -29,7 +29,6 @@ IGNORED_VALUE_FLAGS = {
 }
 # Go booleans accepted and ignored.
 IGNORED_BOOL_FLAGS = {
-    "--tracing": "no OpenTelemetry tracing",
     "--health-checking": "gRPC health is always served",
     "--enable-pprof": "no pprof (Go profiler)",
     "--enable-cert-reload": "certificates under --cert-path are always reloaded on change",

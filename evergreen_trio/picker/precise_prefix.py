@@ -355,7 +355,13 @@ def _legacy_scores(scheduler: Scheduler, request: PickRequest, candidates: Seque
     cache = producers[0] if len(producers) == 1 else state
     if not isinstance(cache, PrecisePrefixCache):
         return {}
-    return cache.prefix_scores(request, candidates, _DEFAULT_SCORER, scheduler.snapshot.clock())
+    tracing = scheduler.tracing  # with --tracing: the reference's score_prefix_cache span
+    if tracing is not None:
+        tracing.scorer_started(request, len(candidates), name="score_prefix_cache")
+    scores = cache.prefix_scores(request, candidates, _DEFAULT_SCORER, scheduler.snapshot.clock())
+    if tracing is not None:
+        tracing.scorer_ended(scores)
+    return scores
 
 
 def check_precise(plugins: Mapping[str, Plugin], where: Callable[[str], str]) -> set[str]:

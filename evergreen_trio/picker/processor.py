@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -65,6 +65,9 @@ from evergreen_trio.picker.token_ids import BYTES_PER_TOKEN
 from evergreen_trio.picker.token_producer import DEFAULT_PRODUCER, request_producer, tokenize
 from evergreen_trio.picker.usage import OPENAI_RESPONSES, ResponseBody, ResponseFormat, Usage
 from evergreen_trio.picker.vllm_render import RenderCall
+
+if TYPE_CHECKING:  # the `tracing` extra, imported only with --tracing
+    from evergreen_trio.picker.tracing import RequestTrace, Tracing
 
 DESTINATION = "x-gateway-destination-endpoint"
 FALLBACK = "x-gateway-destination-endpoint-fallback"
@@ -233,6 +236,7 @@ class Picker:
         # A plain routing reply's bytes by (phase, destination, fallback): parsing them back is
         # several times cheaper than building the message field by field (see ExtProcStream._decision).
         self.plain_decisions: dict[tuple[str, str, str | None], bytes] = {}
+        self.tracing: Tracing | None = None  # set by the runtime with --tracing
 
     def set_cluster_objectives(self, objectives: Mapping[str, int]) -> None:
         """The InferenceObjectives watched in the cluster (they win over the config's of the same name)."""
@@ -529,6 +533,7 @@ class ExtProcStream:
     # destination-endpoint-served-verifier's response header, once the response headers came
     # (a class default: most pickers declare no verifier, and their streams never set it).
     verified: tuple[tuple[str, str], ...] = ()
+    trace: RequestTrace | None = None  # its spans, with --tracing (a class default: none without)
 
     def __init__(self, picker: Picker) -> None:
         self.picker = picker
@@ -672,6 +677,9 @@ class ExtProcStream:
             raise ExtProcError("expected one request_headers message per stream, got a second")
         self.headers = _headers(message.request_headers)
         self.received_at = self.picker.snapshot.clock()
+        tracing = self.picker.tracing
+        if tracing is not None:
+            self.trace = tracing.request(self.headers)
         value = _metadata_value(message.metadata_context, SUBSET_NAMESPACE, SUBSET)
         if value is not None and self.picker.config.ext_proc.honor_subset_hint:
             self.subset = frozenset(subset_host(entry) for entry in _struct_strings(value))
@@ -722,6 +730,8 @@ class ExtProcStream:
         followed by the body in chunks, the last with ``duplex_end``), or an immediate one; then ``after``.
         """
         self.routed = True
+        if self.trace is not None:
+            self.trace.orchestrate()
         try:
             admission = self.picker.admit(request_path(self.headers), self.headers, body, self.subset, self.report)
         except RequestError as exc:
@@ -771,6 +781,8 @@ class ExtProcStream:
         if self.picker.latency and not admission.latency and self._predict(
                 admission, partial(self._finish_outcome, admission, phase, duplex_end, after)):
             return []
+        if self.trace is not None:  # the scheduler's spans, when this request's are sampled
+            self.picker.scheduler.tracing = self.trace.scheduling()
         try:
             route = self.picker.pick(admission, self.report)
         except RequestError as exc:
@@ -834,6 +846,8 @@ class ExtProcStream:
     def _decision(self, route: Route, phase: str) -> ep.ProcessingResponse:
         """The response for ``phase`` that sends the request to ``route``."""
         self.route = route
+        if self.trace is not None:  # the request carries its span's context upstream
+            route.request_headers = {**route.request_headers, **self.trace.routed(self.report)}
         rewrites_back = route.target_model is not None and route.target_model != route.client_model
         self.finished = route.skip_response or not (
             self.limits.observe_responses or rewrites_back or route.response_headers or self.picker.reporters
@@ -888,6 +902,8 @@ class ExtProcStream:
         """An ImmediateResponse ends Envoy's processing of the request, so it ends the stream too."""
         self.finished = True
         self.report.error = status
+        if self.trace is not None:
+            self.trace.answered(self.report, message)
         return immediate(status, message, dropped_reason)
 
     # -- response -------------------------------------------------------------------------------

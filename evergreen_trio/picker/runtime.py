@@ -17,6 +17,7 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -55,8 +56,12 @@ from evergreen_trio.picker.render_client import render_starter
 from evergreen_trio.picker.rollout import RolloutCollector, RolloutScreener
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
+from evergreen_trio.picker.tracing_export import exporting
 from evergreen_trio.picker.vllm_render import VllmRender
 from evergreen_trio.serving.metrics import Authorize, serve_metrics
+
+if TYPE_CHECKING:  # the `tracing` extra, imported only with --tracing
+    from evergreen_trio.picker.tracing import Tracing
 
 log = logging.getLogger(__name__)
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -119,6 +124,8 @@ class _GrpcStream(ExtProcStream):
         if not report.recorded:
             report.recorded = True
             metrics.record(report, time.monotonic() - started)
+            if self.trace is not None:
+                self.trace.end(report)
 
     def resume(self) -> Sequence[ep.ProcessingResponse]:
         replies = ExtProcStream.resume(self)
@@ -130,6 +137,8 @@ class _GrpcStream(ExtProcStream):
             replies = ExtProcStream.on_message(self, message)
         except ExtProcError as exc:
             log.warning("picker.stream_aborted error=%s", exc)
+            if self.trace is not None:
+                self.trace.end(self.report, str(exc))
             self._record()
             raise RpcAbortError(Status.INVALID_ARGUMENT, str(exc)) from None
         if self.finished or (self.report.routed and not self._running):  # else _after has nothing to do
@@ -161,6 +170,8 @@ class _GrpcStream(ExtProcStream):
             self.report.recorded = True
             self._metrics.record(self.report, time.monotonic() - self._started,
                                  prefix_index_size=self.picker.scheduler.prefix.total())
+            if self.trace is not None:
+                self.trace.end(self.report)
 
 
 async def _flow_control(gate: FlowGate, interval_s: float, wake: trio.Event, new_wake: Callable[[], trio.Event],
@@ -415,6 +426,7 @@ async def run_picker(
     pod_notifications: PodNotifications | None = None,
     notifications: NotificationWatch | None = None,
     discovery_state: DumpState | None = None,
+    tracing: Tracing | None = None,
     task_status: trio.TaskStatus[PickerPorts] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the Endpoint Picker until cancelled; ``started`` gets the bound :class:`PickerPorts`.
@@ -429,7 +441,9 @@ async def run_picker(
     ``notifications`` the ``k8s-notification-source`` plugins of their objects; each
     ``endpoint-notification-source`` learns of every endpoint set. The metrics port serves
     ``/debug/plugins/state`` too (``evergreen_trio.picker.plugin_state``); ``discovery_state``
-    is the ``dataLayer.discovery`` plugin's dump, when ``discovery`` is one.
+    is the ``dataLayer.discovery`` plugin's dump, when ``discovery`` is one. ``tracing``
+    (``--tracing``): each request's spans, exported by a task of the picker's
+    (``evergreen_trio.picker.tracing_export``).
     """
     snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, time.monotonic)
     metrics = picker_metrics(config)
@@ -454,7 +468,8 @@ async def run_picker(
     plugins = config.epp.plugins if config.epp is not None else {}
     endpoint_sources = endpoint_notifications(plugins)
     with plain_errors():  # a failing task (a discovery, a port) leaves as itself, not in a group
-        async with trio.open_nursery() as nursery:
+        async with exporting(tracing), trio.open_nursery() as nursery:
+            picker.tracing = tracing
             if picker.tokens is not None and isinstance(picker.tokens.backend, VllmRender):
                 picker.start_render = render_starter(nursery, picker.tokens.backend)
             if picker.latency:

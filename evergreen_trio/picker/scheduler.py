@@ -11,7 +11,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from evergreen_trio.picker.admission import admit, declared_admitters
 from evergreen_trio.picker.affinity import AFFINITY_FILTERS, AFFINITY_SCORERS, AFFINITY_STATES
@@ -58,7 +58,7 @@ from evergreen_trio.picker.p2p_source import (
 from evergreen_trio.picker.pickers import PICKERS, PickerFunction
 from evergreen_trio.picker.plugin_state import MAX_LISTED, busiest, identity
 from evergreen_trio.picker.plugins import MIN_BLOCK_TOKENS, Decider, DisaggHandler, Plugin, PrefixScorerParams, Profile
-from evergreen_trio.picker.precise_prefix import PRECISE_SCORERS, PRECISE_STATES, PrecisePrefixCache
+from evergreen_trio.picker.precise_prefix import PRECISE_SCORERS, PRECISE_STATES, PrecisePrefixCache, precise_caches
 from evergreen_trio.picker.prefix_hash import BlockHashes
 from evergreen_trio.picker.rollout import rollout_screeners
 from evergreen_trio.picker.routing_headers import KV_CACHE_SOURCE_HEADER, DisaggHeaders, at_primary_port
@@ -66,6 +66,9 @@ from evergreen_trio.picker.session import SESSION_FILTERS, SESSION_SCORERS, SESS
 from evergreen_trio.picker.testing_filter import TESTING_FILTERS
 from evergreen_trio.picker.token_estimate import TokenizedPrompt
 from evergreen_trio.picker.topology import TOPOLOGY_FILTERS, TOPOLOGY_SCORERS, TOPOLOGY_STATES
+
+if TYPE_CHECKING:  # the `tracing` extra, imported only with --tracing
+    from evergreen_trio.picker.tracing import Tracing
 
 
 @dataclass
@@ -423,6 +426,10 @@ class Scheduler:
                            for params in (p2p_sources(config.epp.plugins) if config.epp is not None else ())]
         self.kv_picks: list[tuple[P2PSourceParams, Peer | None, dict[str, int]]] = []
         """Each p2p-source-producer's source for the last pick, and the tokens each candidate caches."""
+        self.tracing: Tracing | None = None
+        """Set before each pick with --tracing when the request is sampled: each profile run's spans
+        (run_scheduler_profile, filter_endpoints, llm_d.epp.scoring and a span per scorer,
+        pick_endpoints), as the reference's."""
 
     def saturation(self, states: Sequence[EndpointState] | None = None) -> float:
         """What the legacy admission's detector reads now of ``states`` (the request's located
@@ -494,6 +501,8 @@ class Scheduler:
         schedule = self._run_profiles(request, count)
         for setter in self.header_setters:
             schedule.prefill = setter.apply(schedule.profiles, schedule.request_headers)
+            if self.tracing is not None:
+                self.tracing.prepared_disaggregation(request, setter, schedule.profiles)
         for params, source, cached in self.kv_picks:  # each clears and may set it: the last one decides
             headers = schedule.request_headers
             headers.pop(KV_CACHE_SOURCE_HEADER, None)
@@ -537,6 +546,10 @@ class Scheduler:
                                if request.hashes else {})
         if self.kv_sources:  # the reference's Produce runs before the profiles, over the same candidates
             self.kv_picks = [self._kv_source(params, block, request, candidates) for params, block in self.kv_sources]
+        tracing = self.tracing
+        if tracing is not None:  # the precise producers' spans, before the profiles as the reference's Produce
+            tracing.produced_precise_prefix(request, precise_caches(self.plugin_states).values(), candidates,
+                                            self.snapshot.clock())
         profiles = self._profiles
         handler = self.config.handler
         if not isinstance(handler, DisaggHandler):
@@ -546,22 +559,32 @@ class Scheduler:
                 raise RequestError(429, f"{NO_ENDPOINTS}: profile {profile.name!r}'s filters kept none", SATURATED)
             return Schedule(picked, None, {profile.name: picked}, scores)
         result: dict[str, list[str]] = {}
-        prefill = profiles.get(handler.prefill)
+        prefill = profiles.get(handler.prefill)  # with --tracing: a pick_disagg_profile span per stage chosen
         if handler.stage_order == "prefill-first":
             if prefill is not None:
+                if tracing is not None:
+                    tracing.disagg_decision(request, "run_prefill")
                 result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
                 self.peer = result[prefill.name][0] if result[prefill.name] else None
             self._encode(handler, request, candidates, None, result)
+        if tracing is not None:
+            tracing.disagg_decision(request, "run_decode")
         decode, scores = self.run_profile(profiles[handler.decode], request, candidates, count)
         if not decode:
+            if tracing is not None:
+                tracing.disagg_decision(request, "complete", decode_failed=True)
             raise RequestError(429, f"{NO_ENDPOINTS}: decode profile {handler.decode!r}'s filters kept none",
                                SATURATED)
         result[handler.decode] = decode
         if handler.stage_order == "decode-first":
             self._encode(handler, request, candidates, decode[0], result)
             if prefill is not None and self._decides(handler.prefill_decider, request, decode[0]):
+                if tracing is not None:
+                    tracing.disagg_decision(request, "run_prefill")
                 self.peer = decode[0]
                 result[prefill.name] = self.run_profile(prefill, request, candidates, 1)[0]
+        if tracing is not None:
+            tracing.disagg_completed(request, bool(result.get(handler.encode)), bool(result.get(handler.prefill)))
         return Schedule(decode, None, result, scores)
 
     def _kv_source(self, params: P2PSourceParams, block_tokens: int, request: PickRequest,
@@ -616,12 +639,17 @@ class Scheduler:
         so, that profile picks its picker's ``maxNumOfEndpoints`` encoders."""
         encode = self._profiles.get(handler.encode)
         if encode is not None and self._decides(handler.encode_decider, request, decode):
+            if self.tracing is not None:
+                self.tracing.disagg_decision(request, "run_encode")
             result[encode.name] = self.run_profile(encode, request, candidates, encode.picks)[0]
 
     def run_profile(self, profile: Profile, request: PickRequest, candidates: Sequence[EndpointState],
                     count: int) -> tuple[list[str], dict[str, float]]:
         """Filter, score and pick up to ``count`` addresses by ``profile`` (best first; [] if none
         passed), with the scores of the candidates that passed (empty when the profile has no scorer)."""
+        tracing = self.tracing
+        if tracing is not None:
+            tracing.profile_started(profile.name, request, len(candidates))
         for plugin in profile.filters:
             function = FILTERS.get(plugin.type)
             if function is not None:
@@ -629,11 +657,20 @@ class Scheduler:
             else:
                 keeps = plugin.params.keeps  # type: ignore[attr-defined]  # the other filter types have keeps(labels)
                 candidates = [s for s in candidates if keeps(s.endpoint.label_map)]
+        if tracing is not None:
+            tracing.filtered(len(candidates))
         if not candidates:
+            if tracing is not None:
+                tracing.profile_ended()
             return [], {}
         scores = self.scores(request, candidates, profile)
         reported = scores if profile.scorers else {}
-        return PICKERS[profile.picker](self.rng, scores, count), reported
+        if tracing is None:
+            return PICKERS[profile.picker](self.rng, scores, count), reported
+        tracing.picking(request, scores)
+        picked = PICKERS[profile.picker](self.rng, scores, count)
+        tracing.profile_ended()
+        return picked, reported
 
     def _params(self, plugin: Plugin) -> object:
         """What ``plugin``'s function gets: its state for a stateful type, else its params."""
@@ -655,6 +692,9 @@ class Scheduler:
         clock = time.perf_counter
         seconds = self.scorer_seconds
         states = self.plugin_states
+        tracing = self.tracing
+        if tracing is not None:
+            tracing.scoring_started(request, len(profile.scorers), len(candidates))
         for scorer in profile.scorers:
             weight = scorer.weight
             if not weight:
@@ -662,10 +702,16 @@ class Scheduler:
             started = clock()
             plugin = scorer.plugin
             key = plugin.type
-            for address, score in SCORERS[key](self, request, candidates, fresh,
-                                               states.get(plugin.name, plugin.params)).items():
+            if tracing is not None:
+                tracing.scorer_started(request, len(candidates), key, plugin.name, weight)
+            scored = SCORERS[key](self, request, candidates, fresh, states.get(plugin.name, plugin.params))
+            for address, score in scored.items():
                 result[address] += weight * score
+            if tracing is not None:
+                tracing.scorer_ended(scored)
             seconds[key] = seconds.get(key, 0.0) + clock() - started
+        if tracing is not None:
+            tracing.scoring_ended()
         return result
 
     def prompt_tokens(self, request: PickRequest) -> int:

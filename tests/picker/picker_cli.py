@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import trio
 
@@ -44,14 +45,17 @@ def run_cli(
 
 
 @asynccontextmanager
-async def picker_process(args: Sequence[str], env: Mapping[str, str] | None = None) -> AsyncIterator[RunningPicker]:
-    """Start the picker, wait for its 'grpc ... health ... metrics ...' line, stop it with SIGTERM.
+async def picker_process(args: Sequence[str], env: Mapping[str, str] | None = None,
+                         stderr: IO[bytes] | None = None) -> AsyncIterator[RunningPicker]:
+    """Start the picker, wait for its 'grpc ... health ... metrics ...' line, stop it with SIGTERM
+    (its stderr: ours, or ``stderr``).
 
     Unless ``args`` set ``--drain-timeout``, it is 0s: a cluster-mode picker would serve on for
     30 s after the SIGTERM, which only the drain tests wait for."""
     if not any(arg.startswith("--drain-timeout") for arg in args):
         args = [*args, "--drain-timeout=0s"]
-    process = await trio.lowlevel.open_process([*PICKER, *args], env=cli_env(env), stdout=subprocess.PIPE)
+    process = await trio.lowlevel.open_process([*PICKER, *args], env=cli_env(env), stdout=subprocess.PIPE,
+                                               stderr=stderr)
     assert process.stdout is not None
     try:
         buffer = b""

@@ -29,3 +29,14 @@ def test_an_unknown_case_is_one_line(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         main(["sockets"])
     assert "unknown case 'sockets'" in capsys.readouterr().err
+
+
+def test_with_tracing_every_request_is_traced(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = Bench("routing", endpoints=3, streams_per_read=4, tracing=1.0)
+    spans: list[str] = []
+    assert bench.picker.tracing is not None
+    bench.picker.tracing.buffer.on_end = lambda span: spans.append(span.name)  # type: ignore[method-assign]
+    bench.run(8, Meter())
+    assert spans.count("gateway.request") == spans.count("pick_endpoints") == 8
+    main(["routing", "--requests", "4", "--repeats", "1", "--tracing", "0.5"])
+    assert capsys.readouterr().out.splitlines()[2].startswith("| routing |")
