@@ -210,18 +210,24 @@ def _latency(item: object, i: int, key: str) -> float:
     return float(value)
 
 
+def _reply_json(status: int, body: bytes, what: str, limit: int) -> object:
+    """A predictor server's 200 reply of at most ``limit`` bytes, as JSON (NaN and infinities
+    refused); PredictorError naming ``what`` otherwise."""
+    if status != 200:
+        raise PredictorError(f"{what} answered {status}: {body[:200].decode('utf-8', 'replace')}")
+    if len(body) > limit:
+        raise PredictorError(f"{what}: reply larger than {limit} bytes")
+    try:
+        return json.loads(body, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:
+        raise PredictorError(f"{what}: reply is not JSON: {str(exc)[:100]}") from None
+
+
 def decode_bulk_strict(status: int, body: bytes, rows: int) -> list[Prediction]:
     """The ``rows`` predictions of a ``/predict/bulk/strict`` reply, in order; PredictorError for a
     non-200 status, a body that is not the expected JSON, a count other than ``rows``, or a
     latency that is not a finite number >= 0."""
-    if status != 200:
-        raise PredictorError(f"bulk prediction answered {status}: {body[:200].decode('utf-8', 'replace')}")
-    if len(body) > MAX_REPLY_BYTES:
-        raise PredictorError(f"bulk prediction reply larger than {MAX_REPLY_BYTES} bytes")
-    try:
-        doc = json.loads(body, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as exc:
-        raise PredictorError(f"bulk prediction reply is not JSON: {str(exc)[:100]}") from None
+    doc = _reply_json(status, body, "bulk prediction", MAX_REPLY_BYTES)
     predictions = doc.get("predictions") if isinstance(doc, dict) else None
     if not isinstance(predictions, list):
         raise PredictorError("bulk prediction reply: expected an object with a predictions list")
@@ -270,14 +276,7 @@ def decode_model_report(status: int, body: bytes, what: str) -> ModelReport:
     for a non-200 status, a body over :data:`MAX_REPORT_BYTES` or not a JSON object, a type or
     objective that is not a short string, a quantile that is not a finite number, or an
     ``is_ready`` that is not a boolean."""
-    if status != 200:
-        raise PredictorError(f"{what} answered {status}: {body[:200].decode('utf-8', 'replace')}")
-    if len(body) > MAX_REPORT_BYTES:
-        raise PredictorError(f"{what}: reply larger than {MAX_REPORT_BYTES} bytes")
-    try:
-        doc = json.loads(body, parse_constant=_refuse_constant)
-    except (ValueError, RecursionError) as exc:
-        raise PredictorError(f"{what}: reply is not JSON: {str(exc)[:100]}") from None
+    doc = _reply_json(status, body, what, MAX_REPORT_BYTES)
     if not isinstance(doc, dict):
         raise PredictorError(f"{what}: expected a JSON object")
     quantile = doc.get("quantile", 0.0)

@@ -21,7 +21,7 @@ from test_tracing_otlp import collector
 from evergreen_trio.picker import PickerPorts, parse_config, run_picker
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.envoy_process import run_envoy
-from evergreen_trio.picker.tracing import new_tracing
+from evergreen_trio.picker.tracing import Tracing, new_tracing
 from evergreen_trio.picker.tracing_env import TracingSettings
 
 pytestmark = pytest.mark.envoy
@@ -30,14 +30,20 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
 
 
-async def test_the_clients_trace_goes_through_envoy_and_the_picker_to_the_model_server(
-        nursery: trio.Nursery, ports: Ports, backends: list[FakeModelServer], duplex_gateway: Gateway) -> None:
+async def traced_picker(nursery: trio.Nursery, ports: Ports) -> Tracing:
+    """A picker of the test's pool on its port, every request traced into memory."""
     tracing = new_tracing(TracingSettings(ratio=1.0, delay_s=600.0), InMemorySpanExporter())
     endpoints = "\n".join(f"    - address: {a}" for a in ports.pool)
     config = parse_config(f"pool:\n  name: traced\n  endpoints:\n{endpoints}\n")
     bound: PickerPorts = await nursery.start(partial(
         run_picker, config, grpc_port=ports.picker, health_port=0, metrics_port=0, tracing=tracing))
     await wait_serving(bound.health)
+    return tracing
+
+
+async def test_the_clients_trace_goes_through_envoy_and_the_picker_to_the_model_server(
+        nursery: trio.Nursery, ports: Ports, backends: list[FakeModelServer], duplex_gateway: Gateway) -> None:
+    tracing = await traced_picker(nursery, ports)
     async with httpx.AsyncClient(timeout=20) as client:
         response = await client.post(duplex_gateway.url("/v1/completions"), headers={"traceparent": TRACEPARENT},
                                      content=json.dumps({"model": "m", "prompt": "hi"}).encode())
@@ -81,12 +87,7 @@ async def test_envoys_own_tracer_puts_no_trace_context_where_the_picker_reads_it
         path = write_gateway_config(tmp_path / "envoy.json",
                                     traced_gateway_config(ports.picker, port, admin_port, collector_port))
         await nursery.start(partial(run_envoy, path, admin_port=admin_port))
-        tracing = new_tracing(TracingSettings(ratio=1.0, delay_s=600.0), InMemorySpanExporter())
-        endpoints = "\n".join(f"    - address: {a}" for a in ports.pool)
-        config = parse_config(f"pool:\n  name: traced\n  endpoints:\n{endpoints}\n")
-        bound: PickerPorts = await nursery.start(partial(
-            run_picker, config, grpc_port=ports.picker, health_port=0, metrics_port=0, tracing=tracing))
-        await wait_serving(bound.health)
+        tracing = await traced_picker(nursery, ports)
         async with httpx.AsyncClient(timeout=20) as client:  # no traceparent: Envoy starts the trace
             response = await client.post(f"http://127.0.0.1:{port}/v1/completions",
                                          content=json.dumps({"model": "m", "prompt": "hi"}).encode())

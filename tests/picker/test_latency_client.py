@@ -343,16 +343,23 @@ class FakePredictor:
         self.asked.append((list(rows), done))
 
 
-def _parked_stream(metrics: list[EndpointMetrics] | None = None) -> tuple[Any, FakePredictor, Any]:
-    picker = make_picker(CONFIG, metrics or [EndpointMetrics(kv_usage=0.5, running=3)] * 3)
+def _stream(config: str, metrics: list[EndpointMetrics], prompt: str) -> tuple[Any, FakePredictor, list[bool]]:
+    """A stream of a picker with a fake predictor, its SLO request buffered in, parked."""
+    picker = make_picker(config, metrics)
     fake = FakePredictor()
     picker.start_predict = fake
     stream = picker.new_stream()
     woken: list[bool] = []
     stream.on_unpark = lambda: woken.append(True)
     stream.on_message(request_headers("/v1/completions", extra=SLO, request_mode=Mode.BUFFERED))
-    assert stream.on_message(request_body(json.dumps({"model": "plain", "prompt": "hi"}).encode())) == []
-    assert stream.parked and len(fake.asked) == 1 and woken == []
+    assert stream.on_message(request_body(json.dumps({"model": "plain", "prompt": prompt}).encode())) == []
+    assert stream.parked
+    return stream, fake, woken
+
+
+def _parked_stream(metrics: list[EndpointMetrics] | None = None) -> tuple[Any, FakePredictor, Any]:
+    stream, fake, woken = _stream(CONFIG, metrics or [EndpointMetrics(kv_usage=0.5, running=3)] * 3, "hi")
+    assert len(fake.asked) == 1 and woken == []
     return stream, fake, woken
 
 
@@ -378,18 +385,11 @@ def test_a_sealed_burst_window_leaves_the_stream_parked_for_its_predictions() ->
     """Both producers hold the pick: the window's seal starts the predictions, and only their
     answer wakes the stream (the seal used to unpark it with nothing to send)."""
     burst = "- {type: burst-prefix-cache-producer, name: burst, parameters: {blockSizeTokens: 4}}\n"
-    picker = make_picker(CONFIG.replace("plugins:\n", "plugins:\n" + burst, 1),
-                         [EndpointMetrics(kv_usage=0.5, running=3)] * 3)
-    fake = FakePredictor()
-    picker.start_predict = fake
-    stream = picker.new_stream()
-    woken: list[bool] = []
-    stream.on_unpark = lambda: woken.append(True)
-    stream.on_message(request_headers("/v1/completions", extra=SLO, request_mode=Mode.BUFFERED))
-    assert stream.on_message(request_body(json.dumps({"model": "plain", "prompt": "hi " * 32}).encode())) == []
-    assert stream.parked and fake.asked == []
-    assert picker.burst is not None
-    picker.burst.seal()
+    stream, fake, woken = _stream(CONFIG.replace("plugins:\n", "plugins:\n" + burst, 1),
+                                  [EndpointMetrics(kv_usage=0.5, running=3)] * 3, "hi " * 32)
+    assert fake.asked == []
+    assert stream.picker.burst is not None
+    stream.picker.burst.seal()
     assert stream.parked and woken == [] and len(fake.asked) == 1
     fake.asked[0][1]([Prediction(150, 30), Prediction(90, 15), Prediction(40, 25)])
     assert woken == [True] and not stream.parked

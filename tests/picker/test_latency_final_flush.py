@@ -3,25 +3,20 @@ a final flush), and a training server that never answers does not hold its exit 
 
 from __future__ import annotations
 
-import json
-import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import trio
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from ext_proc_rounds import completion, streamed_round
 from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
 from test_latency_client import Handler, echo_predictions, serve
-from test_processor import Mode, request_body, request_headers, response_body, response_headers, set_headers
 
 from evergreen_trio.picker.latency import PredictedLatency, ProducerParams
 from evergreen_trio.picker.latency_client import FINAL_FLUSH_S, LatencyPredictorClient
 from evergreen_trio.picker.latency_wire import PredictionRow, PredictorConfig, TrainingEntry
-from evergreen_trio.picker.processor import DESTINATION
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.server import run_sim
 
@@ -38,38 +33,16 @@ schedulingProfiles:
 """
 
 
-def streamed_round(port: int) -> str | None:
-    """One streamed request through the picker's ext_proc, its response played back without an
-    endpoint (a first chunk, a second, the end): a TTFT and a TPOT training entry. The
-    destination, or None when the picker answered itself (before its first scrapes)."""
-    later: queue.Queue[ep.ProcessingRequest | None] = queue.Queue()
+def _two_chunks(destination: str, send: Callable[[bytes], None]) -> None:
+    """A response played back without an endpoint: a first chunk, a second (a TTFT and a TPOT
+    training entry, each above 0 ms)."""
+    for _ in range(2):
+        time.sleep(0.01)
+        send(b"data: {}\n\n")
 
-    def messages() -> Iterator[ep.ProcessingRequest]:
-        yield request_headers("/v1/completions", request_mode=Mode.BUFFERED,
-                              response_mode=Mode.FULL_DUPLEX_STREAMED, extra=[("content-type", "application/json")])
-        yield request_body(json.dumps({"model": "m", "prompt": "hello " * 20, "stream": True}).encode())
-        while (message := later.get()) is not None:
-            yield message
 
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = channel.stream_stream("/envoy.service.ext_proc.v3.ExternalProcessor/Process",
-                                     request_serializer=ep.ProcessingRequest.SerializeToString,
-                                     response_deserializer=ep.ProcessingResponse.FromString)
-        replies = call(messages(), timeout=30)
-        try:
-            next(replies)
-            decision = next(replies)
-            if decision.HasField("immediate_response"):
-                return None
-            later.put(response_headers("text/event-stream"))
-            for _ in range(2):
-                time.sleep(0.01)  # a TTFT and a TPOT above 0 ms
-                later.put(response_body(b"data: {}\n\n", end=False))
-            later.put(response_body(b"", end=True))
-            list(replies)
-        finally:
-            later.put(None)
-    return str(set_headers(decision.request_body.response.header_mutation)[DESTINATION])
+def one_round(port: int) -> str | None:
+    return streamed_round(port, "/v1/completions", completion("hello " * 20), _two_chunks)
 
 
 async def _buffer_then_stop(nursery: trio.Nursery, tmp_path: Path, training: Handler,
@@ -86,7 +59,7 @@ async def _buffer_then_stop(nursery: trio.Nursery, tmp_path: Path, training: Han
     async with picker_process(["--config", str(config), *EPHEMERAL_PORTS], env=env) as picker:
         await wait_health("127.0.0.1", picker.health, "readiness")
         with trio.fail_after(30):
-            while await trio.to_thread.run_sync(streamed_round, picker.grpc) is None:  # noqa: ASYNC110 (its scrape)
+            while await trio.to_thread.run_sync(one_round, picker.grpc) is None:  # noqa: ASYNC110 (its scrape)
                 await trio.sleep(0.1)
         assert not [c for c in calls if "entries" in c]  # buffered, not yet flushed
         started = trio.current_time()

@@ -6,20 +6,16 @@ started with llm-d-router's "predicted-latency-slo" well-known config, grpcio pl
 from __future__ import annotations
 
 import json
-import queue
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import grpc
 import httpx
 import trio
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from ext_proc_rounds import streamed_round
 from latency_servers import latency_servers, needs_predictor
 from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
-from test_processor import Mode, request_body, request_headers, response_body, response_headers, set_headers
 
-from evergreen_trio.picker.processor import DESTINATION
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.server import run_sim
 
@@ -68,37 +64,14 @@ def envoy_round(port: int, body: bytes, extra: list[tuple[str, str]]) -> str | N
     """One request as Envoy sends it: routed by the picker, sent to the endpoint it chose (a
     streamed chat), the response streamed back through the picker. The endpoint, or None when
     the picker answered (before its first scrapes)."""
-    later: queue.Queue[ep.ProcessingRequest | None] = queue.Queue()
 
-    def messages() -> Iterator[ep.ProcessingRequest]:
-        yield request_headers("/v1/chat/completions", request_mode=Mode.BUFFERED,
-                              response_mode=Mode.FULL_DUPLEX_STREAMED,
-                              extra=[("content-type", "application/json"), *extra])
-        yield request_body(body)
-        while (message := later.get()) is not None:
-            yield message
+    def from_endpoint(destination: str, send: Callable[[bytes], None]) -> None:
+        with httpx.stream("POST", f"http://{destination}/v1/chat/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=30) as reply:
+            for chunk in reply.iter_bytes():
+                send(chunk)
 
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = channel.stream_stream("/envoy.service.ext_proc.v3.ExternalProcessor/Process",
-                                     request_serializer=ep.ProcessingRequest.SerializeToString,
-                                     response_deserializer=ep.ProcessingResponse.FromString)
-        replies = call(messages(), timeout=30)
-        try:
-            next(replies)  # the request headers' (buffered: nothing yet)
-            decision = next(replies)
-            if decision.HasField("immediate_response"):
-                return None
-            destination = set_headers(decision.request_body.response.header_mutation)[DESTINATION]
-            with httpx.stream("POST", f"http://{destination}/v1/chat/completions", content=body,
-                              headers={"content-type": "application/json"}, timeout=30) as reply:
-                later.put(response_headers("text/event-stream"))
-                for chunk in reply.iter_bytes():
-                    later.put(response_body(chunk, end=False))
-            later.put(response_body(b"", end=True))
-            list(replies)
-        finally:
-            later.put(None)
-    return destination
+    return streamed_round(port, "/v1/chat/completions", body, from_endpoint, extra)
 
 
 def metrics_text(port: int) -> str:
