@@ -154,7 +154,8 @@ def test_dockerfile_runs_the_picker_on_the_same_ports() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^EXPOSE 9002 9003 9090$", text, re.M)
     assert 'ENTRYPOINT ["evergreen-trio", "picker"]' in text  # the chart passes only the picker's flags
-    assert '--wheel-dir /wheels ".[picker]"' in text  # cluster mode's lightkube and cryptography
+    # cluster mode's lightkube and cryptography; the chart's --tracing=true needs the SDK
+    assert '--wheel-dir /wheels ".[picker,tracing]"' in text
     for source in re.findall(r"^COPY (?!--)(.+) \S+$", text, re.M):
         for name in shlex.split(source):
             assert (DEPLOY.parents[1] / name).exists(), name
