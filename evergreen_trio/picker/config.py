@@ -42,7 +42,14 @@ from evergreen_trio.picker.headerprofile import HeaderProfileHandler
 from evergreen_trio.picker.inflight import LoadConfig, producer_config
 from evergreen_trio.picker.models_source import ModelsSource
 from evergreen_trio.picker.multicluster import PREFIX_SCORER, ClusterPoll
-from evergreen_trio.picker.plugins import DisaggHandler, Plugin, Profile, WeightedScorer, deferred_deprecations
+from evergreen_trio.picker.plugins import (
+    DisaggHandler,
+    Plugin,
+    Profile,
+    TlsOptions,
+    WeightedScorer,
+    deferred_deprecations,
+)
 
 ENGINES = (*ENGINE_METRICS, *ENGINE_ALIASES)
 CRITICALITY_PRIORITY = {"Critical": 1, "Standard": 0, "Sheddable": -1}
@@ -124,6 +131,7 @@ class PoolConfig:
     ``dcgm_sources`` its GPU utilization (``dcgm-data-source``s wired to a ``dcgm-extractor``).
     ``multicluster`` (a listed ``multicluster-metrics-data-source``) makes the endpoints peer
     clusters, polled for their pool aggregates instead of scraped as model servers.
+    ``metrics_tls`` (a ``metrics-data-source`` with ``scheme: https``) scrapes over https.
     """
 
     name: str
@@ -133,6 +141,7 @@ class PoolConfig:
     scrape_timeout_s: float = 1.0
     metrics_path: str = "/metrics"
     metrics_port: int | None = None
+    metrics_tls: TlsOptions | None = None
     engines: EngineConfig = field(default_factory=EngineConfig)
     models_sources: tuple[ModelsSource, ...] = ()
     dcgm_sources: tuple[DcgmSource, ...] = ()

@@ -261,6 +261,7 @@ def _pool_values(plugins: Mapping[str, Plugin]) -> dict[str, Any]:
         if isinstance(plugin.params, MetricsSourceParams):
             values["metrics_path"] = plugin.params.path
             values["metrics_port"] = plugin.params.port
+            values["metrics_tls"] = plugin.params.tls
             if plugin.params.interval is not None:
                 where = f"{KIND}.plugins[{list(plugins).index(name)}].parameters.interval"
                 values["refresh_interval_s"] = parse_duration(plugin.params.interval, where)

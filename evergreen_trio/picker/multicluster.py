@@ -43,7 +43,9 @@ from evergreen_trio.picker.plugins import (
     Params,
     Plugin,
     PluginType,
+    https_options,
     register,
+    tls_parameters,
 )
 from evergreen_trio.picker.session import SESSION_FILTER, SESSION_FILTERS, SESSION_STATES
 
@@ -134,7 +136,6 @@ class ClusterSource:
 
 def _cluster_source(params: Params) -> ClusterSource:
     from evergreen_trio.picker.config import parse_duration  # config imports the plugin registry
-    from evergreen_trio.picker.tls import TlsError, client_context  # the `picker` extra
 
     scheme = params.text("scheme", "https", choices=("https", "http"))
     path = params.text("path", "/metrics")
@@ -142,16 +143,9 @@ def _cluster_source(params: Params) -> ClusterSource:
         raise ConfigError(params.where("path"), "a path starting with '/'", path)
     params.integer("port", 1, minimum=1, maximum=65535)  # decoded and unused, as the reference's
     interval = params.text("interval", "")
-    source = ClusterSource(path, parse_duration(interval, params.where("interval")) if interval else None,
-                           scheme == "https", params.boolean("insecureSkipVerify", False),
-                           *(params.text(k, "") for k in ("caCertPath", "clientCertPath", "clientKeyPath")))
-    try:  # as the reference's factory: certificate files that do not load fail the config
-        if source.tls_options is not None:
-            client_context(*source.tls_options)
-    except TlsError as exc:  # its message names the file
-        raise ConfigError(params.path, "readable PEM files at caCertPath, clientCertPath, clientKeyPath",
-                          str(exc)) from None
-    return source
+    https = scheme == "https"
+    tls = https_options(params, False) if https else tls_parameters(params, False)
+    return ClusterSource(path, parse_duration(interval, params.where("interval")) if interval else None, https, *tls)
 
 
 _DEFAULT_KV, _DEFAULT_QUEUE = MetricSpec(DEFAULT_KV_METRIC), MetricSpec(DEFAULT_QUEUE_METRIC)

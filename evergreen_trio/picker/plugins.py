@@ -505,13 +505,40 @@ def _pd_handler(params: Params) -> DisaggParams:
 # -- data layer ---------------------------------------------------------------------------------
 
 
+TlsOptions = tuple[bool, str, str, str]
+"""An https data source's client TLS: skip verification, CA file, client certificate and key files
+(the arguments of :func:`evergreen_trio.picker.tls.client_context`)."""
+
+
 @dataclass(frozen=True)
 class MetricsSourceParams:
-    """``metrics-data-source``: where the model servers' metrics are scraped (http only here)."""
+    """``metrics-data-source``: where the model servers' metrics are scraped (``tls``: over https)."""
 
     path: str = "/metrics"
     port: int | None = None
     interval: str | None = None
+    tls: TlsOptions | None = None
+
+
+def tls_parameters(params: Params, skip_verify: bool) -> TlsOptions:
+    """A source's ``insecureSkipVerify`` (``skip_verify`` by default), ``caCertPath``,
+    ``clientCertPath`` and ``clientKeyPath``."""
+    return (params.boolean("insecureSkipVerify", skip_verify), params.text("caCertPath", ""),
+            params.text("clientCertPath", ""), params.text("clientKeyPath", ""))
+
+
+def https_options(params: Params, skip_verify: bool) -> TlsOptions:
+    """:func:`tls_parameters` of an https source; certificate files that do not load fail the
+    config, as the reference's factory reads them."""
+    from evergreen_trio.picker.tls import TlsError, client_context  # the `picker` extra
+
+    options = tls_parameters(params, skip_verify)
+    try:
+        client_context(*options)
+    except TlsError as exc:  # its message names the file
+        raise ConfigError(params.path, "readable PEM files at caCertPath, clientCertPath, clientKeyPath",
+                          str(exc)) from None
+    return options
 
 
 def http_source_path(params: Params, default_path: str, what: str) -> str:
@@ -529,10 +556,17 @@ def http_source_path(params: Params, default_path: str, what: str) -> str:
 
 
 def _metrics_source(params: Params) -> MetricsSourceParams:
-    path = http_source_path(params, "/metrics", "metrics are scraped")
+    tls = None
+    if params.text("scheme", "http", choices=("http", "https")) == "https":
+        tls = https_options(params, True)  # the reference's default: the model server's certificate not verified
+        path = params.text("path", "/metrics")
+        if not path.startswith("/"):
+            raise ConfigError(params.where("path"), "a path starting with '/'", path)
+    else:
+        path = http_source_path(params, "/metrics", "metrics are scraped")
     port = params.integer("port", 1, minimum=1, maximum=65535) if params.has("port") else None
     interval = params.text("interval", "") or None
-    return MetricsSourceParams(path, port, interval)
+    return MetricsSourceParams(path, port, interval, tls)
 
 
 _ENGINE_KEYS = ("name", "queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec", "cacheInfoSpec",

@@ -56,6 +56,7 @@ from evergreen_trio.picker.render_client import render_starter
 from evergreen_trio.picker.rollout import RolloutCollector, RolloutScreener
 from evergreen_trio.picker.scheduler import PoolSnapshot
 from evergreen_trio.picker.telemetry import PickerMetrics
+from evergreen_trio.picker.tls import client_context
 from evergreen_trio.picker.tracing_export import exporting
 from evergreen_trio.picker.vllm_render import VllmRender
 from evergreen_trio.serving.metrics import Authorize, serve_metrics
@@ -202,8 +203,10 @@ async def _scrape_forever(
     errors: ScrapeErrors | None = None,
 ) -> None:
     port = config.pool.metrics_port or endpoint.port
-    getter = KeepAliveGetter(endpoint.host, port, max_body=MAX_METRICS_BYTES)
-    url = f"http://{Endpoint(endpoint.host, port).address}{config.pool.metrics_path}"
+    tls = config.pool.metrics_tls
+    getter = KeepAliveGetter(endpoint.host, port, max_body=MAX_METRICS_BYTES,
+                             ssl_context=client_context(*tls) if tls is not None else None)
+    url = f"{'https' if tls else 'http'}://{Endpoint(endpoint.host, port).address}{config.pool.metrics_path}"
     engine = config.pool.engines.spec(endpoint.engine)
     was_ready = False
     try:

@@ -1,0 +1,83 @@
+"""``metrics-data-source`` over https, as the reference's: the model server's certificate is not
+verified unless ``insecureSkipVerify: false``, then against ``caCertPath``; scraped over real
+sockets from a TLS stand-in serving vLLM's metrics page."""
+
+from __future__ import annotations
+
+import ssl
+import time
+from functools import partial
+from pathlib import Path
+
+import trio
+import trustme
+from test_multicluster_e2e import Counted
+
+from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
+from evergreen_trio.picker import parse_config
+from evergreen_trio.picker.config import Endpoint, PickerConfig
+from evergreen_trio.picker.engine_metrics import EndpointMetrics, render_metrics
+from evergreen_trio.picker.runtime import Scrapers
+from evergreen_trio.picker.scheduler import PoolSnapshot
+
+PAGE = render_metrics("vllm", EndpointMetrics(waiting=3, kv_usage=0.25)).encode()
+
+
+async def vllm_over_tls(nursery: trio.Nursery, ca: trustme.CA) -> int:
+    """A model server's metrics page over https, its certificate issued by ``ca``; its port."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost", "127.0.0.1").configure_cert(context)
+
+    async def handle(request: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, [("content-type", "text/plain")], PAGE)
+
+    port: int = await nursery.start(partial(serve_http, handle, "127.0.0.1", 0, max_body=1024, ssl_context=context))
+    return port
+
+
+def https_config(port: int, parameters: str) -> PickerConfig:
+    return parse_config(f"""
+pool: {{name: tls, endpoints: ['127.0.0.1:{port}'], refreshMetricsInterval: 10ms}}
+---
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- {{type: metrics-data-source, parameters: {{scheme: https, {parameters}}}}}
+- {{type: core-metrics-extractor}}
+- {{type: queue-scorer}}
+schedulingProfiles:
+- name: default
+  plugins: [{{pluginRef: queue-scorer}}]
+""")
+
+
+async def scraped(nursery: trio.Nursery, config: PickerConfig) -> tuple[PoolSnapshot, Counted]:
+    """The config's endpoints scraped for a while (until one is ready, or 40 scrape intervals)."""
+    snapshot = PoolSnapshot(config.pool.endpoints, 2.0, time.monotonic)
+    errors = Counted()
+    Scrapers(nursery, config, snapshot, lambda: None, errors).sync(config.pool.endpoints)
+    with trio.move_on_after(config.pool.refresh_interval_s * 40 + 2):
+        while not snapshot.ready_states():  # noqa: ASYNC110 (the scrape task's snapshot)
+            await trio.sleep(0.01)
+    return snapshot, errors
+
+
+async def test_the_model_servers_certificate_is_not_verified_by_default(nursery: trio.Nursery) -> None:
+    port = await vllm_over_tls(nursery, trustme.CA())  # a CA nobody trusts
+    snapshot, errors = await scraped(nursery, https_config(port, "path: /metrics"))
+    (state,) = snapshot.ready_states()
+    assert state.metrics is not None and state.metrics.waiting == 3 and state.metrics.kv_usage == 0.25
+    assert not errors.polls
+
+
+async def test_verified_against_its_ca_or_refused_without_it(nursery: trio.Nursery, tmp_path: Path) -> None:
+    ca = trustme.CA()
+    port = await vllm_over_tls(nursery, ca)
+    snapshot, errors = await scraped(nursery, https_config(port, "insecureSkipVerify: false"))
+    assert snapshot.ready_states() == [] and errors.polls["metrics-data-source"] > 0  # the system roots
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    config = https_config(port, f"insecureSkipVerify: false, caCertPath: '{ca_file}'")
+    assert config.pool.metrics_tls == (False, str(ca_file), "", "")
+    snapshot, errors = await scraped(nursery, config)
+    assert [s.endpoint for s in snapshot.ready_states()] == [Endpoint("127.0.0.1", port)] and not errors.polls
