@@ -87,8 +87,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     picker.add_argument("--refresh-metrics-interval", metavar="DURATION", help="scrape interval (default 50ms)")
     picker.add_argument("--metrics-staleness-threshold", metavar="DURATION", help="metrics age limit (default 2s)")
     picker.add_argument("--model-server-metrics-path", metavar="PATH", help="scrape path (default /metrics)")
-    picker.add_argument("--model-server-metrics-scheme", default="http", choices=["http"],
-                        help="scrape scheme (http only)")
+    picker.add_argument("--model-server-metrics-scheme", default=None, choices=["http", "https"],
+                        help="scrape scheme (default http; a metrics-data-source's scheme otherwise)")
     picker.add_argument("--drain-timeout", metavar="DURATION",
                         help="on SIGTERM: NOT_SERVING and the Lease released at once, ext_proc served this long "
                              "(default 30s with --pool-name, as the reference; 0s with --config)")
@@ -102,6 +102,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     flag("--enable-grpc-stream-metrics", help="the llm_d_epp_extproc_stream* metrics")
     flag("--tracing", help="OpenTelemetry spans of each request, as the reference's (OTEL_* variables; "
                            "needs the tracing extra)")
+    flag("--model-server-metrics-https-insecure-skip-verify", default=True,
+         help="with --model-server-metrics-scheme https: the model servers' certificates not verified (default true)")
     flag("--metrics-endpoint-auth", default=None,
          help="scrapes need a Kubernetes token allowed to GET the path (default true with --pool-name)")
     picker.add_argument("--grpc-max-recv-msg-size", metavar="SIZE",
@@ -165,6 +167,10 @@ def _pool_overrides(config: PickerConfig, args: argparse.Namespace) -> PickerCon
         if not args.model_server_metrics_path.startswith("/"):
             raise ConfigError("--model-server-metrics-path", "a path starting with '/'", args.model_server_metrics_path)
         pool = dataclasses.replace(pool, metrics_path=args.model_server_metrics_path)
+    if args.model_server_metrics_scheme is not None:  # the legacy flags, over a metrics-data-source's scheme
+        https = args.model_server_metrics_scheme == "https"
+        tls = (args.model_server_metrics_https_insecure_skip_verify, "", "", "") if https else None
+        pool = dataclasses.replace(pool, metrics_tls=tls)
     return dataclasses.replace(config, pool=pool)
 
 

@@ -32,7 +32,6 @@ IGNORED_BOOL_FLAGS = {
     "--health-checking": "gRPC health is always served",
     "--enable-pprof": "no pprof (Go profiler)",
     "--enable-cert-reload": "certificates under --cert-path are always reloaded on change",
-    "--model-server-metrics-https-insecure-skip-verify": "metrics are scraped over http",
     "--zap-devel": "one log format",
 }
 # Reference verbosity (logr V levels: 2 default, 3 verbose, 4 debug, 5 trace) -> Python level.

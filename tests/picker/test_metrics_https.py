@@ -1,6 +1,8 @@
 """``metrics-data-source`` over https, as the reference's: the model server's certificate is not
 verified unless ``insecureSkipVerify: false``, then against ``caCertPath``; scraped over real
-sockets from a TLS stand-in serving vLLM's metrics page."""
+sockets from a TLS stand-in serving vLLM's metrics page. The legacy flags too
+(``--model-server-metrics-scheme https``, ``--model-server-metrics-https-insecure-skip-verify``),
+through the command as a user types it."""
 
 from __future__ import annotations
 
@@ -9,8 +11,11 @@ import time
 from functools import partial
 from pathlib import Path
 
+import pytest
 import trio
 import trustme
+from picker_cli import EPHEMERAL_PORTS, picker_process, wait_health
+from test_cli_reference_flags import LEGIT_BODY, route
 from test_multicluster_e2e import Counted
 
 from evergreen_trio._http import HttpRequest, HttpResponse, serve_http
@@ -81,3 +86,31 @@ async def test_verified_against_its_ca_or_refused_without_it(nursery: trio.Nurse
     assert config.pool.metrics_tls == (False, str(ca_file), "", "")
     snapshot, errors = await scraped(nursery, config)
     assert [s.endpoint for s in snapshot.ready_states()] == [Endpoint("127.0.0.1", port)] and not errors.polls
+
+
+async def routed_to(port: int, want: str | None, seconds: float) -> bool:
+    """Whether the picker routes a request to ``want`` (None: answers it itself) within ``seconds``."""
+    with trio.move_on_after(seconds):
+        while True:
+            fields = (await trio.to_thread.run_sync(route, port, LEGIT_BODY)).dynamic_metadata.fields
+            destination = (fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
+                           if "envoy.lb" in fields else None)
+            if destination == want:
+                return True
+            await trio.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("verify", [False, True])
+async def test_the_legacy_scheme_flag_scrapes_over_https(nursery: trio.Nursery, tmp_path: Path, verify: bool) -> None:
+    port = await vllm_over_tls(nursery, trustme.CA())
+    config = tmp_path / "picker.yaml"
+    config.write_text(f"pool:\n  name: tls\n  endpoints: ['127.0.0.1:{port}']\n")
+    args = ["--config", str(config), *EPHEMERAL_PORTS, "--model-server-metrics-scheme", "https",
+            *(["--model-server-metrics-https-insecure-skip-verify=false"] if verify else [])]
+    async with picker_process(args) as picker:
+        await wait_health("127.0.0.1", picker.health, "readiness")
+        if verify:  # a certificate no root vouches for: never ready, every request answered by the picker
+            assert not await routed_to(picker.grpc, f"127.0.0.1:{port}", 2.0)
+        else:
+            assert await routed_to(picker.grpc, f"127.0.0.1:{port}", 10.0)
