@@ -116,17 +116,11 @@ class _GrpcStream(ExtProcStream):
     def __del__(self) -> None:
         # A stream Envoy resets gets neither on_end nor finished: record it when it is dropped (a
         # finalizer, with no weakref.finalize to register per stream).
-        try:
-            metrics, started = self._metrics, self._started
-        except AttributeError:  # __init__ failed: nothing was counted
+        if "_started" not in self.__dict__:  # __init__ failed: nothing was counted (a check, not a call)
             return
         ExtProcStream.on_abort(self)
-        report = self.report
-        if not report.recorded:
-            report.recorded = True
-            metrics.record(report, time.monotonic() - started)
-            if self.trace is not None:
-                self.trace.end(report)
+        if not self.report.recorded:  # most were when their response ended: no call for those
+            self._record()
 
     def resume(self) -> Sequence[ep.ProcessingResponse]:
         replies = ExtProcStream.resume(self)
