@@ -35,11 +35,17 @@ $(DEMO_STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[gateway,generate]'
 	touch $(DEMO_STAMP)
 
+# xds-protos (the picker's Envoy messages) and opentelemetry-proto (tracing) install the same
+# opentelemetry/proto files, and pip's order decides whose stay (grpc/grpc#42926): xds-protos' are
+# older and break the OTLP exporter, so opentelemetry-proto is reinstalled over them.
+OTLP_PROTO := from importlib.metadata import version; print("opentelemetry-proto==" + version("opentelemetry-proto"))
+
 # Everything the suite uses: every extra (ucx on Linux only), the real peers, the tools, the docs build.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[all,test,bench,docs,latency-predictor]'
+	$(BIN)/python -m pip install -q --force-reinstall --no-deps "$$($(BIN)/python -c '$(OTLP_PROTO)')"
 	touch $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP)
 
 demo: $(DEMO_STAMP)

@@ -9,6 +9,7 @@ from deep inside. ``tests/test_extras.py`` keeps this table in step with pyproje
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
 
 from evergreen_trio.errors import ConfigurationError
 
@@ -45,11 +46,45 @@ class MissingExtraError(ConfigurationError, ImportError):
         self.part, self.extra, self.missing = part, extra, missing
 
 
+class OverwrittenModulesError(ConfigurationError, ImportError):
+    """An extra is installed but another package overwrote its modules; the message says what to reinstall."""
+
+    def __init__(self, part: str, message: str) -> None:
+        super().__init__(f"{part}: {message}")
+        self.part = part
+
+
 def require_extra(extra: str, part: str, modules: tuple[str, ...] | None = None) -> None:
     """Import ``extra``'s modules (or those of them ``part`` uses); the first that fails raises
-    :class:`MissingExtraError` for ``part``."""
+    :class:`MissingExtraError` for ``part``, or :class:`OverwrittenModulesError` where the extra is
+    there but another package's files replaced some of it."""
     for module in EXTRA_MODULES[extra] if modules is None else modules:
         try:
             importlib.import_module(module)
         except ImportError:
+            overwritten = stale_otlp_protos() if module.startswith("opentelemetry.") else None
+            if overwritten is not None:
+                raise OverwrittenModulesError(part, overwritten) from None
             raise MissingExtraError(part, extra, module.split(".")[0]) from None
+
+
+def stale_otlp_protos() -> str | None:
+    """Why the OTLP exporter cannot import, when xds-protos' copy of opentelemetry-proto is installed.
+
+    xds-protos (the picker's Envoy messages) ships generated ``opentelemetry/proto`` modules from
+    opentelemetry-proto 0.9 under the same paths (grpc/grpc#42926): installed after
+    opentelemetry-proto, its ``common_pb2`` lacks ``InstrumentationScope`` and the exporter fails to
+    import. ``None`` when that is not the cause.
+    """
+    try:
+        common = importlib.import_module("opentelemetry.proto.common.v1.common_pb2")
+    except ImportError:
+        return None
+    if hasattr(common, "InstrumentationScope"):
+        return None
+    try:
+        wanted = f"opentelemetry-proto=={version('opentelemetry-proto')}"
+    except PackageNotFoundError:
+        wanted = "opentelemetry-proto"
+    return (f"xds-protos overwrote opentelemetry-proto's modules with an older copy (grpc/grpc#42926); "
+            f"reinstall it after xds-protos: pip install --force-reinstall --no-deps '{wanted}'")

@@ -6,6 +6,7 @@ from the ``opentelemetry-proto`` package's generated code: the picker's exporter
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -194,14 +195,38 @@ def test_tracing_off_imports_no_opentelemetry() -> None:
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [], done.stderr
 
 
-def test_the_flag_without_the_extra_is_one_line_naming_it_and_exit_2(tmp_path: Path) -> None:
+def _traced_picker_with(tmp_path: Path, setup: str) -> subprocess.CompletedProcess[str]:
+    """``picker --tracing`` run after ``setup`` (Python that breaks the install as a user's can be)."""
     config = tmp_path / "picker.yaml"
     config.write_text("pool:\n  name: traced\n  endpoints: ['127.0.0.1:1']\n")
-    done = subprocess.run([sys.executable, "-c", "import sys; sys.modules['opentelemetry'] = None\n"
-                           "from evergreen_trio.cli import main\n"
+    return subprocess.run([sys.executable, "-c", f"import sys, types\n{setup}\nfrom evergreen_trio.cli import main\n"
                            f"sys.exit(main(['picker', '--config', {str(config)!r}, '--tracing', '--grpc-port', '0']))"],
                           capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_flag_without_the_extra_is_one_line_naming_it_and_exit_2(tmp_path: Path) -> None:
+    done = _traced_picker_with(tmp_path, "sys.modules['opentelemetry'] = None")
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         "evergreen-trio picker: error: picker tracing (--tracing) needs the 'tracing' extra: "
         "pip install 'evergreen-trio[tracing]' (missing: opentelemetry)"]
+
+
+def test_xds_protos_stale_copy_of_the_otlp_messages_is_one_line_naming_the_fix(tmp_path: Path) -> None:
+    # xds-protos installed after opentelemetry-proto leaves a common_pb2 without InstrumentationScope
+    # (grpc/grpc#42926): the exporter's import fails although the extra is installed.
+    done = _traced_picker_with(tmp_path, "import opentelemetry.proto.common.v1 as v1\n"
+                                         "sys.modules[v1.__name__ + '.common_pb2'] = types.ModuleType('common_pb2')")
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    version = importlib.metadata.version("opentelemetry-proto")
+    assert line == ("evergreen-trio picker: error: picker tracing (--tracing): xds-protos overwrote "
+                    "opentelemetry-proto's modules with an older copy (grpc/grpc#42926); reinstall it after "
+                    f"xds-protos: pip install --force-reinstall --no-deps 'opentelemetry-proto=={version}'")
+
+
+def test_this_install_has_opentelemetry_protos_own_otlp_messages() -> None:
+    # What `make test`, CI and the image do after installing (Makefile OTLP_PROTO, the Dockerfile).
+    from opentelemetry.proto.common.v1 import common_pb2
+
+    assert hasattr(common_pb2, "InstrumentationScope")
