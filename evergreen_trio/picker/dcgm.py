@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES
 from evergreen_trio.picker.errors import ConfigError, MetricsError
-from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, http_source_path, register
+from evergreen_trio.picker.plugins import Category, Params, Plugin, PluginType, TlsOptions, http_source, register
 
 DCGM_DATA_SOURCE = "dcgm-data-source"
 DCGM_EXTRACTOR = "dcgm-extractor"
@@ -45,24 +45,28 @@ DEFAULT_PORT = 9400
 @dataclass(frozen=True)
 class DcgmSource:
     """``dcgm-data-source``: where each endpoint's exporter is scraped, and how often (None: the
-    pool's scrape interval). ``port`` 0: the model server's metrics host and port."""
+    pool's scrape interval). ``port`` 0: the model server's metrics host and port. Over https its
+    TLS options (None: plain http; the reference reads ``insecureSkipVerify`` only, no certificate
+    paths)."""
 
     path: str = "/metrics"
     port: int = DEFAULT_PORT
     use_node_address: bool = False
     interval_s: float | None = None
+    tls: TlsOptions | None = None
 
 
 def _dcgm_source(params: Params) -> DcgmSource:
     from evergreen_trio.picker.config import parse_duration  # config imports the plugin registry
 
-    path = http_source_path(params, "/metrics", "DCGM metrics are scraped")
+    path, tls = http_source(params, "/metrics", "DCGM metrics are scraped")
     port = params.integer("port", DEFAULT_PORT, maximum=65535)
     use_node = params.boolean("useNodeAddress", False)
     if use_node and port == 0:
         raise ConfigError(params.where("port"), "a port in 1..65535 with useNodeAddress", port)
     interval = params.text("interval", "")
-    return DcgmSource(path, port, use_node, parse_duration(interval, params.where("interval")) if interval else None)
+    return DcgmSource(path, port, use_node, parse_duration(interval, params.where("interval")) if interval else None,
+                      tls)
 
 
 def _utilization_lines(text: str) -> str:

@@ -23,6 +23,7 @@ from evergreen_trio.picker.engine_metrics import MAX_METRICS_BYTES
 from evergreen_trio.picker.errors import MetricsError
 from evergreen_trio.picker.http_poll import HttpPoll, ScrapeErrors, poll_http
 from evergreen_trio.picker.scheduler import PoolSnapshot
+from evergreen_trio.picker.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -49,5 +50,6 @@ async def poll_dcgm(endpoint: Endpoint, source: DcgmSource, pool: PoolConfig, sn
 
     await poll_http(HttpPoll(endpoint, exporter_address(endpoint, source, pool), source.path, MAX_METRICS_BYTES,
                              pool.scrape_timeout_s, source.interval_s or pool.refresh_interval_s, log,
-                             "dcgm_poll_failed", DCGM_DATA_SOURCE, DCGM_EXTRACTOR),
+                             "dcgm_poll_failed", DCGM_DATA_SOURCE, DCGM_EXTRACTOR,
+                             None if source.tls is None else client_context(*source.tls)),
                     lambda body: utilization_families(body.decode("utf-8", "replace")), extract, MetricsError, errors)

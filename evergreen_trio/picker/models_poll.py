@@ -22,6 +22,7 @@ from evergreen_trio.picker.models_source import (
     parse_models,
 )
 from evergreen_trio.picker.scheduler import PoolSnapshot
+from evergreen_trio.picker.tls import client_context
 
 log = logging.getLogger(__name__)
 LOGGED_IDS_CHARS = 256
@@ -40,5 +41,6 @@ async def poll_models(endpoint: Endpoint, source: ModelsSource, pool: PoolConfig
     address = Endpoint(endpoint.host, pool.metrics_port or endpoint.port)
     interval_s = source.interval_s or pool.refresh_interval_s
     await poll_http(HttpPoll(endpoint, address, source.path, MAX_MODELS_BYTES, pool.scrape_timeout_s, interval_s, log,
-                             "models_poll_failed", MODELS_DATA_SOURCE, MODELS_DATA_EXTRACTOR),
+                             "models_poll_failed", MODELS_DATA_SOURCE, MODELS_DATA_EXTRACTOR,
+                             None if source.tls is None else client_context(*source.tls)),
                     parse_models, extract, ModelsError, errors)

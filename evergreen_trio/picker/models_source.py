@@ -8,7 +8,9 @@ A source polls only when ``dataLayer.sources`` lists it with a ``models-data-ext
 reference polls a listed source without one too, and drops what it read). It GETs ``path``
 (default ``/v1/models``) on the host and port the metrics are scraped from, every ``interval``
 (default: the pool's scrape interval; the reference rounds it to a multiple of its base tick),
-over plain http (``https`` and the TLS file paths are refused, as for ``metrics-data-source``).
+over http or, with ``scheme: https``, over TLS as ``metrics-data-source`` does (the certificate
+not verified unless ``insecureSkipVerify: false``; ``caCertPath``, ``clientCertPath``,
+``clientKeyPath``).
 
 The body is decoded as Go's ``encoding/json`` decodes it into the reference's ``ModelResponse``
 (:mod:`evergreen_trio.picker.parsers.gojson`): ``{"object": ..., "data": [{"id", "object",
@@ -26,7 +28,7 @@ from typing import Any
 
 from evergreen_trio.picker.errors import ModelsError, RequestError
 from evergreen_trio.picker.parsers import gojson
-from evergreen_trio.picker.plugins import Category, Params, PluginType, http_source_path, register
+from evergreen_trio.picker.plugins import Category, Params, PluginType, TlsOptions, http_source, register
 
 MODELS_DATA_SOURCE = "models-data-source"
 MODELS_DATA_EXTRACTOR = "models-data-extractor"
@@ -38,10 +40,12 @@ _JSON_SPACE = b" \t\r\n"
 
 @dataclass(frozen=True)
 class ModelsSource:
-    """``models-data-source``: the path polled, and how often (None: the pool's scrape interval)."""
+    """``models-data-source``: the path polled, how often (None: the pool's scrape interval), and
+    over https its TLS options (None: plain http)."""
 
     path: str = DEFAULT_PATH
     interval_s: float | None = None
+    tls: TlsOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,9 @@ def parse_models(body: bytes) -> tuple[ModelData, ...]:
 def _models_source(params: Params) -> ModelsSource:
     from evergreen_trio.picker.config import parse_duration  # config imports the plugin registry
 
-    path = http_source_path(params, DEFAULT_PATH, "models are read")
+    path, tls = http_source(params, DEFAULT_PATH, "models are read")
     interval = params.text("interval", "")
-    return ModelsSource(path, parse_duration(interval, params.where("interval")) if interval else None)
+    return ModelsSource(path, parse_duration(interval, params.where("interval")) if interval else None, tls)
 
 
 register(MODELS_DATA_SOURCE, PluginType(

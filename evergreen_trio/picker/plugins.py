@@ -541,29 +541,26 @@ def https_options(params: Params, skip_verify: bool) -> TlsOptions:
     return options
 
 
-def http_source_path(params: Params, default_path: str, what: str) -> str:
-    """A data source's plain-http parameters (``scheme``, ``insecureSkipVerify``, no certificate
-    paths) checked; its ``path``, which must start with '/'. ``what`` names the traffic in errors."""
-    params.text("scheme", "http", choices=("http",))
-    params.boolean("insecureSkipVerify", True)
-    for key in ("caCertPath", "clientCertPath", "clientKeyPath"):
-        if params.text(key, ""):
-            raise ConfigError(params.where(key), f"empty ({what} over http)", params.raw[key])
+def http_source(params: Params, default_path: str, what: str) -> tuple[str, TlsOptions | None]:
+    """A data source's ``scheme`` (http or https) and ``path`` (starting with '/'); over https its
+    :func:`https_options` (the reference's default: the server's certificate not verified), over
+    http None, with the certificate paths refused. ``what`` names the traffic in errors."""
+    if params.text("scheme", "http", choices=("http", "https")) == "https":
+        tls: TlsOptions | None = https_options(params, True)
+    else:
+        tls = None
+        params.boolean("insecureSkipVerify", True)
+        for key in ("caCertPath", "clientCertPath", "clientKeyPath"):
+            if params.text(key, ""):
+                raise ConfigError(params.where(key), f"empty ({what} over http)", params.raw[key])
     path = params.text("path", default_path)
     if not path.startswith("/"):
         raise ConfigError(params.where("path"), "a path starting with '/'", path)
-    return path
+    return path, tls
 
 
 def _metrics_source(params: Params) -> MetricsSourceParams:
-    tls = None
-    if params.text("scheme", "http", choices=("http", "https")) == "https":
-        tls = https_options(params, True)  # the reference's default: the model server's certificate not verified
-        path = params.text("path", "/metrics")
-        if not path.startswith("/"):
-            raise ConfigError(params.where("path"), "a path starting with '/'", path)
-    else:
-        path = http_source_path(params, "/metrics", "metrics are scraped")
+    path, tls = http_source(params, "/metrics", "metrics are scraped")
     port = params.integer("port", 1, minimum=1, maximum=65535) if params.has("port") else None
     interval = params.text("interval", "") or None
     return MetricsSourceParams(path, port, interval, tls)

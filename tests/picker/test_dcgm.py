@@ -129,7 +129,7 @@ def test_source_defaults_and_custom_parameters() -> None:
 
 @pytest.mark.parametrize(("parameters", "field"), [
     ("{scheme: grpc}", "scheme"),
-    ("{scheme: https}", "scheme"),  # http only here
+    ("{scheme: https, insecureSkipVerify: 1}", "insecureSkipVerify"),
     ("{bogus: value}", "bogus"),
     ("{port: 70000}", "port"),
     ("{port: '9400'}", "port"),

@@ -164,7 +164,7 @@ def test_a_core_extractor_under_a_models_source_is_refused_as_the_reference_refu
 
 
 @pytest.mark.parametrize(("parameters", "field"), [
-    ("{scheme: https}", "scheme"),
+    ("{scheme: https, insecureSkipVerify: 'no'}", "insecureSkipVerify"),
     ("{scheme: ftp}", "scheme"),
     ("{path: v1/models}", "path"),
     ("{path: 7}", "path"),
