@@ -47,7 +47,8 @@ async def vllm_over_tls(nursery: trio.Nursery, ca: trustme.CA) -> int:
     return port
 
 
-def https_config(port: int, parameters: str) -> PickerConfig:
+def https_config(port: int, parameters: str, more: str = "") -> PickerConfig:
+    """Metrics over https with ``parameters``; ``more``: further plugins, then the data layer."""
     return parse_config(f"""
 pool: {{name: tls, endpoints: ['127.0.0.1:{port}'], refreshMetricsInterval: 10ms}}
 ---
@@ -57,7 +58,7 @@ plugins:
 - {{type: metrics-data-source, parameters: {{scheme: https, {parameters}}}}}
 - {{type: core-metrics-extractor}}
 - {{type: queue-scorer}}
-schedulingProfiles:
+{more}schedulingProfiles:
 - name: default
   plugins: [{{pluginRef: queue-scorer}}]
 """)
@@ -97,27 +98,16 @@ async def test_verified_against_its_ca_or_refused_without_it(nursery: trio.Nurse
 
 def data_sources_config(port: int, models: str, dcgm: str) -> PickerConfig:
     """Metrics over unverified https, and the models and DCGM sources with these https parameters."""
-    return parse_config(f"""
-pool: {{name: tls, endpoints: ['127.0.0.1:{port}'], refreshMetricsInterval: 10ms}}
----
-apiVersion: llm-d.ai/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- {{type: metrics-data-source, parameters: {{scheme: https}}}}
-- {{type: core-metrics-extractor}}
+    return https_config(port, "path: /metrics", f"""\
 - {{type: models-data-source, name: models, parameters: {{scheme: https, interval: 10ms, {models}}}}}
 - {{type: models-data-extractor}}
-- {{type: dcgm-data-source, name: gpus, parameters: {{scheme: https, port: 0, path: /dcgm, interval: 10ms, {dcgm}}}}}
+- {{type: dcgm-data-source, name: gpus, parameters: {{scheme: https, port: 0, interval: 10ms, {dcgm}}}}}
 - {{type: dcgm-extractor}}
-- {{type: queue-scorer}}
 dataLayer:
   sources:
   - {{pluginRef: metrics-data-source, extractors: [{{pluginRef: core-metrics-extractor}}]}}
   - {{pluginRef: models, extractors: [{{pluginRef: models-data-extractor}}]}}
   - {{pluginRef: gpus, extractors: [{{pluginRef: dcgm-extractor}}]}}
-schedulingProfiles:
-- name: default
-  plugins: [{{pluginRef: queue-scorer}}]
 """)
 
 
@@ -151,7 +141,7 @@ def test_a_certificate_file_that_does_not_load_fails_the_config(tmp_path: Path) 
     missing = tmp_path / "absent.pem"
     with pytest.raises(ConfigError, match=r"absent\.pem") as caught:
         data_sources_config(1, f"insecureSkipVerify: false, caCertPath: '{missing}'", "path: /dcgm")
-    assert caught.value.field == "EndpointPickerConfig.plugins[2].parameters"
+    assert caught.value.field == "EndpointPickerConfig.plugins[3].parameters"
 
 
 async def routed_to(port: int, want: str | None, seconds: float) -> bool:
