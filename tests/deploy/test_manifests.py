@@ -156,6 +156,8 @@ def test_dockerfile_runs_the_picker_on_the_same_ports() -> None:
     assert 'ENTRYPOINT ["evergreen-trio", "picker"]' in text  # the chart passes only the picker's flags
     # cluster mode's lightkube and cryptography; the chart's --tracing=true needs the SDK
     assert '--wheel-dir /wheels ".[picker,tracing]"' in text
+    # after the rest: xds-protos' older opentelemetry/proto files must not stay (grpc/grpc#42926)
+    assert "--force-reinstall --no-deps /wheels/opentelemetry_proto-*.whl" in text
     for source in re.findall(r"^COPY (?!--)(.+) \S+$", text, re.M):
         for name in shlex.split(source):
             assert (DEPLOY.parents[1] / name).exists(), name
