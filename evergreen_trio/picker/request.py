@@ -14,7 +14,7 @@ import re
 from _json import scanstring
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from evergreen_trio.picker.errors import RequestError
 from evergreen_trio.picker.fast_json import json_object
@@ -153,7 +153,13 @@ def _detect_and_decode(body: bytes) -> str:
     return body.decode(json.detect_encoding(body), "surrogatepass")
 
 
-_DECODER = json.JSONDecoder()
+def no_constant(name: str) -> NoReturn:
+    """``parse_constant`` refusing NaN, Infinity and -Infinity, which are not JSON: Go's decoder
+    (the reference parsers') refuses them, where Python's would read them."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+_DECODER = json.JSONDecoder(parse_constant=no_constant)  # called only for those literals: free otherwise
 # What _DECODER.decode runs, called here without its two Python frames.
 _SCAN: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
 UNLOCATED: tuple[int, int] = (-1, -1)

@@ -181,6 +181,19 @@ def test_deep_content_is_one_400_or_413(depth: int) -> None:
         assert request.prompt.endswith("x")
 
 
+@pytest.mark.parametrize("constant", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("prompt", ["hi", "x" * 10_000])  # msgspec's path, then the member walk's
+def test_nan_and_infinities_are_a_400_as_gos_decoder_refuses_them(constant: float, prompt: str) -> None:
+    # Python's json.dumps writes a float NaN as NaN (a client's bug): not JSON, and Go refuses it.
+    body = json.dumps({"model": "m", "prompt": prompt, "temperature": constant}).encode()
+    assert b"NaN" in body or b"Infinity" in body
+    with pytest.raises(RequestError) as refused:
+        OPENAI.parse("/v1/completions", {}, body)
+    assert refused.value.status == 400
+    assert OPENAI.parse("/v1/completions", {}, body.replace(b"-Infinity", b"1").replace(b"Infinity", b"1")
+                        .replace(b"NaN", b"1")).prompt == prompt
+
+
 _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
                      | st.text(max_size=4), lambda inner: st.lists(inner, max_size=3)
                      | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=12)
@@ -216,7 +229,10 @@ async def test_a_chat_without_messages_is_a_400_through_envoy(
     async with httpx.AsyncClient(timeout=30) as client:
         salted = await client.post(duplex_gateway.url(CHAT), content=json.dumps(
             {"model": "food-review", "messages": HELLO, "cache_salt": 7}))
+        not_json = await client.post(duplex_gateway.url(CHAT), content=json.dumps(
+            {"model": "food-review", "messages": HELLO, "temperature": float("nan")}))
     assert salted.status_code == 400 and "cache_salt" in salted.json()["error"]["message"]
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
     assert not any(s.requests for s in backends)
     taken = await post(duplex_gateway, CHAT, {"model": "food-review", "messages": HELLO})
     assert taken.status_code == 200, taken.text

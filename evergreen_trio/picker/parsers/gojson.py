@@ -18,10 +18,10 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from string import ascii_lowercase
-from typing import Any, NoReturn
+from typing import Any
 
 from evergreen_trio.picker.errors import RequestError
-from evergreen_trio.picker.request import load_object
+from evergreen_trio.picker.request import load_object, no_constant
 
 Spec = Callable[[object, str], Any]
 """A Go type: checks a decoded JSON value at a path, returns it decoded (raises :class:`Mismatch`)."""
@@ -64,10 +64,6 @@ def members(obj: Mapping[str, Any]) -> Iterable[tuple[str, Any]]:
     return obj.pairs if isinstance(obj, _Repeated) else obj.items()
 
 
-def _no_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not a JSON value")
-
-
 def _float64(literal: str) -> float:
     value = float(literal)
     if math.isinf(value):
@@ -80,8 +76,8 @@ def _integer_in_float64(literal: str) -> int:
     return int(literal)
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_no_constant)
-_FLOAT64_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=_no_constant,
+_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=no_constant)
+_FLOAT64_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_constant=no_constant,
                                     parse_float=_float64, parse_int=_integer_in_float64)
 # A literal beyond float64 has a 3-digit exponent or 210 digits before it; only a body holding
 # one pays for parsing every number in Python.
