@@ -137,6 +137,29 @@ async def test_models_and_dcgm_are_polled_over_https_verified_or_not(nursery: tr
     assert GPU_UTILIZATION_KEY not in state.attributes and state.ready and not errors.polls["models-data-source"]
 
 
+async def test_a_certificate_file_gone_bad_after_startup_leaves_the_picker_polling(nursery: trio.Nursery,
+                                                                                    tmp_path: Path) -> None:
+    # tls.client_context builds each source's context once, when the config loads, as the reference
+    # builds its sources' clients: an endpoint joining after the CA file turned to garbage is polled.
+    ca = trustme.CA()
+    first, second = await vllm_over_tls(nursery, ca), await vllm_over_tls(nursery, ca)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    verified = f"insecureSkipVerify: false, caCertPath: '{ca_file}'"
+    config = data_sources_config(first, verified, "path: /dcgm")
+    snapshot = PoolSnapshot(config.pool.endpoints, 2.0, time.monotonic)
+    errors = Counted()
+    scrapers = Scrapers(nursery, config, snapshot, lambda: None, errors)
+    scrapers.sync(config.pool.endpoints)
+    ca_file.write_text("not a certificate")
+    joined = Endpoint("127.0.0.1", second)
+    scrapers.sync([*config.pool.endpoints, joined])
+    with trio.fail_after(10):
+        while not ((state := snapshot.states.get(joined.address)) and state.ready and state.models):  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    assert not errors.polls
+
+
 def test_a_certificate_file_that_does_not_load_fails_the_config(tmp_path: Path) -> None:
     missing = tmp_path / "absent.pem"
     with pytest.raises(ConfigError, match=r"absent\.pem") as caught:
