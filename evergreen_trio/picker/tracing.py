@@ -32,8 +32,19 @@ from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    Tracer,
+    set_span_in_context,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from evergreen_trio import __version__
@@ -135,6 +146,17 @@ class ExporterLog(logging.Filter):
         return False
 
 
+class _PresetIds(RandomIdGenerator):
+    """The SDK's random ids, but the trace id :meth:`Tracing.request` drew for a root it found
+    sampled: the SDK's sampler then decides on that same id, and samples it too."""
+
+    preset = 0  # 0: none (never a valid trace id)
+
+    def generate_trace_id(self) -> int:
+        trace_id, self.preset = self.preset, 0
+        return trace_id or super().generate_trace_id()
+
+
 class Tracing:
     """The tracer provider, its tracers by the reference's scopes, the propagator, the span buffer
     and the scheduler's span stack. ``new_tracing`` builds one from the environment."""
@@ -143,8 +165,13 @@ class Tracing:
         self.settings, self.exporter = settings, exporter
         self.buffer = SpanBuffer(settings.queue_size, settings.batch_size)
         self.exporter_log = ExporterLog()
-        self.provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(settings.ratio)), resource=resource,
+        self.ids = _PresetIds()
+        self.ratio = TraceIdRatioBased(settings.ratio)
+        self.provider = TracerProvider(sampler=ParentBased(self.ratio), resource=resource, id_generator=self.ids,
                                        shutdown_on_exit=False)
+        # An unsampled root's flags, as the SDK sets them for this id generator's trace ids.
+        self.unsampled_flags = TraceFlags(TraceFlags.DEFAULT | TraceFlags.RANDOM_TRACE_ID
+                                          if self.ids.is_trace_id_random() else TraceFlags.DEFAULT)
         self.provider.add_span_processor(self.buffer)
         tracer = self.provider.get_tracer
         self.handlers: Tracer = tracer(HANDLERS_SCOPE, __version__)
@@ -163,8 +190,21 @@ class Tracing:
 
     def request(self, headers: Mapping[str, str]) -> RequestTrace:
         """A stream's trace: its ``gateway.request`` span, started now under the request's
-        ``traceparent`` (a new root when it has none, or a malformed one)."""
-        return RequestTrace(self, self.extract(headers))
+        ``traceparent`` (a new root when it has none, or a malformed one).
+
+        A new root the ratio leaves unsampled (most of them) is made here, as the SDK would make it
+        (the same id generator, decision and flags; ``test_tracing_spans`` compares the two): the
+        SDK's ``start_span`` and propagators cost some 60 Python calls a request for a span that
+        records nothing. Its trace id is drawn first; a sampled one goes to the SDK with that id."""
+        parent = self.extract(headers)
+        if parent:  # a parent span or baggage: the SDK's parent-based sampling and propagation
+            return RequestTrace(self, parent)
+        trace_id = self.ids.generate_trace_id()
+        if trace_id & TraceIdRatioBased.TRACE_ID_LIMIT < self.ratio.bound:
+            self.ids.preset = trace_id
+            return RequestTrace(self, parent)
+        return RequestTrace(self, parent, SpanContext(trace_id, self.ids.generate_span_id(), False,
+                                                      self.unsampled_flags))
 
     def extract(self, headers: Mapping[str, str]) -> Context:
         """The trace context (span context and baggage) of ``headers`` (lower-case names)."""
@@ -322,12 +362,17 @@ class RequestTrace:
     """One stream's spans: ``gateway.request`` from its request headers to its end, and
     ``gateway.request_orchestration`` from its admission to its routing decision or answer."""
 
-    __slots__ = ("context", "orchestration", "span", "tracing")
+    __slots__ = ("context", "orchestration", "span", "tracing", "unsampled_root")
 
-    def __init__(self, tracing: Tracing, parent: Context) -> None:
+    def __init__(self, tracing: Tracing, parent: Context, unsampled_root: SpanContext | None = None) -> None:
+        """``unsampled_root``: the span's context, for a new root :meth:`Tracing.request` found unsampled."""
         self.tracing = tracing
-        self.span = tracing.handlers.start_span("gateway.request", parent, SpanKind.SERVER)
-        self.context = set_span_in_context(self.span, parent)  # the client's baggage stays in it
+        self.unsampled_root = unsampled_root
+        if unsampled_root is None:
+            self.span: Span = tracing.handlers.start_span("gateway.request", parent, SpanKind.SERVER)
+            self.context = set_span_in_context(self.span, parent)  # the client's baggage stays in it
+        else:
+            self.span, self.context = NonRecordingSpan(unsampled_root), parent
         self.orchestration: Span | None = None
 
     def orchestrate(self) -> None:
@@ -348,8 +393,12 @@ class RequestTrace:
     def routed(self, report: StreamReport) -> dict[str, str]:
         """The request goes upstream: the orchestration ends; the headers that carry the request
         span's context there (``traceparent``, ``tracestate``, ``baggage``)."""
-        headers: dict[str, str] = {}
-        self.tracing.propagator.inject(headers, self.context)
+        root = self.unsampled_root
+        if root is not None:  # what the propagators write for it: no state, no baggage
+            headers = {"traceparent": f"00-{root.trace_id:032x}-{root.span_id:016x}-{root.trace_flags:02x}"}
+        else:
+            headers = {}
+            self.tracing.propagator.inject(headers, self.context)
         self._orchestrated(report, None)
         return headers
 

@@ -12,9 +12,10 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from hypothesis import given
 from hypothesis import strategies as st
+from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanKind, StatusCode, set_span_in_context
 from test_processor import make_picker, request_body, request_headers, set_headers
 from test_token_producer import FIXTURES, IMAGE, _chat
 from test_token_producer import _picker as _epd_picker
@@ -223,6 +224,40 @@ def test_any_trace_headers_give_a_span_and_a_traceparent_upstream(headers: dict[
     sent = trace.routed(make_picker().new_stream().report)
     assert len(sent["traceparent"]) == 55
     assert all(len(value) <= 8192 for value in sent.values())
+
+
+@given(trace_id=st.integers(1, 2**128 - 1), ratio=st.floats(0.0, 1.0))
+def test_a_new_root_is_sampled_flagged_and_sent_upstream_as_the_sdk_does_it(trace_id: int, ratio: float) -> None:
+    # Tracing.request makes an unsampled root itself; the SDK's start_span and propagators, on the
+    # same trace id, are the model: the same decision, flags, state and traceparent (but its span id).
+    fast, model = (new_tracing(TracingSettings(ratio=ratio), InMemorySpanExporter()) for _ in range(2))
+    fast.ids.preset = trace_id  # the id the next root draws
+    trace = fast.request({})
+    model.ids.preset = trace_id
+    sdk = model.handlers.start_span("gateway.request", Context(), SpanKind.SERVER)
+    ours, theirs = trace.span.get_span_context(), sdk.get_span_context()
+    assert trace.span.is_recording() == sdk.is_recording()
+    assert (ours.trace_id, ours.trace_flags, ours.trace_state, ours.is_remote) == (
+        theirs.trace_id, theirs.trace_flags, theirs.trace_state, theirs.is_remote)
+    sent = trace.routed(make_picker().new_stream().report)
+    expected: dict[str, str] = {}
+    model.propagator.inject(expected, set_span_in_context(trace.span))
+    assert sent == expected and sent["traceparent"].split("-")[1] == f"{trace_id:032x}"
+
+
+def test_an_unsampled_root_costs_no_sdk_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Most requests under the reference's 0.1 ratio: the SDK's start_span and propagators cost
+    # about 60 Python calls each (python -m benchmarks.picker_calls routing --tracing 0).
+    tracing = new_tracing(TracingSettings(ratio=0.0), InMemorySpanExporter())
+    monkeypatch.setattr(tracing.handlers, "start_span", None)
+    monkeypatch.setattr(tracing.propagator, "inject", None)
+    trace = tracing.request({"x-request-id": "r1"})
+    trace.orchestrate()
+    assert trace.scheduling() is None and not trace.span.is_recording()
+    sent = trace.routed(make_picker().new_stream().report)
+    assert list(sent) == ["traceparent"] and sent["traceparent"].endswith("-02")  # random id, not sampled
+    trace.end(make_picker().new_stream().report)
+    assert not tracing.buffer.spans
 
 
 def test_valid_tracestate_and_baggage_go_upstream() -> None:
