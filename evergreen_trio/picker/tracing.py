@@ -202,7 +202,9 @@ class Tracing:
         trace_id = self.ids.generate_trace_id()
         if trace_id & TraceIdRatioBased.TRACE_ID_LIMIT < self.ratio.bound:
             self.ids.preset = trace_id
-            return RequestTrace(self, parent)
+            trace = RequestTrace(self, parent)
+            self.ids.preset = 0  # taken, unless the SDK made no span: never another root's id
+            return trace
         return RequestTrace(self, parent, SpanContext(trace_id, self.ids.generate_span_id(), False,
                                                       self.unsampled_flags))
 
