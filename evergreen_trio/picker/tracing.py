@@ -43,6 +43,7 @@ from opentelemetry.trace import (
     StatusCode,
     TraceFlags,
     Tracer,
+    get_current_span,
     set_span_in_context,
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -146,6 +147,11 @@ class ExporterLog(logging.Filter):
         return False
 
 
+_UNSAMPLED = TraceFlags(TraceFlags.DEFAULT)
+_UNSAMPLED_RANDOM = TraceFlags(TraceFlags.DEFAULT | TraceFlags.RANDOM_TRACE_ID)
+"""The flags of a span the SDK does not sample, without and with the random-trace-id flag."""
+
+
 class _PresetIds(RandomIdGenerator):
     """The SDK's random ids, but the trace id :meth:`Tracing.request` drew for a root it found
     sampled: the SDK's sampler then decides on that same id, and samples it too."""
@@ -170,8 +176,7 @@ class Tracing:
         self.provider = TracerProvider(sampler=ParentBased(self.ratio), resource=resource, id_generator=self.ids,
                                        shutdown_on_exit=False)
         # An unsampled root's flags, as the SDK sets them for this id generator's trace ids.
-        self.unsampled_flags = TraceFlags(TraceFlags.DEFAULT | TraceFlags.RANDOM_TRACE_ID
-                                          if self.ids.is_trace_id_random() else TraceFlags.DEFAULT)
+        self.unsampled_flags = _UNSAMPLED_RANDOM if self.ids.is_trace_id_random() else _UNSAMPLED
         self.provider.add_span_processor(self.buffer)
         tracer = self.provider.get_tracer
         self.handlers: Tracer = tracer(HANDLERS_SCOPE, __version__)
@@ -192,13 +197,21 @@ class Tracing:
         """A stream's trace: its ``gateway.request`` span, started now under the request's
         ``traceparent`` (a new root when it has none, or a malformed one).
 
-        A new root the ratio leaves unsampled (most of them) is made here, as the SDK would make it
-        (the same id generator, decision and flags; ``test_tracing_spans`` compares the two): the
-        SDK's ``start_span`` and propagators cost some 60 Python calls a request for a span that
-        records nothing. Its trace id is drawn first; a sampled one goes to the SDK with that id."""
+        A span that will not be sampled (most of them) is made here as the SDK's ``start_span``
+        would make it (``test_tracing_spans`` compares the two): that call and the propagators cost
+        some 60 Python calls a request for a span that records nothing. Under an unsampled
+        ``traceparent`` the parent-based sampler drops it: the parent's trace id, state and random
+        flag, a new span id. A new root takes its trace id from the SDK's id generator and the
+        ratio's decision on it; a sampled one goes to the SDK with that id. A sampled parent, or
+        baggage alone, goes to the SDK."""
         parent = self.extract(headers)
-        if parent:  # a parent span or baggage: the SDK's parent-based sampling and propagation
-            return RequestTrace(self, parent)
+        if parent:
+            remote = get_current_span(parent).get_span_context()
+            if not remote.is_valid or remote.trace_flags.sampled:
+                return RequestTrace(self, parent)
+            flags = _UNSAMPLED_RANDOM if remote.trace_flags.random_trace_id else _UNSAMPLED
+            return RequestTrace(self, parent, SpanContext(remote.trace_id, self.ids.generate_span_id(), False, flags,
+                                                          remote.trace_state))
         trace_id = self.ids.generate_trace_id()
         if trace_id & TraceIdRatioBased.TRACE_ID_LIMIT < self.ratio.bound:
             self.ids.preset = trace_id
@@ -366,15 +379,16 @@ class RequestTrace:
 
     __slots__ = ("context", "orchestration", "span", "tracing", "unsampled_root")
 
-    def __init__(self, tracing: Tracing, parent: Context, unsampled_root: SpanContext | None = None) -> None:
-        """``unsampled_root``: the span's context, for a new root :meth:`Tracing.request` found unsampled."""
+    def __init__(self, tracing: Tracing, parent: Context, unsampled: SpanContext | None = None) -> None:
+        """``unsampled``: the span's context, when :meth:`Tracing.request` found it unsampled."""
         self.tracing = tracing
-        self.unsampled_root = unsampled_root
-        if unsampled_root is None:
+        if unsampled is None:
             self.span: Span = tracing.handlers.start_span("gateway.request", parent, SpanKind.SERVER)
-            self.context = set_span_in_context(self.span, parent)  # the client's baggage stays in it
         else:
-            self.span, self.context = NonRecordingSpan(unsampled_root), parent
+            self.span = NonRecordingSpan(unsampled)
+        # A new root (no parent, no baggage) sends its traceparent alone: formatted at routing.
+        self.unsampled_root = unsampled if unsampled is not None and not parent else None
+        self.context = parent if self.unsampled_root is not None else set_span_in_context(self.span, parent)
         self.orchestration: Span | None = None
 
     def orchestrate(self) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan
@@ -26,7 +26,14 @@ from evergreen_trio.picker.processor import Picker
 from evergreen_trio.picker.routing_headers import ENCODERS_HEADER, PREFILL_HEADER
 from evergreen_trio.picker.runtime import ext_proc_method, picker_metrics
 from evergreen_trio.picker.scheduler import PoolSnapshot
-from evergreen_trio.picker.tracing import MAX_TRACED_ENDPOINT_SCORES, SpanBuffer, Tracing, new_exporter, new_tracing
+from evergreen_trio.picker.tracing import (
+    MAX_TRACED_ENDPOINT_SCORES,
+    RequestTrace,
+    SpanBuffer,
+    Tracing,
+    new_exporter,
+    new_tracing,
+)
 from evergreen_trio.picker.tracing_env import MAX_QUEUE_SIZE, OTLP_TRANSPORT_ENV, TracingSettings, tracing_settings
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -245,6 +252,36 @@ def test_a_new_root_is_sampled_flagged_and_sent_upstream_as_the_sdk_does_it(trac
     assert sent == expected and sent["traceparent"].split("-")[1] == f"{trace_id:032x}"
 
 
+_HEX = "0123456789abcdef"
+
+
+@given(trace_id=st.text(_HEX, min_size=32, max_size=32), span_id=st.text(_HEX, min_size=16, max_size=16),
+       flags=st.sampled_from(["00", "01", "02", "03", "ff"]),
+       state=st.sampled_from([None, "vendor=abc", "a=1,b=2", "bad state!", ""]),
+       baggage=st.sampled_from([None, "user=42", "k=v,x=y", "=broken"]))
+def test_a_span_under_a_traceparent_is_made_and_sent_upstream_as_the_sdk_does_it(
+        trace_id: str, span_id: str, flags: str, state: str | None, baggage: str | None) -> None:
+    # Under an unsampled parent Tracing.request makes the span itself; the SDK's start_span under the
+    # same extracted context is the model (RequestTrace without the fast path).
+    assume(int(trace_id, 16) and int(span_id, 16))  # else no parent: a new root, on a random id each
+    headers = {"traceparent": f"00-{trace_id}-{span_id}-{flags}"}
+    headers |= {"tracestate": state} if state is not None else {}
+    headers |= {"baggage": baggage} if baggage is not None else {}
+    tracing = new_tracing(TracingSettings(ratio=0.5), InMemorySpanExporter())
+    trace, sdk = tracing.request(headers), RequestTrace(tracing, tracing.extract(headers))
+    ours, theirs = trace.span.get_span_context(), sdk.span.get_span_context()
+    assert trace.span.is_recording() == sdk.span.is_recording()
+    assert (ours.trace_id, ours.trace_flags, ours.trace_state, ours.is_remote) == (
+        theirs.trace_id, theirs.trace_flags, theirs.trace_state, theirs.is_remote)
+    report = make_picker().new_stream().report
+    sent, expected = trace.routed(report), sdk.routed(report)
+    assert sent.keys() == expected.keys()
+    assert {k: v for k, v in sent.items() if k != "traceparent"} == {
+        k: v for k, v in expected.items() if k != "traceparent"}
+    fields, model_fields = sent["traceparent"].split("-"), expected["traceparent"].split("-")
+    assert fields[:2] + fields[3:] == model_fields[:2] + model_fields[3:]  # all but the new span's id
+
+
 def test_an_unsampled_root_costs_no_sdk_span(monkeypatch: pytest.MonkeyPatch) -> None:
     # Most requests under the reference's 0.1 ratio: the SDK's start_span and propagators cost
     # about 60 Python calls each (python -m benchmarks.picker_calls routing --tracing 0).
@@ -258,6 +295,17 @@ def test_an_unsampled_root_costs_no_sdk_span(monkeypatch: pytest.MonkeyPatch) ->
     assert list(sent) == ["traceparent"] and sent["traceparent"].endswith("-02")  # random id, not sampled
     trace.end(make_picker().new_stream().report)
     assert not tracing.buffer.spans
+
+
+def test_a_span_under_an_unsampled_parent_costs_no_sdk_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    tracing = new_tracing(TracingSettings(ratio=1.0), InMemorySpanExporter())  # the parent decides, not the ratio
+    monkeypatch.setattr(tracing.handlers, "start_span", None)
+    unsampled = f"00-{TRACE_ID}-{PARENT_ID}-00"
+    trace = tracing.request({"traceparent": unsampled, "tracestate": "vendor=abc", "baggage": "user=42"})
+    assert not trace.span.is_recording()
+    sent = trace.routed(make_picker().new_stream().report)
+    assert sent["traceparent"].startswith(f"00-{TRACE_ID}-") and sent["traceparent"].endswith("-00")
+    assert sent["traceparent"] != unsampled and (sent["tracestate"], sent["baggage"]) == ("vendor=abc", "user=42")
 
 
 def test_valid_tracestate_and_baggage_go_upstream() -> None:
