@@ -14,8 +14,6 @@ request keys (what ``BlockRemoved`` names). :func:`longest_prefix_scores` is its
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -24,7 +22,7 @@ import fnv_c
 import xxhash
 
 from evergreen_trio.picker.token_estimate import MultiModalFeature
-from evergreen_trio.picker.token_ids import UINT32
+from evergreen_trio.picker.token_ids import little_endian_uint32
 
 DEFAULT_BLOCK_SIZE = 16
 HASH_CBOR_FNV, HASH_XXH64 = "cbor-fnv", "xxh64"
@@ -84,13 +82,6 @@ def _cbor_tokens(tokens: Sequence[int]) -> bytes:
     return _cbor_head(4, len(tokens)) + b"".join(map(_cbor_token, tokens))
 
 
-def _little_endian_uint32(tokens: Sequence[int]) -> bytes:
-    packed = array(UINT32, tokens)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
 def _cbor_extras(extras: BlockExtras) -> bytes:
     """A Go ``[]MMHash`` as fxamacker/cbor's canonical mode writes it: null when nil, else an array
     of one-field maps ``{"Hash": s}``."""
@@ -126,7 +117,7 @@ class TokenProcessor:
 
     def _hash(self, parent: int, tokens: Sequence[int] | None, extras: BlockExtras) -> int:
         if self._xxh64:
-            parts = [parent.to_bytes(8, "little"), _little_endian_uint32(tokens or ())]
+            parts = [parent.to_bytes(8, "little"), little_endian_uint32(tokens or ())]
             for extra in extras or ():
                 data = extra.encode()
                 parts += (len(data).to_bytes(8, "little"), data)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
-from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -26,7 +24,7 @@ import xxhash
 from evergreen_trio.picker.image_size import base64_image_size, data_url_image_size
 from evergreen_trio.picker.json_text import go_compact, go_marshal
 from evergreen_trio.picker.parsers.gojson import text as go_text
-from evergreen_trio.picker.token_ids import BYTES_PER_TOKEN, UINT32, uint32_ids
+from evergreen_trio.picker.token_ids import BYTES_PER_TOKEN, little_endian_uint32, uint32_ids
 
 MAX_PLACEHOLDERS = 2**31 - 1
 """An asset's placeholder count at most (Go's int arithmetic would wrap for absurd sizes)."""
@@ -110,11 +108,7 @@ def pack_ids(ids: Sequence[int]) -> PromptTokens:
     """Token ids as given (a pre-tokenized prompt passes through); OverflowError for an id outside uint32."""
     if not len(ids):
         return PromptTokens()
-    packed = ids if isinstance(ids, array) and ids.typecode == UINT32 else array(UINT32, ids)  # uint32_ids' as is
-    if sys.byteorder == "big":  # a copy to swap: the caller's array stays as it was
-        packed = array(UINT32, packed)
-        packed.byteswap()
-    return PromptTokens((packed.tobytes(),))
+    return PromptTokens((little_endian_uint32(ids),))  # uint32_ids' array read as it is
 
 
 @dataclass(frozen=True)

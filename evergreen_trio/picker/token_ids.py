@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from array import array
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
@@ -11,6 +13,16 @@ BYTES_PER_TOKEN = 4
 UINT32 = next(code for code in "IL" if array(code).itemsize == BYTES_PER_TOKEN)
 """The ``array`` typecode of a uint32."""
 _UINT32_IDS = list[Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]]
+
+
+def little_endian_uint32(ids: Sequence[int]) -> bytes:
+    """``ids`` as little-endian uint32s, 4 bytes each (OverflowError for one outside uint32); a
+    uint32 ``array`` is read as it is (copied only to swap on a big-endian host)."""
+    packed = ids if isinstance(ids, array) and ids.typecode == UINT32 else array(UINT32, ids)
+    if sys.byteorder == "big":  # a copy to swap: the caller's array stays as it was
+        packed = array(UINT32, packed)
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def uint32_ids(value: object, integral_floats: bool = False) -> array[int] | None:
