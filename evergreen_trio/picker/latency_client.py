@@ -9,7 +9,7 @@
   own rows' predictions back;
 * the refresh: at once and every ``LATENCY_METRICS_INTERVAL_SEC`` (60 s), a prediction server's
   ``GET /status`` and the training server's ``GET /model/download/info``: the model they serve
-  (:class:`~evergreen_trio.picker.latency_wire.CurrentModel`), logged when it changes. As in the
+  (:func:`~evergreen_trio.picker.latency_wire.current_model`), logged when it changes. As in the
   reference, nothing waits for it: predictions are asked for whatever it says;
 * the flush: every ``LATENCY_FLUSH_INTERVAL_SEC`` (1 s) the producers' buffered training
   entries, sampled down to ``LATENCY_MAX_SAMPLE_SIZE`` (1000), go in one
@@ -41,7 +41,6 @@ from evergreen_trio.picker.latency_wire import (
     MODEL_INFO_PATH,
     STATUS_PATH,
     TRAINING_PATH,
-    CurrentModel,
     ModelReport,
     Prediction,
     PredictionRow,
@@ -122,7 +121,7 @@ class LatencyPredictorClient:
         self.status = _Episode("status")
         self.model_info = _Episode("model_info")
         self.reports: dict[str, ModelReport] = {}  # the last good reply of each refresh call, by path
-        self.model: CurrentModel | None = None  # what the reports say (None: no refresh yet)
+        self.model: ModelReport | None = None  # what the reports say together (None: no refresh yet)
         self.bulk_calls = 0  # prediction calls made (a test counts the coalescing)
         self.trained = 0  # training entries the training server accepted
 

@@ -241,24 +241,13 @@ def decode_bulk_strict(status: int, body: bytes, rows: int) -> list[Prediction]:
 class ModelReport:
     """What one server says of the models it serves: a prediction server's ``/status`` (``ready``:
     its ``is_ready``) or the training server's ``/model/download/info`` (``ready`` None). An
-    absent objective is "", an absent quantile 0, as Go decodes them."""
+    absent objective is "", an absent quantile 0, as Go decodes them. :func:`current_model`
+    combines the two into one."""
 
     model_type: str
     objective_type: str
     quantile: float
     ready: bool | None = None
-
-
-@dataclass(frozen=True)
-class CurrentModel:
-    """The model the predictor serves, as the reference's client reads it: the prediction
-    server's report first, then the training server's (quantile 0.9 and objective "quantile"
-    when neither says)."""
-
-    model_type: str
-    objective_type: str
-    quantile: float
-    ready: bool | None
 
 
 def _text_field(doc: dict[str, object], key: str, what: str) -> str:
@@ -291,13 +280,15 @@ def decode_model_report(status: int, body: bytes, what: str) -> ModelReport:
                        float(quantile), ready)
 
 
-def current_model(status: ModelReport | None, info: ModelReport | None) -> CurrentModel:
-    """The reference's ``GetCurrentModelType``, ``GetCurrentQuantile`` and
-    ``GetCurrentObjectiveType`` over the last reports (None: none yet)."""
+def current_model(status: ModelReport | None, info: ModelReport | None) -> ModelReport:
+    """The model the predictor serves, as the reference's ``GetCurrentModelType``,
+    ``GetCurrentQuantile`` and ``GetCurrentObjectiveType`` read the last reports (None: none yet):
+    the prediction server's first, then the training server's (quantile 0.9 and objective
+    "quantile" when neither says); ``ready`` the prediction server's."""
     model_type = status.model_type if status is not None else info.model_type if info is not None else ""
     quantile = next((r.quantile for r in (status, info) if r is not None and r.quantile > 0), 0.9)
     objective = next((r.objective_type for r in (status, info) if r is not None and r.objective_type), "quantile")
-    return CurrentModel(model_type, objective, quantile, status.ready if status is not None else None)
+    return ModelReport(model_type, objective, quantile, status.ready if status is not None else None)
 
 
 def sample_training(entries: Sequence[TrainingEntry], max_size: int, rng: random.Random) -> list[TrainingEntry]:

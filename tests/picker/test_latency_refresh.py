@@ -22,7 +22,6 @@ from evergreen_trio.picker.latency_wire import (
     MAX_REPORT_BYTES,
     MODEL_INFO_PATH,
     STATUS_PATH,
-    CurrentModel,
     ModelReport,
     PredictorConfig,
     PredictorError,
@@ -81,12 +80,12 @@ def test_any_bytes_decode_or_are_a_predictor_error(body: bytes) -> None:
 
 def test_the_current_model_prefers_the_prediction_servers_report() -> None:
     status, info = ModelReport("xgboost", "mean", 0.5, False), ModelReport("lightgbm", "quantile", 0.8)
-    assert current_model(status, info) == CurrentModel("xgboost", "mean", 0.5, False)
-    assert current_model(None, info) == CurrentModel("lightgbm", "quantile", 0.8, None)
+    assert current_model(status, info) == ModelReport("xgboost", "mean", 0.5, False)
+    assert current_model(None, info) == ModelReport("lightgbm", "quantile", 0.8, None)
     # The reference's defaults: its status's type even when empty, then quantile 0.9 and "quantile".
-    assert current_model(ModelReport("", "", 0.0), info) == CurrentModel("", "quantile", 0.8, None)
-    assert current_model(ModelReport("", "", 0.0), None) == CurrentModel("", "quantile", 0.9, None)
-    assert current_model(None, None) == CurrentModel("", "quantile", 0.9, None)
+    assert current_model(ModelReport("", "", 0.0), info) == ModelReport("", "quantile", 0.8, None)
+    assert current_model(ModelReport("", "", 0.0), None) == ModelReport("", "quantile", 0.9, None)
+    assert current_model(None, None) == ModelReport("", "quantile", 0.9, None)
 
 
 def test_the_refresh_interval_from_the_environment() -> None:
@@ -121,7 +120,7 @@ async def test_a_started_client_refreshes_and_logs_the_model_once(nursery: trio.
     with trio.fail_after(10):
         await three_refreshes.wait()
     assert seen[:2] == [STATUS_PATH, MODEL_INFO_PATH]
-    assert client.model == CurrentModel("bayesian_ridge", "quantile", 0.9, True)
+    assert client.model == ModelReport("bayesian_ridge", "quantile", 0.9, True)
     lines = [r.message for r in caplog.records if "picker.latency_predictor_model" in r.message]
     assert lines == ["picker.latency_predictor_model model_type=bayesian_ridge objective=quantile quantile=0.9 "
                      "ready=True"]
