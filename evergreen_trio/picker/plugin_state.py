@@ -110,7 +110,7 @@ class StatePage:
     request after that renders anew; the ones before get the same snapshot and timestamp)."""
 
     def __init__(self, plugins: Iterable[PluginDump], reuse_s: float = REUSE_S) -> None:
-        self.plugins = sorted(plugins, key=lambda p: p.name)
+        self.plugins = list(plugins)  # render sorts them
         self.reuse_s = reuse_s
         self._body = b""
         self._at = -math.inf
