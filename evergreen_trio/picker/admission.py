@@ -113,7 +113,7 @@ class ProbabilisticAdmitter:
 def _positive(params: Params, key: str, default: float) -> float:
     """A finite number > 0 (JSON, which the reference decodes its parameters from, has no infinity)."""
     value = params.number(key, default, minimum=-math.inf)
-    if not 0 < value < math.inf:
+    if value <= 0:
         raise ConfigError(params.where(key), "a finite number > 0", value)
     return value
 

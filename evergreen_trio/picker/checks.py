@@ -8,6 +8,11 @@ from typing import Any
 
 from evergreen_trio.picker.errors import ConfigError
 
+FLOAT_LIMIT = 2**1024 - 2**970
+"""The least integer float() cannot hold (it rounds to infinity): a number parameter is below it
+in magnitude, as JSON (the reference's configs are YAML turned into JSON) has no NaN or infinity
+and Go's decoding into a float64 refuses an integer past its range."""
+
 
 def mapping(value: object, path: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
@@ -34,6 +39,8 @@ def integer(value: object, path: str, *, minimum: int | None = None) -> int:
 
 
 def number(value: object, path: str, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (positive and value == 0):
-        raise ConfigError(path, "a positive number" if positive else "a number >= 0", value)
+    """A number >= 0 (> 0 with ``positive``) that float64 holds: YAML's ``.nan`` and ``.inf`` are refused."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < FLOAT_LIMIT or (
+            positive and value == 0):
+        raise ConfigError(path, "a finite positive number" if positive else "a finite number >= 0", value)
     return float(value)

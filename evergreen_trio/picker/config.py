@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import ipaddress
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any
 import yaml
 
 from evergreen_trio.picker.affinity import PREFIX_READERS
-from evergreen_trio.picker.checks import integer, mapping, number, sequence, string
+from evergreen_trio.picker.checks import FLOAT_LIMIT, integer, mapping, number, sequence, string
 from evergreen_trio.picker.dataparallel import DataParallelHandler
 from evergreen_trio.picker.dcgm import DcgmSource
 from evergreen_trio.picker.engine_metrics import ENGINE_ALIASES, ENGINE_METRICS, EngineConfig
@@ -262,15 +263,16 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
 
 
 def parse_duration(value: object, path: str) -> float:
+    """Seconds > 0 and finite, from a number or a string like ``50ms``, ``2s`` or ``1m``."""
     if isinstance(value, bool):
         raise ConfigError(path, "a duration like '50ms' or '2s'", value)
-    if isinstance(value, int | float) and value > 0:
+    if isinstance(value, int | float) and 0 < value < FLOAT_LIMIT:
         return float(value)
     if isinstance(value, str):
         match = _DURATION.match(value)
         if match:
             seconds = float(match.group(1)) * _UNITS[match.group(2)]
-            if seconds > 0:
+            if 0 < seconds < math.inf:
                 return seconds
     raise ConfigError(path, "a positive duration like '50ms' or '2s'", value)
 

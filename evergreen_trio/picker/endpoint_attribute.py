@@ -83,10 +83,7 @@ def _attribute_key(params: Params, name_field: str) -> AttributeKey:
 
 def _finite(params: Params, key: str) -> float:
     """A number parameter of any sign (0 when absent, as Go's zero value); JSON has no NaN or infinity."""
-    value = params.number(key, 0.0, minimum=-math.inf)
-    if not math.isfinite(value):
-        raise ConfigError(params.where(key), "a finite number", value)
-    return value
+    return params.number(key, 0.0, minimum=-math.inf)
 
 
 def _section(params: Params, key: str, known: Sequence[str]) -> Params | None:

@@ -37,7 +37,7 @@ from typing import Any
 # sources, token-producer.
 from evergreen_trio.picker import attribute_reporter, file_discovery, notifications, token_producer  # noqa: F401
 from evergreen_trio.picker.burst_prefix import check_producers
-from evergreen_trio.picker.checks import mapping, sequence
+from evergreen_trio.picker.checks import FLOAT_LIMIT, mapping, sequence
 from evergreen_trio.picker.dataparallel import DataParallelHandler
 from evergreen_trio.picker.dcgm import DCGM_DATA_SOURCE, DCGM_EXTRACTOR, DcgmSource
 from evergreen_trio.picker.endpoint_attribute import warn_unpublished
@@ -182,8 +182,8 @@ def _profile(raw: object, path: str, plugins: Mapping[str, Plugin]) -> Profile:
         plugin = _ref(ref.get("pluginRef"), f"{ref_path}.pluginRef", plugins, Category.FILTER, Category.SCORER,
                       Category.PICKER, Category.PRODUCER, Category.PRE_REQUEST, Category.RESPONSE_PROCESSOR)
         weight = ref.get("weight", 1)
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
-            raise ConfigError(f"{ref_path}.weight", "a number >= 0", weight)
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight < FLOAT_LIMIT:
+            raise ConfigError(f"{ref_path}.weight", "a finite number >= 0", weight)
         if plugin.is_filter:
             filters.append(plugin)
         if plugin.category is Category.SCORER:
@@ -392,8 +392,8 @@ def read_endpoint_picker_config(doc: Mapping[str, Any]) -> EppConfig:
     for key, value in saturation.items():
         path = f"{KIND}.saturationDetector.{key}"
         if key in _SATURATION:
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ConfigError(path, "a positive number", value)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < FLOAT_LIMIT:
+                raise ConfigError(path, "a finite positive number", value)
             values[_SATURATION[key]] = float(value)
         elif key != "metricsStalenessThreshold":  # the pool's, set by --metrics-staleness-threshold
             raise ConfigError(path, f"one of {sorted([*_SATURATION, 'metricsStalenessThreshold', 'pluginRef'])}", key)

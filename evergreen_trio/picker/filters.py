@@ -13,7 +13,6 @@ registered on import.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -55,10 +54,7 @@ def _condition(params: Params) -> Condition:
     if not params.has("maxValue"):
         raise ConfigError(params.where("maxValue"), f"a maxValue for {metric} (required)", None)
     # Only a fraction is a sensible KV cap; the reference refuses more than 1 for it alone.
-    cap = params.number("maxValue", 0.0, maximum=1.0 if metric == KV_CACHE_UTILIZATION else None)
-    if not math.isfinite(cap):  # JSON, which the reference decodes its parameters from, has no infinity
-        raise ConfigError(params.where("maxValue"), "a finite number", cap)
-    return Condition(metric, cap)
+    return Condition(metric, params.number("maxValue", 0.0, maximum=1.0 if metric == KV_CACHE_UTILIZATION else None))
 
 
 def _utilization(params: Params) -> UtilizationParams:

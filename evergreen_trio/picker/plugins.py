@@ -16,12 +16,13 @@ import contextlib
 import contextvars
 import enum
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from evergreen_trio.picker.checks import mapping, sequence, string
+from evergreen_trio.picker.checks import FLOAT_LIMIT, mapping, sequence, string
 from evergreen_trio.picker.engine_metrics import (
     ENGINE_ALIASES,
     ENGINE_LABEL,
@@ -38,7 +39,6 @@ log = logging.getLogger(__name__)
 ROLE_LABEL = "llm-d.ai/role"
 APPROX_PRODUCER = "approx-prefix-cache-producer"
 MULTICLUSTER_APPROX_PRODUCER = "multicluster-approx-prefix-cache-producer"  # the same producer, another type name
-_FLOAT_LIMIT = 2**1024 - 2**970  # the least integer float() cannot hold (it rounds to infinity)
 
 
 class Category(enum.Enum):
@@ -91,12 +91,15 @@ class Params:
         return value
 
     def number(self, key: str, default: float, *, minimum: float = 0.0, maximum: float | None = None) -> float:
+        """A number in ``minimum..maximum`` that float64 holds (:data:`~evergreen_trio.picker.checks.FLOAT_LIMIT`:
+        never NaN or an infinity)."""
         value = self.raw.get(key, default)
-        # An integer past float64's range is refused too, as Go's JSON decoding into a float64 does.
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum or (
-                maximum is not None and value > maximum) or (isinstance(value, int) and abs(value) >= _FLOAT_LIMIT):
-            bound = f"a number in {minimum}..{maximum}" if maximum is not None else f"a number >= {minimum}"
-            raise ConfigError(self.where(key), bound, value)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -FLOAT_LIMIT < value < FLOAT_LIMIT or (
+                value < minimum or (maximum is not None and value > maximum)):
+            low = f" >= {minimum}" if math.isfinite(minimum) else ""
+            bound = f" in {minimum}..{maximum}" if maximum is not None and low else (
+                f" <= {maximum}" if maximum is not None else low)
+            raise ConfigError(self.where(key), f"a finite number{bound}", value)
         return float(value)
 
     def boolean(self, key: str, default: bool) -> bool:

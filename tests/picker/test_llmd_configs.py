@@ -264,6 +264,16 @@ BAD = [
     ("{type: by-label, parameters: {label: role}}", P),
     ("{type: decode-filter, parameters: {role: decode}}", f"{P}.role"),
     ("{type: max-score-picker, parameters: {maxNumOfEndpoints: 0}}", f"{P}.maxNumOfEndpoints"),
+    # NaN passes every range comparison, and JSON (the reference's parameters) has no NaN or
+    # infinity: a NaN composite weight loaded, then failed every request in the scorer.
+    ("{type: latency-scorer, parameters: {compositeKVWeight: .nan}}", f"{P}.compositeKVWeight"),
+    ("{type: latency-scorer, parameters: {ttftWeight: .inf}}", f"{P}.ttftWeight"),
+    ("{type: active-request-scorer, parameters: {maxBusyScore: .nan}}", f"{P}.maxBusyScore"),
+    ("{type: prefix-cache-scorer, parameters: {matchLengthWeight: .nan}}", f"{P}.matchLengthWeight"),
+    ("{type: inflight-load-producer, parameters: {outputRatio: .inf}}", f"{P}.outputRatio"),
+    ("{type: prefix-cache-affinity-filter, parameters: {affinityThreshold: -.inf}}", f"{P}.affinityThreshold"),
+    ("{type: utilization-detector, parameters: {kvCacheUtilThreshold: .nan}}", f"{P}.kvCacheUtilThreshold"),
+    ("{type: program-aware-fairness, parameters: {lasWeightService: .inf}}", f"{P}.lasWeightService"),
 ]
 
 
@@ -297,6 +307,11 @@ BAD_DOCS = [
      "EndpointPickerConfig.schedulingProfiles[0].plugins[0].pluginRef"),
     (PD + "schedulingProfiles: [{name: a, plugins: [{pluginRef: queue-scorer, weight: -1}]}]",
      "EndpointPickerConfig.schedulingProfiles[0].plugins[0].weight"),
+    # NaN, infinities and integers past float64 (float() raised OverflowError on those).
+    *((PD + f"schedulingProfiles: [{{name: a, plugins: [{{pluginRef: queue-scorer, weight: {value}}}]}}]",
+       "EndpointPickerConfig.schedulingProfiles[0].plugins[0].weight") for value in (".nan", ".inf", str(10**400))),
+    *((HEAD + f"saturationDetector: {{queueDepthThreshold: {value}}}",
+       "EndpointPickerConfig.saturationDetector.queueDepthThreshold") for value in (".nan", ".inf", str(10**400))),
     (PD + "schedulingProfiles: [{name: a, extra: 1}]", "EndpointPickerConfig.schedulingProfiles[0].extra"),
     (PD + "dataLayer: {sources: [{pluginRef: queue-scorer}]}", "EndpointPickerConfig.dataLayer.sources[0].pluginRef"),
     (PD + "dataLayer: {discovery: {}}", "EndpointPickerConfig.dataLayer.discovery.pluginRef"),

@@ -47,22 +47,15 @@ class ProgramAwareParams:
     half_life_s: float = 60.0
 
 
-def _non_negative(params: Params, key: str, default: float) -> float:
-    value = params.number(key, default)
-    if math.isnan(value):
-        raise ConfigError(params.where(key), "a number >= 0", value)
-    return value
-
-
 def _params(params: Params) -> ProgramAwareParams:
     # The reference validates the numbers before the strategy: the same field is named first.
-    ttl = _non_negative(params, "evictionTtlSeconds", 3600.0)
-    sweep = _non_negative(params, "evictionSweepSeconds", 300.0)
+    ttl = params.number("evictionTtlSeconds", 3600.0)
+    sweep = params.number("evictionSweepSeconds", 300.0)
     if sweep <= 0:
         raise ConfigError(params.where("evictionSweepSeconds"), "a number > 0", sweep)
-    result = ProgramAwareParams(ttl, sweep, _non_negative(params, "lasWeightService", 0.8),
-                                _non_negative(params, "lasWeightHeadWait", 0.2),
-                                _non_negative(params, "lasHalfLifeSeconds", 60.0))
+    result = ProgramAwareParams(ttl, sweep, params.number("lasWeightService", 0.8),
+                                params.number("lasWeightHeadWait", 0.2),
+                                params.number("lasHalfLifeSeconds", 60.0))
     params.text("strategy", "las", choices=STRATEGIES)
     return result
 

@@ -53,10 +53,7 @@ UsageLimitParams = StaticUsageLimit | PriorityHoldback | SoftReflectiveCeiling
 
 
 def _finite(params: Params, key: str, default: float) -> float:
-    value = params.number(key, default, minimum=-math.inf)
-    if not math.isfinite(value):
-        raise ConfigError(params.where(key), "a finite number", value)
-    return value
+    return params.number(key, default, minimum=-math.inf)
 
 
 def _static(params: Params) -> StaticUsageLimit:
