@@ -189,6 +189,9 @@ async def test_high_availability_one_ready_leader_and_takeover(nursery: trio.Nur
     (["--pool-name", "p", "--cert-path", "/nonexistent"], "--cert-path"),
     (["--config", "{ok}", "--grpc-max-recv-msg-size", "lots"], "--grpc-max-recv-msg-size: expected a quantity"),
     (["--config", "{ok}", "--grpc-max-send-msg-size=16E"], "a size below 2**63"),
+    # Digits past float64's range: OverflowError and exit 1, naming no flag.
+    (["--config", "{ok}", "--grpc-max-send-msg-size=" + "9" * 400], "--grpc-max-send-msg-size: expected a quantity"),
+    (["--config", "{ok}", "--stop-grace", "9" * 400 + "s"], "--stop-grace: expected a duration"),
     (["--config", "{ok}", "--tls-min-version", "TLS1.2"], "one of VersionTLS10, VersionTLS11"),
     (["--config", "{ok}", "--tls-cipher-suites", "TLS_FAST"], "Go crypto/tls cipher suite names, got 'TLS_FAST'"),
     (["--config", "{ok}", "--tls-cipher-suites", "TLS_RSA_WITH_RC4_128_SHA"], "a suite OpenSSL"),

@@ -157,12 +157,13 @@ def test_bad_feature_gate_and_gate_off_still_validates() -> None:
 
 def test_go_durations_and_quantities() -> None:
     assert [go_duration(v, "d") for v in ("60s", "1m30s", "200ms", "0s", "0", "1.5h")] == [60, 90, 0.2, 0, 0, 5400]
-    for bad in ("", "s", "10", "1m x", "-1s", 5):
+    assert go_duration("2562047h", "d") == 2562047 * 3600  # Go's longest duration is about 2562047.8h
+    for bad in ("", "s", "10", "1m x", "-1s", 5, "2562048h", "9" * 400 + "s"):
         with pytest.raises(ConfigError):
             go_duration(bad, "d")
     assert [quantity(v, "q") for v in (0, 7, "100", "2k", "1Gi", "500M", "1.5Ki")] == [
         0, 7, 100, 2000, 2**30, 500_000_000, 1536]
-    for bad in (-1, "1x", "", True, 1.5, "k"):
+    for bad in (-1, "1x", "", True, 1.5, "k", "9" * 400, "9" * 400 + "Ei"):
         with pytest.raises(ConfigError):
             quantity(bad, "q")
 

@@ -28,6 +28,7 @@ registered with :mod:`evergreen_trio.picker.plugins` and :mod:`evergreen_trio.pi
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -137,10 +138,12 @@ def queue_wait(config: FlowControlConfig | None) -> float | None:
 
 _GO_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+MAX_GO_DURATION_S = (2**63 - 1) / 1e9
+"""The longest Go duration (int64 nanoseconds, about 292 years): Go's ParseDuration refuses more."""
 
 
 def go_duration(value: object, path: str) -> float:
-    """A Go duration string (``60s``, ``1m30s``, ``200ms``, ``0s``) -> seconds >= 0."""
+    """A Go duration string (``60s``, ``1m30s``, ``200ms``, ``0s``) -> seconds in 0..MAX_GO_DURATION_S."""
     if isinstance(value, str) and value:
         text = value.strip()
         if text == "0":
@@ -152,7 +155,7 @@ def go_duration(value: object, path: str) -> float:
             total += float(match.group(1)) * _GO_UNITS[match.group(2)]
             pos = match.end()
         else:
-            if pos == len(text) and pos:
+            if pos == len(text) and pos and total <= MAX_GO_DURATION_S:
                 return total
     raise ConfigError(path, "a duration like '60s', '1m30s' or '0s'", value)
 
@@ -169,7 +172,9 @@ def quantity(value: object, path: str) -> int:
     if isinstance(value, str):
         match = _QUANTITY.match(value.strip())
         if match:
-            return int(float(match.group(1)) * _QUANTITY_UNITS[match.group(2)])
+            scaled = float(match.group(1)) * _QUANTITY_UNITS[match.group(2)]
+            if math.isfinite(scaled):  # digits past float64's range are infinity, which int() refuses
+                return int(scaled)
     raise ConfigError(path, "a quantity >= 0 like '100', '2k' or '1Gi'", value)
 
 
