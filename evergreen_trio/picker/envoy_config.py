@@ -210,7 +210,8 @@ def _overload_manager(max_downstream_connections: int) -> dict[str, Any]:
 
 
 # A queued request's message_timeout: its queue wait plus this margin (dispatch, the pick, the
-# round trip); with no queue-wait limit (TTL 0s), this cap.
+# round trip), at most this cap, the longest Envoy accepts (its ext_proc validation: 1 h); with no
+# queue-wait limit (TTL 0s), the cap.
 QUEUE_MARGIN_S = 5.0
 MAX_QUEUE_WAIT_S = 3600.0
 
@@ -241,15 +242,16 @@ def gateway_config(
     client connections Envoy accepts at once (its overload manager refuses the rest).
     ``picker_tls`` speaks TLS to the picker (one run with ``--secure-serving``).
     ``queue_wait_s``: the longest a request may wait in the picker's flow control queue (its
-    ``defaultRequestTTL``; 0 = no limit): ``message_timeout`` then covers it, since a queued
-    request's answer comes only when it is dispatched (Envoy applies the timeout in BUFFERED
-    mode; FULL_DUPLEX_STREAMED does not time the request phase out). ValueError for a bad body
-    mode, connection bound or wait, ConfigError for a bad address.
+    ``defaultRequestTTL``; 0 = no limit): ``message_timeout`` then covers it, up to Envoy's
+    largest (1 h), since a queued request's answer comes only when it is dispatched (Envoy
+    applies the timeout in BUFFERED mode; FULL_DUPLEX_STREAMED does not time the request phase
+    out). ValueError for a bad body mode, connection bound or wait, ConfigError for a bad address.
     """
     if queue_wait_s is not None:
         if queue_wait_s < 0:
             raise ValueError(f"expected a queue wait >= 0 s, got {queue_wait_s}")
-        message_timeout_s = max(message_timeout_s, queue_wait_s + QUEUE_MARGIN_S if queue_wait_s else MAX_QUEUE_WAIT_S)
+        wait_s = min(queue_wait_s + QUEUE_MARGIN_S, MAX_QUEUE_WAIT_S) if queue_wait_s else MAX_QUEUE_WAIT_S
+        message_timeout_s = max(message_timeout_s, wait_s)
     for mode in (request_body_mode, response_body_mode):
         if mode not in _BODY_MODES:
             raise ValueError(f"expected a body mode in {_BODY_MODES}, got {mode!r}")

@@ -53,6 +53,17 @@ def test_gateway_config_cli_writes_a_config_envoy_accepts(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.envoy
+def test_a_queue_wait_past_an_hour_still_makes_a_config_envoy_accepts(tmp_path: Path) -> None:
+    # The message_timeout covering the wait was written as 7205s: Envoy refuses more than 1 h.
+    out = tmp_path / "gateway.json"
+    subprocess.run([sys.executable, "-m", "evergreen_trio.cli", "gateway-config", "--queue-wait", "2h",
+                    "--request-body-mode", "BUFFERED", "-o", str(out)], check=True, capture_output=True)
+    result = subprocess.run([find_envoy(), "--mode", "validate", "-c", str(out)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert '"message_timeout": "3600.0s"' in out.read_text()
+
+
 def test_picker_cli_bad_config_is_one_error_and_non_zero(tmp_path: Path) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text("pool: {endpoints: [{address: 'nowhere'}]}\n")

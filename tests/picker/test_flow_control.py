@@ -610,6 +610,7 @@ def test_gateway_message_timeout_covers_the_queue_wait() -> None:
 
     assert timeout() == "5.0s"
     assert timeout(queue_wait_s=60.0) == "65.0s" and timeout(queue_wait_s=0.0) == "3600.0s"
+    assert timeout(queue_wait_s=3595.0) == timeout(queue_wait_s=7200.0) == "3600.0s"  # Envoy's largest
     with pytest.raises(ValueError, match="queue wait"):
         timeout(queue_wait_s=-1.0)
     assert queue_wait(None) is None and queue_wait(FlowControlConfig()) == 60.0
