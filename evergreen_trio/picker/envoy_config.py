@@ -76,6 +76,13 @@ def _hcm(name: str, routes: list[dict[str, Any]], filters: list[dict[str, Any]])
     }
 
 
+def _duration(seconds: float) -> str:
+    """``seconds`` as a protobuf JSON Duration (``5.0s``): at most 9 fractional digits and no
+    exponent, where ``repr`` may write either (Envoy refuses ``5.00123456789s`` and ``1e-05s``)."""
+    text = f"{seconds:.9f}".rstrip("0")
+    return f"{text}0s" if text.endswith(".") else f"{text}s"
+
+
 def _ext_proc_filter(request_body_mode: str, response_body_mode: str, message_timeout_s: float) -> dict[str, Any]:
     duplex = "FULL_DUPLEX_STREAMED" in (request_body_mode, response_body_mode)
     return {
@@ -84,7 +91,7 @@ def _ext_proc_filter(request_body_mode: str, response_body_mode: str, message_ti
             "@type": _EXT + "filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": PICKER_CLUSTER}},
             "failure_mode_allow": False,
-            "message_timeout": f"{message_timeout_s}s",
+            "message_timeout": _duration(message_timeout_s),
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "response_header_mode": "SEND",
@@ -261,7 +268,7 @@ def gateway_config(
         raise ValueError("expected round_robin_endpoints with round_robin_port, got none")
     filters = [_subset_hint_filter(subset_hint_header)] if subset_hint_header else []
     filters.append(_ext_proc_filter(request_body_mode, response_body_mode, message_timeout_s))
-    timeout = f"{upstream_timeout_s}s"
+    timeout = _duration(upstream_timeout_s)
     routes = [_override_route(timeout, retries)] if pool_endpoints else []
     routes.append({"match": {"prefix": "/"}, "route": {"cluster": ORIGINAL_DST_CLUSTER, "timeout": timeout}})
     clusters = [_picker_cluster(picker_address, picker_tls), _original_dst_cluster()]
