@@ -15,6 +15,9 @@ from collections.abc import Callable, Iterator
 
 MAX_HEADER_BYTES = 1 << 20
 """Decoded bytes read at most for a header (a JPEG's size can follow large APP segments)."""
+MAX_HEADER_READS = 1 << 18
+"""Header fields read at most for one request's images (see :class:`ReadBudget`): about 60 ms,
+what parsing a 16 MiB body costs."""
 _BLOCK_CHARS = 4096  # base64 characters decoded per step (a multiple of 4)
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Go's image/png: the bit depths each color type allows (checkHeader's cb table).
@@ -26,13 +29,24 @@ class _Short(Exception):
     """The decoded bytes ended before the header did."""
 
 
+class ReadBudget:
+    """The header fields left to read for one request's images. Each read is Python work, and a
+    header can be all reads (a JPEG's stray bytes one at a time, 4-byte segments, 12-byte PNG
+    chunks): without a bound, 16 MiB of them cost seconds of the routing thread per request.
+    Images read past it have no size, as a cut-short header."""
+
+    def __init__(self, reads: int = MAX_HEADER_READS) -> None:
+        self.reads = reads
+
+
 class _Reader:
     """Decoded bytes of a base64 text, produced block by block as the header parser asks."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, budget: ReadBudget) -> None:
         self._blocks = self._decode(text)
         self._data = bytearray()
         self.pos = 0
+        self._budget = budget
 
     @staticmethod
     def _decode(text: str) -> Iterator[bytes]:
@@ -46,7 +60,8 @@ class _Reader:
 
     def read(self, size: int) -> bytes:
         end = self.pos + size
-        if end > MAX_HEADER_BYTES:
+        self._budget.reads -= 1
+        if end > MAX_HEADER_BYTES or self._budget.reads < 0:
             raise _Short
         while len(self._data) < end:
             block = next(self._blocks, None)
@@ -133,10 +148,11 @@ _FORMATS: tuple[tuple[bytes, Callable[[_Reader], tuple[int, int] | None]], ...] 
     (_PNG_SIGNATURE, _png), (b"\xff\xd8", _jpeg), (b"GIF8", _gif))
 
 
-def base64_image_size(payload: str) -> tuple[int, int] | None:
+def base64_image_size(payload: str, budget: ReadBudget | None = None) -> tuple[int, int] | None:
     """(width, height) of a base64-encoded PNG, JPEG or GIF (None when it is not one, or its
-    header is cut short or invalid, or a dimension is not positive)."""
-    reader = _Reader(payload)
+    header is cut short, past ``budget`` (the request's; None: the image's own) or invalid, or a
+    dimension is not positive)."""
+    reader = _Reader(payload, budget if budget is not None else ReadBudget())
     try:
         head = reader.read(4)
     except _Short:
@@ -154,11 +170,11 @@ def base64_image_size(payload: str) -> tuple[int, int] | None:
     return None
 
 
-def data_url_image_size(url: str) -> tuple[int, int] | None:
+def data_url_image_size(url: str, budget: ReadBudget | None = None) -> tuple[int, int] | None:
     """(width, height) of a ``data:image/...;base64,`` URL's image (None for any other URL)."""
     if not url.startswith("data:image/"):
         return None
     index = url.find("base64,")
     if index < 0:
         return None
-    return base64_image_size(url[index + len("base64,") :])
+    return base64_image_size(url[index + len("base64,") :], budget)

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import xxhash
 
-from evergreen_trio.picker.image_size import base64_image_size, data_url_image_size
+from evergreen_trio.picker.image_size import ReadBudget, base64_image_size, data_url_image_size
 from evergreen_trio.picker.json_text import go_compact, go_marshal
 from evergreen_trio.picker.parsers.gojson import text as go_text
 from evergreen_trio.picker.token_ids import BYTES_PER_TOKEN, little_endian_uint32, uint32_ids
@@ -256,6 +256,7 @@ class _Stream:
         self.segments: list[bytes | Placeholders] = []
         self.features: list[MultiModalFeature] = []
         self.tokens = 0
+        self.image_reads = ReadBudget()  # the request's images share it
 
     def _take(self) -> bytes:
         """The text since the last asset as bytes (Go's: lone surrogates as U+FFFD), zero-padded
@@ -310,7 +311,7 @@ def _chat(estimator: Estimator, body: Mapping[str, Any], headers: Mapping[str, s
             stream.text(_text(part.get("text")))
         elif kind == "image_url":
             url = _text(_block(part.get("image_url")).get("url"))
-            stream.asset(IMAGE, url, estimator.image.count(data_url_image_size(url)))
+            stream.asset(IMAGE, url, estimator.image.count(data_url_image_size(url, stream.image_reads)))
         elif kind == "video_url":
             stream.asset(VIDEO, _text(_block(part.get("video_url")).get("url")),
                          estimator.video.count(video_meta(headers)))
@@ -372,9 +373,9 @@ def _anthropic_tool(tool: Mapping[str, Any]) -> str:
 def _anthropic_image(stream: _Stream, estimator: Estimator, source: Mapping[str, Any]) -> None:
     url, data = _text(source.get("url")), _text(source.get("data"))
     if url:
-        stream.asset(IMAGE, url, estimator.image.count(data_url_image_size(url)))
+        stream.asset(IMAGE, url, estimator.image.count(data_url_image_size(url, stream.image_reads)))
     elif data:
-        stream.asset(IMAGE, data, estimator.image.count(base64_image_size(data)))
+        stream.asset(IMAGE, data, estimator.image.count(base64_image_size(data, stream.image_reads)))
 
 
 def _tool_result(stream: _Stream, estimator: Estimator, content: object) -> None:
@@ -396,7 +397,7 @@ def _tool_result(stream: _Stream, estimator: Estimator, content: object) -> None
                 urls.append(url)
     stream.text("\n".join(texts))
     for url in urls:
-        stream.asset(IMAGE, url, estimator.image.count(data_url_image_size(url)))
+        stream.asset(IMAGE, url, estimator.image.count(data_url_image_size(url, stream.image_reads)))
 
 
 def _strings(value: object) -> list[str] | None:

@@ -14,6 +14,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from evergreen_trio.picker import image_size
 from evergreen_trio.picker.image_size import base64_image_size, data_url_image_size
 from evergreen_trio.picker.token_estimate import (
     MAX_PLACEHOLDERS,
@@ -284,6 +285,26 @@ def test_only_base64_data_urls_are_decoded() -> None:
     assert data_url_image_size("https://example.com/" + PNG) is None
     assert data_url_image_size("data:image/png," + PNG) is None
     assert data_url_image_size("data:image/png;base64,***") is None
+
+
+def test_a_requests_images_share_a_bounded_number_of_header_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stray bytes before a JPEG marker are read one at a time: 1 MiB of them was a million
+    # Python reads, and a 16 MiB body of such images held the routing thread for seconds.
+    reads = 0
+    read = image_size._Reader.read
+
+    def counted(reader: Any, size: int) -> bytes:
+        nonlocal reads
+        reads += 1
+        return read(reader, size)
+
+    monkeypatch.setattr(image_size._Reader, "read", counted)
+    stray = "data:image/jpeg;base64," + base64.b64encode(b"\xff\xd8" + bytes(1 << 20)).decode()
+    result = estimate(DEFAULT, "chat", chat(*[{"type": "image_url", "image_url": {"url": stray}}] * 4,
+                                            {"type": "image_url", "image_url": {"url": PNG_URL}}), {})
+    assert result is not None and len(result.prompts[0].features) == 5
+    assert reads <= image_size.MAX_HEADER_READS + 5 < 4_000_000  # 4 million reads before the budget
+    assert data_url_image_size(PNG_URL) == (64, 32)  # another request's images have their own budget
 
 
 # -- properties -----------------------------------------------------------------------------------
