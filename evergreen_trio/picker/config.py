@@ -318,7 +318,7 @@ def _criticality(spec: Mapping[str, Any], path: str) -> int:
         return integer(spec["priority"], f"{path}.priority")
     if "criticality" in spec:
         value = spec["criticality"]
-        if value not in CRITICALITY_PRIORITY:
+        if not isinstance(value, str) or value not in CRITICALITY_PRIORITY:  # a list or a map is unhashable
             raise ConfigError(f"{path}.criticality", "Critical, Standard or Sheddable", value)
         return CRITICALITY_PRIORITY[value]
     return 0

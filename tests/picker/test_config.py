@@ -99,6 +99,8 @@ def test_kubernetes_manifests_with_static_endpoints() -> None:
     ("pool: {endpoints: ['127.0.0.1:1'], refreshMetricsInterval: soon}", "pool.refreshMetricsInterval"),
     ("pool: {endpoints: ['127.0.0.1:1'], colour: red}", "pool.colour"),
     ("pool: {endpoints: ['127.0.0.1:1']}\nmodels: [{name: m, criticality: Urgent}]", "models[0].criticality"),
+    ("pool: {endpoints: ['127.0.0.1:1']}\nmodels: [{name: m, criticality: [Critical]}]", "models[0].criticality"),
+    ("pool: {endpoints: ['127.0.0.1:1']}\nobjectives: [{name: o, criticality: {a: 1}}]", "objectives[0].criticality"),
     ("pool: {endpoints: ['127.0.0.1:1']}\nmodels: [{name: m, targetModels: [{name: t, weight: -1}]}]",
      "models[0].targetModels[0].weight"),
     ("pool: {endpoints: ['127.0.0.1:1']}\nmodels: [{name: m}, {name: m}]", "models[1].name"),
