@@ -73,6 +73,10 @@ and its client received 64 messages of them in one)."""
 
 Outbound = NodeFragment | Action
 
+PASS_THROUGH = (trio.Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit)
+"""What a handler may raise (alone or in a group) that ends more than its action. Anything else
+(an Exception, or another BaseException such as asyncio.CancelledError) fails the action: INTERNAL."""
+
 
 def pack_messages(items: list[Outbound]) -> list[SessionMessage]:
     """Pack queued items into few messages, keeping their order: a message's actions precede
@@ -350,7 +354,7 @@ class Session:
                                     code=StatusCode.INTERNAL)
         return None
 
-    def _failure_text(self, what: str, exc: Exception, *, event: str) -> str:
+    def _failure_text(self, what: str, exc: BaseException, *, event: str) -> str:
         """``what`` and the exception's text when ``error_details`` allows it, else an error id; either way
         the exception is logged (``event``) with that id."""
         error_id = secrets.token_hex(4)
@@ -617,7 +621,9 @@ class Session:
         except SessionError as error:
             code = error.code
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            if any(isinstance(leaf, PASS_THROUGH) for leaf in leaf_exceptions(exc)):
+                raise
             code = StatusCode.INTERNAL
             raise ActionFailedError(
                 self._failure_text(f"{describe(context.action)} failed", exc, event="action.failed")) from exc

@@ -3,6 +3,8 @@ failing action cancelling its siblings."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import trio
 
@@ -113,3 +115,32 @@ async def test_a_failing_action_cancels_its_siblings(nursery: trio.Nursery) -> N
     assert "action FAIL" in caught.value.message and "error id" in caught.value.message
     with trio.fail_after(30):
         await cancelled.wait()
+
+
+class _LibraryStop(BaseException):
+    """A library's own BaseException subclass (as asyncio.CancelledError is one)."""
+
+
+@pytest.mark.parametrize("kind", [asyncio.CancelledError, _LibraryStop])
+async def test_a_handler_raising_another_base_exception_fails_its_action_and_the_server_serves_on(
+        nursery: trio.Nursery, kind: type[BaseException]) -> None:
+    """Only Trio's cancellation, Ctrl-C and SystemExit pass through a handler: any other BaseException
+    fails the action with INTERNAL, as an Exception does (it used to end the whole server)."""
+    server = Server()
+    register_builtin_actions(server)
+
+    @server.action("STOP", inputs=["input"], outputs=["output"])
+    async def stop(ctx: ActionContext) -> None:
+        raise kind("stopped")
+
+    address = await _serve(nursery, server)
+    with pytest.raises(SessionAbortedError) as caught:
+        async with connect(address) as session:
+            call = await session.run("STOP", {"input": text("x")}, ["output"])
+            await call["output"].read_bytes()
+    assert caught.value.code == StatusCode.INTERNAL
+    assert "action STOP" in caught.value.message and "error id" in caught.value.message
+    async with connect(address) as session:
+        call = await session.run("ECHO", {"input": text("still here")}, ["output"])
+        assert await call["output"].read_text() == "still here"
+
