@@ -144,3 +144,29 @@ async def test_a_handler_raising_another_base_exception_fails_its_action_and_the
         call = await session.run("ECHO", {"input": text("still here")}, ["output"])
         assert await call["output"].read_text() == "still here"
 
+
+async def test_ctrl_c_in_a_handler_leaves_serve_as_a_plain_keyboard_interrupt() -> None:
+    """Trio raises Ctrl-C in the task that runs when it comes (a handler busy computing): ``serve``
+    raises it alone, not inside the session's, connection's and server's nursery groups."""
+    server = Server()
+
+    @server.action("BUSY", inputs=["input"], outputs=["output"])
+    async def busy(ctx: ActionContext) -> None:
+        raise KeyboardInterrupt
+
+    raised: list[BaseException] = []
+
+    async def serve(task_status: trio.TaskStatus[int]) -> None:
+        try:
+            await server.serve("127.0.0.1", 0, task_status=task_status)
+        except BaseException as error:  # what leaves serve is the assertion
+            raised.append(error)
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve)
+        with pytest.raises(SessionAbortedError) as caught:
+            async with connect(f"127.0.0.1:{port}") as session:
+                call = await session.run("BUSY", {"input": text("x")}, ["output"])
+                await call["output"].read_bytes()
+    assert caught.value.code == StatusCode.UNAVAILABLE
+    assert len(raised) == 1 and type(raised[0]) is KeyboardInterrupt, raised
