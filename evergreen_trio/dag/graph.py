@@ -81,6 +81,8 @@ class SessionGraph:
         self.ref_schemes = ref_schemes
         self.nodes: dict[str, Node] = {}
         self.buffered_bytes = 0
+        self.parts = 0
+        """Fragments held and the child ids they name (``limits.max_parts``)."""
         self.peer_closed = False
         # Output ids named by actions: id -> (produced on this side?, the action that owns it).
         self._outputs: dict[str, tuple[bool, object]] = {}
@@ -164,6 +166,12 @@ class SessionGraph:
         if parts:
             self._check_boundary(node, seq, continued, fragment)
         part = self._part(node, fragment)
+        held = self.parts + 1 + (len(part) if isinstance(part, tuple) else 0)
+        if held > self.limits.max_parts:
+            raise LimitExceededError(
+                f"{_where(fragment)}: the session would hold {held} fragments and child ids, "
+                f"limit {self.limits.max_parts}", limit="max_parts")
+        self.parts = held
         if isinstance(part, LeafPart):
             self.buffered_bytes += len(part.data)
         elif part:
@@ -287,16 +295,20 @@ class SessionGraph:
         """
         # Map and set operations, not a loop per child: C speed for the 8,192 children of a step.
         distinct = frozenset(children)
+        parents, height = self._parents, self._height
+        named = parents.keys() & distinct
+        # Ids named as children are nodes to be: they count against max_nodes before they arrive.
+        if len(parents) + len(distinct) - len(named) > self.limits.max_nodes:
+            raise LimitExceededError(f"{_at(where)}: the session names more than {self.limits.max_nodes} nodes "
+                                     "as children, the limit", limit="max_nodes")
         needed = max(map(self._height.get, distinct, repeat(0))) + 1
         # An edge parent -> child closes a cycle only if child is above parent, hence higher:
         # then parent's height must grow, and the growth climbs to child.
-        parents, height = self._parents, self._height
         if needed > height.get(parent, 0):
             if parent in parents or needed > self.limits.max_depth:
                 self._raise_height(parent, needed, distinct, where, whole)
             else:  # a node nobody names as a child (a new one, mostly): nothing above it to climb
                 height[parent] = needed
-        named = parents.keys() & distinct
         for child in named:
             above = parents[child]
             if isinstance(above, str):

@@ -182,6 +182,16 @@ def test_nesting_deeper_than_limit_aborts() -> None:
         (SessionLimits(max_fragment_bytes=3), [leaf("a", b"1234")], "in one fragment"),
         (SessionLimits(max_buffered_bytes=5), [leaf("a", b"123"), leaf("b", b"456")], "would hold"),
         (SessionLimits(max_children_per_fragment=2), [parent("p", "a", "b", "c")], "child_ids"),
+        # Empty fragments and child ids hold memory that max_buffered_bytes does not count.
+        (SessionLimits(max_parts=3), [NodeFragment(id="a", seq=seq, continued=True) for seq in range(4)],
+         "4 fragments and child ids"),
+        (SessionLimits(max_parts=3), [leaf("a", b"", seq=seq, continued=True) for seq in range(4)],
+         "4 fragments and child ids"),
+        (SessionLimits(max_parts=3), [parent("p", "a", "b", "c")], "4 fragments and child ids"),
+        # Ids named as children but never sent are nodes to be.
+        (SessionLimits(max_nodes=2), [parent("p", "a", "b", "c")], "names more than 2 nodes as children"),
+        (SessionLimits(max_nodes=2), [parent("p", "a", "b", continued=True), parent("p", "c", seq=1)],
+         "names more than 2 nodes as children"),
     ],
 )
 def test_limits_abort_with_resource_exhausted(
