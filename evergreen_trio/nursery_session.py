@@ -178,6 +178,7 @@ class Session:
         self._private: set[str] = set()
         self._ran: list[str] = []
         self._running = 0
+        self._waiting = 0  # reads of the session's nodes waiting for a part to arrive (wait_for)
         self._sent = 0  # items put on the outbound stream
         self._nursery: trio.Nursery | None = None
         self._idle: trio.Event | None = None
@@ -189,6 +190,12 @@ class Session:
     def running_actions(self) -> int:
         """Actions of this side running now (the peer's requests and in-process calls)."""
         return self._running
+
+    @property
+    def working(self) -> bool:
+        """An action runs that is not waiting for a node to arrive: the session is busy though quiet.
+        (Actions that all wait for nodes wait for the peer, whose silence is the session's idleness.)"""
+        return self._running > self._waiting
 
     # -- receiving ------------------------------------------------------------------------
 
@@ -337,7 +344,11 @@ class Session:
     async def wait_for(self, node_id: str) -> None:
         if self.error is not None:
             raise self.error
-        await self.barrier.event(node_id).wait()
+        self._waiting += 1
+        try:
+            await self.barrier.event(node_id).wait()
+        finally:
+            self._waiting -= 1
         if self.error is not None:
             raise self.error
 

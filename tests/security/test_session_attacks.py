@@ -285,6 +285,30 @@ async def test_item10_a_running_action_keeps_a_quiet_session_open(nursery_: trio
             assert await call["output"].read_bytes() == b""
 
 
+@pytest.mark.parametrize("chained", [False, True])
+async def test_item10_actions_waiting_for_input_the_client_never_sends_end_after_the_idle_timeout(
+    nursery_: trio.Nursery, chained: bool
+) -> None:
+    """A running action keeps a quiet session open only while it works: one that waits for the rest
+    of its input (or for the output of another that does) waits for the client, whose silence is
+    idleness. Before, such a session stayed open, holding its share of the caps, until the client left."""
+    _, port = await start(nursery_, idle_timeout=0.3)
+    actions = [Action(name="ECHO", inputs=[NamedParameter(name="input", id="p")],
+                      outputs=[NamedParameter(name="output", id="o")])]
+    if chained:  # the second waits for the first's output, the first for the client
+        actions.append(Action(name="ECHO", inputs=[NamedParameter(name="input", id="o")],
+                              outputs=[NamedParameter(name="output", id="o2")]))
+    partial = NodeFragment(id="p", continued=True,
+                           chunk_fragment=Chunk(metadata=ChunkMetadata(mimetype="text/plain"), data=b"x"))
+    body = SessionMessage(actions=actions, node_fragments=[partial]).SerializeToString()
+    client = await RawH2.open(port)
+    await client.send(client.headers(1) + client.data(1, message_prefix(len(body)) + body))
+    await client.until(lambda c: 1 in c.statuses, 10)
+    assert client.statuses[1].startswith("4 no message either way for 0.3 s"), client.statuses
+    await client.aclose()
+    await legit_session_completes(port)
+
+
 async def test_a_client_goaway_mid_read_closes_the_connection_quietly(nursery_: trio.Nursery) -> None:
     """A GOAWAY followed by more frames in the same write: the stream opened after it starts nothing,
     the server closes the connection once the stream opened before it has ended (here silent: at the
