@@ -483,9 +483,12 @@ class Session:
         """The Action message ``run`` and ``ctx.call`` build, and the new input nodes by id.
 
         Raises :class:`ArgumentTypeError` for an input that is not a node (an ``open_leaf()`` writer
-        included) or outputs that are not names, and :class:`UnknownNodeError` for a ``NodeRef`` to
-        no node of this session.
+        included), outputs that are not names, and a name, id, target or config of the wrong type;
+        :class:`UnknownNodeError` for a ``NodeRef`` to no node of this session.
         """
+        if not isinstance(name, str) or not isinstance(target, str):
+            what, value = ("the action name", name) if not isinstance(name, str) else ("target", target)
+            raise ArgumentTypeError(f"run({name!r}): {what} must be a str, got {describe_kind(value)}")
         # A list or a tuple first: the ABC checks cost an ECHO round trip four calls.
         if type(outputs) is list or type(outputs) is tuple or (
                 isinstance(outputs, Sequence) and not isinstance(outputs, str)):
@@ -495,6 +498,12 @@ class Session:
         else:
             raise ArgumentTypeError(f"run({name!r}): outputs must be a list of output names or a mapping of "
                                     f"name to node id, got {describe_kind(outputs)}")
+        for key, node_id in named.items():
+            if not isinstance(key, str) or not isinstance(node_id, str):
+                raise ArgumentTypeError(_not_str(name, "output", key, node_id))
+        if type(inputs) is not dict and not isinstance(inputs, Mapping):
+            raise ArgumentTypeError(f"run({name!r}): inputs must be a mapping of input name to node, "
+                                    f"got {describe_kind(inputs)}")
         resolved = [(key, self._input(name, key, value)) for key, value in inputs.items()]
         params, new = [], {}
         for key, node in resolved:
@@ -503,9 +512,16 @@ class Session:
             else:
                 node_id = node.id or self.new_id(key)
                 new[node_id] = node
+            if not isinstance(key, str) or not isinstance(node_id, str):
+                raise ArgumentTypeError(_not_str(name, "input", key, node_id))
             params.append(NamedParameter(name=key, id=node_id))
-        action = Action(name=name, inputs=params, outputs=[NamedParameter(name=k, id=v) for k, v in named.items()],
-                        configs=list(configs))
+        try:
+            config_list = list(configs)
+            action = Action(name=name, inputs=params, configs=config_list,
+                            outputs=[NamedParameter(name=k, id=v) for k, v in named.items()])
+        except TypeError:  # protobuf's own words name no argument; the rest were checked above
+            raise ArgumentTypeError(f"run({name!r}): configs must be an iterable of google.protobuf.Any, "
+                                    f"got {describe_kind(configs)}") from None
         action.target_spec.id = target
         return action, new
 
@@ -749,6 +765,13 @@ class UnknownNodeError(SessionError):
 def describe_kind(value: object) -> str:
     """A value's type as an error message names it (``int``, ``evergreen_trio.nodes.Leaf``)."""
     return f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+
+
+def _not_str(action: str, side: str, key: object, node_id: object) -> str:
+    """How ``run`` names an input or output whose name or node id is not a str."""
+    if not isinstance(key, str):
+        return f"run({action!r}): {side} names must be str, got {describe_kind(key)} {key!r}"
+    return f"run({action!r}): {side} {key!r}: its node id must be a str, got {describe_kind(node_id)} {node_id!r}"
 
 
 class ChunkReader:
