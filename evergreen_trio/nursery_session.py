@@ -643,7 +643,7 @@ class Session:
         try:
             await spec.handler(context)
             for output in context.outputs.values():
-                await output.close()
+                await output.close_tree()
             code = StatusCode.OK
         except SessionError as error:
             code = error.code
@@ -896,7 +896,8 @@ class OutputNode:
     (an output of ``ctx.call``) stays on this side.
     """
 
-    def __init__(self, session: Session, node_id: str, *, requested: bool = True, private: bool = False) -> None:
+    def __init__(self, session: Session, node_id: str, *, requested: bool = True, private: bool = False,
+                 tree: dict[str, OutputNode] | None = None) -> None:
         self._session = session
         self.id = node_id
         self.requested = requested
@@ -905,6 +906,9 @@ class OutputNode:
             session._private.add(node_id)
         self._builder = FragmentBuilder(node_id, fragment_bytes=session.options.fragment_bytes)
         self._children = 0
+        # The nodes below the output this one belongs to that child() made and that are not closed yet,
+        # shared by all of them: an action's end closes them (close_tree) as it closes its outputs.
+        self._tree: dict[str, OutputNode] = {} if tree is None else tree
 
     def _metadata(self, mimetype: str | None, metadata: ChunkMetadata | None) -> ChunkMetadata | None:
         if metadata is None and not self._builder.started:  # only seq 0 carries metadata
@@ -926,17 +930,23 @@ class OutputNode:
         if self.requested:
             await self._session.emit(self._builder.data(data, self._metadata(mimetype, metadata), last=last),
                                      private=self.private)
+            if last:
+                self._tree.pop(self.id, None)
 
     async def write_ref(self, uri: str, *, mimetype: str | None = None, last: bool = False) -> None:
         """Append a chunk that names ``uri`` instead of carrying bytes (the reader's resolver fetches it)."""
         if self.requested:
             await self._session.emit([self._builder.ref(uri, self._metadata(mimetype, None), last=last)],
                                      private=self.private)
+            if last:
+                self._tree.pop(self.id, None)
 
     async def add_children(self, child_ids: Sequence[str], *, last: bool = False) -> None:
         """Name existing (or future) nodes as the next children of this inner node."""
         if self.requested:
             await self._session.emit([self._builder.children(child_ids, last=last)], private=self.private)
+            if last:
+                self._tree.pop(self.id, None)
 
     async def child(self, *, last: bool = False) -> OutputNode:
         """A new leaf or inner node appended as this node's next child (``last``: and its last one:
@@ -951,16 +961,26 @@ class OutputNode:
             # Claimed before it is named: a reader of this node that reaches the child before its
             # first fragment must know it is produced here, not awaited from the peer.
             graph.reserve_output(child_id, f"output {self.id!r}", local=True)
-        child = OutputNode(self._session, child_id, requested=self.requested, private=self.private)
+        child = OutputNode(self._session, child_id, requested=self.requested, private=self.private, tree=self._tree)
+        if self.requested:
+            self._tree[child_id] = child
         await self.add_children([child_id], last=last)
         return child
 
     async def close(self) -> None:
         """Send the final fragment unless one was already sent."""
         if self.requested:
+            self._tree.pop(self.id, None)
             fragment = self._builder.close()
             if fragment is not None:
                 await self._session.emit([fragment], private=self.private)
+
+    async def close_tree(self) -> None:
+        """Close this output and every node below it that :meth:`child` made and nothing closed:
+        a reader of the output would wait for their final fragments forever."""
+        while self._tree:
+            await next(iter(self._tree.values())).close()
+        await self.close()
 
     async def __aenter__(self) -> OutputNode:
         return self

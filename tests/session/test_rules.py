@@ -170,3 +170,23 @@ async def test_ctrl_c_in_a_handler_leaves_serve_as_a_plain_keyboard_interrupt() 
                 await call["output"].read_bytes()
     assert caught.value.code == StatusCode.UNAVAILABLE
     assert len(raised) == 1 and type(raised[0]) is KeyboardInterrupt, raised
+
+
+async def test_nodes_a_handler_made_with_child_and_left_open_are_closed_when_it_returns(nursery: trio.Nursery) -> None:
+    """Returning closes the action's outputs and the nodes ``child()`` made below them: a reader of the
+    output waited for the open ones' final fragments until the idle timeout (here: forever)."""
+    server = Server(idle_timeout=None)
+
+    @server.action("OPEN", inputs=["input"], outputs=["output"])
+    async def left_open(ctx: ActionContext) -> None:
+        output = ctx.output("output")
+        await (await output.child()).write("streamed, ")  # neither last=True nor close()
+        middle = await output.child(last=True)  # the output's final fragment names it
+        await (await middle.child()).write("and deeper")
+        await (await ctx.output("unrequested").child()).write("dropped")
+
+    address = await _serve(nursery, server)
+    with trio.fail_after(10):
+        async with connect(address) as session:
+            call = await session.run("OPEN", {"input": text("x")}, ["output"])
+            assert await call["output"].read_text() == "streamed, and deeper"
