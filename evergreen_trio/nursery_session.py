@@ -589,8 +589,8 @@ class Session:
         self._start(spec, context, self._nursery)
         return Call(action, {p.name: Output(self, p.id) for p in action.outputs})
 
-    def input(self, node_id: str) -> InputStream:
-        return InputStream(self, node_id)
+    def input(self, node_id: str, *, public: bool = False) -> InputStream:
+        return InputStream(self, node_id, public=public)
 
     def output(self, node_id: str, *, requested: bool = True, private: bool = False) -> OutputNode:
         return OutputNode(self, node_id, requested=requested, private=private)
@@ -626,7 +626,7 @@ class Session:
                 raise ProtocolViolationError(f"{where}: input {param.name!r} names no node")
             if param.name in inputs:
                 raise ProtocolViolationError(f"{where}: input {param.name!r} given twice (each name once per action)")
-            inputs[param.name] = self.input(param.id)
+            inputs[param.name] = self.input(param.id, public=not private)
         outputs: dict[str, OutputNode] = {}
         for param in action.outputs:
             if param.name not in spec.outputs:
@@ -679,11 +679,12 @@ class _Walk:
     generators: a one-chunk ECHO read three of those per side (a frame each, Trio's hooks, a finalizer).
     """
 
-    def __init__(self, session: Session, node_id: str) -> None:
+    def __init__(self, session: Session, node_id: str, public: bool = False) -> None:
         self._session = session
         self._cursor = FlattenCursor(session.graph, node_id)
         self.current: ChunkReader | None = None
         self._work = 0
+        self._public = public  # for the peer: no chunk of a node ctx.call made
 
     async def next(self) -> LeafStart | LeafBytes | LeafEnd | None:
         # The walk yields to other tasks every FLATTEN_STEPS steps (events, KiB or nodes entered),
@@ -709,6 +710,9 @@ class _Walk:
             if event is None:
                 return None
             if isinstance(event, LeafStart):
+                if self._public and event.node_id in self._session._private:
+                    raise SessionError(f"node {event.node_id!r} was made by ctx.call and stays on this side: "
+                                       "an input the peer names cannot include it", code=StatusCode.PERMISSION_DENIED)
                 self.current = ChunkReader(self, event.node_id, event.metadata, last=event.last)
                 return self.current
 
@@ -838,18 +842,20 @@ class InputStream:
     """A node's flattened content: chunks in depth-first order, each streamed as it arrives.
 
     Each iteration (and each ``read_*``) reads the node from its start: nodes live for the session.
+    A ``public`` one (an input the peer named) refuses to reach a node that ``ctx.call`` made.
     """
 
-    def __init__(self, session: Session, node_id: str) -> None:
+    def __init__(self, session: Session, node_id: str, *, public: bool = False) -> None:
         self._session = session
         self.node_id = node_id
+        self.public = public
 
     def __aiter__(self) -> AsyncIterator[ChunkReader]:
-        return _Chunks(_Walk(self._session, self.node_id))
+        return _Chunks(_Walk(self._session, self.node_id, self.public))
 
     async def read_chunks(self) -> list[tuple[ChunkMetadata, bytes]]:
         """Every chunk with its bytes, in flattening order."""
-        walk = _Walk(self._session, self.node_id)
+        walk = _Walk(self._session, self.node_id, self.public)
         chunks = []
         while (chunk := await walk.next_chunk()) is not None:
             chunks.append((chunk.metadata, await chunk.read()))
@@ -857,7 +863,7 @@ class InputStream:
 
     async def read_bytes(self) -> bytes:
         """Every chunk's bytes joined in flattening order, refs resolved (raises as ``ChunkReader.read``)."""
-        walk = _Walk(self._session, self.node_id)  # read_chunks' loop without its pairs: a frame less
+        walk = _Walk(self._session, self.node_id, self.public)  # read_chunks' loop without its pairs: a frame less
         pieces = []
         while (chunk := await walk.next_chunk()) is not None:
             pieces.append(await chunk.read())
