@@ -266,7 +266,9 @@ class SessionGraph:
             else:
                 later = ChunkMetadata()
                 later.CopyFrom(chunk.metadata)
-                node._later_metadata = [*(node._later_metadata or ()), (fragment.seq, later)]
+                if node._later_metadata is None:
+                    node._later_metadata = []
+                node._later_metadata.append((fragment.seq, later))  # in place: a copy per fragment was quadratic
 
     def attach_more(self, budget: int = 0) -> None:
         """Attach up to ``budget`` (default ``ATTACH_STEP``) more of the waiting children (their
