@@ -173,7 +173,7 @@ class SessionGraph:
                 f"limit {self.limits.max_parts}", limit="max_parts")
         self.parts = held
         if isinstance(part, LeafPart):
-            self.buffered_bytes += len(part.data)
+            self.buffered_bytes += len(part.data) if part.ref is None else len(part.ref)
         elif part:
             where = (node_id, seq)  # formatted only in an error message
             if self._attaching:  # edges are attached in the order they arrive
@@ -229,13 +229,13 @@ class SessionGraph:
                 f"{_where(fragment)}: {len(data)} bytes in one fragment, limit {limits.max_fragment_bytes}",
                 limit="max_fragment_bytes",
             )
-        if self.buffered_bytes + len(data) > limits.max_buffered_bytes:
+        ref = chunk.ref if not data and chunk.WhichOneof("payload") == "ref" else None  # data: not a ref
+        held = self.buffered_bytes + (len(data) if ref is None else len(ref))  # a ref's URI is held as bytes are
+        if held > limits.max_buffered_bytes:
             raise LimitExceededError(
-                f"{_where(fragment)}: the session would hold {self.buffered_bytes + len(data)} bytes, "
-                f"limit {limits.max_buffered_bytes}",
+                f"{_where(fragment)}: the session would hold {held} bytes, limit {limits.max_buffered_bytes}",
                 limit="max_buffered_bytes",
             )
-        ref = chunk.ref if not data and chunk.WhichOneof("payload") == "ref" else None  # data: not a ref
         if ref is not None and not node.local:
             scheme = ref.partition(":")[0].lower()
             if scheme not in self.ref_schemes:

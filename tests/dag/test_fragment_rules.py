@@ -200,6 +200,8 @@ def test_nesting_deeper_than_limit_aborts() -> None:
         (SessionLimits(max_nodes=2), [leaf("a", b""), leaf("b", b""), leaf("c", b"")], "nodes"),
         (SessionLimits(max_fragment_bytes=3), [leaf("a", b"1234")], "in one fragment"),
         (SessionLimits(max_buffered_bytes=5), [leaf("a", b"123"), leaf("b", b"456")], "would hold"),
+        # A ref's URI is held as inline bytes are (up to a message's size each, uncounted before).
+        (SessionLimits(max_buffered_bytes=64), [leaf("a", b"", ref="file:///" + "x" * 60)], "would hold 68 bytes"),
         (SessionLimits(max_children_per_fragment=2), [parent("p", "a", "b", "c")], "child_ids"),
         # Empty fragments and child ids hold memory that max_buffered_bytes does not count.
         (SessionLimits(max_parts=3), [NodeFragment(id="a", seq=seq, continued=True) for seq in range(4)],
@@ -216,7 +218,7 @@ def test_nesting_deeper_than_limit_aborts() -> None:
 def test_limits_abort_with_resource_exhausted(
     limits: SessionLimits, fragments: list[NodeFragment], match: str
 ) -> None:
-    graph = SessionGraph(limits)
+    graph = SessionGraph(limits, ref_schemes=frozenset({"file"}))
     with pytest.raises(LimitExceededError, match=match) as info:
         for fragment in fragments:
             graph.add_fragment(fragment)
