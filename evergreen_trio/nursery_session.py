@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.streams import HandoffClosedError, MessageStream
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
     Action,
     ChunkMetadata,
@@ -72,6 +73,9 @@ fragments (an ECHO of a 1-byte leaf shared 50,000 times emitted ~3,000 fragments
 and its client received 64 messages of them in one)."""
 
 Outbound = NodeFragment | Action
+
+REASON_LOG_CHARS = 512
+"""An abort's reason is logged cut to this many characters (as many as its status message carries)."""
 
 PASS_THROUGH = (trio.Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit)
 """What a handler may raise (alone or in a group) that ends more than its action. Anything else
@@ -1123,7 +1127,9 @@ class ServerSession(Session):
             await self.serve()
         except SessionError as error:
             status, message = error.code, error.message
-            log.info("session.abort peer=%s code=%s reason=%s", self.stream.peer, status.name, message)
+            # The reason quotes the peer's names and ids: one escaped, bounded token, never a forged line.
+            log.info("session.abort peer=%s code=%s reason=%s", self.stream.peer, status.name,
+                     peer_text(message, REASON_LOG_CHARS))
             self._record_abort(abort_reason(error))
             if isinstance(error, LimitExceededError) and self.options.metrics is not None:
                 self.options.metrics.limit_hit(error.limit)

@@ -190,3 +190,26 @@ async def test_nodes_a_handler_made_with_child_and_left_open_are_closed_when_it_
         async with connect(address) as session:
             call = await session.run("OPEN", {"input": text("x")}, ["output"])
             assert await call["output"].read_text() == "streamed, and deeper"
+
+
+async def test_an_abort_reason_quoting_the_peers_names_is_logged_as_one_bounded_line(
+        nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
+    """An action name or output name with a newline started a forged line in the server's log (and one
+    of a message's size made a 5 MB line): the reason is escaped and cut as other peer fields are."""
+    server = Server()
+    register_builtin_actions(server)
+    address = await _serve(nursery, server)
+    forged = "\nERROR evergreen_trio.serving forged "
+    messages = [SessionMessage(actions=[Action(name="X" + forged + "y" * 100_000)]),
+                SessionMessage(actions=[Action(name="ECHO", inputs=[NamedParameter(name="input", id="p")],
+                                               outputs=[NamedParameter(name="out" + forged, id="o" + forged)])])]
+    caplog.set_level("INFO", logger="evergreen_trio.nursery_session")
+    with SyncClient(address) as client:
+        for message in messages:
+            outcome = await trio.to_thread.run_sync(client.run, [message])
+            assert outcome.code in (StatusCode.UNIMPLEMENTED, StatusCode.INVALID_ARGUMENT), outcome.describe()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("session.abort")]
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert "\n" not in line and len(line) < 700, line[:300]
+        assert "\\nERROR evergreen_trio.serving forged" in line
