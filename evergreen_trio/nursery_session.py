@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 
 from evergreen_trio._grpc.errors import RpcAbortError
 from evergreen_trio._grpc.streams import HandoffClosedError, MessageStream
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import (
     Action,
     ChunkMetadata,
@@ -72,6 +73,13 @@ fragments (an ECHO of a 1-byte leaf shared 50,000 times emitted ~3,000 fragments
 and its client received 64 messages of them in one)."""
 
 Outbound = NodeFragment | Action
+
+REASON_LOG_CHARS = 512
+"""An abort's reason is logged cut to this many characters (as many as its status message carries)."""
+
+PASS_THROUGH = (trio.Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit)
+"""What a handler may raise (alone or in a group) that ends more than its action. Anything else
+(an Exception, or another BaseException such as asyncio.CancelledError) fails the action: INTERNAL."""
 
 
 def pack_messages(items: list[Outbound]) -> list[SessionMessage]:
@@ -174,6 +182,7 @@ class Session:
         self._private: set[str] = set()
         self._ran: list[str] = []
         self._running = 0
+        self._waiting = 0  # reads of the session's nodes waiting for a part to arrive (wait_for)
         self._sent = 0  # items put on the outbound stream
         self._nursery: trio.Nursery | None = None
         self._idle: trio.Event | None = None
@@ -185,6 +194,12 @@ class Session:
     def running_actions(self) -> int:
         """Actions of this side running now (the peer's requests and in-process calls)."""
         return self._running
+
+    @property
+    def working(self) -> bool:
+        """An action runs that is not waiting for a node to arrive: the session is busy though quiet.
+        (Actions that all wait for nodes wait for the peer, whose silence is the session's idleness.)"""
+        return self._running > self._waiting
 
     # -- receiving ------------------------------------------------------------------------
 
@@ -333,7 +348,11 @@ class Session:
     async def wait_for(self, node_id: str) -> None:
         if self.error is not None:
             raise self.error
-        await self.barrier.event(node_id).wait()
+        self._waiting += 1
+        try:
+            await self.barrier.event(node_id).wait()
+        finally:
+            self._waiting -= 1
         if self.error is not None:
             raise self.error
 
@@ -350,7 +369,7 @@ class Session:
                                     code=StatusCode.INTERNAL)
         return None
 
-    def _failure_text(self, what: str, exc: Exception, *, event: str) -> str:
+    def _failure_text(self, what: str, exc: BaseException, *, event: str) -> str:
         """``what`` and the exception's text when ``error_details`` allows it, else an error id; either way
         the exception is logged (``event``) with that id."""
         error_id = secrets.token_hex(4)
@@ -468,9 +487,12 @@ class Session:
         """The Action message ``run`` and ``ctx.call`` build, and the new input nodes by id.
 
         Raises :class:`ArgumentTypeError` for an input that is not a node (an ``open_leaf()`` writer
-        included) or outputs that are not names, and :class:`UnknownNodeError` for a ``NodeRef`` to
-        no node of this session.
+        included), outputs that are not names, and a name, id, target or config of the wrong type;
+        :class:`UnknownNodeError` for a ``NodeRef`` to no node of this session.
         """
+        if not isinstance(name, str) or not isinstance(target, str):
+            what, value = ("the action name", name) if not isinstance(name, str) else ("target", target)
+            raise ArgumentTypeError(f"run({name!r}): {what} must be a str, got {describe_kind(value)}")
         # A list or a tuple first: the ABC checks cost an ECHO round trip four calls.
         if type(outputs) is list or type(outputs) is tuple or (
                 isinstance(outputs, Sequence) and not isinstance(outputs, str)):
@@ -480,6 +502,12 @@ class Session:
         else:
             raise ArgumentTypeError(f"run({name!r}): outputs must be a list of output names or a mapping of "
                                     f"name to node id, got {describe_kind(outputs)}")
+        for key, node_id in named.items():
+            if not isinstance(key, str) or not isinstance(node_id, str):
+                raise ArgumentTypeError(_not_str(name, "output", key, node_id))
+        if type(inputs) is not dict and not isinstance(inputs, Mapping):
+            raise ArgumentTypeError(f"run({name!r}): inputs must be a mapping of input name to node, "
+                                    f"got {describe_kind(inputs)}")
         resolved = [(key, self._input(name, key, value)) for key, value in inputs.items()]
         params, new = [], {}
         for key, node in resolved:
@@ -488,9 +516,16 @@ class Session:
             else:
                 node_id = node.id or self.new_id(key)
                 new[node_id] = node
+            if not isinstance(key, str) or not isinstance(node_id, str):
+                raise ArgumentTypeError(_not_str(name, "input", key, node_id))
             params.append(NamedParameter(name=key, id=node_id))
-        action = Action(name=name, inputs=params, outputs=[NamedParameter(name=k, id=v) for k, v in named.items()],
-                        configs=list(configs))
+        try:
+            config_list = list(configs)
+            action = Action(name=name, inputs=params, configs=config_list,
+                            outputs=[NamedParameter(name=k, id=v) for k, v in named.items()])
+        except TypeError:  # protobuf's own words name no argument; the rest were checked above
+            raise ArgumentTypeError(f"run({name!r}): configs must be an iterable of google.protobuf.Any, "
+                                    f"got {describe_kind(configs)}") from None
         action.target_spec.id = target
         return action, new
 
@@ -558,8 +593,8 @@ class Session:
         self._start(spec, context, self._nursery)
         return Call(action, {p.name: Output(self, p.id) for p in action.outputs})
 
-    def input(self, node_id: str) -> InputStream:
-        return InputStream(self, node_id)
+    def input(self, node_id: str, *, public: bool = False) -> InputStream:
+        return InputStream(self, node_id, public=public)
 
     def output(self, node_id: str, *, requested: bool = True, private: bool = False) -> OutputNode:
         return OutputNode(self, node_id, requested=requested, private=private)
@@ -595,7 +630,7 @@ class Session:
                 raise ProtocolViolationError(f"{where}: input {param.name!r} names no node")
             if param.name in inputs:
                 raise ProtocolViolationError(f"{where}: input {param.name!r} given twice (each name once per action)")
-            inputs[param.name] = self.input(param.id)
+            inputs[param.name] = self.input(param.id, public=not private)
         outputs: dict[str, OutputNode] = {}
         for param in action.outputs:
             if param.name not in spec.outputs:
@@ -612,12 +647,14 @@ class Session:
         try:
             await spec.handler(context)
             for output in context.outputs.values():
-                await output.close()
+                await output.close_tree()
             code = StatusCode.OK
         except SessionError as error:
             code = error.code
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            if any(isinstance(leaf, PASS_THROUGH) for leaf in leaf_exceptions(exc)):
+                raise
             code = StatusCode.INTERNAL
             raise ActionFailedError(
                 self._failure_text(f"{describe(context.action)} failed", exc, event="action.failed")) from exc
@@ -646,11 +683,12 @@ class _Walk:
     generators: a one-chunk ECHO read three of those per side (a frame each, Trio's hooks, a finalizer).
     """
 
-    def __init__(self, session: Session, node_id: str) -> None:
+    def __init__(self, session: Session, node_id: str, public: bool = False) -> None:
         self._session = session
         self._cursor = FlattenCursor(session.graph, node_id)
         self.current: ChunkReader | None = None
         self._work = 0
+        self._public = public  # for the peer: no chunk of a node ctx.call made
 
     async def next(self) -> LeafStart | LeafBytes | LeafEnd | None:
         # The walk yields to other tasks every FLATTEN_STEPS steps (events, KiB or nodes entered),
@@ -676,6 +714,9 @@ class _Walk:
             if event is None:
                 return None
             if isinstance(event, LeafStart):
+                if self._public and event.node_id in self._session._private:
+                    raise SessionError(f"node {event.node_id!r} was made by ctx.call and stays on this side: "
+                                       "an input the peer names cannot include it", code=StatusCode.PERMISSION_DENIED)
                 self.current = ChunkReader(self, event.node_id, event.metadata, last=event.last)
                 return self.current
 
@@ -732,6 +773,13 @@ class UnknownNodeError(SessionError):
 def describe_kind(value: object) -> str:
     """A value's type as an error message names it (``int``, ``evergreen_trio.nodes.Leaf``)."""
     return f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+
+
+def _not_str(action: str, side: str, key: object, node_id: object) -> str:
+    """How ``run`` names an input or output whose name or node id is not a str."""
+    if not isinstance(key, str):
+        return f"run({action!r}): {side} names must be str, got {describe_kind(key)} {key!r}"
+    return f"run({action!r}): {side} {key!r}: its node id must be a str, got {describe_kind(node_id)} {node_id!r}"
 
 
 class ChunkReader:
@@ -798,18 +846,20 @@ class InputStream:
     """A node's flattened content: chunks in depth-first order, each streamed as it arrives.
 
     Each iteration (and each ``read_*``) reads the node from its start: nodes live for the session.
+    A ``public`` one (an input the peer named) refuses to reach a node that ``ctx.call`` made.
     """
 
-    def __init__(self, session: Session, node_id: str) -> None:
+    def __init__(self, session: Session, node_id: str, *, public: bool = False) -> None:
         self._session = session
         self.node_id = node_id
+        self.public = public
 
     def __aiter__(self) -> AsyncIterator[ChunkReader]:
-        return _Chunks(_Walk(self._session, self.node_id))
+        return _Chunks(_Walk(self._session, self.node_id, self.public))
 
     async def read_chunks(self) -> list[tuple[ChunkMetadata, bytes]]:
         """Every chunk with its bytes, in flattening order."""
-        walk = _Walk(self._session, self.node_id)
+        walk = _Walk(self._session, self.node_id, self.public)
         chunks = []
         while (chunk := await walk.next_chunk()) is not None:
             chunks.append((chunk.metadata, await chunk.read()))
@@ -817,7 +867,7 @@ class InputStream:
 
     async def read_bytes(self) -> bytes:
         """Every chunk's bytes joined in flattening order, refs resolved (raises as ``ChunkReader.read``)."""
-        walk = _Walk(self._session, self.node_id)  # read_chunks' loop without its pairs: a frame less
+        walk = _Walk(self._session, self.node_id, self.public)  # read_chunks' loop without its pairs: a frame less
         pieces = []
         while (chunk := await walk.next_chunk()) is not None:
             pieces.append(await chunk.read())
@@ -856,7 +906,8 @@ class OutputNode:
     (an output of ``ctx.call``) stays on this side.
     """
 
-    def __init__(self, session: Session, node_id: str, *, requested: bool = True, private: bool = False) -> None:
+    def __init__(self, session: Session, node_id: str, *, requested: bool = True, private: bool = False,
+                 tree: dict[str, OutputNode] | None = None) -> None:
         self._session = session
         self.id = node_id
         self.requested = requested
@@ -865,6 +916,9 @@ class OutputNode:
             session._private.add(node_id)
         self._builder = FragmentBuilder(node_id, fragment_bytes=session.options.fragment_bytes)
         self._children = 0
+        # The nodes below the output this one belongs to that child() made and that are not closed yet,
+        # shared by all of them: an action's end closes them (close_tree) as it closes its outputs.
+        self._tree: dict[str, OutputNode] = {} if tree is None else tree
 
     def _metadata(self, mimetype: str | None, metadata: ChunkMetadata | None) -> ChunkMetadata | None:
         if metadata is None and not self._builder.started:  # only seq 0 carries metadata
@@ -886,17 +940,23 @@ class OutputNode:
         if self.requested:
             await self._session.emit(self._builder.data(data, self._metadata(mimetype, metadata), last=last),
                                      private=self.private)
+            if last:
+                self._tree.pop(self.id, None)
 
     async def write_ref(self, uri: str, *, mimetype: str | None = None, last: bool = False) -> None:
         """Append a chunk that names ``uri`` instead of carrying bytes (the reader's resolver fetches it)."""
         if self.requested:
             await self._session.emit([self._builder.ref(uri, self._metadata(mimetype, None), last=last)],
                                      private=self.private)
+            if last:
+                self._tree.pop(self.id, None)
 
     async def add_children(self, child_ids: Sequence[str], *, last: bool = False) -> None:
         """Name existing (or future) nodes as the next children of this inner node."""
         if self.requested:
             await self._session.emit([self._builder.children(child_ids, last=last)], private=self.private)
+            if last:
+                self._tree.pop(self.id, None)
 
     async def child(self, *, last: bool = False) -> OutputNode:
         """A new leaf or inner node appended as this node's next child (``last``: and its last one:
@@ -911,16 +971,26 @@ class OutputNode:
             # Claimed before it is named: a reader of this node that reaches the child before its
             # first fragment must know it is produced here, not awaited from the peer.
             graph.reserve_output(child_id, f"output {self.id!r}", local=True)
-        child = OutputNode(self._session, child_id, requested=self.requested, private=self.private)
+        child = OutputNode(self._session, child_id, requested=self.requested, private=self.private, tree=self._tree)
+        if self.requested:
+            self._tree[child_id] = child
         await self.add_children([child_id], last=last)
         return child
 
     async def close(self) -> None:
         """Send the final fragment unless one was already sent."""
         if self.requested:
+            self._tree.pop(self.id, None)
             fragment = self._builder.close()
             if fragment is not None:
                 await self._session.emit([fragment], private=self.private)
+
+    async def close_tree(self) -> None:
+        """Close this output and every node below it that :meth:`child` made and nothing closed:
+        a reader of the output would wait for their final fragments forever."""
+        while self._tree:
+            await next(iter(self._tree.values())).close()
+        await self.close()
 
     async def __aenter__(self) -> OutputNode:
         return self
@@ -1057,7 +1127,9 @@ class ServerSession(Session):
             await self.serve()
         except SessionError as error:
             status, message = error.code, error.message
-            log.info("session.abort peer=%s code=%s reason=%s", self.stream.peer, status.name, message)
+            # The reason quotes the peer's names and ids: one escaped, bounded token, never a forged line.
+            log.info("session.abort peer=%s code=%s reason=%s", self.stream.peer, status.name,
+                     peer_text(message, REASON_LOG_CHARS))
             self._record_abort(abort_reason(error))
             if isinstance(error, LimitExceededError) and self.options.metrics is not None:
                 self.options.metrics.limit_hit(error.limit)

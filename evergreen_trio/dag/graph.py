@@ -81,6 +81,8 @@ class SessionGraph:
         self.ref_schemes = ref_schemes
         self.nodes: dict[str, Node] = {}
         self.buffered_bytes = 0
+        self.parts = 0
+        """Fragments held and the child ids they name (``limits.max_parts``)."""
         self.peer_closed = False
         # Output ids named by actions: id -> (produced on this side?, the action that owns it).
         self._outputs: dict[str, tuple[bool, object]] = {}
@@ -164,8 +166,14 @@ class SessionGraph:
         if parts:
             self._check_boundary(node, seq, continued, fragment)
         part = self._part(node, fragment)
+        held = self.parts + 1 + (len(part) if isinstance(part, tuple) else 0)
+        if held > self.limits.max_parts:
+            raise LimitExceededError(
+                f"{_where(fragment)}: the session would hold {held} fragments and child ids, "
+                f"limit {self.limits.max_parts}", limit="max_parts")
+        self.parts = held
         if isinstance(part, LeafPart):
-            self.buffered_bytes += len(part.data)
+            self.buffered_bytes += len(part.data) if part.ref is None else len(part.ref)
         elif part:
             where = (node_id, seq)  # formatted only in an error message
             if self._attaching:  # edges are attached in the order they arrive
@@ -221,13 +229,13 @@ class SessionGraph:
                 f"{_where(fragment)}: {len(data)} bytes in one fragment, limit {limits.max_fragment_bytes}",
                 limit="max_fragment_bytes",
             )
-        if self.buffered_bytes + len(data) > limits.max_buffered_bytes:
+        ref = chunk.ref if not data and chunk.WhichOneof("payload") == "ref" else None  # data: not a ref
+        held = self.buffered_bytes + (len(data) if ref is None else len(ref))  # a ref's URI is held as bytes are
+        if held > limits.max_buffered_bytes:
             raise LimitExceededError(
-                f"{_where(fragment)}: the session would hold {self.buffered_bytes + len(data)} bytes, "
-                f"limit {limits.max_buffered_bytes}",
+                f"{_where(fragment)}: the session would hold {held} bytes, limit {limits.max_buffered_bytes}",
                 limit="max_buffered_bytes",
             )
-        ref = chunk.ref if not data and chunk.WhichOneof("payload") == "ref" else None  # data: not a ref
         if ref is not None and not node.local:
             scheme = ref.partition(":")[0].lower()
             if scheme not in self.ref_schemes:
@@ -258,7 +266,9 @@ class SessionGraph:
             else:
                 later = ChunkMetadata()
                 later.CopyFrom(chunk.metadata)
-                node._later_metadata = [*(node._later_metadata or ()), (fragment.seq, later)]
+                if node._later_metadata is None:
+                    node._later_metadata = []
+                node._later_metadata.append((fragment.seq, later))  # in place: a copy per fragment was quadratic
 
     def attach_more(self, budget: int = 0) -> None:
         """Attach up to ``budget`` (default ``ATTACH_STEP``) more of the waiting children (their
@@ -287,16 +297,20 @@ class SessionGraph:
         """
         # Map and set operations, not a loop per child: C speed for the 8,192 children of a step.
         distinct = frozenset(children)
+        parents, height = self._parents, self._height
+        named = parents.keys() & distinct
+        # Ids named as children are nodes to be: they count against max_nodes before they arrive.
+        if len(parents) + len(distinct) - len(named) > self.limits.max_nodes:
+            raise LimitExceededError(f"{_at(where)}: the session names more than {self.limits.max_nodes} nodes "
+                                     "as children, the limit", limit="max_nodes")
         needed = max(map(self._height.get, distinct, repeat(0))) + 1
         # An edge parent -> child closes a cycle only if child is above parent, hence higher:
         # then parent's height must grow, and the growth climbs to child.
-        parents, height = self._parents, self._height
         if needed > height.get(parent, 0):
             if parent in parents or needed > self.limits.max_depth:
                 self._raise_height(parent, needed, distinct, where, whole)
             else:  # a node nobody names as a child (a new one, mostly): nothing above it to climb
                 height[parent] = needed
-        named = parents.keys() & distinct
         for child in named:
             above = parents[child]
             if isinstance(above, str):

@@ -23,6 +23,10 @@ class SessionLimits:
     """Actions running at once in one session."""
     max_children_per_fragment: int = 100_000
     """child_ids in one fragment."""
+    max_parts: int = 10_000_000
+    """Fragments (received and produced) one session holds, each child id they name counting one more:
+    an empty fragment or a child id holds 60-100 bytes for a few on the wire, which
+    ``max_buffered_bytes`` does not count."""
     max_flattened_bytes: int = 1 << 30
     """Inline bytes one action input flattens to, a shared node counted each time it is repeated
     (1 GiB, as ``max_buffered_bytes``: an input repeating nothing flattens to what was sent, so only

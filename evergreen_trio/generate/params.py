@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from google.protobuf.any_pb2 import Any as AnyProto
+from google.protobuf.message import DecodeError
 from google.protobuf.struct_pb2 import Struct, Value
 
 from evergreen_trio.generate.errors import GenerateConfigError
@@ -125,7 +126,11 @@ def parse_configs(configs: Iterable[AnyProto], *, where: str) -> GenerateParams:
                 f"with keys {', '.join(KEYS)}"
             )
         struct = Struct()
-        if not packed.Unpack(struct):
+        try:
+            unpacked = packed.Unpack(struct)
+        except DecodeError:  # Unpack returns False only for another type; a corrupt Struct raises
+            unpacked = False
+        if not unpacked:
             raise GenerateConfigError(f"{where}: config of type {packed.type_url!r}: expected a valid Struct")
         for key, value in struct.fields.items():
             if key not in KEYS:

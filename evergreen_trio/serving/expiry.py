@@ -28,7 +28,7 @@ COMPACT_AFTER = 64
 
 class Running(Protocol):
     @property
-    def running_actions(self) -> int: ...
+    def working(self) -> bool: ...
 
 
 class Watched:
@@ -102,7 +102,7 @@ class SessionExpiry:
             )
         elif self.idle_timeout is not None:
             idle_until = stream.last_activity + self.idle_timeout * watched.jitter
-            if session.running_actions:
+            if session.working:  # an action computes; one waiting for the peer's input does not count
                 idle_until = max(idle_until, now + self.idle_timeout)
             candidates.append((idle_until, f"no message either way for {self.idle_timeout:g} s"))
         return min(candidates) if candidates else None

@@ -25,6 +25,7 @@ from evergreen_trio._grpc.streams import MessageStream
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import SERVICE, START_SESSION
 from evergreen_trio.dag import SessionError, SessionLimits, StatusCode
+from evergreen_trio.errors import plain_errors
 from evergreen_trio.nursery_session import (
     PACK_BYTES,
     ActionRegistry,
@@ -202,14 +203,15 @@ class Server(ActionRegistry):
             methods += reflection_methods([SERVICE, "grpc.health.v1.Health"])
         limits = self.transport_limits
         try:
-            async with trio.open_nursery() as nursery:
-                bound = await nursery.start(partial(
-                    serve_grpc, methods, host, port, limits=wire_limits(limits), timeouts=wire_timeouts(limits),
-                    ssl_context=self.tls, reuse_port=reuse_port, before_close=self._end_open_sessions,
-                    going_away=self._draining))
-                nursery.start_soon(self._expiry.run)
-                self.health.set(ready=not self.draining, live=True)
-                task_status.started(bound)
+            with plain_errors():  # Ctrl-C in a handler leaves as a plain KeyboardInterrupt, not in nested groups
+                async with trio.open_nursery() as nursery:
+                    bound = await nursery.start(partial(
+                        serve_grpc, methods, host, port, limits=wire_limits(limits), timeouts=wire_timeouts(limits),
+                        ssl_context=self.tls, reuse_port=reuse_port, before_close=self._end_open_sessions,
+                        going_away=self._draining))
+                    nursery.start_soon(self._expiry.run)
+                    self.health.set(ready=not self.draining, live=True)
+                    task_status.started(bound)
         finally:
             self.health.set(ready=False, live=False)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -113,6 +115,23 @@ def test_different_metadata_on_later_fragment_aborts(seq0_first: bool) -> None:
         graph.add_fragment(second)
 
 
+def test_metadata_on_fragments_before_seq_0_costs_what_each_holds() -> None:
+    """200,000 fragments repeating the metadata, before seq 0: each was kept by copying the list of
+    those before it (quadratic: about 40 s here); now they take about a second, then seq 0 checks them."""
+    graph = SessionGraph()
+    fragments = [leaf("v", b"", seq, continued=True) for seq in range(1, 200_001)]
+    started = time.perf_counter()
+    for fragment in fragments:
+        graph.add_fragment(fragment)
+    graph.add_fragment(leaf("v", b"", 0, continued=True))
+    elapsed = time.perf_counter() - started
+    assert elapsed < 10.0, f"200,000 fragments took {elapsed:.2f} s"
+    with pytest.raises(ProtocolViolationError, match="seq 1: metadata differs from seq 0's"):
+        other = SessionGraph()
+        other.add_fragment(leaf("v", b"", 1, continued=True))
+        other.add_fragment(leaf("v", b"", 0, continued=True, mimetype="image/png"))
+
+
 def test_leaf_and_inner_mixed_aborts() -> None:
     """A node is a leaf (chunks) or an inner node (child_ids)."""
     graph = SessionGraph()
@@ -181,13 +200,25 @@ def test_nesting_deeper_than_limit_aborts() -> None:
         (SessionLimits(max_nodes=2), [leaf("a", b""), leaf("b", b""), leaf("c", b"")], "nodes"),
         (SessionLimits(max_fragment_bytes=3), [leaf("a", b"1234")], "in one fragment"),
         (SessionLimits(max_buffered_bytes=5), [leaf("a", b"123"), leaf("b", b"456")], "would hold"),
+        # A ref's URI is held as inline bytes are (up to a message's size each, uncounted before).
+        (SessionLimits(max_buffered_bytes=64), [leaf("a", b"", ref="file:///" + "x" * 60)], "would hold 68 bytes"),
         (SessionLimits(max_children_per_fragment=2), [parent("p", "a", "b", "c")], "child_ids"),
+        # Empty fragments and child ids hold memory that max_buffered_bytes does not count.
+        (SessionLimits(max_parts=3), [NodeFragment(id="a", seq=seq, continued=True) for seq in range(4)],
+         "4 fragments and child ids"),
+        (SessionLimits(max_parts=3), [leaf("a", b"", seq=seq, continued=True) for seq in range(4)],
+         "4 fragments and child ids"),
+        (SessionLimits(max_parts=3), [parent("p", "a", "b", "c")], "4 fragments and child ids"),
+        # Ids named as children but never sent are nodes to be.
+        (SessionLimits(max_nodes=2), [parent("p", "a", "b", "c")], "names more than 2 nodes as children"),
+        (SessionLimits(max_nodes=2), [parent("p", "a", "b", continued=True), parent("p", "c", seq=1)],
+         "names more than 2 nodes as children"),
     ],
 )
 def test_limits_abort_with_resource_exhausted(
     limits: SessionLimits, fragments: list[NodeFragment], match: str
 ) -> None:
-    graph = SessionGraph(limits)
+    graph = SessionGraph(limits, ref_schemes=frozenset({"file"}))
     with pytest.raises(LimitExceededError, match=match) as info:
         for fragment in fragments:
             graph.add_fragment(fragment)

@@ -104,6 +104,20 @@ async def test_another_config_type_is_refused() -> None:
     assert caught.value.code == StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.parametrize("value", [b"\xff\xff", b"\x0a\x03\x0a\x01\xff"], ids=["corrupt", "bad UTF-8"])
+async def test_a_struct_that_does_not_parse_is_invalid_argument_naming_it(value: bytes) -> None:
+    """The peer's bytes inside the Any: Unpack raises DecodeError for them (it used to leave the handler:
+    INTERNAL, and a traceback in the server's log)."""
+    corrupt = AnyProto(type_url="type.googleapis.com/google.protobuf.Struct", value=value)
+    with pytest.raises(GenerateConfigError, match="expected a valid Struct"):
+        parse_configs([corrupt], where="action GENERATE")
+    server = Server()
+    register_builtin_actions(server)
+    with pytest.raises(SessionAbortedError, match="expected a valid Struct") as caught:
+        await _run(server, "GENERATE", [corrupt])
+    assert caught.value.code == StatusCode.INVALID_ARGUMENT
+
+
 async def test_the_toy_generator_reads_max_tokens() -> None:
     server = Server()
     register_builtin_actions(server)

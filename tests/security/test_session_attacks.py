@@ -285,6 +285,30 @@ async def test_item10_a_running_action_keeps_a_quiet_session_open(nursery_: trio
             assert await call["output"].read_bytes() == b""
 
 
+@pytest.mark.parametrize("chained", [False, True])
+async def test_item10_actions_waiting_for_input_the_client_never_sends_end_after_the_idle_timeout(
+    nursery_: trio.Nursery, chained: bool
+) -> None:
+    """A running action keeps a quiet session open only while it works: one that waits for the rest
+    of its input (or for the output of another that does) waits for the client, whose silence is
+    idleness. Before, such a session stayed open, holding its share of the caps, until the client left."""
+    _, port = await start(nursery_, idle_timeout=0.3)
+    actions = [Action(name="ECHO", inputs=[NamedParameter(name="input", id="p")],
+                      outputs=[NamedParameter(name="output", id="o")])]
+    if chained:  # the second waits for the first's output, the first for the client
+        actions.append(Action(name="ECHO", inputs=[NamedParameter(name="input", id="o")],
+                              outputs=[NamedParameter(name="output", id="o2")]))
+    partial = NodeFragment(id="p", continued=True,
+                           chunk_fragment=Chunk(metadata=ChunkMetadata(mimetype="text/plain"), data=b"x"))
+    body = SessionMessage(actions=actions, node_fragments=[partial]).SerializeToString()
+    client = await RawH2.open(port)
+    await client.send(client.headers(1) + client.data(1, message_prefix(len(body)) + body))
+    await client.until(lambda c: 1 in c.statuses, 10)
+    assert client.statuses[1].startswith("4 no message either way for 0.3 s"), client.statuses
+    await client.aclose()
+    await legit_session_completes(port)
+
+
 async def test_a_client_goaway_mid_read_closes_the_connection_quietly(nursery_: trio.Nursery) -> None:
     """A GOAWAY followed by more frames in the same write: the stream opened after it starts nothing,
     the server closes the connection once the stream opened before it has ended (here silent: at the
@@ -319,3 +343,31 @@ async def test_frames_on_streams_a_draining_server_did_not_take_are_dropped_quie
     assert client.statuses[1].startswith("0"), client.statuses
     assert 3 not in client.statuses and client.goaway == 0  # no PROTOCOL_ERROR GOAWAY
     await client.aclose()
+
+
+
+@pytest.mark.parametrize("limit", ["max_parts", "max_nodes"])
+async def test_fragments_without_bytes_are_counted_and_the_session_ends_at_the_limit(
+        nursery_: trio.Nursery, limit: str) -> None:
+    """Empty fragments and ids named as children hold 60-100 bytes each for a few on the wire, and
+    max_buffered_bytes counts none of them: before ``max_parts``, and named ids counting against
+    ``max_nodes``, one session could hold ever more of them (8-12x what it sent)."""
+    from evergreen_trio import SessionLimits, StatusCode
+    from evergreen_trio.testing.wire import SyncClient
+
+    server, port = await start(nursery_, limits=SessionLimits(**{limit: 10_000}))
+    action = Action(name="ECHO", inputs=[NamedParameter(name="input", id="p")],
+                    outputs=[NamedParameter(name="output", id="o")])
+    if limit == "max_parts":  # 20,000 empty fragments of one node
+        fragments = [NodeFragment(id="p", seq=seq, continued=True) for seq in range(20_000)]
+        said = "10001 fragments and child ids, limit 10000"
+    else:  # 4 fragments naming 20,000 distinct ids, none of them sent
+        fragments = [NodeFragment(id=f"p{seq}", child_ids=[f"c{seq}-{i}" for i in range(5_000)]) for seq in range(4)]
+        said = "names more than 10000 nodes as children"
+    messages = [SessionMessage(actions=[action], node_fragments=fragments)]
+    with SyncClient(f"127.0.0.1:{port}") as client:
+        outcome = await trio.to_thread.run_sync(client.run, messages)
+    assert outcome.code == StatusCode.RESOURCE_EXHAUSTED, outcome.describe()
+    assert said in outcome.details, outcome.details
+    assert server.metrics.registry.get_sample_value("evergreen_limit_hits_total", {"limit": limit}) == 1
+    await legit_session_completes(port)

@@ -149,6 +149,35 @@ async def test_non_nodes_as_inputs_raise_type_errors_naming_the_input(nursery: t
         assert await call["output"].read_text() == "streamed"
 
 
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        ((5, {"input": text("x")}, ["output"]), r"run\(5\): the action name must be a str, got int"),
+        ((None, {"input": text("x")}, ["output"]), r"the action name must be a str, got NoneType"),
+        (("ECHO", [text("x")], ["output"]), r"inputs must be a mapping of input name to node, got list"),
+        (("ECHO", {5: text("x")}, ["output"]), r"input names must be str, got int 5"),
+        (("ECHO", {"input": text("x", id=7)}, ["output"]),  # type: ignore[arg-type]
+         r"input 'input': its node id must be a str, got int 7"),
+        (("ECHO", {"input": text("x")}, [5]), r"output names must be str, got int 5"),
+        (("ECHO", {"input": text("x")}, {"output": 5}), r"output 'output': its node id must be a str, got int 5"),
+    ],
+)
+async def test_arguments_of_the_wrong_type_raise_type_errors_naming_them(
+        nursery: trio.Nursery, arguments: tuple[object, object, object], match: str) -> None:
+    """Each was protobuf's ``TypeError: bad argument type for built-in operation`` (or an
+    AttributeError), naming nothing; ``None`` as the action name sent an action named ''."""
+    address = await start(nursery)
+    async with connect(address) as session:
+        with pytest.raises(ArgumentTypeError, match=match):
+            await session.run(*arguments)  # type: ignore[arg-type]
+        with pytest.raises(ArgumentTypeError, match=r"target must be a str, got int"):
+            await session.run("ECHO", {"input": text("x")}, ["output"], target=5)  # type: ignore[arg-type]
+        with pytest.raises(ArgumentTypeError, match=r"configs must be an iterable of google.protobuf.Any, got list"):
+            await session.run("ECHO", {"input": text("x")}, ["output"], configs=[5])  # type: ignore[list-item]
+        call = await session.run("ECHO", {"input": text("still fine")}, ["output"])
+        assert await call["output"].read_text() == "still fine"
+
+
 async def test_a_noderef_to_no_node_of_the_session_is_refused_at_once(nursery: trio.Nursery) -> None:
     address = await start(nursery)
     with trio.fail_after(5):

@@ -111,6 +111,39 @@ async def test_an_in_process_node_cannot_leak_into_what_the_peer_gets(nursery: t
     assert aborted.value.code is StatusCode.FAILED_PRECONDITION and "ctx.call" in aborted.value.message
 
 
+@pytest.mark.parametrize("named_as", ["the input", "a child of the input"])
+async def test_the_peer_cannot_read_an_in_process_node_by_naming_it(nursery: trio.Nursery, named_as: str) -> None:
+    """A ctx.call output's id may be known to the peer (chosen by the handler, or another id of the
+    session's counter): an input the peer names reaches it only to abort PERMISSION_DENIED. Before,
+    UPPER on it sent the in-process node's content to the client."""
+    from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import Action, NamedParameter
+
+    server, _ = agent_server()
+
+    @server.action("SECRET", inputs=["input"], outputs=["output"])
+    async def secret(ctx: ActionContext) -> None:
+        await ctx.output("output").write("the api key", last=True)
+
+    @server.action("AGENT", inputs=["input"], outputs=["output"])
+    async def agent(ctx: ActionContext) -> None:
+        call = await ctx.call("SECRET", {"input": text("x")}, {"output": "scratch"})
+        await ctx.output("output").write(f"{len(await call['output'].read_bytes())} bytes read", last=True)
+
+    port = await nursery.start(server.serve, "127.0.0.1", 0)
+    with pytest.raises(SessionAbortedError) as aborted:
+        async with connect(f"127.0.0.1:{port}", timeout=30) as session:
+            call = await session.run("AGENT", {"input": text("?")}, ["output"])
+            assert await call["output"].read_text() == "11 bytes read"
+            # As a hostile client would: run() refuses a NodeRef to a node it does not know of.
+            node = "scratch" if named_as == "the input" else (await session.send(inner(NodeRef("scratch")))).id
+            await session.send_action(Action(name="UPPER", inputs=[NamedParameter(name="input", id=node)],
+                                             outputs=[NamedParameter(name="output", id="leak")]))
+            leaked = await session.input("leak").read_text()
+            raise AssertionError(f"the client read {leaked!r}")
+    assert aborted.value.code is StatusCode.PERMISSION_DENIED
+    assert "node 'scratch' was made by ctx.call" in aborted.value.message
+
+
 def tool_server() -> Server:
     """AGENT asks the client to run LOOKUP on its question, then answers with what came back."""
     server = Server()

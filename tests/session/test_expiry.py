@@ -13,7 +13,7 @@ from evergreen_trio.serving.expiry import COMPACT_AFTER, SessionExpiry
 
 
 class Session:
-    running_actions = 0
+    working = False
 
 
 def stream(received: int = 1) -> MessageStream[object]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,19 @@ def test_file_resolver_refuses_traversal(tmp_path: Path, uri: str) -> None:
 
     with pytest.raises(RefRejectedError):
         FileResolver([root]).path(uri.format(root=str(root).lstrip("/")))
+
+
+def test_a_file_ref_too_long_to_be_a_path_is_refused_before_it_is_resolved(tmp_path: Path) -> None:
+    """os.path.realpath of a 1 MB ``/a/a/...`` took about 15 s of the one thread (quadratic in its
+    components), on the ref's arrival; no path past PATH_MAX can be opened anyway."""
+    from evergreen_trio.dag import RefRejectedError
+
+    resolver = FileResolver([tmp_path])
+    resolver.check(f"file://{tmp_path}/{'a' * 3000}")  # long, but a path
+    started = time.perf_counter()
+    with pytest.raises(RefRejectedError, match="a path longer than 4096 bytes"):
+        resolver.check("file://" + "/a" * 500_000)
+    assert time.perf_counter() - started < 1.0
 
 
 async def test_a_child_output_read_after_the_peer_ends_its_stream_is_awaited_not_refused(
