@@ -35,8 +35,8 @@ class ReadBudget:
     chunks): without a bound, 16 MiB of them cost seconds of the routing thread per request.
     Images read past it have no size, as a cut-short header."""
 
-    def __init__(self, reads: int = MAX_HEADER_READS) -> None:
-        self.reads = reads
+    reads = MAX_HEADER_READS
+    """Reads left; an instance's own once it reads (no ``__init__``: most requests carry no image)."""
 
 
 class _Reader:
