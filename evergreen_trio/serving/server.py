@@ -46,9 +46,10 @@ DRAIN_GRACE_SECONDS = 30.0
 """How long :meth:`Server.drain` lets open sessions run by default."""
 
 IDLE_TIMEOUT_SECONDS = 120.0
-"""``Server(idle_timeout=)``'s default: a session silent both ways with no action running, or a
-connection with no session, is ended after this long (it was 300 s: an idle session holds its share
-of the caps, so a short life bounds what idle peers can hold)."""
+"""``Server(idle_timeout=)``'s default: a session silent both ways with no action working (one
+waiting for the peer's input does not count), or a connection with no session, is ended after this
+long (it was 300 s: an idle session holds its share of the caps, so a short life bounds what idle
+peers can hold)."""
 
 FORGET_STEP = 4096
 """A finished session's graph is freed this many entries per scheduling pass (see ``SessionGraph.forget``)."""
@@ -103,7 +104,8 @@ class Server(ActionRegistry):
       more than ``max_sessions_per_connection`` refusals gets GOAWAY(ENHANCE_YOUR_CALM).
     - ``first_message_timeout``: a session that sends nothing that long, and a connection that does
       not finish its HTTP/2 (and TLS) handshake, are ended. ``idle_timeout``: a session with no
-      message either way and no action running that long, and a connection with no session, are
+      message either way and no action working that long (an action waiting for the peer's input
+      does not count), and a connection with no session, are
       ended (``None``: never). Both end a session with DEADLINE_EXCEEDED, as does the client's
       ``grpc-timeout``; the session's nursery is cancelled.
     - ``max_message_bytes``: an inbound gRPC message claiming more is refused on its 5-byte

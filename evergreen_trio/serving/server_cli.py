@@ -159,8 +159,9 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a session that sends nothing, or a connection that does not finish its "
                             "handshake, is ended after S seconds (default: %(default)s)")
     group.add_argument("--idle-timeout", type=seconds, default=IDLE_TIMEOUT_SECONDS, metavar="S",
-                       help="a session silent both ways with no action running, or a connection with "
-                            "no session, is ended after S seconds; 0: never (default: %(default)s)")
+                       help="a session silent both ways with no action working (one waiting for the peer's "
+                            "input does not count), or a connection with no session, is ended after S "
+                            "seconds; 0: never (default: %(default)s)")
     group.add_argument("--send-error-details", action="store_true",
                        help="send a failed handler's exception text to the client (default: the status and "
                             "an error id, which the server's log line also has)")
