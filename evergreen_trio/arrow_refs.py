@@ -192,9 +192,13 @@ def arrow_resolvers(schemes: Iterable[str] = ARROW_SCHEMES, **options: Any) -> l
 
 
 async def _inline_batches(data: bytes) -> AsyncIterator[pa.RecordBatch]:
+    """The batches of an inline IPC stream, each fully validated: a peer's offsets past their data
+    would otherwise crash the handler that reads them."""
     try:
         reader = pa.ipc.open_stream(pa.py_buffer(data))
         batches = list(reader)
+        for batch in batches:
+            batch.validate(full=True)
     except (pa.ArrowException, OSError) as exc:
         raise ProtocolViolationError(
             f"Arrow chunk: expected an Arrow IPC stream, got an error from pyarrow: {exc}"

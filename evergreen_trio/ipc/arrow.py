@@ -153,7 +153,11 @@ class BatchDecoder:
         return None if self._reader is None else self._reader.schema
 
     def feed(self, flatbuffer: bytes, header: MessageHeader, body: pa.Buffer | None) -> pa.RecordBatch | None:
-        """Feed one message; return the batch it completes (dictionaries complete none)."""
+        """Feed one message; return the batch it completes (dictionaries complete none).
+
+        Each batch is fully validated (offsets, dictionary indices, UTF-8): pyarrow's reader checks
+        only buffer sizes, and a peer's offset past its data would crash whoever reads the value.
+        """
         self._feeder.push(flatbuffer, body)
         try:
             if self._reader is None:
@@ -161,6 +165,7 @@ class BatchDecoder:
                 return None
             if header.kind is MessageKind.RECORD_BATCH:
                 batch: pa.RecordBatch = self._reader.read_next_batch()
+                batch.validate(full=True)
                 return batch
         except (pa.ArrowException, OSError, StopIteration) as exc:
             raise IpcError(f"IPC message {header.kind.name}: pyarrow rejected it: {exc}") from None

@@ -108,6 +108,25 @@ async def test_the_same_handler_reads_an_inline_arrow_stream(nursery: trio.Nurse
         assert await call["rows"].read_text() == str(table.num_rows)
 
 
+async def test_an_inline_stream_whose_offsets_point_past_its_data_is_a_protocol_violation(
+    nursery: trio.Nursery,
+) -> None:
+    """A peer's inline string offsets past the data buffer abort the session instead of reaching the handler."""
+    exchange = await start_exchange(nursery, "tcp://127.0.0.1:0")
+    address = await start_server(nursery, doubling_server(exchange))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, pa.schema({"s": pa.string()})) as writer:
+        writer.write_table(pa.table({"s": ["a", "bb", "ccc"]}))
+    stream = bytearray(sink.getvalue().to_pybytes())
+    offsets = bytes(stream).rindex(b"".join(n.to_bytes(4, "little") for n in (0, 1, 3, 6)))
+    stream[offsets + 4 : offsets + 8] = (1 << 30).to_bytes(4, "little")  # the second string's start
+    with pytest.raises(SessionAbortedError, match="Offset invariant failure") as caught:
+        async with connect(address) as session:
+            call = await session.run("ROWS", {"table": blob(bytes(stream), mimetype=ARROW_STREAM)}, ["rows"])
+            await call["rows"].read_text()
+    assert caught.value.code == StatusCode.INVALID_ARGUMENT
+
+
 async def test_flight_grpc_location_resolves_to_the_ipc_stream(nursery: trio.Nursery) -> None:
     from evergreen_trio.ipc.flight import ControlPlane
 
