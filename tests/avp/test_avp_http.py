@@ -191,6 +191,18 @@ async def test_our_server_refuses_with_one_line(ours: str) -> None:
         assert (anonymous["success"], anonymous["mode"], anonymous["agent_id"]) == (True, "JSON", "ours")
 
 
+async def test_a_payload_of_partial_items_gets_a_400(ours: str) -> None:
+    """A shapeless payload that is not a whole number of dtype items decodes (as the reference's does),
+    but the built-in receiver cannot describe it: a one-line 400, not a 500."""
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(base_url=ours) as http:
+        for body in (encode(b"abc", AVPMetadata()), encode(b"abc", AVPMetadata(), compression="fast")):
+            response = await http.post("/avp/v2/transmit", content=body, headers=auth)
+            assert response.status_code == 400, response.text
+            assert response.json() == {"success": False, "message": "bad AVP message: payload of 3 bytes is not "
+                                       "a whole number of FLOAT32 items"}
+
+
 async def test_an_upload_refused_at_its_head_still_gets_the_answer(ours: str) -> None:
     """A client that reads nothing until its 8 MiB body is sent (as h11 and httpx do) gets the 413
     sent after the head: the server drops the unread body before closing, so no reset loses it."""
