@@ -164,6 +164,27 @@ async def test_our_client_speaks_http2_to_the_reference_app(reference_agent: str
         assert response.http_version == "HTTP/2"
 
 
+async def test_our_client_refuses_an_answer_nested_too_deep(nursery: trio.Nursery) -> None:
+    """An answer of 200 000 nested arrays (under the answer cap) is an AVPTransportError, not a RecursionError."""
+    body = b"[" * 200_000
+
+    async def deep(stream: trio.SocketStream) -> None:
+        async with stream:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += await stream.receive_some(65536)
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                  b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    nursery.start_soon(trio.serve_listeners, deep, [listener])
+    port = listener.socket.getsockname()[1]
+    async with open_avp_client(f"http://127.0.0.1:{port}", timeout_s=10) as client:
+        with pytest.raises(AVPTransportError, match="expected a JSON object") as caught:
+            await client.health()
+    assert caught.value.status_code == 200
+
+
 async def test_our_server_refuses_with_one_line(ours: str) -> None:
     good = encode(np.zeros(4, "<f4"), AVPMetadata(tensor_shape=(4,)))
     auth = {"authorization": f"Bearer {TOKEN}"}
