@@ -154,6 +154,26 @@ async def abort_of(address: str, uri: str) -> SessionAbortedError:
     return caught.value
 
 
+async def test_a_flight_location_cannot_point_past_the_allowed_hosts(nursery: trio.Nursery) -> None:
+    """The data URI a Flight server answers with passes the allow-lists too: an allowed (loopback) Flight
+    server pointing at a host outside them (127.0.0.2 here) is PERMISSION_DENIED, and nothing connects there."""
+    from evergreen_trio.ipc.flight import ControlPlane
+
+    catalog = Catalog()
+    catalog.add_table("t", table_of(1 << 10))
+    data_uri = await nursery.start(serve, "tcp://127.0.0.2:0", catalog)
+    plane = ControlPlane("grpc://127.0.0.1:0", catalog, data_uri)
+    try:
+        resolver = ArrowRefResolver("grpc")
+        with pytest.raises(RefRejectedError, match="host not allowed") as caught:
+            async with resolver.open_batches(arrow_ref(f"grpc://127.0.0.1:{plane.port}", "t")) as batches:
+                async for _ in batches:
+                    pass
+    finally:
+        plane.shutdown()
+    assert caught.value.code == StatusCode.PERMISSION_DENIED
+
+
 async def test_refs_are_refused_unless_the_server_enables_them(nursery: trio.Nursery) -> None:
     exchange = await start_exchange(nursery, "tcp://127.0.0.1:0")
     table_ref = exchange.add(table_of(1 << 16))
