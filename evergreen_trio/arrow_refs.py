@@ -145,7 +145,7 @@ class ArrowRefResolver:
             if isinstance(location, str):
                 from evergreen_trio.ipc.flight import locate
 
-                data_uri, ticket = await locate(location, ticket)
+                data_uri, ticket = await locate(location, ticket, timeout_s=self.limits.connect_timeout_s)
                 # The Flight server is a peer too: where it points must pass the same allow-lists.
                 location = self._allowed(data_uri, f"{uri!r} (its Flight server points at {data_uri[:200]!r})")
             async with fetch(location, ticket, limits=self.limits, copy=not self.zero_copy) as stream:

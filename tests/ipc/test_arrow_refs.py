@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -172,6 +173,37 @@ async def test_a_flight_location_cannot_point_past_the_allowed_hosts(nursery: tr
     finally:
         plane.shutdown()
     assert caught.value.code == StatusCode.PERMISSION_DENIED
+
+
+async def test_a_flight_server_that_does_not_answer_is_unavailable_after_the_connect_timeout(
+    nursery: trio.Nursery,
+) -> None:
+    """GetFlightInfo has a deadline (``connect_timeout_s``): a Flight server that holds the call (5 s here)
+    does not hold the resolver with it."""
+    from evergreen_trio.ipc.flight import ControlPlane
+
+    release = threading.Event()
+
+    class Stalling(ControlPlane):
+        def get_flight_info(self, context: object, descriptor: object) -> object:
+            release.wait(5)
+            return super().get_flight_info(context, descriptor)
+
+    catalog = Catalog()
+    catalog.add_table("t", table_of(1 << 10))
+    plane = Stalling("grpc://127.0.0.1:0", catalog, await nursery.start(serve, "tcp://127.0.0.1:0", catalog))
+    try:
+        resolver = ArrowRefResolver("grpc", limits=IpcLimits(connect_timeout_s=0.5))
+        started = time.monotonic()
+        with pytest.raises(RefRejectedError, match=r"no answer within 0\.5s") as caught:
+            async with resolver.open_batches(arrow_ref(f"grpc://127.0.0.1:{plane.port}", "t")) as batches:
+                async for _ in batches:
+                    pass
+        assert time.monotonic() - started < 4
+    finally:
+        release.set()
+        plane.shutdown()
+    assert caught.value.code == StatusCode.UNAVAILABLE
 
 
 async def test_refs_are_refused_unless_the_server_enables_them(nursery: trio.Nursery) -> None:
