@@ -559,11 +559,9 @@ def _byte_input(data: Any) -> memoryview:
         view = memoryview(data)
     except TypeError:
         raise AVPLengthError(f"input: expected bytes or a buffer, got {type(data).__name__}") from None
-    if view.ndim == 1 and view.format == "B":
-        return view
     if not view.c_contiguous:
         raise AVPLengthError("input: expected a C-contiguous buffer, got strided")
-    return view.cast("B")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
 def decode(data: Any, *, limits: AVPLimits = DEFAULT_LIMITS, strict: bool = True) -> AVPMessage:
