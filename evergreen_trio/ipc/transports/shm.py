@@ -428,6 +428,10 @@ class _Mapped:
     __slots__ = ("address", "array", "end", "map", "start")
 
     def __init__(self, fd: int, start: int) -> None:
+        # Unsealed, the server could truncate the memory under our batches: reading them would die of SIGBUS.
+        if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+            raise SharedMemoryError("shared memory: expected a segment sealed against shrinking (F_SEAL_SHRINK), "
+                                    "got one its server could truncate")
         size = os.fstat(fd).st_size
         self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         self.array: npt.NDArray[np.uint8] = np.frombuffer(self.map, np.uint8)
