@@ -229,6 +229,7 @@ async def test_refs_are_refused_unless_the_server_enables_them(nursery: trio.Nur
         "tcp://127.0.0.1:5?want_data=1&ticket=a&ticket=b",
         "tcp://127.0.0.1?want_data=1&ticket=a",
         "tcp://127.0.0.1:5?ticket=a",
+        "tcp://127.0.0.1:5?want_data=%C2%B2&ticket=a",
         "grpc://127.0.0.1?ticket=a",
         "http://127.0.0.1:5?want_data=1&ticket=a",
     ],
