@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -70,12 +71,21 @@ def messages_from_table(table: pa.Table, max_chunksize: int | None = None) -> li
 
 
 def messages_from_file(path: str | os.PathLike[str]) -> list[OutgoingMessage]:
-    """Memory-map an Arrow IPC file or stream and split it; bodies stay in the mapping."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
+    """Memory-map an Arrow IPC file or stream and split it; bodies stay in the mapping.
+
+    Raises FramingError for anything but a non-empty regular file (a FIFO is refused, not waited on).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open waits for a writer
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            kind = "a directory" if stat.S_ISDIR(status.st_mode) else "a special file"
+            raise FramingError(f"{os.fspath(path)}: expected a regular file holding Arrow IPC, got {kind}")
+        if status.st_size == 0:
             raise FramingError(f"{os.fspath(path)}: expected an Arrow IPC file or stream, got an empty file")
-        mapped = pa.py_buffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        mapped = pa.py_buffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+    finally:
+        os.close(fd)
     if mapped.size >= 8 and mapped[: len(FILE_MAGIC)].to_pybytes() == FILE_MAGIC:
         # The file format is "ARROW1", padding, then a complete stream ending in EOS.
         mapped = mapped.slice(8)
