@@ -176,6 +176,25 @@ async def test_a_batch_whose_offsets_point_past_its_data_is_rejected(nursery: tr
     nursery.cancel_scope.cancel()
 
 
+async def test_an_shm_server_that_cannot_bind_its_path_leaves_it_alone(tmp_path: Path,
+                                                                      nursery: trio.Nursery) -> None:
+    """A path taken by a file or by a running server's socket is EADDRINUSE; the failed server must not
+    unlink it on its way out (it deleted the file, and cut the running server off)."""
+    precious = tmp_path / "notes.txt"
+    precious.write_text("precious")
+    with pytest.raises(OSError, match="Address already in use"):
+        await serve(f"shm://{precious}", Catalog())
+    assert precious.read_text() == "precious"
+    catalog = Catalog()
+    catalog.add_table("t", sample_table(100))
+    uri = await nursery.start(serve, f"shm://{tmp_path / 'control.sock'}", catalog)
+    with pytest.raises(OSError, match="Address already in use"):
+        await serve(str(uri), Catalog())
+    with trio.fail_after(GUARD_S):
+        assert (await fetch_table(str(uri), "t")).num_rows == 100
+    nursery.cancel_scope.cancel()
+
+
 async def test_reserved_bits_on_the_wire_are_rejected(nursery: trio.Nursery) -> None:
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
 

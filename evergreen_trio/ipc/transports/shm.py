@@ -547,6 +547,7 @@ class ShmTransport:
 
         cap = ConnectionCap(limits.max_connections, "shm", full)
         counter = 0
+        bound = False  # the path is ours to unlink only once our bind made it
         try:
             if options.publish:
                 publication = Publication(f"evergreen-ipc-{os.getpid()}-published", limits.shm_published_bytes)
@@ -556,6 +557,7 @@ class ShmTransport:
                             publication.place(message)
             segments.warm(options.warm_bytes or 0)
             await sock.bind(path)
+            bound = True
             sock.listen()
 
             async def handle(stream: trio.SocketStream) -> None:
@@ -584,8 +586,9 @@ class ShmTransport:
             segments.close()
             if publication is not None:
                 publication.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            if bound:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             if workdir is not None:
                 os.rmdir(workdir)
 
