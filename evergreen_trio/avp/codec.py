@@ -245,6 +245,7 @@ def encode_buffers(
     keyword arguments decide them. Flags follow the metadata: KV iff ``payload_type`` is KV_CACHE,
     has-map iff ``avp_map_id``.
     """
+    _check_enum(_DTYPE_VALUES, metadata.dtype, "dtype", DataType)  # the views below name it
     if isinstance(payload, _SEQUENCES):
         views = [_byte_view(part, metadata.dtype) for part in payload]
         size = sum(map(len, views))
