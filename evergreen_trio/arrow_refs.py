@@ -113,19 +113,23 @@ class ArrowRefResolver:
             if host not in self.allow_hosts:
                 raise RefRejectedError(f"ref {uri[:200]!r}: host not allowed", code=StatusCode.PERMISSION_DENIED)
             return f"grpc://{parts.netloc}", ticket
+        return self._allowed(uri, repr(uri)), ticket
+
+    def _allowed(self, uri: str, ref: str) -> IpcUri:
+        """``uri`` as a Dissociated IPC URI the allow-lists admit; else RefRejectedError naming ``ref``."""
         try:
             parsed = parse_uri(uri)
         except UriError as exc:
-            raise RefRejectedError(f"ref {uri[:200]!r}: {exc}") from None
+            raise RefRejectedError(f"ref {ref[:200]}: {exc}") from None
         if parsed.scheme == "shm":
             real = Path(os.path.realpath(parsed.path))
             if not any(root in real.parents for root in self.allow_socket_dirs):
                 raise RefRejectedError(
-                    f"ref {uri!r}: socket outside the allowed folders", code=StatusCode.PERMISSION_DENIED
+                    f"ref {ref}: socket outside the allowed folders", code=StatusCode.PERMISSION_DENIED
                 )
         elif parsed.host not in self.allow_hosts:
-            raise RefRejectedError(f"ref {uri!r}: host not allowed", code=StatusCode.PERMISSION_DENIED)
-        return parsed, ticket
+            raise RefRejectedError(f"ref {ref}: host not allowed", code=StatusCode.PERMISSION_DENIED)
+        return parsed
 
     def check(self, uri: str) -> None:
         self._parse(uri)
@@ -141,8 +145,9 @@ class ArrowRefResolver:
             if isinstance(location, str):
                 from evergreen_trio.ipc.flight import locate
 
-                data_uri, ticket = await locate(location, ticket)
-                location = parse_uri(data_uri)
+                data_uri, ticket = await locate(location, ticket, timeout_s=self.limits.connect_timeout_s)
+                # The Flight server is a peer too: where it points must pass the same allow-lists.
+                location = self._allowed(data_uri, f"{uri!r} (its Flight server points at {data_uri[:200]!r})")
             async with fetch(location, ticket, limits=self.limits, copy=not self.zero_copy) as stream:
                 yield stream
         except UnknownTicketError as exc:
@@ -192,9 +197,13 @@ def arrow_resolvers(schemes: Iterable[str] = ARROW_SCHEMES, **options: Any) -> l
 
 
 async def _inline_batches(data: bytes) -> AsyncIterator[pa.RecordBatch]:
+    """The batches of an inline IPC stream, each fully validated: a peer's offsets past their data
+    would otherwise crash the handler that reads them."""
     try:
         reader = pa.ipc.open_stream(pa.py_buffer(data))
         batches = list(reader)
+        for batch in batches:
+            batch.validate(full=True)
     except (pa.ArrowException, OSError) as exc:
         raise ProtocolViolationError(
             f"Arrow chunk: expected an Arrow IPC stream, got an error from pyarrow: {exc}"

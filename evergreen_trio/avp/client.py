@@ -69,7 +69,7 @@ class AVPHttpClient:
             raise AVPTransportError(f"{path}: {type(error).__name__}: {error}") from None
         try:
             document = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays or objects nested too deep
             document = None
         if not isinstance(document, dict):
             raise AVPTransportError(

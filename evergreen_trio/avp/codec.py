@@ -245,6 +245,7 @@ def encode_buffers(
     keyword arguments decide them. Flags follow the metadata: KV iff ``payload_type`` is KV_CACHE,
     has-map iff ``avp_map_id``.
     """
+    _check_enum(_DTYPE_VALUES, metadata.dtype, "dtype", DataType)  # the views below name it
     if isinstance(payload, _SEQUENCES):
         views = [_byte_view(part, metadata.dtype) for part in payload]
         size = sum(map(len, views))
@@ -559,11 +560,9 @@ def _byte_input(data: Any) -> memoryview:
         view = memoryview(data)
     except TypeError:
         raise AVPLengthError(f"input: expected bytes or a buffer, got {type(data).__name__}") from None
-    if view.ndim == 1 and view.format == "B":
-        return view
     if not view.c_contiguous:
         raise AVPLengthError("input: expected a C-contiguous buffer, got strided")
-    return view.cast("B")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
 def decode(data: Any, *, limits: AVPLimits = DEFAULT_LIMITS, strict: bool = True) -> AVPMessage:

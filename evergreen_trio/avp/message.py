@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from evergreen_trio.avp.dtypes import ITEMSIZE, KV_HEADER_SIZE, NUMPY_DTYPES, DataType, to_device
-from evergreen_trio.avp.errors import AVPInconsistentError
+from evergreen_trio.avp.errors import AVPEncodeError, AVPInconsistentError
 from evergreen_trio.avp.kv import kv_block
 from evergreen_trio.limits import check_limits
 
@@ -119,11 +119,21 @@ DEFAULT_LIMITS = AVPLimits()
 
 
 def implied_payload_size(metadata: AVPMetadata) -> int | None:
-    """Tensor bytes that ``tensor_shape`` and ``dtype`` imply (plus the 17-byte KV header), or None without a shape."""
+    """Tensor bytes that ``tensor_shape`` and ``dtype`` imply (plus the 17-byte KV header), or None without a shape.
+
+    Raises AVPEncodeError for a ``dtype`` that is not a DataType or a shape that is not a sequence of ints.
+    """
     shape = metadata.tensor_shape
     if not shape:
         return None
-    size = math.prod(shape) * ITEMSIZE[metadata.dtype]
+    itemsize = ITEMSIZE.get(metadata.dtype)
+    if itemsize is None:
+        raise AVPEncodeError(f"metadata.dtype: expected one of {[member.name for member in DataType]}, "
+                             f"got {metadata.dtype!r}")
+    try:
+        size = math.prod(shape) * itemsize
+    except TypeError:  # None or a string among the dimensions, or no sequence at all
+        raise AVPEncodeError(f"metadata.tensor_shape: expected a sequence of ints, got {shape!r:.80}") from None
     if metadata.payload_type == _KV_CACHE:
         size += KV_HEADER_SIZE
     return size

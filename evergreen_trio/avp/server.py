@@ -57,8 +57,12 @@ TextHandler = Callable[[JSONMessage], Awaitable[dict[str, Any]]]
 
 
 async def describe_message(message: AVPMessage) -> dict[str, Any]:
-    """The built-in receiver: `binding.receiver_answer`."""
-    return binding.receiver_answer(message)
+    """The built-in receiver: `binding.receiver_answer`; a payload it cannot shape (a shapeless one that
+    is not a whole number of items, which decoding accepts as the reference does) is a 400."""
+    try:
+        return binding.receiver_answer(message)
+    except AVPError as error:
+        raise AVPRequestError(400, f"bad AVP message: {error}") from None
 
 
 async def acknowledge_text(message: JSONMessage) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -70,12 +71,21 @@ def messages_from_table(table: pa.Table, max_chunksize: int | None = None) -> li
 
 
 def messages_from_file(path: str | os.PathLike[str]) -> list[OutgoingMessage]:
-    """Memory-map an Arrow IPC file or stream and split it; bodies stay in the mapping."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
+    """Memory-map an Arrow IPC file or stream and split it; bodies stay in the mapping.
+
+    Raises FramingError for anything but a non-empty regular file (a FIFO is refused, not waited on).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open waits for a writer
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            kind = "a directory" if stat.S_ISDIR(status.st_mode) else "a special file"
+            raise FramingError(f"{os.fspath(path)}: expected a regular file holding Arrow IPC, got {kind}")
+        if status.st_size == 0:
             raise FramingError(f"{os.fspath(path)}: expected an Arrow IPC file or stream, got an empty file")
-        mapped = pa.py_buffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        mapped = pa.py_buffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+    finally:
+        os.close(fd)
     if mapped.size >= 8 and mapped[: len(FILE_MAGIC)].to_pybytes() == FILE_MAGIC:
         # The file format is "ARROW1", padding, then a complete stream ending in EOS.
         mapped = mapped.slice(8)
@@ -153,7 +163,11 @@ class BatchDecoder:
         return None if self._reader is None else self._reader.schema
 
     def feed(self, flatbuffer: bytes, header: MessageHeader, body: pa.Buffer | None) -> pa.RecordBatch | None:
-        """Feed one message; return the batch it completes (dictionaries complete none)."""
+        """Feed one message; return the batch it completes (dictionaries complete none).
+
+        Each batch is fully validated (offsets, dictionary indices, UTF-8): pyarrow's reader checks
+        only buffer sizes, and a peer's offset past its data would crash whoever reads the value.
+        """
         self._feeder.push(flatbuffer, body)
         try:
             if self._reader is None:
@@ -161,6 +175,7 @@ class BatchDecoder:
                 return None
             if header.kind is MessageKind.RECORD_BATCH:
                 batch: pa.RecordBatch = self._reader.read_next_batch()
+                batch.validate(full=True)
                 return batch
         except (pa.ArrowException, OSError, StopIteration) as exc:
             raise IpcError(f"IPC message {header.kind.name}: pyarrow rejected it: {exc}") from None

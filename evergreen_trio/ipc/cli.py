@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import trio
@@ -21,6 +22,18 @@ PROGRESS_EVERY_S = 0.1
 _BAR = 30
 
 
+def flight_location(text: str) -> str:
+    """argparse type for ``--flight``: a ``grpc://HOST:PORT`` location (port 0: any free port)."""
+    try:
+        parts = urlsplit(text)
+        valid = parts.scheme in ("grpc", "grpc+tcp") and bool(parts.hostname) and parts.port is not None
+    except ValueError:  # a bad port or IPv6 address
+        valid = False
+    if not valid:
+        raise argparse.ArgumentTypeError(f"expected grpc://HOST:PORT (port 0..65535), got {text!r}")
+    return text
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ipc = subparsers.add_parser("ipc", help="Arrow Dissociated IPC: serve and fetch Arrow data")
     commands = ipc.add_subparsers(dest="ipc_command", required=True, metavar="COMMAND")
@@ -29,7 +42,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve_parser.add_argument(
         "--uri", default="tcp://127.0.0.1:0", help="ucx://HOST:PORT, tcp://HOST:PORT or shm:// (port 0: any)"
     )
-    serve_parser.add_argument("--flight", help="also run a Flight control plane at this grpc:// location")
+    serve_parser.add_argument(
+        "--flight", type=flight_location, help="also run a Flight control plane at this grpc://HOST:PORT location"
+    )
     serve_parser.add_argument(
         "--role",
         choices=[role.value for role in Role],

@@ -16,7 +16,7 @@ import pyarrow.flight as flight
 import trio
 
 from evergreen_trio.ipc.arrow import read_messages
-from evergreen_trio.ipc.errors import UnknownTicketError
+from evergreen_trio.ipc.errors import TransportError, UnknownTicketError
 from evergreen_trio.ipc.service import Catalog, fetch_table
 from evergreen_trio.ipc.uri import SCHEMES, IpcUri
 
@@ -56,19 +56,24 @@ class ControlPlane(flight.FlightServerBase):  # type: ignore[misc]
         return flight.RecordBatchStream(pa.Table.from_batches(batches, schema=schema))
 
 
-async def locate(flight_location: str, ticket: bytes | str) -> tuple[str, bytes]:
+async def locate(flight_location: str, ticket: bytes | str, *, timeout_s: float = 10.0) -> tuple[str, bytes]:
     """Ask a Flight server where ``ticket`` lives: its Dissociated IPC URI and the ticket to send there.
 
-    Raises UnknownTicketError when the server knows no such flight or offers no IPC location.
+    Raises UnknownTicketError when the server knows no such flight or offers no IPC location,
+    TransportError when it has not answered within ``timeout_s``.
     """
     key = ticket.encode() if isinstance(ticket, str) else ticket
 
     def info() -> flight.FlightInfo:
         with flight.connect(flight_location) as client:
-            return client.get_flight_info(flight.FlightDescriptor.for_path(key))
+            return client.get_flight_info(flight.FlightDescriptor.for_path(key),
+                                          flight.FlightCallOptions(timeout=timeout_s))
 
     try:
         flight_info = await trio.to_thread.run_sync(info)
+    except flight.FlightTimedOutError:
+        raise TransportError(
+            f"Flight info for {key[:64]!r} at {flight_location}: no answer within {timeout_s}s") from None
     except flight.FlightError as exc:
         raise UnknownTicketError(f"Flight info for {key[:64]!r} at {flight_location}: {exc}") from None
     for endpoint in flight_info.endpoints:

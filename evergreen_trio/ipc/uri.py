@@ -38,7 +38,7 @@ class IpcUri:
 
 
 def _uint64(name: str, text: str) -> int:
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # str.isdigit() alone admits '²', which int() refuses
         raise UriError(f"{name}: expected a decimal uint64, got {text!r}")
     value = int(text)
     if value > UINT64_MAX:

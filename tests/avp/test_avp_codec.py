@@ -121,6 +121,11 @@ def test_encode_into_a_caller_buffer() -> None:
         (b"", AVPMetadata(hidden_dim=-1), "proto's types"),
         (b"", AVPMetadata(model_id=5), "proto's types"),  # type: ignore[arg-type]
         (object(), AVPMetadata(), "expected bytes, a buffer"),
+        (np.zeros(4, dtype="<f4"), AVPMetadata(dtype=9), "metadata.dtype"),  # type: ignore[arg-type]
+        (b"\0" * 8, AVPMetadata(dtype=9, tensor_shape=(2,)), "metadata.dtype"),  # type: ignore[arg-type]
+        (b"\0" * 8, AVPMetadata(tensor_shape=(2, None)), "metadata.tensor_shape"),  # type: ignore[arg-type]
+        (b"\0" * 8, AVPMetadata(tensor_shape=("a", "b")), "metadata.tensor_shape"),  # type: ignore[arg-type]
+        (b"\0" * 8, AVPMetadata(tensor_shape=8), "metadata.tensor_shape"),  # type: ignore[arg-type]
     ],
 )
 def test_encode_rejects_bad_input(payload: object, metadata: AVPMetadata, match: str) -> None:

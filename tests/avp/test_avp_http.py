@@ -164,6 +164,27 @@ async def test_our_client_speaks_http2_to_the_reference_app(reference_agent: str
         assert response.http_version == "HTTP/2"
 
 
+async def test_our_client_refuses_an_answer_nested_too_deep(nursery: trio.Nursery) -> None:
+    """An answer of 200 000 nested arrays (under the answer cap) is an AVPTransportError, not a RecursionError."""
+    body = b"[" * 200_000
+
+    async def deep(stream: trio.SocketStream) -> None:
+        async with stream:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += await stream.receive_some(65536)
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                  b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    nursery.start_soon(trio.serve_listeners, deep, [listener])
+    port = listener.socket.getsockname()[1]
+    async with open_avp_client(f"http://127.0.0.1:{port}", timeout_s=10) as client:
+        with pytest.raises(AVPTransportError, match="expected a JSON object") as caught:
+            await client.health()
+    assert caught.value.status_code == 200
+
+
 async def test_our_server_refuses_with_one_line(ours: str) -> None:
     good = encode(np.zeros(4, "<f4"), AVPMetadata(tensor_shape=(4,)))
     auth = {"authorization": f"Bearer {TOKEN}"}
@@ -189,6 +210,18 @@ async def test_our_server_refuses_with_one_line(ours: str) -> None:
         assert ok.json()["success"] is True
         anonymous = (await http.post("/avp/v2/handshake", content=b"{}", headers=auth)).json()
         assert (anonymous["success"], anonymous["mode"], anonymous["agent_id"]) == (True, "JSON", "ours")
+
+
+async def test_a_payload_of_partial_items_gets_a_400(ours: str) -> None:
+    """A shapeless payload that is not a whole number of dtype items decodes (as the reference's does),
+    but the built-in receiver cannot describe it: a one-line 400, not a 500."""
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(base_url=ours) as http:
+        for body in (encode(b"abc", AVPMetadata()), encode(b"abc", AVPMetadata(), compression="fast")):
+            response = await http.post("/avp/v2/transmit", content=body, headers=auth)
+            assert response.status_code == 400, response.text
+            assert response.json() == {"success": False, "message": "bad AVP message: payload of 3 bytes is not "
+                                       "a whole number of FLOAT32 items"}
 
 
 async def test_an_upload_refused_at_its_head_still_gets_the_answer(ours: str) -> None:

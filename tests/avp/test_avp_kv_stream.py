@@ -122,6 +122,15 @@ def test_incremental_decoder_truncated() -> None:
         AVPDecoder().close()
 
 
+@pytest.mark.parametrize("piece", ["AV", 5, None, np.arange(12, dtype=np.uint8)[::2]])
+def test_a_piece_that_is_not_a_contiguous_buffer_is_a_length_error(piece: object) -> None:
+    """`decode` and `AVPDecoder.feed` name the input (AVPLengthError), never raise TypeError or BufferError."""
+    with pytest.raises(AVPLengthError, match="input: expected"):
+        AVPDecoder().feed(piece)
+    with pytest.raises(AVPLengthError, match="input: expected"):
+        decode(piece)
+
+
 async def _pieces(data: list[memoryview]) -> AsyncIterator[memoryview]:
     for piece in data:
         yield piece

@@ -217,6 +217,22 @@ def test_ipc_get_shows_no_progress_when_stderr_is_not_a_terminal(ipc_server: str
     assert result.stderr == f"10000 rows -> {tmp_path / 'x.arrow'}\n"
 
 
+def test_ipc_serve_refuses_a_fifo_instead_of_waiting_for_a_writer(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "pipe")
+    result = run("ipc", "serve", str(tmp_path / "pipe"), timeout=20)
+    assert_one_line(result, 2, "argument file", "pipe", "expected a regular file")
+
+
+@pytest.mark.parametrize("location", ["nope", "grpc://127.0.0.1:99999", "grpc://[::1:5", "http://127.0.0.1:5"])
+def test_ipc_serve_refuses_a_bad_flight_location_before_serving(tmp_path: Path, location: str) -> None:
+    table = pa.table({"n": [1, 2, 3]})
+    with pa.ipc.new_file(str(tmp_path / "data.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    result = run("ipc", "serve", str(tmp_path / "data.arrow"), "--flight", location)
+    assert_one_line(result, 2, "--flight", repr(location), "grpc://HOST:PORT")
+    assert result.stdout == ""  # refused before the data server started
+
+
 def test_the_global_options_come_before_or_after_the_subcommand(tmp_path: Path) -> None:
     for argv in (["--log-level", "error", "gateway-config"], ["gateway-config", "--log-level", "ERROR"]):
         result = run(*argv, "-o", str(tmp_path / "envoy.json"))

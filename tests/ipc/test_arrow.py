@@ -45,3 +45,5 @@ def test_garbage_files_are_rejected(tmp_path: Path) -> None:
     path.write_bytes(b"")
     with pytest.raises(FramingError):
         messages_from_file(path)
+    with pytest.raises(FramingError, match="expected a regular file"):
+        messages_from_file("/dev/zero")  # its size says 0, its reads never end

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -108,6 +109,25 @@ async def test_the_same_handler_reads_an_inline_arrow_stream(nursery: trio.Nurse
         assert await call["rows"].read_text() == str(table.num_rows)
 
 
+async def test_an_inline_stream_whose_offsets_point_past_its_data_is_a_protocol_violation(
+    nursery: trio.Nursery,
+) -> None:
+    """A peer's inline string offsets past the data buffer abort the session instead of reaching the handler."""
+    exchange = await start_exchange(nursery, "tcp://127.0.0.1:0")
+    address = await start_server(nursery, doubling_server(exchange))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, pa.schema({"s": pa.string()})) as writer:
+        writer.write_table(pa.table({"s": ["a", "bb", "ccc"]}))
+    stream = bytearray(sink.getvalue().to_pybytes())
+    offsets = bytes(stream).rindex(b"".join(n.to_bytes(4, "little") for n in (0, 1, 3, 6)))
+    stream[offsets + 4 : offsets + 8] = (1 << 30).to_bytes(4, "little")  # the second string's start
+    with pytest.raises(SessionAbortedError, match="Offset invariant failure") as caught:
+        async with connect(address) as session:
+            call = await session.run("ROWS", {"table": blob(bytes(stream), mimetype=ARROW_STREAM)}, ["rows"])
+            await call["rows"].read_text()
+    assert caught.value.code == StatusCode.INVALID_ARGUMENT
+
+
 async def test_flight_grpc_location_resolves_to_the_ipc_stream(nursery: trio.Nursery) -> None:
     from evergreen_trio.ipc.flight import ControlPlane
 
@@ -135,6 +155,57 @@ async def abort_of(address: str, uri: str) -> SessionAbortedError:
     return caught.value
 
 
+async def test_a_flight_location_cannot_point_past_the_allowed_hosts(nursery: trio.Nursery) -> None:
+    """The data URI a Flight server answers with passes the allow-lists too: an allowed (loopback) Flight
+    server pointing at a host outside them (127.0.0.2 here) is PERMISSION_DENIED, and nothing connects there."""
+    from evergreen_trio.ipc.flight import ControlPlane
+
+    catalog = Catalog()
+    catalog.add_table("t", table_of(1 << 10))
+    data_uri = await nursery.start(serve, "tcp://127.0.0.2:0", catalog)
+    plane = ControlPlane("grpc://127.0.0.1:0", catalog, data_uri)
+    try:
+        resolver = ArrowRefResolver("grpc")
+        with pytest.raises(RefRejectedError, match="host not allowed") as caught:
+            async with resolver.open_batches(arrow_ref(f"grpc://127.0.0.1:{plane.port}", "t")) as batches:
+                async for _ in batches:
+                    pass
+    finally:
+        plane.shutdown()
+    assert caught.value.code == StatusCode.PERMISSION_DENIED
+
+
+async def test_a_flight_server_that_does_not_answer_is_unavailable_after_the_connect_timeout(
+    nursery: trio.Nursery,
+) -> None:
+    """GetFlightInfo has a deadline (``connect_timeout_s``): a Flight server that holds the call (5 s here)
+    does not hold the resolver with it."""
+    from evergreen_trio.ipc.flight import ControlPlane
+
+    release = threading.Event()
+
+    class Stalling(ControlPlane):
+        def get_flight_info(self, context: object, descriptor: object) -> object:
+            release.wait(5)
+            return super().get_flight_info(context, descriptor)
+
+    catalog = Catalog()
+    catalog.add_table("t", table_of(1 << 10))
+    plane = Stalling("grpc://127.0.0.1:0", catalog, await nursery.start(serve, "tcp://127.0.0.1:0", catalog))
+    try:
+        resolver = ArrowRefResolver("grpc", limits=IpcLimits(connect_timeout_s=0.5))
+        started = time.monotonic()
+        with pytest.raises(RefRejectedError, match=r"no answer within 0\.5s") as caught:
+            async with resolver.open_batches(arrow_ref(f"grpc://127.0.0.1:{plane.port}", "t")) as batches:
+                async for _ in batches:
+                    pass
+        assert time.monotonic() - started < 4
+    finally:
+        release.set()
+        plane.shutdown()
+    assert caught.value.code == StatusCode.UNAVAILABLE
+
+
 async def test_refs_are_refused_unless_the_server_enables_them(nursery: trio.Nursery) -> None:
     exchange = await start_exchange(nursery, "tcp://127.0.0.1:0")
     table_ref = exchange.add(table_of(1 << 16))
@@ -158,6 +229,7 @@ async def test_refs_are_refused_unless_the_server_enables_them(nursery: trio.Nur
         "tcp://127.0.0.1:5?want_data=1&ticket=a&ticket=b",
         "tcp://127.0.0.1?want_data=1&ticket=a",
         "tcp://127.0.0.1:5?ticket=a",
+        "tcp://127.0.0.1:5?want_data=%C2%B2&ticket=a",
         "grpc://127.0.0.1?ticket=a",
         "http://127.0.0.1:5?want_data=1&ticket=a",
     ],

@@ -147,6 +147,9 @@ def test_uri_examples() -> None:
         "ucx://h:1?want_data=1&remote_handle=!!",
         "ucx://h:1?want_data=1&want_data=2",
         "tcp://h?want_data=1",
+        "ucx://h:1?want_data=\u00b2",  # a superscript two: str.isdigit() says yes, int() says no
+        "ucx://h:1?want_data=%C2%B9",
+        "ucx://h:1?want_data=1&free_data=\u0661",  # an Arabic-Indic one
     ):
         with pytest.raises(UriError):
             parse_uri(bad)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import errno
 import gc
 import mmap
 import os
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -220,6 +222,24 @@ def _mapping(segment: int, publication: int) -> SharedMemoryMapping:
         view.close()
         fds.append(fd)
     return SharedMemoryMapping(fds)  # closes them
+
+
+@pytest.mark.parametrize("sealing", [0, os.MFD_ALLOW_SEALING], ids=["unsealable", "unsealed"])
+async def test_a_segment_the_server_could_still_shrink_is_refused(sealing: int) -> None:
+    """A memfd without F_SEAL_SHRINK is refused before it is mapped: its server could truncate it
+    under the client's zero-copy batches, and reading them would die of SIGBUS."""
+    fd = os.memfd_create("evergreen-test-unsealed", os.MFD_CLOEXEC | sealing)
+    os.ftruncate(fd, 4096)
+    left, right = trio.socket.socketpair(trio.socket.AF_UNIX)
+    with left, right:
+        await left.sendmsg([b"M"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        os.close(fd)
+        fds = await receive_segment(right)
+    with pytest.raises(SharedMemoryError, match="F_SEAL_SHRINK"):
+        SharedMemoryMapping(fds)
+    for received in fds:  # closed all the same
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(received)
 
 
 @pytest.mark.parametrize(

@@ -428,6 +428,10 @@ class _Mapped:
     __slots__ = ("address", "array", "end", "map", "start")
 
     def __init__(self, fd: int, start: int) -> None:
+        # Unsealed, the server could truncate the memory under our batches: reading them would die of SIGBUS.
+        if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+            raise SharedMemoryError("shared memory: expected a segment sealed against shrinking (F_SEAL_SHRINK), "
+                                    "got one its server could truncate")
         size = os.fstat(fd).st_size
         self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         self.array: npt.NDArray[np.uint8] = np.frombuffer(self.map, np.uint8)
@@ -543,6 +547,7 @@ class ShmTransport:
 
         cap = ConnectionCap(limits.max_connections, "shm", full)
         counter = 0
+        bound = False  # the path is ours to unlink only once our bind made it
         try:
             if options.publish:
                 publication = Publication(f"evergreen-ipc-{os.getpid()}-published", limits.shm_published_bytes)
@@ -552,6 +557,7 @@ class ShmTransport:
                             publication.place(message)
             segments.warm(options.warm_bytes or 0)
             await sock.bind(path)
+            bound = True
             sock.listen()
 
             async def handle(stream: trio.SocketStream) -> None:
@@ -580,8 +586,9 @@ class ShmTransport:
             segments.close()
             if publication is not None:
                 publication.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            if bound:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             if workdir is not None:
                 os.rmdir(workdir)
 
