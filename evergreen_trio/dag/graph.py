@@ -154,6 +154,14 @@ class SessionGraph:
                 raise LimitExceededError(
                     f"{_where(fragment)}: the session holds {len(self.nodes)} nodes, the limit", limit="max_nodes"
                 )
+            # The id is kept as long as the session (the node's key): ids of a message's size each would
+            # otherwise hold max_nodes times that, uncounted.
+            held = self.buffered_bytes + len(node_id)
+            if held > self.limits.max_buffered_bytes:
+                raise LimitExceededError(
+                    f"{_where(fragment)}: with its id of {len(node_id)} characters the session would hold {held} "
+                    f"bytes, limit {self.limits.max_buffered_bytes}", limit="max_buffered_bytes")
+            self.buffered_bytes = held
             node = Node(node_id, local=local)
             self.nodes[node_id] = node
         elif node.local != local:
@@ -172,9 +180,7 @@ class SessionGraph:
                 f"{_where(fragment)}: the session would hold {held} fragments and child ids, "
                 f"limit {self.limits.max_parts}", limit="max_parts")
         self.parts = held
-        if isinstance(part, LeafPart):
-            self.buffered_bytes += len(part.data) if part.ref is None else len(part.ref)
-        elif part:
+        if isinstance(part, tuple) and part:
             where = (node_id, seq)  # formatted only in an error message
             if self._attaching:  # edges are attached in the order they arrive
                 self.attach_more(sys.maxsize)
@@ -219,6 +225,13 @@ class SessionGraph:
                     f"{_where(fragment)}: {len(children)} child_ids, limit {self.limits.max_children_per_fragment}",
                     limit="max_children_per_fragment",
                 )
+            # Child ids are kept as long as the session: counted as inline bytes are (sum and map: C speed).
+            held = self.buffered_bytes + sum(map(len, children))
+            if held > self.limits.max_buffered_bytes:
+                raise LimitExceededError(
+                    f"{_where(fragment)}: with its {len(children)} child ids the session would hold {held} bytes, "
+                    f"limit {self.limits.max_buffered_bytes}", limit="max_buffered_bytes")
+            self.buffered_bytes = held
             node.kind = kind
             return children
         chunk = fragment.chunk_fragment
@@ -244,6 +257,7 @@ class SessionGraph:
                     f"{_where(fragment)}: ref {ref!r} uses scheme {scheme!r}; this side resolves: {allowed}")
         if fragment.seq == 0 or chunk.HasField("metadata"):
             self._check_metadata(node, fragment)
+        self.buffered_bytes = held
         node.kind = kind
         return LeafPart(data, ref)
 
@@ -366,6 +380,14 @@ def _where(fragment: NodeFragment) -> str:
     return _at((fragment.id, fragment.seq))
 
 
+ID_CHARS = 64
+"""An error quotes this many characters of a longer node id: the status message keeps 512, and what
+crossed a limit must still show after a peer's id of megabytes."""
+
+
 def _at(where: tuple[str, int]) -> str:
     """How an error names a fragment by its id and seq."""
-    return f"node {where[0]!r} seq {where[1]}"
+    node_id = where[0]
+    if len(node_id) > ID_CHARS:
+        return f"node {node_id[:ID_CHARS]!r}... ({len(node_id)} characters) seq {where[1]}"
+    return f"node {node_id!r} seq {where[1]}"

@@ -14,7 +14,8 @@ class SessionLimits:
     max_nodes: int = 1_000_000
     """Nodes (received and produced) alive in one session."""
     max_buffered_bytes: int = 1 << 30
-    """Inline chunk bytes held by one session, received and produced."""
+    """Bytes held by one session, received and produced: inline chunk bytes, refs' URIs, node ids and
+    the child ids inner fragments name (ids and URIs counted a byte per character)."""
     max_fragment_bytes: int = 4 << 20
     """Inline bytes in one chunk fragment (gRPC's default message limit is 4 MiB)."""
     max_depth: int = 256
@@ -25,8 +26,8 @@ class SessionLimits:
     """child_ids in one fragment."""
     max_parts: int = 10_000_000
     """Fragments (received and produced) one session holds, each child id they name counting one more:
-    an empty fragment or a child id holds 60-100 bytes for a few on the wire, which
-    ``max_buffered_bytes`` does not count."""
+    an empty fragment or a child id holds 60-100 bytes for a few on the wire, of which
+    ``max_buffered_bytes`` counts only the id's characters."""
     max_flattened_bytes: int = 1 << 30
     """Inline bytes one action input flattens to, a shared node counted each time it is repeated
     (1 GiB, as ``max_buffered_bytes``: an input repeating nothing flattens to what was sent, so only

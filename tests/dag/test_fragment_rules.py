@@ -201,8 +201,13 @@ def test_nesting_deeper_than_limit_aborts() -> None:
         (SessionLimits(max_fragment_bytes=3), [leaf("a", b"1234")], "in one fragment"),
         (SessionLimits(max_buffered_bytes=5), [leaf("a", b"123"), leaf("b", b"456")], "would hold"),
         # A ref's URI is held as inline bytes are (up to a message's size each, uncounted before).
-        (SessionLimits(max_buffered_bytes=64), [leaf("a", b"", ref="file:///" + "x" * 60)], "would hold 68 bytes"),
+        (SessionLimits(max_buffered_bytes=64), [leaf("a", b"", ref="file:///" + "x" * 60)], "would hold 69 bytes"),
         (SessionLimits(max_children_per_fragment=2), [parent("p", "a", "b", "c")], "child_ids"),
+        # Node ids and child ids are held for the session: a byte a character, as inline bytes.
+        (SessionLimits(max_buffered_bytes=64), [leaf("a", b"x" * 60), leaf("b" * 4, b"")],
+         "with its id of 4 characters the session would hold 65 bytes"),
+        (SessionLimits(max_buffered_bytes=64), [parent("p", "a" * 30, "b" * 34)],
+         "with its 2 child ids the session would hold 65 bytes"),
         # Empty fragments and child ids hold memory that max_buffered_bytes does not count.
         (SessionLimits(max_parts=3), [NodeFragment(id="a", seq=seq, continued=True) for seq in range(4)],
          "4 fragments and child ids"),
@@ -223,6 +228,28 @@ def test_limits_abort_with_resource_exhausted(
         for fragment in fragments:
             graph.add_fragment(fragment)
     assert info.value.code is StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_ids_of_megabytes_are_counted_before_they_are_kept() -> None:
+    """A node id or child ids of a message's size each, on fragments without a byte of data: before
+    they counted against no byte limit, and a session could hold max_nodes times a message's size."""
+    limits = SessionLimits(max_buffered_bytes=8 << 20)
+    graph = SessionGraph(limits)
+    huge = "x" * (3 << 20)
+    graph.add_fragment(NodeFragment(id=huge + "1", continued=True))
+    graph.add_fragment(NodeFragment(id=huge + "2", continued=True))
+    with pytest.raises(LimitExceededError, match=r"\(3145729 characters\) seq 0: with its id of 3145729 characters "
+                                                 r"the session would hold 9437187 bytes") as info:
+        graph.add_fragment(NodeFragment(id=huge + "3", continued=True))
+    assert info.value.limit == "max_buffered_bytes" and huge + "3" not in graph.nodes
+    assert graph.buffered_bytes == 2 * (len(huge) + 1)
+
+    graph = SessionGraph(limits)
+    graph.add_fragment(parent("p", huge + "1", continued=True))
+    with pytest.raises(LimitExceededError, match="seq 1: with its 2 child ids the session would hold") as info:
+        graph.add_fragment(parent("p", huge + "2", huge + "3", seq=1))
+    assert info.value.limit == "max_buffered_bytes" and 1 not in graph.nodes["p"].parts
+    assert graph.buffered_bytes == 1 + len(huge) + 1
 
 
 def test_refs_refused_by_default_and_allowed_by_scheme() -> None:

@@ -371,3 +371,28 @@ async def test_fragments_without_bytes_are_counted_and_the_session_ends_at_the_l
     assert said in outcome.details, outcome.details
     assert server.metrics.registry.get_sample_value("evergreen_limit_hits_total", {"limit": limit}) == 1
     await legit_session_completes(port)
+
+
+@pytest.mark.parametrize("where", ["node ids", "child ids"])
+async def test_ids_of_megabytes_count_against_max_buffered_bytes(nursery_: trio.Nursery, where: str) -> None:
+    """Fragments without a byte of data, each with an id (or child id) of 3 MiB: before, no byte limit
+    counted ids, and one session could hold ``max_nodes`` times a message's size (1M x 4 MiB)."""
+    from evergreen_trio import SessionLimits, StatusCode
+    from evergreen_trio.testing.wire import SyncClient
+
+    server, port = await start(nursery_, limits=SessionLimits(max_buffered_bytes=16 << 20))
+    huge = "x" * (3 << 20)
+    if where == "node ids":
+        messages = [SessionMessage(node_fragments=[NodeFragment(id=f"{huge}{i}", continued=True)]) for i in range(10)]
+        said = "with its id of 3145729 characters the session would hold 18874374 bytes, limit 16777216"
+    else:
+        messages = [SessionMessage(node_fragments=[NodeFragment(id=f"p{i}", child_ids=[f"{huge}{i}"])])
+                    for i in range(10)]
+        said = "with its 1 child ids the session would hold 18874386 bytes, limit 16777216"
+    with SyncClient(f"127.0.0.1:{port}") as client:
+        outcome = await trio.to_thread.run_sync(client.run, messages)
+    assert outcome.code == StatusCode.RESOURCE_EXHAUSTED, outcome.describe()
+    assert said in outcome.details, outcome.details
+    limit = {"limit": "max_buffered_bytes"}
+    assert server.metrics.registry.get_sample_value("evergreen_limit_hits_total", limit) == 1
+    await legit_session_completes(port)
