@@ -21,14 +21,13 @@ from evergreen_trio._grpc.streams import MessageStream
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import SessionMessage
 from evergreen_trio._wire import START_SESSION
 from evergreen_trio.dag import SessionAbortedError, SessionError, SessionLimits, StatusCode
-from evergreen_trio.errors import ArgumentTypeError, ConfigurationError, EvergreenTrioError, plain_errors
+from evergreen_trio.errors import ArgumentTypeError, ConfigurationError, EvergreenTrioError, describe_kind, plain_errors
 from evergreen_trio.nodes import CLIENT_ROLE
 from evergreen_trio.nursery_session import (
     ActionRegistry,
     Outbound,
     Session,
     SessionOptions,
-    describe_kind,
     pack_messages,
 )
 from evergreen_trio.nursery_session import Call as Call  # re-exported: run()'s result, defined with it

@@ -26,6 +26,11 @@ class ArgumentTypeError(EvergreenTrioError, TypeError):
     """A function of ours got an argument of the wrong kind; the message names the argument and what it takes."""
 
 
+def describe_kind(value: object) -> str:
+    """A value's type as an error message names it (``int``, ``evergreen_trio.nodes.Leaf``)."""
+    return f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+
+
 def leaf_exceptions(error: BaseException) -> Iterator[BaseException]:
     """The exceptions inside ``error``, depth first, with every (nested) exception group opened."""
     if isinstance(error, BaseExceptionGroup):

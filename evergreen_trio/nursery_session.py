@@ -52,7 +52,7 @@ from evergreen_trio.dag import (
     Wait,
 )
 from evergreen_trio.dag.graph import ATTACH_STEP
-from evergreen_trio.errors import ArgumentTypeError, leaf_exceptions
+from evergreen_trio.errors import ArgumentTypeError, describe_kind, leaf_exceptions
 from evergreen_trio.nodes import SERVER_ROLE, Inner, Leaf, NodeLike, NodeRef, RefURI
 from evergreen_trio.refs import ExternalRef, RefResolver
 from evergreen_trio.serving.metrics import SessionMetrics, abort_reason
@@ -510,23 +510,27 @@ class Session:
                                     f"got {describe_kind(inputs)}")
         resolved = [(key, self._input(name, key, value)) for key, value in inputs.items()]
         params, new = [], {}
-        for key, node in resolved:
-            if isinstance(node, NodeRef):
-                node_id = node.id
-            else:
-                node_id = node.id or self.new_id(key)
-                new[node_id] = node
-            if not isinstance(key, str) or not isinstance(node_id, str):
-                raise ArgumentTypeError(_not_str(name, "input", key, node_id))
-            params.append(NamedParameter(name=key, id=node_id))
         try:
+            for key, node in resolved:
+                if isinstance(node, NodeRef):
+                    node_id = node.id
+                else:
+                    node_id = node.id or self.new_id(key)
+                    new[node_id] = node
+                if not isinstance(key, str):  # node ids: checked as the nodes were built
+                    raise ArgumentTypeError(_not_str(name, "input", key, node_id))
+                params.append(NamedParameter(name=key, id=node_id))
             config_list = list(configs)
             action = Action(name=name, inputs=params, configs=config_list,
                             outputs=[NamedParameter(name=k, id=v) for k, v in named.items()])
+            action.target_spec.id = target
+        except UnicodeEncodeError:  # a lone surrogate: protobuf's error names no argument
+            raise ArgumentTypeError(_unencodable(name, target, named, [key for key, _ in resolved])) from None
+        except ArgumentTypeError:  # an input name's, raised above: it names its argument
+            raise
         except TypeError:  # protobuf's own words name no argument; the rest were checked above
             raise ArgumentTypeError(f"run({name!r}): configs must be an iterable of google.protobuf.Any, "
                                     f"got {describe_kind(configs)}") from None
-        action.target_spec.id = target
         return action, new
 
     def _input(self, action: str, key: str, value: object) -> NodeLike:
@@ -770,9 +774,20 @@ class UnknownNodeError(SessionError):
     code = StatusCode.NOT_FOUND
 
 
-def describe_kind(value: object) -> str:
-    """A value's type as an error message names it (``int``, ``evergreen_trio.nodes.Leaf``)."""
-    return f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+def _unencodable(action: str, target: str, outputs: Mapping[str, str], inputs: list[str]) -> str:
+    """How ``run`` names the first of its names and ids that UTF-8 cannot encode (a lone surrogate).
+    Input nodes' own ids were checked as the nodes were built; one ``run`` chose has its input's name in it."""
+    fields = [("the action name", action), ("target", target)]
+    for key, node_id in outputs.items():
+        fields += [("output name", key), (f"output {key!r}'s node id", node_id)]
+    fields += [("input name", key) for key in inputs]
+    for what, value in fields:
+        try:
+            value.encode()
+        except UnicodeEncodeError as error:
+            return (f"run({action!r}): {what} {value!r:.80} cannot be sent: UTF-8 cannot encode "
+                    f"{value[error.start]!r} at {error.start}")
+    return f"run({action!r}): a name or node id cannot be encoded as UTF-8"
 
 
 def _not_str(action: str, side: str, key: object, node_id: object) -> str:

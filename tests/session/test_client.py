@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,10 @@ from evergreen_trio import (
     Server,
     SessionAbortedError,
     StatusCode,
+    blob,
     connect,
+    inner,
+    ref,
     text,
 )
 from evergreen_trio.actions import register_builtin_actions
@@ -156,8 +160,10 @@ async def test_non_nodes_as_inputs_raise_type_errors_naming_the_input(nursery: t
         ((None, {"input": text("x")}, ["output"]), r"the action name must be a str, got NoneType"),
         (("ECHO", [text("x")], ["output"]), r"inputs must be a mapping of input name to node, got list"),
         (("ECHO", {5: text("x")}, ["output"]), r"input names must be str, got int 5"),
-        (("ECHO", {"input": text("x", id=7)}, ["output"]),  # type: ignore[arg-type]
-         r"input 'input': its node id must be a str, got int 7"),
+        (("ECHO", {"in\udc80put": text("x")}, ["output"]), r"input name 'in\\udc80put' cannot be sent"),
+        (("\ud800", {"input": text("x")}, ["output"]), r"the action name '\\ud800' cannot be sent"),
+        (("ECHO", {"input": text("x")}, {"output": "o\udfff"}),
+         r"output 'output'\'s node id 'o\\udfff' cannot be sent"),
         (("ECHO", {"input": text("x")}, [5]), r"output names must be str, got int 5"),
         (("ECHO", {"input": text("x")}, {"output": 5}), r"output 'output': its node id must be a str, got int 5"),
     ],
@@ -176,6 +182,50 @@ async def test_arguments_of_the_wrong_type_raise_type_errors_naming_them(
             await session.run("ECHO", {"input": text("x")}, ["output"], configs=[5])  # type: ignore[list-item]
         call = await session.run("ECHO", {"input": text("still fine")}, ["output"])
         assert await call["output"].read_text() == "still fine"
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: text(5), r"text: value must be a str, got int"),
+        (lambda: text(b"x"), r"text: value must be a str \(for bytes, use blob\(\)\), got bytes"),
+        (lambda: text("a\udc80"), r"text: value 'a\\udc80' cannot be sent: UTF-8 cannot encode '\\udc80' at 1"),
+        (lambda: text("x", id=7), r"leaf: id must be a str, got int 7"),
+        (lambda: text("x", mimetype=None), r"leaf: mimetype must be a str, got NoneType"),
+        (lambda: text("x", role="\ud800"), r"leaf: role '\\ud800' cannot be sent"),
+        (lambda: text("x", id="n\udc80"), r"leaf: id 'n\\udc80' cannot be sent"),
+        (lambda: blob("str"), r"blob: data must be bytes or a sequence of bytes \(for a str, use text\(\)\), got str"),
+        (lambda: blob(5), r"blob: data must be bytes or a sequence of bytes, got int"),
+        (lambda: blob([b"a", 5]), r"blob: data\[1\] must be bytes, got int"),
+        (lambda: ref(5), r"ref: uri must be a str or a sequence of str, got int"),
+        (lambda: ref(["file:///a", 5]), r"ref: uri must be a str, got int 5"),
+        (lambda: ref("file:///\udc80"), r"ref: uri 'file:///\\udc80' cannot be sent"),
+        (lambda: inner(1, 2),
+         r"inner: child 0 must be a node \(text\(\), blob\(\), ref\(\), inner\(\)\) or a NodeRef, got int"),
+        (lambda: inner(text("x"), "y"), r"inner: child 1 must be a node .*, got str"),
+        (lambda: inner(text("x"), id=5), r"inner: id must be a str, got int 5"),
+        (lambda: NodeRef(5), r"NodeRef: id must be a str, got int 5"),
+        (lambda: NodeRef("\udc80"), r"NodeRef: id '\\udc80' cannot be sent"),
+    ],
+)
+def test_node_constructors_refuse_wrong_arguments_naming_them(build: Callable[[], object], match: str) -> None:
+    """Each raised a raw AttributeError, TypeError or UnicodeEncodeError (or, for blob([5]), built
+    five zero bytes); inner(1, 2) failed only as run() sent it, after the action had gone out."""
+    with pytest.raises(ArgumentTypeError, match=match):
+        build()
+
+
+async def test_a_bad_node_is_refused_before_run_sends_anything(nursery: trio.Nursery) -> None:
+    """A node whose child fails as it is sent would leave the peer's action waiting for an input
+    that never comes: nothing goes out, and the session serves on."""
+    address = await start(nursery)
+    async with connect(address) as session:
+        with pytest.raises(ArgumentTypeError, match="child 1 must be a node"):
+            await session.run("ECHO", {"input": inner(text("a"), 2)}, ["output"])  # type: ignore[arg-type]
+        with pytest.raises(ArgumentTypeError, match="input name 'in\\\\udc80put' cannot be sent"):
+            await session.run("ECHO", {"in\udc80put": text("a")}, ["output"])
+        call = await session.run("ECHO", {"input": inner(text("a"), blob([b"b", b"c"]))}, ["output"])
+        assert await call["output"].read_bytes() == b"abc"
 
 
 async def test_a_noderef_to_no_node_of_the_session_is_refused_at_once(nursery: trio.Nursery) -> None:
