@@ -373,7 +373,9 @@ class Session:
         """``what`` and the exception's text when ``error_details`` allows it, else an error id; either way
         the exception is logged (``event``) with that id."""
         error_id = secrets.token_hex(4)
-        log.error("%s side=%s error_id=%s what=%r", event, self.side, error_id, what, exc_info=exc)
+        # ``what`` quotes the peer's names and ids (an action's output ids): one escaped, bounded token.
+        log.error("%s side=%s error_id=%s what=%s", event, self.side, error_id, peer_text(what, REASON_LOG_CHARS),
+                  exc_info=exc)
         if self.options.error_details:
             return f"{what}: {type(exc).__name__}: {exc} (error id {error_id})"
         return f"{what} (error id {error_id}: the {self.side}'s log has the details)"

@@ -213,3 +213,29 @@ async def test_an_abort_reason_quoting_the_peers_names_is_logged_as_one_bounded_
     for line in lines:
         assert "\n" not in line and len(line) < 700, line[:300]
         assert "\\nERROR evergreen_trio.serving forged" in line
+
+
+async def test_a_failed_action_quoting_the_peers_output_ids_is_logged_as_one_bounded_line(
+        nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
+    """The action.failed line quoted the action's output ids as the peer chose them, unbounded (``%r``:
+    a message's size on one line): ``what`` is escaped and cut as the session.abort reason is."""
+    server = Server()
+
+    @server.action("BOOM", inputs=["input"], outputs=["output"])
+    async def boom(ctx: ActionContext) -> None:
+        raise ValueError("boom")
+
+    address = await _serve(nursery, server)
+    forged = "\nERROR evergreen_trio.serving forged \u2028"
+    message = SessionMessage(
+        actions=[Action(name="BOOM", inputs=[NamedParameter(name="input", id="p")],
+                        outputs=[NamedParameter(name="output", id="o" + forged + "y" * 100_000)])],
+        node_fragments=[_leaf("p", b"x")])
+    caplog.set_level("INFO", logger="evergreen_trio.nursery_session")
+    with SyncClient(address) as client:
+        outcome = await trio.to_thread.run_sync(client.run, [message])
+    assert outcome.code == StatusCode.INTERNAL, outcome.describe()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("action.failed")]
+    assert len(lines) == 1, lines
+    assert "\n" not in lines[0] and "\u2028" not in lines[0] and len(lines[0]) < 700, lines[0][:300]
+    assert "o\\nERROR evergreen_trio.serving forged \\u2028yyy" in lines[0]
