@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import logging
 import os
+import stat
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ from evergreen_trio.dag import SessionError, StatusCode
 from evergreen_trio.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
+
+MAX_TOKEN_FILE_BYTES = 1 << 20
+"""A token file's size limit (some 20,000 tokens): re-reads run on the event loop."""
 
 
 @dataclass(frozen=True)
@@ -62,14 +66,15 @@ class TokenFile:
     or cannot be read revokes every token until it is back (fail closed).
 
     Raises ``OSError`` or ``UnicodeDecodeError`` at construction when the file cannot be read, and
-    :class:`~evergreen_trio.errors.ConfigurationError` when it holds no token.
+    :class:`~evergreen_trio.errors.ConfigurationError` when it is not a regular file, is larger than
+    ``MAX_TOKEN_FILE_BYTES`` or holds no token. Re-reads run on the caller's thread (the event loop):
+    a FIFO or device is refused without waiting, and a regular file's read is bounded.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, check_interval: float = 1.0) -> None:
         self.path = os.fspath(path)
         self.check_interval = check_interval
-        self._stamp = self._stat()
-        self._digests = self._load()
+        self._stamp, self._digests = self._load()
         if not self._digests:
             raise ConfigurationError(
                 f"{self.path}: expected at least one token (one per line; blank lines and # comments are ignored)")
@@ -79,10 +84,29 @@ class TokenFile:
         st = os.stat(self.path)
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def _load(self) -> list[bytes]:
-        with open(self.path, encoding="utf-8") as file:
-            lines = (line.split("#", 1)[0].strip() for line in file)
-            return [hashlib.sha256(line.encode()).digest() for line in lines if line]
+    def _load(self) -> tuple[tuple[int, int, int], list[bytes]]:
+        """The file's stamp and token digests, read from one descriptor."""
+        # Non-blocking: open() on a FIFO waits for a writer, at startup and on the event loop.
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                        else "a special file")
+                raise ConfigurationError(f"{self.path}: expected a regular file of tokens, got {kind}")
+            chunks, left = [], MAX_TOKEN_FILE_BYTES + 1  # one byte more tells a file that grew past the bound
+            while left > 0 and (chunk := os.read(fd, left)):
+                chunks.append(chunk)
+                left -= len(chunk)
+        finally:
+            os.close(fd)
+        if left <= 0:
+            raise ConfigurationError(f"{self.path}: expected at most {MAX_TOKEN_FILE_BYTES} bytes of tokens, got more")
+        # Line ends as a text-mode open() reads them (\n, \r\n, \r), not splitlines()' ten more.
+        text = b"".join(chunks).decode().replace("\r\n", "\n").replace("\r", "\n")
+        lines = (line.split("#", 1)[0].strip() for line in text.split("\n"))
+        digests = [hashlib.sha256(line.encode()).digest() for line in lines if line]
+        return (st.st_mtime_ns, st.st_size, st.st_ino), digests
 
     def _refresh(self) -> None:
         now = time.monotonic()
@@ -90,11 +114,10 @@ class TokenFile:
             return
         self._checked = now
         try:
-            stamp = self._stat()
-            if stamp != self._stamp:
-                self._digests, self._stamp = self._load(), stamp
+            if self._stat() != self._stamp:
+                self._stamp, self._digests = self._load()
                 log.info("auth.tokens_reloaded path=%s tokens=%d", self.path, len(self._digests))
-        except (OSError, UnicodeDecodeError) as error:
+        except (OSError, UnicodeDecodeError, ConfigurationError) as error:
             if self._digests:
                 log.error("auth.tokens_unreadable path=%s error=%s (refusing every token)", self.path, error)
             self._digests, self._stamp = [], (0, 0, 0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,3 +112,40 @@ def test_a_file_without_a_token_is_one_line_and_exit_2(tmp_path: Path, command: 
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()
     assert "expected at least one token" in line and command[-1] in line
+
+
+@pytest.mark.parametrize("command", [["avp", "serve", "--token-file"], ["serve", "--auth-token-file"]])
+def test_a_fifo_as_the_token_file_is_one_line_and_exit_2_at_once(tmp_path: Path, command: list[str]) -> None:
+    """open() on a FIFO waits for a writer: both commands hung at startup, before any output."""
+    fifo = tmp_path / "tokens"
+    os.mkfifo(fifo)
+    done = subprocess.run([sys.executable, "-m", "evergreen_trio.cli", *command, str(fifo), "--port", "0"],
+                          capture_output=True, text=True, timeout=60, check=False,
+                          env=os.environ | {"PYTHONPATH": os.getcwd()})
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert f"{fifo}: expected a regular file of tokens, got a FIFO" in line and command[-1] in line
+
+
+def test_a_token_file_turned_fifo_or_too_large_revokes_every_token_without_waiting(tokens: Path) -> None:
+    """Re-reads run on the event loop: a FIFO swapped in is refused at once, a regular file read at
+    most MAX_TOKEN_FILE_BYTES (+1), and either fails closed until a good file is back."""
+    from evergreen_trio.serving.auth import MAX_TOKEN_FILE_BYTES
+
+    file = TokenFile(tokens, check_interval=0.001)
+    tokens.unlink()
+    os.mkfifo(tokens)
+    time.sleep(0.002)
+    assert file.principal("first-token") is None  # would block forever on open() before
+    tokens.unlink()
+    write(tokens, "first-token\n" + "#" * MAX_TOKEN_FILE_BYTES)
+    time.sleep(0.002)
+    assert file.principal("first-token") is None
+    write(tokens, TOKENS)
+    time.sleep(0.002)
+    assert file.principal("first-token") is not None
+    with pytest.raises(ConfigurationError, match=f"expected at most {MAX_TOKEN_FILE_BYTES} bytes of tokens"):
+        write(tokens, "first-token\n" + "#" * MAX_TOKEN_FILE_BYTES)
+        TokenFile(tokens)
+    with pytest.raises(ConfigurationError, match="expected a regular file of tokens, got a directory"):
+        TokenFile(tokens.parent)
