@@ -30,7 +30,7 @@ from evergreen_trio.picker.epp_flags import add_reference_flags, apply_reference
 from evergreen_trio.picker.errors import ConfigError, PickerError
 from evergreen_trio.picker.file_discovery import DiscoveredEndpoints, FileDiscovery
 from evergreen_trio.picker.file_watch import discovery_for
-from evergreen_trio.picker.flow_control.config import go_duration, quantity
+from evergreen_trio.picker.flow_control.config import go_duration, quantity, quantity_int64
 from evergreen_trio.picker.latency import producers
 from evergreen_trio.picker.latency_wire import config_from_env
 from evergreen_trio.picker.plugin_state import DumpState
@@ -202,13 +202,15 @@ def _ext_proc_overrides(config: PickerConfig, args: argparse.Namespace) -> Picke
 
 def message_size(text: str, flag: str) -> int | None:
     """The reference's gRPC message size flag: a Kubernetes quantity with an optional ``B``
-    (``10MiB``, ``25MB``, ``4194304``); 0 means gRPC's default, None here."""
+    (``10MiB``, ``25MB``, ``4194304``) that its ``AsInt64`` takes (a fraction of a byte is refused,
+    as there); 0 means gRPC's default, None here."""
     value = text.strip()
     if len(value) > 1 and value[-1] in "Bb":
         value = value[:-1]
-    size = quantity(value, flag)
-    if size >= 1 << 63:
-        raise ConfigError(flag, "a size below 2**63", text)
+    quantity(value, flag)  # the syntax: its error names the flag
+    size = quantity_int64(value)
+    if size is None:
+        raise ConfigError(flag, "a size below 2**63 in whole bytes, as resource.Quantity's AsInt64 takes it", text)
     return size or None
 
 
