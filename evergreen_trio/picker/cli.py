@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 from evergreen_trio._cli import UsageError, port, serve_until_signal
 from evergreen_trio._grpc.server import SSLContextSource
-from evergreen_trio.picker.config import PickerConfig, load_config, parse_config, parse_duration
+from evergreen_trio.picker.config import PickerConfig, load_config, parse_address, parse_config, parse_duration
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.epp_config import alpha_plugins
 from evergreen_trio.picker.epp_flags import add_reference_flags, apply_reference_flags, go_bool
 from evergreen_trio.picker.errors import ConfigError, PickerError
 from evergreen_trio.picker.file_discovery import DiscoveredEndpoints, FileDiscovery
 from evergreen_trio.picker.file_watch import discovery_for
-from evergreen_trio.picker.flow_control.config import go_duration, quantity
+from evergreen_trio.picker.flow_control.config import go_duration, quantity, quantity_int64
 from evergreen_trio.picker.latency import producers
 from evergreen_trio.picker.latency_wire import config_from_env
 from evergreen_trio.picker.plugin_state import DumpState
@@ -118,12 +118,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     picker.set_defaults(run=run_picker_command)
 
     config = subparsers.add_parser("gateway-config", help="write an Envoy bootstrap that routes through the picker")
-    config.add_argument("--picker", default="127.0.0.1:9002", metavar="IP:PORT", help="the picker's gRPC address")
+    config.add_argument("--picker", type=ip_port, default="127.0.0.1:9002", metavar="IP:PORT",
+                        help="the picker's gRPC address")
     config.add_argument("--picker-tls", type=go_bool, nargs="?", const=True, default=False, metavar="BOOL",
                         help="connect to the picker over TLS (a picker run with --secure-serving)")
     config.add_argument("--listener-port", type=port, default=8081, help="Envoy's HTTP listener port (default 8081)")
     config.add_argument("--admin-port", type=port, default=9901, help="Envoy's admin port (default 9901)")
-    config.add_argument("--pool-endpoint", action="append", default=[], metavar="IP:PORT",
+    config.add_argument("--pool-endpoint", type=ip_port, action="append", default=[], metavar="IP:PORT",
                         help="adds the /override/ route (override_host policy) over these endpoints; repeatable")
     config.add_argument("--request-body-mode", default="FULL_DUPLEX_STREAMED",
                         choices=["BUFFERED", "FULL_DUPLEX_STREAMED"])
@@ -135,6 +136,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     config.add_argument("--output", "-o", default="-", metavar="FILE", help="file (.json or .yaml); '-' = stdout")
     add_front_arguments(config)
     config.set_defaults(run=run_gateway_config)
+
+
+def ip_port(text: str) -> str:
+    """argparse type: an ``ip:port`` (``[v6]:port``) address as Envoy's static clusters take it,
+    checked here so that an error names the flag, not :func:`gateway_config`'s parameter."""
+    try:
+        parse_address(text, "")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"expected {exc.expected}, got {text!r}") from None
+    return text
 
 
 @dataclass(frozen=True)
@@ -191,13 +202,15 @@ def _ext_proc_overrides(config: PickerConfig, args: argparse.Namespace) -> Picke
 
 def message_size(text: str, flag: str) -> int | None:
     """The reference's gRPC message size flag: a Kubernetes quantity with an optional ``B``
-    (``10MiB``, ``25MB``, ``4194304``); 0 means gRPC's default, None here."""
+    (``10MiB``, ``25MB``, ``4194304``) that its ``AsInt64`` takes (a fraction of a byte is refused,
+    as there); 0 means gRPC's default, None here."""
     value = text.strip()
     if len(value) > 1 and value[-1] in "Bb":
         value = value[:-1]
-    size = quantity(value, flag)
-    if size >= 1 << 63:
-        raise ConfigError(flag, "a size below 2**63", text)
+    quantity(value, flag)  # the syntax: its error names the flag
+    size = quantity_int64(value)
+    if size is None:
+        raise ConfigError(flag, "a size below 2**63 in whole bytes, as resource.Quantity's AsInt64 takes it", text)
     return size or None
 
 

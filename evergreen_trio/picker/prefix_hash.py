@@ -6,8 +6,9 @@ shorter tail block too. A block's id is the xxhash64 of its token ids as little-
 its hash is the xxhash64 of the id and then the previous hash (8 bytes each, little endian), and
 the chain starts from the xxhash64 of the target model followed by the request's ``cache_salt``.
 So a hash names the prompt's whole prefix up to its block, a model or a salt of its own shares no
-hash with another, and each prompt of a multi-prompt request starts a chain of its own. At most
-``max_blocks`` blocks are hashed per prompt.
+hash with another, and each prompt of a multi-prompt request starts a chain of its own (the estimate
+backend packs a completions batch past its ``MAX_PROMPTS`` as one). At most ``max_blocks`` blocks
+are hashed per prompt.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import re
 from _json import scanstring
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, NoReturn
 
 from evergreen_trio.picker.errors import RequestError
@@ -144,7 +145,10 @@ def api_prompt(api: Api, body: Mapping[str, Any]) -> str:
         return content_text(body.get("input"))
     if api is Api.RESPONSES:
         return content_text(body.get("instructions")) + content_text(body.get("input"))
-    return content_text(body.get("prompt"))
+    prompt = body.get("prompt")
+    if type(prompt) is list and all(map(isinstance, prompt, repeat(str))):
+        return "".join(prompt)  # a batch of strings: C loops, as content_text's is a Python step a string
+    return content_text(prompt)
 
 
 def _detect_and_decode(body: bytes) -> str:

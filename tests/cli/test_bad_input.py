@@ -91,7 +91,6 @@ def pool_yaml(tmp_path: Path) -> Path:
         (["conformance", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"], ["--tls-ca", "/nonexistent/ca.pem"]),
         (["gateway", "--simulate", "99"], ["simulate", "99"]),
         (["gateway", "--simulate", "1", "--listen", "localhost:80"], ["listen", "localhost:80"]),
-        (["gateway-config", "--picker", "nowhere"], ["picker", "nowhere"]),
         (["gateway-config", "-o", "/nonexistent/dir/envoy.json"], ["--output", "/nonexistent/dir/envoy.json"]),
         (["gateway-config", "--queue-wait", "soon"], ["--queue-wait", "soon"]),
         (["gateway-config", "--queue-wait=-5s"], ["--queue-wait", "-5s"]),
@@ -251,3 +250,14 @@ def test_help_describes_the_tool_and_every_option() -> None:
     assert "--version" in top and "--log-level" in top
     serve = run("serve", "--help").stdout
     assert "address to bind" in serve and "port to bind, 0 for any" in serve
+
+
+@pytest.mark.parametrize(("argv", "flag", "value"), [
+    (["--picker", "nowhere"], "--picker", "nowhere"),
+    (["--picker", "10.0.0.1:0"], "--picker", "10.0.0.1:0"),
+    (["--pool-endpoint", "10.0.0.1:8000", "--pool-endpoint", "pod-b:8000"], "--pool-endpoint", "pod-b:8000"),
+])
+def test_gateway_config_address_errors_name_the_flag(argv: list[str], flag: str, value: str) -> None:
+    """Before: ``picker_address: ...`` and ``endpoints[1]: ...``, gateway_config's parameters."""
+    line = assert_one_line(run("gateway-config", *argv), 2, f"argument {flag}: expected", repr(value))
+    assert "picker_address" not in line and "endpoints[" not in line, line

@@ -24,6 +24,8 @@ from kube_fakes import (
 )
 from picker_cli import EPHEMERAL_PORTS, health, picker_process, run_cli, wait_health
 
+from evergreen_trio.picker.cli import message_size
+from evergreen_trio.picker.errors import ConfigError
 from evergreen_trio.picker.runtime import EXT_PROC_SERVICE
 
 ALPHA_CONFIG = """\
@@ -189,6 +191,8 @@ async def test_high_availability_one_ready_leader_and_takeover(nursery: trio.Nur
     (["--pool-name", "p", "--cert-path", "/nonexistent"], "--cert-path"),
     (["--config", "{ok}", "--grpc-max-recv-msg-size", "lots"], "--grpc-max-recv-msg-size: expected a quantity"),
     (["--config", "{ok}", "--grpc-max-send-msg-size=16E"], "a size below 2**63"),
+    # The reference's AsInt64 refuses a fraction of a byte (before: 1 byte, silently).
+    (["--config", "{ok}", "--grpc-max-recv-msg-size", "1.5"], "--grpc-max-recv-msg-size: expected a size below"),
     # Digits past float64's range: OverflowError and exit 1, naming no flag.
     (["--config", "{ok}", "--grpc-max-send-msg-size=" + "9" * 400], "--grpc-max-send-msg-size: expected a quantity"),
     (["--config", "{ok}", "--stop-grace", "9" * 400 + "s"], "--stop-grace: expected a duration"),
@@ -221,6 +225,19 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_pat
     assert message in result.stderr
     errors = [line for line in result.stderr.splitlines() if "evergreen-trio" in line or "error" in line]
     assert len(errors) <= 2, result.stderr  # argparse prints usage + one error line; ours one line
+
+
+def test_message_sizes_are_what_the_references_as_int64_takes() -> None:
+    """options.go: ParseQuantity then AsInt64, whose int64 form holds no fraction (apimachinery
+    v0.35.7): ``1.5`` was 1 byte here, and is refused there, as are ``1.0`` and ``1.5Mi``; a
+    fraction the suffix scales away is whole."""
+    flag = "--grpc-max-recv-msg-size"
+    sizes = {"10485760": 10485760, "10Mi": 10485760, "10MiB": 10485760, "20MB": 20_000_000, "1.5k": 1500,
+             "0.5M": 500_000, "0": None, "9E": 9 * 10**18, "1Ti": 2**40}
+    assert {text: message_size(text, flag) for text in sizes} == sizes
+    for bad in ("1.5", "1.5B", "1.0", "0.5", "1.5Mi", "1.0001k", "10Ei", "16E", "1Pi", "1" + "0" * 18, "-10Mi"):
+        with pytest.raises(ConfigError, match=flag):
+            message_size(bad, flag)
 
 
 def test_unknown_plugin_type_lists_the_known_ones() -> None:

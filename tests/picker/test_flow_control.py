@@ -163,6 +163,8 @@ def test_go_durations_and_quantities() -> None:
             go_duration(bad, "d")
     assert [quantity(v, "q") for v in (0, 7, "100", "2k", "1Gi", "500M", "1.5Ki")] == [
         0, 7, 100, 2000, 2**30, 500_000_000, 1536]
+    # A fraction rounds up, as Quantity.Value() (the reference's maxBytes); exactly: 0.3k is 300.
+    assert [quantity(v, "q") for v in ("1.5", "0.1", "1.0001Ki", "0.3k", "1.10k")] == [2, 1, 1025, 300, 1100]
     for bad in (-1, "1x", "", True, 1.5, "k", "9" * 400, "9" * 400 + "Ei"):
         with pytest.raises(ConfigError):
             quantity(bad, "q")

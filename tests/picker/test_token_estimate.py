@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import base64
 import struct
+import sys
 import zlib
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -16,8 +18,11 @@ from hypothesis import strategies as st
 
 from evergreen_trio.picker import image_size
 from evergreen_trio.picker.image_size import base64_image_size, data_url_image_size
+from evergreen_trio.picker.prefix_hash import block_hashes
+from evergreen_trio.picker.request import Api, api_prompt, content_text
 from evergreen_trio.picker.token_estimate import (
     MAX_PLACEHOLDERS,
+    MAX_PROMPTS,
     Estimator,
     ImageEstimate,
     VideoEstimate,
@@ -232,6 +237,44 @@ def test_multi_string_completions_are_one_prompt_each() -> None:
     assert [p.token_count for p in tokens.prompts] == [2, 1]
     single = produce({"prompt": ["alpha"]}, "completions")
     assert len(single.prompts) == 1 and single.prompts[0].token_count == 2
+
+
+def _python_steps(run: Any) -> int:
+    """Python lines ``run()`` executes (a C loop's items count none)."""
+    count = 0
+
+    def trace(frame: FrameType, event: str, arg: object) -> Any:
+        nonlocal count
+        count += event == "line"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        run()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_prompts_past_the_cap_cost_no_python_work_and_are_packed_as_one() -> None:
+    """A body of 250k tiny prompts held the routing thread ~1 s (a packing and a hash chain each):
+    past MAX_PROMPTS they are one prompt, and the Python lines run to read, pack and hash a request
+    stop growing with its prompts."""
+    def route(count: int) -> None:
+        body = {"prompt": ["ab"] * count}
+        block_hashes("m", estimate(DEFAULT, "completions", body, {}), 16, 256)
+        api_prompt(Api.COMPLETIONS, body)
+
+    route(10 * MAX_PROMPTS)  # first-use work (caches, lazy imports) out of the count
+    # (10x and 100x: both rests fill the 256 blocks hashed a prompt)
+    assert _python_steps(lambda: route(10 * MAX_PROMPTS)) == _python_steps(lambda: route(100 * MAX_PROMPTS))
+    tokens = produce({"prompt": [f"{i:04d}" for i in range(MAX_PROMPTS + 100)]}, "completions")
+    assert len(tokens.prompts) == MAX_PROMPTS + 1
+    assert [p.token_count for p in tokens.prompts[-2:]] == [1, 100]  # the rest: 400 bytes, packed as one
+    assert tokens.prompts[-1].token_ids()[0] == int.from_bytes(f"{MAX_PROMPTS:04d}".encode(), "little")
+    assert len(block_hashes("m", tokens, 16, 256)) == MAX_PROMPTS + 7  # 100 tokens: 7 blocks of 16
+    prompts = ["ab", "c\u00e9"] * 1000
+    assert api_prompt(Api.COMPLETIONS, {"prompt": prompts}) == content_text(prompts)
 
 
 def test_an_empty_prompt_or_unknown_protocol_has_no_tokens() -> None:

@@ -112,6 +112,11 @@ def deep_objects_body(size: int = 16 * MiB - 1024) -> bytes:
     return head + b",".join([b"{}"] * count) + tail
 
 
+def many_prompts_body(count: int = 250_000) -> bytes:
+    """A completions body of ``count`` 2-byte prompts (250,000: 1.5 MB, near the JSON item cap)."""
+    return json.dumps({"model": "sim-model", "prompt": ["ab"] * count}).encode()
+
+
 def surrogate_body() -> bytes:
     """Item 10: a lone surrogate escaped in the prompt."""
     return b'{"model":"sim-model","prompt":"a\\ud800b"}'

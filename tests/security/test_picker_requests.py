@@ -8,9 +8,11 @@ answered meanwhile (generous ceiling), and, where the attack is about memory, Py
 from __future__ import annotations
 
 import logging
+import sys
 import tracemalloc
 from collections.abc import Callable
 from functools import partial
+from types import FrameType
 
 import httpx
 import pytest
@@ -24,6 +26,7 @@ from picker_requests import (
     config_text,
     deep_objects_body,
     ext_proc,
+    many_prompts_body,
     model_names,
     serve_fake_engine,
     surrogate_body,
@@ -169,3 +172,23 @@ async def test_a_lone_surrogate_with_a_rewrite_is_a_400_and_one_line(
     pair = await trio.to_thread.run_sync(ext_proc, ports.grpc, b'{"model":"sim-model","prompt":"\\ud83d\\ude00"}',
                                          {REWRITE: "sim-lora"})
     assert pair == Answer(200, "sim-lora")
+
+
+async def test_a_completions_body_of_many_prompts_is_routed_at_a_bounded_cost(nursery: trio.Nursery) -> None:
+    """250,000 prompts of 2 bytes (1.5 MB): each was packed and hashed on its own (1.8 million
+    Python calls, ~0.9 s of the routing thread, 10 s at the body cap); past MAX_PROMPTS the rest
+    is one prompt. The request is routed, and a legitimate one is served meanwhile."""
+    ports = await start(nursery)
+    calls = 0
+
+    def count(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)  # this thread's: the picker's (the clients run in worker threads)
+    try:
+        answer, _ = await under_attack(ports, partial(ext_proc, ports.grpc, many_prompts_body()))
+    finally:
+        sys.setprofile(None)
+    assert isinstance(answer, Answer) and answer.status == 200 and answer.endpoint, answer
+    assert calls < 100_000, calls

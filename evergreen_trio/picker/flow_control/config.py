@@ -32,6 +32,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from evergreen_trio.picker.checks import integer, mapping, sequence, string
@@ -166,16 +167,45 @@ _QUANTITY_UNITS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P"
 
 
 def quantity(value: object, path: str) -> int:
-    """A Kubernetes quantity (``1Gi``, ``500M``, ``2k``, ``100``) -> a whole number >= 0."""
+    """A Kubernetes quantity (``1Gi``, ``500M``, ``2k``, ``100``) -> a whole number >= 0, a
+    fraction rounded up (``1.5`` is 2), as the reference's ``Quantity.Value()``."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):
         match = _QUANTITY.match(value.strip())
-        if match:
-            scaled = float(match.group(1)) * _QUANTITY_UNITS[match.group(2)]
-            if math.isfinite(scaled):  # digits past float64's range are infinity, which int() refuses
-                return int(scaled)
+        unit = _QUANTITY_UNITS[match.group(2)] if match else 0
+        # Digits past float64's range are refused; the value is exact (a float rounds 0.3k to 300.00000000000006).
+        if match and math.isfinite(float(match.group(1)) * unit):
+            return math.ceil(Fraction(match.group(1)) * unit)
     raise ConfigError(path, "a quantity >= 0 like '100', '2k' or '1Gi'", value)
+
+
+_DECIMAL_EXPONENTS = {None: 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+
+def quantity_int64(text: str) -> int | None:
+    """``resource.ParseQuantity(text).AsInt64()`` for a ``text`` :func:`quantity` takes (the
+    reference's gRPC message size flags): None where Go's is not ok. Its int64 form holds at most
+    18 digits at a scale >= 0, so a fraction the suffix does not scale to a whole number (``1.5``,
+    ``1.0``, ``1.5Mi``) is refused, not rounded; so are a binary multiple of too many digits
+    (``1Pi``) and 2**63 or more."""
+    match = _QUANTITY.match(text.strip())
+    if match is None:
+        return None
+    whole, _, fraction = match.group(1).partition(".")
+    digits = len(whole.lstrip("0") or "0") + len(fraction)  # Go strips leading zeros first
+    suffix = match.group(2)
+    if suffix in _DECIMAL_EXPONENTS:
+        scale = _DECIMAL_EXPONENTS[suffix] - len(fraction)
+        if digits > 18 or scale < 0:
+            return None
+        value = int(whole + fraction) * 10**scale
+    else:
+        exponent = _QUANTITY_UNITS[suffix].bit_length() - 1
+        if fraction or 15 - digits - exponent * 3 // 10 - 1 < 0:  # ParseQuantity's binary fast path
+            return None
+        value = int(whole) << exponent
+    return value if value < 2**63 else None
 
 
 def _known(doc: Mapping[str, Any], allowed: tuple[str, ...], path: str) -> None:
