@@ -29,10 +29,14 @@ class IpcLimits:
     (live and idle), so a shm:// server takes at most ``shm_max_total_bytes //
     shm_segment_bytes`` connections. ``shm_published_bytes`` caps the bodies a shm://
     server publishes once for every connection (bodies past it are copied per stream).
+
+    Client side, against hostile servers: ``max_decompressed_bytes`` caps what one compressed
+    batch (LZ4_FRAME / ZSTD body compression) declares it inflates to, checked before it is inflated.
     """
 
     max_metadata_bytes: int = 1 * MiB
     max_body_bytes: int = 2048 * MiB
+    max_decompressed_bytes: int = 2048 * MiB
     max_ticket_bytes: int = 4096
     max_buffers_per_body: int = 65_536
     max_free_data_offsets: int = 65_536

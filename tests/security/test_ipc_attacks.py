@@ -26,6 +26,9 @@ from ipc_attacks import (
     IpcOutcome,
     LegitClient,
     big_table,
+    compression_bomb,
+    forged_compressed_size,
+    hostile_server,
     open_raw,
     partial_request,
     silent_connections,
@@ -35,7 +38,7 @@ from ipc_attacks import (
 
 from evergreen_trio.ipc import Catalog, IpcLimits, ServeOptions, fetch_table, serve
 from evergreen_trio.ipc.config import MiB
-from evergreen_trio.ipc.errors import ConfigurationError
+from evergreen_trio.ipc.errors import ConfigurationError, LimitExceededError
 from evergreen_trio.ipc.framing import encode_frame_header
 from evergreen_trio.ipc.uri import IpcUri, parse_uri
 
@@ -218,3 +221,24 @@ def test_sigterm_stops_ipc_serve_under_attack(tmp_path: Path) -> None:
         _, stderr = proc.communicate(timeout=10)
     assert proc.returncode == 0, stderr[-2000:]
     assert "Traceback" not in stderr
+
+
+async def test_a_compression_bomb_is_refused_before_it_inflates(nursery: trio.Nursery) -> None:
+    """A few KiB of ZSTD inflating to 64 MiB, past max_decompressed_bytes=16 MiB (before: inflated
+    and delivered; at the default limits 32 KiB became 1 GiB)."""
+    server = await hostile_server(nursery, compression_bomb(64 * MiB))
+    assert server.sent < 64 * 1024
+    refused = pytest.raises(LimitExceededError, match=r"max_decompressed_bytes\), got 67108864 declared")
+    with trio.fail_after(GUARD_S), refused:
+        await fetch_table(str(server.uri), "bomb", limits=IpcLimits(max_decompressed_bytes=16 * MiB))
+
+
+async def test_a_compressed_size_past_the_default_limit_is_refused_unallocated(nursery: trio.Nursery) -> None:
+    """A 100-byte buffer claiming 1 TiB: refused from its prefix, at the default limits, before pyarrow
+    allocates what it claims."""
+    server = await hostile_server(nursery, forged_compressed_size(1 << 40))
+    before = pa.default_memory_pool().bytes_allocated()
+    refused = pytest.raises(LimitExceededError, match=rf"max_decompressed_bytes\), got {1 << 40} declared")
+    with trio.fail_after(GUARD_S), refused:
+        await fetch_table(str(server.uri), "bomb")
+    assert pa.default_memory_pool().bytes_allocated() - before < 16 * MiB
