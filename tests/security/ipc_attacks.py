@@ -222,6 +222,12 @@ def forged_compressed_size(declared: int) -> list[Frame]:
     return stream_frames([schema, OutgoingMessage(batch.flatbuffer, batch.header, pa.py_buffer(bytes(body)))])
 
 
+def orphan_bodies(count: int, size: int) -> list[Frame]:
+    """Bodies 1..count of ``size`` bytes and no metadata: each waits for a schema that never comes."""
+    body = bytes(size)
+    return [(make_tag(seq, BodyType.RAW), body) for seq in range(1, count + 1)]
+
+
 @dataclass
 class HostileServer:
     """A TCP server answering want_data with fixed frames; counts the bytes the client took."""

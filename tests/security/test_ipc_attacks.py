@@ -30,6 +30,7 @@ from ipc_attacks import (
     forged_compressed_size,
     hostile_server,
     open_raw,
+    orphan_bodies,
     partial_request,
     silent_connections,
     small_table,
@@ -242,3 +243,18 @@ async def test_a_compressed_size_past_the_default_limit_is_refused_unallocated(n
     with trio.fail_after(GUARD_S), refused:
         await fetch_table(str(server.uri), "bomb")
     assert pa.default_memory_pool().bytes_allocated() - before < 16 * MiB
+
+
+async def test_bodies_held_for_metadata_that_never_comes_are_bounded(nursery: trio.Nursery) -> None:
+    """64 bodies of 1 MiB and no schema: the client refuses the ninth past max_pending_bytes=8 MiB
+    (before: it held all of them; at the defaults 4096 bodies of 2 GiB)."""
+    server = await hostile_server(nursery, orphan_bodies(64, MiB))
+    limits = IpcLimits(max_pending_bytes=8 * MiB, max_body_bytes=MiB)
+    refused = pytest.raises(LimitExceededError, match=r"body 9: .*\(max_pending_bytes\), got 8388608 held")
+    with trio.fail_after(10), refused:
+        await fetch_table(str(server.uri), "park", limits=limits)
+
+
+def test_pending_bytes_below_one_body_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError, match="max_pending_bytes: expected at least max_body_bytes"):
+        IpcLimits(max_pending_bytes=MiB, max_body_bytes=2 * MiB)
