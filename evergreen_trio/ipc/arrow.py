@@ -75,7 +75,8 @@ def messages_from_table(table: pa.Table, max_chunksize: int | None = None) -> li
 def messages_from_file(path: str | os.PathLike[str]) -> list[OutgoingMessage]:
     """Memory-map an Arrow IPC file or stream and split it; bodies stay in the mapping.
 
-    Raises FramingError for anything but a non-empty regular file (a FIFO is refused, not waited on).
+    Raises FramingError, naming ``path``, for anything but a non-empty regular file of Arrow IPC
+    (a FIFO is refused, not waited on).
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open waits for a writer
     try:
@@ -91,7 +92,10 @@ def messages_from_file(path: str | os.PathLike[str]) -> list[OutgoingMessage]:
     if mapped.size >= 8 and mapped[: len(FILE_MAGIC)].to_pybytes() == FILE_MAGIC:
         # The file format is "ARROW1", padding, then a complete stream ending in EOS.
         mapped = mapped.slice(8)
-    return split_stream(mapped)
+    try:
+        return split_stream(mapped)
+    except FramingError as exc:
+        raise FramingError(f"{os.fspath(path)}: {exc}") from None
 
 
 def _padded(flatbuffer: pa.Buffer | bytes) -> bytes:
