@@ -8,6 +8,7 @@ up to ``max_answer_bytes``; every request has a timeout.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -83,7 +84,8 @@ class AVPHttpClient:
 
     async def handshake(self) -> Resolution:
         """Send our HelloMessage, resolve the mode from the answer's identity (the five rules), keep the
-        server's ``session_id`` and ``ttl`` when it names them. Raises `AVPTransportError`."""
+        server's ``session_id`` and ``ttl`` when it names them. Raises `AVPTransportError` (also for a ``ttl`` that
+        is not a finite number > 0)."""
         if self.hello.identity is None:
             raise AVPTransportError("handshake: expected this agent's model identity, got none")
         answer = await self._request("POST", binding.HANDSHAKE_PATH, hello_to_json(self.hello))
@@ -98,8 +100,8 @@ class AVPHttpClient:
         session_id, ttl = answer.get("session_id"), answer.get("ttl")
         if isinstance(session_id, str) and session_id:
             resolution = replace(resolution, session_id=session_id)
-        if isinstance(ttl, int | float) and not isinstance(ttl, bool) and ttl > 0:
-            resolution = replace(resolution, ttl_s=float(ttl))
+        if ttl is not None:
+            resolution = replace(resolution, ttl_s=_ttl_seconds(ttl))
         self.session = resolution
         return resolution
 
@@ -120,6 +122,21 @@ class AVPHttpClient:
 
     async def health(self) -> dict[str, Any]:
         return await self._request("GET", binding.HEALTH_PATH)
+
+
+def _ttl_seconds(ttl: object) -> float:
+    """A handshake answer's ``ttl`` as seconds; AVPTransportError unless it is a finite number > 0."""
+    seconds = math.nan
+    if isinstance(ttl, int | float) and not isinstance(ttl, bool):
+        try:
+            seconds = float(ttl)
+        except OverflowError:  # an integer past a float's range
+            seconds = math.inf
+    # json.loads reads Infinity and NaN: a session that never expires, or never compares, is refused.
+    if not 0 < seconds < math.inf:
+        raise AVPTransportError(
+            f"handshake: answer.ttl: expected a finite number of seconds > 0, got {type(ttl).__name__} {ttl!r:.40}")
+    return seconds
 
 
 @asynccontextmanager

@@ -22,12 +22,14 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.ipc
 
-from evergreen_trio.ipc.errors import FramingError, IpcError
+from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
+from evergreen_trio.ipc.errors import FramingError, IpcError, LimitExceededError
 from evergreen_trio.ipc.flatbuf import MessageHeader, MessageKind, parse_message_header
 
 FILE_MAGIC = b"ARROW1"
 _CONTINUATION = b"\xff\xff\xff\xff"
 _EOS_MARKER = _CONTINUATION + b"\x00\x00\x00\x00"
+_I64 = struct.Struct("<q")
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,8 @@ def messages_from_table(table: pa.Table, max_chunksize: int | None = None) -> li
 def messages_from_file(path: str | os.PathLike[str]) -> list[OutgoingMessage]:
     """Memory-map an Arrow IPC file or stream and split it; bodies stay in the mapping.
 
-    Raises FramingError for anything but a non-empty regular file (a FIFO is refused, not waited on).
+    Raises FramingError, naming ``path``, for anything but a non-empty regular file of Arrow IPC
+    (a FIFO is refused, not waited on).
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open waits for a writer
     try:
@@ -89,7 +92,10 @@ def messages_from_file(path: str | os.PathLike[str]) -> list[OutgoingMessage]:
     if mapped.size >= 8 and mapped[: len(FILE_MAGIC)].to_pybytes() == FILE_MAGIC:
         # The file format is "ARROW1", padding, then a complete stream ending in EOS.
         mapped = mapped.slice(8)
-    return split_stream(mapped)
+    try:
+        return split_stream(mapped)
+    except FramingError as exc:
+        raise FramingError(f"{os.fspath(path)}: {exc}") from None
 
 
 def _padded(flatbuffer: pa.Buffer | bytes) -> bytes:
@@ -151,10 +157,30 @@ class StreamFeeder:
         self._chunks.clear()
 
 
+def decompressed_bytes(header: MessageHeader, body: pa.Buffer) -> int:
+    """What the buffers of a compressed batch inflate to, as their int64 prefixes declare.
+
+    A prefix of -1 marks a buffer sent uncompressed (its length less the prefix); a buffer
+    shorter than its prefix holds nothing to inflate (pyarrow rejects it if not empty).
+    Raises IpcError for a prefix below -1.
+    """
+    view = memoryview(body)
+    total = 0
+    for offset, length in header.buffers:
+        if length < _I64.size:
+            continue
+        declared: int = _I64.unpack_from(view, offset)[0]
+        if declared < -1:
+            raise IpcError(f"IPC message {header.kind.name}: expected uncompressed lengths >= -1, got {declared}")
+        total += length - _I64.size if declared == -1 else declared
+    return total
+
+
 class BatchDecoder:
     """Turn in-order (header, body) messages into ``pyarrow.RecordBatch``es with pyarrow's reader."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: IpcLimits = DEFAULT_LIMITS) -> None:
+        self._limits = limits
         self._feeder = StreamFeeder()
         self._reader: pa.ipc.RecordBatchStreamReader | None = None
 
@@ -167,7 +193,15 @@ class BatchDecoder:
 
         Each batch is fully validated (offsets, dictionary indices, UTF-8): pyarrow's reader checks
         only buffer sizes, and a peer's offset past its data would crash whoever reads the value.
+        Raises LimitExceededError for a compressed batch declaring more than ``max_decompressed_bytes``.
         """
+        if header.compressed and body is not None:
+            # pyarrow allocates what each buffer's prefix declares: 32 KiB of ZSTD can claim 1 GiB.
+            declared = decompressed_bytes(header, body)
+            if declared > self._limits.max_decompressed_bytes:
+                raise LimitExceededError(
+                    f"IPC message {header.kind.name}: expected a compressed body inflating to <= "
+                    f"{self._limits.max_decompressed_bytes} bytes (max_decompressed_bytes), got {declared} declared")
         self._feeder.push(flatbuffer, body)
         try:
             if self._reader is None:

@@ -65,9 +65,10 @@ def run_serve(args: argparse.Namespace) -> int:
     catalog = Catalog()
     try:
         catalog.add_file(args.file)
-    except (OSError, IpcError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise UsageError(f"argument file: {args.file}: {reason}") from None
+    except OSError as exc:
+        raise UsageError(f"argument file: {args.file}: {exc.strerror or exc}") from None
+    except IpcError as exc:  # its message names the file already
+        raise UsageError(f"argument file: {exc}") from None
 
     def announce(uri: IpcUri) -> None:
         print(uri, flush=True)

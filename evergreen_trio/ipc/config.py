@@ -29,14 +29,21 @@ class IpcLimits:
     (live and idle), so a shm:// server takes at most ``shm_max_total_bytes //
     shm_segment_bytes`` connections. ``shm_published_bytes`` caps the bodies a shm://
     server publishes once for every connection (bodies past it are copied per stream).
+
+    Client side, against hostile servers: ``max_decompressed_bytes`` caps what one compressed
+    batch (LZ4_FRAME / ZSTD body compression) declares it inflates to, checked before it is inflated;
+    ``max_pending_bytes`` caps the metadata and inline bodies one stream holds waiting for their
+    other half or an earlier message (at least ``max_body_bytes``: a body may overtake its metadata).
     """
 
     max_metadata_bytes: int = 1 * MiB
     max_body_bytes: int = 2048 * MiB
+    max_decompressed_bytes: int = 2048 * MiB
     max_ticket_bytes: int = 4096
     max_buffers_per_body: int = 65_536
     max_free_data_offsets: int = 65_536
     max_pending_messages: int = 4096
+    max_pending_bytes: int = 4096 * MiB
     max_unacked_bodies: int = 16
     shm_segment_bytes: int = 1024 * MiB
     shm_idle_segments: int = 2
@@ -53,8 +60,12 @@ class IpcLimits:
 
     def __post_init__(self) -> None:
         """Raises ConfigurationError for a field that is not positive (and max_pending_messages >= 2**31,
-        half the sequence space, or shm_max_total_bytes below one segment)."""
+        half the sequence space, max_pending_bytes below max_body_bytes, or shm_max_total_bytes below
+        one segment)."""
         check_limits(self, maximum={"max_pending_messages": (1 << 31) - 1})
+        if self.max_pending_bytes < self.max_body_bytes:
+            raise ConfigurationError(f"IpcLimits.max_pending_bytes: expected at least max_body_bytes "
+                                     f"({self.max_body_bytes}), got {self.max_pending_bytes}")
         if self.shm_max_total_bytes < self.shm_segment_bytes:
             raise ConfigurationError(f"IpcLimits.shm_max_total_bytes: expected at least shm_segment_bytes "
                                      f"({self.shm_segment_bytes}), got {self.shm_max_total_bytes}")

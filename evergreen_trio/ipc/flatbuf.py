@@ -32,11 +32,16 @@ class MessageKind(enum.IntEnum):
 
 @dataclass(frozen=True)
 class MessageHeader:
-    """What the transport needs from an IPC header: kind, body length and buffer layout."""
+    """What the transport needs from an IPC header: kind, body length and buffer layout.
+
+    ``compressed``: the batch names a body compression (each non-empty buffer then starts with
+    its int64 uncompressed length).
+    """
 
     kind: MessageKind
     body_length: int
     buffers: tuple[tuple[int, int], ...]
+    compressed: bool = False
 
     @property
     def has_body(self) -> bool:
@@ -98,6 +103,7 @@ def parse_message_header(data: bytes | memoryview, *, max_buffers: int = 65_536)
     if header_pos is None:
         raise FlatbufferError(f"Message.header: expected a {kind.name} table, got none")
     buffers: tuple[tuple[int, int], ...] = ()
+    compressed = False
     if kind is MessageKind.DICTIONARY_BATCH:
         dictionary = r.table(header_pos, "DictionaryBatch")
         header_pos = r.indirect(dictionary, 1, "DictionaryBatch.data")
@@ -105,6 +111,7 @@ def parse_message_header(data: bytes | memoryview, *, max_buffers: int = 65_536)
             raise FlatbufferError("DictionaryBatch.data: expected a RecordBatch table, got none")
     if kind in (MessageKind.RECORD_BATCH, MessageKind.DICTIONARY_BATCH):
         batch = r.table(header_pos, "RecordBatch")
+        compressed = r.field(batch, 3) is not None  # RecordBatch.compression: pyarrow inflates every buffer
         vec = r.indirect(batch, 2, "RecordBatch.buffers")
         if vec is not None:
             count = r._unpack(_U32, vec, "RecordBatch.buffers length")
@@ -124,4 +131,4 @@ def parse_message_header(data: bytes | memoryview, *, max_buffers: int = 65_536)
                 )
     elif kind is MessageKind.SCHEMA:
         r.table(header_pos, "Schema")
-    return MessageHeader(kind=kind, body_length=body_length, buffers=buffers)
+    return MessageHeader(kind=kind, body_length=body_length, buffers=buffers, compressed=compressed)

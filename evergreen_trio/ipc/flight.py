@@ -59,8 +59,9 @@ class ControlPlane(flight.FlightServerBase):  # type: ignore[misc]
 async def locate(flight_location: str, ticket: bytes | str, *, timeout_s: float = 10.0) -> tuple[str, bytes]:
     """Ask a Flight server where ``ticket`` lives: its Dissociated IPC URI and the ticket to send there.
 
-    Raises UnknownTicketError when the server knows no such flight or offers no IPC location,
-    TransportError when it has not answered within ``timeout_s``.
+    Raises UnknownTicketError when the server says it knows no such flight (NOT_FOUND, or the
+    server error :class:`ControlPlane` answers an unknown ticket with) or offers no IPC location,
+    TransportError when it cannot be reached, fails otherwise or has not answered within ``timeout_s``.
     """
     key = ticket.encode() if isinstance(ticket, str) else ticket
 
@@ -74,8 +75,10 @@ async def locate(flight_location: str, ticket: bytes | str, *, timeout_s: float 
     except flight.FlightTimedOutError:
         raise TransportError(
             f"Flight info for {key[:64]!r} at {flight_location}: no answer within {timeout_s}s") from None
-    except flight.FlightError as exc:
+    except (KeyError, flight.FlightServerError) as exc:  # pyarrow's KeyError is gRPC's NOT_FOUND
         raise UnknownTicketError(f"Flight info for {key[:64]!r} at {flight_location}: {exc}") from None
+    except (flight.FlightError, pa.ArrowException) as exc:  # unavailable (refused, reset), internal, cancelled
+        raise TransportError(f"Flight info for {key[:64]!r} at {flight_location}: {exc}") from None
     for endpoint in flight_info.endpoints:
         for location in endpoint.locations:
             uri = location.uri.decode()

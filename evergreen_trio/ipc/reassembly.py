@@ -4,7 +4,9 @@ Metadata messages and tagged bodies arrive on separate streams in any order. The
 machine pairs them by sequence number (tag mask ``0x00000000FFFFFFFF``), checks each
 body against its header, and releases complete messages strictly in sequence order,
 rolling over at ``UINT32_MAX``. It is finished once End of Stream has arrived and no
-sequence number before it is missing.
+sequence number before it is missing. What it holds waiting for the other half (or for an
+earlier message) is bounded in count (``max_pending_messages``) and in bytes
+(``max_pending_bytes``: metadata and inline bodies; a shared-memory body is the server's memory).
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ class ReadyMessage:
     body: object
 
 
+def _held_bytes(incoming: BodyIn) -> int:
+    """The client memory a held body takes: its length inline, nothing for a shared-memory descriptor."""
+    return 0 if incoming.tag.body_type is BodyType.DESCRIPTOR else incoming.nbytes
+
+
 class Reassembler:
     """Pair metadata and bodies; emit them in order; detect gaps, duplicates and mismatches."""
 
@@ -49,6 +56,7 @@ class Reassembler:
         self._metadata: dict[int, tuple[bytes, MessageHeader]] = {}
         self._bodies: dict[int, BodyIn] = {}
         self._eos: int | None = None
+        self._held = 0
         self.delivered = 0
 
     def _offset(self, seq: int, what: str) -> int:
@@ -85,6 +93,7 @@ class Reassembler:
             )
         if message.seq in self._bodies:
             self._check(message.seq, header, self._bodies[message.seq])
+        self._hold(len(message.flatbuffer), f"metadata {message.seq}")
         self._metadata[message.seq] = (message.flatbuffer, header)
 
     def on_body(self, incoming: BodyIn) -> None:
@@ -95,7 +104,18 @@ class Reassembler:
             raise SequenceError(f"body {seq}: received twice")
         if seq in self._metadata:
             self._check(seq, self._metadata[seq][1], incoming)
+        self._hold(_held_bytes(incoming), f"body {seq}")
         self._bodies[seq] = incoming
+
+    def _hold(self, nbytes: int, what: str) -> None:
+        # Without a byte bound a server could park max_pending_messages bodies of max_body_bytes
+        # each (8 TiB at the defaults) by never sending the messages that would release them.
+        if self._held + nbytes > self._limits.max_pending_bytes:
+            raise LimitExceededError(
+                f"{what}: expected <= {self._limits.max_pending_bytes} bytes held for reassembly "
+                f"(max_pending_bytes), got {self._held} held and {nbytes} more"
+            )
+        self._held += nbytes
 
     def _check(self, seq: int, header: MessageHeader, incoming: BodyIn) -> None:
         if not header.has_body:
@@ -135,10 +155,12 @@ class Reassembler:
             if header.has_body and self._next not in self._bodies:
                 break
             del self._metadata[self._next]
+            self._held -= len(flatbuffer)
             body_type: BodyType | None = None
             body: object = None
             if header.has_body:
                 incoming = self._bodies.pop(self._next)
+                self._held -= _held_bytes(incoming)
                 body_type, body = incoming.tag.body_type, incoming.body
             ready.append(ReadyMessage(self._next, flatbuffer, header, body_type, body))
             self._next = (self._next + 1) & UINT32_MAX

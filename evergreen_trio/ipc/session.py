@@ -299,7 +299,7 @@ class MessagePump(Generic[T]):
         self._bodies: BodyResolver = bodies if bodies is not None else HostBodies()
         self._limits = limits
         self._reassembler = Reassembler(limits)
-        self._decoder = BatchDecoder()
+        self._decoder = BatchDecoder(limits)
         self._items: collections.deque[T] = collections.deque()
         self._done = False
 

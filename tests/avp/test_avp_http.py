@@ -164,11 +164,10 @@ async def test_our_client_speaks_http2_to_the_reference_app(reference_agent: str
         assert response.http_version == "HTTP/2"
 
 
-async def test_our_client_refuses_an_answer_nested_too_deep(nursery: trio.Nursery) -> None:
-    """An answer of 200 000 nested arrays (under the answer cap) is an AVPTransportError, not a RecursionError."""
-    body = b"[" * 200_000
+async def answering(nursery: trio.Nursery, body: bytes) -> str:
+    """A server answering every request with ``body`` (JSON, HTTP 200); its base URL."""
 
-    async def deep(stream: trio.SocketStream) -> None:
+    async def answer(stream: trio.SocketStream) -> None:
         async with stream:
             request = b""
             while b"\r\n\r\n" not in request:
@@ -177,12 +176,38 @@ async def test_our_client_refuses_an_answer_nested_too_deep(nursery: trio.Nurser
                                   b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
 
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
-    nursery.start_soon(trio.serve_listeners, deep, [listener])
-    port = listener.socket.getsockname()[1]
-    async with open_avp_client(f"http://127.0.0.1:{port}", timeout_s=10) as client:
+    nursery.start_soon(trio.serve_listeners, answer, [listener])
+    return f"http://127.0.0.1:{listener.socket.getsockname()[1]}"
+
+
+async def test_our_client_refuses_an_answer_nested_too_deep(nursery: trio.Nursery) -> None:
+    """An answer of 200 000 nested arrays (under the answer cap) is an AVPTransportError, not a RecursionError."""
+    async with open_avp_client(await answering(nursery, b"[" * 200_000), timeout_s=10) as client:
         with pytest.raises(AVPTransportError, match="expected a JSON object") as caught:
             await client.health()
     assert caught.value.status_code == 200
+
+
+NOT_A_TTL = [b"Infinity", b"-Infinity", b"NaN", b"-5", b"0", b"1e999", b"9" * 400, b'"1h"', b"true"]
+
+
+@pytest.mark.parametrize("ttl", NOT_A_TTL)
+async def test_our_client_refuses_a_handshake_ttl_that_is_not_a_finite_positive_number(
+    nursery: trio.Nursery, ttl: bytes
+) -> None:
+    """``ttl: Infinity`` was taken (a session that never expires); NaN and negatives were silently dropped."""
+    url = await answering(nursery, b'{"identity": {}, "session_id": "s", "ttl": %s}' % ttl)
+    async with open_avp_client(url, identity=LLAMA, timeout_s=10) as client:
+        with pytest.raises(AVPTransportError, match=r"handshake: answer\.ttl: expected a finite number"):
+            await client.handshake()
+    assert client.session is None
+
+
+async def test_our_client_keeps_a_finite_handshake_ttl(nursery: trio.Nursery) -> None:
+    url = await answering(nursery, b'{"identity": {}, "session_id": "s", "ttl": 5.5}')
+    async with open_avp_client(url, identity=LLAMA, timeout_s=10) as client:
+        session = await client.handshake()
+    assert (session.session_id, session.ttl_s) == ("s", 5.5)
 
 
 async def test_our_server_refuses_with_one_line(ours: str) -> None:

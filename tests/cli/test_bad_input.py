@@ -222,6 +222,21 @@ def test_ipc_serve_refuses_a_fifo_instead_of_waiting_for_a_writer(tmp_path: Path
     assert_one_line(result, 2, "argument file", "pipe", "expected a regular file")
 
 
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [(None, "got a directory"), (b"", "got an empty file"), (b"not arrow at all", "expected Arrow IPC messages")],
+)
+def test_ipc_serve_names_a_bad_file_once(tmp_path: Path, content: bytes | None, reason: str) -> None:
+    """The path was printed twice ("argument file: X: X: expected ...")."""
+    path = tmp_path / "data.arrow"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    line = assert_one_line(run("ipc", "serve", str(path), timeout=20), 2, "argument file", reason)
+    assert line.count(str(path)) == 1, line
+
+
 @pytest.mark.parametrize("location", ["nope", "grpc://127.0.0.1:99999", "grpc://[::1:5", "http://127.0.0.1:5"])
 def test_ipc_serve_refuses_a_bad_flight_location_before_serving(tmp_path: Path, location: str) -> None:
     table = pa.table({"n": [1, 2, 3]})

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import os
+import struct
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 from ipc_helpers import sample_table
 
-from evergreen_trio.ipc.arrow import BatchDecoder, messages_from_file, messages_from_table, read_messages
-from evergreen_trio.ipc.errors import FramingError
+from evergreen_trio.ipc.arrow import (
+    BatchDecoder,
+    decompressed_bytes,
+    messages_from_file,
+    messages_from_table,
+    read_messages,
+    split_stream,
+)
+from evergreen_trio.ipc.config import IpcLimits
+from evergreen_trio.ipc.errors import FramingError, IpcError, LimitExceededError
+from evergreen_trio.ipc.flatbuf import MessageHeader, MessageKind
 
 
 def test_zero_copy_reassembly_with_dictionaries() -> None:
@@ -24,6 +35,37 @@ def test_zero_copy_reassembly_with_dictionaries() -> None:
             assert message.body.address <= data.address < message.body.address + message.body.size
             batches.append(batch)
     assert pa.Table.from_batches(batches).equals(table)
+
+
+@pytest.mark.parametrize("codec", ["lz4", "zstd"])
+def test_compressed_batches_are_bounded_by_what_they_declare(codec: str) -> None:
+    """Both columns count at their uncompressed size; one byte less of max_decompressed_bytes refuses the batch."""
+    table = pa.table({"zeros": pa.array([0.0] * 4096), "noise": pa.array(list(os.urandom(4096)), pa.uint8())})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression=codec)) as writer:
+        writer.write_table(table)
+    schema, batch = split_stream(sink.getvalue())
+    assert batch.header.compressed and not schema.header.compressed
+    assert batch.body is not None
+    assert decompressed_bytes(batch.header, batch.body) == 4096 * 8 + 4096
+    for limit, refused in ((4096 * 9, False), (4096 * 9 - 1, True)):
+        decoder = BatchDecoder(IpcLimits(max_decompressed_bytes=limit))
+        decoder.feed(schema.flatbuffer.to_pybytes(), schema.header, None)
+        if refused:
+            with pytest.raises(LimitExceededError, match="max_decompressed_bytes"):
+                decoder.feed(batch.flatbuffer.to_pybytes(), batch.header, batch.body)
+        else:
+            assert decoder.feed(batch.flatbuffer.to_pybytes(), batch.header, batch.body).equals(table.to_batches()[0])
+
+
+def test_a_buffer_sent_uncompressed_counts_its_length() -> None:
+    """Prefix -1: the buffer follows as it is; 100: inflates to 100; empty buffers have no prefix."""
+    body = pa.py_buffer(struct.pack("<q", -1) + bytes(16) + struct.pack("<q", 100) + bytes(8))
+    header = MessageHeader(MessageKind.RECORD_BATCH, body.size, ((0, 24), (24, 0), (24, 16)), compressed=True)
+    assert decompressed_bytes(header, body) == 16 + 100
+    forged = pa.py_buffer(struct.pack("<q", -2) + bytes(8))
+    with pytest.raises(IpcError, match="expected uncompressed lengths >= -1, got -2"):
+        decompressed_bytes(MessageHeader(MessageKind.RECORD_BATCH, 16, ((0, 16),), compressed=True), forged)
 
 
 @pytest.mark.parametrize("fmt", ["file", "stream"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.flight as flight
 import pytest
 import trio
 from hypothesis import given
@@ -204,6 +206,56 @@ async def test_a_flight_server_that_does_not_answer_is_unavailable_after_the_con
         release.set()
         plane.shutdown()
     assert caught.value.code == StatusCode.UNAVAILABLE
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+async def flight_ref_code(location: str, ticket: str) -> tuple[StatusCode, str]:
+    with pytest.raises(RefRejectedError) as caught:
+        async with ArrowRefResolver("grpc").open_batches(arrow_ref(location, ticket)) as batches:
+            async for _ in batches:
+                pass
+    return caught.value.code, str(caught.value)
+
+
+async def test_a_flight_server_that_is_not_there_is_unavailable_not_an_unknown_ticket() -> None:
+    """Connection refused (gRPC UNAVAILABLE) was reported as NOT_FOUND, as if the ticket were unknown."""
+    with trio.fail_after(GUARD_S):
+        code, message = await flight_ref_code(f"grpc://127.0.0.1:{closed_port()}", "t")
+    assert code == StatusCode.UNAVAILABLE, message
+    assert "Connection refused" in message or "unavailable" in message
+
+
+async def test_only_an_unknown_ticket_answer_is_not_found(nursery: trio.Nursery) -> None:
+    """ControlPlane's answer for a ticket it does not have, and a Flight server's NOT_FOUND, are NOT_FOUND;
+    a Flight server failing otherwise (INTERNAL) is UNAVAILABLE."""
+    from evergreen_trio.ipc.flight import ControlPlane
+
+    class Answering(flight.FlightServerBase):  # type: ignore[misc]
+        def get_flight_info(self, context: object, descriptor: flight.FlightDescriptor) -> flight.FlightInfo:
+            if descriptor.path[0] == b"gone":
+                raise KeyError("no such flight")  # pyarrow answers NOT_FOUND
+            raise flight.FlightInternalError("disk on fire")
+
+    catalog = Catalog()
+    catalog.add_table("t", table_of(1 << 10))
+    plane = ControlPlane("grpc://127.0.0.1:0", catalog, await nursery.start(serve, "tcp://127.0.0.1:0", catalog))
+    other = Answering("grpc://127.0.0.1:0")
+    try:
+        with trio.fail_after(GUARD_S):
+            assert (await flight_ref_code(f"grpc://127.0.0.1:{plane.port}", "missing"))[0] == StatusCode.NOT_FOUND
+            assert (await flight_ref_code(f"grpc://127.0.0.1:{other.port}", "gone"))[0] == StatusCode.NOT_FOUND
+            code, message = await flight_ref_code(f"grpc://127.0.0.1:{other.port}", "t")
+            assert code == StatusCode.UNAVAILABLE and "disk on fire" in message
+    finally:
+        plane.shutdown()
+        other.shutdown()
 
 
 async def test_refs_are_refused_unless_the_server_enables_them(nursery: trio.Nursery) -> None:

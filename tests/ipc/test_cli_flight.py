@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from ipc_helpers import sample_table
 
 from evergreen_trio.ipc import Catalog, serve
 from evergreen_trio.ipc.cli import get
+from evergreen_trio.ipc.errors import TransportError, UnknownTicketError
 from evergreen_trio.ipc.flight import ControlPlane, fetch_through_flight
 
 
@@ -101,3 +103,13 @@ async def test_flight_points_at_the_dissociated_uri(nursery: trio.Nursery) -> No
     finally:
         await trio.to_thread.run_sync(plane.shutdown)
     nursery.cancel_scope.cancel()
+
+
+async def test_flight_fetch_from_a_closed_port_is_a_transport_error() -> None:
+    """Connection refused is the transport's failure, not an unknown ticket (it was UnknownTicketError)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with trio.fail_after(30), pytest.raises(TransportError, match=r"Connection refused|unavailable") as caught:
+        await fetch_through_flight(f"grpc://127.0.0.1:{port}", "t")
+    assert not isinstance(caught.value, UnknownTicketError)

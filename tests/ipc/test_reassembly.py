@@ -13,7 +13,7 @@ from ipc_helpers import sample_messages, sample_table
 from evergreen_trio.ipc.arena import ALIGN, Arena
 from evergreen_trio.ipc.arrow import BatchDecoder, OutgoingMessage
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
-from evergreen_trio.ipc.errors import BodyMismatchError, IpcError, SequenceError
+from evergreen_trio.ipc.errors import BodyMismatchError, IpcError, LimitExceededError, SequenceError
 from evergreen_trio.ipc.framing import (
     BodyDescriptor,
     BodyType,
@@ -108,6 +108,23 @@ def test_window_limit() -> None:
     machine = Reassembler(IpcLimits(max_pending_messages=4))
     with pytest.raises(SequenceError, match="too far ahead"):
         machine.on_metadata(encode_metadata(4, MESSAGES[1].flatbuffer.to_pybytes()))
+
+
+def test_pending_bytes_are_released_with_their_messages() -> None:
+    """A stream many times max_pending_bytes goes through when each body waits for nothing but its
+    own metadata; held bodies past it are refused."""
+    largest = max(m.body.size for m in MESSAGES if m.body is not None)
+    machine = Reassembler(IpcLimits(max_pending_bytes=largest + 4096, max_body_bytes=largest))
+    for event in events(MESSAGES):
+        feed(machine, event)
+        machine.pop_ready()
+    assert machine.finished
+    held = Reassembler(IpcLimits(max_pending_bytes=largest + 4096, max_body_bytes=largest))
+    bodies = [event for event in events(MESSAGES) if event[0] == "body"]
+    assert sum(body.size for _, _, body in bodies) > largest + 4096  # type: ignore[attr-defined]
+    with pytest.raises(LimitExceededError, match="max_pending_bytes"):
+        for event in bodies:
+            feed(held, event)
 
 
 @pytest.mark.parametrize("body_first", [True, False])

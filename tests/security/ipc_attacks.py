@@ -1,4 +1,5 @@
-"""Issue 22, items 11-12: attacks on the IPC servers (tcp://, shm://), as a hostile client sends them.
+"""Issue 22, items 11-12: attacks on the IPC servers (tcp://, shm://), as a hostile client sends them;
+and hostile servers (:func:`hostile_server`) against the client.
 
 Shared by ``tests/security/test_ipc_attacks.py`` and ``benchmarks/security_ipc.py``. Each attack
 takes the server's URI and a scale (1.0: the issue's size) and returns an :class:`IpcOutcome`
@@ -8,14 +9,27 @@ connection opened before the attack (the measure of the stall).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import contextlib
+import struct
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
+import numpy as np
 import pyarrow as pa
 import trio
 
+from evergreen_trio.ipc.arrow import OutgoingMessage, split_stream
 from evergreen_trio.ipc.config import IpcLimits, MiB
-from evergreen_trio.ipc.framing import encode_frame_header
+from evergreen_trio.ipc.framing import (
+    METADATA_TAG,
+    WANT_DATA_TAG,
+    BodyType,
+    encode_end_of_stream,
+    encode_frame_header,
+    encode_metadata,
+    make_tag,
+)
 from evergreen_trio.ipc.pool import BufferPool
 from evergreen_trio.ipc.session import IpcStream
 from evergreen_trio.ipc.transports.tcp import FramedSocket, StreamClientChannel
@@ -168,3 +182,73 @@ class LegitClient:
     async def aclose(self) -> None:
         await self.channel.framed.aclose()
 
+
+
+# Hostile servers, as a client meets them: each answers any want_data with the frames it is given.
+
+Frame = tuple[int, bytes]
+
+
+def stream_frames(messages: Sequence[OutgoingMessage]) -> list[Frame]:
+    """A stream's messages as a TCP server frames them: metadata, then its body, then End of Stream."""
+    frames: list[Frame] = []
+    for seq, message in enumerate(messages):
+        frames.append((METADATA_TAG, encode_metadata(seq, message.flatbuffer)))
+        if message.body is not None:
+            frames.append((make_tag(seq, BodyType.RAW), message.body.to_pybytes()))
+    frames.append((METADATA_TAG, encode_end_of_stream(len(messages))))
+    return frames
+
+
+def compressed_messages(table: pa.Table) -> list[OutgoingMessage]:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_table(table)
+    return split_stream(sink.getvalue())
+
+
+def compression_bomb(inflated: int) -> list[Frame]:
+    """One ZSTD batch of ``inflated`` bytes of zeros (a few KiB on the wire), honest about its size."""
+    return stream_frames(compressed_messages(pa.table({"x": np.zeros(inflated // 8)})))
+
+
+def forged_compressed_size(declared: int) -> list[Frame]:
+    """One small ZSTD batch whose data buffer claims to inflate to ``declared`` bytes."""
+    schema, batch = compressed_messages(pa.table({"x": np.zeros(1000)}))
+    offset, _ = batch.header.buffers[-1]
+    assert batch.body is not None
+    body = bytearray(batch.body.to_pybytes())
+    struct.pack_into("<q", body, offset, declared)
+    return stream_frames([schema, OutgoingMessage(batch.flatbuffer, batch.header, pa.py_buffer(bytes(body)))])
+
+
+def orphan_bodies(count: int, size: int) -> list[Frame]:
+    """Bodies 1..count of ``size`` bytes and no metadata: each waits for a schema that never comes."""
+    body = bytes(size)
+    return [(make_tag(seq, BodyType.RAW), body) for seq in range(1, count + 1)]
+
+
+@dataclass
+class HostileServer:
+    """A TCP server answering want_data with fixed frames; counts the bytes the client took."""
+
+    uri: IpcUri
+    sent: int = 0
+
+
+async def hostile_server(nursery: trio.Nursery, frames: Sequence[Frame]) -> HostileServer:
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    server = HostileServer(IpcUri("tcp", WANT_DATA_TAG, host="127.0.0.1", port=listener.socket.getsockname()[1]))
+
+    async def answer(stream: trio.SocketStream) -> None:
+        framed = FramedSocket(stream, IpcLimits())
+        _, nbytes = await framed.receive_header()
+        await framed.receive_bytes(nbytes)  # the want_data ticket
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            for tag, payload in frames:
+                await stream.send_all(encode_frame_header(tag, len(payload)) + payload)
+                server.sent += len(payload)
+            await trio.sleep_forever()  # the client ends the connection
+
+    nursery.start_soon(partial(trio.serve_listeners, answer, [listener]))
+    return server

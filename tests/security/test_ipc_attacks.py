@@ -26,7 +26,11 @@ from ipc_attacks import (
     IpcOutcome,
     LegitClient,
     big_table,
+    compression_bomb,
+    forged_compressed_size,
+    hostile_server,
     open_raw,
+    orphan_bodies,
     partial_request,
     silent_connections,
     small_table,
@@ -35,7 +39,7 @@ from ipc_attacks import (
 
 from evergreen_trio.ipc import Catalog, IpcLimits, ServeOptions, fetch_table, serve
 from evergreen_trio.ipc.config import MiB
-from evergreen_trio.ipc.errors import ConfigurationError
+from evergreen_trio.ipc.errors import ConfigurationError, LimitExceededError
 from evergreen_trio.ipc.framing import encode_frame_header
 from evergreen_trio.ipc.uri import IpcUri, parse_uri
 
@@ -218,3 +222,39 @@ def test_sigterm_stops_ipc_serve_under_attack(tmp_path: Path) -> None:
         _, stderr = proc.communicate(timeout=10)
     assert proc.returncode == 0, stderr[-2000:]
     assert "Traceback" not in stderr
+
+
+async def test_a_compression_bomb_is_refused_before_it_inflates(nursery: trio.Nursery) -> None:
+    """A few KiB of ZSTD inflating to 64 MiB, past max_decompressed_bytes=16 MiB (before: inflated
+    and delivered; at the default limits 32 KiB became 1 GiB)."""
+    server = await hostile_server(nursery, compression_bomb(64 * MiB))
+    assert server.sent < 64 * 1024
+    refused = pytest.raises(LimitExceededError, match=r"max_decompressed_bytes\), got 67108864 declared")
+    with trio.fail_after(GUARD_S), refused:
+        await fetch_table(str(server.uri), "bomb", limits=IpcLimits(max_decompressed_bytes=16 * MiB))
+
+
+async def test_a_compressed_size_past_the_default_limit_is_refused_unallocated(nursery: trio.Nursery) -> None:
+    """A 100-byte buffer claiming 1 TiB: refused from its prefix, at the default limits, before pyarrow
+    allocates what it claims."""
+    server = await hostile_server(nursery, forged_compressed_size(1 << 40))
+    before = pa.default_memory_pool().bytes_allocated()
+    refused = pytest.raises(LimitExceededError, match=rf"max_decompressed_bytes\), got {1 << 40} declared")
+    with trio.fail_after(GUARD_S), refused:
+        await fetch_table(str(server.uri), "bomb")
+    assert pa.default_memory_pool().bytes_allocated() - before < 16 * MiB
+
+
+async def test_bodies_held_for_metadata_that_never_comes_are_bounded(nursery: trio.Nursery) -> None:
+    """64 bodies of 1 MiB and no schema: the client refuses the ninth past max_pending_bytes=8 MiB
+    (before: it held all of them; at the defaults 4096 bodies of 2 GiB)."""
+    server = await hostile_server(nursery, orphan_bodies(64, MiB))
+    limits = IpcLimits(max_pending_bytes=8 * MiB, max_body_bytes=MiB)
+    refused = pytest.raises(LimitExceededError, match=r"body 9: .*\(max_pending_bytes\), got 8388608 held")
+    with trio.fail_after(10), refused:
+        await fetch_table(str(server.uri), "park", limits=limits)
+
+
+def test_pending_bytes_below_one_body_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError, match="max_pending_bytes: expected at least max_body_bytes"):
+        IpcLimits(max_pending_bytes=MiB, max_body_bytes=2 * MiB)
