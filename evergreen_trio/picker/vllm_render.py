@@ -217,6 +217,12 @@ def render_reply(call: RenderCall, status: int, data: bytes, body: Mapping[str, 
             raise RenderError("unmarshal response: expected a list of renders")
         if not reply:
             raise RenderError("vLLM render returned empty response")
+        # One render per prompt: more would each cost Python work on the event loop (a 16 MiB reply
+        # of empty renders held it 5 s for a one-prompt request).
+        prompt = body.get("prompt")
+        asked = len(prompt) if isinstance(prompt, list) else 1
+        if len(reply) > asked:
+            raise RenderError(f"unmarshal response: {len(reply)} renders for a request of {asked} prompts")
         prompts = tuple(pack_ids(_token_ids(item)) for item in reply)
     else:
         if not isinstance(reply, dict):
