@@ -137,8 +137,13 @@ def _adapters(value: str | None) -> frozenset[str]:
 
 
 def _label_int(labels: Mapping[str, str], key: str) -> int | None:
+    """The label's value as Go's ``strconv.Atoi`` reads a count: ASCII digits within int64, else None
+    (``str.isdigit`` alone passes "²", and digits past 4300, which ``int`` refuses with ValueError)."""
     value = labels.get(key, "")
-    return int(value) if value.isdigit() else None
+    if not (value.isascii() and value.isdigit() and len(value) <= 19):
+        return None
+    number = int(value)
+    return number if number < 2**63 else None
 
 
 def _positive_int(value: float | None) -> int | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from evergreen_trio.picker.token_estimate import (
@@ -216,6 +217,12 @@ def render_reply(call: RenderCall, status: int, data: bytes, body: Mapping[str, 
             raise RenderError("unmarshal response: expected a list of renders")
         if not reply:
             raise RenderError("vLLM render returned empty response")
+        # One render per prompt: more would each cost Python work on the event loop (a 16 MiB reply
+        # of empty renders held it 5 s for a one-prompt request).
+        prompt = body.get("prompt")
+        asked = len(prompt) if isinstance(prompt, list) else 1
+        if len(reply) > asked:
+            raise RenderError(f"unmarshal response: {len(reply)} renders for a request of {asked} prompts")
         prompts = tuple(pack_ids(_token_ids(item)) for item in reply)
     else:
         if not isinstance(reply, dict):
@@ -237,7 +244,7 @@ def _token_ids(item: object) -> Sequence[int]:
 
 def _features(raw: object) -> tuple[MultiModalFeature, ...]:
     """vLLM's ``features`` flattened as the reference does: per modality, hashes paired with
-    placeholders (the shorter list wins), all sorted by offset."""
+    placeholders (the shorter list wins), all sorted by offset; placeholders that overlap are refused."""
     if raw is None:
         return ()
     if not isinstance(raw, dict):
@@ -258,4 +265,11 @@ def _features(raw: object) -> tuple[MultiModalFeature, ...]:
                                                       for v in (offset, length)):
                 raise RenderError("unmarshal response: a multimodal item is not a hash and an offset and length")
             items.append(MultiModalFeature(modality, digest, offset, length))  # type: ignore[arg-type]
-    return tuple(sorted(items, key=lambda f: f.offset))
+    items.sort(key=lambda f: f.offset)
+    # vLLM's placeholders are disjoint: overlapping ones would put every item in every block's extras
+    # (4096 items over a long prompt: gigabytes for one request).
+    for before, after in pairwise(items):
+        if after.offset < before.offset + before.length:
+            raise RenderError(f"unmarshal response: multimodal items overlap (one at {before.offset}, "
+                              f"{before.length} long, another at {after.offset})")
+    return tuple(items)

@@ -400,6 +400,29 @@ async def test_a_scrape_that_fails_or_does_not_parse_is_a_poll_error_and_one_wit
         assert got[key(name, source_type=METRICS_SOURCE, extractor_type=METRICS_EXTRACTOR)] == 1
 
 
+@pytest.mark.parametrize("count", ["\u00b2", "9" * 5000, "\u0661\u0662", "9" * 19])
+async def test_a_count_label_that_is_no_plain_number_is_unknown_and_the_scraper_goes_on(
+        nursery: trio.Nursery, count: str) -> None:
+    # "²" passes str.isdigit and 5000 digits pass it too, but int() refuses both with ValueError:
+    # that escaped the scrape loop and took the picker down with it.
+    page = render_metrics("vllm", EndpointMetrics(max_lora=2, block_size=16, num_blocks=8))
+    page = page.replace('max_lora="2"', f'max_lora="{count}"').replace('block_size="16"', f'block_size="{count}"')
+
+    async def handle(request: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, [("content-type", "text/plain")], page.encode())
+
+    port = await nursery.start(serve_http, handle, "127.0.0.1", 0)
+    config = parse_config(f"pool: {{name: p, endpoints: ['127.0.0.1:{port}'], refreshMetricsInterval: 5ms}}")
+    snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, trio.current_time)
+    ready = trio.Event()
+    Scrapers(nursery, config, snapshot, lambda: snapshot.ready_states() and ready.set()).sync(config.pool.endpoints)
+    with trio.fail_after(10):
+        await ready.wait()
+    [state] = snapshot.ready_states()
+    assert state.metrics is not None
+    assert (state.metrics.block_size, state.metrics.num_blocks, state.metrics.max_lora) == (None, 8, 0)
+
+
 # -- flow control's per-request metrics ------------------------------------------------------------------
 
 
