@@ -72,7 +72,7 @@ def parse_target(target: str) -> tuple[str, int]:
     if not isinstance(target, str):
         raise ArgumentTypeError(f"target: expected 'host:port', got {describe_kind(target)}")
     host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or host.endswith(":"):
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536 or host.endswith(":"):
         raise ConfigurationError(f"target {target!r}: expected host:port (e.g. 127.0.0.1:50051)")
     return host.strip("[]") or "127.0.0.1", int(port)
 

@@ -226,7 +226,8 @@ def _cluster_parts(args: argparse.Namespace, config: PickerConfig, metrics_auth:
     access = ClusterAccess.load(args.kubeconfig)
     namespace = args.pool_namespace or os.environ.get("NAMESPACE") or access.namespace
     if args.endpoint_selector:
-        ports = [int(p) for p in (args.endpoint_target_ports or "").split(",") if p.strip().isdigit()]
+        listed = [p.strip() for p in (args.endpoint_target_ports or "").split(",")]
+        ports = [int(p) for p in listed if p.isascii() and p.isdigit()]  # isdigit() alone admits '²'
         if not ports:
             raise ConfigError("--endpoint-target-ports", "a comma-separated list of ports", args.endpoint_target_ports)
         ref = PoolRef(args.pool_name, namespace, args.pool_group,

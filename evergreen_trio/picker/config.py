@@ -304,7 +304,7 @@ def parse_address(value: object, path: str, *, default_port: int | None = None) 
         if default_port is None:
             raise ConfigError(path, "'host:port'", value)
         port_text = str(default_port)
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
         raise ConfigError(path, "a port in 1..65535", value)
     try:
         ipaddress.ip_address(host)

@@ -40,7 +40,7 @@ def parse_server(text: str, where: str = "--evergreen") -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` -> (host, port); the host is an IP address or a DNS name."""
     host, sep, port = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise FrontConfigError(f"{where}: expected HOST:PORT with a port in 1..65535, got {text!r}")
     try:
         ipaddress.ip_address(host)

@@ -206,7 +206,7 @@ def split_listen(listen: str) -> tuple[str, int]:
         ipaddress.ip_address(host)
     except ValueError:
         raise GatewaySettingsError(f"listen must be ip:port, got {listen!r}") from None
-    if not port.isdigit() or int(port) > 65535:
+    if not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise GatewaySettingsError(f"listen port must be in 0..65535, got {listen!r}") from None
     return host, int(port)
 

@@ -261,7 +261,7 @@ async def test_an_upload_refused_at_its_head_still_gets_the_answer(ours: str) ->
         answer = b""
         while chunk := await stream.receive_some(65536):
             answer += chunk
-    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
 
 
 async def test_an_answer_before_the_body_says_the_connection_closes(ours: str) -> None:
@@ -328,3 +328,16 @@ async def test_requests_past_the_concurrency_cap_get_503(nursery: trio.Nursery) 
             assert busy.status_code == 503 and "max_concurrent_requests" in busy.json()["message"]
             release.set()
     assert statuses == [200]
+
+
+async def test_a_content_length_of_thousands_of_digits_is_a_400(nursery: trio.Nursery) -> None:
+    """A length int() cannot read (over 4,300 digits) is the HTTP parser's 400, not a failed handler."""
+    url = await _server(nursery)
+    stream = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    async with stream:
+        await stream.send_all(b"POST /avp/v2/transmit HTTP/1.1\r\nhost: x\r\ncontent-length: "
+                              + b"9" * 5000 + b"\r\n\r\n")
+        answer = b""
+        while chunk := await stream.receive_some(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]

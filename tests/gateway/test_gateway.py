@@ -116,6 +116,7 @@ def test_ctrl_c_stops_everything_and_leaves_no_envoy() -> None:
         ({"simulate": 65}, "simulate must be in 0..64"),
         ({"simulate": 1, "listen": "localhost:80"}, "listen must be ip:port"),
         ({"simulate": 1, "listen": "127.0.0.1:99999"}, "listen port must be in 0..65535"),
+        ({"simulate": 1, "listen": "127.0.0.1:\u00b2"}, "listen port must be in 0..65535"),
         ({"simulate": 1, "round_robin_port": -1}, "round_robin_port must be in 0..65535"),
     ],
 )

@@ -94,6 +94,7 @@ def test_kubernetes_manifests_with_static_endpoints() -> None:
     ("pool: {endpoints: [{address: 'localhost:80'}]}", "pool.endpoints[0].address"),
     ("pool: {endpoints: [{address: '127.0.0.1'}]}", "pool.endpoints[0].address"),
     ("pool: {endpoints: [{address: '127.0.0.1:99999'}]}", "pool.endpoints[0].address"),
+    ("pool: {endpoints: [{address: '127.0.0.1:\u00b2'}]}", "pool.endpoints[0].address"),
     ("pool: {endpoints: [{address: '127.0.0.1:1', engine: tgi}]}", "pool.endpoints[0].engine"),
     ("pool: {endpoints: ['127.0.0.1:1', '127.0.0.1:1']}", "pool.endpoints[1].address"),
     ("pool: {endpoints: ['127.0.0.1:1'], refreshMetricsInterval: soon}", "pool.refreshMetricsInterval"),

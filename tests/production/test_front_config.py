@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from evergreen_trio.serving.evergreen_front import FrontConfigError, front_config, parse_server
@@ -64,6 +64,7 @@ def test_gateway_config_refuses_bad_input_with_exit_2(args: list[str], expected:
 
 
 @given(st.text(max_size=80))
+@example("127.0.0.1:\u00b2")  # a digit to str.isdigit(), not to int()
 def test_parse_server_takes_a_valid_address_or_names_the_problem(text: str) -> None:
     try:
         host, port = parse_server(text)

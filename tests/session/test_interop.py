@@ -77,7 +77,7 @@ async def test_our_client_against_our_server_in_another_process() -> None:
             assert "hello" in await generated["response"].read_text()
 
 
-@pytest.mark.parametrize("bad_address", ["no-port", "host:notaport"])
+@pytest.mark.parametrize("bad_address", ["no-port", "host:notaport", "host:\u00b2", "host:\u0661\u0662"])
 def test_connect_rejects_malformed_targets(bad_address: str) -> None:
     from evergreen_trio.client import parse_target
 
