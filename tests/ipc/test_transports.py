@@ -19,7 +19,7 @@ import trio.testing
 from ipc_helpers import client_mappings, memfd_mappings, sample_messages, sample_table
 
 from evergreen_trio.ipc import Catalog, Role, ServeOptions, fetch, fetch_table, serve
-from evergreen_trio.ipc.arrow import OutgoingMessage, messages_from_table
+from evergreen_trio.ipc.arrow import OutgoingMessage
 from evergreen_trio.ipc.config import IpcLimits
 from evergreen_trio.ipc.errors import (
     BodyMismatchError,
@@ -147,31 +147,6 @@ async def test_body_length_mismatch_is_rejected(nursery: trio.Nursery) -> None:
     nursery.start_soon(trio.serve_listeners, lying_server, [listener])
     port = listener.socket.getsockname()[1]
     with trio.fail_after(GUARD_S), pytest.raises(BodyMismatchError, match="bodyLength"):
-        await fetch_table(f"tcp://127.0.0.1:{port}?want_data=1", "t")
-    nursery.cancel_scope.cancel()
-
-
-async def test_a_batch_whose_offsets_point_past_its_data_is_rejected(nursery: trio.Nursery) -> None:
-    """A server's string offsets that run past the data buffer are refused, not handed out to crash a reader."""
-    schema, batch = messages_from_table(pa.table({"s": ["a", "bb", "ccc"]}))
-    assert batch.body is not None
-    body = bytearray(batch.body.to_pybytes())
-    offsets, _ = batch.header.buffers[1]
-    body[offsets + 4 : offsets + 8] = (1 << 30).to_bytes(4, "little")  # the second string's start
-    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
-
-    async def lying_server(stream: trio.SocketStream) -> None:
-        framed = FramedSocket(stream, IpcLimits())
-        await framed.receive_header()
-        await framed.send_frame(METADATA_TAG, encode_metadata(0, schema.flatbuffer))
-        await framed.send_frame(METADATA_TAG, encode_metadata(1, batch.flatbuffer))
-        await framed.send_frame(make_tag(1, BodyType.RAW), bytes(body))
-        await framed.send_frame(METADATA_TAG, encode_end_of_stream(2))
-        await trio.sleep_forever()
-
-    nursery.start_soon(trio.serve_listeners, lying_server, [listener])
-    port = listener.socket.getsockname()[1]
-    with trio.fail_after(GUARD_S), pytest.raises(IpcError, match="Offset invariant failure"):
         await fetch_table(f"tcp://127.0.0.1:{port}?want_data=1", "t")
     nursery.cancel_scope.cancel()
 

@@ -54,25 +54,17 @@ def test_gateway_config_cli_writes_a_config_envoy_accepts(tmp_path: Path) -> Non
 
 
 @pytest.mark.envoy
-def test_a_queue_wait_past_an_hour_still_makes_a_config_envoy_accepts(tmp_path: Path) -> None:
-    # The message_timeout covering the wait was written as 7205s: Envoy refuses more than 1 h.
+@pytest.mark.parametrize(("queue_wait", "written"), [
+    ("2h", "3600.0s"),  # it was 7205s: Envoy refuses more than 1 h
+    ("1.23456789ms", "5.001234568s"),  # it was repr's 5.00123456789s, past protobuf's 9 fractional digits
+])
+def test_a_queue_wait_makes_a_message_timeout_envoy_accepts(tmp_path: Path, queue_wait: str, written: str) -> None:
     out = tmp_path / "gateway.json"
-    subprocess.run([sys.executable, "-m", "evergreen_trio.cli", "gateway-config", "--queue-wait", "2h",
+    subprocess.run([sys.executable, "-m", "evergreen_trio.cli", "gateway-config", "--queue-wait", queue_wait,
                     "--request-body-mode", "BUFFERED", "-o", str(out)], check=True, capture_output=True)
     result = subprocess.run([find_envoy(), "--mode", "validate", "-c", str(out)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert '"message_timeout": "3600.0s"' in out.read_text()
-
-
-@pytest.mark.envoy
-def test_a_queue_wait_with_many_decimals_makes_a_config_envoy_accepts(tmp_path: Path) -> None:
-    # The message_timeout was written with repr: 5.00123456789s, past protobuf's 9 fractional digits.
-    out = tmp_path / "gateway.json"
-    subprocess.run([sys.executable, "-m", "evergreen_trio.cli", "gateway-config", "--queue-wait", "1.23456789ms",
-                    "--request-body-mode", "BUFFERED", "-o", str(out)], check=True, capture_output=True)
-    result = subprocess.run([find_envoy(), "--mode", "validate", "-c", str(out)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert '"message_timeout": "5.001234568s"' in out.read_text()
+    assert f'"message_timeout": "{written}"' in out.read_text()
 
 
 def test_picker_cli_bad_config_is_one_error_and_non_zero(tmp_path: Path) -> None:

@@ -254,6 +254,17 @@ async def test_a_failed_render_is_a_render_error(nursery: trio.Nursery) -> None:
         await post_render(VllmRender("m", "127.0.0.1", port), wrong)
 
 
+def replying(reply: bytes) -> Any:
+    """An ASGI app answering every request 200 with ``reply``: a vLLM render of our choosing."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": reply})
+
+    return app
+
+
 async def test_a_render_whose_multimodal_items_overlap_is_a_render_error(nursery: trio.Nursery) -> None:
     # Every item over every token: each block's extras would name all 4096 items, 33 million
     # entries (gigabytes) for one request, from a 2 MB reply.
@@ -262,12 +273,7 @@ async def test_a_render_whose_multimodal_items_overlap_is_a_render_error(nursery
                 "mm_placeholders": {"image": [{"offset": i, "length": tokens} for i in range(4096)]}}
     reply = json.dumps({"token_ids": [1] * tokens, "features": features}).encode()
 
-    async def overlapping(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": reply})
-
-    port = await nursery.start(serve_asgi, overlapping, "127.0.0.1", 0)
+    port = await nursery.start(serve_asgi, replying(reply), "127.0.0.1", 0)
     backend = VllmRender("m", "127.0.0.1", port)
     body = {"messages": [{"role": "user", "content": [IMAGE]}]}
     call = render_call(backend, "chat", body)
@@ -280,12 +286,7 @@ async def test_a_render_of_more_prompts_than_the_request_has_is_a_render_error(n
     # Each render costs Python work on the event loop: 16 MiB of empty ones held it 5 s.
     reply = json.dumps([{"token_ids": [1]}] * 100_000).encode()
 
-    async def padded(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": reply})
-
-    port = await nursery.start(serve_asgi, padded, "127.0.0.1", 0)
+    port = await nursery.start(serve_asgi, replying(reply), "127.0.0.1", 0)
     backend = VllmRender("m", "127.0.0.1", port)
     body = {"prompt": ["alpha", "beta"]}
     call = render_call(backend, "completions", body)

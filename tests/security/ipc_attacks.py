@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import trio
 
-from evergreen_trio.ipc.arrow import OutgoingMessage, split_stream
+from evergreen_trio.ipc.arrow import OutgoingMessage, messages_from_table, split_stream
 from evergreen_trio.ipc.config import IpcLimits, MiB
 from evergreen_trio.ipc.framing import (
     METADATA_TAG,
@@ -219,6 +219,16 @@ def forged_compressed_size(declared: int) -> list[Frame]:
     assert batch.body is not None
     body = bytearray(batch.body.to_pybytes())
     struct.pack_into("<q", body, offset, declared)
+    return stream_frames([schema, OutgoingMessage(batch.flatbuffer, batch.header, pa.py_buffer(bytes(body)))])
+
+
+def offsets_past_the_data() -> list[Frame]:
+    """A string batch whose second string starts 1 GiB past its data buffer (only its sizes are right)."""
+    schema, batch = messages_from_table(pa.table({"s": ["a", "bb", "ccc"]}))
+    assert batch.body is not None
+    body = bytearray(batch.body.to_pybytes())
+    offsets, _ = batch.header.buffers[1]
+    body[offsets + 4 : offsets + 8] = (1 << 30).to_bytes(4, "little")
     return stream_frames([schema, OutgoingMessage(batch.flatbuffer, batch.header, pa.py_buffer(bytes(body)))])
 
 

@@ -29,6 +29,7 @@ from ipc_attacks import (
     compression_bomb,
     forged_compressed_size,
     hostile_server,
+    offsets_past_the_data,
     open_raw,
     orphan_bodies,
     partial_request,
@@ -39,7 +40,7 @@ from ipc_attacks import (
 
 from evergreen_trio.ipc import Catalog, IpcLimits, ServeOptions, fetch_table, serve
 from evergreen_trio.ipc.config import MiB
-from evergreen_trio.ipc.errors import ConfigurationError, LimitExceededError
+from evergreen_trio.ipc.errors import ConfigurationError, IpcError, LimitExceededError
 from evergreen_trio.ipc.framing import encode_frame_header
 from evergreen_trio.ipc.uri import IpcUri, parse_uri
 
@@ -222,6 +223,14 @@ def test_sigterm_stops_ipc_serve_under_attack(tmp_path: Path) -> None:
         _, stderr = proc.communicate(timeout=10)
     assert proc.returncode == 0, stderr[-2000:]
     assert "Traceback" not in stderr
+
+
+async def test_a_batch_whose_offsets_point_past_its_data_is_rejected(nursery: trio.Nursery) -> None:
+    """A server's string offsets past the data buffer are refused, not handed out to crash a reader
+    (pyarrow's IPC reader checks only the buffers' sizes)."""
+    server = await hostile_server(nursery, offsets_past_the_data())
+    with trio.fail_after(GUARD_S), pytest.raises(IpcError, match="Offset invariant failure"):
+        await fetch_table(str(server.uri), "t")
 
 
 async def test_a_compression_bomb_is_refused_before_it_inflates(nursery: trio.Nursery) -> None:
