@@ -168,6 +168,12 @@ async def scripted_upstream(scope: dict[str, Any], receive: Any, send: Any) -> N
     elif model == "garbage":
         await start(200)
         await chunk(_token("ok") + b"data: {not json\n\n", False)
+    elif model == "deep":
+        await start(200)
+        await chunk(b"data: " + b"[" * 100_000 + b"\n\n", False)
+    elif model == "deep-503":
+        await start(503, "application/json")
+        await chunk(b'{"error": ' + b"[" * 60_000, False)
     elif model == "bad-utf8":
         await start(200)
         await chunk(b"data: \xff\xfe\n\n", False)

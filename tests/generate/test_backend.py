@@ -104,6 +104,8 @@ async def test_odd_splits_crlf_and_comments_are_read(scripted: str) -> None:
         ("json", StatusCode.INTERNAL, "expected content-type text/event-stream, got 'application/json'"),
         ("garbage", StatusCode.INTERNAL, "expected a JSON object or [DONE]"),
         ("bad-utf8", StatusCode.INTERNAL, "expected UTF-8"),
+        ("deep", StatusCode.INTERNAL, "expected a data event of JSON nested less deeply in the stream, got '[[["),
+        ("deep-503", StatusCode.UNAVAILABLE, 'HTTP 503: {"error": [[['),
         ("truncated", StatusCode.UNAVAILABLE, "closed the stream before data: [DONE]"),
         ("stream-error", StatusCode.UNAVAILABLE, "upstream failed in the stream (HTTP 503): scripted overload"),
     ],
