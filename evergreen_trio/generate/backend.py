@@ -24,6 +24,7 @@ import trio
 from google.protobuf.any_pb2 import Any as AnyProto
 from google.protobuf.struct_pb2 import Struct
 
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import ChunkMetadata
 from evergreen_trio.generate.config import BackendSettings
 from evergreen_trio.generate.errors import (
@@ -100,7 +101,7 @@ def _transport_error(error: httpx.HTTPError, settings: BackendSettings, where: s
 
 async def _read_some(response: httpx.Response, limit: int) -> bytes:
     body = bytearray()
-    async for data in response.aiter_bytes():
+    async for data in response.aiter_raw():  # raw: a compressed body must not inflate past the limit
         body += data
         if len(body) >= limit:
             break
@@ -159,11 +160,17 @@ class OpenAIBackend:
             content_type = response.headers.get("content-type", "")
             if not content_type.startswith("text/event-stream"):
                 raise StreamFormatError(f"{where}: expected content-type text/event-stream, got {content_type!r}")
+            # We sent accept-encoding: identity, and read raw bytes: 10 kB of zstd would inflate to GBs.
+            encoding = response.headers.get("content-encoding", "identity")
+            if encoding.strip().lower() not in ("", "identity"):
+                raise StreamFormatError(
+                    f"{where}: expected no content-encoding (identity), got '{peer_text(encoding, 40)}'"
+                )
             parser = StreamParser(settings, where=where)
             metadata: ChunkMetadata | None = response_metadata(served, settings.model)
             fragments = chars = 0
             first_token: float | None = None
-            async for data in response.aiter_bytes():
+            async for data in response.aiter_raw():
                 for delta in parser.feed(data):
                     await output.write(delta, metadata=metadata)
                     metadata = None

@@ -6,6 +6,7 @@ whose behaviour is chosen by the request's ``model``: error statuses, broken str
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -174,6 +175,14 @@ async def scripted_upstream(scope: dict[str, Any], receive: Any, send: Any) -> N
     elif model == "deep-503":
         await start(503, "application/json")
         await chunk(b'{"error": ' + b"[" * 60_000, False)
+    elif model == "gzip":
+        headers = [(b"content-type", b"text/event-stream"), (b"content-encoding", b"gzip")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await chunk(gzip.compress(_token("one") + _token(" two") + _sse("[DONE]")), False)
+    elif model == "gzip-503":
+        headers = [(b"content-type", b"text/plain"), (b"content-encoding", b"gzip")]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await chunk(gzip.compress(b"x" * 1_000_000), False)
     elif model == "bad-utf8":
         await start(200)
         await chunk(b"data: \xff\xfe\n\n", False)

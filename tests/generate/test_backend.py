@@ -105,6 +105,7 @@ async def test_odd_splits_crlf_and_comments_are_read(scripted: str) -> None:
         ("garbage", StatusCode.INTERNAL, "expected a JSON object or [DONE]"),
         ("bad-utf8", StatusCode.INTERNAL, "expected UTF-8"),
         ("deep", StatusCode.INTERNAL, "expected a data event of JSON nested less deeply in the stream, got '[[["),
+        ("gzip", StatusCode.INTERNAL, "expected no content-encoding (identity), got 'gzip'"),
         ("deep-503", StatusCode.UNAVAILABLE, 'HTTP 503: {"error": [[['),
         ("truncated", StatusCode.UNAVAILABLE, "closed the stream before data: [DONE]"),
         ("stream-error", StatusCode.UNAVAILABLE, "upstream failed in the stream (HTTP 503): scripted overload"),
@@ -116,6 +117,12 @@ async def test_upstream_failures_abort_with_a_clear_status(
     error = await aborted(BackendSettings(scripted, model))
     assert error.code == code
     assert message in error.message and "action GENERATE" in error.message
+
+
+async def test_a_compressed_error_body_is_read_raw_not_inflated(scripted: str) -> None:
+    error = await aborted(BackendSettings(scripted, "gzip-503"))
+    assert error.code == StatusCode.UNAVAILABLE and "HTTP 503: " in error.message
+    assert "xxxxxxxx" not in error.message  # the gzip bytes, not what they inflate to
 
 
 async def test_silence_past_the_read_timeout_is_deadline_exceeded(scripted: str) -> None:
