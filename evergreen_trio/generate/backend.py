@@ -108,6 +108,14 @@ async def _read_some(response: httpx.Response, limit: int) -> bytes:
     return bytes(body[:limit])
 
 
+def _logged(value: object) -> str:
+    """A token count the upstream reported, for the log line: an int as is, a string escaped and cut
+    (it could hold a newline to forge a log line), anything else (or nothing) ``-``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return peer_text(value) if isinstance(value, str) else "-"
+
+
 @dataclass
 class _Attempt:
     """What one upstream request learned, for its log line."""
@@ -142,11 +150,11 @@ class OpenAIBackend:
         except httpx.HTTPError as error:
             failure = _transport_error(error, self.settings, where)
             log.warning("generate.failed served_by=%s code=%s reason=%s",
-                        attempt.served_by or "-", failure.code.name, failure.message)
+                        peer_text(attempt.served_by or "-"), failure.code.name, failure.message)
             raise failure from None
         except BackendError as error:
             log.warning("generate.failed served_by=%s code=%s reason=%s",
-                        attempt.served_by or "-", error.code.name, error.message)
+                        peer_text(attempt.served_by or "-"), error.code.name, error.message)
             raise
 
     async def _stream(self, body: dict[str, Any], output: OutputNode, attempt: _Attempt, where: str) -> None:
@@ -191,9 +199,9 @@ class OpenAIBackend:
         log.info(
             "generate.done served_by=%s model=%s fragments=%d chars=%d prompt_tokens=%s cached_tokens=%s "
             "completion_tokens=%s finish_reason=%s ttft_ms=%.1f total_ms=%.1f",
-            served or "-", settings.model, fragments, chars, usage.get("prompt_tokens", "-"),
-            details.get("cached_tokens", "-") if isinstance(details, dict) else "-",
-            usage.get("completion_tokens", "-"), parser.finish_reason or "-",
+            peer_text(served or "-"), settings.model, fragments, chars, _logged(usage.get("prompt_tokens")),
+            _logged(details.get("cached_tokens")) if isinstance(details, dict) else "-",
+            _logged(usage.get("completion_tokens")), peer_text(parser.finish_reason or "-"),
             ((first_token or now) - attempt.started) * 1000, (now - attempt.started) * 1000,
         )
 

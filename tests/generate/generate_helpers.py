@@ -179,6 +179,11 @@ async def scripted_upstream(scope: dict[str, Any], receive: Any, send: Any) -> N
         headers = [(b"content-type", b"text/event-stream"), (b"content-encoding", b"gzip")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await chunk(gzip.compress(_token("one") + _token(" two") + _sse("[DONE]")), False)
+    elif model == "forged-log":
+        await start(200)
+        choice = {"index": 0, "text": "ok", "finish_reason": "stop\nFORGED line"}
+        usage = {"prompt_tokens": "1\nFORGED", "completion_tokens": [1], "prompt_tokens_details": {"cached_tokens": 2}}
+        await chunk(_sse({"choices": [choice], "usage": usage}) + _sse("[DONE]"), False)
     elif model == "gzip-503":
         headers = [(b"content-type", b"text/plain"), (b"content-encoding", b"gzip")]
         await send({"type": "http.response.start", "status": 503, "headers": headers})

@@ -5,6 +5,7 @@ Every test runs a real Evergreen server and client over gRPC; the upstream is a 
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import AsyncIterator
 
@@ -123,6 +124,15 @@ async def test_a_compressed_error_body_is_read_raw_not_inflated(scripted: str) -
     error = await aborted(BackendSettings(scripted, "gzip-503"))
     assert error.code == StatusCode.UNAVAILABLE and "HTTP 503: " in error.message
     assert "xxxxxxxx" not in error.message  # the gzip bytes, not what they inflate to
+
+
+async def test_the_done_line_escapes_what_the_upstream_chose(scripted: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="evergreen_trio.generate")
+    [answer] = await generate(BackendSettings(scripted, "forged-log"))
+    assert answer.text == "ok"
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generate.done")]
+    assert "\n" not in line
+    assert "prompt_tokens=1\\nFORGED cached_tokens=2 completion_tokens=- finish_reason=stop\\nFORGED line" in line
 
 
 async def test_silence_past_the_read_timeout_is_deadline_exceeded(scripted: str) -> None:
