@@ -174,6 +174,16 @@ async def test_server_keeps_serving_after_bad_requests(client: httpx.AsyncClient
     assert (await client.post("/v1/completions", json={"model": "sim-model", "prompt": "ok"})).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_prompt_with_a_lone_surrogate_is_answered(client: httpx.AsyncClient, path: str) -> None:
+    """It used to end the whole simulator: its step loop could not encode the prompt to UTF-8."""
+    for text in ("\ud800", "x" * 200 + "\udfff" * 100):  # short, and over full KV blocks
+        body: dict[str, object] = {"model": "sim-model", "max_tokens": 2}
+        body |= {"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+        assert (await client.post(path, content=json.dumps(body).encode())).status_code == 200
+    assert (await client.get("/health")).status_code == 200
+
+
 def test_cli_options_build_the_config() -> None:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
