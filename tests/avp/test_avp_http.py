@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -183,6 +184,29 @@ async def test_our_client_refuses_an_answer_nested_too_deep(nursery: trio.Nurser
         with pytest.raises(AVPTransportError, match="expected a JSON object") as caught:
             await client.health()
     assert caught.value.status_code == 200
+
+
+async def test_our_client_refuses_a_compressed_answer(nursery: trio.Nursery) -> None:
+    """It asks for identity and reads the answer raw: a gzip (or zstd) bomb is never inflated."""
+    body = gzip.compress(b'{"status": "ok"}' + b" " * (8 << 20))
+    requests: list[bytes] = []
+
+    async def compressed(stream: trio.SocketStream) -> None:
+        async with stream:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += await stream.receive_some(65536)
+            requests.append(request.lower())
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
+                                  b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    nursery.start_soon(trio.serve_listeners, compressed, [listener])
+    port = listener.socket.getsockname()[1]
+    async with open_avp_client(f"http://127.0.0.1:{port}", timeout_s=10) as client:
+        with pytest.raises(AVPTransportError, match="expected no content-encoding \\(identity\\), got 'gzip'"):
+            await client.health()
+    assert b"\r\naccept-encoding: identity\r\n" in requests[0]
 
 
 async def test_our_server_refuses_with_one_line(ours: str) -> None:
