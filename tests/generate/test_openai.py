@@ -60,6 +60,13 @@ def test_settings_are_validated(fields: dict[str, object], message: str) -> None
         BackendSettings(**{"url": "http://h", "model": "m", **fields})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("key", ["sk-hidden\n", "sk-hidden\r\nx-forged: 1", "sk-hid\x00den", "sk-hiddén", ""])
+def test_an_api_key_that_is_no_header_token_is_refused_without_echoing_it(key: str) -> None:
+    with pytest.raises(BackendConfigError, match="api_key: expected printable ASCII") as caught:
+        BackendSettings("http://h", "m", api_key=key)
+    assert "hid" not in str(caught.value)
+
+
 def test_the_api_key_stays_out_of_repr() -> None:
     assert "secret" not in repr(BackendSettings("http://h", "m", api_key="secret"))
 
