@@ -201,7 +201,12 @@ class StreamParser:
             if text is not None and not isinstance(text, str):
                 raise self._bad("the token text to be a string", text)
             texts.append(text or "")
-        return "".join(texts)
+        delta = "".join(texts)
+        try:
+            delta.encode()  # JSON can spell a lone surrogate ("\\ud800"), which UTF-8 cannot carry
+        except UnicodeEncodeError as error:
+            raise self._bad("token text without lone surrogates", delta[error.start : error.end]) from None
+        return delta
 
     def _stream_error(self, error: object) -> UpstreamStatusError:
         """vLLM reports a failure after the headers as ``data: {"error": {"message", "code"}}``."""

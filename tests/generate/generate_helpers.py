@@ -131,7 +131,11 @@ async def scripted_upstream(scope: dict[str, Any], receive: Any, send: Any) -> N
     ``json`` a 200 that ignores ``stream``; ``empty`` no tokens, just ``[DONE]``; ``garbage`` SSE
     data that is not JSON; ``bad-utf8`` bytes that are not UTF-8; ``truncated`` two tokens and no
     ``[DONE]``; ``stream-error`` a token then vLLM's in-stream error object; ``hang`` a token then
-    silence; ``echo-request`` one token, the request's JSON without ``prompt``/``messages``; anything else
+    silence; ``echo-request`` one token, the request's JSON without ``prompt``/``messages``; ``deep`` SSE
+    data and ``deep-503`` a 503 body, each JSON nested 100,000 levels deep; ``gzip`` two tokens and
+    ``[DONE]`` gzipped, ``gzip-503`` a 503 of 1 MB of ``x`` gzipped to 1 kB (the request asked for
+    ``identity``); ``forged-log`` a token whose finish_reason and usage hold newlines; ``surrogate`` a
+    token holding a lone surrogate; anything else
     two tokens and ``[DONE]`` in an odd split (CRLF line ends, a comment,
     a chunk boundary mid-line).
     """
@@ -179,6 +183,9 @@ async def scripted_upstream(scope: dict[str, Any], receive: Any, send: Any) -> N
         headers = [(b"content-type", b"text/event-stream"), (b"content-encoding", b"gzip")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await chunk(gzip.compress(_token("one") + _token(" two") + _sse("[DONE]")), False)
+    elif model == "surrogate":
+        await start(200)
+        await chunk(_token("ok") + b'data: {"choices": [{"text": "a\\ud800b"}]}\n\n' + _sse("[DONE]"), False)
     elif model == "forged-log":
         await start(200)
         choice = {"index": 0, "text": "ok", "finish_reason": "stop\nFORGED line"}

@@ -106,6 +106,8 @@ async def test_odd_splits_crlf_and_comments_are_read(scripted: str) -> None:
         ("garbage", StatusCode.INTERNAL, "expected a JSON object or [DONE]"),
         ("bad-utf8", StatusCode.INTERNAL, "expected UTF-8"),
         ("deep", StatusCode.INTERNAL, "expected a data event of JSON nested less deeply in the stream, got '[[["),
+        ("surrogate", StatusCode.INTERNAL, "expected token text without lone surrogates in the stream, got "
+         "'\\ud800'"),
         ("gzip", StatusCode.INTERNAL, "expected no content-encoding (identity), got 'gzip'"),
         ("deep-503", StatusCode.UNAVAILABLE, 'HTTP 503: {"error": [[['),
         ("truncated", StatusCode.UNAVAILABLE, "closed the stream before data: [DONE]"),

@@ -152,6 +152,7 @@ def test_the_simulators_stream_parses_byte_by_byte(chat: bool) -> None:
         (b'data: {"error": {"message": "boom", "code": 429}}\n\n', UpstreamStatusError, "HTTP 429\\): boom"),
         (b'data: {"error": "no code"}\n\n', UpstreamStatusError, "HTTP 500\\): no code"),
         (b"data: \xff\n\n", SSEError, "^test: expected UTF-8"),
+        (b'data: {"choices": [{"text": "\\udc80"}]}\n\n', StreamFormatError, "expected token text without lone"),
         (b"data: " + b"x" * 100, ResponseTooLargeError, "at most 64 bytes"),
     ],
 )
