@@ -34,7 +34,7 @@ from evergreen_trio.generate.errors import (
     UpstreamTimeoutError,
     UpstreamUnavailableError,
 )
-from evergreen_trio.generate.openai import PromptPart, StreamParser, request_body, upstream_error
+from evergreen_trio.generate.openai import MESSAGE_CHARS, PromptPart, StreamParser, request_body, upstream_error
 from evergreen_trio.generate.params import parse_configs
 from evergreen_trio.nodes import SERVER_ROLE
 from evergreen_trio.nursery_session import ActionContext, InputStream, OutputNode, describe
@@ -88,6 +88,8 @@ async def read_prompt(stream: InputStream, max_bytes: int, *, where: str) -> tup
 
 def _transport_error(error: httpx.HTTPError, settings: BackendSettings, where: str) -> BackendError:
     upstream = settings.endpoint
+    # h11 quotes what it could not parse (a 100 kB chunk header), so the peer's text is cut and escaped.
+    reason = f"{type(error).__name__}: {peer_text(str(error), MESSAGE_CHARS)}"
     if isinstance(error, httpx.ConnectTimeout | httpx.PoolTimeout):
         return UpstreamUnavailableError(
             f"{where}: could not get a connection to {upstream} within {settings.connect_timeout_s}s"
@@ -95,8 +97,8 @@ def _transport_error(error: httpx.HTTPError, settings: BackendSettings, where: s
     if isinstance(error, httpx.TimeoutException):
         return UpstreamTimeoutError(f"{where}: {upstream} sent nothing for {settings.read_timeout_s}s")
     if isinstance(error, httpx.TransportError):
-        return UpstreamUnavailableError(f"{where}: {upstream} failed: {type(error).__name__}: {error}")
-    return StreamFormatError(f"{where}: {upstream} sent an unreadable response: {type(error).__name__}: {error}")
+        return UpstreamUnavailableError(f"{where}: {upstream} failed: {reason}")
+    return StreamFormatError(f"{where}: {upstream} sent an unreadable response: {reason}")
 
 
 async def _read_some(response: httpx.Response, limit: int) -> bytes:
@@ -167,7 +169,9 @@ class OpenAIBackend:
                 )
             content_type = response.headers.get("content-type", "")
             if not content_type.startswith("text/event-stream"):
-                raise StreamFormatError(f"{where}: expected content-type text/event-stream, got {content_type!r}")
+                raise StreamFormatError(
+                    f"{where}: expected content-type text/event-stream, got '{peer_text(content_type, MESSAGE_CHARS)}'"
+                )
             # We sent accept-encoding: identity, and read raw bytes: 10 kB of zstd would inflate to GBs.
             encoding = response.headers.get("content-encoding", "identity")
             if encoding.strip().lower() not in ("", "identity"):

@@ -135,7 +135,7 @@ async def scripted_upstream(scope: dict[str, Any], receive: Any, send: Any) -> N
     data and ``deep-503`` a 503 body, each JSON nested 100,000 levels deep; ``gzip`` two tokens and
     ``[DONE]`` gzipped, ``gzip-503`` a 503 of 1 MB of ``x`` gzipped to 1 kB (the request asked for
     ``identity``); ``forged-log`` a token whose finish_reason and usage hold newlines; ``surrogate`` a
-    token holding a lone surrogate; anything else
+    token holding a lone surrogate; ``long-content-type`` a 200 whose content-type is 50 kB long; anything else
     two tokens and ``[DONE]`` in an odd split (CRLF line ends, a comment,
     a chunk boundary mid-line).
     """
@@ -183,6 +183,9 @@ async def scripted_upstream(scope: dict[str, Any], receive: Any, send: Any) -> N
         headers = [(b"content-type", b"text/event-stream"), (b"content-encoding", b"gzip")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await chunk(gzip.compress(_token("one") + _token(" two") + _sse("[DONE]")), False)
+    elif model == "long-content-type":
+        await start(200, "application/" + "x" * 50_000)
+        await chunk(b"{}", False)
     elif model == "surrogate":
         await start(200)
         await chunk(_token("ok") + b'data: {"choices": [{"text": "a\\ud800b"}]}\n\n' + _sse("[DONE]"), False)

@@ -137,6 +137,35 @@ async def test_the_done_line_escapes_what_the_upstream_chose(scripted: str, capl
     assert "prompt_tokens=1\\nFORGED cached_tokens=2 completion_tokens=- finish_reason=stop\\nFORGED line" in line
 
 
+async def test_an_unparsable_response_logs_a_short_line(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """h11 quotes a bad chunk header whole (up to 100 kB, 400 kB as a repr): the line keeps 300 chars of it."""
+    async def bad_chunk(stream: trio.SocketStream) -> None:
+        async with stream:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += await stream.receive_some(65536)
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                  b"transfer-encoding: chunked\r\n\r\n" + b"\x01" * 90_000 + b"\r\n")
+
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    nursery.start_soon(trio.serve_listeners, bad_chunk, [listener])
+    caplog.set_level(logging.WARNING, logger="evergreen_trio.generate")
+    error = await aborted(BackendSettings(f"http://127.0.0.1:{listener.socket.getsockname()[1]}", "m"))
+    assert error.code == StatusCode.UNAVAILABLE and "RemoteProtocolError: illegal chunk header" in error.message
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generate.failed")]
+    assert len(line) < 2000 and "..." in line
+
+
+async def test_a_long_content_type_logs_a_short_line(scripted: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="evergreen_trio.generate")
+    error = await aborted(BackendSettings(scripted, "long-content-type"))
+    assert error.code == StatusCode.INTERNAL and "got 'application/xxx" in error.message
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generate.failed")]
+    assert len(line) < 2000 and "xxx..." in line
+
+
 async def test_silence_past_the_read_timeout_is_deadline_exceeded(scripted: str) -> None:
     error = await aborted(BackendSettings(scripted, "hang", read_timeout_s=0.2))
     assert error.code == StatusCode.DEADLINE_EXCEEDED
