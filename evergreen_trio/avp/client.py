@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from evergreen_trio._extras import require_extra
+from evergreen_trio._logsafe import peer_text
 
 require_extra("avp", __name__, ("httpx",))
 
@@ -51,6 +52,7 @@ class AVPHttpClient:
             "content-type": content_type,
             "avp-version": binding.AVP_VERSION_HEADER,
             "avp-agent-id": self.hello.agent_id,
+            "accept-encoding": "identity",
         }
         if self._token:
             headers["authorization"] = f"Bearer {self._token}"
@@ -61,8 +63,13 @@ class AVPHttpClient:
             async with self._client.stream(
                 method, path, content=content, headers=self._headers(content_type or binding.JSON_CONTENT_TYPE)
             ) as response:
+                # Raw bytes, never inflated: 10 kB of zstd would be GBs before the cap below is checked.
+                encoding = response.headers.get("content-encoding", "identity")
+                if encoding.strip().lower() not in ("", "identity"):
+                    raise AVPTransportError(f"{path}: expected no content-encoding (identity), "
+                                            f"got '{peer_text(encoding, 40)}'", status_code=response.status_code)
                 body = bytearray()
-                async for data in response.aiter_bytes():
+                async for data in response.aiter_raw():
                     body += data
                     if len(body) > MAX_ANSWER_BYTES:
                         raise AVPTransportError(f"{path}: expected an answer of at most {MAX_ANSWER_BYTES} bytes")

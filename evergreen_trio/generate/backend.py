@@ -24,6 +24,7 @@ import trio
 from google.protobuf.any_pb2 import Any as AnyProto
 from google.protobuf.struct_pb2 import Struct
 
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import ChunkMetadata
 from evergreen_trio.generate.config import BackendSettings
 from evergreen_trio.generate.errors import (
@@ -33,7 +34,7 @@ from evergreen_trio.generate.errors import (
     UpstreamTimeoutError,
     UpstreamUnavailableError,
 )
-from evergreen_trio.generate.openai import PromptPart, StreamParser, request_body, upstream_error
+from evergreen_trio.generate.openai import MESSAGE_CHARS, PromptPart, StreamParser, request_body, upstream_error
 from evergreen_trio.generate.params import parse_configs
 from evergreen_trio.nodes import SERVER_ROLE
 from evergreen_trio.nursery_session import ActionContext, InputStream, OutputNode, describe
@@ -87,6 +88,8 @@ async def read_prompt(stream: InputStream, max_bytes: int, *, where: str) -> tup
 
 def _transport_error(error: httpx.HTTPError, settings: BackendSettings, where: str) -> BackendError:
     upstream = settings.endpoint
+    # h11 quotes what it could not parse (a 100 kB chunk header), so the peer's text is cut and escaped.
+    reason = f"{type(error).__name__}: {peer_text(str(error), MESSAGE_CHARS)}"
     if isinstance(error, httpx.ConnectTimeout | httpx.PoolTimeout):
         return UpstreamUnavailableError(
             f"{where}: could not get a connection to {upstream} within {settings.connect_timeout_s}s"
@@ -94,17 +97,25 @@ def _transport_error(error: httpx.HTTPError, settings: BackendSettings, where: s
     if isinstance(error, httpx.TimeoutException):
         return UpstreamTimeoutError(f"{where}: {upstream} sent nothing for {settings.read_timeout_s}s")
     if isinstance(error, httpx.TransportError):
-        return UpstreamUnavailableError(f"{where}: {upstream} failed: {type(error).__name__}: {error}")
-    return StreamFormatError(f"{where}: {upstream} sent an unreadable response: {type(error).__name__}: {error}")
+        return UpstreamUnavailableError(f"{where}: {upstream} failed: {reason}")
+    return StreamFormatError(f"{where}: {upstream} sent an unreadable response: {reason}")
 
 
 async def _read_some(response: httpx.Response, limit: int) -> bytes:
     body = bytearray()
-    async for data in response.aiter_bytes():
+    async for data in response.aiter_raw():  # raw: a compressed body must not inflate past the limit
         body += data
         if len(body) >= limit:
             break
     return bytes(body[:limit])
+
+
+def _logged(value: object) -> str:
+    """A token count the upstream reported, for the log line: an int as is, a string escaped and cut
+    (it could hold a newline to forge a log line), anything else (or nothing) ``-``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return peer_text(value) if isinstance(value, str) else "-"
 
 
 @dataclass
@@ -141,11 +152,11 @@ class OpenAIBackend:
         except httpx.HTTPError as error:
             failure = _transport_error(error, self.settings, where)
             log.warning("generate.failed served_by=%s code=%s reason=%s",
-                        attempt.served_by or "-", failure.code.name, failure.message)
+                        peer_text(attempt.served_by or "-"), failure.code.name, failure.message)
             raise failure from None
         except BackendError as error:
             log.warning("generate.failed served_by=%s code=%s reason=%s",
-                        attempt.served_by or "-", error.code.name, error.message)
+                        peer_text(attempt.served_by or "-"), error.code.name, error.message)
             raise
 
     async def _stream(self, body: dict[str, Any], output: OutputNode, attempt: _Attempt, where: str) -> None:
@@ -158,12 +169,20 @@ class OpenAIBackend:
                 )
             content_type = response.headers.get("content-type", "")
             if not content_type.startswith("text/event-stream"):
-                raise StreamFormatError(f"{where}: expected content-type text/event-stream, got {content_type!r}")
+                raise StreamFormatError(
+                    f"{where}: expected content-type text/event-stream, got '{peer_text(content_type, MESSAGE_CHARS)}'"
+                )
+            # We sent accept-encoding: identity, and read raw bytes: 10 kB of zstd would inflate to GBs.
+            encoding = response.headers.get("content-encoding", "identity")
+            if encoding.strip().lower() not in ("", "identity"):
+                raise StreamFormatError(
+                    f"{where}: expected no content-encoding (identity), got '{peer_text(encoding, 40)}'"
+                )
             parser = StreamParser(settings, where=where)
             metadata: ChunkMetadata | None = response_metadata(served, settings.model)
             fragments = chars = 0
             first_token: float | None = None
-            async for data in response.aiter_bytes():
+            async for data in response.aiter_raw():
                 for delta in parser.feed(data):
                     await output.write(delta, metadata=metadata)
                     metadata = None
@@ -184,9 +203,9 @@ class OpenAIBackend:
         log.info(
             "generate.done served_by=%s model=%s fragments=%d chars=%d prompt_tokens=%s cached_tokens=%s "
             "completion_tokens=%s finish_reason=%s ttft_ms=%.1f total_ms=%.1f",
-            served or "-", settings.model, fragments, chars, usage.get("prompt_tokens", "-"),
-            details.get("cached_tokens", "-") if isinstance(details, dict) else "-",
-            usage.get("completion_tokens", "-"), parser.finish_reason or "-",
+            peer_text(served or "-"), settings.model, fragments, chars, _logged(usage.get("prompt_tokens")),
+            _logged(details.get("cached_tokens")) if isinstance(details, dict) else "-",
+            _logged(usage.get("completion_tokens")), peer_text(parser.finish_reason or "-"),
             ((first_token or now) - attempt.started) * 1000, (now - attempt.started) * 1000,
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
@@ -13,6 +14,7 @@ Api = Literal["completions", "chat"]
 """The OpenAI API a backend speaks: ``/completions`` or ``/chat/completions``."""
 APIS: tuple[Api, ...] = ("completions", "chat")
 """Every ``Api`` value, for validation and help texts."""
+_TOKEN = re.compile(r"[\x21-\x7e]+")
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class BackendSettings:
     include_usage: bool = True
     """Ask for ``stream_options.include_usage`` (token counts in the log line)."""
     api_key: str | None = field(default=None, repr=False)
-    """Sent as ``Authorization: Bearer ...`` when set."""
+    """Sent as ``Authorization: Bearer ...`` when set: printable ASCII, no spaces (a token)."""
     served_by_header: str = "x-served-by"
     """Response header naming the model server that answered (the simulator and the demo set it)."""
     connect_timeout_s: float = 5.0
@@ -65,6 +67,12 @@ class BackendSettings:
             raise BackendConfigError(f"api: expected one of {', '.join(APIS)}, got {self.api!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise BackendConfigError(f"max_tokens: expected >= 1 or None, got {self.max_tokens}")
+        if self.api_key is not None and not _TOKEN.fullmatch(self.api_key):
+            # Never echo the key: httpx's error for a bad header value quoted it to every client.
+            raise BackendConfigError(
+                f"api_key: expected printable ASCII without spaces or line ends, got {len(self.api_key)} "
+                "characters that are not (a trailing newline from a secret file?)"
+            )
         if not self.served_by_header:
             raise BackendConfigError("served_by_header: expected a header name, got ''")
         for name in ("connect_timeout_s", "read_timeout_s", "total_timeout_s"):

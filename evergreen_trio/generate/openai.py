@@ -98,7 +98,7 @@ def error_message(body: bytes) -> str:
     text = body.decode("utf-8", errors="replace")
     try:
         document = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: arrays or objects nested too deep
         return _printable(text) or "(empty body)"
     if isinstance(document, dict):
         error = document.get("error", document)
@@ -156,7 +156,10 @@ class StreamParser:
             if event.data == DONE:
                 self.done = True
                 break
-            delta = self._delta(event.data)
+            try:
+                delta = self._delta(event.data)
+            except RecursionError:  # json.loads (or repr, json.dumps of what it made) of a deep nesting
+                raise self._bad("a data event of JSON nested less deeply", event.data) from None
             if delta:
                 deltas.append(delta)
         return deltas
@@ -198,7 +201,12 @@ class StreamParser:
             if text is not None and not isinstance(text, str):
                 raise self._bad("the token text to be a string", text)
             texts.append(text or "")
-        return "".join(texts)
+        delta = "".join(texts)
+        try:
+            delta.encode()  # JSON can spell a lone surrogate ("\\ud800"), which UTF-8 cannot carry
+        except UnicodeEncodeError as error:
+            raise self._bad("token text without lone surrogates", delta[error.start : error.end]) from None
+        return delta
 
     def _stream_error(self, error: object) -> UpstreamStatusError:
         """vLLM reports a failure after the headers as ``data: {"error": {"message", "code"}}``."""

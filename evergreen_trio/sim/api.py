@@ -84,7 +84,7 @@ def parse_request(path: str, body: bytes, config: SimConfig) -> ParsedRequest:
     chat = path == CHAT_COMPLETIONS
     try:
         document = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # not UTF-8, not JSON, or an integer of over 4300 digits
         raise _bad(f"request body must be a JSON object: {exc}") from None
     except RecursionError:
         raise _bad("request body must be a JSON object: nesting too deep") from None

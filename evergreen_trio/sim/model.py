@@ -37,21 +37,24 @@ def block_hashes(prompt: str, salt: str, config: SimConfig) -> list[int]:
     """Chained hashes of the prompt's full KV blocks, seeded with the model or adapter name.
 
     The block holding the last prompt token never counts: vLLM always computes at least
-    one token, so a fully cached prompt still has one token to prefill.
+    one token, so a fully cached prompt still has one token to prefill. A lone surrogate
+    (JSON's ``"\\ud800"``) is hashed as its code unit, as the render endpoints do.
     """
     full_blocks = (count_tokens(prompt, config) - 1) // config.block_size
     previous = xxhash.xxh64_intdigest(salt.encode())
     hashes = []
     for index in range(full_blocks):
         chunk = prompt[index * config.block_chars : (index + 1) * config.block_chars]
-        previous = xxhash.xxh64_intdigest(chunk.encode(), seed=previous)
+        previous = xxhash.xxh64_intdigest(chunk.encode("utf-8", "surrogatepass"), seed=previous)
         hashes.append(previous)
     return hashes
 
 
 def reply_words(prompt: str, seed: int, count: int) -> list[str]:
-    """A deterministic reply for (seed, prompt): ``count`` short words, one per token."""
-    rng = random.Random(xxhash.xxh64_intdigest(prompt.encode(), seed=seed & 0xFFFF_FFFF_FFFF_FFFF))
+    """A deterministic reply for (seed, prompt): ``count`` short words, one per token. Any ``str`` is a
+    prompt: a lone surrogate is hashed as its code unit."""
+    data = prompt.encode("utf-8", "surrogatepass")
+    rng = random.Random(xxhash.xxh64_intdigest(data, seed=seed & 0xFFFF_FFFF_FFFF_FFFF))
     return [rng.choice(_WORDS) for _ in range(count)]
 
 

@@ -35,7 +35,7 @@ def _token_ids(text: str, config: SimConfig) -> list[int]:
 def _document(body: bytes, config: SimConfig) -> dict[str, Any]:
     try:
         document = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # ValueError: not UTF-8, not JSON, an integer of over 4300 digits
         raise SimRequestError(400, "request body must be a JSON object") from None
     if not isinstance(document, dict):
         raise SimRequestError(400, f"request body must be a JSON object, got {type(document).__name__}")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -164,16 +165,20 @@ async def test_our_client_speaks_http2_to_the_reference_app(reference_agent: str
         assert response.http_version == "HTTP/2"
 
 
-async def answering(nursery: trio.Nursery, body: bytes) -> str:
-    """A server answering every request with ``body`` (JSON, HTTP 200); its base URL."""
+async def answering(nursery: trio.Nursery, body: bytes, headers: bytes = b"",
+                    requests: list[bytes] | None = None) -> str:
+    """A server answering every request with ``body`` (JSON, HTTP 200, with ``headers`` too); its base
+    URL. Each request's head, lowercased, goes to ``requests``."""
 
     async def answer(stream: trio.SocketStream) -> None:
         async with stream:
             request = b""
             while b"\r\n\r\n" not in request:
                 request += await stream.receive_some(65536)
-            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                                  b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+            if requests is not None:
+                requests.append(request.lower())
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n%s"
+                                  b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (headers, len(body), body))
 
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
     nursery.start_soon(trio.serve_listeners, answer, [listener])
@@ -208,6 +213,17 @@ async def test_our_client_keeps_a_finite_handshake_ttl(nursery: trio.Nursery) ->
     async with open_avp_client(url, identity=LLAMA, timeout_s=10) as client:
         session = await client.handshake()
     assert (session.session_id, session.ttl_s) == ("s", 5.5)
+
+
+async def test_our_client_refuses_a_compressed_answer(nursery: trio.Nursery) -> None:
+    """It asks for identity and reads the answer raw: a gzip (or zstd) bomb is never inflated."""
+    body = gzip.compress(b'{"status": "ok"}' + b" " * (8 << 20))
+    requests: list[bytes] = []
+    url = await answering(nursery, body, b"content-encoding: gzip\r\n", requests)
+    async with open_avp_client(url, timeout_s=10) as client:
+        with pytest.raises(AVPTransportError, match="expected no content-encoding \\(identity\\), got 'gzip'"):
+            await client.health()
+    assert b"\r\naccept-encoding: identity\r\n" in requests[0]
 
 
 async def test_our_server_refuses_with_one_line(ours: str) -> None:
@@ -261,7 +277,7 @@ async def test_an_upload_refused_at_its_head_still_gets_the_answer(ours: str) ->
         answer = b""
         while chunk := await stream.receive_some(65536):
             answer += chunk
-    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
 
 
 async def test_an_answer_before_the_body_says_the_connection_closes(ours: str) -> None:

@@ -6,6 +6,7 @@ whose behaviour is chosen by the request's ``model``: error statuses, broken str
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -130,7 +131,11 @@ async def scripted_upstream(scope: dict[str, Any], receive: Any, send: Any) -> N
     ``json`` a 200 that ignores ``stream``; ``empty`` no tokens, just ``[DONE]``; ``garbage`` SSE
     data that is not JSON; ``bad-utf8`` bytes that are not UTF-8; ``truncated`` two tokens and no
     ``[DONE]``; ``stream-error`` a token then vLLM's in-stream error object; ``hang`` a token then
-    silence; ``echo-request`` one token, the request's JSON without ``prompt``/``messages``; anything else
+    silence; ``echo-request`` one token, the request's JSON without ``prompt``/``messages``; ``deep`` SSE
+    data and ``deep-503`` a 503 body, each JSON nested 100,000 levels deep; ``gzip`` two tokens and
+    ``[DONE]`` gzipped, ``gzip-503`` a 503 of 1 MB of ``x`` gzipped to 1 kB (the request asked for
+    ``identity``); ``forged-log`` a token whose finish_reason and usage hold newlines; ``surrogate`` a
+    token holding a lone surrogate; ``long-content-type`` a 200 whose content-type is 50 kB long; anything else
     two tokens and ``[DONE]`` in an odd split (CRLF line ends, a comment,
     a chunk boundary mid-line).
     """
@@ -168,6 +173,31 @@ async def scripted_upstream(scope: dict[str, Any], receive: Any, send: Any) -> N
     elif model == "garbage":
         await start(200)
         await chunk(_token("ok") + b"data: {not json\n\n", False)
+    elif model == "deep":
+        await start(200)
+        await chunk(b"data: " + b"[" * 100_000 + b"\n\n", False)
+    elif model == "deep-503":
+        await start(503, "application/json")
+        await chunk(b'{"error": ' + b"[" * 60_000, False)
+    elif model == "gzip":
+        headers = [(b"content-type", b"text/event-stream"), (b"content-encoding", b"gzip")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await chunk(gzip.compress(_token("one") + _token(" two") + _sse("[DONE]")), False)
+    elif model == "long-content-type":
+        await start(200, "application/" + "x" * 50_000)
+        await chunk(b"{}", False)
+    elif model == "surrogate":
+        await start(200)
+        await chunk(_token("ok") + b'data: {"choices": [{"text": "a\\ud800b"}]}\n\n' + _sse("[DONE]"), False)
+    elif model == "forged-log":
+        await start(200)
+        choice = {"index": 0, "text": "ok", "finish_reason": "stop\nFORGED line"}
+        usage = {"prompt_tokens": "1\nFORGED", "completion_tokens": [1], "prompt_tokens_details": {"cached_tokens": 2}}
+        await chunk(_sse({"choices": [choice], "usage": usage}) + _sse("[DONE]"), False)
+    elif model == "gzip-503":
+        headers = [(b"content-type", b"text/plain"), (b"content-encoding", b"gzip")]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await chunk(gzip.compress(b"x" * 1_000_000), False)
     elif model == "bad-utf8":
         await start(200)
         await chunk(b"data: \xff\xfe\n\n", False)

@@ -5,6 +5,7 @@ Every test runs a real Evergreen server and client over gRPC; the upstream is a 
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import AsyncIterator
 
@@ -104,6 +105,11 @@ async def test_odd_splits_crlf_and_comments_are_read(scripted: str) -> None:
         ("json", StatusCode.INTERNAL, "expected content-type text/event-stream, got 'application/json'"),
         ("garbage", StatusCode.INTERNAL, "expected a JSON object or [DONE]"),
         ("bad-utf8", StatusCode.INTERNAL, "expected UTF-8"),
+        ("deep", StatusCode.INTERNAL, "expected a data event of JSON nested less deeply in the stream, got '[[["),
+        ("surrogate", StatusCode.INTERNAL, "expected token text without lone surrogates in the stream, got "
+         "'\\ud800'"),
+        ("gzip", StatusCode.INTERNAL, "expected no content-encoding (identity), got 'gzip'"),
+        ("deep-503", StatusCode.UNAVAILABLE, 'HTTP 503: {"error": [[['),
         ("truncated", StatusCode.UNAVAILABLE, "closed the stream before data: [DONE]"),
         ("stream-error", StatusCode.UNAVAILABLE, "upstream failed in the stream (HTTP 503): scripted overload"),
     ],
@@ -114,6 +120,50 @@ async def test_upstream_failures_abort_with_a_clear_status(
     error = await aborted(BackendSettings(scripted, model))
     assert error.code == code
     assert message in error.message and "action GENERATE" in error.message
+
+
+async def test_a_compressed_error_body_is_read_raw_not_inflated(scripted: str) -> None:
+    error = await aborted(BackendSettings(scripted, "gzip-503"))
+    assert error.code == StatusCode.UNAVAILABLE and "HTTP 503: " in error.message
+    assert "xxxxxxxx" not in error.message  # the gzip bytes, not what they inflate to
+
+
+async def test_the_done_line_escapes_what_the_upstream_chose(scripted: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="evergreen_trio.generate")
+    [answer] = await generate(BackendSettings(scripted, "forged-log"))
+    assert answer.text == "ok"
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generate.done")]
+    assert "\n" not in line
+    assert "prompt_tokens=1\\nFORGED cached_tokens=2 completion_tokens=- finish_reason=stop\\nFORGED line" in line
+
+
+async def test_an_unparsable_response_logs_a_short_line(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """h11 quotes a bad chunk header whole (up to 100 kB, 400 kB as a repr): the line keeps 300 chars of it."""
+    async def bad_chunk(stream: trio.SocketStream) -> None:
+        async with stream:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += await stream.receive_some(65536)
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                  b"transfer-encoding: chunked\r\n\r\n" + b"\x01" * 90_000 + b"\r\n")
+
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    nursery.start_soon(trio.serve_listeners, bad_chunk, [listener])
+    caplog.set_level(logging.WARNING, logger="evergreen_trio.generate")
+    error = await aborted(BackendSettings(f"http://127.0.0.1:{listener.socket.getsockname()[1]}", "m"))
+    assert error.code == StatusCode.UNAVAILABLE and "RemoteProtocolError: illegal chunk header" in error.message
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generate.failed")]
+    assert len(line) < 2000 and "..." in line
+
+
+async def test_a_long_content_type_logs_a_short_line(scripted: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="evergreen_trio.generate")
+    error = await aborted(BackendSettings(scripted, "long-content-type"))
+    assert error.code == StatusCode.INTERNAL and "got 'application/xxx" in error.message
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generate.failed")]
+    assert len(line) < 2000 and "xxx..." in line
 
 
 async def test_silence_past_the_read_timeout_is_deadline_exceeded(scripted: str) -> None:

@@ -60,6 +60,13 @@ def test_settings_are_validated(fields: dict[str, object], message: str) -> None
         BackendSettings(**{"url": "http://h", "model": "m", **fields})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("key", ["sk-hidden\n", "sk-hidden\r\nx-forged: 1", "sk-hid\x00den", "sk-hiddén", ""])
+def test_an_api_key_that_is_no_header_token_is_refused_without_echoing_it(key: str) -> None:
+    with pytest.raises(BackendConfigError, match="api_key: expected printable ASCII") as caught:
+        BackendSettings("http://h", "m", api_key=key)
+    assert "hid" not in str(caught.value)
+
+
 def test_the_api_key_stays_out_of_repr() -> None:
     assert "secret" not in repr(BackendSettings("http://h", "m", api_key="secret"))
 
@@ -145,6 +152,7 @@ def test_the_simulators_stream_parses_byte_by_byte(chat: bool) -> None:
         (b'data: {"error": {"message": "boom", "code": 429}}\n\n', UpstreamStatusError, "HTTP 429\\): boom"),
         (b'data: {"error": "no code"}\n\n', UpstreamStatusError, "HTTP 500\\): no code"),
         (b"data: \xff\n\n", SSEError, "^test: expected UTF-8"),
+        (b'data: {"choices": [{"text": "\\udc80"}]}\n\n', StreamFormatError, "expected token text without lone"),
         (b"data: " + b"x" * 100, ResponseTooLargeError, "at most 64 bytes"),
     ],
 )

@@ -155,6 +155,10 @@ async def test_a_client_that_hangs_up_frees_its_slot(client: httpx.AsyncClient) 
         ("POST", "/v1/completions", b"x" * (64 * 1024 + 1), 413, "larger than the limit of 65536 bytes"),
         ("POST", "/v1/completions", b'{"model": "sim-model", "prompt": "x", "max_tokens": 9000}', 400,
          "maximum context length"),
+        ("POST", "/v1/completions", b'{"model": "sim-model", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}",
+         400, "request body must be a JSON object: Exceeds the limit (4300 digits)"),
+        ("POST", "/v1/chat/completions/render", b'{"model": "sim-model", "n": 1' + b"0" * 5000 + b"}", 400,
+         "request body must be a JSON object"),
         ("GET", "/v1/completions", b"", 405, "takes POST"),
         ("GET", "/nope", b"", 404, "no route for /nope"),
     ],
@@ -172,6 +176,16 @@ async def test_server_keeps_serving_after_bad_requests(client: httpx.AsyncClient
     for content in (b"", b"\x00\xff", b"[]", b'{"model": 1}', b"{" * 5000):
         assert (await client.post("/v1/chat/completions", content=content)).status_code == 400
     assert (await client.post("/v1/completions", json={"model": "sim-model", "prompt": "ok"})).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_prompt_with_a_lone_surrogate_is_answered(client: httpx.AsyncClient, path: str) -> None:
+    """It used to end the whole simulator: its step loop could not encode the prompt to UTF-8."""
+    for text in ("\ud800", "x" * 200 + "\udfff" * 100):  # short, and over full KV blocks
+        body: dict[str, object] = {"model": "sim-model", "max_tokens": 2}
+        body |= {"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+        assert (await client.post(path, content=json.dumps(body).encode())).status_code == 200
+    assert (await client.get("/health")).status_code == 200
 
 
 def test_cli_options_build_the_config() -> None:
