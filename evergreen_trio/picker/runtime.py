@@ -29,6 +29,7 @@ from evergreen_trio._grpc.health import ServerHealth
 from evergreen_trio._grpc.server import GracefulStop, SSLContextSource, serve_grpc
 from evergreen_trio._grpc.server_wire import SyncBidiMethod, WireLimits
 from evergreen_trio._http import HttpGetError, HttpResponse, KeepAliveGetter
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio.errors import plain_errors
 from evergreen_trio.picker.burst_shell import seal_windows
 from evergreen_trio.picker.config import Endpoint, PickerConfig
@@ -225,7 +226,9 @@ async def _scrape_forever(
                     else:
                         errors.poll_error(METRICS_SOURCE)
                 if was_ready:
-                    log.warning("picker.endpoint_not_ready endpoint=%s error=%s", endpoint.address, exc or "timeout")
+                    # The error may quote the bytes h11 could not parse: one escaped, bounded token.
+                    log.warning("picker.endpoint_not_ready endpoint=%s error=%s", endpoint.address,
+                                peer_text(str(exc) or "timeout", 300))
                 was_ready = False
             after_scrape()
             await trio.sleep(config.pool.refresh_interval_s)

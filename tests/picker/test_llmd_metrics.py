@@ -423,6 +423,36 @@ async def test_a_count_label_that_is_no_plain_number_is_unknown_and_the_scraper_
     assert (state.metrics.block_size, state.metrics.num_blocks, state.metrics.max_lora) == (None, 8, 0)
 
 
+async def test_a_scrape_that_fails_on_a_long_bad_answer_is_logged_as_one_short_line(
+        nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
+    # h11 quotes the bytes it could not parse: a 16 KiB header line made a 16 KiB warning.
+    page = render_metrics("vllm", EndpointMetrics()).encode()
+    answers = [b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (len(page), page)]
+
+    async def answer(stream: trio.SocketStream) -> None:
+        async with stream:
+            await stream.receive_some(65536)
+            await stream.send_all(answers.pop() if answers else b"HTTP/1.1 200 OK\r\n" + b"x" * 15000 + b"\r\n\r\n")
+
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    nursery.start_soon(trio.serve_listeners, answer, [listener])
+    port = listener.socket.getsockname()[1]
+    config = parse_config(f"pool: {{name: p, endpoints: ['127.0.0.1:{port}'], refreshMetricsInterval: 5ms}}")
+    snapshot = PoolSnapshot((), config.pool.staleness_threshold_s, trio.current_time)
+    scrapes, failed = [], trio.Event()
+
+    def after_scrape() -> None:  # the first scrape is ready, the second fails and logs
+        scrapes.append(1)
+        if len(scrapes) == 2:
+            failed.set()
+
+    Scrapers(nursery, config, snapshot, after_scrape).sync(config.pool.endpoints)
+    with trio.fail_after(10):
+        await failed.wait()
+    [line] = [r.getMessage() for r in caplog.records if "picker.endpoint_not_ready" in r.getMessage()]
+    assert len(line) < 600 and "\n" not in line
+
+
 # -- flow control's per-request metrics ------------------------------------------------------------------
 
 
