@@ -266,8 +266,10 @@ def test_prompts_past_the_cap_cost_no_python_work_and_are_packed_as_one() -> Non
         api_prompt(Api.COMPLETIONS, body)
 
     route(10 * MAX_PROMPTS)  # first-use work (caches, lazy imports) out of the count
-    # (10x and 100x: both rests fill the 256 blocks hashed a prompt)
-    assert _python_steps(lambda: route(10 * MAX_PROMPTS)) == _python_steps(lambda: route(100 * MAX_PROMPTS))
+    # 10x and 100x (both rests fill the 256 blocks hashed a prompt): per-prompt work would cost the
+    # second ten times the lines; a few lines either way are the collector's callbacks and the like.
+    small, large = _python_steps(lambda: route(10 * MAX_PROMPTS)), _python_steps(lambda: route(100 * MAX_PROMPTS))
+    assert large <= small + small // 100
     tokens = produce({"prompt": [f"{i:04d}" for i in range(MAX_PROMPTS + 100)]}, "completions")
     assert len(tokens.prompts) == MAX_PROMPTS + 1
     assert [p.token_count for p in tokens.prompts[-2:]] == [1, 100]  # the rest: 400 bytes, packed as one
