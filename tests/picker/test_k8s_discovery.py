@@ -3,9 +3,10 @@ the pool and its pods, and survives watch expiry, API server restarts and outage
 
 from __future__ import annotations
 
+import gzip
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,10 @@ from kube_fakes import (
     write_kubeconfig,
 )
 
+from evergreen_trio._http import HttpResponse
 from evergreen_trio.picker.config import Endpoint, PoolConfig
 from evergreen_trio.picker.k8s import ClusterAccess, PoolRef, parse_selector, pool_discovery
+from evergreen_trio.picker.k8s import access as access_module
 from evergreen_trio.picker.k8s import discovery as discovery_module
 
 
@@ -149,3 +152,63 @@ async def test_endpoints_are_capped(nursery: trio.Nursery, api: KubeApiServer, t
         api.put(PODS, pod(f"m-{i}", f"10.0.0.{i + 1}"))
     seen = await start(nursery, api, tmp_path)
     await eventually(lambda: seen.last == ["10.0.0.1:8000", "10.0.0.2:8000"])
+
+
+class EndlessPodWatch(KubeApiServer):
+    """Answers every pod watch with one line that never ends, as fast as it can."""
+
+    async def _events(self, collection: str, namespace: str, query: Mapping[str, str], start: int | None,
+                      timeout_s: float, bookmarks: float | None) -> AsyncIterator[bytes]:
+        if collection != PODS:
+            async for line in super()._events(collection, namespace, query, start, timeout_s, bookmarks):
+                yield line
+            return
+        while True:  # each chunk is one send: a checkpoint
+            yield b"x" * 65536
+
+
+async def test_an_endless_watch_line_fails_the_round(nursery: trio.Nursery, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # lightkube buffered the line until the idle timeout (90 s), ~150 MiB a second from a local server.
+    monkeypatch.setattr(access_module, "MAX_EVENT_BYTES", 1 << 20)
+    api = EndlessPodWatch()
+    await nursery.start(api.serve)
+    api.put(POOLS_V1, pool_v1())
+    api.put(PODS, pod("m-0", "10.0.0.1"))
+    seen = await start(nursery, api, tmp_path)
+    await eventually(lambda: "DecodingError: expected at most 1048576 bytes in a watch event" in caplog.text)
+    await eventually(lambda: sum(1 for r in api.requests if "/pods" in r and "watch=true" not in r) >= 2)
+    assert seen.sets == [["10.0.0.1:8000"]]  # kept, and re-listed after a backoff
+
+
+class GzipPodList(KubeApiServer):
+    """Answers pod lists gzip-compressed, asked or not (a small body may inflate to any size), while
+    ``compress``."""
+
+    compress = True
+
+    def _list(self, collection: str, namespace: str, query: Mapping[str, str]) -> HttpResponse:
+        response = super()._list(collection, namespace, query)
+        if collection != PODS or not self.compress:
+            return response
+        return HttpResponse(200, [*response.headers, ("content-encoding", "gzip")], gzip.compress(response.body))
+
+
+async def test_list_bodies_are_bounded_and_uncompressed(nursery: trio.Nursery, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, "evergreen_trio.picker.k8s")  # the second failure in a row is at debug
+    monkeypatch.setattr(access_module, "MAX_BODY_BYTES", 4096)
+    api = GzipPodList()
+    await nursery.start(api.serve)
+    api.put(POOLS_V1, pool_v1())
+    api.put(PODS, pod("m-0", "10.0.0.1"))
+    seen = await start(nursery, api, tmp_path)
+    await eventually(lambda: "expected an uncompressed body, got Content-Encoding 'gzip'" in caplog.text)
+    api.compress = False
+    big = pod("m-1", "10.0.0.2")
+    big["metadata"]["annotations"] = {"note": "x" * 4096}
+    api.put(PODS, big)
+    await eventually(lambda: "DecodingError: expected at most 4096 bytes of body" in caplog.text)
+    assert seen.sets == []

@@ -5,11 +5,17 @@ Why lightkube: it is maintained, typed, and async through ``httpx2``, whose tran
 conveniences are not used because they are asyncio-only: the watch's built-in retry sleeps with
 ``asyncio.sleep``, so every watch here runs with ``on_error_raise`` and this package retries with
 ``trio.sleep``.
+
+lightkube reads a list's body whole and splits a watch into lines with no bound, so the client
+bounds both: a watch line (one event) is at most :data:`MAX_EVENT_BYTES`, any other body at most
+:data:`MAX_BODY_BYTES`, bodies come uncompressed (a compressed one could inflate past any bound), and
+a response over a bound fails as ``httpx2.DecodingError``, which the callers' retry loops count.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx2
@@ -18,6 +24,8 @@ from lightkube import AsyncClient, ConfigError, KubeConfig
 from evergreen_trio.picker.errors import PickerError
 
 REQUEST_TIMEOUT_S = 10.0
+MAX_EVENT_BYTES = 8 << 20  # an object is at most 1.5 MiB in etcd; its watch event, quoted, well under this
+MAX_BODY_BYTES = 256 << 20  # a list (in one body) of a pool's pods or of a notification source's objects
 
 
 class KubeError(PickerError):
@@ -48,4 +56,41 @@ class ClusterAccess:
 
     def client(self) -> AsyncClient:
         """A new client; requests time out after 10 s (watches have their own server-side timeout)."""
-        return AsyncClient(self.config, namespace=self.namespace, timeout=httpx2.Timeout(REQUEST_TIMEOUT_S))
+        client = AsyncClient(self.config, namespace=self.namespace, timeout=httpx2.Timeout(REQUEST_TIMEOUT_S))
+        http = client._client._client  # lightkube's httpx2 client: no public way to bound its bodies
+        http.headers["accept-encoding"] = "identity"
+        http.event_hooks["response"].append(_bound_body)
+        return client
+
+
+async def _bound_body(response: httpx2.Response) -> None:
+    """Refuse a compressed body we did not ask for, and bound the rest (called before it is read)."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise httpx2.DecodingError(f"expected an uncompressed body, got Content-Encoding {encoding[:40]!r}",
+                                   request=response.request)
+    assert isinstance(response.stream, httpx2.AsyncByteStream)  # an AsyncClient's
+    watch = response.request.url.params.get("watch") == "true"
+    response.stream = _BoundedStream(response.stream, response.request, watch)
+
+
+class _BoundedStream(httpx2.AsyncByteStream):
+    """A body that fails past :data:`MAX_BODY_BYTES`, or, a watch's, past :data:`MAX_EVENT_BYTES`
+    without a newline (one event a line)."""
+
+    def __init__(self, inner: httpx2.AsyncByteStream, request: httpx2.Request, watch: bool) -> None:
+        self.inner, self.request, self.watch = inner, request, watch
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        limit = MAX_EVENT_BYTES if self.watch else MAX_BODY_BYTES
+        run = 0  # bytes since the start, or, in a watch, since the last newline
+        async for chunk in self.inner:
+            newline = chunk.rfind(b"\n") if self.watch else -1
+            run = len(chunk) - newline - 1 if newline >= 0 else run + len(chunk)
+            if run > limit:
+                what = "bytes in a watch event" if self.watch else "bytes of body"
+                raise httpx2.DecodingError(f"expected at most {limit} {what}, got more", request=self.request)
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
