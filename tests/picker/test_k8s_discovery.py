@@ -30,6 +30,7 @@ from evergreen_trio.picker.config import Endpoint, PoolConfig
 from evergreen_trio.picker.k8s import ClusterAccess, PoolRef, parse_selector, pool_discovery
 from evergreen_trio.picker.k8s import access as access_module
 from evergreen_trio.picker.k8s import discovery as discovery_module
+from evergreen_trio.testing.kube_api import dribble
 
 
 class Seen:
@@ -211,4 +212,28 @@ async def test_list_bodies_are_bounded_and_uncompressed(nursery: trio.Nursery, t
     big["metadata"]["annotations"] = {"note": "x" * 4096}
     api.put(PODS, big)
     await eventually(lambda: "DecodingError: expected at most 4096 bytes of body" in caplog.text)
+    assert seen.sets == []
+
+
+class DribbledPodList(KubeApiServer):
+    """Answers pod lists a byte every 0.2 s: each read is within the client's timeout, the list never ends."""
+
+    def _list(self, collection: str, namespace: str, query: Mapping[str, str]) -> HttpResponse:
+        response = super()._list(collection, namespace, query)
+        if collection != PODS:
+            return response
+        return HttpResponse(200, response.headers, stream=dribble(response.body, 0.2))
+
+
+async def test_a_list_that_never_ends_fails_the_round(nursery: trio.Nursery, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(discovery_module, "LIST_TIMEOUT_S", 1.0)
+    api = DribbledPodList()
+    await nursery.start(api.serve)
+    api.put(POOLS_V1, pool_v1())
+    api.put(PODS, pod("m-0", "10.0.0.1"))
+    seen = await start(nursery, api, tmp_path)
+    await eventually(lambda: "ReadTimeout: expected the list within 1.0s" in caplog.text)
+    await eventually(lambda: sum(1 for r in api.requests if "/pods" in r) >= 2)  # retried
     assert seen.sets == []

@@ -16,7 +16,7 @@ import random
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx2
 import msgspec
@@ -33,9 +33,11 @@ from evergreen_trio.picker.k8s.access import ClusterAccess
 from evergreen_trio.picker.k8s.pool_state import PoolSpec, PoolSpecError, PoolState, pool_spec
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 POOL_VERSIONS = {"inference.networking.k8s.io": "v1", "inference.networking.x-k8s.io": "v1alpha2"}
 WATCH_TIMEOUT_S = 60  # the server closes each watch after this; lightkube resumes it
 IDLE_TIMEOUT_S = 90.0  # no event and no clean close for this long: the connection is dead, re-list
+LIST_TIMEOUT_S = 60.0  # the API server's own request timeout: a list taking longer is a stuck peer
 MAX_ENDPOINTS = 4096  # one scraper task each: a selector matching far more pods is a mistake, not a pool
 # Errors of one list or watch round (network, HTTP status, undecodable body, unusable pool spec,
 # a service-account token file missing for a moment during rotation).
@@ -98,6 +100,14 @@ async def _events(watch: AsyncIterable[tuple[str, Any]]) -> AsyncIterator[tuple[
         yield event
 
 
+async def listed(listing: AsyncIterable[_T]) -> list[_T]:
+    """A list's objects; ``httpx2.ReadTimeout`` past :data:`LIST_TIMEOUT_S` (the client's timeout is
+    per read, so a server sending a byte every few seconds would hold the list forever)."""
+    with trio.move_on_after(LIST_TIMEOUT_S):
+        return [obj async for obj in listing]
+    raise httpx2.ReadTimeout(f"expected the list within {LIST_TIMEOUT_S}s, still reading")
+
+
 @contextmanager
 def _round(what: str, state: dict[str, bool]) -> Iterator[None]:
     """Log one failed list/watch round (once per outage, then at debug) and swallow it."""
@@ -154,8 +164,7 @@ async def _watch_pods(client: AsyncClient, namespace: str, spec: PoolSpec, sync:
         status["gone"] = False
         with _round("pods", status):
             listing = client.list(Pod, namespace=namespace, labels=spec.labels)
-            pods = [pod.to_dict() async for pod in listing]
-            sync.state.replace_pods(pods)
+            sync.state.replace_pods([pod.to_dict() for pod in await listed(listing)])
             sync.pods_listed = True
             sync.changed()
             backoff.reset()
@@ -206,7 +215,7 @@ async def _watch_pool(client: AsyncClient, ref: PoolRef, pods: _PodWatcher, max_
         status["gone"] = False
         with _round("inferencepool", status):
             listing = client.list(resource, namespace=ref.namespace, fields=fields)
-            pools = [pool async for pool in listing]
+            pools = await listed(listing)
             backoff.reset()
             if status.pop("failing", False):
                 log.info("picker.kube_recovered what=inferencepool")

@@ -19,7 +19,7 @@ from lightkube import AsyncClient
 from lightkube.generic_resource import create_namespaced_resource
 
 from evergreen_trio.picker.k8s.access import ClusterAccess
-from evergreen_trio.picker.k8s.discovery import WATCH_TIMEOUT_S, _Backoff, _events, _round
+from evergreen_trio.picker.k8s.discovery import WATCH_TIMEOUT_S, _Backoff, _events, _round, listed
 
 log = logging.getLogger(__name__)
 # Group -> version, first wins on a name both define.
@@ -103,7 +103,7 @@ async def _watch_group(client: AsyncClient, group: str, namespace: str, objectiv
         status["gone"] = False
         with _round(what, status):
             listing = client.list(resource, namespace=namespace)
-            objectives.replace(group, [_plain(obj) async for obj in listing])
+            objectives.replace(group, [_plain(obj) for obj in await listed(listing)])
             backoff.reset()
             if status.pop("failing", False):
                 log.info("picker.kube_recovered what=%s", what)
