@@ -146,13 +146,18 @@ async def test_missing_pool_reports_nothing_until_created(nursery: trio.Nursery,
 
 
 async def test_endpoints_are_capped(nursery: trio.Nursery, api: KubeApiServer, tmp_path: Path,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(discovery_module, "MAX_ENDPOINTS", 2)
     api.put(POOLS_V1, pool_v1())
     for i in range(4):
         api.put(PODS, pod(f"m-{i}", f"10.0.0.{i + 1}"))
     seen = await start(nursery, api, tmp_path)
     await eventually(lambda: seen.last == ["10.0.0.1:8000", "10.0.0.2:8000"])
+    api.put(PODS, pod("m-4", "10.0.0.5"))  # left out too: the pods kept are bounded
+    api.put(PODS, pod("m-0", "10.0.0.9"))  # a kept pod still follows its changes
+    await eventually(lambda: seen.last == ["10.0.0.2:8000", "10.0.0.9:8000"])
+    (line,) = [r.getMessage() for r in caplog.records if "too_many_pods" in r.getMessage()]
+    assert "limit=2 left_out=2" in line
 
 
 class EndlessPodWatch(KubeApiServer):

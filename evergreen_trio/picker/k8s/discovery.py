@@ -142,10 +142,15 @@ class _Sync:
         self.state = state
         self.pods_listed = False
         self._last: tuple[Endpoint, ...] | None = None
+        self._told_left_out = False
 
     def changed(self) -> None:
         if self.state.spec is None or not self.pods_listed:
             return
+        if self.state.left_out and not self._told_left_out:
+            log.error("picker.too_many_pods limit=%d left_out=%d (serving the first %d Ready pods listed)",
+                      self.state.max_pods, self.state.left_out, self.state.max_pods)
+        self._told_left_out = bool(self.state.left_out)
         endpoints = self.state.endpoints()
         if len(endpoints) > MAX_ENDPOINTS:
             log.error("picker.too_many_endpoints count=%d limit=%d (serving the first %d)",
@@ -251,7 +256,7 @@ async def pool_discovery(
     client = access.client()
     try:
         async with trio.open_nursery() as nursery:
-            sync = _Sync(on_endpoints, PoolState(engines=pool.engines))
+            sync = _Sync(on_endpoints, PoolState(engines=pool.engines, max_pods=MAX_ENDPOINTS))
             pods = _PodWatcher(nursery, client, ref.namespace, sync, max_backoff_s)
             log.info("picker.discovery pool=%s namespace=%s group=%s", pool.name, ref.namespace, ref.group)
             if ref.selector:
