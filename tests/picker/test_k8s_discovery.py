@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 import trio
 from kube_fakes import (
+    DEEP_JSON_500,
     LEASES,
     NAMESPACE,
+    NO_CONTENT_TYPE_503,
     PODS,
     POOLS_V1,
     POOLS_V1ALPHA2,
+    FaultyKubeApi,
     KubeApiServer,
     eventually,
     pod,
@@ -242,3 +245,24 @@ async def test_a_list_that_never_ends_fails_the_round(nursery: trio.Nursery, tmp
     await eventually(lambda: "ReadTimeout: expected the list within 1.0s" in caplog.text)
     await eventually(lambda: sum(1 for r in api.requests if "/pods" in r) >= 2)  # retried
     assert seen.sets == []
+
+
+@pytest.mark.parametrize("answer", [NO_CONTENT_TYPE_503, DEEP_JSON_500], ids=["503-no-content-type", "500-deep-json"])
+async def test_a_garbage_answer_keeps_the_endpoints(nursery: trio.Nursery, tmp_path: Path,
+                                                    answer: HttpResponse, caplog: pytest.LogCaptureFixture) -> None:
+    # lightkube raises RecursionError reading deeply nested JSON: it ended discovery, and the picker.
+    api = FaultyKubeApi()
+    await nursery.start(api.serve)
+    api.put(POOLS_V1, pool_v1())
+    api.put(PODS, pod("m-0", "10.0.0.1"))
+    seen = await start(nursery, api, tmp_path)
+    await eventually(lambda: seen.last == ["10.0.0.1:8000"])
+    api.faults["/pods"] = answer
+    api.stop()  # the watches end; the re-lists get the answer
+    await api.start()
+    await eventually(lambda: api.faulted >= 3)  # answered, and retried
+    assert "picker.kube_unavailable what=pods" in caplog.text
+    api.put(PODS, pod("m-1", "10.0.0.2"))
+    del api.faults["/pods"]
+    await eventually(lambda: seen.last == ["10.0.0.1:8000", "10.0.0.2:8000"])
+    assert seen.sets == [["10.0.0.1:8000"], ["10.0.0.1:8000", "10.0.0.2:8000"]]

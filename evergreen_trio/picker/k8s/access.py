@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx2
+import msgspec
 from lightkube import AsyncClient, ConfigError, KubeConfig
 
 from evergreen_trio.picker.errors import PickerError
@@ -26,6 +27,12 @@ from evergreen_trio.picker.errors import PickerError
 REQUEST_TIMEOUT_S = 10.0
 MAX_EVENT_BYTES = 8 << 20  # an object is at most 1.5 MiB in etcd; its watch event, quoted, well under this
 MAX_BODY_BYTES = 256 << 20  # a list (in one body) of a pool's pods or of a notification source's objects
+# What one request to the API server raises when it is away or answers garbage: network and HTTP
+# status errors, an undecodable body (lightkube raises KeyError for an error status without a
+# Content-Type, RecursionError for deeply nested JSON), a service-account token file missing for
+# a moment during rotation.
+ANSWER_ERRORS = (httpx2.HTTPError, msgspec.MsgspecError, ValueError, TypeError, KeyError, RecursionError,
+                 ConfigError)
 
 
 class KubeError(PickerError):

@@ -19,17 +19,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx2
-import msgspec
 import trio
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
-from lightkube.core.exceptions import ConfigError as KubeConfigError
 from lightkube.generic_resource import GenericNamespacedResource, create_namespaced_resource
 from lightkube.resources.core_v1 import Pod
 
 from evergreen_trio.picker.config import Endpoint, PoolConfig
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.k8s.access import ClusterAccess
+from evergreen_trio.picker.k8s.access import ANSWER_ERRORS, ClusterAccess
 from evergreen_trio.picker.k8s.pool_state import PoolSpec, PoolSpecError, PoolState, pool_spec
 
 log = logging.getLogger(__name__)
@@ -39,10 +37,7 @@ WATCH_TIMEOUT_S = 60  # the server closes each watch after this; lightkube resum
 IDLE_TIMEOUT_S = 90.0  # no event and no clean close for this long: the connection is dead, re-list
 LIST_TIMEOUT_S = 60.0  # the API server's own request timeout: a list taking longer is a stuck peer
 MAX_ENDPOINTS = 4096  # one scraper task each: a selector matching far more pods is a mistake, not a pool
-# Errors of one list or watch round (network, HTTP status, undecodable body, unusable pool spec,
-# a service-account token file missing for a moment during rotation).
-ROUND_ERRORS = (httpx2.HTTPError, msgspec.MsgspecError, PoolSpecError, ValueError, TypeError, KeyError,
-                KubeConfigError)
+ROUND_ERRORS = (*ANSWER_ERRORS, PoolSpecError)  # of one list or watch round
 
 
 @dataclass(frozen=True)
