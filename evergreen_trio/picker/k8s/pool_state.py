@@ -17,6 +17,10 @@ from evergreen_trio.picker.config import Endpoint
 from evergreen_trio.picker.engine_metrics import EngineConfig
 from evergreen_trio.picker.errors import PickerError
 
+# The v1 CRD's MaxItems: every port is an endpoint of every pod, so a pool served with thousands
+# (only an API server skipping validation sends them) made millions of endpoints per event.
+MAX_TARGET_PORTS = 8
+
 
 class PoolSpecError(PickerError):
     """The InferencePool's spec lacks a selector or target ports we can read."""
@@ -51,9 +55,12 @@ def pool_spec(spec: Mapping[str, Any]) -> PoolSpec:
         raise PoolSpecError(f"InferencePool spec.selector: expected label=value pairs, got {selector!r}")
     if "targetPorts" in spec:
         entries = spec["targetPorts"]
-        if not isinstance(entries, list) or not entries:
-            raise PoolSpecError(f"InferencePool spec.targetPorts: expected a list, got {entries!r}")
+        if not isinstance(entries, list) or not 0 < len(entries) <= MAX_TARGET_PORTS:
+            raise PoolSpecError(f"InferencePool spec.targetPorts: expected a list of 1 to {MAX_TARGET_PORTS} ports, "
+                                f"got {str(entries)[:100]}")
         ports = tuple(_port(_map(e).get("number"), f"spec.targetPorts[{i}].number") for i, e in enumerate(entries))
+        if len(set(ports)) != len(ports):
+            raise PoolSpecError(f"InferencePool spec.targetPorts: expected unique port numbers, got {ports}")
     else:
         ports = (_port(spec.get("targetPortNumber"), "spec.targetPortNumber"),)
     return PoolSpec(tuple(sorted(selector.items())), ports)
