@@ -266,3 +266,33 @@ async def test_a_garbage_answer_keeps_the_endpoints(nursery: trio.Nursery, tmp_p
     del api.faults["/pods"]
     await eventually(lambda: seen.last == ["10.0.0.1:8000", "10.0.0.2:8000"])
     assert seen.sets == [["10.0.0.1:8000"], ["10.0.0.1:8000", "10.0.0.2:8000"]]
+
+
+class InstantPodWatch(KubeApiServer):
+    """Ends every pod watch at once: with nothing, or with a 410 Gone when ``gone``."""
+
+    gone = False
+
+    async def _events(self, collection: str, namespace: str, query: Mapping[str, str], start: int | None,
+                      timeout_s: float, bookmarks: float | None) -> AsyncIterator[bytes]:
+        if collection != PODS:
+            async for line in super()._events(collection, namespace, query, start, timeout_s, bookmarks):
+                yield line
+        elif self.gone:
+            yield b'{"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}\n'
+
+
+@pytest.mark.parametrize("gone", [False, True], ids=["ended-at-once", "410-at-once"])
+async def test_a_watch_ended_at_once_is_not_restarted_at_once(nursery: trio.Nursery, tmp_path: Path,
+                                                             gone: bool) -> None:
+    # lightkube resumed the first at once, the loop re-listed after the second at once: 300-600 a second.
+    api = InstantPodWatch()
+    api.gone = gone
+    await nursery.start(api.serve)
+    api.put(POOLS_V1, pool_v1())
+    api.put(PODS, pod("m-0", "10.0.0.1"))
+    seen = await start(nursery, api, tmp_path)
+    await eventually(lambda: seen.last == ["10.0.0.1:8000"])
+    await trio.sleep(1.5)
+    assert 1 <= sum(1 for r in api.requests if "/pods" in r and "watch=true" in r) <= 3
+    assert seen.sets == [["10.0.0.1:8000"]]

@@ -10,6 +10,8 @@ lightkube reads a list's body whole and splits a watch into lines with no bound,
 bounds both: a watch line (one event) is at most :data:`MAX_EVENT_BYTES`, any other body at most
 :data:`MAX_BODY_BYTES`, bodies come uncompressed (a compressed one could inflate past any bound), and
 a response over a bound fails as ``httpx2.DecodingError``, which the callers' retry loops count.
+A watch of one collection starts at most once a :data:`WATCH_SPACING_S`: lightkube resumes a
+watch the server ends straight away, and the retry loops re-list after a 410 Gone at once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import httpx2
 import msgspec
+import trio
 from lightkube import AsyncClient, ConfigError, KubeConfig
 
 from evergreen_trio.picker.errors import PickerError
@@ -27,6 +30,7 @@ from evergreen_trio.picker.errors import PickerError
 REQUEST_TIMEOUT_S = 10.0
 MAX_EVENT_BYTES = 8 << 20  # an object is at most 1.5 MiB in etcd; its watch event, quoted, well under this
 MAX_BODY_BYTES = 256 << 20  # a list (in one body) of a pool's pods or of a notification source's objects
+WATCH_SPACING_S = 1.0  # a server ending each watch at once, or answering it 410, was asked 300-600 times a second
 # What one request to the API server raises when it is away or answers garbage: network and HTTP
 # status errors, an undecodable body (lightkube raises KeyError for an error status without a
 # Content-Type, RecursionError for deeply nested JSON), a service-account token file missing for
@@ -66,8 +70,28 @@ class ClusterAccess:
         client = AsyncClient(self.config, namespace=self.namespace, timeout=httpx2.Timeout(REQUEST_TIMEOUT_S))
         http = client._client._client  # lightkube's httpx2 client: no public way to bound its bodies
         http.headers["accept-encoding"] = "identity"
+        http.event_hooks["request"].append(_WatchPacer())
         http.event_hooks["response"].append(_bound_body)
         return client
+
+
+class _WatchPacer:
+    """Holds back a watch request until :data:`WATCH_SPACING_S` after the last one of its
+    collection and selectors (the same URL but for ``resourceVersion``)."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, float] = {}  # only those within the spacing: a few
+
+    async def __call__(self, request: httpx2.Request) -> None:
+        if request.url.params.get("watch") != "true":
+            return
+        key = str(request.url.copy_remove_param("resourceVersion"))
+        last = self.started.get(key)
+        if last is not None:
+            await trio.sleep_until(last + WATCH_SPACING_S)
+        now = trio.current_time()
+        self.started = {k: t for k, t in self.started.items() if t > now - WATCH_SPACING_S}
+        self.started[key] = now
 
 
 async def _bound_body(response: httpx2.Response) -> None:
