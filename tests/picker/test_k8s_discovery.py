@@ -4,11 +4,13 @@ the pool and its pods, and survives watch expiry, API server restarts and outage
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
+import httpx2
 import pytest
 import trio
 from kube_fakes import (
@@ -296,3 +298,44 @@ async def test_a_watch_ended_at_once_is_not_restarted_at_once(nursery: trio.Nurs
     await trio.sleep(1.5)
     assert 1 <= sum(1 for r in api.requests if "/pods" in r and "watch=true" in r) <= 3
     assert seen.sets == [["10.0.0.1:8000"]]
+
+
+class RawUnicodeWatch(KubeApiServer):
+    """Sends watch events with non-ASCII characters raw, as Go's encoder sends U+0085 (NEL)."""
+
+    async def _events(self, collection: str, namespace: str, query: Mapping[str, str], start: int | None,
+                      timeout_s: float, bookmarks: float | None) -> AsyncIterator[bytes]:
+        async for line in super()._events(collection, namespace, query, start, timeout_s, bookmarks):
+            yield json.dumps(json.loads(line), ensure_ascii=False).encode() + b"\n"
+
+
+async def test_a_line_break_of_unicode_in_a_string_keeps_the_watch(nursery: trio.Nursery, tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    # lightkube split the event at the NEL as str.splitlines does: the watch failed, and re-listed.
+    api = RawUnicodeWatch(bookmark_interval_s=0.2)
+    await nursery.start(api.serve)
+    api.put(POOLS_V1, pool_v1())
+    api.put(PODS, pod("m-0", "10.0.0.1"))
+    seen = await start(nursery, api, tmp_path)
+    await eventually(lambda: seen.last == ["10.0.0.1:8000"])
+    annotated = pod("m-1", "10.0.0.2")
+    annotated["metadata"]["annotations"] = {"note": "a\u0085b\u2028c\u2029d"}
+    api.put(PODS, annotated)
+    await eventually(lambda: seen.last == ["10.0.0.1:8000", "10.0.0.2:8000"])
+    await trio.sleep(0.5)  # a bookmark or two more
+    assert sum(1 for r in api.requests if "/pods" in r and "watch=true" not in r) == 1
+    assert "kube_unavailable" not in caplog.text
+
+
+async def test_line_breaks_of_unicode_are_escaped_across_chunks() -> None:
+    text = '{"a": "x\u0085y\u2028z\u2029\u2019"}\n'.encode()
+
+    class OneByteAtATime(httpx2.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            for i in range(len(text)):
+                yield text[i:i + 1]
+
+    request = httpx2.Request("GET", "http://api/api/v1/pods?watch=true")
+    body = b"".join([chunk async for chunk in access_module._BoundedStream(OneByteAtATime(), request, True)])
+    assert body == b'{"a": "x\\u0085y\\u2028z\\u2029\xe2\x80\x99"}\n'
+    assert json.loads(body) == json.loads(text)
