@@ -339,3 +339,16 @@ async def test_line_breaks_of_unicode_are_escaped_across_chunks() -> None:
     body = b"".join([chunk async for chunk in access_module._BoundedStream(OneByteAtATime(), request, True)])
     assert body == b'{"a": "x\\u0085y\\u2028z\\u2029\xe2\x80\x99"}\n'
     assert json.loads(body) == json.loads(text)
+
+
+async def test_the_api_servers_message_is_logged_on_one_short_line(nursery: trio.Nursery, tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    api = FaultyKubeApi()
+    await nursery.start(api.serve)
+    message = "etcd down\npicker.endpoints count=1 endpoints=6.6.6.6:80" + "x" * 100_000
+    api.faults["/inferencepools"] = HttpResponse(500, [("content-type", "application/json")], json.dumps(
+        {"kind": "Status", "code": 500, "message": message}).encode())
+    await start(nursery, api, tmp_path)
+    await eventually(lambda: "kube_unavailable" in caplog.text)
+    (line,) = [r.getMessage() for r in caplog.records if "kube_unavailable" in r.getMessage()]
+    assert "etcd down\\npicker.endpoints" in line and len(line) < 600  # was the whole message, a forged line in it

@@ -37,6 +37,7 @@ WATCH_SPACING_S = 1.0  # a server ending each watch at once, or answering it 410
 # a moment during rotation.
 ANSWER_ERRORS = (httpx2.HTTPError, msgspec.MsgspecError, ValueError, TypeError, KeyError, RecursionError,
                  ConfigError)
+LOGGED_ERROR_CHARS = 300  # of one such error in a log line, escaped (the server's message: any size, any newline)
 
 
 class KubeError(PickerError):

@@ -25,9 +25,10 @@ from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import GenericNamespacedResource, create_namespaced_resource
 from lightkube.resources.core_v1 import Pod
 
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio.picker.config import Endpoint, PoolConfig
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.k8s.access import ANSWER_ERRORS, ClusterAccess
+from evergreen_trio.picker.k8s.access import ANSWER_ERRORS, LOGGED_ERROR_CHARS, ClusterAccess
 from evergreen_trio.picker.k8s.pool_state import PoolSpec, PoolSpecError, PoolState, pool_spec
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ def _round(what: str, state: dict[str, bool]) -> Iterator[None]:
 
 
 def _log_failure(what: str, state: dict[str, bool], error: str) -> None:
+    error = peer_text(error, LOGGED_ERROR_CHARS)
     if state.get("failing"):
         log.debug("picker.kube_retry what=%s error=%s", what, error)
     else:

@@ -21,7 +21,8 @@ from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 
-from evergreen_trio.picker.k8s.access import ANSWER_ERRORS, ClusterAccess
+from evergreen_trio._logsafe import peer_text
+from evergreen_trio.picker.k8s.access import ANSWER_ERRORS, LOGGED_ERROR_CHARS, ClusterAccess
 
 log = logging.getLogger(__name__)
 LEASE_DURATION_S, RENEW_DEADLINE_S, RETRY_S = 15.0, 10.0, 2.0  # controller-runtime's defaults
@@ -102,7 +103,8 @@ async def lease_election(
                 with trio.fail_after(retry_s * 2):
                     held = await _try_once(client, namespace, name, identity, observed, duration_s)
             except (*ANSWER_ERRORS, trio.TooSlowError) as exc:
-                log.debug("picker.lease_attempt_failed lease=%s error=%s", name, exc)
+                log.debug("picker.lease_attempt_failed lease=%s error=%s", name,
+                          peer_text(str(exc), LOGGED_ERROR_CHARS))
                 held = leader and trio.current_time() - last_renew < renew_deadline_s
             else:
                 if held:
@@ -132,4 +134,4 @@ async def _release(client: AsyncClient, namespace: str, name: str, identity: str
                 await client.replace(lease)
                 log.info("picker.lease_released lease=%s/%s identity=%s", namespace, name, identity)
         except ANSWER_ERRORS as exc:
-            log.warning("picker.lease_release_failed lease=%s error=%s", name, exc)
+            log.warning("picker.lease_release_failed lease=%s error=%s", name, peer_text(str(exc), LOGGED_ERROR_CHARS))
