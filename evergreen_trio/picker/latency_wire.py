@@ -212,13 +212,14 @@ def _latency(item: object, i: int, key: str) -> float:
 
 def _reply_json(status: int, body: bytes, what: str, limit: int) -> object:
     """A predictor server's 200 reply of at most ``limit`` bytes, as JSON (NaN and infinities
-    refused); PredictorError naming ``what`` otherwise."""
+    refused, every number a float: an integer of 400 digits would fail ``math.isfinite`` with
+    OverflowError); PredictorError naming ``what`` otherwise."""
     if status != 200:
         raise PredictorError(f"{what} answered {status}: {body[:200].decode('utf-8', 'replace')}")
     if len(body) > limit:
         raise PredictorError(f"{what}: reply larger than {limit} bytes")
     try:
-        return json.loads(body, parse_constant=_refuse_constant)
+        return json.loads(body, parse_constant=_refuse_constant, parse_int=float)
     except (ValueError, RecursionError) as exc:
         raise PredictorError(f"{what}: reply is not JSON: {str(exc)[:100]}") from None
 

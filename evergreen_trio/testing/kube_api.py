@@ -93,13 +93,22 @@ TOKEN_REVIEWS, ACCESS_REVIEWS = "tokenreviews", "subjectaccessreviews"
 class ReviewFault:
     """How the stand-in answers one kind of review instead of reviewing it: after ``delay_s``,
     ``status`` with ``body`` (``content_type`` None sends no Content-Type), or, with ``body``
-    None, the proper review that late; ``drop`` closes the connection without a byte of answer."""
+    None, the proper review that late; ``drop`` closes the connection without a byte of answer;
+    ``dribble_s`` sends the body a byte at a time (chunked), this far apart."""
 
     status: int = 201
     body: bytes | None = None
     content_type: str | None = "application/json"
     delay_s: float = 0.0
     drop: bool = False
+    dribble_s: float | None = None
+
+
+async def dribble(body: bytes, interval_s: float) -> AsyncIterator[bytes]:
+    """``body`` a byte at a time, ``interval_s`` apart: a peer each read of which is on time."""
+    for i in range(len(body)):
+        yield body[i:i + 1]
+        await trio.sleep(interval_s)
 
 
 def api_status(code: int, reason: str, message: str) -> bytes:
@@ -218,9 +227,16 @@ class KubeApiServer:
                 raise DropConnection
             await trio.sleep(fault.delay_s)
             if fault.body is None:
-                return self._review(path, request.body)
+                response = self._review(path, request.body)
+                if fault.dribble_s is None:
+                    return response
+                body, status = response.body, response.status
+            else:
+                body, status = fault.body, fault.status
             headers = [("content-type", fault.content_type)] if fault.content_type is not None else []
-            return HttpResponse(fault.status, headers, fault.body)
+            if fault.dribble_s is not None:
+                return HttpResponse(status, headers, stream=dribble(body, fault.dribble_s))
+            return HttpResponse(status, headers, body)
         parsed = _parse_path(url.path)
         if parsed is None:
             return self._json(404, _status(404, "NotFound", f"the server could not find {url.path}"))

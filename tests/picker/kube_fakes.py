@@ -8,6 +8,7 @@ from typing import Any
 
 import trio
 
+from evergreen_trio._http import HttpRequest, HttpResponse
 from evergreen_trio.testing.kube_api import KubeApiServer, kubeconfig_text
 
 PODS = "api/v1/pods"
@@ -62,6 +63,27 @@ async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None
 
 
 __all__ = ["KubeApiServer"]
+
+# Answers an API server (or a proxy in front of it) may give instead of the one asked for.
+NO_CONTENT_TYPE_503 = HttpResponse(503, [], b"upstream connect error or disconnect/reset before headers")
+DEEP_JSON_500 = HttpResponse(500, [("content-type", "application/json")], b"[" * 100_000 + b"]" * 100_000)
+
+
+class FaultyKubeApi(KubeApiServer):
+    """The stand-in, but a request whose target contains a key of :attr:`faults` gets its answer
+    (:attr:`faulted` counts them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.faults: dict[str, HttpResponse] = {}
+        self.faulted = 0
+
+    async def _handle(self, request: HttpRequest) -> HttpResponse:
+        for part, answer in self.faults.items():
+            if part in request.target:
+                self.faulted += 1
+                return answer
+        return await super()._handle(request)
 
 
 def free_port_on(*hosts: str) -> int:

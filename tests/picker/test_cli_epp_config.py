@@ -115,6 +115,36 @@ def test_malformed_pods_are_not_ready(pod: dict[str, Any]) -> None:
     assert pod_address(pod) is None and state.endpoints() == ()
 
 
+@pytest.mark.parametrize("ports", [[], list(range(1, 10)), list(range(1, 20_001)), [8000, 8000]],
+                         ids=["none", "nine", "twenty-thousand", "a-duplicate"])
+def test_target_ports_as_the_crd_allows_them(ports: list[int]) -> None:
+    """1 to 8 unique ports: 20,000 times 200 pods were 4 million endpoints, 7 s of every event."""
+    with pytest.raises(PoolSpecError, match=r"spec\.targetPorts: expected"):
+        pool_spec({"selector": {"a": "b"}, "targetPorts": [{"number": p} for p in ports]})
+    assert pool_spec({"selector": {"a": "b"}, "targetPorts": [{"number": p} for p in range(1, 9)]}).ports == tuple(
+        range(1, 9))
+
+
+def test_pods_kept_are_bounded() -> None:
+    """A selector matching far more pods than a pool has keeps the first Ready ones listed or added,
+    and counts the others (they grew without bound, and each event sorted them all)."""
+    def ready(i: int, ip: str | None = None) -> dict[str, Any]:
+        return {"metadata": {"name": f"m-{i}"}, "status": {"podIP": ip or f"10.0.{i // 256}.{i % 256}",
+                                                         "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    state = PoolState(pool_spec({"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 1}]}),
+                      max_pods=2)
+    state.replace_pods([ready(0), {"metadata": {"name": "pending"}}, ready(1), ready(2)])
+    for i in range(3, 1000):
+        state.apply("ADDED", ready(i))
+    assert sorted(state.pods) == ["m-0", "m-1"] and state.left_out == 998
+    state.apply("MODIFIED", ready(1, "10.9.9.9"))  # a kept pod still follows its changes
+    assert [e.address for e in state.endpoints()] == ["10.0.0.0:1", "10.9.9.9:1"]
+    state.apply("DELETED", ready(0))
+    state.apply("ADDED", ready(5))
+    assert sorted(state.pods) == ["m-1", "m-5"]
+
+
 @pytest.mark.fuzz
 @given(json_values, json_values)
 def test_fuzz_pool_spec_and_pods(spec: Any, pod: Any) -> None:

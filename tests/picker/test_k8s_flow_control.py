@@ -4,6 +4,7 @@ one-slot pool cannot take, serves the higher priority first, and sheds a full ba
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from picker_fakes import free_port
 
 from evergreen_trio.picker.envoy_config import gateway_config, write_gateway_config
 from evergreen_trio.picker.envoy_process import run_envoy
+from evergreen_trio.picker.k8s import objectives as objectives_module
 from evergreen_trio.picker.k8s.objectives import objective_priority
 from evergreen_trio.sim.config import SimConfig
 from evergreen_trio.sim.server import run_sim
@@ -59,6 +61,19 @@ def test_objective_specs() -> None:
         assert objective_priority(objective("llm-d.ai/v1alpha2", "a", bad), "pool") is None
     assert objective_priority({"metadata": {"name": "a"}, "spec": {}}, "pool") is None
     assert objective_priority({"metadata": [], "spec": "x"}, "pool") is None
+
+
+def test_objectives_over_the_cap_are_one_line_a_list(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(objectives_module, "MAX_OBJECTIVES", 3)
+    seen: list[Mapping[str, int]] = []
+    objectives = objectives_module._Objectives("pool", seen.append)
+    objectives.replace("llm-d.ai", [objective("llm-d.ai/v1alpha2", f"o-{i}", i) for i in range(10)])
+    assert seen == [{"o-0": 0, "o-1": 1, "o-2": 2}]
+    lines = [r.getMessage() for r in caplog.records if "too_many_objectives" in r.getMessage()]
+    assert lines == ["picker.too_many_objectives limit=3 left_out=7"]  # was a line each
+    objectives.apply("llm-d.ai", "ADDED", objective("llm-d.ai/v1alpha2", "late\nforged", 1))
+    assert caplog.records[-1].getMessage() == "picker.too_many_objectives limit=3 (skipping late\\nforged)"
 
 
 async def test_queued_by_priority_from_watched_objectives(nursery: trio.Nursery, tmp_path: Path) -> None:

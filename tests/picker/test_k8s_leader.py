@@ -7,9 +7,20 @@ import time
 from functools import partial
 from pathlib import Path
 
+import pytest
 import trio
-from kube_fakes import LEASES, NAMESPACE, KubeApiServer, eventually, write_kubeconfig
+from kube_fakes import (
+    DEEP_JSON_500,
+    LEASES,
+    NAMESPACE,
+    NO_CONTENT_TYPE_503,
+    FaultyKubeApi,
+    KubeApiServer,
+    eventually,
+    write_kubeconfig,
+)
 
+from evergreen_trio._http import HttpResponse
 from evergreen_trio.picker.k8s import ClusterAccess, lease_election
 
 TIMING = {"duration_s": 1.0, "renew_deadline_s": 0.7, "retry_s": 0.1}
@@ -53,3 +64,19 @@ async def test_leader_steps_down_when_it_cannot_renew(nursery: trio.Nursery, tmp
     await api.start()
     await eventually(lambda: changes[-1:] == [True])
     assert changes == [False, True, False, True]
+
+
+@pytest.mark.parametrize("answer", [NO_CONTENT_TYPE_503, DEEP_JSON_500], ids=["503-no-content-type", "500-deep-json"])
+async def test_a_garbage_answer_is_a_failed_attempt(nursery: trio.Nursery, tmp_path: Path,
+                                                    answer: HttpResponse) -> None:
+    # lightkube raises KeyError and RecursionError reading these: they ended the election, and the picker.
+    api = FaultyKubeApi()
+    await nursery.start(api.serve)
+    access = ClusterAccess.load(str(write_kubeconfig(tmp_path, api.port)))
+    changes: list[bool] = []
+    nursery.start_soon(partial(lease_election, access, NAMESPACE, "epp-pool", "a", changes.append, **TIMING))
+    await eventually(lambda: changes[-1:] == [True])
+    api.faults["/leases/"] = answer
+    await eventually(lambda: changes[-1:] == [False] and api.faulted >= 3)  # answered, and retried
+    del api.faults["/leases/"]
+    await eventually(lambda: changes[-1:] == [True])

@@ -76,6 +76,7 @@ def test_a_good_reply_decodes_in_order() -> None:
     (200, b'{"predictions": [{"ttft_ms": 1e999, "tpot_ms": 1}, {"ttft_ms": 1, "tpot_ms": 1}]}',
      "predictions[0].ttft_ms"),
     (200, reply((-1, 1), (1, 1)), "predictions[0].ttft_ms"),
+    (200, reply((1, 1), (10**400, 1)), "predictions[1].ttft_ms"),  # was OverflowError, out of the client
     (200, reply((1, 1), (1, None)), "predictions[1].tpot_ms"),
     (200, reply((1, 1), (True, 1)), "predictions[1].ttft_ms"),
     (200, reply((1, 1), ("5", 1)), "predictions[1].ttft_ms"),
@@ -252,7 +253,11 @@ async def _hang_up(stream: trio.SocketStream, request: bytes) -> None:
     await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n{")
 
 
-@pytest.mark.parametrize("handler", [_slow, _huge, _garbage, _nan, _hang_up])
+async def _huge_int(stream: trio.SocketStream, request: bytes) -> None:
+    await stream.send_all(http(200, b'{"predictions": [{"ttft_ms": 1' + b"0" * 400 + b', "tpot_ms": 1}]}'))
+
+
+@pytest.mark.parametrize("handler", [_slow, _huge, _garbage, _nan, _hang_up, _huge_int])
 async def test_a_hostile_predictor_gives_no_predictions_and_one_warning(
         nursery: trio.Nursery, handler: Handler, caplog: pytest.LogCaptureFixture) -> None:
     client = await client_for(nursery, await serve(nursery, handler))

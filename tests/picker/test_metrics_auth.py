@@ -122,6 +122,7 @@ FAULTS = {
     "500-deeply-nested-json": (ReviewFault(500, DEEP), "RecursionError"),
     "403-picker-rbac-missing": (ReviewFault(403), "ApiError"),  # the body names the kind: see _forbidden
     "past-the-client-timeout": (ReviewFault(delay_s=60), "ReadTimeout"),
+    "a-byte-a-second": (ReviewFault(dribble_s=1.0), "ReviewError"),  # each read within the client's timeout
     "connection-dropped": (ReviewFault(drop=True), "RemoteProtocolError"),
 }
 SHAPES = {  # bodies of one kind only

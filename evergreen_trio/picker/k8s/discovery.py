@@ -16,31 +16,29 @@ import random
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx2
-import msgspec
 import trio
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
-from lightkube.core.exceptions import ConfigError as KubeConfigError
 from lightkube.generic_resource import GenericNamespacedResource, create_namespaced_resource
 from lightkube.resources.core_v1 import Pod
 
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio.picker.config import Endpoint, PoolConfig
 from evergreen_trio.picker.errors import ConfigError
-from evergreen_trio.picker.k8s.access import ClusterAccess
+from evergreen_trio.picker.k8s.access import ANSWER_ERRORS, LOGGED_ERROR_CHARS, ClusterAccess
 from evergreen_trio.picker.k8s.pool_state import PoolSpec, PoolSpecError, PoolState, pool_spec
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 POOL_VERSIONS = {"inference.networking.k8s.io": "v1", "inference.networking.x-k8s.io": "v1alpha2"}
 WATCH_TIMEOUT_S = 60  # the server closes each watch after this; lightkube resumes it
 IDLE_TIMEOUT_S = 90.0  # no event and no clean close for this long: the connection is dead, re-list
+LIST_TIMEOUT_S = 60.0  # the API server's own request timeout: a list taking longer is a stuck peer
 MAX_ENDPOINTS = 4096  # one scraper task each: a selector matching far more pods is a mistake, not a pool
-# Errors of one list or watch round (network, HTTP status, undecodable body, unusable pool spec,
-# a service-account token file missing for a moment during rotation).
-ROUND_ERRORS = (httpx2.HTTPError, msgspec.MsgspecError, PoolSpecError, ValueError, TypeError, KeyError,
-                KubeConfigError)
+ROUND_ERRORS = (*ANSWER_ERRORS, PoolSpecError)  # of one list or watch round
 
 
 @dataclass(frozen=True)
@@ -98,6 +96,14 @@ async def _events(watch: AsyncIterable[tuple[str, Any]]) -> AsyncIterator[tuple[
         yield event
 
 
+async def listed(listing: AsyncIterable[_T]) -> list[_T]:
+    """A list's objects; ``httpx2.ReadTimeout`` past :data:`LIST_TIMEOUT_S` (the client's timeout is
+    per read, so a server sending a byte every few seconds would hold the list forever)."""
+    with trio.move_on_after(LIST_TIMEOUT_S):
+        return [obj async for obj in listing]
+    raise httpx2.ReadTimeout(f"expected the list within {LIST_TIMEOUT_S}s, still reading")
+
+
 @contextmanager
 def _round(what: str, state: dict[str, bool]) -> Iterator[None]:
     """Log one failed list/watch round (once per outage, then at debug) and swallow it."""
@@ -117,6 +123,7 @@ def _round(what: str, state: dict[str, bool]) -> Iterator[None]:
 
 
 def _log_failure(what: str, state: dict[str, bool], error: str) -> None:
+    error = peer_text(error, LOGGED_ERROR_CHARS)
     if state.get("failing"):
         log.debug("picker.kube_retry what=%s error=%s", what, error)
     else:
@@ -132,10 +139,15 @@ class _Sync:
         self.state = state
         self.pods_listed = False
         self._last: tuple[Endpoint, ...] | None = None
+        self._told_left_out = False
 
     def changed(self) -> None:
         if self.state.spec is None or not self.pods_listed:
             return
+        if self.state.left_out and not self._told_left_out:
+            log.error("picker.too_many_pods limit=%d left_out=%d (serving the first %d Ready pods listed)",
+                      self.state.max_pods, self.state.left_out, self.state.max_pods)
+        self._told_left_out = bool(self.state.left_out)
         endpoints = self.state.endpoints()
         if len(endpoints) > MAX_ENDPOINTS:
             log.error("picker.too_many_endpoints count=%d limit=%d (serving the first %d)",
@@ -154,8 +166,7 @@ async def _watch_pods(client: AsyncClient, namespace: str, spec: PoolSpec, sync:
         status["gone"] = False
         with _round("pods", status):
             listing = client.list(Pod, namespace=namespace, labels=spec.labels)
-            pods = [pod.to_dict() async for pod in listing]
-            sync.state.replace_pods(pods)
+            sync.state.replace_pods([pod.to_dict() for pod in await listed(listing)])
             sync.pods_listed = True
             sync.changed()
             backoff.reset()
@@ -206,7 +217,7 @@ async def _watch_pool(client: AsyncClient, ref: PoolRef, pods: _PodWatcher, max_
         status["gone"] = False
         with _round("inferencepool", status):
             listing = client.list(resource, namespace=ref.namespace, fields=fields)
-            pools = [pool async for pool in listing]
+            pools = await listed(listing)
             backoff.reset()
             if status.pop("failing", False):
                 log.info("picker.kube_recovered what=inferencepool")
@@ -242,7 +253,7 @@ async def pool_discovery(
     client = access.client()
     try:
         async with trio.open_nursery() as nursery:
-            sync = _Sync(on_endpoints, PoolState(engines=pool.engines))
+            sync = _Sync(on_endpoints, PoolState(engines=pool.engines, max_pods=MAX_ENDPOINTS))
             pods = _PodWatcher(nursery, client, ref.namespace, sync, max_backoff_s)
             log.info("picker.discovery pool=%s namespace=%s group=%s", pool.name, ref.namespace, ref.group)
             if ref.selector:

@@ -14,17 +14,15 @@ import datetime
 import logging
 from collections.abc import Callable
 
-import httpx2
-import msgspec
 import trio
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
-from lightkube.core.exceptions import ConfigError as KubeConfigError
 from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 
-from evergreen_trio.picker.k8s.access import ClusterAccess
+from evergreen_trio._logsafe import peer_text
+from evergreen_trio.picker.k8s.access import ANSWER_ERRORS, LOGGED_ERROR_CHARS, ClusterAccess
 
 log = logging.getLogger(__name__)
 LEASE_DURATION_S, RENEW_DEADLINE_S, RETRY_S = 15.0, 10.0, 2.0  # controller-runtime's defaults
@@ -104,9 +102,9 @@ async def lease_election(
             try:
                 with trio.fail_after(retry_s * 2):
                     held = await _try_once(client, namespace, name, identity, observed, duration_s)
-            except (ApiError, httpx2.HTTPError, msgspec.MsgspecError, trio.TooSlowError, ValueError,
-                    KubeConfigError) as exc:
-                log.debug("picker.lease_attempt_failed lease=%s error=%s", name, exc)
+            except (*ANSWER_ERRORS, trio.TooSlowError) as exc:
+                log.debug("picker.lease_attempt_failed lease=%s error=%s", name,
+                          peer_text(str(exc), LOGGED_ERROR_CHARS))
                 held = leader and trio.current_time() - last_renew < renew_deadline_s
             else:
                 if held:
@@ -135,5 +133,5 @@ async def _release(client: AsyncClient, namespace: str, name: str, identity: str
                 lease.spec.leaseDurationSeconds = 1
                 await client.replace(lease)
                 log.info("picker.lease_released lease=%s/%s identity=%s", namespace, name, identity)
-        except (ApiError, httpx2.HTTPError, msgspec.MsgspecError, ValueError) as exc:
-            log.warning("picker.lease_release_failed lease=%s error=%s", name, exc)
+        except ANSWER_ERRORS as exc:
+            log.warning("picker.lease_release_failed lease=%s error=%s", name, peer_text(str(exc), LOGGED_ERROR_CHARS))

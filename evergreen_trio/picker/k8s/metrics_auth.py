@@ -12,11 +12,12 @@ sending new tokens cannot grow memory or flood the API server.
 
 A review that fails is never cached, and fails closed with 500 ("Authentication failed", or
 "Authorization for user NAME failed" as the reference words it) and one warning naming the cause:
-an error status (the picker's own RBAC missing is a 403 from the API server), no answer within the
-client's timeout, a dropped connection, a body that is no JSON or not a review (whatever
-lightkube's decoder refuses: a field of the wrong type, a required field such as ``allowed``
-missing, where Go's decoder would read false and answer 403), a TokenReview's ``status.error``
-and a SubjectAccessReview both allowed and denied (errors in the reference's webhook clients too).
+an error status (the picker's own RBAC missing is a 403 from the API server), no whole answer
+within twice the client's timeout (a server sending a byte every few seconds too), a dropped connection,
+a body that is no JSON or not a review (whatever lightkube's decoder refuses: a field of the wrong
+type, a required field such as ``allowed`` missing, where Go's decoder would read false and answer
+403), a TokenReview's ``status.error`` and a SubjectAccessReview both allowed and denied (errors in
+the reference's webhook clients too).
 A TokenReview without a status authenticates nobody (401) and a SubjectAccessReview without one
 allows nothing (403), cached as the reference caches them.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -38,6 +39,7 @@ from lightkube.models.authorization_v1 import NonResourceAttributes, SubjectAcce
 from lightkube.resources.authentication_v1 import TokenReview
 from lightkube.resources.authorization_v1 import SubjectAccessReview
 
+import evergreen_trio.picker.k8s.access as k8s_access
 from evergreen_trio._logsafe import peer_text
 from evergreen_trio.picker.k8s.access import ClusterAccess
 from evergreen_trio.serving.metrics import Authorize
@@ -49,6 +51,7 @@ MAX_CACHED = 1024
 LOGGED_CAUSE_CHARS = 300
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+_R = TypeVar("_R")
 
 
 class TtlCache(Generic[_K, _V]):
@@ -95,6 +98,15 @@ def _cause(exc: Exception) -> str:
     """``exc`` for one log line: its type and its text, cut and escaped (an API server's message may
     be long or hold newlines)."""
     return f"{type(exc).__name__}: {peer_text(str(exc), LOGGED_CAUSE_CHARS)}"
+
+
+async def _answered(review: Awaitable[_R]) -> _R:
+    """``review``'s answer, whole within twice the client's timeout (which bounds each read, not the
+    answer: a byte every few seconds would hold a review slot forever); ReviewError otherwise."""
+    deadline_s = 2 * k8s_access.REQUEST_TIMEOUT_S
+    with trio.move_on_after(deadline_s):
+        return await review
+    raise ReviewError(f"no whole answer in {deadline_s}s")
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -154,7 +166,7 @@ class MetricsAuth:
         user = self.users.get(digest)
         if user is None:
             async with self._reviews:
-                review = await client.create(TokenReview(spec=TokenReviewSpec(token=token)))
+                review = await _answered(client.create(TokenReview(spec=TokenReviewSpec(token=token))))
             status = review.status
             if status is not None and not status.authenticated and status.error:
                 raise ReviewError(f"TokenReview status.error: {status.error}")
@@ -174,7 +186,7 @@ class MetricsAuth:
                 extra={key: list(values) for key, values in user.extra.items()} or None,
                 nonResourceAttributes=NonResourceAttributes(path=path, verb=verb))
             async with self._reviews:
-                review = await client.create(SubjectAccessReview(spec=spec))
+                review = await _answered(client.create(SubjectAccessReview(spec=spec)))
             status = review.status
             if status is not None and status.allowed and status.denied:
                 raise ReviewError("SubjectAccessReview returned both allowed and denied")

@@ -21,7 +21,7 @@ from lightkube.core.resource_registry import resource_registry
 from lightkube.generic_resource import create_namespaced_resource
 
 from evergreen_trio.picker.k8s.access import ClusterAccess
-from evergreen_trio.picker.k8s.discovery import WATCH_TIMEOUT_S, _Backoff, _events, _round
+from evergreen_trio.picker.k8s.discovery import WATCH_TIMEOUT_S, _Backoff, _events, _round, listed
 from evergreen_trio.picker.notifications import GVK, NotificationSource, plural_of
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ async def watch_objects(client: AsyncClient, resource: Any, namespace: str | Non
         status["gone"] = False
         with _round(what, status):
             listing = client.list(resource, namespace=namespace, labels=labels)
-            sink.replace([obj.to_dict() async for obj in listing])
+            sink.replace([obj.to_dict() for obj in await listed(listing)])
             backoff.reset()
             if status.pop("failing", False):
                 log.info("picker.kube_recovered what=%s", what)

@@ -18,8 +18,9 @@ import trio
 from lightkube import AsyncClient
 from lightkube.generic_resource import create_namespaced_resource
 
+from evergreen_trio._logsafe import peer_text
 from evergreen_trio.picker.k8s.access import ClusterAccess
-from evergreen_trio.picker.k8s.discovery import WATCH_TIMEOUT_S, _Backoff, _events, _round
+from evergreen_trio.picker.k8s.discovery import WATCH_TIMEOUT_S, _Backoff, _events, _round, listed
 
 log = logging.getLogger(__name__)
 # Group -> version, first wins on a name both define.
@@ -41,7 +42,8 @@ def objective_priority(obj: Mapping[str, Any], pool: str) -> tuple[str, int] | N
     if priority is None:
         priority = 0
     if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
-        log.warning("picker.objective_skipped name=%s reason=spec.priority %r is not an int32", name, priority)
+        log.warning("picker.objective_skipped name=%s reason=spec.priority %s is not an int32", peer_text(name),
+                    peer_text(repr(priority), 64))
         return None
     return name, priority
 
@@ -56,25 +58,34 @@ class _Objectives:
         self._last: dict[str, int] | None = None
 
     def replace(self, group: str, objects: list[Mapping[str, Any]]) -> None:
+        """A fresh list of ``group``'s: those over :data:`MAX_OBJECTIVES` in one line (a line each
+        made a list of a million a million lines)."""
         self.by_group[group] = {}
-        for obj in objects:
-            self.apply(group, "ADDED", obj, report=False)
+        left_out = sum(self._put(group, "ADDED", obj) is not None for obj in objects)
+        if left_out:
+            log.error("picker.too_many_objectives limit=%d left_out=%d", MAX_OBJECTIVES, left_out)
         self.report()
 
-    def apply(self, group: str, kind: str, obj: Mapping[str, Any], *, report: bool = True) -> None:
+    def apply(self, group: str, kind: str, obj: Mapping[str, Any]) -> None:
+        left_out = self._put(group, kind, obj)
+        if left_out is not None:
+            log.error("picker.too_many_objectives limit=%d (skipping %s)", MAX_OBJECTIVES, peer_text(left_out))
+        self.report()
+
+    def _put(self, group: str, kind: str, obj: Mapping[str, Any]) -> str | None:
+        """One event; the objective's name when it is left out, over :data:`MAX_OBJECTIVES`."""
         objectives = self.by_group[group]
         metadata = obj.get("metadata")
         name = metadata.get("name") if isinstance(metadata, Mapping) else None
         if isinstance(name, str):
             objectives.pop(name, None)  # deleted, or edited to another pool or a bad spec
         entry = objective_priority(obj, self.pool) if kind != "DELETED" else None
-        if entry is not None:
-            if len(objectives) >= MAX_OBJECTIVES:
-                log.error("picker.too_many_objectives limit=%d (skipping %s)", MAX_OBJECTIVES, entry[0])
-            else:
-                objectives[entry[0]] = entry[1]
-        if report:
-            self.report()
+        if entry is None:
+            return None
+        if len(objectives) >= MAX_OBJECTIVES:
+            return entry[0]
+        objectives[entry[0]] = entry[1]
+        return None
 
     def report(self) -> None:
         merged: dict[str, int] = {}
@@ -103,7 +114,7 @@ async def _watch_group(client: AsyncClient, group: str, namespace: str, objectiv
         status["gone"] = False
         with _round(what, status):
             listing = client.list(resource, namespace=namespace)
-            objectives.replace(group, [_plain(obj) async for obj in listing])
+            objectives.replace(group, [_plain(obj) for obj in await listed(listing)])
             backoff.reset()
             if status.pop("failing", False):
                 log.info("picker.kube_recovered what=%s", what)

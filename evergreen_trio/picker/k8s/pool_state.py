@@ -17,6 +17,10 @@ from evergreen_trio.picker.config import Endpoint
 from evergreen_trio.picker.engine_metrics import EngineConfig
 from evergreen_trio.picker.errors import PickerError
 
+# The v1 CRD's MaxItems: every port is an endpoint of every pod, so a pool served with thousands
+# (only an API server skipping validation sends them) made millions of endpoints per event.
+MAX_TARGET_PORTS = 8
+
 
 class PoolSpecError(PickerError):
     """The InferencePool's spec lacks a selector or target ports we can read."""
@@ -51,9 +55,12 @@ def pool_spec(spec: Mapping[str, Any]) -> PoolSpec:
         raise PoolSpecError(f"InferencePool spec.selector: expected label=value pairs, got {selector!r}")
     if "targetPorts" in spec:
         entries = spec["targetPorts"]
-        if not isinstance(entries, list) or not entries:
-            raise PoolSpecError(f"InferencePool spec.targetPorts: expected a list, got {entries!r}")
+        if not isinstance(entries, list) or not 0 < len(entries) <= MAX_TARGET_PORTS:
+            raise PoolSpecError(f"InferencePool spec.targetPorts: expected a list of 1 to {MAX_TARGET_PORTS} ports, "
+                                f"got {str(entries)[:100]}")
         ports = tuple(_port(_map(e).get("number"), f"spec.targetPorts[{i}].number") for i, e in enumerate(entries))
+        if len(set(ports)) != len(ports):
+            raise PoolSpecError(f"InferencePool spec.targetPorts: expected unique port numbers, got {ports}")
     else:
         ports = (_port(spec.get("targetPortNumber"), "spec.targetPortNumber"),)
     return PoolSpec(tuple(sorted(selector.items())), ports)
@@ -105,25 +112,46 @@ def _pod(pod: Mapping[str, Any]) -> _Pod:
                 node if isinstance(node, str) else "")
 
 
-class PoolState:
-    """The pool's spec and its pods' addresses and labels; :meth:`endpoints` is what the picker
-    serves, each pod's engine read from its labels by ``engines``."""
+MAX_PODS = 4096  # Ready pods kept: a selector matching far more is a mistake, not a pool
 
-    def __init__(self, spec: PoolSpec | None = None, engines: EngineConfig | None = None) -> None:
+
+class PoolState:
+    """The pool's spec and its Ready pods' addresses and labels; :meth:`endpoints` is what the
+    picker serves, each pod's engine read from its labels by ``engines``.
+
+    At most ``max_pods`` Ready pods are kept, the first listed (the API server lists by name) or
+    added; :attr:`left_out` counts the others since the last list (every event sorts the pods, so
+    a selector matching a million made each cost seconds, and their number grew without bound)."""
+
+    def __init__(self, spec: PoolSpec | None = None, engines: EngineConfig | None = None,
+                 max_pods: int = MAX_PODS) -> None:
         self.spec = spec
         self.engines = engines or EngineConfig()
+        self.max_pods = max_pods
         self.pods: dict[str, _Pod] = {}
+        self.left_out = 0
 
     def replace_pods(self, pods: Sequence[Mapping[str, Any]]) -> None:
         """A fresh list: forget every pod not in it."""
-        self.pods = {_name(p): _pod(p) for p in pods}
+        self.pods, self.left_out = {}, 0
+        for pod in pods:
+            self._put(pod)
 
     def apply(self, event_type: str, pod: Mapping[str, Any]) -> None:
         """One watch event (ADDED, MODIFIED, DELETED; BOOKMARK carries no pod)."""
         if event_type == "DELETED":
             self.pods.pop(_name(pod), None)
         elif event_type in ("ADDED", "MODIFIED"):
-            self.pods[_name(pod)] = _pod(pod)
+            self._put(pod)
+
+    def _put(self, pod: Mapping[str, Any]) -> None:
+        name, info = _name(pod), _pod(pod)
+        if info.ip is None:
+            self.pods.pop(name, None)
+        elif name in self.pods or len(self.pods) < self.max_pods:
+            self.pods[name] = info
+        else:
+            self.left_out += 1
 
     def endpoints(self) -> tuple[Endpoint, ...]:
         if self.spec is None:
