@@ -186,7 +186,10 @@ class Supervisor:
                 process.send_signal(signal.SIGTERM)
 
     async def _start(self, index: int) -> trio.Process:
-        process = await trio.lowlevel.open_process(self.command, stdout=subprocess.PIPE, env=self.env)
+        # A process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group) reaches only
+        # the supervisor, whose one SIGTERM drains the worker; the signal twice would cut its drain short.
+        process = await trio.lowlevel.open_process(self.command, stdout=subprocess.PIPE, env=self.env,
+                                                   process_group=0)
         self._processes[index] = process
         try:
             line = await self._ready_line(process)

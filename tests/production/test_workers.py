@@ -99,6 +99,28 @@ async def test_sigterm_lets_every_worker_drain_its_sessions() -> None:
     assert result == ["OK"] * 4
 
 
+async def test_ctrl_c_in_a_terminal_lets_every_worker_drain_its_sessions() -> None:
+    """Ctrl-C sends SIGINT to the whole foreground process group: the workers, sharing the
+    supervisor's, got it too, then the supervisor's SIGTERM, and took the second signal for "stop
+    now": every open session ended UNAVAILABLE at once instead of draining."""
+    result: list[str] = []
+    opened, release = trio.Semaphore(0), trio.Event()
+    with trio.fail_after(HANG_GUARD):
+        async with serve("--workers", "2", "--drain-grace", "30", lines=2, own_group=True) as server:
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):
+                    nursery.start_soon(held_echo, server.address, opened, release, result)
+                for _ in range(4):
+                    await opened.acquire()
+                os.killpg(server.process.pid, signal.SIGINT)
+                await trio.sleep(1)  # a cut drain ends the sessions, then the supervisor, within milliseconds
+                assert server.process.returncode is None
+                await wait_health(server.address, "NOT_SERVING")
+                release.set()
+            assert await server.process.wait() == 0
+    assert result == ["OK"] * 4
+
+
 def test_a_taken_port_or_bad_arguments_fail_before_any_worker_starts() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
