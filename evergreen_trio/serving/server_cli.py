@@ -25,7 +25,7 @@ import trio
 
 from evergreen_trio._cli import StartError, port, positive_int, seconds, serve_until_signal
 from evergreen_trio.actions import generate, register_builtin_actions
-from evergreen_trio.errors import ConfigurationError
+from evergreen_trio.errors import ConfigurationError, leaf_exceptions
 from evergreen_trio.generate import APIS, BackendConfigError, BackendSettings
 from evergreen_trio.refs import FileResolver
 from evergreen_trio.serving import tls
@@ -331,7 +331,7 @@ def run_workers(args: argparse.Namespace, serving: Callable[[int], str]) -> int:
             trio.run(main, metrics_dir)
         except* WorkerError as group:
             failed = True
-            for failure in group.exceptions:
+            for failure in leaf_exceptions(group):
                 log.error("serve.failed error=%s", failure)
     log.info("serve.stopped workers=%d", args.workers)
     return 1 if failed else 0

@@ -162,3 +162,36 @@ def test_an_app_with_the_builtin_backend_options_is_refused(app_dir: Path) -> No
         capture_output=True, text=True, timeout=60, cwd=app_dir, env=_env(), stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 2 and "--generate-backend" in result.stderr and "--app" in result.stderr
+
+
+WORKER_APP = '''
+import os, sys, time
+from evergreen_trio import Server
+
+def failing() -> Server:  # the supervisor's import succeeds, every worker's fails
+    if "--supervised-by" in sys.argv:
+        raise RuntimeError("no GPU in this worker")
+    return Server()
+
+def slow() -> Server:  # each worker says it started, then takes its time
+    if "--supervised-by" in sys.argv:
+        open(f"worker-{os.getpid()}", "w").close()
+        time.sleep(600)
+    return Server()
+'''
+
+
+def test_a_worker_that_fails_at_start_is_named_in_the_supervisors_line(tmp_path: Path) -> None:
+    """The supervisor logged ``serve.failed error=Exceptions from Trio nursery (1 sub-exception)``:
+    the nursery's group, not the worker and the status it exited with."""
+    (tmp_path / "workerapp.py").write_text(WORKER_APP)
+    result = subprocess.run(
+        [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", "--app", "workerapp:failing",
+         "--workers", "2"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, env=_env(), stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "failing() raised RuntimeError: no GPU in this worker" in result.stderr
+    [failed] = [line for line in result.stderr.splitlines() if "serve.failed" in line]
+    assert "exited with status 2 before it was ready" in failed, failed
+
