@@ -319,8 +319,9 @@ def run_workers(args: argparse.Namespace, serving: Callable[[int], str]) -> int:
                 registry = multiprocess_registry(metrics_dir)
                 metrics = await nursery.start(serve_metrics, registry, args.host, args.metrics_port)
             pids = await nursery.start(supervisor.run)
-            _announce(serving(port), args.host, metrics,
-                      f"evergreen-trio workers: {len(pids)} (pids {' '.join(map(str, pids))})")
+            if not supervisor.stopping:  # a signal while they started: stopping, not serving
+                _announce(serving(port), args.host, metrics,
+                          f"evergreen-trio workers: {len(pids)} (pids {' '.join(map(str, pids))})")
 
     failed = False
     with reserved, ExitStack() as stack:

@@ -171,12 +171,25 @@ class Supervisor:
 
     async def run(self, *, task_status: trio.TaskStatus[list[int]] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every worker (:class:`WorkerError` if one cannot), report their pids, then keep
-        them running until :meth:`stop` and every worker has exited."""
+        them running until :meth:`stop` and every worker has exited. A :meth:`stop` while they
+        start starts no more (the one its SIGTERM ended is no error) and reports those running."""
         async with trio.open_nursery() as nursery:
             for index in range(len(self.pids)):
-                process = await self._start(index)
+                if self._stopping:
+                    break
+                try:
+                    process = await self._start(index)
+                except WorkerError:
+                    if not self._stopping:
+                        raise
+                    break
                 nursery.start_soon(self._keep_running, index, process)
             task_status.started([pid for pid in self.pids if pid is not None])
+
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` has been called."""
+        return self._stopping
 
     def stop(self) -> None:
         """Ask every worker to drain (SIGTERM); a second call asks again, which ends them at once."""

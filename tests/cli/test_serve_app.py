@@ -195,3 +195,41 @@ def test_a_worker_that_fails_at_start_is_named_in_the_supervisors_line(tmp_path:
     [failed] = [line for line in result.stderr.splitlines() if "serve.failed" in line]
     assert "exited with status 2 before it was ready" in failed, failed
 
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_sigterm_while_a_worker_starts_stops_cleanly(tmp_path: Path) -> None:
+    """SIGTERM to the supervisor while a worker started: its SIGTERM ended that worker before it was
+    ready, which the supervisor took for a failed start: exit 1 and ``serve.failed``."""
+    (tmp_path / "workerapp.py").write_text(WORKER_APP)
+    command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", "--app", "workerapp:slow",
+               "--workers", "2"]
+    process = await trio.lowlevel.open_process(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE)
+    try:
+        with trio.fail_after(60):
+            while not (markers := list(await trio.Path(tmp_path).glob("worker-*"))):  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.stdout is not None and process.stderr is not None
+        with trio.fail_after(30):
+            stdout = await process.stdout.receive_some(4096)
+            stderr = b"".join([chunk async for chunk in process.stderr])
+            status = await process.wait()
+    finally:
+        if process.returncode is None:
+            process.kill()
+    assert status == 0, stderr.decode()
+    assert stdout == b""  # stopped before it served: no ready line
+    assert b"serve.failed" not in stderr and b"ERROR" not in stderr, stderr.decode()
+    [marker] = markers
+    worker = int(marker.name.split("-")[1])
+    with trio.fail_after(10):
+        while _alive(worker):  # noqa: ASYNC110 - another process's exit
+            await trio.sleep(0.05)
