@@ -24,6 +24,7 @@ from typing import Any
 import trio
 
 from evergreen_trio._cli import StartError, port, positive_int, seconds, serve_until_signal
+from evergreen_trio._grpc.limits import MAX_SETTINGS_VALUE
 from evergreen_trio.actions import generate, register_builtin_actions
 from evergreen_trio.errors import ConfigurationError, leaf_exceptions
 from evergreen_trio.generate import APIS, BackendConfigError, BackendSettings
@@ -177,6 +178,10 @@ def security_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise ServeConfigError("--tls-cert and --tls-key go together")
     if args.tls_client_ca is not None and args.tls_cert is None:
         raise ServeConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.max_sessions_per_connection > MAX_SETTINGS_VALUE:
+        got = args.max_sessions_per_connection
+        raise ServeConfigError(f"--max-sessions-per-connection: expected at most {MAX_SETTINGS_VALUE} "
+                               f"(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), got {got}")
     if not args.first_message_timeout > 0:
         raise ServeConfigError(f"--first-message-timeout: expected more than 0 s, got {args.first_message_timeout:g}")
     options: dict[str, Any] = {
