@@ -38,6 +38,7 @@ from evergreen_trio.serving.signals import drain_on_signals, with_stop_deadline
 from evergreen_trio.serving.workers import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
+    MAX_WORKERS,
     Supervisor,
     WorkerError,
     heartbeat,
@@ -101,6 +102,14 @@ def backend_from_args(args: argparse.Namespace) -> BackendSettings | None:
     )
 
 
+def worker_count(text: str) -> int:
+    """argparse type: a number of worker processes, 1 to MAX_WORKERS."""
+    count = positive_int(text)
+    if count > MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_WORKERS} workers, got {text!r}")
+    return count
+
+
 def add_operations_arguments(parser: argparse.ArgumentParser) -> None:
     """Metrics, drain and worker processes (docs/production.md)."""
     group = parser.add_argument_group("operations")
@@ -109,8 +118,9 @@ def add_operations_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--drain-grace", type=seconds, default=DRAIN_GRACE_SECONDS, metavar="S",
                        help="on SIGTERM/SIGINT: stop accepting sessions (health NOT_SERVING) and let open ones "
                             "run this long before ending them with UNAVAILABLE (default: %(default)s)")
-    group.add_argument("--workers", type=positive_int, default=1, metavar="N",
-                       help="N server processes on the port (SO_REUSEPORT), restarted if they die (default: 1)")
+    group.add_argument("--workers", type=worker_count, default=1, metavar="N",
+                       help=f"N (at most {MAX_WORKERS}) server processes on the port (SO_REUSEPORT), restarted "
+                            "if they die (default: 1)")
     group.add_argument("--worker-heartbeat-timeout", type=seconds, default=HEARTBEAT_TIMEOUT, metavar="S",
                        help="with --workers: a worker whose loop sends no heartbeat for S seconds is killed and "
                             "restarted (default: %(default)s)")

@@ -42,6 +42,9 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 MAX_READY_LINE = 4096
 """The first line a worker prints (``evergreen-trio serving on ...``) is cut off past this."""
 
+MAX_WORKERS = 1024
+"""The most workers one supervisor runs: each is a whole server process, started one after another."""
+
 HEARTBEAT_INTERVAL = 1.0
 """Seconds between a worker's heartbeats (one byte on its stdout, after its ready line); a fifth of
 the timeout when that is shorter."""
@@ -152,8 +155,8 @@ class Supervisor:
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
         backoff: Backoff = Backoff(),
     ) -> None:
-        if count < 1:
-            raise ValueError(f"expected at least one worker, got {count}")
+        if not 1 <= count <= MAX_WORKERS:
+            raise ValueError(f"expected 1 to {MAX_WORKERS} workers, got {count}")
         self.command = list(command)
         self.env = dict(os.environ if env is None else env)
         self.metrics_dir = metrics_dir

@@ -106,6 +106,8 @@ def pool_yaml(tmp_path: Path) -> Path:
         (["serve", "--first-message-timeout", "0"], ["--first-message-timeout"]),
         (["serve", "--drain-grace", "soon"], ["--drain-grace", "'soon'"]),
         (["serve", "--workers", "0"], ["--workers", "'0'"]),
+        (["serve", "--workers", "1025"], ["--workers", "at most 1024", "'1025'"]),
+        (["serve", "--workers", "99999999999999999999"], ["--workers", "'99999999999999999999'"]),
         (["serve", "--max-sessions-per-connection", "4294967296"],
          ["--max-sessions-per-connection", "at most 4294967295", "4294967296"]),
         (["serve", "--worker-heartbeat-timeout", "0"], ["--worker-heartbeat-timeout", "0 s"]),
