@@ -86,6 +86,12 @@ def pool_yaml(tmp_path: Path) -> Path:
         (["sim", "--max-batch", "0"], ["max_batch", "0"]),
         (["serve", "--model", "m"], ["--model", "--generate-backend"]),
         (["conformance", "127.0.0.1:1", "--examples", "0"], ["--examples"]),
+        # Each was taken: 0 and -1 said nothing answers "within -1 s", nan hung, inf raised OverflowError.
+        (["conformance", "127.0.0.1:1", "--timeout", "0"], ["--timeout", "got 0"]),
+        (["conformance", "127.0.0.1:1", "--timeout=-1"], ["--timeout", "'-1'"]),
+        (["conformance", "127.0.0.1:1", "--timeout", "nan"], ["--timeout", "'nan'"]),
+        (["conformance", "127.0.0.1:1", "--timeout", "inf"], ["--timeout", "'inf'"]),
+        (["conformance", "127.0.0.1:1", "--timeout", "1e300"], ["--timeout", "at most 86400 s", "got 1e+300"]),
         (["conformance", "127.0.0.1"], ["'127.0.0.1'", "host:port"]),
         (["conformance", "127.0.0.1:1", "--header", "no-colon"], ["--header", "'no-colon'"]),
         (["conformance", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"], ["--tls-ca", "/nonexistent/ca.pem"]),
