@@ -27,7 +27,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from evergreen_trio._cli import UsageError, seconds
 from evergreen_trio.client import parse_target
-from evergreen_trio.testing.checks import check_still_serving
+from evergreen_trio.testing.checks import check_valid, probe_plan
 from evergreen_trio.testing.machine import machine_for, play_session
 from evergreen_trio.testing.model import ECHO, ActionUnderTest, InnerSpec, Plan, Violation, depth
 from evergreen_trio.testing.strategies import DEFAULT_SHAPE, Delivery, invalid_sessions, sessions
@@ -193,8 +193,9 @@ def run_conformance(
     results: list[RuleResult] = []
     with SyncClient(target, timeout=timeout, tls_ca=tls_ca, headers=headers) as client:
         client.wait_ready()
+        probe = probe_plan(action)
         try:
-            check_still_serving(client, action)
+            check_valid(probe, client.run(probe.messages()))
         except AssertionError as error:
             print(f"  the server does not serve a one-leaf {action.name} session: {error}", file=out)
             return [RuleResult(r, False, "", f"the server does not serve {action.name}") for r in rules]

@@ -52,6 +52,7 @@ def test_a_server_without_echo_fails_every_rule(evergreen_server_process: Server
     results = run_conformance(evergreen_server_process.address, examples=1, out=out, action=upper)
     assert results and not any(r.holds for r in results)
     assert "does not serve a one-leaf UPPER session" in out.getvalue() and "unknown action" in out.getvalue()
+    assert "after the abort" not in out.getvalue()  # the first session of all: nothing was aborted
 
 
 async def test_conformance_over_tls_with_a_token_as_a_user_types_it(tmp_path: Path) -> None:
