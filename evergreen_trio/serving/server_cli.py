@@ -22,6 +22,7 @@ from functools import partial
 from typing import Any
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from evergreen_trio._cli import StartError, port, positive_int, seconds, serve_until_signal
 from evergreen_trio._grpc.limits import MAX_SETTINGS_VALUE
@@ -290,7 +291,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     nursery.start_soon(heartbeat, announced, min(HEARTBEAT_INTERVAL, args.worker_heartbeat_timeout / 5))
                 metrics = None
                 if args.metrics_port is not None and not supervised:  # a supervisor serves its workers' metrics
-                    metrics = await nursery.start(serve_metrics, server.metrics.registry, args.host, args.metrics_port)
+                    metrics = await _start_metrics(nursery, server.metrics.registry, args.host, args.metrics_port)
                 bound = await nursery.start(partial(server.serve, args.host, args.port,
                                                     reuse_port=args.reuse_port or supervised))
                 task_status.started((bound, metrics))
@@ -300,6 +301,16 @@ def run_serve(args: argparse.Namespace) -> int:
                                 drain=with_stop_deadline(partial(server.drain, args.drain_grace)))
     log.info("serve.stopped")
     return status
+
+
+async def _start_metrics(nursery: trio.Nursery, registry: CollectorRegistry, host: str, port: int) -> int:
+    """:func:`serve_metrics` started in ``nursery``: its port, or a StartError naming ``--metrics-port``
+    (the session port's "cannot listen" line named the other address)."""
+    try:
+        bound: int = await nursery.start(serve_metrics, registry, host, port)
+    except OSError as error:
+        raise StartError(f"--metrics-port: cannot listen on {host}:{port}: {error}") from None
+    return bound
 
 
 def _announce(serving: str, host: str, metrics_port: int | None, *more: str) -> None:
@@ -332,7 +343,7 @@ def run_workers(args: argparse.Namespace, serving: Callable[[int], str]) -> int:
             metrics = None
             if metrics_dir is not None:
                 registry = multiprocess_registry(metrics_dir)
-                metrics = await nursery.start(serve_metrics, registry, args.host, args.metrics_port)
+                metrics = await _start_metrics(nursery, registry, args.host, args.metrics_port)
             pids = await nursery.start(supervisor.run)
             if not supervisor.stopping:  # a signal while they started: stopping, not serving
                 _announce(serving(port), args.host, metrics,

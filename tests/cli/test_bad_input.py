@@ -173,6 +173,13 @@ def test_a_port_in_use_is_one_line_and_exit_1(argv: list[str], busy_port: int, p
     assert_one_line(result, 1, str(busy_port), "in use")
 
 
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]], ids=["one", "workers"])
+def test_a_metrics_port_in_use_is_named(workers: list[str], busy_port: int) -> None:
+    """One process said "cannot listen on 127.0.0.1:0" (the session port), workers named no address."""
+    result = run("serve", "--port", "0", "--metrics-port", str(busy_port), *workers, "--log-level", "warning")
+    assert_one_line(result, 1, f"--metrics-port: cannot listen on 127.0.0.1:{busy_port}", "in use")
+
+
 def test_a_traceback_only_with_log_level_debug(busy_port: int) -> None:
     assert "Traceback" not in run("serve", "--port", str(busy_port)).stderr
     result = run("--log-level", "debug", "serve", "--port", str(busy_port))
