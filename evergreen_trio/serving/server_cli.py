@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable
 from contextlib import AsyncExitStack, ExitStack
 from functools import partial
-from typing import Any
+from typing import Any, TextIO
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -252,6 +252,7 @@ def server_from_args(args: argparse.Namespace, security: dict[str, Any]) -> Serv
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM (which drain first); bad options raise BackendConfigError or
     ServeConfigError (exit 2)."""
+    channel = _supervisor_channel() if args.supervised_by is not None else None  # before the app is imported
     backend = backend_from_args(args)
     security = security_from_args(args)
     if not args.worker_heartbeat_timeout > 0:
@@ -272,7 +273,7 @@ def run_serve(args: argparse.Namespace) -> int:
     announced = trio.Event()
 
     def announce(ports: tuple[int, int | None]) -> None:
-        _announce(serving(ports[0]), args.host, ports[1])
+        _announce(serving(ports[0]), args.host, ports[1], out=channel)
         announced.set()
 
     async def serve(*, task_status: trio.TaskStatus[tuple[int, int | None]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -288,7 +289,9 @@ def run_serve(args: argparse.Namespace) -> int:
                 if supervised:
                     nursery.start_soon(signal_self_when_gone, args.supervised_by)
                     # Beats well within the supervisor's timeout (the worker got the same flag).
-                    nursery.start_soon(heartbeat, announced, min(HEARTBEAT_INTERVAL, args.worker_heartbeat_timeout / 5))
+                    assert channel is not None
+                    nursery.start_soon(heartbeat, announced, min(HEARTBEAT_INTERVAL, args.worker_heartbeat_timeout / 5),
+                                       channel.fileno())
                 metrics = None
                 if args.metrics_port is not None and not supervised:  # a supervisor serves its workers' metrics
                     metrics = await _start_metrics(nursery, server.metrics.registry, args.host, args.metrics_port)
@@ -313,12 +316,23 @@ async def _start_metrics(nursery: trio.Nursery, registry: CollectorRegistry, hos
     return bound
 
 
-def _announce(serving: str, host: str, metrics_port: int | None, *more: str) -> None:
+def _announce(serving: str, host: str, metrics_port: int | None, *more: str, out: TextIO | None = None) -> None:
     # The first line says it is ready: everything it announces is already listening.
     for line in (serving, *more):
-        print(line, flush=True)
+        print(line, file=out, flush=True)
     if metrics_port is not None:
-        print(f"evergreen-trio metrics on http://{host}:{metrics_port}/metrics", flush=True)
+        print(f"evergreen-trio metrics on http://{host}:{metrics_port}/metrics", file=out, flush=True)
+
+
+def _supervisor_channel() -> TextIO:
+    """A worker's line to its supervisor: the pipe it got as stdout, for its ready line and heartbeats.
+
+    Its stdout becomes its stderr: a line the app prints (``loading weights...``) was taken for
+    the ready line, so the supervisor said it served before the worker listened."""
+    sys.stdout.flush()
+    channel = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return channel
 
 
 def run_workers(args: argparse.Namespace, serving: Callable[[int], str]) -> int:

@@ -111,14 +111,15 @@ async def wait_pid_exit(pid: int, *, poll_s: float = 1.0) -> None:
         await trio.sleep(poll_s)
 
 
-async def heartbeat(ready: trio.Event, interval: float = HEARTBEAT_INTERVAL) -> None:
-    """A worker's side: once ``ready`` is set (its ready line is out), write one byte to stdout every
-    ``interval`` seconds, from this Trio loop, so a frozen loop goes silent. Returns when the pipe closes.
+async def heartbeat(ready: trio.Event, interval: float = HEARTBEAT_INTERVAL, fd: int | None = None) -> None:
+    """A worker's side: once ``ready`` is set (its ready line is out), write one byte to ``fd`` (default:
+    stdout) every ``interval`` seconds, from this Trio loop, so a frozen loop goes silent. Returns when
+    the pipe closes.
 
     A plain write: the supervisor reads every beat, and a pipe holds 64 KiB of them (18 hours).
     """
     await ready.wait()
-    fd = sys.stdout.fileno()
+    fd = sys.stdout.fileno() if fd is None else fd
     while True:
         try:
             os.write(fd, b".")

@@ -233,3 +233,46 @@ async def test_sigterm_while_a_worker_starts_stops_cleanly(tmp_path: Path) -> No
     with trio.fail_after(10):
         while _alive(worker):  # noqa: ASYNC110 - another process's exit
             await trio.sleep(0.05)
+
+
+CHATTY_APP = '''
+import sys, time
+from evergreen_trio import Server
+
+print("loading weights...", flush=True)
+
+def make() -> Server:
+    if "--supervised-by" in sys.argv:  # a worker takes its time after the print
+        time.sleep(3)
+    return Server()
+'''
+
+
+async def test_a_worker_that_prints_is_ready_only_once_it_listens(tmp_path: Path) -> None:
+    """A line the app printed in a worker was taken for its ready line: the supervisor said it served
+    while no worker listened yet, and a connection then was refused."""
+    (tmp_path / "chattyapp.py").write_text(CHATTY_APP)
+    command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", "--app", "chattyapp:make",
+               "--workers", "2"]
+    process = await trio.lowlevel.open_process(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE)
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        data = b""
+        with trio.fail_after(60):
+            while b"evergreen-trio serving on" not in data or not data.endswith(b"\n"):
+                chunk = await process.stdout.receive_some(4096)
+                assert chunk, f"serve exited ({await process.wait()})"
+                data += chunk
+        ready = next(line for line in data.decode().splitlines() if "serving on" in line)
+        host, port = address_of(ready).rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))  # refused while no worker listens
+        await stream.aclose()
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(60):
+            stderr = b"".join([chunk async for chunk in process.stderr])
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+    assert stderr.count(b"loading weights...") == 2  # each worker's print, on stderr
