@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from evergreen_trio.errors import EvergreenTrioError
+from evergreen_trio.serving.signals import STOP_DEADLINE_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,7 @@ class Supervisor:
         self.hung = 0
         self._processes: list[trio.Process | None] = [None] * count
         self._stopping = False
+        self._reaping: set[trio.CancelScope] = set()  # _reap's waits, which a second stop() shortens
 
     async def run(self, *, task_status: trio.TaskStatus[list[int]] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every worker (:class:`WorkerError` if one cannot), report their pids, then keep
@@ -196,11 +198,17 @@ class Supervisor:
         return self._stopping
 
     def stop(self) -> None:
-        """Ask every worker to drain (SIGTERM); a second call asks again, which ends them at once."""
+        """Ask every worker to drain (SIGTERM); a second call asks again, which ends them at once, and
+        SIGKILLs those still running ``STOP_DEADLINE_SECONDS`` later (a stuck one ignores the signal)."""
+        again = self._stopping
         self._stopping = True
         for process in self._processes:
             if process is not None and process.returncode is None:
                 process.send_signal(signal.SIGTERM)
+        if again:
+            deadline = trio.current_time() + STOP_DEADLINE_SECONDS
+            for scope in self._reaping:
+                scope.deadline = min(scope.deadline, deadline)
 
     async def _start(self, index: int) -> trio.Process:
         # A process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group) reaches only
@@ -305,9 +313,13 @@ class Supervisor:
     async def _reap(self, processes: Sequence[trio.Process]) -> None:
         """Wait for ``processes``, already asked to stop (once: a second SIGTERM would cut their
         drain short), and SIGKILL those still running after ``stop_timeout``."""
-        with trio.move_on_after(self.stop_timeout):
-            for process in processes:
-                await process.wait()
+        with trio.move_on_after(self.stop_timeout) as waiting:
+            self._reaping.add(waiting)
+            try:
+                for process in processes:
+                    await process.wait()
+            finally:
+                self._reaping.discard(waiting)
         for process in processes:
             if process.returncode is None:
                 log.warning("workers.killed pid=%d after_s=%s", process.pid, self.stop_timeout)
