@@ -94,6 +94,10 @@ def pool_yaml(tmp_path: Path) -> Path:
         (["conformance", "127.0.0.1:1", "--timeout", "1e300"], ["--timeout", "at most 86400 s", "got 1e+300"]),
         (["conformance", "127.0.0.1"], ["'127.0.0.1'", "host:port"]),
         (["conformance", "127.0.0.1:1", "--header", "no-colon"], ["--header", "'no-colon'"]),
+        # A binary header raised TypeError; a newline in a value was blamed on the server (INTERNAL).
+        (["conformance", "127.0.0.1:1", "--header", "x-bin: abc"], ["--header", "'x-bin'"]),
+        (["conformance", "127.0.0.1:1", "--header", "x: a\nb"], ["--header", "printable ASCII"]),
+        (["conformance", "127.0.0.1:1", "--header", "cl\u00e9: x"], ["--header", "'name: value'"]),
         (["conformance", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"], ["--tls-ca", "/nonexistent/ca.pem"]),
         (["gateway", "--simulate", "99"], ["simulate", "99"]),
         (["gateway", "--simulate", "1", "--listen", "localhost:80"], ["listen", "localhost:80"]),
