@@ -265,7 +265,7 @@ def run_serve(args: argparse.Namespace) -> int:
         target = f" (app {args.app}: {', '.join(sorted(server.actions)) or 'no actions'})"
 
     def serving(port: int) -> str:
-        return f"evergreen-trio serving{scheme} on {args.host}:{port}{target}"
+        return f"evergreen-trio serving{scheme} on {_bracketed(args.host)}:{port}{target}"
 
     if args.workers > 1 and args.supervised_by is None:
         return run_workers(args, serving)
@@ -321,7 +321,12 @@ def _announce(serving: str, host: str, metrics_port: int | None, *more: str, out
     for line in (serving, *more):
         print(line, file=out, flush=True)
     if metrics_port is not None:
-        print(f"evergreen-trio metrics on http://{host}:{metrics_port}/metrics", file=out, flush=True)
+        print(f"evergreen-trio metrics on http://{_bracketed(host)}:{metrics_port}/metrics", file=out, flush=True)
+
+
+def _bracketed(host: str) -> str:
+    """``host`` as it goes before ``:PORT`` in an address or a URL: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 def _supervisor_channel() -> TextIO:
