@@ -8,6 +8,9 @@ from __future__ import annotations
 import errno
 from dataclasses import dataclass
 
+MAX_SETTINGS_VALUE = 2**32 - 1
+"""The largest value an HTTP/2 SETTINGS frame carries (32 bits): ``max_streams_per_connection``'s bound."""
+
 
 @dataclass(frozen=True)
 class TransportLimits:
@@ -51,6 +54,9 @@ class TransportLimits:
                      "max_message_bytes", "max_stream_errors_per_second"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_streams_per_connection > MAX_SETTINGS_VALUE:
+            raise ValueError(f"max_streams_per_connection must be at most {MAX_SETTINGS_VALUE} (an HTTP/2 SETTINGS "
+                             f"value), got {self.max_streams_per_connection}")
         for name in ("handshake_timeout", "keepalive_time", "keepalive_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -30,6 +30,10 @@ CLUSTER = "evergreen"
 _EXT = "type.googleapis.com/envoy.extensions."
 _LABEL = r"[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*")
+_UINT32 = 2**32 - 1
+"""The most a count in Envoy's config takes (a UInt32Value: circuit breakers, thresholds)."""
+_INT32 = 2**31 - 1
+"""The most HTTP/2 ``max_concurrent_streams`` takes (Envoy validates 1..2147483647)."""
 
 
 class FrontConfigError(EvergreenTrioError, ValueError):
@@ -106,11 +110,15 @@ def front_config(
     _existing(tls_cert, "--tls-cert")
     _existing(tls_key, "--tls-key")
     _existing(upstream_ca, "--evergreen-ca")
-    for name, number in (("max_connections", max_connections), ("max_concurrent_streams", max_concurrent_streams),
-                         ("max_requests_per_io_cycle", max_requests_per_io_cycle),
-                         ("max_upstream_streams", max_upstream_streams), ("unhealthy_threshold", unhealthy_threshold)):
-        if number < 1:
-            raise FrontConfigError(f"{name}: expected >= 1, got {number}")
+    if not _is_ip(listen_host):
+        raise FrontConfigError(f"--listen-host: expected an IP address (Envoy listens on no name), got {listen_host!r}")
+    for name, number, most in (
+        ("max_connections", max_connections, _UINT32), ("max_concurrent_streams", max_concurrent_streams, _INT32),
+        ("max_requests_per_io_cycle", max_requests_per_io_cycle, _UINT32),
+        ("max_upstream_streams", max_upstream_streams, _UINT32), ("unhealthy_threshold", unhealthy_threshold, _UINT32),
+    ):
+        if not 1 <= number <= most:
+            raise FrontConfigError(f"{name}: expected 1..{most}, got {number}")
     addresses = [parse_server(text) for text in servers]
     hcm: dict[str, Any] = {
         "@type": _EXT + "filters.network.http_connection_manager.v3.HttpConnectionManager",

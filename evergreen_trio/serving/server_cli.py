@@ -19,13 +19,15 @@ import tempfile
 from collections.abc import Callable
 from contextlib import AsyncExitStack, ExitStack
 from functools import partial
-from typing import Any
+from typing import Any, TextIO
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from evergreen_trio._cli import StartError, port, positive_int, seconds, serve_until_signal
+from evergreen_trio._grpc.limits import MAX_SETTINGS_VALUE
 from evergreen_trio.actions import generate, register_builtin_actions
-from evergreen_trio.errors import ConfigurationError
+from evergreen_trio.errors import ConfigurationError, leaf_exceptions
 from evergreen_trio.generate import APIS, BackendConfigError, BackendSettings
 from evergreen_trio.refs import FileResolver
 from evergreen_trio.serving import tls
@@ -37,6 +39,7 @@ from evergreen_trio.serving.signals import drain_on_signals, with_stop_deadline
 from evergreen_trio.serving.workers import (
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
+    MAX_WORKERS,
     Supervisor,
     WorkerError,
     heartbeat,
@@ -100,6 +103,14 @@ def backend_from_args(args: argparse.Namespace) -> BackendSettings | None:
     )
 
 
+def worker_count(text: str) -> int:
+    """argparse type: a number of worker processes, 1 to MAX_WORKERS."""
+    count = positive_int(text)
+    if count > MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_WORKERS} workers, got {text!r}")
+    return count
+
+
 def add_operations_arguments(parser: argparse.ArgumentParser) -> None:
     """Metrics, drain and worker processes (docs/production.md)."""
     group = parser.add_argument_group("operations")
@@ -108,8 +119,9 @@ def add_operations_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--drain-grace", type=seconds, default=DRAIN_GRACE_SECONDS, metavar="S",
                        help="on SIGTERM/SIGINT: stop accepting sessions (health NOT_SERVING) and let open ones "
                             "run this long before ending them with UNAVAILABLE (default: %(default)s)")
-    group.add_argument("--workers", type=positive_int, default=1, metavar="N",
-                       help="N server processes on the port (SO_REUSEPORT), restarted if they die (default: 1)")
+    group.add_argument("--workers", type=worker_count, default=1, metavar="N",
+                       help=f"N (at most {MAX_WORKERS}) server processes on the port (SO_REUSEPORT), restarted "
+                            "if they die (default: 1)")
     group.add_argument("--worker-heartbeat-timeout", type=seconds, default=HEARTBEAT_TIMEOUT, metavar="S",
                        help="with --workers: a worker whose loop sends no heartbeat for S seconds is killed and "
                             "restarted (default: %(default)s)")
@@ -177,6 +189,10 @@ def security_from_args(args: argparse.Namespace) -> dict[str, Any]:
         raise ServeConfigError("--tls-cert and --tls-key go together")
     if args.tls_client_ca is not None and args.tls_cert is None:
         raise ServeConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.max_sessions_per_connection > MAX_SETTINGS_VALUE:
+        got = args.max_sessions_per_connection
+        raise ServeConfigError(f"--max-sessions-per-connection: expected at most {MAX_SETTINGS_VALUE} "
+                               f"(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS), got {got}")
     if not args.first_message_timeout > 0:
         raise ServeConfigError(f"--first-message-timeout: expected more than 0 s, got {args.first_message_timeout:g}")
     options: dict[str, Any] = {
@@ -236,6 +252,7 @@ def server_from_args(args: argparse.Namespace, security: dict[str, Any]) -> Serv
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM (which drain first); bad options raise BackendConfigError or
     ServeConfigError (exit 2)."""
+    channel = _supervisor_channel() if args.supervised_by is not None else None  # before the app is imported
     backend = backend_from_args(args)
     security = security_from_args(args)
     if not args.worker_heartbeat_timeout > 0:
@@ -248,7 +265,7 @@ def run_serve(args: argparse.Namespace) -> int:
         target = f" (app {args.app}: {', '.join(sorted(server.actions)) or 'no actions'})"
 
     def serving(port: int) -> str:
-        return f"evergreen-trio serving{scheme} on {args.host}:{port}{target}"
+        return f"evergreen-trio serving{scheme} on {_bracketed(args.host)}:{port}{target}"
 
     if args.workers > 1 and args.supervised_by is None:
         return run_workers(args, serving)
@@ -256,7 +273,7 @@ def run_serve(args: argparse.Namespace) -> int:
     announced = trio.Event()
 
     def announce(ports: tuple[int, int | None]) -> None:
-        _announce(serving(ports[0]), args.host, ports[1])
+        _announce(serving(ports[0]), args.host, ports[1], out=channel)
         announced.set()
 
     async def serve(*, task_status: trio.TaskStatus[tuple[int, int | None]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -272,10 +289,12 @@ def run_serve(args: argparse.Namespace) -> int:
                 if supervised:
                     nursery.start_soon(signal_self_when_gone, args.supervised_by)
                     # Beats well within the supervisor's timeout (the worker got the same flag).
-                    nursery.start_soon(heartbeat, announced, min(HEARTBEAT_INTERVAL, args.worker_heartbeat_timeout / 5))
+                    assert channel is not None
+                    nursery.start_soon(heartbeat, announced, min(HEARTBEAT_INTERVAL, args.worker_heartbeat_timeout / 5),
+                                       channel.fileno())
                 metrics = None
                 if args.metrics_port is not None and not supervised:  # a supervisor serves its workers' metrics
-                    metrics = await nursery.start(serve_metrics, server.metrics.registry, args.host, args.metrics_port)
+                    metrics = await _start_metrics(nursery, server.metrics.registry, args.host, args.metrics_port)
                 bound = await nursery.start(partial(server.serve, args.host, args.port,
                                                     reuse_port=args.reuse_port or supervised))
                 task_status.started((bound, metrics))
@@ -287,12 +306,38 @@ def run_serve(args: argparse.Namespace) -> int:
     return status
 
 
-def _announce(serving: str, host: str, metrics_port: int | None, *more: str) -> None:
+async def _start_metrics(nursery: trio.Nursery, registry: CollectorRegistry, host: str, port: int) -> int:
+    """:func:`serve_metrics` started in ``nursery``: its port, or a StartError naming ``--metrics-port``
+    (the session port's "cannot listen" line named the other address)."""
+    try:
+        bound: int = await nursery.start(serve_metrics, registry, host, port)
+    except OSError as error:
+        raise StartError(f"--metrics-port: cannot listen on {host}:{port}: {error}") from None
+    return bound
+
+
+def _announce(serving: str, host: str, metrics_port: int | None, *more: str, out: TextIO | None = None) -> None:
     # The first line says it is ready: everything it announces is already listening.
     for line in (serving, *more):
-        print(line, flush=True)
+        print(line, file=out, flush=True)
     if metrics_port is not None:
-        print(f"evergreen-trio metrics on http://{host}:{metrics_port}/metrics", flush=True)
+        print(f"evergreen-trio metrics on http://{_bracketed(host)}:{metrics_port}/metrics", file=out, flush=True)
+
+
+def _bracketed(host: str) -> str:
+    """``host`` as it goes before ``:PORT`` in an address or a URL: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
+def _supervisor_channel() -> TextIO:
+    """A worker's line to its supervisor: the pipe it got as stdout, for its ready line and heartbeats.
+
+    Its stdout becomes its stderr: a line the app prints (``loading weights...``) was taken for
+    the ready line, so the supervisor said it served before the worker listened."""
+    sys.stdout.flush()
+    channel = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return channel
 
 
 def run_workers(args: argparse.Namespace, serving: Callable[[int], str]) -> int:
@@ -317,10 +362,11 @@ def run_workers(args: argparse.Namespace, serving: Callable[[int], str]) -> int:
             metrics = None
             if metrics_dir is not None:
                 registry = multiprocess_registry(metrics_dir)
-                metrics = await nursery.start(serve_metrics, registry, args.host, args.metrics_port)
+                metrics = await _start_metrics(nursery, registry, args.host, args.metrics_port)
             pids = await nursery.start(supervisor.run)
-            _announce(serving(port), args.host, metrics,
-                      f"evergreen-trio workers: {len(pids)} (pids {' '.join(map(str, pids))})")
+            if not supervisor.stopping:  # a signal while they started: stopping, not serving
+                _announce(serving(port), args.host, metrics,
+                          f"evergreen-trio workers: {len(pids)} (pids {' '.join(map(str, pids))})")
 
     failed = False
     with reserved, ExitStack() as stack:
@@ -331,7 +377,7 @@ def run_workers(args: argparse.Namespace, serving: Callable[[int], str]) -> int:
             trio.run(main, metrics_dir)
         except* WorkerError as group:
             failed = True
-            for failure in group.exceptions:
+            for failure in leaf_exceptions(group):
                 log.error("serve.failed error=%s", failure)
     log.info("serve.stopped workers=%d", args.workers)
     return 1 if failed else 0

@@ -35,12 +35,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from evergreen_trio.errors import EvergreenTrioError
+from evergreen_trio.serving.signals import STOP_DEADLINE_SECONDS
 
 log = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 MAX_READY_LINE = 4096
 """The first line a worker prints (``evergreen-trio serving on ...``) is cut off past this."""
+
+MAX_WORKERS = 1024
+"""The most workers one supervisor runs: each is a whole server process, started one after another."""
 
 HEARTBEAT_INTERVAL = 1.0
 """Seconds between a worker's heartbeats (one byte on its stdout, after its ready line); a fifth of
@@ -108,14 +112,15 @@ async def wait_pid_exit(pid: int, *, poll_s: float = 1.0) -> None:
         await trio.sleep(poll_s)
 
 
-async def heartbeat(ready: trio.Event, interval: float = HEARTBEAT_INTERVAL) -> None:
-    """A worker's side: once ``ready`` is set (its ready line is out), write one byte to stdout every
-    ``interval`` seconds, from this Trio loop, so a frozen loop goes silent. Returns when the pipe closes.
+async def heartbeat(ready: trio.Event, interval: float = HEARTBEAT_INTERVAL, fd: int | None = None) -> None:
+    """A worker's side: once ``ready`` is set (its ready line is out), write one byte to ``fd`` (default:
+    stdout) every ``interval`` seconds, from this Trio loop, so a frozen loop goes silent. Returns when
+    the pipe closes.
 
     A plain write: the supervisor reads every beat, and a pipe holds 64 KiB of them (18 hours).
     """
     await ready.wait()
-    fd = sys.stdout.fileno()
+    fd = sys.stdout.fileno() if fd is None else fd
     while True:
         try:
             os.write(fd, b".")
@@ -152,8 +157,8 @@ class Supervisor:
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
         backoff: Backoff = Backoff(),
     ) -> None:
-        if count < 1:
-            raise ValueError(f"expected at least one worker, got {count}")
+        if not 1 <= count <= MAX_WORKERS:
+            raise ValueError(f"expected 1 to {MAX_WORKERS} workers, got {count}")
         self.command = list(command)
         self.env = dict(os.environ if env is None else env)
         self.metrics_dir = metrics_dir
@@ -168,25 +173,48 @@ class Supervisor:
         self.hung = 0
         self._processes: list[trio.Process | None] = [None] * count
         self._stopping = False
+        self._reaping: set[trio.CancelScope] = set()  # _reap's waits, which a second stop() shortens
 
     async def run(self, *, task_status: trio.TaskStatus[list[int]] = trio.TASK_STATUS_IGNORED) -> None:
         """Start every worker (:class:`WorkerError` if one cannot), report their pids, then keep
-        them running until :meth:`stop` and every worker has exited."""
+        them running until :meth:`stop` and every worker has exited. A :meth:`stop` while they
+        start starts no more (the one its SIGTERM ended is no error) and reports those running."""
         async with trio.open_nursery() as nursery:
             for index in range(len(self.pids)):
-                process = await self._start(index)
+                if self._stopping:
+                    break
+                try:
+                    process = await self._start(index)
+                except WorkerError:
+                    if not self._stopping:
+                        raise
+                    break
                 nursery.start_soon(self._keep_running, index, process)
             task_status.started([pid for pid in self.pids if pid is not None])
 
+    @property
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` has been called."""
+        return self._stopping
+
     def stop(self) -> None:
-        """Ask every worker to drain (SIGTERM); a second call asks again, which ends them at once."""
+        """Ask every worker to drain (SIGTERM); a second call asks again, which ends them at once, and
+        SIGKILLs those still running ``STOP_DEADLINE_SECONDS`` later (a stuck one ignores the signal)."""
+        again = self._stopping
         self._stopping = True
         for process in self._processes:
             if process is not None and process.returncode is None:
                 process.send_signal(signal.SIGTERM)
+        if again:
+            deadline = trio.current_time() + STOP_DEADLINE_SECONDS
+            for scope in self._reaping:
+                scope.deadline = min(scope.deadline, deadline)
 
     async def _start(self, index: int) -> trio.Process:
-        process = await trio.lowlevel.open_process(self.command, stdout=subprocess.PIPE, env=self.env)
+        # A process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group) reaches only
+        # the supervisor, whose one SIGTERM drains the worker; the signal twice would cut its drain short.
+        process = await trio.lowlevel.open_process(self.command, stdout=subprocess.PIPE, env=self.env,
+                                                   process_group=0)
         self._processes[index] = process
         try:
             line = await self._ready_line(process)
@@ -285,9 +313,13 @@ class Supervisor:
     async def _reap(self, processes: Sequence[trio.Process]) -> None:
         """Wait for ``processes``, already asked to stop (once: a second SIGTERM would cut their
         drain short), and SIGKILL those still running after ``stop_timeout``."""
-        with trio.move_on_after(self.stop_timeout):
-            for process in processes:
-                await process.wait()
+        with trio.move_on_after(self.stop_timeout) as waiting:
+            self._reaping.add(waiting)
+            try:
+                for process in processes:
+                    await process.wait()
+            finally:
+                self._reaping.discard(waiting)
         for process in processes:
             if process.returncode is None:
                 log.warning("workers.killed pid=%d after_s=%s", process.pid, self.stop_timeout)

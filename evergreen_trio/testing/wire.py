@@ -12,6 +12,7 @@ from evergreen_trio._extras import require_extra
 require_extra("testing", __name__)
 
 import argparse
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,13 +33,22 @@ class UnreachableError(EvergreenTrioError):
     """Nothing answers at the target: refused, no route, or no TLS handshake in time."""
 
 
+_HEADER_NAME = re.compile(r"[0-9a-z_.-]+")
+_HEADER_VALUE = re.compile(r"[\x20-\x7e]*")
+
+
 def parse_header(text: str) -> tuple[str, str]:
-    """argparse type: ``'name: value'`` as a lower-case gRPC metadata pair."""
+    """argparse type: ``'name: value'`` as a lower-case gRPC metadata pair: an ASCII name, a printable
+    ASCII value, no ``-bin`` (binary) header."""
     name, sep, value = text.partition(":")
-    name = name.strip().lower()
-    if not sep or not name or not all(c.isalnum() or c in "-_." for c in name) or name.startswith(":"):
+    name, value = name.strip().lower(), value.strip()
+    if not sep or not _HEADER_NAME.fullmatch(name):
         raise argparse.ArgumentTypeError(f"expected 'name: value', got {text!r}")
-    return name, value.strip()
+    if name.endswith("-bin"):
+        raise argparse.ArgumentTypeError(f"expected a text header, got the binary (-bin) header {name!r}")
+    if not _HEADER_VALUE.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"expected a value of printable ASCII, got {text!r}")
+    return name, value
 
 
 @dataclass(frozen=True)

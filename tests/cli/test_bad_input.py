@@ -86,8 +86,18 @@ def pool_yaml(tmp_path: Path) -> Path:
         (["sim", "--max-batch", "0"], ["max_batch", "0"]),
         (["serve", "--model", "m"], ["--model", "--generate-backend"]),
         (["conformance", "127.0.0.1:1", "--examples", "0"], ["--examples"]),
+        # Each was taken: 0 and -1 said nothing answers "within -1 s", nan hung, inf raised OverflowError.
+        (["conformance", "127.0.0.1:1", "--timeout", "0"], ["--timeout", "got 0"]),
+        (["conformance", "127.0.0.1:1", "--timeout=-1"], ["--timeout", "'-1'"]),
+        (["conformance", "127.0.0.1:1", "--timeout", "nan"], ["--timeout", "'nan'"]),
+        (["conformance", "127.0.0.1:1", "--timeout", "inf"], ["--timeout", "'inf'"]),
+        (["conformance", "127.0.0.1:1", "--timeout", "1e300"], ["--timeout", "at most 86400 s", "got 1e+300"]),
         (["conformance", "127.0.0.1"], ["'127.0.0.1'", "host:port"]),
         (["conformance", "127.0.0.1:1", "--header", "no-colon"], ["--header", "'no-colon'"]),
+        # A binary header raised TypeError; a newline in a value was blamed on the server (INTERNAL).
+        (["conformance", "127.0.0.1:1", "--header", "x-bin: abc"], ["--header", "'x-bin'"]),
+        (["conformance", "127.0.0.1:1", "--header", "x: a\nb"], ["--header", "printable ASCII"]),
+        (["conformance", "127.0.0.1:1", "--header", "cl\u00e9: x"], ["--header", "'name: value'"]),
         (["conformance", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"], ["--tls-ca", "/nonexistent/ca.pem"]),
         (["gateway", "--simulate", "99"], ["simulate", "99"]),
         (["gateway", "--simulate", "1", "--listen", "localhost:80"], ["listen", "localhost:80"]),
@@ -106,6 +116,10 @@ def pool_yaml(tmp_path: Path) -> Path:
         (["serve", "--first-message-timeout", "0"], ["--first-message-timeout"]),
         (["serve", "--drain-grace", "soon"], ["--drain-grace", "'soon'"]),
         (["serve", "--workers", "0"], ["--workers", "'0'"]),
+        (["serve", "--workers", "1025"], ["--workers", "at most 1024", "'1025'"]),
+        (["serve", "--workers", "99999999999999999999"], ["--workers", "'99999999999999999999'"]),
+        (["serve", "--max-sessions-per-connection", "4294967296"],
+         ["--max-sessions-per-connection", "at most 4294967295", "4294967296"]),
         (["serve", "--worker-heartbeat-timeout", "0"], ["--worker-heartbeat-timeout", "0 s"]),
         (["serve", "--worker-heartbeat-timeout", "never"], ["--worker-heartbeat-timeout", "'never'"]),
         (["serve", "--metrics-port", "70000"], ["--metrics-port", "70000"]),
@@ -161,6 +175,13 @@ def test_a_bad_config_exits_2_and_names_the_field(command: str, tmp_path: Path) 
 def test_a_port_in_use_is_one_line_and_exit_1(argv: list[str], busy_port: int, pool_yaml: Path) -> None:
     result = run(*[arg.format(port=busy_port, pool=pool_yaml) for arg in argv], "--log-level", "warning")
     assert_one_line(result, 1, str(busy_port), "in use")
+
+
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]], ids=["one", "workers"])
+def test_a_metrics_port_in_use_is_named(workers: list[str], busy_port: int) -> None:
+    """One process said "cannot listen on 127.0.0.1:0" (the session port), workers named no address."""
+    result = run("serve", "--port", "0", "--metrics-port", str(busy_port), *workers, "--log-level", "warning")
+    assert_one_line(result, 1, f"--metrics-port: cannot listen on 127.0.0.1:{busy_port}", "in use")
 
 
 def test_a_traceback_only_with_log_level_debug(busy_port: int) -> None:

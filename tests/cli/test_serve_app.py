@@ -162,3 +162,117 @@ def test_an_app_with_the_builtin_backend_options_is_refused(app_dir: Path) -> No
         capture_output=True, text=True, timeout=60, cwd=app_dir, env=_env(), stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 2 and "--generate-backend" in result.stderr and "--app" in result.stderr
+
+
+WORKER_APP = '''
+import os, sys, time
+from evergreen_trio import Server
+
+def failing() -> Server:  # the supervisor's import succeeds, every worker's fails
+    if "--supervised-by" in sys.argv:
+        raise RuntimeError("no GPU in this worker")
+    return Server()
+
+def slow() -> Server:  # each worker says it started, then takes its time
+    if "--supervised-by" in sys.argv:
+        open(f"worker-{os.getpid()}", "w").close()
+        time.sleep(600)
+    return Server()
+'''
+
+
+def test_a_worker_that_fails_at_start_is_named_in_the_supervisors_line(tmp_path: Path) -> None:
+    """The supervisor logged ``serve.failed error=Exceptions from Trio nursery (1 sub-exception)``:
+    the nursery's group, not the worker and the status it exited with."""
+    (tmp_path / "workerapp.py").write_text(WORKER_APP)
+    result = subprocess.run(
+        [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", "--app", "workerapp:failing",
+         "--workers", "2"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, env=_env(), stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "failing() raised RuntimeError: no GPU in this worker" in result.stderr
+    [failed] = [line for line in result.stderr.splitlines() if "serve.failed" in line]
+    assert "exited with status 2 before it was ready" in failed, failed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_sigterm_while_a_worker_starts_stops_cleanly(tmp_path: Path) -> None:
+    """SIGTERM to the supervisor while a worker started: its SIGTERM ended that worker before it was
+    ready, which the supervisor took for a failed start: exit 1 and ``serve.failed``."""
+    (tmp_path / "workerapp.py").write_text(WORKER_APP)
+    command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", "--app", "workerapp:slow",
+               "--workers", "2"]
+    process = await trio.lowlevel.open_process(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE)
+    try:
+        with trio.fail_after(60):
+            while not (markers := list(await trio.Path(tmp_path).glob("worker-*"))):  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.stdout is not None and process.stderr is not None
+        with trio.fail_after(30):
+            stdout = await process.stdout.receive_some(4096)
+            stderr = b"".join([chunk async for chunk in process.stderr])
+            status = await process.wait()
+    finally:
+        if process.returncode is None:
+            process.kill()
+    assert status == 0, stderr.decode()
+    assert stdout == b""  # stopped before it served: no ready line
+    assert b"serve.failed" not in stderr and b"ERROR" not in stderr, stderr.decode()
+    [marker] = markers
+    worker = int(marker.name.split("-")[1])
+    with trio.fail_after(10):
+        while _alive(worker):  # noqa: ASYNC110 - another process's exit
+            await trio.sleep(0.05)
+
+
+CHATTY_APP = '''
+import sys, time
+from evergreen_trio import Server
+
+print("loading weights...", flush=True)
+
+def make() -> Server:
+    if "--supervised-by" in sys.argv:  # a worker takes its time after the print
+        time.sleep(3)
+    return Server()
+'''
+
+
+async def test_a_worker_that_prints_is_ready_only_once_it_listens(tmp_path: Path) -> None:
+    """A line the app printed in a worker was taken for its ready line: the supervisor said it served
+    while no worker listened yet, and a connection then was refused."""
+    (tmp_path / "chattyapp.py").write_text(CHATTY_APP)
+    command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", "--app", "chattyapp:make",
+               "--workers", "2"]
+    process = await trio.lowlevel.open_process(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE)
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        data = b""
+        with trio.fail_after(60):
+            while b"evergreen-trio serving on" not in data or not data.endswith(b"\n"):
+                chunk = await process.stdout.receive_some(4096)
+                assert chunk, f"serve exited ({await process.wait()})"
+                data += chunk
+        ready = next(line for line in data.decode().splitlines() if "serving on" in line)
+        host, port = address_of(ready).rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))  # refused while no worker listens
+        await stream.aclose()
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(60):
+            stderr = b"".join([chunk async for chunk in process.stderr])
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+    assert stderr.count(b"loading weights...") == 2  # each worker's print, on stderr

@@ -78,12 +78,15 @@ class ServeProcess:
 
 
 @asynccontextmanager
-async def serve(*args: str, lines: int = 1, start_timeout: float = 60.0) -> AsyncIterator[ServeProcess]:
+async def serve(*args: str, lines: int = 1, start_timeout: float = 60.0,
+                own_group: bool = False) -> AsyncIterator[ServeProcess]:
     """Run ``python -m evergreen_trio.cli serve --port 0 ARGS...`` and wait for its first ``lines``
-    lines; at exit SIGTERM it (a second SIGTERM ends a drain) and wait."""
+    lines; at exit SIGTERM it (a second SIGTERM ends a drain) and wait. ``own_group``: in a process
+    group of its own, as a shell runs a foreground job (``os.killpg`` is then a terminal's Ctrl-C)."""
     command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", *args]
     process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE,
-                                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                               env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                               process_group=0 if own_group else None)
     try:
         assert process.stdout is not None
         data = b""

@@ -149,3 +149,16 @@ def test_gateway_config_command_writes_a_front_envoy_accepts(tmp_path: Path) -> 
                            "127.0.0.1:50051"], capture_output=True, text=True, timeout=60)
     cluster = json.loads(done.stdout)["static_resources"]["clusters"][0]
     assert cluster["type"] == "STATIC" and cluster["lb_policy"] == "ROUND_ROBIN"
+
+
+def test_the_largest_limits_and_an_ipv6_listener_are_ones_envoy_accepts(tmp_path: Path) -> None:
+    """The bounds gateway-config checks are Envoy's own: at them, Envoy takes the config."""
+    out = tmp_path / "front.json"
+    done = subprocess.run([sys.executable, "-m", "evergreen_trio.cli", "gateway-config", "--evergreen",
+                           "127.0.0.1:50051", "--listen-host", "::", "--max-concurrent-streams", "2147483647",
+                           "--max-connections", "4294967295", "-o", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    checked = subprocess.run([find_envoy(), "--mode", "validate", "-c", str(out)],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -55,6 +55,12 @@ def test_bad_arguments_name_what_is_wrong(tmp_path: Path) -> None:
     (["--evergreen", "bad_name:80"], "an IP address or a DNS name"),
     (["--evergreen", "127.0.0.1:1", "--tls-cert", "missing.pem", "--tls-key", "missing.key"], "--tls-cert"),
     (["--evergreen", "127.0.0.1:1", "--tls-key", "k.pem"], "both or neither"),
+    # Each was written out, then refused by Envoy: a name to listen on, a count past its field's range.
+    (["--evergreen", "127.0.0.1:1", "--listen-host", "nowhere"], "--listen-host: expected an IP address"),
+    (["--evergreen", "127.0.0.1:1", "--max-concurrent-streams", "2147483648"],
+     "max_concurrent_streams: expected 1..2147483647, got 2147483648"),
+    (["--evergreen", "127.0.0.1:1", "--max-connections", "4294967296"],
+     "max_connections: expected 1..4294967295, got 4294967296"),
 ])
 def test_gateway_config_refuses_bad_input_with_exit_2(args: list[str], expected: str) -> None:
     done = subprocess.run([sys.executable, "-m", "evergreen_trio.cli", "gateway-config", *args],

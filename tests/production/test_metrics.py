@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 from functools import partial
 
 import httpx
+import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
@@ -133,3 +135,23 @@ async def test_the_http_server_closes_slow_and_surplus_connections() -> None:
             async with httpx.AsyncClient(timeout=10) as client:  # then it serves again
                 assert (await client.get(f"http://127.0.0.1:{port}/")).text == "ok"
             nursery.cancel_scope.cancel()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback")
+async def test_an_ipv6_host_is_announced_in_brackets() -> None:
+    """``--host ::1`` announced ``::1:PORT`` and ``http://::1:PORT/metrics``, which no client or URL takes."""
+    with trio.fail_after(HANG_GUARD):
+        async with serve("--host", "::1", "--metrics-port", "0", lines=2) as server:
+            assert server.address.startswith("[::1]:"), server.lines
+            assert await _session(server.address, "ECHO", text("v6")) == "OK"
+            assert server.metrics_url.startswith("http://[::1]:"), server.lines
+            assert value(await scrape(server.metrics_url), "evergreen_sessions_started_total") == 1

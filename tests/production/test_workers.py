@@ -13,6 +13,7 @@ import trio
 from ops_helpers import held_echo, scrape, serve, wait_health
 
 from evergreen_trio import connect, text
+from evergreen_trio.serving.signals import STOP_DEADLINE_SECONDS
 from evergreen_trio.serving.workers import Backoff
 
 HANG_GUARD = 90
@@ -97,6 +98,48 @@ async def test_sigterm_lets_every_worker_drain_its_sessions() -> None:
                 release.set()
             assert await server.process.wait() == 0
     assert result == ["OK"] * 4
+
+
+async def test_ctrl_c_in_a_terminal_lets_every_worker_drain_its_sessions() -> None:
+    """Ctrl-C sends SIGINT to the whole foreground process group: the workers, sharing the
+    supervisor's, got it too, then the supervisor's SIGTERM, and took the second signal for "stop
+    now": every open session ended UNAVAILABLE at once instead of draining."""
+    result: list[str] = []
+    opened, release = trio.Semaphore(0), trio.Event()
+    with trio.fail_after(HANG_GUARD):
+        async with serve("--workers", "2", "--drain-grace", "30", lines=2, own_group=True) as server:
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):
+                    nursery.start_soon(held_echo, server.address, opened, release, result)
+                for _ in range(4):
+                    await opened.acquire()
+                os.killpg(server.process.pid, signal.SIGINT)
+                await trio.sleep(1)  # a cut drain ends the sessions, then the supervisor, within milliseconds
+                assert server.process.returncode is None
+                await wait_health(server.address, "NOT_SERVING")
+                release.set()
+            assert await server.process.wait() == 0
+    assert result == ["OK"] * 4
+
+
+async def test_a_second_sigterm_ends_a_drain_that_a_frozen_worker_holds() -> None:
+    """The second signal only re-sent SIGTERM, which a frozen worker never handles: the supervisor
+    waited out --drain-grace plus 15 s (45 s by default) before it killed it."""
+    with trio.fail_after(HANG_GUARD):
+        async with serve("--workers", "2", "--drain-grace", "60", "--worker-heartbeat-timeout", "600",
+                         lines=2) as server:
+            victim = server.worker_pids()[0]
+            os.kill(victim, signal.SIGSTOP)
+            try:
+                server.signal(signal.SIGTERM)
+                await trio.sleep(0.5)
+                server.signal(signal.SIGTERM)
+                with trio.fail_after(STOP_DEADLINE_SECONDS + 10):
+                    await server.process.wait()
+            finally:
+                if _alive(victim):
+                    os.kill(victim, signal.SIGKILL)
+    assert not _alive(victim)
 
 
 def test_a_taken_port_or_bad_arguments_fail_before_any_worker_starts() -> None:

@@ -126,6 +126,17 @@ def test_the_idle_timeout_is_two_minutes_by_default() -> None:
     assert Server().idle_timeout == IDLE_TIMEOUT_SECONDS
 
 
+async def test_sessions_per_connection_past_a_settings_value_are_refused_at_construction(
+    nursery_: trio.Nursery,
+) -> None:
+    """SETTINGS_MAX_CONCURRENT_STREAMS is 32 bits: 2**32 built a server whose first connection's
+    SETTINGS frame raised OverflowError and ended the whole server."""
+    with pytest.raises(ValueError, match=r"max_streams_per_connection must be at most 4294967295"):
+        Server(max_sessions_per_connection=2**32)
+    _, port = await start(nursery_, max_sessions_per_connection=2**32 - 1)
+    await legit_session_completes(port)
+
+
 async def test_refusing_a_connection_keeps_the_ones_already_served(nursery_: trio.Nursery) -> None:
     _, port = await start(nursery_, max_connections=1)
     async with connect(f"127.0.0.1:{port}") as session:  # holds one connection, mid-session

@@ -4,10 +4,13 @@ reported with a shrunk counterexample."""
 from __future__ import annotations
 
 import io
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import grpc
 import pytest
 import trio
 import trustme
@@ -52,6 +55,7 @@ def test_a_server_without_echo_fails_every_rule(evergreen_server_process: Server
     results = run_conformance(evergreen_server_process.address, examples=1, out=out, action=upper)
     assert results and not any(r.holds for r in results)
     assert "does not serve a one-leaf UPPER session" in out.getvalue() and "unknown action" in out.getvalue()
+    assert "after the abort" not in out.getvalue()  # the first session of all: nothing was aborted
 
 
 async def test_conformance_over_tls_with_a_token_as_a_user_types_it(tmp_path: Path) -> None:
@@ -105,3 +109,26 @@ async def test_a_broken_echo_fails_with_a_shrunk_counterexample() -> None:
     assert "shrunk counterexample:" in report and "Act(ECHO" in report
     # Shrunk to the smallest failing flattening: two different chunks.
     assert "flattens to 2 chunks" in report, report
+
+
+class _Garbage(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """Every method answers one message that is no SessionMessage."""
+
+    def service(self, details: object) -> object:
+        return grpc.stream_stream_rpc_method_handler(lambda requests, context: iter([b"\xff\xff\xff\xff"]))
+
+
+def test_a_server_answering_garbage_is_reported_without_a_traceback() -> None:
+    """grpcio logs a reply it cannot parse with its traceback, which landed on stderr beside the report."""
+    server = grpc.server(ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((_Garbage(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        done = subprocess.run([sys.executable, "-m", "evergreen_trio.cli", "conformance", f"127.0.0.1:{port}",
+                               "--examples", "1", "--timeout", "5"], capture_output=True, text=True, timeout=60)
+    finally:
+        server.stop(None)
+    assert done.returncode == 1
+    assert "INTERNAL" in done.stdout, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
