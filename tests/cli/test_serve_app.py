@@ -204,14 +204,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+async def _two_workers(tmp_path: Path, source: str, app: str) -> trio.Process:
+    """``serve --workers 2 --app APP`` started in ``tmp_path``, with ``source`` as APP's module."""
+    (tmp_path / f"{app.partition(':')[0]}.py").write_text(source)
+    command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", "--app", app, "--workers", "2"]
+    return await trio.lowlevel.open_process(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE)
+
+
 async def test_sigterm_while_a_worker_starts_stops_cleanly(tmp_path: Path) -> None:
     """SIGTERM to the supervisor while a worker started: its SIGTERM ended that worker before it was
     ready, which the supervisor took for a failed start: exit 1 and ``serve.failed``."""
-    (tmp_path / "workerapp.py").write_text(WORKER_APP)
-    command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", "--app", "workerapp:slow",
-               "--workers", "2"]
-    process = await trio.lowlevel.open_process(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
-                                               stderr=subprocess.PIPE)
+    process = await _two_workers(tmp_path, WORKER_APP, "workerapp:slow")
     try:
         with trio.fail_after(60):
             while not (markers := list(await trio.Path(tmp_path).glob("worker-*"))):  # noqa: ASYNC110
@@ -251,11 +255,7 @@ def make() -> Server:
 async def test_a_worker_that_prints_is_ready_only_once_it_listens(tmp_path: Path) -> None:
     """A line the app printed in a worker was taken for its ready line: the supervisor said it served
     while no worker listened yet, and a connection then was refused."""
-    (tmp_path / "chattyapp.py").write_text(CHATTY_APP)
-    command = [sys.executable, "-m", "evergreen_trio.cli", "serve", "--port", "0", "--app", "chattyapp:make",
-               "--workers", "2"]
-    process = await trio.lowlevel.open_process(command, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
-                                               stderr=subprocess.PIPE)
+    process = await _two_workers(tmp_path, CHATTY_APP, "chattyapp:make")
     try:
         assert process.stdout is not None and process.stderr is not None
         data = b""

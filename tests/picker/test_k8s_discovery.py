@@ -65,6 +65,14 @@ async def start(nursery: trio.Nursery, api: KubeApiServer, tmp_path: Path, ref: 
     return seen
 
 
+async def serving_one_pod(nursery: trio.Nursery, api: KubeApiServer, tmp_path: Path) -> Seen:
+    """``api`` serving the pool and its one pod ``m-0``, with discovery started against it."""
+    await nursery.start(api.serve)
+    api.put(POOLS_V1, pool_v1())
+    api.put(PODS, pod("m-0", "10.0.0.1"))
+    return await start(nursery, api, tmp_path)
+
+
 async def test_follows_scale_readiness_ip_and_pool_edits(nursery: trio.Nursery, api: KubeApiServer,
                                                          tmp_path: Path) -> None:
     api.put(POOLS_V1, pool_v1())
@@ -184,10 +192,7 @@ async def test_an_endless_watch_line_fails_the_round(nursery: trio.Nursery, tmp_
     # lightkube buffered the line until the idle timeout (90 s), ~150 MiB a second from a local server.
     monkeypatch.setattr(access_module, "MAX_EVENT_BYTES", 1 << 20)
     api = EndlessPodWatch()
-    await nursery.start(api.serve)
-    api.put(POOLS_V1, pool_v1())
-    api.put(PODS, pod("m-0", "10.0.0.1"))
-    seen = await start(nursery, api, tmp_path)
+    seen = await serving_one_pod(nursery, api, tmp_path)
     await eventually(lambda: "DecodingError: expected at most 1048576 bytes in a watch event" in caplog.text)
     await eventually(lambda: sum(1 for r in api.requests if "/pods" in r and "watch=true" not in r) >= 2)
     assert seen.sets == [["10.0.0.1:8000"]]  # kept, and re-listed after a backoff
@@ -212,10 +217,7 @@ async def test_list_bodies_are_bounded_and_uncompressed(nursery: trio.Nursery, t
     caplog.set_level(logging.DEBUG, "evergreen_trio.picker.k8s")  # the second failure in a row is at debug
     monkeypatch.setattr(access_module, "MAX_BODY_BYTES", 4096)
     api = GzipPodList()
-    await nursery.start(api.serve)
-    api.put(POOLS_V1, pool_v1())
-    api.put(PODS, pod("m-0", "10.0.0.1"))
-    seen = await start(nursery, api, tmp_path)
+    seen = await serving_one_pod(nursery, api, tmp_path)
     await eventually(lambda: "expected an uncompressed body, got Content-Encoding 'gzip'" in caplog.text)
     api.compress = False
     big = pod("m-1", "10.0.0.2")
@@ -240,10 +242,7 @@ async def test_a_list_that_never_ends_fails_the_round(nursery: trio.Nursery, tmp
                                                       caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(discovery_module, "LIST_TIMEOUT_S", 1.0)
     api = DribbledPodList()
-    await nursery.start(api.serve)
-    api.put(POOLS_V1, pool_v1())
-    api.put(PODS, pod("m-0", "10.0.0.1"))
-    seen = await start(nursery, api, tmp_path)
+    seen = await serving_one_pod(nursery, api, tmp_path)
     await eventually(lambda: "ReadTimeout: expected the list within 1.0s" in caplog.text)
     await eventually(lambda: sum(1 for r in api.requests if "/pods" in r) >= 2)  # retried
     assert seen.sets == []
@@ -254,10 +253,7 @@ async def test_a_garbage_answer_keeps_the_endpoints(nursery: trio.Nursery, tmp_p
                                                     answer: HttpResponse, caplog: pytest.LogCaptureFixture) -> None:
     # lightkube raises RecursionError reading deeply nested JSON: it ended discovery, and the picker.
     api = FaultyKubeApi()
-    await nursery.start(api.serve)
-    api.put(POOLS_V1, pool_v1())
-    api.put(PODS, pod("m-0", "10.0.0.1"))
-    seen = await start(nursery, api, tmp_path)
+    seen = await serving_one_pod(nursery, api, tmp_path)
     await eventually(lambda: seen.last == ["10.0.0.1:8000"])
     api.faults["/pods"] = answer
     api.stop()  # the watches end; the re-lists get the answer
