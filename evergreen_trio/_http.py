@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import ssl
-from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import h11
@@ -226,6 +226,14 @@ async def serve_http(
     async with trio.open_nursery() as nursery:
         task_status.started(bound)
         await trio.serve_listeners(connection, listeners, handler_nursery=nursery)
+
+
+def content_coding(headers: Mapping[str, str]) -> str | None:
+    """The content-coding a response declares, escaped and cut for an error message; None for none or
+    ``identity``. A client that asked for ``accept-encoding: identity`` reads the body raw, so a coded
+    one is refused, never inflated (10 kB of zstd can hold GBs)."""
+    coding = headers.get("content-encoding", "identity")
+    return None if coding.strip().lower() in ("", "identity") else peer_text(coding, 40)
 
 
 class HttpGetError(Exception):

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from evergreen_trio._extras import require_extra
-from evergreen_trio._logsafe import peer_text
+from evergreen_trio._http import content_coding
 
 require_extra("avp", __name__, ("httpx",))
 
@@ -64,10 +64,9 @@ class AVPHttpClient:
                 method, path, content=content, headers=self._headers(content_type or binding.JSON_CONTENT_TYPE)
             ) as response:
                 # Raw bytes, never inflated: 10 kB of zstd would be GBs before the cap below is checked.
-                encoding = response.headers.get("content-encoding", "identity")
-                if encoding.strip().lower() not in ("", "identity"):
-                    raise AVPTransportError(f"{path}: expected no content-encoding (identity), "
-                                            f"got '{peer_text(encoding, 40)}'", status_code=response.status_code)
+                if (coding := content_coding(response.headers)) is not None:
+                    raise AVPTransportError(f"{path}: expected no content-encoding (identity), got '{coding}'",
+                                            status_code=response.status_code)
                 body = bytearray()
                 async for data in response.aiter_raw():
                     body += data

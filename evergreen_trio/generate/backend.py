@@ -24,6 +24,7 @@ import trio
 from google.protobuf.any_pb2 import Any as AnyProto
 from google.protobuf.struct_pb2 import Struct
 
+from evergreen_trio._http import content_coding
 from evergreen_trio._logsafe import peer_text
 from evergreen_trio._proto.evergreen.v2.evergreen_pb2 import ChunkMetadata
 from evergreen_trio.generate.config import BackendSettings
@@ -172,12 +173,8 @@ class OpenAIBackend:
                 raise StreamFormatError(
                     f"{where}: expected content-type text/event-stream, got '{peer_text(content_type, MESSAGE_CHARS)}'"
                 )
-            # We sent accept-encoding: identity, and read raw bytes: 10 kB of zstd would inflate to GBs.
-            encoding = response.headers.get("content-encoding", "identity")
-            if encoding.strip().lower() not in ("", "identity"):
-                raise StreamFormatError(
-                    f"{where}: expected no content-encoding (identity), got '{peer_text(encoding, 40)}'"
-                )
+            if (coding := content_coding(response.headers)) is not None:
+                raise StreamFormatError(f"{where}: expected no content-encoding (identity), got '{coding}'")
             parser = StreamParser(settings, where=where)
             metadata: ChunkMetadata | None = response_metadata(served, settings.model)
             fragments = chars = 0
