@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import mmap
 import os
-import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.ipc
 
+from evergreen_trio._files import READ_WITHOUT_WAITING, not_regular
 from evergreen_trio.ipc.config import DEFAULT_LIMITS, IpcLimits
 from evergreen_trio.ipc.errors import FramingError, IpcError, LimitExceededError
 from evergreen_trio.ipc.flatbuf import MessageHeader, MessageKind, parse_message_header
@@ -78,11 +78,10 @@ def messages_from_file(path: str | os.PathLike[str]) -> list[OutgoingMessage]:
     Raises FramingError, naming ``path``, for anything but a non-empty regular file of Arrow IPC
     (a FIFO is refused, not waited on).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open waits for a writer
+    fd = os.open(path, READ_WITHOUT_WAITING)
     try:
         status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode):
-            kind = "a directory" if stat.S_ISDIR(status.st_mode) else "a special file"
+        if (kind := not_regular(status.st_mode)) is not None:
             raise FramingError(f"{os.fspath(path)}: expected a regular file holding Arrow IPC, got {kind}")
         if status.st_size == 0:
             raise FramingError(f"{os.fspath(path)}: expected an Arrow IPC file or stream, got an empty file")

@@ -14,12 +14,12 @@ import hashlib
 import hmac
 import logging
 import os
-import stat
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from evergreen_trio._files import READ_WITHOUT_WAITING, not_regular
 from evergreen_trio.dag import SessionError, StatusCode
 from evergreen_trio.errors import ConfigurationError
 
@@ -86,13 +86,10 @@ class TokenFile:
 
     def _load(self) -> tuple[tuple[int, int, int], list[bytes]]:
         """The file's stamp and token digests, read from one descriptor."""
-        # Non-blocking: open() on a FIFO waits for a writer, at startup and on the event loop.
-        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(self.path, READ_WITHOUT_WAITING)  # at startup, and on the event loop
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-                        else "a special file")
+            if (kind := not_regular(st.st_mode)) is not None:
                 raise ConfigurationError(f"{self.path}: expected a regular file of tokens, got {kind}")
             chunks, left = [], MAX_TOKEN_FILE_BYTES + 1  # one byte more tells a file that grew past the bound
             while left > 0 and (chunk := os.read(fd, left)):
