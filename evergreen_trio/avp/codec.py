@@ -553,7 +553,8 @@ def finish_payload(
     return payload
 
 
-def _byte_input(data: Any) -> memoryview:
+def byte_input(data: Any) -> memoryview:
+    """``data`` (bytes or any C-contiguous buffer) as a flat byte view; AVPLengthError for anything else."""
     if isinstance(data, _BYTES):
         return memoryview(data)
     try:
@@ -571,7 +572,7 @@ def decode(data: Any, *, limits: AVPLimits = DEFAULT_LIMITS, strict: bool = True
     ``strict=False`` accepts flags that disagree with the metadata, the reference's way: the
     compressed bit decides decompression, the metadata decides the payload type.
     """
-    view = memoryview(data) if type(data) is bytes else _byte_input(data)
+    view = memoryview(data) if type(data) is bytes else byte_input(data)
     size = len(view)
     if size < HEADER_SIZE:
         return _decode_general(view, limits, strict)

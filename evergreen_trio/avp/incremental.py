@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from evergreen_trio.avp.codec import _byte_input, finish_payload, parse_header, parse_metadata, tensor_size
+from evergreen_trio.avp.codec import byte_input, finish_payload, parse_header, parse_metadata, tensor_size
 from evergreen_trio.avp.errors import AVPLengthError, AVPTruncatedError
 from evergreen_trio.avp.message import DEFAULT_LIMITS, HEADER_SIZE, AVPHeader, AVPLimits, AVPMessage, AVPMetadata
 
@@ -50,7 +50,7 @@ class AVPDecoder:
         Raises an AVPError subclass for a bad header, metadata, length or checksum, and
         AVPLengthError for bytes past the message's end or a piece that is not a contiguous buffer.
         """
-        view = _byte_input(data)
+        view = byte_input(data)
         while view:
             if self._message is not None:
                 raise AVPLengthError(
