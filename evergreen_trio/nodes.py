@@ -34,7 +34,7 @@ class NodeRef:
     def __post_init__(self) -> None:
         """Raises ArgumentTypeError for an id that is not a str or that UTF-8 cannot encode."""
         if type(self.id) is not str or not self.id.isascii():  # the common case: no call
-            _check_names("NodeRef", (("id", self.id),))
+            check_names("NodeRef", (("id", self.id),))
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Leaf:
         if not (type(mimetype) is str and type(role) is str and mimetype.isascii() and role.isascii()
                 and node_id is None):
             names = (("mimetype", mimetype), ("role", role))
-            _check_names("leaf", names if node_id is None else (*names, ("id", node_id)))
+            check_names("leaf", names if node_id is None else (*names, ("id", node_id)))
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class RefURI:
     def __post_init__(self) -> None:
         """Raises ArgumentTypeError for a URI that is not a str or that UTF-8 cannot encode."""
         if type(self.uri) is not str or not self.uri.isascii():
-            _check_names("ref", (("uri", self.uri),))
+            check_names("ref", (("uri", self.uri),))
 
 
 @dataclass(frozen=True)
@@ -87,14 +87,14 @@ class Inner:
             raise ArgumentTypeError(f"inner: child {index} must be a node (text(), blob(), ref(), inner()) or a "
                                     f"NodeRef, got {describe_kind(child)}")
         if self.id is not None and (type(self.id) is not str or not self.id.isascii()):
-            _check_names("inner", (("id", self.id),))
+            check_names("inner", (("id", self.id),))
 
 
 NodeLike = Leaf | Inner | NodeRef
 _NODE_TYPES = (Leaf, Inner, NodeRef)
 
 
-def _check_names(owner: str, names: tuple[tuple[str, object], ...]) -> None:
+def check_names(owner: str, names: Iterable[tuple[str, object]]) -> None:
     """Raises ArgumentTypeError naming the first of ``names`` (argument, value) that is not a str or
     holds a lone surrogate (protobuf's str fields refuse those as they are sent, with a raw error)."""
     for argument, value in names:

@@ -53,7 +53,7 @@ from evergreen_trio.dag import (
 )
 from evergreen_trio.dag.graph import ATTACH_STEP
 from evergreen_trio.errors import ArgumentTypeError, describe_kind, leaf_exceptions
-from evergreen_trio.nodes import SERVER_ROLE, Inner, Leaf, NodeLike, NodeRef, RefURI
+from evergreen_trio.nodes import SERVER_ROLE, Inner, Leaf, NodeLike, NodeRef, RefURI, check_names
 from evergreen_trio.refs import ExternalRef, RefResolver
 from evergreen_trio.serving.metrics import SessionMetrics, abort_reason
 
@@ -527,7 +527,8 @@ class Session:
                             outputs=[NamedParameter(name=k, id=v) for k, v in named.items()])
             action.target_spec.id = target
         except UnicodeEncodeError:  # a lone surrogate: protobuf's error names no argument
-            raise ArgumentTypeError(_unencodable(name, target, named, [key for key, _ in resolved])) from None
+            check_names(f"run({name!r})", _run_names(name, target, named, [key for key, _ in resolved]))
+            raise ArgumentTypeError(f"run({name!r}): a name or node id cannot be encoded as UTF-8") from None
         except ArgumentTypeError:  # an input name's, raised above: it names its argument
             raise
         except TypeError:  # protobuf's own words name no argument; the rest were checked above
@@ -776,20 +777,13 @@ class UnknownNodeError(SessionError):
     code = StatusCode.NOT_FOUND
 
 
-def _unencodable(action: str, target: str, outputs: Mapping[str, str], inputs: list[str]) -> str:
-    """How ``run`` names the first of its names and ids that UTF-8 cannot encode (a lone surrogate).
-    Input nodes' own ids were checked as the nodes were built; one ``run`` chose has its input's name in it."""
+def _run_names(action: str, target: str, outputs: Mapping[str, str], inputs: list[str]) -> list[tuple[str, str]]:
+    """The names and ids ``run`` sends, as :func:`~evergreen_trio.nodes.check_names` takes them. Input
+    nodes' own ids were checked as the nodes were built; one ``run`` chose has its input's name in it."""
     fields = [("the action name", action), ("target", target)]
     for key, node_id in outputs.items():
         fields += [("output name", key), (f"output {key!r}'s node id", node_id)]
-    fields += [("input name", key) for key in inputs]
-    for what, value in fields:
-        try:
-            value.encode()
-        except UnicodeEncodeError as error:
-            return (f"run({action!r}): {what} {value!r:.80} cannot be sent: UTF-8 cannot encode "
-                    f"{value[error.start]!r} at {error.start}")
-    return f"run({action!r}): a name or node id cannot be encoded as UTF-8"
+    return fields + [("input name", key) for key in inputs]
 
 
 def _not_str(action: str, side: str, key: object, node_id: object) -> str:
