@@ -52,13 +52,19 @@ async def test_one_leader_and_takeover_within_the_lease_duration(nursery: trio.N
     assert lease is not None and lease["spec"]["holderIdentity"] == "b" and lease["spec"]["leaseTransitions"] == 1
 
 
-async def test_leader_steps_down_when_it_cannot_renew(nursery: trio.Nursery, tmp_path: Path) -> None:
-    api = KubeApiServer()
+async def elected(nursery: trio.Nursery, api: KubeApiServer, tmp_path: Path) -> list[bool]:
+    """``api`` serving, and candidate ``a`` elected through it; the leadership changes it saw."""
     await nursery.start(api.serve)
     access = ClusterAccess.load(str(write_kubeconfig(tmp_path, api.port)))
     changes: list[bool] = []
     nursery.start_soon(partial(lease_election, access, NAMESPACE, "epp-pool", "a", changes.append, **TIMING))
     await eventually(lambda: changes[-1:] == [True])
+    return changes
+
+
+async def test_leader_steps_down_when_it_cannot_renew(nursery: trio.Nursery, tmp_path: Path) -> None:
+    api = KubeApiServer()
+    changes = await elected(nursery, api, tmp_path)
     api.stop()
     await eventually(lambda: changes[-1:] == [False])
     await api.start()
@@ -71,11 +77,7 @@ async def test_a_garbage_answer_is_a_failed_attempt(nursery: trio.Nursery, tmp_p
                                                     answer: HttpResponse) -> None:
     # lightkube raises KeyError and RecursionError reading these: they ended the election, and the picker.
     api = FaultyKubeApi()
-    await nursery.start(api.serve)
-    access = ClusterAccess.load(str(write_kubeconfig(tmp_path, api.port)))
-    changes: list[bool] = []
-    nursery.start_soon(partial(lease_election, access, NAMESPACE, "epp-pool", "a", changes.append, **TIMING))
-    await eventually(lambda: changes[-1:] == [True])
+    changes = await elected(nursery, api, tmp_path)
     api.faults["/leases/"] = answer
     await eventually(lambda: changes[-1:] == [False] and api.faulted >= 3)  # answered, and retried
     del api.faults["/leases/"]
